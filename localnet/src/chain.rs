@@ -59,6 +59,8 @@ pub enum TxStatus {
 struct PoolTx {
     bytes: Vec<u8>,
     hash: H256,
+    /// First block the transaction may no longer enter (end of its mortality period).
+    valid_till: u64,
     xt: SignedExtrinsic,
     watcher: Option<mpsc::UnboundedSender<TxStatus>>,
 }
@@ -193,6 +195,7 @@ impl Chain {
         if xt.extra.nonce < nonce {
             return Err(InvalidTransaction::Stale.into());
         }
+        runtime::subtensor::pool_checks(self.best_state(), next_block, &xt.signer, &xt.call)?;
         let pending_from_signer = self
             .pool
             .iter()
@@ -206,9 +209,11 @@ impl Chain {
         if let Some(w) = &watcher {
             let _ = w.send(status);
         }
+        let valid_till = xt.extra.era.death(next_block);
         self.pool.push(PoolTx {
             bytes,
             hash,
+            valid_till,
             xt,
             watcher,
         });
@@ -216,6 +221,26 @@ impl Chain {
             self.produce_block();
         }
         Ok(hash)
+    }
+
+    /// What `TaggedTransactionQueue_validate_transaction` answers: the checks of [`Chain::submit`]
+    /// without queueing.
+    pub fn validate(&self, bytes: &[u8]) -> Result<(), InvalidTransaction> {
+        let xt = extrinsic::decode(bytes)?;
+        let (genesis_hash, next_block) = self.context();
+        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
+        let ctx = ChainContext {
+            genesis_hash,
+            spec_version: runtime::SPEC_VERSION,
+            transaction_version: runtime::TRANSACTION_VERSION,
+            next_block,
+            block_hash: &lookup,
+        };
+        xt.verify(&ctx)?;
+        if xt.extra.nonce < runtime::account_nonce(self.best_state(), &xt.signer) {
+            return Err(InvalidTransaction::Stale);
+        }
+        runtime::subtensor::pool_checks(self.best_state(), next_block, &xt.signer, &xt.call)
     }
 
     /// Signs `call` with `pair` at the next free nonce and submits it: for in-process tools,
@@ -254,7 +279,7 @@ impl Chain {
                 let expected = *nonces
                     .entry(tx.xt.signer.clone())
                     .or_insert_with(|| runtime::account_nonce(state, &tx.xt.signer));
-                let expired = next_block >= tx.xt.extra.era.death(next_block);
+                let expired = next_block >= tx.valid_till;
                 if tx.xt.extra.nonce < expected || expired {
                     let tx = self.pool.remove(i);
                     if let Some(w) = tx.watcher {

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::chain::{Chain, SubmitError, TxStatus};
 use crate::metadata::metadata_bytes;
+use crate::runtime::extrinsic::InvalidTransaction;
 use crate::runtime::types::{AccountId32, H256, Header};
 use crate::runtime::{self, runtime_version};
 
@@ -20,6 +21,8 @@ pub type SharedChain = Arc<Mutex<Chain>>;
 const INVALID_PARAMS: i32 = -32602;
 /// Substrate's "client error" code for state queries it cannot answer.
 const CLIENT_ERROR: i32 = 4003;
+/// Substrate's "verification error": the transaction could not even be decoded.
+const VERIFICATION_ERROR: i32 = 1002;
 const POOL_INVALID_TX: i32 = 1010;
 const POOL_ALREADY_IMPORTED: i32 = 1013;
 
@@ -33,6 +36,11 @@ fn client_error(msg: impl Into<String>) -> ErrorObjectOwned {
 
 fn submit_error(err: SubmitError) -> ErrorObjectOwned {
     match err {
+        SubmitError::Invalid(InvalidTransaction::Undecodable) => ErrorObject::owned(
+            VERIFICATION_ERROR,
+            "Verification Error: Runtime error: Could not decode the extrinsic",
+            None::<()>,
+        ),
         SubmitError::Invalid(invalid) => ErrorObject::owned(
             POOL_INVALID_TX,
             "Invalid Transaction",
@@ -170,9 +178,51 @@ fn runtime_call(
                 AccountId32::decode(input).map_err(|e| invalid_params(format!("account: {e}")))?;
             Ok(runtime::account_nonce(state, &who).encode())
         }
+        "TaggedTransactionQueue_validate_transaction" => {
+            let _source = u8::decode(input).map_err(|e| invalid_params(format!("source: {e}")))?;
+            let tx = Vec::<u8>::decode(input)
+                .map_err(|e| invalid_params(format!("transaction: {e}")))?;
+            let mut framed = parity_scale_codec::Compact(tx.len() as u32).encode();
+            framed.extend_from_slice(&tx);
+            Ok(transaction_validity(chain.validate(&framed)))
+        }
         other => Err(client_error(format!(
             "Execution failed: Exported method {other} is not found"
         ))),
+    }
+}
+
+/// SCALE `TransactionValidity`: `Result<ValidTransaction, TransactionValidityError>`.
+fn transaction_validity(result: Result<(), InvalidTransaction>) -> Vec<u8> {
+    match result {
+        Ok(()) => {
+            // priority, requires, provides, longevity, propagate
+            let valid = (
+                0u64,
+                Vec::<Vec<u8>>::new(),
+                Vec::<Vec<u8>>::new(),
+                u64::MAX,
+                true,
+            );
+            let mut out = vec![0u8];
+            valid.encode_to(&mut out);
+            out
+        }
+        Err(invalid) => {
+            // Err, TransactionValidityError::Invalid, then the InvalidTransaction variant.
+            let mut out = vec![1u8, 0];
+            match invalid {
+                InvalidTransaction::Call | InvalidTransaction::Undecodable => out.push(0),
+                InvalidTransaction::Payment => out.push(1),
+                InvalidTransaction::Future => out.push(2),
+                InvalidTransaction::Stale => out.push(3),
+                InvalidTransaction::BadProof => out.push(4),
+                InvalidTransaction::AncientBirthBlock => out.push(5),
+                InvalidTransaction::ExhaustsResources => out.push(6),
+                InvalidTransaction::Custom(code) => out.extend([7, code]),
+            }
+            out
+        }
     }
 }
 

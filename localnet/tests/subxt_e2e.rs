@@ -44,7 +44,7 @@ async fn submit(
         .transactions()
         .sign_and_submit_then_watch_default(&payload, signer)
         .await
-        .map_err(|e| format!("submit: {e}"))?;
+        .map_err(|e| format!("submit: {e:?}"))?;
     let result = tokio::time::timeout(
         Duration::from_secs(20),
         progress.wait_for_finalized_success(),
@@ -432,7 +432,15 @@ async fn bad_signature_and_stale_nonce_are_rejected_at_submission() {
     let garbage = raw_submit(&net, &[0x10, 0x84, 1, 2, 3])
         .await
         .expect_err("garbage refused");
-    assert!(garbage.to_string().contains("1010"), "{garbage}");
+    assert!(garbage.to_string().contains("1002"), "{garbage}");
+
+    // subxt's own pre-flight check goes through the runtime API and agrees.
+    let fresh = at
+        .transactions()
+        .create_signed(&payload, &dev::bob(), Default::default())
+        .await
+        .expect("sign");
+    assert!(fresh.validate().await.expect("validate").is_valid());
     net.stop().await;
 }
 
@@ -514,5 +522,90 @@ async fn full_subnet_prunes_the_lowest_non_immune_uid() {
         .decode()
         .expect("decode");
     assert_eq!(uid, 1, "the lowest-scoring non-owner uid is replaced");
+    net.stop().await;
+}
+
+#[tokio::test]
+async fn subtensor_pool_checks_answer_with_custom_codes() {
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("spawn");
+    let client = connect(&net).await;
+    submit(
+        &client,
+        "SubtensorModule",
+        "register_network",
+        vec![acc(&account(&key(1)))],
+        &dev::alice(),
+    )
+    .await
+    .expect("register_network");
+    // An unregistered hotkey cannot serve an axon: refused before it reaches a block.
+    let axon = |port: u128| {
+        vec![
+            Value::u128(1),
+            Value::u128(1),
+            Value::u128(u32::from_be_bytes([10, 0, 0, 1]) as u128),
+            Value::u128(port),
+            Value::u128(4),
+            Value::u128(4),
+            Value::u128(0),
+            Value::u128(0),
+        ]
+    };
+    let err = submit(
+        &client,
+        "SubtensorModule",
+        "serve_axon",
+        axon(8091),
+        &key(50),
+    )
+    .await
+    .expect_err("refused");
+    assert!(err.contains("Custom error: 10"), "{err}");
+    // The owner hotkey (uid 0) can; a second serve inside ServingRateLimit is refused with code 12.
+    submit(
+        &client,
+        "SubtensorModule",
+        "serve_axon",
+        axon(8091),
+        &key(1),
+    )
+    .await
+    .expect("serve");
+    let err = submit(
+        &client,
+        "SubtensorModule",
+        "serve_axon",
+        axon(8092),
+        &key(1),
+    )
+    .await
+    .expect_err("rate limited");
+    assert!(err.contains("Custom error: 12"), "{err}");
+    net.stop().await;
+}
+
+#[tokio::test]
+async fn http_json_rpc_is_served_on_the_same_port() {
+    use jsonrpsee::core::client::ClientT;
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("spawn");
+    let http = jsonrpsee::http_client::HttpClientBuilder::default()
+        .build(net.http_url())
+        .expect("http client");
+    let props: serde_json::Value = http
+        .request("system_properties", jsonrpsee::rpc_params![])
+        .await
+        .expect("rpc");
+    assert_eq!(props["ss58Format"], 42);
+    assert_eq!(props["tokenSymbol"], "TAO");
+    assert_eq!(props["tokenDecimals"], 9);
+    let chain: String = http
+        .request("system_chain", jsonrpsee::rpc_params![])
+        .await
+        .expect("rpc");
+    assert_eq!(chain, "IOTA Localnet");
     net.stop().await;
 }

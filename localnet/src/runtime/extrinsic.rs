@@ -108,7 +108,6 @@ pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
         return Err(InvalidTransaction::Call);
     }
     let address = MultiAddress::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
-    let signer = address.account().ok_or(InvalidTransaction::BadProof)?;
     let signature = MultiSignature::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let extra = Extra::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let call_bytes = input.to_vec();
@@ -116,6 +115,7 @@ pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
     if call.encoded_size() != call_bytes.len() {
         return Err(InvalidTransaction::Undecodable);
     }
+    let signer = address.account().ok_or(InvalidTransaction::BadProof)?;
     Ok(SignedExtrinsic {
         signer,
         signature,
@@ -132,10 +132,9 @@ impl SignedExtrinsic {
             // CheckNonZeroSender
             return Err(InvalidTransaction::BadProof);
         }
+        // An old transaction's era maps to a later birth block than it was signed at, so its
+        // checkpoint hash (and with it the signature) no longer matches: mortality needs no more.
         let birth = self.extra.era.birth(ctx.next_block);
-        if ctx.next_block >= self.extra.era.death(ctx.next_block) {
-            return Err(InvalidTransaction::Stale);
-        }
         let checkpoint = match self.extra.era {
             Era::Immortal => ctx.genesis_hash,
             Era::Mortal { .. } => {
@@ -180,9 +179,28 @@ impl SignedExtrinsic {
     }
 }
 
-/// Builds and signs an extrinsic. Used by the localnet's own tools and tests; real clients use subxt.
+/// Builds and signs an immortal extrinsic with an sr25519 key. Used by the localnet's own tools,
+/// benchmarks and tests; real clients use subxt.
 pub fn sign(
     pair: &sr25519::Pair,
+    call: &RuntimeCall,
+    nonce: Nonce,
+    ctx: &ChainContext<'_>,
+) -> Vec<u8> {
+    let signer = AccountId32::new(pair.public().0);
+    sign_with(
+        signer,
+        |msg| MultiSignature::Sr25519(pair.sign(msg).0),
+        call,
+        nonce,
+        ctx,
+    )
+}
+
+/// Builds an immortal extrinsic whose signature `sign` makes over the signed payload.
+pub fn sign_with(
+    signer: AccountId32,
+    sign: impl Fn(&[u8]) -> MultiSignature,
     call: &RuntimeCall,
     nonce: Nonce,
     ctx: &ChainContext<'_>,
@@ -202,13 +220,13 @@ pub fn sign(
     ctx.genesis_hash.encode_to(&mut payload);
     Option::<[u8; 32]>::None.encode_to(&mut payload);
     let signature = if payload.len() > 256 {
-        pair.sign(&sp_crypto_hashing::blake2_256(&payload))
+        sign(&sp_crypto_hashing::blake2_256(&payload))
     } else {
-        pair.sign(&payload)
+        sign(&payload)
     };
     let mut body = vec![SIGNED_V4];
-    MultiAddress::Id(AccountId32::new(pair.public().0)).encode_to(&mut body);
-    MultiSignature::Sr25519(signature.0).encode_to(&mut body);
+    MultiAddress::Id(signer).encode_to(&mut body);
+    signature.encode_to(&mut body);
     extra.encode_to(&mut body);
     body.extend_from_slice(&call_bytes);
     let mut out = Compact(body.len() as u32).encode();
@@ -253,5 +271,88 @@ pub mod extension_types {
     pub enum Mode {
         Disabled,
         Enabled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::call::SystemCall;
+
+    fn ctx(next_block: u64) -> (H256, u64) {
+        (H256::repeat_byte(7), next_block)
+    }
+
+    fn check(bytes: &[u8], next_block: u64) -> Result<(), InvalidTransaction> {
+        let (genesis_hash, next_block) = ctx(next_block);
+        let lookup = |n: u64| (n <= next_block).then(|| H256::repeat_byte(n as u8));
+        let ctx = ChainContext {
+            genesis_hash,
+            spec_version: 393,
+            transaction_version: 1,
+            next_block,
+            block_hash: &lookup,
+        };
+        decode(bytes)?.verify(&ctx)
+    }
+
+    fn remark() -> RuntimeCall {
+        RuntimeCall::System(SystemCall::remark {
+            remark: vec![1, 2, 3],
+        })
+    }
+
+    #[test]
+    fn ed25519_and_sr25519_signatures_verify_and_forgeries_do_not() {
+        let lookup = |_: u64| None;
+        let c = ChainContext {
+            genesis_hash: H256::repeat_byte(7),
+            spec_version: 393,
+            transaction_version: 1,
+            next_block: 5,
+            block_hash: &lookup,
+        };
+        let ed = ed25519::Pair::from_seed(&[3; 32]);
+        let ed_signed = sign_with(
+            AccountId32::new(ed.public().0),
+            |m| MultiSignature::Ed25519(ed.sign(m).0),
+            &remark(),
+            0,
+            &c,
+        );
+        assert_eq!(check(&ed_signed, 5), Ok(()));
+        let sr = sr25519::Pair::from_seed(&[4; 32]);
+        let sr_signed = sign(&sr, &remark(), 0, &c);
+        assert_eq!(check(&sr_signed, 5), Ok(()));
+
+        // A signature over another spec version (a transaction built for another runtime) fails.
+        let other = ChainContext {
+            spec_version: 392,
+            ..c
+        };
+        assert_eq!(
+            check(&sign(&sr, &remark(), 0, &other), 5),
+            Err(InvalidTransaction::BadProof)
+        );
+        let mut tampered = sr_signed.clone();
+        let last = tampered.len() - 1;
+        tampered[last] ^= 1;
+        assert!(check(&tampered, 5).is_err());
+        assert_eq!(
+            check(&sr_signed[..sr_signed.len() - 1], 5),
+            Err(InvalidTransaction::Undecodable)
+        );
+    }
+
+    #[test]
+    fn mortal_transactions_expire() {
+        let era = Era::Mortal {
+            period: 8,
+            phase: 3,
+        };
+        assert_eq!(era.birth(5), 3);
+        assert_eq!(era.death(5), 11);
+        // Born at block 3, valid until 10: at block 11 the era has moved on to the next period.
+        assert!(era.birth(11) > 3);
     }
 }

@@ -18,6 +18,7 @@ use super::balances;
 use super::call::SubtensorCall;
 use super::error::SubtensorError as E;
 use super::event::{DispatchError, Pays, RuntimeEvent, SubtensorEvent};
+use super::extrinsic::InvalidTransaction;
 use super::storage::subtensor::*;
 use super::types::{AccountId32, AxonInfo, FixedU128, H256};
 use super::{DispatchResult, Exec, Origin, SUBTENSOR_INDEX, TAO, module_error};
@@ -78,6 +79,71 @@ pub fn epoch_index(state: &State, netuid: u16, block: u64) -> u64 {
 fn is_epoch_block(state: &State, netuid: u16, block: u64) -> bool {
     let tempo = Tempo::get(state, &netuid) as u64;
     tempo != 0 && (block + netuid as u64 + 1).is_multiple_of(tempo + 1)
+}
+
+/// Checks subtensor's transaction extension makes before a transaction enters the pool; a
+/// failure is an invalid transaction with subtensor's custom code, refused at submission.
+pub fn pool_checks(
+    state: &State,
+    next_block: u64,
+    signer: &AccountId32,
+    call: &super::call::RuntimeCall,
+) -> Result<(), InvalidTransaction> {
+    // Custom codes of subtensor's `CustomTransactionError`.
+    const STAKE_AMOUNT_TOO_LOW: u8 = 1;
+    const HOTKEY_NOT_REGISTERED_IN_NETWORK: u8 = 10;
+    const INVALID_IP_ADDRESS: u8 = 11;
+    const SERVING_RATE_LIMIT_EXCEEDED: u8 = 12;
+    const INVALID_PORT: u8 = 13;
+    let super::call::RuntimeCall::SubtensorModule(call) = call else {
+        return Ok(());
+    };
+    match call {
+        SubtensorCall::set_weights { netuid, .. }
+        | SubtensorCall::commit_weights { netuid, .. }
+        | SubtensorCall::reveal_weights { netuid, .. }
+            if TotalHotkeyAlpha::get(state, signer, netuid) < StakeThreshold::get(state) =>
+        {
+            return Err(InvalidTransaction::Custom(STAKE_AMOUNT_TOO_LOW));
+        }
+        SubtensorCall::serve_axon {
+            netuid,
+            ip,
+            port,
+            ip_type,
+            ..
+        } => {
+            if !Uids::contains(state, netuid, signer) {
+                return Err(InvalidTransaction::Custom(HOTKEY_NOT_REGISTERED_IN_NETWORK));
+            }
+            if !valid_ip(*ip_type, *ip) {
+                return Err(InvalidTransaction::Custom(INVALID_IP_ADDRESS));
+            }
+            if *port == 0 {
+                return Err(InvalidTransaction::Custom(INVALID_PORT));
+            }
+            if serving_rate_limited(state, *netuid, signer, next_block) {
+                return Err(InvalidTransaction::Custom(SERVING_RATE_LIMIT_EXCEEDED));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn valid_ip(ip_type: u8, ip: u128) -> bool {
+    match ip_type {
+        4 => ip != 0 && ip <= u32::MAX as u128,
+        6 => ip != 0,
+        _ => false,
+    }
+}
+
+fn serving_rate_limited(state: &State, netuid: u16, hotkey: &AccountId32, block: u64) -> bool {
+    Axons::get(state, &netuid, hotkey).is_some_and(|previous| {
+        previous.block != 0
+            && block.saturating_sub(previous.block) < ServingRateLimit::get(state, &netuid)
+    })
 }
 
 pub fn dispatch(exec: &mut Exec<'_>, origin: &Origin, call: &SubtensorCall) -> DispatchResult {
@@ -383,20 +449,17 @@ fn serve_axon(
     if !Uids::contains(exec.state, &netuid, hotkey) {
         return Err(E::HotKeyNotRegisteredInNetwork.into());
     }
-    match axon.ip_type {
-        4 if axon.ip == 0 || axon.ip > u32::MAX as u128 => return Err(E::InvalidIpAddress.into()),
-        6 if axon.ip == 0 => return Err(E::InvalidIpAddress.into()),
-        4 | 6 => {}
-        _ => return Err(E::InvalidIpType.into()),
+    if axon.ip_type != 4 && axon.ip_type != 6 {
+        return Err(E::InvalidIpType.into());
+    }
+    if !valid_ip(axon.ip_type, axon.ip) {
+        return Err(E::InvalidIpAddress.into());
     }
     if axon.port == 0 {
         return Err(E::InvalidPort.into());
     }
-    if let Some(previous) = Axons::get(exec.state, &netuid, hotkey) {
-        let limit = ServingRateLimit::get(exec.state, &netuid);
-        if previous.block != 0 && exec.block.saturating_sub(previous.block) < limit {
-            return Err(E::ServingRateLimitExceeded.into());
-        }
+    if serving_rate_limited(exec.state, netuid, hotkey, exec.block) {
+        return Err(E::ServingRateLimitExceeded.into());
     }
     Axons::insert(exec.state, &netuid, hotkey, &axon);
     exec.deposit(RuntimeEvent::SubtensorModule(SubtensorEvent::AxonServed(
