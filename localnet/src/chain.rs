@@ -166,8 +166,42 @@ impl Chain {
         self.heads.subscribe()
     }
 
-    fn context(&self) -> (H256, u64) {
-        (self.genesis_hash(), self.best().header.number as u64 + 1)
+    fn next_block(&self) -> u64 {
+        self.best().header.number as u64 + 1
+    }
+
+    fn tx_context<'a>(&self, block_hash: &'a dyn Fn(u64) -> Option<H256>) -> ChainContext<'a> {
+        ChainContext {
+            genesis_hash: self.genesis_hash(),
+            spec_version: runtime::SPEC_VERSION,
+            transaction_version: runtime::TRANSACTION_VERSION,
+            next_block: self.next_block(),
+            block_hash,
+        }
+    }
+
+    /// The checks a transaction passes before it enters the pool: decoding, signature over the
+    /// chain's context, not-yet-used nonce, and subtensor's own pool checks.
+    fn check(&self, bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
+        let xt = extrinsic::decode(bytes)?;
+        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
+        xt.verify(&self.tx_context(&lookup))?;
+        if xt.extra.nonce < runtime::account_nonce(self.best_state(), &xt.signer) {
+            return Err(InvalidTransaction::Stale);
+        }
+        runtime::subtensor::pool_checks(
+            self.best_state(),
+            self.next_block(),
+            &xt.signer,
+            &xt.call,
+        )?;
+        Ok(xt)
+    }
+
+    /// What `TaggedTransactionQueue_validate_transaction` answers: [`Chain::submit`]'s checks
+    /// without queueing.
+    pub fn validate(&self, bytes: &[u8]) -> Result<(), InvalidTransaction> {
+        self.check(bytes).map(|_| ())
     }
 
     /// Checks a transaction against the best block and queues it.
@@ -180,22 +214,8 @@ impl Chain {
         if self.pool.iter().any(|tx| tx.hash == hash) {
             return Err(SubmitError::AlreadyImported);
         }
-        let xt = extrinsic::decode(&bytes)?;
-        let (genesis_hash, next_block) = self.context();
-        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
-        let ctx = ChainContext {
-            genesis_hash,
-            spec_version: runtime::SPEC_VERSION,
-            transaction_version: runtime::TRANSACTION_VERSION,
-            next_block,
-            block_hash: &lookup,
-        };
-        xt.verify(&ctx)?;
+        let xt = self.check(&bytes)?;
         let nonce = runtime::account_nonce(self.best_state(), &xt.signer);
-        if xt.extra.nonce < nonce {
-            return Err(InvalidTransaction::Stale.into());
-        }
-        runtime::subtensor::pool_checks(self.best_state(), next_block, &xt.signer, &xt.call)?;
         let pending_from_signer = self
             .pool
             .iter()
@@ -209,7 +229,7 @@ impl Chain {
         if let Some(w) = &watcher {
             let _ = w.send(status);
         }
-        let valid_till = xt.extra.era.death(next_block);
+        let valid_till = xt.extra.era.death(self.next_block());
         self.pool.push(PoolTx {
             bytes,
             hash,
@@ -223,26 +243,6 @@ impl Chain {
         Ok(hash)
     }
 
-    /// What `TaggedTransactionQueue_validate_transaction` answers: the checks of [`Chain::submit`]
-    /// without queueing.
-    pub fn validate(&self, bytes: &[u8]) -> Result<(), InvalidTransaction> {
-        let xt = extrinsic::decode(bytes)?;
-        let (genesis_hash, next_block) = self.context();
-        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
-        let ctx = ChainContext {
-            genesis_hash,
-            spec_version: runtime::SPEC_VERSION,
-            transaction_version: runtime::TRANSACTION_VERSION,
-            next_block,
-            block_hash: &lookup,
-        };
-        xt.verify(&ctx)?;
-        if xt.extra.nonce < runtime::account_nonce(self.best_state(), &xt.signer) {
-            return Err(InvalidTransaction::Stale);
-        }
-        runtime::subtensor::pool_checks(self.best_state(), next_block, &xt.signer, &xt.call)
-    }
-
     /// Signs `call` with `pair` at the next free nonce and submits it: for in-process tools,
     /// seeding and benchmarks (clients go through RPC).
     pub fn sign_and_submit(
@@ -254,16 +254,8 @@ impl Chain {
         let signer = AccountId32::new(pair.public().0);
         let pending = self.pool.iter().filter(|tx| tx.xt.signer == signer).count() as u32;
         let nonce = runtime::account_nonce(self.best_state(), &signer) + pending;
-        let (genesis_hash, next_block) = self.context();
-        let lookup = |_: u64| None;
-        let ctx = ChainContext {
-            genesis_hash,
-            spec_version: runtime::SPEC_VERSION,
-            transaction_version: runtime::TRANSACTION_VERSION,
-            next_block,
-            block_hash: &lookup,
-        };
-        let bytes = extrinsic::sign(pair, call, nonce, &ctx);
+        let no_lookup = |_: u64| None;
+        let bytes = extrinsic::sign(pair, call, nonce, &self.tx_context(&no_lookup));
         self.submit(bytes, None)
     }
 

@@ -289,28 +289,23 @@ fn start_call(exec: &mut Exec<'_>, coldkey: &AccountId32, netuid: u16) -> Dispat
     Ok(Pays::Yes)
 }
 
+/// Applies `f` to every per-uid `Vec<u16>` the epoch writes.
+fn for_each_u16_vector(state: &mut State, netuid: u16, f: impl Fn(&mut Vec<u16>)) {
+    Rank::mutate(state, &netuid, &f);
+    Trust::mutate(state, &netuid, &f);
+    Consensus::mutate(state, &netuid, &f);
+    Incentive::mutate(state, &netuid, &f);
+    Dividends::mutate(state, &netuid, &f);
+    ValidatorTrust::mutate(state, &netuid, &f);
+    PruningScores::mutate(state, &netuid, &f);
+    StakeWeight::mutate(state, &netuid, &f);
+}
+
 /// Appends a neuron at uid `SubnetworkN`, growing every per-uid vector.
 fn append_neuron(state: &mut State, netuid: u16, hotkey: &AccountId32, block: u64) -> u16 {
     let uid = SubnetworkN::get(state, &netuid);
     SubnetworkN::insert(state, &netuid, &(uid + 1));
-    for vec_item in [
-        Rank::key,
-        Trust::key,
-        Consensus::key,
-        Incentive::key,
-        Dividends::key,
-        ValidatorTrust::key,
-        PruningScores::key,
-        StakeWeight::key,
-    ] {
-        let key = vec_item(&netuid);
-        let mut v: Vec<u16> = state
-            .get(&key)
-            .and_then(|b| parity_scale_codec::Decode::decode(&mut &b[..]).ok())
-            .unwrap_or_default();
-        v.resize(uid as usize + 1, 0);
-        state.put(key, v.encode());
-    }
+    for_each_u16_vector(state, netuid, |v| v.resize(uid as usize + 1, 0));
     Emission::mutate(state, &netuid, |v| v.resize(uid as usize + 1, 0));
     Active::mutate(state, &netuid, |v| v.resize(uid as usize + 1, true));
     ValidatorPermit::mutate(state, &netuid, |v| v.resize(uid as usize + 1, false));
@@ -336,25 +331,11 @@ fn replace_neuron(state: &mut State, netuid: u16, uid: u16, hotkey: &AccountId32
     Weights::remove(state, &netuid, &uid);
     Bonds::remove(state, &netuid, &uid);
     let i = uid as usize;
-    for vec_item in [
-        Rank::key,
-        Trust::key,
-        Consensus::key,
-        Incentive::key,
-        Dividends::key,
-        ValidatorTrust::key,
-        PruningScores::key,
-    ] {
-        let key = vec_item(&netuid);
-        let mut v: Vec<u16> = state
-            .get(&key)
-            .and_then(|b| parity_scale_codec::Decode::decode(&mut &b[..]).ok())
-            .unwrap_or_default();
+    for_each_u16_vector(state, netuid, |v| {
         if let Some(x) = v.get_mut(i) {
             *x = 0;
         }
-        state.put(key, v.encode());
-    }
+    });
     Emission::mutate(state, &netuid, |v| {
         if let Some(x) = v.get_mut(i) {
             *x = 0
