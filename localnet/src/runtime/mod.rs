@@ -39,11 +39,7 @@ pub const ADMIN_UTILS_INDEX: u8 = 19;
 
 /// Runtime API identifiers: blake2-64 of the trait name, with the versions finney advertises.
 pub fn runtime_version() -> RuntimeVersion {
-    let api = |name: &str, version: u32| {
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&sp_crypto_hashing::blake2_256(name.as_bytes())[..8]);
-        (id, version)
-    };
+    let api = |name: &str, version: u32| (sp_crypto_hashing::blake2_64(name.as_bytes()), version);
     RuntimeVersion {
         spec_name: Cow(SPEC_NAME.into()),
         impl_name: Cow(IMPL_NAME.into()),
@@ -229,4 +225,15 @@ pub fn account(state: &State, who: &AccountId32) -> AccountInfo {
 pub fn store_events(state: &mut State, events: &[EventRecord]) {
     system_storage::Events::insert(state, &events.to_vec());
     system_storage::EventCount::insert(state, &(events.len() as u32));
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn runtime_api_ids_are_substrates() {
+        // Known identifiers of `Core` and `Metadata` on every Substrate chain.
+        let apis = super::runtime_version().apis.0;
+        assert_eq!(hex::encode(apis[0].0), "df6acb689907609b");
+        assert_eq!(hex::encode(apis[1].0), "37e397fc7c91f5e4");
+    }
 }
