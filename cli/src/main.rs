@@ -13,6 +13,13 @@ struct Cli {
 enum Command {
     /// A subtensor-compatible local chain.
     Localnet(iota_localnet::cli::LocalnetArgs),
+    /// btcli-compatible wallets: create, restore, list, show.
+    Wallet {
+        #[command(subcommand)]
+        command: iota_chain::wallet::cli::WalletCommand,
+    },
+    /// Chain operations: metagraph, register, serve-axon, stake, transfer, set-weights, …
+    Chain(iota_chain::cli::ChainArgs),
 }
 
 #[tokio::main]
@@ -26,6 +33,10 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Localnet(args) => iota_localnet::cli::run(args).await?,
+        Command::Wallet { command } => {
+            iota_chain::wallet::cli::run(&command, &mut std::io::stdout())?;
+        }
+        Command::Chain(args) => iota_chain::cli::run(&args, &mut std::io::stdout()).await?,
     }
     Ok(())
 }
