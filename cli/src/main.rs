@@ -20,6 +20,27 @@ enum Command {
     },
     /// Chain operations: metagraph, register, serve-axon, stake, transfer, set-weights, …
     Chain(iota_chain::cli::ChainArgs),
+    /// Training-core tools.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ModelCommand {
+    /// Train a byte-level BPE tokenizer on local `.txt`/`.jsonl` files (offline).
+    TrainTokenizer {
+        /// Text files: `.txt` (one document per file) or `.jsonl` with a `text` field.
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+        /// Vocabulary size, at least 258 (bytes plus the end-of-text token).
+        #[arg(long, env = "IOTA_TOKENIZER_VOCAB_SIZE", default_value_t = 8_192)]
+        vocab_size: usize,
+        /// Where to write the `tokenizer.json`.
+        #[arg(long, env = "IOTA_TOKENIZER_OUT", default_value = "tokenizer.json")]
+        out: std::path::PathBuf,
+    },
 }
 
 #[tokio::main]
@@ -37,6 +58,17 @@ async fn main() -> anyhow::Result<()> {
             iota_chain::wallet::cli::run(&command, &mut std::io::stdout())?;
         }
         Command::Chain(args) => iota_chain::cli::run(&args, &mut std::io::stdout()).await?,
+        Command::Model {
+            command:
+                ModelCommand::TrainTokenizer {
+                    files,
+                    vocab_size,
+                    out,
+                },
+        } => {
+            let size = iota_model::train_bpe_tokenizer(&files, vocab_size, &out)?;
+            println!("wrote {} ({size} tokens)", out.display());
+        }
     }
     Ok(())
 }

@@ -1,0 +1,291 @@
+//! safetensors checkpoints of a stage's weights and of its optimizer state.
+//!
+//! Weights are stored under their canonical names in f32; AdamW moments as `adamw.m.<name>` and
+//! `adamw.v.<name>`; the outer momentum as one flat tensor. A JSON metadata entry records what the
+//! file is, so that loading the wrong kind of file, another stage's weights or a mismatched shape
+//! is an error instead of a silent partial load. Bytes are deterministic for equal contents.
+
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::optim::{AdamW, OuterOptimizer};
+use crate::st;
+use crate::stage::Stage;
+
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct Meta {
+    kind: String,
+    format: u32,
+    config: String,
+    stage: usize,
+    #[serde(default)]
+    step: u64,
+}
+
+const FORMAT: u32 = 1;
+
+fn tensor_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+fn write(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(parent) = path.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
+    }
+    // Write then rename, so a crash never leaves a truncated checkpoint under the final name.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| ModelError::io(path, e))
+}
+
+fn check_meta(meta: &str, stage: &Stage, kind: &str) -> Result<Meta> {
+    let m: Meta = serde_json::from_str(meta)
+        .map_err(|e| ModelError::Checkpoint(format!("bad metadata: {e}")))?;
+    if m.kind != kind || m.format != FORMAT {
+        return Err(ModelError::Checkpoint(format!(
+            "file holds {:?} (format {}), expected {kind:?} (format {FORMAT})",
+            m.kind, m.format
+        )));
+    }
+    if m.stage != stage.index() {
+        return Err(ModelError::Checkpoint(format!(
+            "file is for stage {}, this is stage {}",
+            m.stage,
+            stage.index()
+        )));
+    }
+    Ok(m)
+}
+
+fn meta_json(stage: &Stage, kind: &str, step: u64) -> Result<String> {
+    Ok(serde_json::to_string(&Meta {
+        kind: kind.into(),
+        format: FORMAT,
+        config: stage.config().name.clone(),
+        stage: stage.index(),
+        step,
+    })?)
+}
+
+/// Encode the stage's weights.
+pub fn weights_to_bytes(stage: &Stage) -> Result<Vec<u8>> {
+    let mut tensors = Vec::new();
+    for p in stage.params() {
+        let t = p.var().as_tensor();
+        tensors.push((
+            p.name().to_string(),
+            st::f32_view(t.dims().to_vec(), &tensor_f32(t)?),
+        ));
+    }
+    st::encode(tensors, &meta_json(stage, "stage-weights", 0)?)
+}
+
+/// Load weights into `stage`. Every tensor is decoded and checked (names, shapes, finiteness)
+/// before any weight is written.
+pub fn load_weights_bytes(stage: &Stage, bytes: &[u8]) -> Result<()> {
+    let (tensors, meta) = st::decode(bytes)?;
+    check_meta(&meta, stage, "stage-weights")?;
+    if tensors.len() != stage.params().len() {
+        return Err(ModelError::Checkpoint(format!(
+            "{} tensors in file, stage has {} parameters",
+            tensors.len(),
+            stage.params().len()
+        )));
+    }
+    let mut staged = Vec::with_capacity(stage.params().len());
+    for p in stage.params() {
+        let var = p.var();
+        let (_, v) = st::read_f32(&tensors, p.name(), Some(var.dims()))?;
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(ModelError::NonFinite(format!(
+                "checkpoint tensor {}",
+                p.name()
+            )));
+        }
+        staged.push(Tensor::from_vec(v, var.dims(), var.device())?.to_dtype(var.dtype())?);
+    }
+    for (p, t) in stage.params().iter().zip(staged) {
+        p.var().set(&t)?;
+    }
+    Ok(())
+}
+
+/// Save the stage's weights to `path`.
+pub fn save_weights(stage: &Stage, path: &Path) -> Result<()> {
+    write(path, &weights_to_bytes(stage)?)
+}
+
+/// Load the stage's weights from `path`.
+pub fn load_weights(stage: &Stage, path: &Path) -> Result<()> {
+    load_weights_bytes(stage, &read(path)?)
+}
+
+/// Encode AdamW's moments and step count for `stage`.
+pub fn adamw_to_bytes(opt: &AdamW, stage: &Stage) -> Result<Vec<u8>> {
+    let (m, v) = opt.moments();
+    if m.len() != stage.params().len() {
+        return Err(ModelError::Checkpoint(
+            "optimizer does not belong to this stage".into(),
+        ));
+    }
+    let mut tensors = Vec::new();
+    for ((p, m), v) in stage.params().iter().zip(m).zip(v) {
+        tensors.push((
+            format!("adamw.m.{}", p.name()),
+            st::f32_view(m.dims().to_vec(), &tensor_f32(m)?),
+        ));
+        tensors.push((
+            format!("adamw.v.{}", p.name()),
+            st::f32_view(v.dims().to_vec(), &tensor_f32(v)?),
+        ));
+    }
+    st::encode(tensors, &meta_json(stage, "adamw-state", opt.step_count())?)
+}
+
+/// Restore AdamW's moments and step count (checked completely before anything changes).
+pub fn load_adamw_bytes(opt: &mut AdamW, stage: &Stage, bytes: &[u8]) -> Result<()> {
+    let (tensors, meta) = st::decode(bytes)?;
+    let meta = check_meta(&meta, stage, "adamw-state")?;
+    if tensors.len() != 2 * stage.params().len() {
+        return Err(ModelError::Checkpoint(format!(
+            "{} tensors in file, expected {}",
+            tensors.len(),
+            2 * stage.params().len()
+        )));
+    }
+    let (mut ms, mut vs) = (Vec::new(), Vec::new());
+    for p in stage.params() {
+        let var = p.var();
+        for (prefix, out) in [("m", &mut ms), ("v", &mut vs)] {
+            let name = format!("adamw.{prefix}.{}", p.name());
+            let (_, data) = st::read_f32(&tensors, &name, Some(var.dims()))?;
+            if data.iter().any(|x| !x.is_finite())
+                || (prefix == "v" && data.iter().any(|x| *x < 0.0))
+            {
+                return Err(ModelError::Checkpoint(format!("invalid values in {name}")));
+            }
+            out.push(Tensor::from_vec(data, var.dims(), var.device())?.to_dtype(var.dtype())?);
+        }
+    }
+    opt.set_state(meta.step, ms, vs);
+    Ok(())
+}
+
+/// Save AdamW state to `path`.
+pub fn save_adamw(opt: &AdamW, stage: &Stage, path: &Path) -> Result<()> {
+    write(path, &adamw_to_bytes(opt, stage)?)
+}
+
+/// Load AdamW state from `path`.
+pub fn load_adamw(opt: &mut AdamW, stage: &Stage, path: &Path) -> Result<()> {
+    load_adamw_bytes(opt, stage, &read(path)?)
+}
+
+/// Encode the outer optimizer's momentum buffer for `stage`.
+pub fn outer_to_bytes(opt: &OuterOptimizer, stage: &Stage) -> Result<Vec<u8>> {
+    let buf = opt.momentum_buffer();
+    let tensors = vec![(
+        "outer.momentum".to_string(),
+        st::f32_view(vec![buf.len()], buf),
+    )];
+    st::encode(tensors, &meta_json(stage, "outer-state", opt.steps())?)
+}
+
+/// Restore the outer momentum buffer.
+pub fn load_outer_bytes(opt: &mut OuterOptimizer, stage: &Stage, bytes: &[u8]) -> Result<()> {
+    let (tensors, meta) = st::decode(bytes)?;
+    check_meta(&meta, stage, "outer-state")?;
+    let n = opt.momentum_buffer().len();
+    let (_, data) = st::read_f32(&tensors, "outer.momentum", Some(&[n]))?;
+    opt.set_momentum_buffer(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::merge::{flatten_params, load_flat_params};
+    use crate::optim::{AdamWConfig, LrSchedule, OuterConfig};
+    use crate::stage::StageOptions;
+
+    #[test]
+    fn weights_round_trip_and_mismatch_errors() {
+        let cfg = ModelConfig::tiny();
+        let a = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let flat: Vec<f32> = flatten_params(&a)
+            .unwrap()
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        load_flat_params(&a, &flat).unwrap();
+        let bytes = weights_to_bytes(&a).unwrap();
+        assert_eq!(
+            bytes,
+            weights_to_bytes(&a).unwrap(),
+            "encoding is deterministic"
+        );
+        let b = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        load_weights_bytes(&b, &bytes).unwrap();
+        assert_eq!(flatten_params(&b).unwrap(), flat);
+
+        let s0 = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        assert!(matches!(
+            load_weights_bytes(&s0, &bytes),
+            Err(ModelError::Checkpoint(_))
+        ));
+        assert!(load_weights_bytes(&b, &bytes[..bytes.len() / 2]).is_err());
+        assert!(load_weights_bytes(&b, b"not a checkpoint").is_err());
+
+        let dir = std::env::temp_dir().join(format!("iota-ckpt-{}", std::process::id()));
+        let path = dir.join("stage1.safetensors");
+        save_weights(&a, &path).unwrap();
+        let c = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        load_weights(&c, &path).unwrap();
+        assert_eq!(flatten_params(&c).unwrap(), flat);
+        assert!(load_weights(&c, &dir.join("missing.safetensors")).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn optimizer_state_round_trip() {
+        let cfg = ModelConfig::tiny();
+        let s = Stage::new(&cfg, 2, StageOptions::cpu()).unwrap();
+        let mut opt = AdamW::new(&s, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        let m: Vec<Tensor> = s
+            .params()
+            .iter()
+            .map(|p| (p.var().as_tensor() * 0.5).unwrap())
+            .collect();
+        let v: Vec<Tensor> = s
+            .params()
+            .iter()
+            .map(|p| p.var().as_tensor().sqr().unwrap())
+            .collect();
+        opt.set_state(7, m, v);
+        let bytes = adamw_to_bytes(&opt, &s).unwrap();
+        let mut back = AdamW::new(&s, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        load_adamw_bytes(&mut back, &s, &bytes).unwrap();
+        assert_eq!(back.step_count(), 7);
+        assert_eq!(adamw_to_bytes(&back, &s).unwrap(), bytes);
+        // Weights bytes are not optimizer bytes.
+        assert!(load_adamw_bytes(&mut back, &s, &weights_to_bytes(&s).unwrap()).is_err());
+
+        let mut outer = OuterOptimizer::new(OuterConfig::default(), s.num_parameters()).unwrap();
+        let mut w = flatten_params(&s).unwrap();
+        let g = vec![0.01f32; w.len()];
+        outer.step(&mut w, &g).unwrap();
+        let ob = outer_to_bytes(&outer, &s).unwrap();
+        let mut outer2 = OuterOptimizer::new(OuterConfig::default(), s.num_parameters()).unwrap();
+        load_outer_bytes(&mut outer2, &s, &ob).unwrap();
+        assert_eq!(outer2.momentum_buffer(), outer.momentum_buffer());
+    }
+}

@@ -1,0 +1,272 @@
+//! Differentiable building blocks, composed from candle primitives.
+//!
+//! candle's fused `rms_norm`, `softmax_last_dim` and `rotary_emb::rope*` kernels have no backward
+//! pass: gradients silently stop at them. Everything here is written with ops that candle can
+//! differentiate (matmul, elementwise, reductions, narrow/cat), at some cost in speed.
+
+use candle_core::{D, DType, Device, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// `x @ w^T` for `x: [..., in]` and `w: [out, in]`, folding leading dims into one matmul.
+pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let (lead, inner) = dims.split_at(dims.len().saturating_sub(1));
+    let rows: usize = lead.iter().product();
+    let inp = *inner
+        .first()
+        .ok_or_else(|| ModelError::InvalidInput("linear on a scalar".into()))?;
+    let out = w.dim(0)?;
+    let y = x.reshape((rows, inp))?.matmul(&w.t()?)?;
+    let mut shape = lead.to_vec();
+    shape.push(out);
+    Ok(y.reshape(shape)?)
+}
+
+/// RMSNorm over the last dim: `x / sqrt(mean(x^2) + eps) * w`.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (ms + eps)?.sqrt()?.recip()?;
+    Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dim. The max is detached: softmax is shift invariant, so this changes
+/// no value or gradient and spares a backward pass through the max.
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&s)?)
+}
+
+/// Additive causal mask `[t, t]`: 0 on and below the diagonal, -inf above.
+pub(crate) fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let data: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Ok(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
+}
+
+/// Precomputed rotary tables `[max_seq_len, head_dim / 2]` (rotate-half layout, as HF Llama).
+#[derive(Debug, Clone)]
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let hd = cfg.head_dim();
+        let half = hd / 2;
+        let mut inv_freq: Vec<f64> = (0..half)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64))
+            .collect();
+        if let Some(s) = &cfg.rope_scaling {
+            let orig = s.original_context as f64;
+            let low_wavelen = orig / s.low_freq_factor;
+            let high_wavelen = orig / s.high_freq_factor;
+            for f in inv_freq.iter_mut() {
+                let wavelen = std::f64::consts::TAU / *f;
+                if wavelen > low_wavelen {
+                    *f /= s.factor;
+                } else if wavelen >= high_wavelen {
+                    let smooth = (orig / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                }
+            }
+        }
+        let t = cfg.max_seq_len;
+        let mut cos = Vec::with_capacity(t * half);
+        let mut sin = Vec::with_capacity(t * half);
+        for pos in 0..t {
+            for f in &inv_freq {
+                let a = pos as f64 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (t, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (t, half), device)?.to_dtype(dtype)?;
+        Ok(Self { cos, sin })
+    }
+
+    /// Rotate `x: [batch, heads, seq, head_dim]`.
+    pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, t, hd) = x.dims4()?;
+        let half = hd / 2;
+        let cos = self.cos.narrow(0, 0, t)?;
+        let sin = self.sin.narrow(0, 0, t)?;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
+    }
+}
+
+/// Attention weights of one block, already cast to the compute dtype.
+pub(crate) struct AttnWeights<'a> {
+    pub wq: &'a Tensor,
+    pub wk: &'a Tensor,
+    pub wv: &'a Tensor,
+    pub wo: &'a Tensor,
+}
+
+/// Causal grouped-query self-attention on a normalised input `x: [batch, seq, d]`.
+pub(crate) fn attention(
+    x: &Tensor,
+    w: &AttnWeights<'_>,
+    cfg: &ModelConfig,
+    rope: &Rope,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let (h, kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim());
+    let heads =
+        |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?) };
+    let q = rope.apply(&heads(linear(x, w.wq)?, h)?)?;
+    let k = rope.apply(&heads(linear(x, w.wk)?, kv)?)?;
+    let v = heads(linear(x, w.wv)?, kv)?.contiguous()?;
+    let (k, v) = if h == kv {
+        (k, v)
+    } else {
+        // Each key/value head serves h/kv query heads.
+        let rep = h / kv;
+        let expand = |y: Tensor| -> Result<Tensor> {
+            Ok(y.unsqueeze(2)?
+                .broadcast_as((b, kv, rep, t, hd))?
+                .reshape((b, h, t, hd))?)
+        };
+        (expand(k)?, expand(v)?)
+    };
+    let scale = 1.0 / (hd as f64).sqrt();
+    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+    let probs = softmax_last(&scores)?;
+    let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+    linear(&out, w.wo)
+}
+
+/// SwiGLU feed-forward without the residual: `w_down(silu(w_gate x) * w_up x)`.
+pub(crate) fn swiglu(
+    x: &Tensor,
+    w_gate: &Tensor,
+    w_up: &Tensor,
+    w_down: &Tensor,
+) -> Result<Tensor> {
+    let g = linear(x, w_gate)?.silu()?;
+    let u = linear(x, w_up)?;
+    linear(&(g * u)?, w_down)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev() -> Device {
+        Device::Cpu
+    }
+
+    #[test]
+    fn softmax_matches_reference_and_has_gradient() {
+        let x = candle_core::Var::new(&[[1.0f32, 2.0, 3.0], [0.0, 0.0, f32::NEG_INFINITY]], &dev())
+            .unwrap();
+        let p = softmax_last(x.as_tensor()).unwrap();
+        let v = p.to_vec2::<f32>().unwrap();
+        let e: Vec<f32> = [1.0f32, 2.0, 3.0].iter().map(|a| (a - 3.0).exp()).collect();
+        let s: f32 = e.iter().sum();
+        for j in 0..3 {
+            assert!((v[0][j] - e[j] / s).abs() < 1e-6);
+        }
+        assert_eq!(v[1], vec![0.5, 0.5, 0.0]);
+        let w = Tensor::new(&[[1.0f32, 0.0, 0.0], [0.0, 0.0, 0.0]], &dev()).unwrap();
+        let g = (p * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gx = g.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert!(gx[0][0] > 0.0 && gx[0][1] < 0.0);
+        assert!(gx[1].iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn rms_norm_unit_rms() {
+        let x = Tensor::new(&[[3.0f32, 4.0], [1.0, -1.0]], &dev()).unwrap();
+        let w = Tensor::new(&[1.0f32, 1.0], &dev()).unwrap();
+        let y = rms_norm(&x, &w, 0.0).unwrap().to_vec2::<f32>().unwrap();
+        for row in y {
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / 2.0;
+            assert!((ms - 1.0).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_position_zero() {
+        let cfg = ModelConfig::tiny();
+        let rope = Rope::new(&cfg, DType::F32, &dev()).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 5, cfg.head_dim()), &dev()).unwrap();
+        let y = rope.apply(&x).unwrap();
+        let nx = x
+            .sqr()
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap()
+            .to_vec3::<f32>()
+            .unwrap();
+        let ny = y
+            .sqr()
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap()
+            .to_vec3::<f32>()
+            .unwrap();
+        for (a, b) in nx[0].iter().flatten().zip(ny[0].iter().flatten()) {
+            assert!((a - b).abs() < 1e-4);
+        }
+        let x0 = x
+            .narrow(2, 0, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let y0 = y
+            .narrow(2, 0, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(x0, y0);
+    }
+
+    #[test]
+    fn llama3_scaling_slows_low_frequencies() {
+        let mut cfg = ModelConfig::iota_1_5b();
+        cfg.max_seq_len = 4;
+        let plain = {
+            let mut c = cfg.clone();
+            c.rope_scaling = None;
+            Rope::new(&c, DType::F32, &dev()).unwrap()
+        };
+        let scaled = Rope::new(&cfg, DType::F32, &dev()).unwrap();
+        let p = plain
+            .sin
+            .narrow(0, 1, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let s = scaled
+            .sin
+            .narrow(0, 1, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        // Highest frequency untouched, lowest divided by the factor.
+        assert_eq!(p[0], s[0]);
+        let last = p.len() - 1;
+        assert!((p[last] / s[last] - 32.0).abs() < 0.5);
+    }
+}

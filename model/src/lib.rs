@@ -1,0 +1,50 @@
+//! Training core of IOTA: what miners run and validators re-run.
+//!
+//! Pure compute on candle: no async, no network, no chain. CPU by default; the `cuda` feature
+//! enables candle's CUDA backend ([`StageOptions::best_available`] picks a GPU when present).
+//!
+//! * [`config`]: Llama-3-style model shapes (`tiny`, `small`, `iota-1.5b`, `iota-15b`, JSON).
+//! * [`stage`]: one pipeline stage with `forward(input) -> (output, cache)` and
+//!   `backward(cache, grad_output) -> grad_input`, optional recomputation.
+//! * [`bottleneck`]: the boundary tensor between stages (residual bottleneck output or its
+//!   gradient), f32 or per-row int8, safetensors on the wire, validated on decode.
+//! * [`pipeline`]: all stages in one process, staged (through the wire encoding) or monolithic.
+//! * [`optim`]: inner AdamW (f32 master weights and moments, clipping, warmup + cosine,
+//!   transactional NaN/Inf skip) and the outer Nesterov step on pseudo-gradients.
+//! * [`merge`]: flat parameter view, partitions, deterministic weighted average, BLAKE3.
+//! * [`checkpoint`]: safetensors weights and optimizer state.
+//! * [`data`]: sample id -> token window; the grammar corpus with its entropy floor; text files
+//!   with a `tokenizers` tokenizer; offline BPE training.
+//! * [`train`]: a local loop over a pipeline for tests, benchmarks and single-machine runs.
+//!
+//! candle's fused RmsNorm, `softmax_last_dim` and rope kernels drop gradients, so the layers are
+//! composed from differentiable primitives and a test checks that every parameter gets a
+//! non-zero gradient.
+
+pub mod bottleneck;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+mod layers;
+mod loss;
+pub mod merge;
+pub mod optim;
+pub mod pipeline;
+pub mod rng;
+mod st;
+pub mod stage;
+pub mod train;
+
+pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
+pub use config::{ModelConfig, RopeScaling};
+pub use data::{Batch, Dataset, GrammarCorpus, TextDataset, make_batch, train_bpe_tokenizer};
+pub use error::{ModelError, Result};
+pub use merge::{Contribution, FlatLayout, MergedPartition, partition_ranges, weighted_average};
+pub use optim::{AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, StepOutcome};
+pub use pipeline::{Pipeline, StepStats, WireConfig};
+pub use stage::{Stage, StageCache, StageOptions, StageOutput};
+pub use train::{TrainStep, Trainer};
+
+/// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.
+pub use candle_core::{DType, Device, Tensor};

@@ -1,0 +1,647 @@
+//! Optimizers: the inner AdamW a miner runs on its stage, and the outer Nesterov step applied to
+//! averaged pseudo-gradients at merge time (DiLoCo).
+//!
+//! AdamW keeps its moments in the master-weight dtype (f32), whatever the compute dtype. A step is
+//! transactional: new weights and moments are computed aside, checked for NaN/Inf, and only then
+//! written, so a bad step leaves the stage exactly at its last good state.
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::stage::Stage;
+
+/// Inner optimizer hyper-parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Peak learning rate (scaled by the schedule).
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to matrices only.
+    pub weight_decay: f64,
+    /// Clip the stage's gradient to this global L2 norm; `None` disables clipping.
+    pub max_grad_norm: Option<f64>,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            max_grad_norm: Some(1.0),
+        }
+    }
+}
+
+impl AdamWConfig {
+    fn validate(&self) -> Result<()> {
+        let finite_nonneg = |v: f64| v.is_finite() && v >= 0.0;
+        let ok = finite_nonneg(self.lr)
+            && (0.0..1.0).contains(&self.beta1)
+            && (0.0..1.0).contains(&self.beta2)
+            && self.eps.is_finite()
+            && self.eps > 0.0
+            && finite_nonneg(self.weight_decay)
+            && self.max_grad_norm.is_none_or(|c| c.is_finite() && c > 0.0);
+        if ok {
+            Ok(())
+        } else {
+            Err(ModelError::Config(format!("invalid AdamW config {self:?}")))
+        }
+    }
+}
+
+/// Linear warmup then cosine decay to `min_lr_ratio` of the peak at `total_steps`, constant after.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    /// Steps of linear warmup (the first step uses `1/warmup_steps` of the peak).
+    pub warmup_steps: u64,
+    /// Step at which the cosine reaches its floor.
+    pub total_steps: u64,
+    /// Floor as a fraction of the peak.
+    pub min_lr_ratio: f64,
+}
+
+impl LrSchedule {
+    /// Constant learning rate.
+    pub fn constant() -> Self {
+        Self {
+            warmup_steps: 0,
+            total_steps: 0,
+            min_lr_ratio: 1.0,
+        }
+    }
+
+    /// Multiplier of the peak learning rate for 1-based step `step`.
+    pub fn factor(&self, step: u64) -> f64 {
+        if self.warmup_steps > 0 && step <= self.warmup_steps {
+            return step as f64 / self.warmup_steps as f64;
+        }
+        if step >= self.total_steps || self.total_steps <= self.warmup_steps {
+            return if self.total_steps == 0 {
+                1.0
+            } else {
+                self.min_lr_ratio
+            };
+        }
+        let p = (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
+        self.min_lr_ratio
+            + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+    }
+
+    fn validate(&self) -> Result<()> {
+        if (0.0..=1.0).contains(&self.min_lr_ratio) {
+            Ok(())
+        } else {
+            Err(ModelError::Config(format!(
+                "min_lr_ratio {} not in [0, 1]",
+                self.min_lr_ratio
+            )))
+        }
+    }
+}
+
+/// Why a step was not applied.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SkipReason {
+    /// The loss was NaN or infinite.
+    NonFiniteLoss,
+    /// An activation or activation gradient crossing a stage boundary was NaN or infinite.
+    NonFiniteActivation,
+    /// A gradient held NaN or infinity.
+    NonFiniteGradient,
+    /// The update would have produced NaN or infinite weights or moments.
+    NonFiniteUpdate,
+}
+
+/// Result of [`AdamW::step`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepOutcome {
+    /// Weights were updated.
+    Applied {
+        /// 1-based optimizer step.
+        step: u64,
+        /// Learning rate used.
+        lr: f64,
+        /// Norm of the (averaged) gradient before clipping.
+        grad_norm: f64,
+    },
+    /// Nothing changed except that gradients were dropped.
+    Skipped(SkipReason),
+}
+
+/// AdamW with moments in the master-weight dtype, global-norm clipping and a schedule.
+#[derive(Debug)]
+pub struct AdamW {
+    cfg: AdamWConfig,
+    schedule: LrSchedule,
+    step: u64,
+    skipped: u64,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl AdamW {
+    /// Zero moments shaped like `stage`'s parameters.
+    pub fn new(stage: &Stage, cfg: AdamWConfig, schedule: LrSchedule) -> Result<Self> {
+        cfg.validate()?;
+        schedule.validate()?;
+        let zeros = stage
+            .params()
+            .iter()
+            .map(|p| Ok(p.var().as_tensor().zeros_like()?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg,
+            schedule,
+            step: 0,
+            skipped: 0,
+            v: zeros.clone(),
+            m: zeros,
+        })
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+    /// Steps applied so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    /// Steps skipped because of NaN/Inf.
+    pub fn skipped_count(&self) -> u64 {
+        self.skipped
+    }
+    /// Learning rate the next step will use.
+    pub fn next_lr(&self) -> f64 {
+        self.cfg.lr * self.schedule.factor(self.step + 1)
+    }
+    pub(crate) fn moments(&self) -> (&[Tensor], &[Tensor]) {
+        (&self.m, &self.v)
+    }
+    pub(crate) fn set_state(&mut self, step: u64, m: Vec<Tensor>, v: Vec<Tensor>) {
+        self.step = step;
+        self.m = m;
+        self.v = v;
+    }
+
+    /// Record a skipped step: drop the stage's gradients, count and log it.
+    pub fn skip(&mut self, stage: &mut Stage, reason: SkipReason) -> StepOutcome {
+        stage.zero_grad();
+        self.skipped += 1;
+        tracing::warn!(
+            target: "iota_model::optim",
+            stage = stage.index(),
+            step = self.step + 1,
+            skipped_total = self.skipped,
+            reason = ?reason,
+            "non-finite values: step skipped, weights and moments kept at the last good state"
+        );
+        StepOutcome::Skipped(reason)
+    }
+
+    /// Apply one update from the gradients accumulated in `stage` (averaged over its backward
+    /// calls), then clear them.
+    pub fn step(&mut self, stage: &mut Stage) -> Result<StepOutcome> {
+        let n = stage.backward_count();
+        if n == 0 {
+            return Err(ModelError::InvalidInput(
+                "no gradients accumulated since the last step".into(),
+            ));
+        }
+        if self.m.len() != stage.params().len() {
+            return Err(ModelError::InvalidInput(
+                "optimizer was built for another stage".into(),
+            ));
+        }
+        let inv_n = 1.0 / n as f64;
+        // Squared norm in f64 on the host: one scalar per tensor, independent of tensor sizes.
+        let mut sq = 0f64;
+        for i in 0..stage.params().len() {
+            if let Some(g) = stage.grad(i) {
+                sq += g
+                    .sqr()?
+                    .sum_all()?
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        let grad_norm = sq.sqrt() * inv_n;
+        if !grad_norm.is_finite() {
+            return Ok(self.skip(stage, SkipReason::NonFiniteGradient));
+        }
+        let clip = match self.cfg.max_grad_norm {
+            Some(c) if grad_norm > c => c / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let t = self.step + 1;
+        let lr = self.cfg.lr * self.schedule.factor(t);
+        let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
+        let bc1 = 1.0 - b1.powi(t.min(i32::MAX as u64) as i32);
+        let bc2 = 1.0 - b2.powi(t.min(i32::MAX as u64) as i32);
+        let mut staged = Vec::with_capacity(stage.params().len());
+        for (i, p) in stage.params().iter().enumerate() {
+            let w = p.var().as_tensor();
+            let Some(g) = stage.grad(i) else {
+                // No gradient reached this tensor; AdamW would still decay moments, keep it simple
+                // and leave it untouched.
+                staged.push(None);
+                continue;
+            };
+            let g = (g * (inv_n * clip))?;
+            let m = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
+            let v = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let denom = ((&v * (1.0 / bc2))?.sqrt()? + self.cfg.eps)?;
+            let update = ((&m * (1.0 / bc1))? / denom)?;
+            let decay = if p.decay() {
+                1.0 - lr * self.cfg.weight_decay
+            } else {
+                1.0
+            };
+            let new_w = ((w * decay)? - (update * lr)?)?;
+            staged.push(Some((new_w, m, v)));
+        }
+        let mut check = 0f32;
+        for (w, m, v) in staged.iter().flatten() {
+            for t in [w, m, v] {
+                check += (t * 0.0)?
+                    .sum_all()?
+                    .to_dtype(DType::F32)?
+                    .to_scalar::<f32>()?;
+            }
+        }
+        if !check.is_finite() {
+            return Ok(self.skip(stage, SkipReason::NonFiniteUpdate));
+        }
+        for (i, s) in staged.into_iter().enumerate() {
+            if let Some((w, m, v)) = s {
+                stage.params()[i].var().set(&w)?;
+                self.m[i] = m;
+                self.v[i] = v;
+            }
+        }
+        self.step = t;
+        stage.zero_grad();
+        Ok(StepOutcome::Applied {
+            step: t,
+            lr,
+            grad_norm,
+        })
+    }
+}
+
+/// IOTA's per-stage clipping threshold: a global threshold scaled by
+/// `sqrt(stage parameters / model parameters)`, so the stages' norms add up to the global one.
+pub fn stage_clip_norm(global: f64, stage_params: usize, total_params: usize) -> f64 {
+    if total_params == 0 {
+        return global;
+    }
+    global * (stage_params as f64 / total_params as f64).sqrt()
+}
+
+/// Outer (merge-time) optimizer settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OuterConfig {
+    /// Outer learning rate (IOTA uses 0.7).
+    pub lr: f32,
+    /// Momentum (IOTA ramps 0.5 to 0.9).
+    pub momentum: f32,
+    /// Nesterov look-ahead (DiLoCo uses it).
+    pub nesterov: bool,
+}
+
+impl Default for OuterConfig {
+    fn default() -> Self {
+        Self {
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+        }
+    }
+}
+
+/// `start - current`, elementwise: the displacement a replica made during an epoch, as a
+/// gradient (pointing uphill).
+pub fn pseudo_gradient(start: &[f32], current: &[f32]) -> Result<Vec<f32>> {
+    if start.len() != current.len() {
+        return Err(ModelError::shape(
+            "pseudo-gradient",
+            &[start.len()],
+            &[current.len()],
+        ));
+    }
+    let pg: Vec<f32> = start.iter().zip(current).map(|(a, b)| a - b).collect();
+    if pg.iter().any(|v| !v.is_finite()) {
+        return Err(ModelError::NonFinite("pseudo-gradient".into()));
+    }
+    Ok(pg)
+}
+
+/// SGD with (Nesterov) momentum on flat f32 vectors; plain scalar arithmetic so every party
+/// derives the same bytes.
+#[derive(Clone, Debug)]
+pub struct OuterOptimizer {
+    cfg: OuterConfig,
+    momentum: Vec<f32>,
+    steps: u64,
+}
+
+impl OuterOptimizer {
+    /// Zero momentum for `len` parameters.
+    pub fn new(cfg: OuterConfig, len: usize) -> Result<Self> {
+        if !(cfg.lr.is_finite() && cfg.lr > 0.0 && (0.0..1.0).contains(&cfg.momentum)) {
+            return Err(ModelError::Config(format!("invalid outer config {cfg:?}")));
+        }
+        Ok(Self {
+            cfg,
+            momentum: vec![0.0; len],
+            steps: 0,
+        })
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &OuterConfig {
+        &self.cfg
+    }
+    /// Change the momentum coefficient (for a ramp).
+    pub fn set_momentum(&mut self, momentum: f32) -> Result<()> {
+        if !(0.0..1.0).contains(&momentum) {
+            return Err(ModelError::Config(format!(
+                "momentum {momentum} not in [0, 1)"
+            )));
+        }
+        self.cfg.momentum = momentum;
+        Ok(())
+    }
+    /// Momentum buffer.
+    pub fn momentum_buffer(&self) -> &[f32] {
+        &self.momentum
+    }
+    /// Replace the momentum buffer (from a checkpoint).
+    pub fn set_momentum_buffer(&mut self, buf: Vec<f32>) -> Result<()> {
+        if buf.len() != self.momentum.len() {
+            return Err(ModelError::shape(
+                "outer momentum",
+                &[self.momentum.len()],
+                &[buf.len()],
+            ));
+        }
+        if buf.iter().any(|v| !v.is_finite()) {
+            return Err(ModelError::NonFinite("outer momentum".into()));
+        }
+        self.momentum = buf;
+        Ok(())
+    }
+    /// Outer steps applied.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Apply the averaged pseudo-gradient to the epoch-start (global) weights in place:
+    /// `buf = mu * buf + g`, then `w -= lr * (g + mu * buf)` with Nesterov, `w -= lr * buf`
+    /// without. Nothing changes if the inputs or the result are not finite.
+    pub fn step(&mut self, weights: &mut [f32], avg_pseudo_grad: &[f32]) -> Result<()> {
+        let n = self.momentum.len();
+        if weights.len() != n || avg_pseudo_grad.len() != n {
+            return Err(ModelError::shape(
+                "outer step inputs",
+                &[n, n],
+                &[weights.len(), avg_pseudo_grad.len()],
+            ));
+        }
+        if avg_pseudo_grad.iter().any(|v| !v.is_finite()) {
+            return Err(ModelError::NonFinite("averaged pseudo-gradient".into()));
+        }
+        let (lr, mu) = (self.cfg.lr, self.cfg.momentum);
+        let mut new_buf = Vec::with_capacity(n);
+        let mut new_w = Vec::with_capacity(n);
+        for ((w, g), b) in weights.iter().zip(avg_pseudo_grad).zip(&self.momentum) {
+            let b = mu * b + g;
+            let dir = if self.cfg.nesterov { g + mu * b } else { b };
+            new_buf.push(b);
+            new_w.push(w - lr * dir);
+        }
+        if new_w.iter().chain(&new_buf).any(|v| !v.is_finite()) {
+            tracing::warn!(target: "iota_model::optim", "outer step produced non-finite values; not applied");
+            return Err(ModelError::NonFinite("outer step result".into()));
+        }
+        weights.copy_from_slice(&new_w);
+        self.momentum = new_buf;
+        self.steps += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_shape() {
+        let s = LrSchedule {
+            warmup_steps: 10,
+            total_steps: 110,
+            min_lr_ratio: 0.1,
+        };
+        assert!((s.factor(1) - 0.1).abs() < 1e-12);
+        assert!((s.factor(10) - 1.0).abs() < 1e-12);
+        assert!((s.factor(60) - 0.55).abs() < 1e-12);
+        assert!((s.factor(110) - 0.1).abs() < 1e-12);
+        assert!((s.factor(1000) - 0.1).abs() < 1e-12);
+        let mut prev = 2.0;
+        for t in 10..=110 {
+            assert!(s.factor(t) <= prev);
+            prev = s.factor(t);
+        }
+        assert_eq!(LrSchedule::constant().factor(5), 1.0);
+    }
+
+    #[test]
+    fn outer_nesterov_matches_hand_computation() {
+        let mut o = OuterOptimizer::new(
+            OuterConfig {
+                lr: 0.5,
+                momentum: 0.9,
+                nesterov: true,
+            },
+            2,
+        )
+        .unwrap();
+        let mut w = vec![1.0f32, -1.0];
+        o.step(&mut w, &[0.2, 0.0]).unwrap();
+        // buf = 0.2; dir = 0.2 + 0.9 * 0.2 = 0.38; w = 1 - 0.19
+        assert!((w[0] - 0.81).abs() < 1e-6);
+        assert_eq!(w[1], -1.0);
+        o.step(&mut w, &[0.2, 0.0]).unwrap();
+        // buf = 0.38; dir = 0.2 + 0.342 = 0.542; w = 0.81 - 0.271
+        assert!((w[0] - 0.539).abs() < 1e-6);
+        assert_eq!(o.steps(), 2);
+    }
+
+    #[test]
+    fn outer_rejects_bad_input_without_changing_state() {
+        let mut o = OuterOptimizer::new(OuterConfig::default(), 2).unwrap();
+        let mut w = vec![1.0f32, 2.0];
+        assert!(o.step(&mut w, &[f32::NAN, 0.0]).is_err());
+        assert!(o.step(&mut w, &[0.0]).is_err());
+        assert!(o.step(&mut w, &[f32::MAX, f32::MAX]).is_err());
+        assert_eq!(w, vec![1.0, 2.0]);
+        assert_eq!(o.momentum_buffer(), &[0.0, 0.0]);
+        assert!(
+            OuterOptimizer::new(
+                OuterConfig {
+                    lr: -1.0,
+                    ..Default::default()
+                },
+                1
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn pseudo_gradient_plain_lr_one_restores_average() {
+        // With lr 1 and no momentum, the outer step moves the start weights to the average.
+        let start = vec![1.0f32, 1.0];
+        let a = pseudo_gradient(&start, &[0.5, 1.5]).unwrap();
+        assert_eq!(a, vec![0.5, -0.5]);
+        let mut o = OuterOptimizer::new(
+            OuterConfig {
+                lr: 1.0,
+                momentum: 0.0,
+                nesterov: false,
+            },
+            2,
+        )
+        .unwrap();
+        let mut w = start.clone();
+        o.step(&mut w, &a).unwrap();
+        assert_eq!(w, vec![0.5, 1.5]);
+        assert!(pseudo_gradient(&start, &[1.0]).is_err());
+    }
+
+    use crate::config::ModelConfig;
+    use crate::stage::StageOptions;
+    use candle_core::DType;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    fn adamw_matches_hand_computation_and_clips() {
+        let cfg = ModelConfig::tiny();
+        let mut s = Stage::new(&cfg, 2, StageOptions::cpu()).unwrap();
+        let c = AdamWConfig {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.5,
+            max_grad_norm: None,
+        };
+        let mut opt = AdamW::new(&s, c.clone(), LrSchedule::constant()).unwrap();
+        let w0: Vec<Vec<f32>> = s
+            .params()
+            .iter()
+            .map(|p| values(p.var().as_tensor()))
+            .collect();
+        for i in 0..s.params().len() {
+            let g = (s.params()[i].var().as_tensor().ones_like().unwrap() * 0.25).unwrap();
+            s.set_grad_for_test(i, g);
+        }
+        let out = opt.step(&mut s).unwrap();
+        assert!(matches!(out, StepOutcome::Applied { step: 1, .. }));
+        for (i, p) in s.params().iter().enumerate() {
+            let w1 = values(p.var().as_tensor());
+            // First step: m_hat = g, v_hat = g^2, so the Adam direction is g / (|g| + eps) ~ 1.
+            let decay = if p.decay() { 1.0 - 0.1 * 0.5 } else { 1.0 };
+            let expect = w0[i][0] * decay - 0.1 * (0.25 / (0.25 + 1e-8));
+            assert!(
+                (w1[0] - expect).abs() < 1e-6,
+                "{}: {} vs {expect}",
+                p.name(),
+                w1[0]
+            );
+        }
+        assert_eq!(s.backward_count(), 0);
+        assert!(opt.step(&mut s).is_err(), "no gradients accumulated");
+
+        // Clipping: a huge gradient is scaled to the threshold.
+        let mut opt = AdamW::new(
+            &s,
+            AdamWConfig {
+                max_grad_norm: Some(1.0),
+                ..c
+            },
+            LrSchedule::constant(),
+        )
+        .unwrap();
+        for i in 0..s.params().len() {
+            let g = (s.params()[i].var().as_tensor().ones_like().unwrap() * 1e3).unwrap();
+            s.set_grad_for_test(i, g);
+        }
+        match opt.step(&mut s).unwrap() {
+            StepOutcome::Applied { grad_norm, .. } => {
+                let n = s.num_parameters() as f64;
+                assert!((grad_norm - 1e3 * n.sqrt()).abs() / grad_norm < 1e-5);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn non_finite_gradient_is_skipped() {
+        let cfg = ModelConfig::tiny();
+        let mut s = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        let mut opt = AdamW::new(&s, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        let before: Vec<Vec<f32>> = s
+            .params()
+            .iter()
+            .map(|p| values(p.var().as_tensor()))
+            .collect();
+        let g = (s.params()[3].var().as_tensor().ones_like().unwrap() * f64::INFINITY).unwrap();
+        s.set_grad_for_test(3, g);
+        assert_eq!(
+            opt.step(&mut s).unwrap(),
+            StepOutcome::Skipped(SkipReason::NonFiniteGradient)
+        );
+        let after: Vec<Vec<f32>> = s
+            .params()
+            .iter()
+            .map(|p| values(p.var().as_tensor()))
+            .collect();
+        assert_eq!(before, after);
+        assert_eq!((opt.step_count(), opt.skipped_count()), (0, 1));
+        assert!(
+            AdamW::new(
+                &s,
+                AdamWConfig {
+                    beta1: 1.0,
+                    ..AdamWConfig::default()
+                },
+                LrSchedule::constant()
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn clip_norm_scaling() {
+        assert!((stage_clip_norm(1.0, 25, 100) - 0.5).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,1030 @@
+//! One pipeline stage: a contiguous run of blocks plus, at the ends of the pipeline, the embedding
+//! or the final norm, LM head and loss.
+//!
+//! API contract (what a miner runs and a validator re-runs):
+//!
+//! * [`Stage::forward`] takes token ids (stage 0) or the previous stage's boundary activation and
+//!   returns this stage's boundary activation, or the loss on the last stage, plus a
+//!   [`StageCache`];
+//! * [`Stage::backward`] takes that cache and the gradient of the loss with respect to the output
+//!   (none on the last stage), accumulates parameter gradients, and returns the gradient with
+//!   respect to the input activation (none on stage 0).
+//!
+//! The upstream gradient is injected by back-propagating `sum(output * grad.detach())`, whose
+//! gradient with respect to everything upstream of `output` is exactly the vector-Jacobian
+//! product. With recomputation on, the cache keeps only the input and backward redoes the forward.
+//!
+//! Optimizer steps change the weights in place, so a cache must be consumed by `backward` before
+//! the next step (or the stage must recompute, which then uses the new weights).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::{D, DType, Device, Tensor, Var, backprop::GradStore};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::{self, AttnWeights, Rope};
+use crate::loss;
+use crate::rng::SplitMix64;
+
+/// Device and precision of a stage.
+#[derive(Clone, Debug)]
+pub struct StageOptions {
+    /// Where weights and activations live.
+    pub device: Device,
+    /// Dtype of the trainable (master) weights, of boundary tensors and of the loss: F32, or F64
+    /// for numerical checks.
+    pub param_dtype: DType,
+    /// Dtype of the block arithmetic: the param dtype, or BF16/F16 on a GPU. Weights are cast on
+    /// the fly, so master weights and optimizer moments stay in `param_dtype`.
+    pub compute_dtype: DType,
+    /// Keep only the input in the cache and redo the forward in backward, bounding memory.
+    pub recompute: bool,
+}
+
+impl Default for StageOptions {
+    fn default() -> Self {
+        Self::cpu()
+    }
+}
+
+impl StageOptions {
+    /// f32 on the CPU, no recomputation.
+    pub fn cpu() -> Self {
+        Self {
+            device: Device::Cpu,
+            param_dtype: DType::F32,
+            compute_dtype: DType::F32,
+            recompute: false,
+        }
+    }
+
+    /// CUDA device 0 with bf16 compute when built with the `cuda` feature and a GPU is present,
+    /// otherwise [`StageOptions::cpu`].
+    pub fn best_available() -> Result<Self> {
+        let device = Device::cuda_if_available(0)?;
+        let compute_dtype = if device.is_cuda() {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        Ok(Self {
+            device,
+            compute_dtype,
+            ..Self::cpu()
+        })
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !matches!(self.param_dtype, DType::F32 | DType::F64) {
+            return Err(ModelError::Config(format!(
+                "param_dtype must be F32 or F64, got {:?}",
+                self.param_dtype
+            )));
+        }
+        let ok = self.compute_dtype == self.param_dtype
+            || (self.param_dtype == DType::F32
+                && matches!(self.compute_dtype, DType::BF16 | DType::F16));
+        if !ok {
+            return Err(ModelError::Config(format!(
+                "compute_dtype {:?} is not allowed with param_dtype {:?}",
+                self.compute_dtype, self.param_dtype
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A trainable tensor of a stage.
+#[derive(Clone)]
+pub struct Param {
+    name: String,
+    var: Var,
+    decay: bool,
+}
+
+impl Param {
+    /// Canonical name, e.g. `blocks.3.attn.wq`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The variable (master weights).
+    pub fn var(&self) -> &Var {
+        &self.var
+    }
+    /// Whether weight decay applies (matrices yes; norm gains no).
+    pub fn decay(&self) -> bool {
+        self.decay
+    }
+}
+
+impl std::fmt::Debug for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Param({}, {:?})", self.name, self.var.dims())
+    }
+}
+
+/// Indices into `Stage::params` for one block.
+#[derive(Debug, Clone)]
+struct BlockIdx {
+    decoder: Option<usize>,
+    attn_norm: usize,
+    wq: usize,
+    wk: usize,
+    wv: usize,
+    wo: usize,
+    ffn_norm: usize,
+    w_gate: usize,
+    w_up: usize,
+    w_down: usize,
+    encoder: Option<usize>,
+}
+
+/// What [`Stage::forward`] produced.
+#[derive(Debug, Clone)]
+pub enum StageOutput {
+    /// Boundary activation `[batch, seq, bottleneck_dim]` in the param dtype, detached.
+    Activations(Tensor),
+    /// Mean next-token cross-entropy (last stage).
+    Loss(f32),
+}
+
+impl StageOutput {
+    /// The activation, or an error on the last stage.
+    pub fn activations(&self) -> Result<&Tensor> {
+        match self {
+            Self::Activations(t) => Ok(t),
+            Self::Loss(_) => Err(ModelError::InvalidInput(
+                "the last stage outputs a loss".into(),
+            )),
+        }
+    }
+    /// The loss, or an error on a non-last stage.
+    pub fn loss(&self) -> Result<f32> {
+        match self {
+            Self::Loss(l) => Ok(*l),
+            Self::Activations(_) => Err(ModelError::InvalidInput(
+                "only the last stage outputs a loss".into(),
+            )),
+        }
+    }
+}
+
+/// State kept between forward and backward of one micro-batch.
+pub struct StageCache {
+    stage_uid: u64,
+    /// Token ids (stage 0) or the input activation as a variable (so its gradient is recorded).
+    input: CachedInput,
+    /// Output of the block stack with its graph; `None` when recomputing.
+    output: Option<Tensor>,
+    targets: Option<Tensor>,
+    /// Per-token log-sum-exp of the head (last stage).
+    lse: Option<Tensor>,
+    output_dims: Vec<usize>,
+}
+
+enum CachedInput {
+    Tokens(Tensor),
+    Activations(Var),
+}
+
+impl std::fmt::Debug for StageCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageCache")
+            .field("stage_uid", &self.stage_uid)
+            .field("recomputed", &self.output.is_none())
+            .field("output_dims", &self.output_dims)
+            .finish()
+    }
+}
+
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+/// One pipeline stage with its parameters and accumulated gradients.
+pub struct Stage {
+    cfg: ModelConfig,
+    index: usize,
+    opts: StageOptions,
+    params: Vec<Param>,
+    grads: Vec<Option<Tensor>>,
+    backward_count: usize,
+    embed: Option<usize>,
+    blocks: Vec<BlockIdx>,
+    norm: Option<usize>,
+    head: Option<usize>,
+    rope: Rope,
+    uid: u64,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("config", &self.cfg.name)
+            .field("index", &self.index)
+            .field("params", &self.params.len())
+            .field("backward_count", &self.backward_count)
+            .finish()
+    }
+}
+
+impl Stage {
+    /// Build stage `index` of `cfg` with the deterministic initialisation (seeded by
+    /// `cfg.init_seed` and each parameter's name, so a stage built alone equals the same stage
+    /// built as part of the whole model).
+    pub fn new(cfg: &ModelConfig, index: usize, opts: StageOptions) -> Result<Self> {
+        cfg.validate()?;
+        opts.validate()?;
+        let shapes = cfg.stage_param_shapes(index)?;
+        let n_layers = cfg.n_layers() as f64;
+        let mut params = Vec::with_capacity(shapes.len());
+        for (name, shape) in shapes {
+            let n: usize = shape.iter().product();
+            let is_gain = name.ends_with("norm.weight");
+            let values: Vec<f64> = if is_gain {
+                vec![1.0; n]
+            } else {
+                let std = if name.ends_with("attn.wo") || name.ends_with("ffn.w_down") {
+                    // Residual-branch outputs scaled down with depth (GPT-2 style).
+                    cfg.init_std / (2.0 * n_layers).sqrt()
+                } else if name.ends_with("decoder.weight") {
+                    // He init: the decoder feeds a ReLU from a b-wide input.
+                    (2.0 / cfg.bottleneck_dim as f64).sqrt()
+                } else {
+                    cfg.init_std
+                };
+                let mut rng = SplitMix64::derived(cfg.init_seed, &name);
+                (0..n).map(|_| rng.next_normal() * std).collect()
+            };
+            let t = Tensor::from_vec(values, shape.clone(), &opts.device)?
+                .to_dtype(opts.param_dtype)?;
+            params.push(Param {
+                decay: shape.len() >= 2,
+                var: Var::from_tensor(&t)?,
+                name,
+            });
+        }
+        let find = |name: &str| params.iter().position(|p| p.name == name);
+        let need = |name: String| {
+            find(&name).ok_or_else(|| ModelError::Config(format!("missing parameter {name}")))
+        };
+        let mut blocks = Vec::new();
+        for i in cfg.stage_blocks(index)? {
+            let p = format!("blocks.{i}");
+            blocks.push(BlockIdx {
+                decoder: find(&format!("{p}.decoder.weight")),
+                attn_norm: need(format!("{p}.attn_norm.weight"))?,
+                wq: need(format!("{p}.attn.wq"))?,
+                wk: need(format!("{p}.attn.wk"))?,
+                wv: need(format!("{p}.attn.wv"))?,
+                wo: need(format!("{p}.attn.wo"))?,
+                ffn_norm: need(format!("{p}.ffn_norm.weight"))?,
+                w_gate: need(format!("{p}.ffn.w_gate"))?,
+                w_up: need(format!("{p}.ffn.w_up"))?,
+                w_down: need(format!("{p}.ffn.w_down"))?,
+                encoder: find(&format!("{p}.encoder.weight")),
+            });
+        }
+        let rope = Rope::new(cfg, opts.compute_dtype, &opts.device)?;
+        Ok(Self {
+            embed: find("embed.weight"),
+            norm: find("norm.weight"),
+            head: find("head.weight"),
+            grads: vec![None; params.len()],
+            cfg: cfg.clone(),
+            index,
+            opts,
+            params,
+            backward_count: 0,
+            blocks,
+            rope,
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// All stages of `cfg`, in order.
+    pub fn all(cfg: &ModelConfig, opts: &StageOptions) -> Result<Vec<Self>> {
+        (0..cfg.num_stages())
+            .map(|k| Self::new(cfg, k, opts.clone()))
+            .collect()
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    /// Position in the pipeline.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// Device and precision.
+    pub fn options(&self) -> &StageOptions {
+        &self.opts
+    }
+    /// Whether this stage owns the embedding.
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+    /// Whether this stage owns the final norm, LM head and loss.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.cfg.num_stages()
+    }
+    /// Turn recomputation on or off (affects caches created afterwards).
+    pub fn set_recompute(&mut self, on: bool) {
+        self.opts.recompute = on;
+    }
+    /// Parameters in canonical order (the order of the flat view).
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+    /// Number of scalar parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.params.iter().map(|p| p.var.elem_count()).sum()
+    }
+    /// Accumulated gradient of parameter `i` (sum over backward calls since the last reset).
+    pub fn grad(&self, i: usize) -> Option<&Tensor> {
+        self.grads.get(i).and_then(|g| g.as_ref())
+    }
+    /// Accumulated gradient by parameter name.
+    pub fn grad_by_name(&self, name: &str) -> Option<&Tensor> {
+        let i = self.params.iter().position(|p| p.name == name)?;
+        self.grad(i)
+    }
+    /// Backward calls accumulated since the last [`Stage::zero_grad`].
+    pub fn backward_count(&self) -> usize {
+        self.backward_count
+    }
+    /// Drop accumulated gradients.
+    pub fn zero_grad(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = None);
+        self.backward_count = 0;
+    }
+
+    /// Shape of the input this stage accepts for a `[batch, seq]` micro-batch.
+    pub fn input_dims(&self, batch: usize, seq: usize) -> Vec<usize> {
+        if self.is_first() {
+            vec![batch, seq]
+        } else {
+            vec![batch, seq, self.cfg.boundary_dim()]
+        }
+    }
+
+    /// Shape of this stage's boundary output (`[]` for the loss of the last stage).
+    pub fn output_dims(&self, batch: usize, seq: usize) -> Vec<usize> {
+        if self.is_last() {
+            vec![]
+        } else {
+            vec![batch, seq, self.cfg.boundary_dim()]
+        }
+    }
+
+    fn weight(&self, i: usize) -> Result<Tensor> {
+        let t = self.params[i].var.as_tensor();
+        Ok(if t.dtype() == self.opts.compute_dtype {
+            t.clone()
+        } else {
+            t.to_dtype(self.opts.compute_dtype)?
+        })
+    }
+
+    pub(crate) fn validate_tokens(&self, tokens: &Tensor, what: &str) -> Result<(usize, usize)> {
+        if tokens.dtype() != DType::U32 {
+            return Err(ModelError::DType {
+                what: what.into(),
+                expected: DType::U32,
+                got: tokens.dtype(),
+            });
+        }
+        let (b, t) = tokens.dims2().map_err(|_| {
+            ModelError::shape(format!("{what} [batch, seq]"), &[0, 0], tokens.dims())
+        })?;
+        if b == 0 || t == 0 || t > self.cfg.max_seq_len {
+            return Err(ModelError::InvalidInput(format!(
+                "{what} has shape [{b}, {t}]; need batch >= 1 and 1 <= seq <= {}",
+                self.cfg.max_seq_len
+            )));
+        }
+        let max = tokens.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab_size {
+            return Err(ModelError::TokenOutOfRange {
+                id: max,
+                vocab_size: self.cfg.vocab_size,
+            });
+        }
+        Ok((b, t))
+    }
+
+    fn validate_float(&self, t: &Tensor, dims: &[usize], what: &str) -> Result<()> {
+        if t.dtype() != self.opts.param_dtype {
+            return Err(ModelError::DType {
+                what: what.into(),
+                expected: self.opts.param_dtype,
+                got: t.dtype(),
+            });
+        }
+        if t.dims() != dims {
+            return Err(ModelError::shape(what, dims, t.dims()));
+        }
+        check_finite(t, what)
+    }
+
+    /// Embedding lookup (stage 0).
+    fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
+        let idx = self
+            .embed
+            .ok_or_else(|| ModelError::InvalidInput("stage has no embedding".into()))?;
+        let (b, t) = tokens.dims2()?;
+        let x = self.weight(idx)?.index_select(&tokens.flatten_all()?, 0)?;
+        Ok(x.reshape((b, t, self.cfg.d_model))?)
+    }
+
+    fn block(&self, blk: &BlockIdx, x: Tensor, mask: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (d, b) = (cfg.d_model, cfg.bottleneck_dim);
+        let eps = cfg.norm_eps;
+        // Receiving side of the bottleneck: decode b -> d for attention; the incoming b-vector
+        // is the residual of the first b channels.
+        let (x, skip) = match blk.decoder {
+            Some(i) => (layers::linear(&x, &self.weight(i)?)?.relu()?, Some(x)),
+            None => (x, None),
+        };
+        let attn_in = layers::rms_norm(&x, &self.weight(blk.attn_norm)?, eps)?;
+        let weights = [blk.wq, blk.wk, blk.wv, blk.wo]
+            .iter()
+            .map(|i| self.weight(*i))
+            .collect::<Result<Vec<_>>>()?;
+        let a = layers::attention(
+            &attn_in,
+            &AttnWeights {
+                wq: &weights[0],
+                wk: &weights[1],
+                wv: &weights[2],
+                wo: &weights[3],
+            },
+            cfg,
+            &self.rope,
+            mask,
+        )?;
+        let h = match skip {
+            Some(z) => (a + z.pad_with_zeros(D::Minus1, 0, d - b)?)?,
+            None => (x + a)?,
+        };
+        let f = layers::swiglu(
+            &layers::rms_norm(&h, &self.weight(blk.ffn_norm)?, eps)?,
+            &self.weight(blk.w_gate)?,
+            &self.weight(blk.w_up)?,
+            &self.weight(blk.w_down)?,
+        )?;
+        match blk.encoder {
+            // Sending side: project d -> b and carry the first b residual channels through.
+            Some(i) => {
+                Ok((layers::linear(&f.silu()?, &self.weight(i)?)? + h.narrow(D::Minus1, 0, b)?)?)
+            }
+            None => Ok((h + f)?),
+        }
+    }
+
+    /// The stage's differentiable computation from an already validated input (tokens for stage
+    /// 0, activations otherwise) to its boundary output, or to the final-normed hidden state
+    /// `[batch, seq, d]` on the last stage. Outputs are in the param dtype.
+    pub(crate) fn run(&self, input: &Tensor) -> Result<Tensor> {
+        let mut x = if self.is_first() {
+            self.embed_tokens(input)?
+        } else {
+            input.to_dtype(self.opts.compute_dtype)?
+        };
+        let mask = layers::causal_mask(x.dim(1)?, self.opts.compute_dtype, &self.opts.device)?;
+        for blk in &self.blocks {
+            x = self.block(blk, x, &mask)?;
+        }
+        if let Some(i) = self.norm {
+            x = layers::rms_norm(&x, &self.weight(i)?, self.cfg.norm_eps)?;
+        }
+        Ok(x.to_dtype(self.opts.param_dtype)?)
+    }
+
+    fn head_weight(&self) -> Result<&Tensor> {
+        let i = self
+            .head
+            .ok_or_else(|| ModelError::InvalidInput("stage has no LM head".into()))?;
+        Ok(self.params[i].var.as_tensor())
+    }
+
+    /// Loss and per-token log-sum-exp of the final hidden state `h: [batch, seq, d]`.
+    pub(crate) fn head_forward(&self, h: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
+        let d = self.cfg.d_model;
+        let f = loss::ce_forward(
+            &h.reshape(((), d))?,
+            self.head_weight()?,
+            &targets.flatten_all()?,
+            self.cfg.loss_vocab_chunk,
+        )?;
+        let loss = f.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        Ok((loss, f.lse))
+    }
+
+    /// Gradient of the loss with respect to `h`; the head's own gradient is accumulated.
+    pub(crate) fn head_backward(
+        &mut self,
+        h: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+    ) -> Result<Tensor> {
+        let d = self.cfg.d_model;
+        let n = targets.elem_count();
+        let (gh, gw) = loss::ce_backward(
+            &h.reshape(((), d))?,
+            self.head_weight()?,
+            &targets.flatten_all()?,
+            lse,
+            self.cfg.loss_vocab_chunk,
+            1.0 / n as f64,
+        )?;
+        let head = self
+            .head
+            .ok_or_else(|| ModelError::InvalidInput("stage has no LM head".into()))?;
+        self.add_grad(head, gw)?;
+        Ok(gh.reshape(h.dims())?)
+    }
+
+    fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
+        let g = g.detach();
+        self.grads[i] = Some(match self.grads[i].take() {
+            Some(acc) => (acc + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+
+    /// Add the gradients that `grads` holds for this stage's parameters.
+    pub(crate) fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
+        for i in 0..self.params.len() {
+            if let Some(g) = grads.get(self.params[i].var.as_tensor()) {
+                let g = g.clone();
+                self.add_grad(i, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn count_backward(&mut self) {
+        self.backward_count += 1;
+    }
+
+    /// Test hook: replace parameter `i`'s accumulated gradient and count one backward.
+    #[cfg(test)]
+    pub(crate) fn set_grad_for_test(&mut self, i: usize, g: Tensor) {
+        self.grads[i] = Some(g);
+        self.backward_count = self.backward_count.max(1);
+    }
+
+    /// Run the stage on `input` (token ids `[batch, seq]` u32 on stage 0, otherwise the
+    /// activation `[batch, seq, bottleneck_dim]` in the param dtype). The last stage needs
+    /// `targets` (`[batch, seq]` u32) and returns the loss; other stages must not get targets.
+    pub fn forward(
+        &self,
+        input: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(StageOutput, StageCache)> {
+        let (b, t) = if self.is_first() {
+            self.validate_tokens(input, "input tokens")?
+        } else {
+            let dims = input.dims();
+            if dims.len() != 3 {
+                return Err(ModelError::shape(
+                    "input activations [batch, seq, b]",
+                    &[0, 0, self.cfg.boundary_dim()],
+                    dims,
+                ));
+            }
+            let (b, t) = (dims[0], dims[1]);
+            if b == 0 || t == 0 || t > self.cfg.max_seq_len {
+                return Err(ModelError::InvalidInput(format!(
+                    "input activations have shape {dims:?}; need batch >= 1 and 1 <= seq <= {}",
+                    self.cfg.max_seq_len
+                )));
+            }
+            self.validate_float(input, &self.input_dims(b, t), "input activations")?;
+            (b, t)
+        };
+        let input = input.to_device(&self.opts.device)?;
+        let targets = match (self.is_last(), targets) {
+            (true, Some(tg)) => {
+                let dims = self.validate_tokens(tg, "targets")?;
+                if dims != (b, t) {
+                    return Err(ModelError::shape("targets", &[b, t], tg.dims()));
+                }
+                Some(tg.to_device(&self.opts.device)?)
+            }
+            (true, None) => {
+                return Err(ModelError::InvalidInput(
+                    "the last stage needs targets".into(),
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(ModelError::InvalidInput(
+                    "only the last stage takes targets".into(),
+                ));
+            }
+            (false, None) => None,
+        };
+        let cached_input = if self.is_first() {
+            CachedInput::Tokens(input)
+        } else {
+            CachedInput::Activations(Var::from_tensor(&input)?)
+        };
+        let graph_input = match &cached_input {
+            CachedInput::Tokens(t) => t.clone(),
+            CachedInput::Activations(v) => v.as_tensor().clone(),
+        };
+        let out = self.run(&graph_input)?;
+        let (output, lse) = match &targets {
+            Some(tg) => {
+                let (l, lse) = self.head_forward(&out, tg)?;
+                (StageOutput::Loss(l), Some(lse))
+            }
+            None => (StageOutput::Activations(out.detach()), None),
+        };
+        let cache = StageCache {
+            stage_uid: self.uid,
+            input: cached_input,
+            output_dims: out.dims().to_vec(),
+            output: if self.opts.recompute { None } else { Some(out) },
+            targets,
+            lse,
+        };
+        Ok((output, cache))
+    }
+
+    /// Back-propagate one micro-batch. `grad_output` is the gradient of the loss with respect to
+    /// this stage's output activation (`None` on the last stage, whose output is the loss).
+    /// Returns the gradient with respect to the input activation (`None` on stage 0).
+    pub fn backward(
+        &mut self,
+        cache: StageCache,
+        grad_output: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        if cache.stage_uid != self.uid {
+            return Err(ModelError::InvalidInput(
+                "cache was produced by a different stage".into(),
+            ));
+        }
+        let graph_input = match &cache.input {
+            CachedInput::Tokens(t) => t.clone(),
+            CachedInput::Activations(v) => v.as_tensor().clone(),
+        };
+        let surrogate = match (self.is_last(), grad_output) {
+            (true, None) => {
+                let (Some(targets), Some(lse)) = (&cache.targets, &cache.lse) else {
+                    return Err(ModelError::InvalidInput(
+                        "last-stage cache lacks targets".into(),
+                    ));
+                };
+                let h = match &cache.output {
+                    Some(h) => h.clone(),
+                    None => self.run(&graph_input)?,
+                };
+                let gh = self.head_backward(&h, targets, lse)?;
+                (h * gh)?.sum_all()?
+            }
+            (false, Some(g)) => {
+                self.validate_float(g, &cache.output_dims, "output gradient")?;
+                let out = match &cache.output {
+                    Some(o) => o.clone(),
+                    None => self.run(&graph_input)?,
+                };
+                (out * g.to_device(&self.opts.device)?.detach())?.sum_all()?
+            }
+            (true, Some(_)) => {
+                return Err(ModelError::InvalidInput(
+                    "the last stage takes no output gradient".into(),
+                ));
+            }
+            (false, None) => {
+                return Err(ModelError::InvalidInput(
+                    "a non-last stage needs the output gradient".into(),
+                ));
+            }
+        };
+        let grads = surrogate.backward()?;
+        self.accumulate(&grads)?;
+        self.count_backward();
+        match &cache.input {
+            CachedInput::Tokens(_) => Ok(None),
+            CachedInput::Activations(v) => {
+                let g = match grads.get(v.as_tensor()) {
+                    Some(g) => g.clone(),
+                    // Unreachable for a real stage, but a zero gradient is the right answer.
+                    None => v.as_tensor().zeros_like()?,
+                };
+                Ok(Some(g))
+            }
+        }
+    }
+}
+
+/// Error if `t` holds NaN or infinity.
+pub(crate) fn check_finite(t: &Tensor, what: &str) -> Result<()> {
+    // x * 0 is NaN exactly where x is not finite, and the sum propagates it without overflow.
+    let s = (t.to_dtype(DType::F32)? * 0.0)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    if s.is_finite() {
+        Ok(())
+    } else {
+        Err(ModelError::NonFinite(what.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Dataset, GrammarCorpus, make_batch};
+    use crate::pipeline::Pipeline;
+
+    fn batch(seq: usize, n: usize) -> crate::data::Batch {
+        let g = GrammarCorpus::new(0, seq).unwrap();
+        let ids: Vec<u64> = (0..n as u64).collect();
+        make_batch(&g, &ids, &Device::Cpu).unwrap()
+    }
+
+    fn abs_sum(t: &Tensor) -> f64 {
+        t.abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    #[test]
+    fn every_parameter_gets_a_nonzero_gradient() {
+        for cfg in [
+            ModelConfig::tiny(),
+            ModelConfig::tiny().with_bottleneck(32),
+            ModelConfig::tiny().with_stages(vec![3]),
+        ] {
+            let mut p = Pipeline::new(&cfg, &StageOptions::cpu()).unwrap();
+            let b = batch(16, 3);
+            p.forward_backward(&b.inputs, &b.targets).unwrap();
+            for s in p.stages() {
+                for (i, param) in s.params().iter().enumerate() {
+                    let g = s
+                        .grad(i)
+                        .unwrap_or_else(|| panic!("{} has no gradient", param.name()));
+                    assert_eq!(g.dims(), param.var().dims());
+                    let a = abs_sum(g);
+                    assert!(a > 0.0 && a.is_finite(), "{}: |grad| = {a}", param.name());
+                }
+            }
+        }
+    }
+
+    fn f64_opts() -> StageOptions {
+        StageOptions {
+            param_dtype: DType::F64,
+            compute_dtype: DType::F64,
+            ..StageOptions::cpu()
+        }
+    }
+
+    fn set_elem(var: &Var, i: usize, v: f64) {
+        let mut data = var
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        data[i] = v;
+        var.set(&Tensor::from_vec(data, var.dims(), var.device()).unwrap())
+            .unwrap();
+    }
+
+    fn get_elem(t: &Tensor, i: usize) -> f64 {
+        t.flatten_all()
+            .unwrap()
+            .get(i)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// The scalar whose gradient `backward` computes: the loss on the last stage, otherwise
+    /// `sum(output * g)`.
+    fn objective(stage: &Stage, input: &Tensor, targets: &Tensor, g: Option<&Tensor>) -> f64 {
+        let tg = stage.is_last().then_some(targets);
+        let (out, _) = stage.forward(input, tg).unwrap();
+        match (out, g) {
+            (StageOutput::Loss(_), _) => {
+                // Recompute the loss in f64 (StageOutput rounds it to f32).
+                let h = stage.run(input).unwrap();
+                let d = stage.config().d_model;
+                let f = loss::ce_forward(
+                    &h.reshape(((), d)).unwrap(),
+                    stage.head_weight().unwrap(),
+                    &targets.flatten_all().unwrap(),
+                    stage.config().loss_vocab_chunk,
+                )
+                .unwrap();
+                f.loss.to_scalar::<f64>().unwrap()
+            }
+            (StageOutput::Activations(a), Some(g)) => (a * g)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn finite_difference_gradients_per_stage() {
+        let cfg = ModelConfig::tiny();
+        let b = batch(6, 2);
+        let (bs, t) = (2, 6);
+        let mut rng = crate::rng::SplitMix64::new(11);
+        let mut randn = |dims: &[usize]| {
+            let n: usize = dims.iter().product();
+            Tensor::from_vec(
+                (0..n).map(|_| rng.next_normal()).collect::<Vec<f64>>(),
+                dims,
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        for k in 0..cfg.num_stages() {
+            let mut stage = Stage::new(&cfg, k, f64_opts()).unwrap();
+            // Larger weights than the init make every path matter numerically.
+            for p in stage.params() {
+                if p.decay() {
+                    let w = (p.var().as_tensor() * 10.0).unwrap();
+                    p.var().set(&w).unwrap();
+                }
+            }
+            let input = if k == 0 {
+                b.inputs.clone()
+            } else {
+                randn(&stage.input_dims(bs, t))
+            };
+            let g_out = (!stage.is_last()).then(|| randn(&stage.output_dims(bs, t)));
+            let tg = stage.is_last().then_some(&b.targets);
+            let (_, cache) = stage.forward(&input, tg).unwrap();
+            let g_in = stage.backward(cache, g_out.as_ref()).unwrap();
+            let eps = 1e-5;
+            let mut checked = 0;
+            for (pi, p) in stage.params().iter().enumerate() {
+                let grad = stage.grad(pi).unwrap().clone();
+                let n = p.var().elem_count();
+                for j in [0, n / 3, n - 1] {
+                    let orig = get_elem(p.var().as_tensor(), j);
+                    set_elem(p.var(), j, orig + eps);
+                    let up = objective(&stage, &input, &b.targets, g_out.as_ref());
+                    set_elem(p.var(), j, orig - eps);
+                    let down = objective(&stage, &input, &b.targets, g_out.as_ref());
+                    set_elem(p.var(), j, orig);
+                    let fd = (up - down) / (2.0 * eps);
+                    let an = get_elem(&grad, j);
+                    let err = (fd - an).abs() / (fd.abs() + an.abs()).max(1e-6);
+                    assert!(
+                        err < 1e-5,
+                        "stage {k} {}[{j}]: fd {fd} vs analytic {an}",
+                        p.name()
+                    );
+                    checked += 1;
+                }
+            }
+            if let Some(g_in) = g_in {
+                for j in [0, 7, input.elem_count() - 1] {
+                    let orig = get_elem(&input, j);
+                    let mut data = input.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                    data[j] = orig + eps;
+                    let up_in = Tensor::from_vec(data.clone(), input.dims(), &Device::Cpu).unwrap();
+                    data[j] = orig - eps;
+                    let down_in = Tensor::from_vec(data, input.dims(), &Device::Cpu).unwrap();
+                    let fd = (objective(&stage, &up_in, &b.targets, g_out.as_ref())
+                        - objective(&stage, &down_in, &b.targets, g_out.as_ref()))
+                        / (2.0 * eps);
+                    let an = get_elem(&g_in, j);
+                    let err = (fd - an).abs() / (fd.abs() + an.abs()).max(1e-6);
+                    assert!(err < 1e-5, "stage {k} input[{j}]: fd {fd} vs analytic {an}");
+                    checked += 1;
+                }
+            }
+            assert!(checked >= 30);
+        }
+    }
+
+    #[test]
+    fn recompute_gives_identical_gradients() {
+        let cfg = ModelConfig::tiny();
+        let b = batch(12, 2);
+        let mut a = Pipeline::new(&cfg, &StageOptions::cpu()).unwrap();
+        let mut opts = StageOptions::cpu();
+        opts.recompute = true;
+        let mut r = Pipeline::new(&cfg, &opts).unwrap();
+        let la = a.forward_backward(&b.inputs, &b.targets).unwrap();
+        let lr = r.forward_backward(&b.inputs, &b.targets).unwrap();
+        assert_eq!(la, lr);
+        for (sa, sr) in a.stages().iter().zip(r.stages()) {
+            for i in 0..sa.params().len() {
+                let d = abs_sum(&(sa.grad(i).unwrap() - sr.grad(i).unwrap()).unwrap());
+                assert_eq!(d, 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        let cfg = ModelConfig::tiny();
+        let dev = Device::Cpu;
+        let s0 = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        let mut s1 = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let s2 = Stage::new(&cfg, 2, StageOptions::cpu()).unwrap();
+        let tokens = Tensor::new(&[[1u32, 2, 3]], &dev).unwrap();
+        // Stage 0: dtype, rank, length, range, stray targets.
+        assert!(matches!(
+            s0.forward(&tokens.to_dtype(DType::F32).unwrap(), None),
+            Err(ModelError::DType { .. })
+        ));
+        assert!(s0.forward(&tokens.flatten_all().unwrap(), None).is_err());
+        let long = Tensor::zeros((1, cfg.max_seq_len + 1), DType::U32, &dev).unwrap();
+        assert!(s0.forward(&long, None).is_err());
+        let empty = Tensor::zeros((1, 0), DType::U32, &dev).unwrap();
+        assert!(s0.forward(&empty, None).is_err());
+        let oob = Tensor::new(&[[1u32, 64]], &dev).unwrap();
+        assert!(matches!(
+            s0.forward(&oob, None),
+            Err(ModelError::TokenOutOfRange { id: 64, .. })
+        ));
+        assert!(s0.forward(&tokens, Some(&tokens)).is_err());
+        // Middle stage: width, dtype, NaN.
+        let good = Tensor::zeros((1, 3, cfg.bottleneck_dim), DType::F32, &dev).unwrap();
+        assert!(
+            s1.forward(&Tensor::zeros((1, 3, 5), DType::F32, &dev).unwrap(), None)
+                .is_err()
+        );
+        assert!(
+            s1.forward(&good.to_dtype(DType::F64).unwrap(), None)
+                .is_err()
+        );
+        assert!(s1.forward(&tokens, None).is_err());
+        let nan = (good.clone() + f64::NAN).unwrap();
+        assert!(matches!(
+            s1.forward(&nan, None),
+            Err(ModelError::NonFinite(_))
+        ));
+        let inf = (good.clone() + f64::INFINITY).unwrap();
+        assert!(matches!(
+            s1.forward(&inf, None),
+            Err(ModelError::NonFinite(_))
+        ));
+        // Backward: missing, misshapen or non-finite gradients, foreign caches.
+        let (_, c) = s1.forward(&good, None).unwrap();
+        assert!(s1.backward(c, None).is_err());
+        let (_, c) = s1.forward(&good, None).unwrap();
+        assert!(
+            s1.backward(
+                c,
+                Some(&Tensor::zeros((1, 2, 8), DType::F32, &dev).unwrap())
+            )
+            .is_err()
+        );
+        let (_, c) = s1.forward(&good, None).unwrap();
+        assert!(s1.backward(c, Some(&nan)).is_err());
+        let (_, c) = s2.forward(&good, Some(&tokens)).unwrap();
+        assert!(s1.backward(c, Some(&good)).is_err());
+        // Last stage: targets required and shaped like the input.
+        assert!(s2.forward(&good, None).is_err());
+        assert!(
+            s2.forward(&good, Some(&Tensor::new(&[[1u32, 2]], &dev).unwrap()))
+                .is_err()
+        );
+        assert!(s2.forward(&good, Some(&oob)).is_err());
+        // Nothing was accumulated by the failed calls.
+        assert_eq!(s1.backward_count(), 0);
+        // A bad dtype combination is a config error.
+        let bad = StageOptions {
+            compute_dtype: DType::U8,
+            ..StageOptions::cpu()
+        };
+        assert!(Stage::new(&cfg, 0, bad).is_err());
+        assert!(Stage::new(&cfg, 3, StageOptions::cpu()).is_err());
+    }
+
+    #[test]
+    fn stage_built_alone_equals_stage_in_model() {
+        let cfg = ModelConfig::tiny();
+        let all = Stage::all(&cfg, &StageOptions::cpu()).unwrap();
+        let alone = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        for (a, b) in all[1].params().iter().zip(alone.params()) {
+            assert_eq!(a.name(), b.name());
+            let d = abs_sum(&(a.var().as_tensor() - b.var().as_tensor()).unwrap());
+            assert_eq!(d, 0.0);
+        }
+        assert_eq!(all[1].num_parameters(), cfg.stage_param_count(1).unwrap());
+        let g = GrammarCorpus::new(0, 8).unwrap();
+        assert!(g.vocab_size() <= cfg.vocab_size);
+    }
+}
