@@ -889,3 +889,75 @@ async fn connects_by_url_times_out_and_reconnects() {
     assert!(mg.is_ok(), "storage reads work too: {mg:?}");
     net.stop().await;
 }
+
+/// The weight-vector checks of `set_weights`, each from a real transaction of the subnet owner's
+/// hotkey (which needs no validator permit), and two registrations racing for one block's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_vector_and_registration_slot_errors_come_from_real_transactions() {
+    init_tracing();
+    let net = Localnet::spawn(LocalnetConfig::with_block_time(Duration::from_millis(300)))
+        .await
+        .expect("spawn");
+    let chain = connect(&net).await;
+    let (alice, bob, charlie) = (dev("Alice"), dev("Bob"), dev("Charlie"));
+    let owner_hot = key(7);
+    let netuid = subnet(&chain, &owner_hot.public(), false, 0).await;
+    chain
+        .register(&bob, netuid, &key(71).public(), &tx())
+        .await
+        .expect("register a miner");
+
+    let weights = |uids: Vec<u16>, values: Vec<u16>| calls::set_weights(netuid, uids, values, 0);
+    let e = chain
+        .submit(&weights(vec![1, 1], vec![1, 2]), &owner_hot, &tx())
+        .await
+        .expect_err("duplicate uids");
+    assert!(matches!(e, ChainError::DuplicateUids), "{e}");
+    let e = chain
+        .submit(&weights(vec![1, 9], vec![1, 2]), &owner_hot, &tx())
+        .await
+        .expect_err("unknown uid");
+    assert!(matches!(e, ChainError::UidVecContainInvalidOne), "{e}");
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::MinAllowedWeights(2),
+            false,
+            &tx(),
+        )
+        .await
+        .expect("owner raises min allowed weights");
+    let e = chain
+        .submit(&weights(vec![1], vec![1]), &owner_hot, &tx())
+        .await
+        .expect_err("too few weights");
+    assert!(matches!(e, ChainError::WeightVecLengthIsLow), "{e}");
+    chain
+        .submit(&weights(vec![0, 1], vec![1, 1]), &owner_hot, &tx())
+        .await
+        .expect("a valid vector goes in");
+
+    // One registration per block (the subnet default): two coldkeys racing for the same block.
+    let (first, second) = (
+        calls::burned_register(netuid, &key(72).public()),
+        calls::burned_register(netuid, &key(73).public()),
+    );
+    let options = tx();
+    let (a, b) = tokio::join!(
+        chain.submit(&first, &bob, &options),
+        chain.submit(&second, &charlie, &options),
+    );
+    let failures: Vec<ChainError> = [a, b].into_iter().filter_map(Result::err).collect();
+    assert_eq!(
+        failures.len(),
+        1,
+        "exactly one of the two fits the block: {failures:?}"
+    );
+    assert!(
+        matches!(failures[0], ChainError::TooManyRegistrationsThisBlock),
+        "{}",
+        failures[0]
+    );
+    net.stop().await;
+}
