@@ -60,7 +60,12 @@ pub struct SubtensorArgs {
     )]
     pub chain_endpoint: Option<String>,
     /// Seconds allowed to connect and for each request.
-    #[arg(long = "subtensor.timeout", default_value_t = 30, global = true)]
+    #[arg(
+        long = "subtensor.timeout",
+        env = "BT_SUBTENSOR_TIMEOUT",
+        default_value_t = 30,
+        global = true
+    )]
     pub timeout: u64,
 }
 
@@ -84,13 +89,17 @@ pub struct ChainArgs {
     #[command(flatten)]
     pub subtensor: SubtensorArgs,
     /// Print results as JSON.
-    #[arg(long, global = true)]
+    #[arg(long, env = "IOTA_JSON", global = true)]
     pub json: bool,
     /// Print the SCALE-encoded call as hex instead of submitting it.
-    #[arg(long = "dry-run", global = true)]
+    #[arg(long = "dry-run", env = "IOTA_DRY_RUN", global = true)]
     pub dry_run: bool,
     /// Wait for finalization instead of inclusion in a block.
-    #[arg(long = "wait-for-finalization", global = true)]
+    #[arg(
+        long = "wait-for-finalization",
+        env = "BT_WAIT_FOR_FINALIZATION",
+        global = true
+    )]
     pub wait_for_finalization: bool,
     #[command(subcommand)]
     pub command: ChainCommand,
@@ -102,13 +111,13 @@ pub enum ChainCommand {
     /// Every neuron of a subnet with its stake, permit, incentive, emission and axon.
     Metagraph {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
     },
     /// A subnet's hyperparameters.
     Hyperparams {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
     },
     /// Compare the node's runtime with the one this build expects.
@@ -124,7 +133,7 @@ pub enum ChainCommand {
     /// Register the wallet hotkey on a subnet by burning TAO from the coldkey.
     Register {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         #[command(flatten)]
         wallet: WalletArgs,
@@ -132,16 +141,16 @@ pub enum ChainCommand {
     /// Publish the wallet hotkey's axon address.
     ServeAxon {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         /// Public IP of the axon.
-        #[arg(long = "axon.ip")]
+        #[arg(long = "axon.ip", env = "BT_AXON_IP")]
         ip: IpAddr,
         /// Port of the axon.
-        #[arg(long = "axon.port")]
+        #[arg(long = "axon.port", env = "BT_AXON_PORT")]
         port: u16,
         /// Version number to publish.
-        #[arg(long = "axon.version", default_value_t = 0)]
+        #[arg(long = "axon.version", env = "BT_AXON_VERSION", default_value_t = 0)]
         version: u32,
         #[command(flatten)]
         wallet: WalletArgs,
@@ -149,7 +158,7 @@ pub enum ChainCommand {
     /// Stake TAO from the coldkey onto a hotkey.
     Stake {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         /// TAO to stake.
         #[arg(long)]
@@ -163,7 +172,7 @@ pub enum ChainCommand {
     /// Unstake alpha from a hotkey back to the coldkey.
     Unstake {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         /// Alpha to unstake (in units of 1e9 rao).
         #[arg(long)]
@@ -191,7 +200,7 @@ pub enum ChainCommand {
     /// Set weights from float scores (commit when the subnet uses commit-reveal).
     SetWeights {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         /// Uids, comma separated.
         #[arg(long, value_delimiter = ',', required = true)]
@@ -211,7 +220,7 @@ pub enum ChainCommand {
         #[arg(long = "no-wait")]
         no_wait: bool,
         /// Where commit-reveal keeps salts until the reveal.
-        #[arg(long = "commit-store")]
+        #[arg(long = "commit-store", env = "IOTA_COMMIT_STORE")]
         commit_store: Option<PathBuf>,
         #[command(flatten)]
         wallet: WalletArgs,
@@ -222,7 +231,7 @@ pub enum ChainCommand {
         #[arg(long, default_value_t = 0)]
         wait: u64,
         /// Where commit-reveal keeps salts until the reveal.
-        #[arg(long = "commit-store")]
+        #[arg(long = "commit-store", env = "IOTA_COMMIT_STORE")]
         commit_store: Option<PathBuf>,
         #[command(flatten)]
         wallet: WalletArgs,
@@ -235,7 +244,7 @@ pub enum ChainCommand {
     /// Start emission on a subnet (owner only).
     StartCall {
         /// The subnet.
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         #[command(flatten)]
         wallet: WalletArgs,
@@ -243,7 +252,7 @@ pub enum ChainCommand {
     /// Change a subnet setting through AdminUtils.
     Hyperparam {
         /// The subnet (ignored for chain-wide settings).
-        #[arg(long)]
+        #[arg(long, env = "BT_NETUID")]
         netuid: u16,
         /// Setting name, e.g. tempo, weights_rate_limit, commit_reveal_weights_enabled.
         #[arg(long = "name", id = "param_name")]
