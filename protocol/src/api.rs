@@ -1,0 +1,781 @@
+//! Request and response types of the orchestrator's HTTP API (`orchestrator/API.md` describes the
+//! routes; `orchestrator/openapi.json` is the generated contract).
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::blob::BlobDescriptor;
+use crate::tensor::WireEncoding;
+
+/// Milliseconds since the Unix epoch, the API's one time format.
+pub type UnixMs = i64;
+
+/// The shape of a training run: everything a miner, validator or checker needs to know about
+/// tensor shapes and timing, without running the model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RunConfig {
+    /// Human name of the run.
+    pub name: String,
+    /// Model config name or description (`tiny`, `small`, …), for miners to build the stage.
+    pub model: String,
+    /// Number of pipeline stages.
+    pub stages: u32,
+    /// Flat parameter count of each stage (length `stages`).
+    pub stage_params: Vec<u64>,
+    /// Partitions per stage for the butterfly merge.
+    pub partitions: u32,
+    /// Sequences per sample (micro-batch).
+    pub micro_batch: u32,
+    /// Tokens per sequence.
+    pub seq_len: u32,
+    /// Width of the boundary tensor between stages (the bottleneck width).
+    pub boundary_dim: u32,
+    /// How boundary tensors are encoded.
+    pub wire: WireEncoding,
+    /// Samples started per epoch (training ends early when all are done).
+    pub samples_per_epoch: u64,
+    /// Samples one miner may hold in flight at once.
+    pub max_in_flight: u32,
+    /// Seconds of the training phase.
+    pub training_s: u64,
+    /// Seconds of the uploading phase.
+    pub uploading_s: u64,
+    /// Seconds of the merging phase (each reassignment round adds `merge_round_s`).
+    pub merging_s: u64,
+    /// Seconds of each reassignment round of unmerged partitions.
+    pub merge_round_s: u64,
+    /// Seconds a work lease lasts.
+    pub lease_s: u64,
+    /// Seconds without a heartbeat after which a miner is released.
+    pub heartbeat_timeout_s: u64,
+    /// Epochs of objects kept in the store (older ones are deleted, except the latest merged
+    /// weights).
+    pub retention_epochs: u64,
+    /// Seed that all parties use to initialise epoch-0 weights.
+    pub init_seed: u64,
+}
+
+impl RunConfig {
+    /// Shape of every boundary tensor: `[micro_batch, seq_len, boundary_dim]`.
+    pub fn boundary_shape(&self) -> [u64; 3] {
+        [
+            u64::from(self.micro_batch),
+            u64::from(self.seq_len),
+            u64::from(self.boundary_dim),
+        ]
+    }
+
+    /// Flat parameter count of `stage`, if it exists.
+    pub fn params_of(&self, stage: u32) -> Option<u64> {
+        self.stage_params.get(stage as usize).copied()
+    }
+
+    /// The value range of partition `partition` of `stage`: contiguous, sizes differing by at
+    /// most one, the first `total % partitions` one longer.
+    pub fn partition_range(&self, stage: u32, partition: u32) -> Option<std::ops::Range<u64>> {
+        let total = self.params_of(stage)?;
+        partition_range(total, self.partitions, partition)
+    }
+
+    /// Checks internal consistency.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.stages == 0 {
+            return Err("a run needs at least one stage".into());
+        }
+        if self.stage_params.len() != self.stages as usize {
+            return Err(format!(
+                "{} stage parameter counts for {} stages",
+                self.stage_params.len(),
+                self.stages
+            ));
+        }
+        if self.partitions == 0 {
+            return Err("partitions must be at least 1".into());
+        }
+        if let Some(small) = self
+            .stage_params
+            .iter()
+            .find(|p| **p < u64::from(self.partitions))
+        {
+            return Err(format!(
+                "a stage of {small} parameters cannot be cut into {} partitions",
+                self.partitions
+            ));
+        }
+        if self.micro_batch == 0 || self.seq_len == 0 || self.boundary_dim == 0 {
+            return Err("micro_batch, seq_len and boundary_dim must be positive".into());
+        }
+        if self.lease_s == 0 || self.heartbeat_timeout_s == 0 {
+            return Err("lease_s and heartbeat_timeout_s must be positive".into());
+        }
+        if self.max_in_flight == 0 {
+            return Err("max_in_flight must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// The range of partition `j` of `total` values cut into `parts`.
+pub fn partition_range(total: u64, parts: u32, j: u32) -> Option<std::ops::Range<u64>> {
+    if parts == 0 || j >= parts || total < u64::from(parts) {
+        return None;
+    }
+    let (base, extra) = (total / u64::from(parts), total % u64::from(parts));
+    let j64 = u64::from(j);
+    let start = j64 * base + j64.min(extra);
+    let len = base + u64::from(j64 < extra);
+    Some(start..start + len)
+}
+
+/// Epoch phases, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Samples flow through the pipeline.
+    Training,
+    /// Miners upload pseudo-gradient partitions.
+    Uploading,
+    /// Partition owners merge.
+    Merging,
+}
+
+impl Phase {
+    /// The name stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Training => "training",
+            Self::Uploading => "uploading",
+            Self::Merging => "merging",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "training" => Some(Self::Training),
+            "uploading" => Some(Self::Uploading),
+            "merging" => Some(Self::Merging),
+            _ => None,
+        }
+    }
+}
+
+/// Where the run is now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EpochStatus {
+    /// Current epoch (0-based).
+    pub epoch: u64,
+    /// Current phase.
+    pub phase: Phase,
+    /// When the phase started.
+    pub phase_started_ms: UnixMs,
+    /// When the phase ends at the latest.
+    pub phase_deadline_ms: UnixMs,
+    /// Merge reassignment round (0 in the first merging round).
+    pub merge_round: u32,
+    /// Samples started this epoch.
+    pub samples_started: u64,
+    /// Samples whose backward pass reached stage 0 this epoch.
+    pub samples_completed: u64,
+    /// The server's clock when this was read.
+    pub server_time_ms: UnixMs,
+}
+
+/// What a miner reports about its machine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Capacity {
+    /// `cpu`, `cuda:0`, …
+    pub device: String,
+    /// Memory available for training, in bytes.
+    pub memory_bytes: u64,
+    /// Measured forward+backward throughput, tokens per second.
+    pub tokens_per_s: f64,
+}
+
+/// `POST /v1/miner/register`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RegisterRequest {
+    /// The miner's machine.
+    pub capacity: Capacity,
+}
+
+/// The answer to a registration: the stage to train and the weights to start from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RegisterResponse {
+    /// The run.
+    pub run: RunInfo,
+    /// The miner's uid on the subnet.
+    pub uid: u16,
+    /// Assigned stage.
+    pub stage: u32,
+    /// Where the run is.
+    pub status: EpochStatus,
+    /// The stage's current merged weights, one blob per partition in partition order; empty
+    /// before the first merge (start from `init_seed`).
+    pub weights: StageWeights,
+}
+
+/// Merged weights of one stage after an epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StageWeights {
+    /// The epoch whose merge produced them (`None`: initial weights from the seed).
+    pub epoch: Option<u64>,
+    /// Stage.
+    pub stage: u32,
+    /// Per partition: its merged blob, or `None` when the partition kept its previous value.
+    pub partitions: Vec<Option<BlobDescriptor>>,
+}
+
+/// Identity and configuration of the run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RunInfo {
+    /// Run id.
+    pub id: i64,
+    /// Shapes and timing.
+    pub config: RunConfig,
+    /// The orchestrator's hotkey (what requests are signed for).
+    pub orchestrator_hotkey: String,
+    /// Subnet.
+    pub netuid: u16,
+    /// When the run was created.
+    pub created_ms: UnixMs,
+}
+
+/// `POST /v1/miner/heartbeat`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HeartbeatRequest {
+    /// Updated throughput measurement, if any.
+    #[serde(default)]
+    pub tokens_per_s: Option<f64>,
+}
+
+/// The answer to a heartbeat.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HeartbeatResponse {
+    /// The miner's stage.
+    pub stage: u32,
+    /// Where the run is.
+    pub status: EpochStatus,
+}
+
+/// `POST /v1/miner/work`: ask for leased work.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkRequest {
+    /// At most this many items (1–32).
+    pub max_items: u32,
+}
+
+/// Direction of a hop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// Activations towards the last stage.
+    Forward,
+    /// Gradients back towards stage 0.
+    Backward,
+}
+
+impl Direction {
+    /// The name stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::Backward => "backward",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "forward" => Some(Self::Forward),
+            "backward" => Some(Self::Backward),
+            _ => None,
+        }
+    }
+}
+
+/// One leased unit of work.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkItem {
+    /// Task id.
+    pub task_id: i64,
+    /// Lease: present it when uploading and completing.
+    pub lease: Uuid,
+    /// When the lease lapses.
+    pub lease_expires_ms: UnixMs,
+    /// Epoch of the sample.
+    pub epoch: u64,
+    /// Sample id (stage 0 builds its batch from it).
+    pub sample_id: i64,
+    /// Stage.
+    pub stage: u32,
+    /// Forward or backward.
+    pub direction: Direction,
+    /// The input: the previous stage's activations (forward at stage > 0) or the next stage's
+    /// gradient (backward). `None` for a forward at stage 0.
+    pub input: Option<BlobDescriptor>,
+    /// Whether the task expects an output blob (everything except the backward at stage 0).
+    pub expects_output: bool,
+}
+
+/// Answer to a work poll.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkResponse {
+    /// Leased items (possibly none).
+    pub items: Vec<WorkItem>,
+    /// Where the run is.
+    pub status: EpochStatus,
+}
+
+/// `POST /v1/miner/tasks/{task_id}/complete`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompleteRequest {
+    /// The lease from the work item.
+    pub lease: Uuid,
+    /// The uploaded output (from the upload response), if the task expects one.
+    #[serde(default)]
+    pub output: Option<BlobDescriptor>,
+    /// Inner optimizer steps the miner had taken this epoch when it ran this hop.
+    pub inner_step: u64,
+    /// BLAKE3 (hex) of the miner's stage weights when it ran this hop.
+    pub weights_digest: String,
+    /// Mean token loss of the sample (required on the last stage's forward).
+    #[serde(default)]
+    pub loss: Option<f64>,
+    /// Per-sequence losses of the sample (last stage, optional).
+    #[serde(default)]
+    pub sequence_losses: Option<Vec<f64>>,
+    /// Milliseconds the miner spent on the hop.
+    #[serde(default)]
+    pub compute_ms: Option<u64>,
+}
+
+/// Answer to a completion.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompleteResponse {
+    /// The hop's task id.
+    pub task_id: i64,
+    /// The next task created for the sample, if any.
+    pub next_task_id: Option<i64>,
+    /// True when this completion finished the sample.
+    pub sample_done: bool,
+}
+
+/// Answer to any direct upload: the stored object.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct UploadResponse {
+    /// The object as stored.
+    pub blob: BlobDescriptor,
+}
+
+/// `POST …/presign`: ask to upload straight to the store.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PresignRequest {
+    /// Exact size the upload will have.
+    pub size: u64,
+    /// BLAKE3 (hex) the bytes will have.
+    pub blake3: String,
+}
+
+/// A presigned upload target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PresignResponse {
+    /// PUT the bytes here.
+    pub url: String,
+    /// Object key to name in the commit.
+    pub key: String,
+    /// When the URL stops working.
+    pub expires_ms: UnixMs,
+}
+
+/// `POST …/commit`: after a presigned upload, have the orchestrator check and record it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CommitRequest {
+    /// The key from the presign response.
+    pub key: String,
+    /// Size.
+    pub size: u64,
+    /// BLAKE3 (hex).
+    pub blake3: String,
+}
+
+/// One partition a miner must merge.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MergeAssignment {
+    /// Epoch.
+    pub epoch: u64,
+    /// Stage.
+    pub stage: u32,
+    /// Partition index.
+    pub partition: u32,
+    /// Value range of the partition in the stage's flat parameter vector.
+    pub start: u64,
+    /// End of the range (exclusive).
+    pub end: u64,
+    /// Contributions in the fixed order to average them in, with their weights.
+    pub contributions: Vec<MergeContribution>,
+    /// Upload the result by this time.
+    pub deadline_ms: UnixMs,
+}
+
+/// One miner's pseudo-gradient partition in a merge.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MergeContribution {
+    /// Contributor.
+    pub hotkey: String,
+    /// Weight (completed backward passes this epoch).
+    pub weight: f64,
+    /// The partition blob.
+    pub blob: BlobDescriptor,
+}
+
+/// Answer to `GET /v1/miner/merges`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MergeAssignments {
+    /// Assignments of the current merging round.
+    pub assignments: Vec<MergeAssignment>,
+    /// Where the run is.
+    pub status: EpochStatus,
+}
+
+/// State of one partition's merge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionState {
+    /// Waiting for owners.
+    Open,
+    /// Two or more results agree (or a validator settled it).
+    Accepted,
+    /// Results disagree; a tie-break owner and validators are working on it.
+    Disputed,
+    /// Nobody contributed to this stage this epoch: weights are unchanged.
+    Unchanged,
+}
+
+impl PartitionState {
+    /// The name stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Open => "open",
+            Self::Accepted => "accepted",
+            Self::Disputed => "disputed",
+            Self::Unchanged => "unchanged",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "open" => Some(Self::Open),
+            "accepted" => Some(Self::Accepted),
+            "disputed" => Some(Self::Disputed),
+            "unchanged" => Some(Self::Unchanged),
+            _ => None,
+        }
+    }
+}
+
+/// Merge status of one partition.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PartitionStatus {
+    /// Epoch.
+    pub epoch: u64,
+    /// Stage.
+    pub stage: u32,
+    /// Partition.
+    pub partition: u32,
+    /// State.
+    pub state: PartitionState,
+    /// Owners so far, in assignment order.
+    pub owners: Vec<String>,
+    /// Submitted results: owner and hash.
+    pub results: Vec<MergeResult>,
+    /// The accepted result.
+    pub accepted: Option<BlobDescriptor>,
+    /// Who settled it: `agreement`, `majority`, `validator:<ss58>` or `single`.
+    pub resolved_by: Option<String>,
+}
+
+/// One owner's merged result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MergeResult {
+    /// Who submitted it.
+    pub hotkey: String,
+    /// BLAKE3 of the result.
+    pub blake3: String,
+}
+
+/// `POST /v1/miner/reports/bad-object`: a downloaded object failed its checks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct BadObjectReport {
+    /// Object key.
+    pub key: String,
+    /// What was wrong.
+    pub reason: String,
+}
+
+/// Answer to a bad-object report.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct BadObjectVerdict {
+    /// True when the orchestrator re-checked the object, found it bad and failed its producer.
+    pub confirmed: bool,
+    /// What happened.
+    pub detail: String,
+}
+
+/// One recorded hop, as validators and explorers read it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HopRecord {
+    /// Task id (increasing in creation order).
+    pub task_id: i64,
+    /// Epoch.
+    pub epoch: u64,
+    /// Sample.
+    pub sample_id: i64,
+    /// Stage.
+    pub stage: u32,
+    /// Direction.
+    pub direction: Direction,
+    /// Attempt number of this hop (re-routing adds one).
+    pub attempt: u32,
+    /// Miner that held it.
+    pub miner: String,
+    /// `pending`, `leased`, `done`, `expired`, `failed`, `abandoned`.
+    pub status: String,
+    /// Input blob.
+    pub input: Option<BlobDescriptor>,
+    /// Output blob.
+    pub output: Option<BlobDescriptor>,
+    /// Inner step the miner reported.
+    pub inner_step: Option<u64>,
+    /// Weight digest the miner reported.
+    pub weights_digest: Option<String>,
+    /// Created.
+    pub created_ms: UnixMs,
+    /// Leased.
+    pub leased_ms: Option<UnixMs>,
+    /// Completed.
+    pub completed_ms: Option<UnixMs>,
+    /// Miner-reported compute time.
+    pub compute_ms: Option<u64>,
+}
+
+/// A page of hop records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HopPage {
+    /// Records, by task id.
+    pub hops: Vec<HopRecord>,
+    /// Pass as `after` for the next page; `None` at the end.
+    pub next_after: Option<i64>,
+}
+
+/// A sample with its pathway and loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SampleRecord {
+    /// Sample id.
+    pub sample_id: i64,
+    /// Epoch.
+    pub epoch: u64,
+    /// `forward`, `backward`, `done`, `abandoned`.
+    pub status: String,
+    /// Miner (ss58) per stage on the pathway, as far as it got (the miner of the latest
+    /// successful forward attempt at each stage).
+    pub pathway: Vec<String>,
+    /// Mean token loss from the last stage.
+    pub loss: Option<f64>,
+    /// Per-sequence losses.
+    pub sequence_losses: Option<Vec<f64>>,
+}
+
+/// A page of samples.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SamplePage {
+    /// Samples, by id.
+    pub samples: Vec<SampleRecord>,
+    /// Pass as `after` for the next page; `None` at the end.
+    pub next_after: Option<i64>,
+}
+
+/// A pseudo-gradient submission.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PseudoGradientRecord {
+    /// Epoch.
+    pub epoch: u64,
+    /// Stage.
+    pub stage: u32,
+    /// Partition.
+    pub partition: u32,
+    /// Miner.
+    pub hotkey: String,
+    /// Blob.
+    pub blob: BlobDescriptor,
+    /// Merge weight.
+    pub weight: f64,
+}
+
+/// What a validator may check for one epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EpochRecord {
+    /// Epoch.
+    pub epoch: u64,
+    /// Current phase if the epoch is running, `None` when finished.
+    pub phase: Option<Phase>,
+    /// Per miner: stage and the work it did.
+    pub miners: Vec<MinerWork>,
+    /// Every pseudo-gradient submission.
+    pub pseudo_gradients: Vec<PseudoGradientRecord>,
+    /// Every partition's merge status.
+    pub partitions: Vec<PartitionStatus>,
+    /// Merged weights of the previous epoch per stage (the epoch-start weights to replay from).
+    pub start_weights: Vec<StageWeights>,
+}
+
+/// A miner's work in one epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MinerWork {
+    /// Miner.
+    pub hotkey: String,
+    /// Stage.
+    pub stage: u32,
+    /// Completed forward hops.
+    pub forward_done: u64,
+    /// Completed backward hops.
+    pub backward_done: u64,
+    /// Leases that lapsed or were failed.
+    pub failed: u64,
+}
+
+/// An open or settled dispute over a partition.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Dispute {
+    /// Dispute id.
+    pub id: i64,
+    /// The partition.
+    pub partition: PartitionStatus,
+    /// The contributions the merge must be computed from.
+    pub contributions: Vec<MergeContribution>,
+    /// `open` or `settled`.
+    pub state: String,
+}
+
+/// `POST /v1/validator/disputes/{id}/settle`: the hash the validator recomputed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SettleRequest {
+    /// BLAKE3 of the recomputed merge.
+    pub blake3: String,
+}
+
+/// One miner's score from one validator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MinerScore {
+    /// Miner.
+    pub hotkey: String,
+    /// Score (non-negative).
+    pub score: f64,
+}
+
+/// Weights a validator set on chain.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WeightsSet {
+    /// Block the weights landed in.
+    pub block: u64,
+    /// Uids.
+    pub uids: Vec<u16>,
+    /// Weights, u16 as set.
+    pub weights: Vec<u16>,
+}
+
+/// `POST /v1/validator/epochs/{epoch}/scores`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScoreSubmission {
+    /// Scores per miner.
+    pub scores: Vec<MinerScore>,
+    /// The on-chain weights these scores produced, if already set.
+    #[serde(default)]
+    pub weights: Option<WeightsSet>,
+}
+
+/// A stored score submission.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScoreRecord {
+    /// Validator.
+    pub validator: String,
+    /// Epoch.
+    pub epoch: u64,
+    /// Scores.
+    pub scores: Vec<MinerScore>,
+    /// Weights set.
+    pub weights: Option<WeightsSet>,
+    /// When submitted.
+    pub submitted_ms: UnixMs,
+}
+
+/// A stage as explorers see it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StageInfo {
+    /// Stage.
+    pub stage: u32,
+    /// Flat parameter count.
+    pub params: u64,
+    /// Active miners.
+    pub active_miners: u32,
+    /// Sum of their reported throughput.
+    pub tokens_per_s: f64,
+}
+
+/// A miner as explorers see it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MinerInfo {
+    /// Hotkey.
+    pub hotkey: String,
+    /// Uid at registration.
+    pub uid: u16,
+    /// Stage.
+    pub stage: u32,
+    /// `active` or `released`.
+    pub status: String,
+    /// Reported capacity.
+    pub capacity: Capacity,
+    /// Last heartbeat or request.
+    pub last_seen_ms: UnixMs,
+    /// Epoch it joined in.
+    pub joined_epoch: u64,
+    /// Completed hops in the current epoch.
+    pub hops_this_epoch: u64,
+}
+
+/// One point of the loss series.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LossPoint {
+    /// Epoch.
+    pub epoch: u64,
+    /// Samples with a loss.
+    pub samples: u64,
+    /// Mean loss over them.
+    pub mean_loss: f64,
+}
+
+/// Throughput per epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ThroughputPoint {
+    /// Epoch.
+    pub epoch: u64,
+    /// Completed samples.
+    pub samples: u64,
+    /// Tokens of completed samples.
+    pub tokens: u64,
+    /// Seconds from the epoch's start to the end of its training phase (or now).
+    pub seconds: f64,
+    /// Bytes of boundary tensors moved.
+    pub wire_bytes: u64,
+}
+
+/// `GET /healthz` and the unsigned no-op.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    /// Always `ok`.
+    pub status: String,
+    /// Whether this process currently drives the epoch phases.
+    pub leader: bool,
+}

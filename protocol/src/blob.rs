@@ -1,0 +1,68 @@
+//! Blob descriptors: how an object in the store is named and checked.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Element type of a tensor blob.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BlobDtype {
+    /// 32-bit float.
+    F32,
+    /// Signed 8-bit integer (quantised boundary tensors, with one f32 scale per row).
+    I8,
+}
+
+/// An object in the store, with everything needed to check it after download.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct BlobDescriptor {
+    /// Object key in the store.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Element type of the main tensor (`values`).
+    pub dtype: BlobDtype,
+    /// Shape of the main tensor.
+    pub shape: Vec<u64>,
+    /// BLAKE3 of the bytes, 64 lowercase hex digits.
+    pub blake3: String,
+    /// A presigned download URL when the store serves bytes directly; otherwise the bytes come
+    /// from `GET /v1/blobs/{key}` on the orchestrator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+impl BlobDescriptor {
+    /// Checks downloaded bytes against the descriptor's size and hash.
+    pub fn check_bytes(&self, bytes: &[u8]) -> Result<(), String> {
+        if bytes.len() as u64 != self.size {
+            return Err(format!(
+                "{}: {} bytes, descriptor says {}",
+                self.key,
+                bytes.len(),
+                self.size
+            ));
+        }
+        let got = blake3::hash(bytes).to_hex();
+        if got.as_str() != self.blake3 {
+            return Err(format!(
+                "{}: BLAKE3 {got}, descriptor says {}",
+                self.key, self.blake3
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Lowercase-hex BLAKE3 of `bytes`.
+pub fn blake3_hex(bytes: &[u8]) -> String {
+    blake3::hash(bytes).to_hex().to_string()
+}
+
+/// True when `text` looks like a BLAKE3 hex digest.
+pub fn is_blake3_hex(text: &str) -> bool {
+    text.len() == 64
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}

@@ -1,0 +1,536 @@
+//! The typed API client: signs every request, retries what is safe to retry.
+//!
+//! Every orchestrator handler is idempotent, so any request may be retried. A retry is signed
+//! again (fresh uuid and timestamp), since the server refuses a uuid it has seen. Retries happen on
+//! connection errors, timeouts, 429 and 5xx, with exponential backoff and full jitter, honouring
+//! `Retry-After`. 4xx answers other than 429 are final and come back as [`ClientError::Api`].
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use rand::Rng;
+use reqwest::{Method, StatusCode};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::api::*;
+use crate::blob::{BlobDescriptor, blake3_hex};
+use crate::error::{ApiError, ErrorCode};
+use crate::signing::{RequestSigner, sign_request};
+
+/// Retry schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Attempts in all (1 = no retry).
+    pub attempts: u32,
+    /// First backoff.
+    pub base: Duration,
+    /// Longest backoff.
+    pub max: Duration,
+    /// Per-request timeout.
+    pub timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            attempts: 6,
+            base: Duration::from_millis(200),
+            max: Duration::from_secs(10),
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Backoff before retry `n` (0-based): uniform in `[0, min(max, base·2^n)]` (full jitter),
+    /// so many miners retrying at once spread out instead of arriving together.
+    pub fn backoff(&self, n: u32, rng: &mut impl Rng) -> Duration {
+        let cap = self
+            .base
+            .saturating_mul(1u32.checked_shl(n.min(20)).unwrap_or(u32::MAX))
+            .min(self.max);
+        cap.mul_f64(rng.gen_range(0.0..=1.0))
+    }
+}
+
+/// What can go wrong calling the API.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error body.
+    #[error("HTTP {status}: {error}")]
+    Api {
+        /// HTTP status.
+        status: u16,
+        /// The error body.
+        error: ApiError,
+    },
+    /// The network failed on every attempt.
+    #[error("network: {0}")]
+    Network(String),
+    /// The answer could not be understood.
+    #[error("unexpected answer: {0}")]
+    Decode(String),
+    /// A downloaded object failed its size or hash check.
+    #[error("bad object: {0}")]
+    BadObject(String),
+}
+
+impl ClientError {
+    /// The API error code, when the server gave one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Api { error, .. } => Some(error.code),
+            _ => None,
+        }
+    }
+}
+
+/// A client for one orchestrator, signing as one hotkey.
+#[derive(Clone)]
+pub struct ApiClient {
+    http: reqwest::Client,
+    base: String,
+    signer: Arc<dyn RequestSigner>,
+    orchestrator: String,
+    retry: RetryPolicy,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn is_retryable_status(status: StatusCode) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
+}
+
+impl ApiClient {
+    /// A client for the orchestrator at `base` (`http://host:port`) whose hotkey is
+    /// `orchestrator_ss58`.
+    pub fn new(
+        base: impl Into<String>,
+        signer: Arc<dyn RequestSigner>,
+        orchestrator_ss58: impl Into<String>,
+        retry: RetryPolicy,
+    ) -> Result<Self, ClientError> {
+        let http = reqwest::Client::builder()
+            .timeout(retry.timeout)
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(|e| ClientError::Network(e.to_string()))?;
+        Ok(Self {
+            http,
+            base: base.into().trim_end_matches('/').to_owned(),
+            signer,
+            orchestrator: orchestrator_ss58.into(),
+            retry,
+        })
+    }
+
+    /// Connects to `base`, learning the orchestrator's hotkey from `GET /v1/run`.
+    pub async fn connect(
+        base: impl Into<String>,
+        signer: Arc<dyn RequestSigner>,
+        retry: RetryPolicy,
+    ) -> Result<Self, ClientError> {
+        let mut client = Self::new(base, signer, String::new(), retry)?;
+        let run: RunInfo = client.public_get("/v1/run").await?;
+        client.orchestrator = run.orchestrator_hotkey;
+        Ok(client)
+    }
+
+    /// The signer's address.
+    pub fn hotkey(&self) -> String {
+        self.signer.ss58()
+    }
+
+    /// The orchestrator's base URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// An unsigned GET of a public route.
+    pub async fn public_get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        self.request(Method::GET, path, None, false).await
+    }
+
+    /// A signed request with a JSON body.
+    pub async fn signed_json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        let bytes =
+            Bytes::from(serde_json::to_vec(body).map_err(|e| ClientError::Decode(e.to_string()))?);
+        self.request(method, path_and_query, Some(bytes), true)
+            .await
+    }
+
+    /// A signed request with a raw body (uploads) or none.
+    pub async fn signed_raw<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Bytes>,
+    ) -> Result<T, ClientError> {
+        self.request(method, path_and_query, body, true).await
+    }
+
+    async fn request<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Bytes>,
+        signed: bool,
+    ) -> Result<T, ClientError> {
+        let bytes = self
+            .request_bytes(method, path_and_query, body, signed)
+            .await?;
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    async fn request_bytes(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Bytes>,
+        signed: bool,
+    ) -> Result<Bytes, ClientError> {
+        let url = format!("{}{}", self.base, path_and_query);
+        let mut last_error = ClientError::Network("no attempt made".into());
+        for attempt in 0..self.retry.attempts.max(1) {
+            if attempt > 0 {
+                let wait = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
+                tokio::time::sleep(wait).await;
+            }
+            let mut req = self.http.request(method.clone(), &url);
+            let raw = body.clone().unwrap_or_default();
+            if signed {
+                let headers = sign_request(
+                    self.signer.as_ref(),
+                    &self.orchestrator,
+                    method.as_str(),
+                    path_and_query,
+                    &raw,
+                    now_ms(),
+                    Uuid::new_v4(),
+                );
+                for (name, value) in headers.headers {
+                    req = req.header(name, value);
+                }
+            }
+            if body.is_some() {
+                req = req.body(raw);
+            }
+            match req.send().await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let retry_after = resp
+                        .headers()
+                        .get(reqwest::header::RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<u64>().ok());
+                    let bytes = match resp.bytes().await {
+                        Ok(b) => b,
+                        Err(e) => {
+                            last_error = ClientError::Network(e.to_string());
+                            continue;
+                        }
+                    };
+                    if status.is_success() {
+                        return Ok(bytes);
+                    }
+                    let error = serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
+                        ApiError::new(
+                            ErrorCode::Internal,
+                            String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
+                        )
+                    });
+                    last_error = ClientError::Api {
+                        status: status.as_u16(),
+                        error,
+                    };
+                    if !is_retryable_status(status) {
+                        return Err(last_error);
+                    }
+                    if let Some(secs) = retry_after {
+                        tokio::time::sleep(Duration::from_secs(secs.min(30))).await;
+                    }
+                    tracing::debug!(%status, attempt, path = path_and_query, "retrying");
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, attempt, path = path_and_query, "network error, retrying");
+                    last_error = ClientError::Network(e.to_string());
+                }
+            }
+        }
+        Err(last_error)
+    }
+
+    // ---- miners ----
+
+    /// Joins the run (idempotent: a second call returns the same stage).
+    pub async fn register(&self, capacity: Capacity) -> Result<RegisterResponse, ClientError> {
+        self.signed_json(
+            Method::POST,
+            "/v1/miner/register",
+            &RegisterRequest { capacity },
+        )
+        .await
+    }
+
+    /// Says the miner is alive.
+    pub async fn heartbeat(
+        &self,
+        tokens_per_s: Option<f64>,
+    ) -> Result<HeartbeatResponse, ClientError> {
+        self.signed_json(
+            Method::POST,
+            "/v1/miner/heartbeat",
+            &HeartbeatRequest { tokens_per_s },
+        )
+        .await
+    }
+
+    /// Asks for up to `max_items` leased work items.
+    pub async fn work(&self, max_items: u32) -> Result<WorkResponse, ClientError> {
+        self.signed_json(Method::POST, "/v1/miner/work", &WorkRequest { max_items })
+            .await
+    }
+
+    /// Uploads a task's output tensor through the orchestrator.
+    pub async fn upload_output(
+        &self,
+        task_id: i64,
+        lease: Uuid,
+        bytes: Bytes,
+    ) -> Result<UploadResponse, ClientError> {
+        let path = format!(
+            "/v1/miner/tasks/{task_id}/output?lease={lease}&blake3={}",
+            blake3_hex(&bytes)
+        );
+        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+    }
+
+    /// Completes a task.
+    pub async fn complete(
+        &self,
+        task_id: i64,
+        req: &CompleteRequest,
+    ) -> Result<CompleteResponse, ClientError> {
+        self.signed_json(
+            Method::POST,
+            &format!("/v1/miner/tasks/{task_id}/complete"),
+            req,
+        )
+        .await
+    }
+
+    /// Uploads one pseudo-gradient partition.
+    pub async fn upload_pseudo_gradient(
+        &self,
+        epoch: u64,
+        partition: u32,
+        bytes: Bytes,
+    ) -> Result<UploadResponse, ClientError> {
+        let path = format!(
+            "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}?blake3={}",
+            blake3_hex(&bytes)
+        );
+        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+    }
+
+    /// The partitions this miner must merge now.
+    pub async fn merges(&self) -> Result<MergeAssignments, ClientError> {
+        self.signed_raw(Method::GET, "/v1/miner/merges", None).await
+    }
+
+    /// Uploads a merged partition.
+    pub async fn upload_merge(
+        &self,
+        epoch: u64,
+        stage: u32,
+        partition: u32,
+        bytes: Bytes,
+    ) -> Result<UploadResponse, ClientError> {
+        let path = format!(
+            "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}?blake3={}",
+            blake3_hex(&bytes)
+        );
+        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+    }
+
+    /// Downloads a blob (presigned URL or the orchestrator) and checks its size and hash.
+    pub async fn download(&self, blob: &BlobDescriptor) -> Result<Bytes, ClientError> {
+        let bytes = match &blob.url {
+            Some(url) => {
+                let resp = self
+                    .http
+                    .get(url)
+                    .send()
+                    .await
+                    .map_err(|e| ClientError::Network(e.to_string()))?;
+                if !resp.status().is_success() {
+                    return Err(ClientError::Network(format!(
+                        "store answered {} for {}",
+                        resp.status(),
+                        blob.key
+                    )));
+                }
+                resp.bytes()
+                    .await
+                    .map_err(|e| ClientError::Network(e.to_string()))?
+            }
+            None => {
+                self.request_bytes(Method::GET, &format!("/v1/blobs/{}", blob.key), None, true)
+                    .await?
+            }
+        };
+        blob.check_bytes(&bytes).map_err(ClientError::BadObject)?;
+        Ok(bytes)
+    }
+
+    /// Reports an object that failed its checks after download.
+    pub async fn report_bad_object(
+        &self,
+        key: &str,
+        reason: &str,
+    ) -> Result<BadObjectVerdict, ClientError> {
+        self.signed_json(
+            Method::POST,
+            "/v1/miner/reports/bad-object",
+            &BadObjectReport {
+                key: key.to_owned(),
+                reason: reason.to_owned(),
+            },
+        )
+        .await
+    }
+
+    // ---- public ----
+
+    /// Where the run is.
+    pub async fn status(&self) -> Result<EpochStatus, ClientError> {
+        self.public_get("/v1/status").await
+    }
+
+    /// Merge status of every partition of `epoch`.
+    pub async fn merge_status(&self, epoch: u64) -> Result<Vec<PartitionStatus>, ClientError> {
+        self.public_get(&format!("/v1/epochs/{epoch}/merges")).await
+    }
+
+    /// The latest merged weights of `stage`.
+    pub async fn stage_weights(&self, stage: u32) -> Result<StageWeights, ClientError> {
+        self.public_get(&format!("/v1/stages/{stage}/weights"))
+            .await
+    }
+
+    // ---- validators ----
+
+    /// A page of hop records of `epoch`.
+    pub async fn hops(&self, epoch: u64, after: i64, limit: u32) -> Result<HopPage, ClientError> {
+        self.signed_raw(
+            Method::GET,
+            &format!("/v1/validator/epochs/{epoch}/hops?after={after}&limit={limit}"),
+            None,
+        )
+        .await
+    }
+
+    /// A page of samples of `epoch`.
+    pub async fn samples(
+        &self,
+        epoch: u64,
+        after: i64,
+        limit: u32,
+    ) -> Result<SamplePage, ClientError> {
+        self.signed_raw(
+            Method::GET,
+            &format!("/v1/validator/epochs/{epoch}/samples?after={after}&limit={limit}"),
+            None,
+        )
+        .await
+    }
+
+    /// Everything checkable about `epoch`.
+    pub async fn epoch_record(&self, epoch: u64) -> Result<EpochRecord, ClientError> {
+        self.signed_raw(Method::GET, &format!("/v1/validator/epochs/{epoch}"), None)
+            .await
+    }
+
+    /// Open disputes.
+    pub async fn disputes(&self) -> Result<Vec<Dispute>, ClientError> {
+        self.signed_raw(Method::GET, "/v1/validator/disputes", None)
+            .await
+    }
+
+    /// Settles a dispute with the recomputed hash.
+    pub async fn settle(&self, id: i64, blake3: &str) -> Result<Dispute, ClientError> {
+        self.signed_json(
+            Method::POST,
+            &format!("/v1/validator/disputes/{id}/settle"),
+            &SettleRequest {
+                blake3: blake3.to_owned(),
+            },
+        )
+        .await
+    }
+
+    /// Uploads a merge as a validator (for partitions nobody merged).
+    pub async fn validator_merge(
+        &self,
+        epoch: u64,
+        stage: u32,
+        partition: u32,
+        bytes: Bytes,
+    ) -> Result<UploadResponse, ClientError> {
+        let path = format!(
+            "/v1/validator/epochs/{epoch}/merges/{stage}/{partition}?blake3={}",
+            blake3_hex(&bytes)
+        );
+        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+    }
+
+    /// Submits scores for `epoch` (idempotent per validator and epoch: a resubmission replaces).
+    pub async fn submit_scores(
+        &self,
+        epoch: u64,
+        submission: &ScoreSubmission,
+    ) -> Result<ScoreRecord, ClientError> {
+        self.signed_json(
+            Method::POST,
+            &format!("/v1/validator/epochs/{epoch}/scores"),
+            submission,
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let p = RetryPolicy {
+            attempts: 10,
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let waits: Vec<Duration> = (0..200).map(|_| p.backoff(30, &mut rng)).collect();
+        assert!(waits.iter().all(|w| *w <= Duration::from_secs(1)));
+        // Full jitter: not all the same, and some well under the cap.
+        assert!(waits.iter().any(|w| *w < Duration::from_millis(500)));
+        assert!(waits.iter().any(|w| *w > Duration::from_millis(500)));
+        assert!(p.backoff(0, &mut rng) <= Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,450 @@
+//! Request signing: Epistula v2 headers, with the method and path bound into the signature.
+//!
+//! The signed message is the Epistula v2 string followed by the request line:
+//!
+//! ```text
+//! {sha256(body) as 64 lowercase hex}.{uuid}.{timestamp_ms}.{signed_for}.{METHOD}.{path_and_query}
+//! ```
+//!
+//! * `body`: the exact raw body bytes (empty for a GET).
+//! * `uuid`: the `Epistula-Uuid` header, a hyphenated lowercase UUID.
+//! * `timestamp_ms`: the `Epistula-Timestamp` header, milliseconds since the Unix epoch.
+//! * `signed_for`: the receiver's SS58 address (the orchestrator's hotkey), never empty here.
+//! * `METHOD`: upper-case HTTP method; `path_and_query`: the request target as sent, for example
+//!   `/v1/miner/tasks/7/output?lease=…` (no scheme or host, so a proxy in front changes nothing).
+//!
+//! The signature is sr25519 with the `substrate` signing context (what a Bittensor hotkey signs
+//! with), sent as `0x` + 128 hex digits in `Epistula-Request-Signature`. Without the request line a
+//! signature captured on one route could be replayed against another with the same body (an
+//! empty GET body is the same everywhere); binding it closes that. Replays of the same request are
+//! stopped by the receiver's uuid cache, which must cover the whole accepted clock window.
+
+use sha2::{Digest, Sha256};
+use sp_core::crypto::Ss58Codec;
+use sp_core::{Pair as _, sr25519};
+use uuid::Uuid;
+
+/// `Epistula-Version`; always `2`.
+pub const HEADER_VERSION: &str = "epistula-version";
+/// `Epistula-Timestamp`: milliseconds since the Unix epoch.
+pub const HEADER_TIMESTAMP: &str = "epistula-timestamp";
+/// `Epistula-Uuid`: a fresh UUID per request.
+pub const HEADER_UUID: &str = "epistula-uuid";
+/// `Epistula-Signed-By`: the sender's hotkey (SS58).
+pub const HEADER_SIGNED_BY: &str = "epistula-signed-by";
+/// `Epistula-Signed-For`: the receiver's hotkey (SS58).
+pub const HEADER_SIGNED_FOR: &str = "epistula-signed-for";
+/// `Epistula-Request-Signature`: `0x` + hex of the 64-byte sr25519 signature.
+pub const HEADER_SIGNATURE: &str = "epistula-request-signature";
+
+/// What signs requests: a hotkey.
+pub trait RequestSigner: Send + Sync {
+    /// The signer's SS58 address.
+    fn ss58(&self) -> String;
+    /// An sr25519 signature (context `substrate`) of `message`.
+    fn sign(&self, message: &[u8]) -> [u8; 64];
+}
+
+impl RequestSigner for sr25519::Pair {
+    fn ss58(&self) -> String {
+        self.public().to_ss58check()
+    }
+
+    fn sign(&self, message: &[u8]) -> [u8; 64] {
+        sp_core::Pair::sign(self, message).0
+    }
+}
+
+/// The headers of one signed request, as name/value pairs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SignedHeaders {
+    /// Header names (lowercase) and values.
+    pub headers: Vec<(&'static str, String)>,
+    /// The uuid used.
+    pub uuid: Uuid,
+}
+
+/// The exact byte string that is signed. See the module docs.
+pub fn signing_message(
+    body: &[u8],
+    uuid: &Uuid,
+    timestamp_ms: u64,
+    signed_for: &str,
+    method: &str,
+    path_and_query: &str,
+) -> String {
+    let body_hash = hex::encode(Sha256::digest(body));
+    format!(
+        "{body_hash}.{}.{timestamp_ms}.{signed_for}.{}.{path_and_query}",
+        uuid.hyphenated(),
+        method.to_ascii_uppercase()
+    )
+}
+
+/// Signs a request and returns the headers to send.
+pub fn sign_request(
+    signer: &dyn RequestSigner,
+    signed_for: &str,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+    uuid: Uuid,
+) -> SignedHeaders {
+    let message = signing_message(
+        body,
+        &uuid,
+        timestamp_ms,
+        signed_for,
+        method,
+        path_and_query,
+    );
+    let signature = signer.sign(message.as_bytes());
+    SignedHeaders {
+        headers: vec![
+            (HEADER_VERSION, "2".to_owned()),
+            (HEADER_TIMESTAMP, timestamp_ms.to_string()),
+            (HEADER_UUID, uuid.hyphenated().to_string()),
+            (HEADER_SIGNED_BY, signer.ss58()),
+            (HEADER_SIGNED_FOR, signed_for.to_owned()),
+            (HEADER_SIGNATURE, format!("0x{}", hex::encode(signature))),
+        ],
+        uuid,
+    }
+}
+
+/// How far a request's timestamp may lie from the receiver's clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkewWindow {
+    /// Oldest accepted age, in milliseconds.
+    pub max_age_ms: u64,
+    /// Furthest accepted future, in milliseconds (clocks drift both ways).
+    pub max_future_ms: u64,
+}
+
+impl Default for SkewWindow {
+    fn default() -> Self {
+        Self {
+            max_age_ms: 10_000,
+            max_future_ms: 5_000,
+        }
+    }
+}
+
+impl SkewWindow {
+    /// How long a uuid must be remembered to stop every replay inside the window.
+    pub fn replay_horizon_ms(&self) -> u64 {
+        self.max_age_ms + self.max_future_ms
+    }
+}
+
+/// Why a signed request was refused. Each maps to one stable error code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// A required header is absent.
+    #[error("missing header {0}")]
+    MissingHeader(&'static str),
+    /// A header is present but unusable.
+    #[error("malformed header {header}: {reason}")]
+    MalformedHeader {
+        /// Which header.
+        header: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The request was signed for another receiver.
+    #[error("request signed for {got}, this service is {expected}")]
+    WrongReceiver {
+        /// The receiver named in the request.
+        got: String,
+        /// This service's address.
+        expected: String,
+    },
+    /// The timestamp is too old.
+    #[error("timestamp {timestamp_ms} is {age_ms} ms old, more than {max_ms} ms")]
+    Stale {
+        /// The request's timestamp.
+        timestamp_ms: u64,
+        /// How old it is.
+        age_ms: u64,
+        /// The limit.
+        max_ms: u64,
+    },
+    /// The timestamp is in the future by more than the allowed skew.
+    #[error("timestamp {timestamp_ms} is {ahead_ms} ms in the future, more than {max_ms} ms")]
+    Future {
+        /// The request's timestamp.
+        timestamp_ms: u64,
+        /// How far ahead.
+        ahead_ms: u64,
+        /// The limit.
+        max_ms: u64,
+    },
+    /// The signature does not verify for this body, method, path and headers.
+    #[error("signature does not match the request")]
+    BadSignature,
+    /// The uuid was seen before inside the window.
+    #[error("request uuid {0} was already used")]
+    Replayed(Uuid),
+}
+
+/// A request whose headers and signature checked out (replay is the caller's check).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifiedRequest {
+    /// The sender's public key.
+    pub signer: [u8; 32],
+    /// The sender's SS58 address as sent.
+    pub signer_ss58: String,
+    /// The request's uuid.
+    pub uuid: Uuid,
+    /// The request's timestamp.
+    pub timestamp_ms: u64,
+}
+
+/// Verifies the Epistula headers of a request against its method, target and raw body.
+///
+/// `header` looks a header up by lowercase name. The order of checks puts the cheap ones first so
+/// that garbage costs no signature verification.
+pub fn verify_request<'a>(
+    header: impl Fn(&'static str) -> Option<&'a str>,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    receiver_ss58: &str,
+    now_ms: u64,
+    window: SkewWindow,
+) -> Result<VerifiedRequest, AuthError> {
+    let get = |name: &'static str| header(name).ok_or(AuthError::MissingHeader(name));
+    let version = get(HEADER_VERSION)?;
+    if version.trim() != "2" {
+        return Err(AuthError::MalformedHeader {
+            header: HEADER_VERSION,
+            reason: format!("version {version:?} is not 2"),
+        });
+    }
+    let timestamp_ms: u64 =
+        get(HEADER_TIMESTAMP)?
+            .trim()
+            .parse()
+            .map_err(|_| AuthError::MalformedHeader {
+                header: HEADER_TIMESTAMP,
+                reason: "not an integer number of milliseconds".into(),
+            })?;
+    if timestamp_ms > now_ms {
+        let ahead_ms = timestamp_ms - now_ms;
+        if ahead_ms > window.max_future_ms {
+            return Err(AuthError::Future {
+                timestamp_ms,
+                ahead_ms,
+                max_ms: window.max_future_ms,
+            });
+        }
+    } else {
+        let age_ms = now_ms - timestamp_ms;
+        if age_ms > window.max_age_ms {
+            return Err(AuthError::Stale {
+                timestamp_ms,
+                age_ms,
+                max_ms: window.max_age_ms,
+            });
+        }
+    }
+    let uuid_text = get(HEADER_UUID)?;
+    let uuid = Uuid::parse_str(uuid_text.trim()).map_err(|e| AuthError::MalformedHeader {
+        header: HEADER_UUID,
+        reason: e.to_string(),
+    })?;
+    let signed_for = get(HEADER_SIGNED_FOR)?;
+    if signed_for != receiver_ss58 {
+        return Err(AuthError::WrongReceiver {
+            got: signed_for.to_owned(),
+            expected: receiver_ss58.to_owned(),
+        });
+    }
+    let signed_by = get(HEADER_SIGNED_BY)?;
+    let public =
+        sr25519::Public::from_ss58check(signed_by).map_err(|e| AuthError::MalformedHeader {
+            header: HEADER_SIGNED_BY,
+            reason: format!("not an SS58 address: {e:?}"),
+        })?;
+    let signature = parse_signature(get(HEADER_SIGNATURE)?)?;
+    let message = signing_message(
+        body,
+        &uuid,
+        timestamp_ms,
+        signed_for,
+        method,
+        path_and_query,
+    );
+    if !sr25519::Pair::verify(&signature, message.as_bytes(), &public) {
+        return Err(AuthError::BadSignature);
+    }
+    Ok(VerifiedRequest {
+        signer: public.0,
+        signer_ss58: signed_by.to_owned(),
+        uuid,
+        timestamp_ms,
+    })
+}
+
+fn parse_signature(text: &str) -> Result<sr25519::Signature, AuthError> {
+    let malformed = |reason: &str| AuthError::MalformedHeader {
+        header: HEADER_SIGNATURE,
+        reason: reason.to_owned(),
+    };
+    let hex_part = text
+        .trim()
+        .strip_prefix("0x")
+        .ok_or_else(|| malformed("missing 0x prefix"))?;
+    if hex_part.len() != 128 {
+        return Err(malformed("expected 128 hex digits (64 bytes)"));
+    }
+    let mut raw = [0u8; 64];
+    hex::decode_to_slice(hex_part, &mut raw).map_err(|_| malformed("not hex"))?;
+    Ok(sr25519::Signature::from_raw(raw))
+}
+
+/// Parses an SS58 address into raw public key bytes.
+pub fn public_key_of(ss58: &str) -> Option<[u8; 32]> {
+    sr25519::Public::from_ss58check(ss58).ok().map(|p| p.0)
+}
+
+/// The SS58 address (prefix 42) of raw public key bytes.
+pub fn ss58_of(public: &[u8; 32]) -> String {
+    sr25519::Public::from_raw(*public).to_ss58check()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(seed: u8) -> sr25519::Pair {
+        sr25519::Pair::from_seed(&[seed; 32])
+    }
+
+    struct Req {
+        headers: Vec<(&'static str, String)>,
+        receiver: String,
+    }
+
+    fn signed(method: &str, path: &str, body: &[u8], ts: u64) -> Req {
+        let receiver = pair(9).ss58();
+        let s = sign_request(&pair(1), &receiver, method, path, body, ts, Uuid::new_v4());
+        Req {
+            headers: s.headers,
+            receiver,
+        }
+    }
+
+    fn verify(
+        r: &Req,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        now: u64,
+    ) -> Result<VerifiedRequest, AuthError> {
+        verify_request(
+            |name| {
+                r.headers
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.as_str())
+            },
+            method,
+            path,
+            body,
+            &r.receiver,
+            now,
+            SkewWindow::default(),
+        )
+    }
+
+    #[test]
+    fn round_trip_and_bindings() {
+        let r = signed("POST", "/v1/miner/work?x=1", b"{}", 1_000_000);
+        let ok = verify(&r, "post", "/v1/miner/work?x=1", b"{}", 1_000_500).expect("valid");
+        assert_eq!(ok.signer, pair(1).public().0);
+        // Every signed part changes the verdict.
+        for (m, p, b) in [
+            ("GET", "/v1/miner/work?x=1", &b"{}"[..]),
+            ("POST", "/v1/miner/work?x=2", b"{}"),
+            ("POST", "/v1/miner/heartbeat?x=1", b"{}"),
+            ("POST", "/v1/miner/work?x=1", b"{ }"),
+        ] {
+            assert_eq!(
+                verify(&r, m, p, b, 1_000_500),
+                Err(AuthError::BadSignature),
+                "{m} {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn clock_window_both_ways() {
+        let r = signed("GET", "/v1/x", b"", 1_000_000);
+        assert!(matches!(
+            verify(&r, "GET", "/v1/x", b"", 1_010_001),
+            Err(AuthError::Stale { .. })
+        ));
+        assert!(verify(&r, "GET", "/v1/x", b"", 1_010_000).is_ok());
+        assert!(matches!(
+            verify(&r, "GET", "/v1/x", b"", 994_999),
+            Err(AuthError::Future { .. })
+        ));
+        assert!(verify(&r, "GET", "/v1/x", b"", 995_000).is_ok());
+    }
+
+    #[test]
+    fn wrong_receiver_and_forged_signer() {
+        let mut r = signed("GET", "/v1/x", b"", 1_000);
+        r.receiver = pair(8).ss58();
+        assert!(matches!(
+            verify(&r, "GET", "/v1/x", b"", 1_000),
+            Err(AuthError::WrongReceiver { .. })
+        ));
+        let mut r = signed("GET", "/v1/x", b"", 1_000);
+        for h in &mut r.headers {
+            if h.0 == HEADER_SIGNED_BY {
+                h.1 = pair(2).ss58();
+            }
+        }
+        assert_eq!(
+            verify(&r, "GET", "/v1/x", b"", 1_000),
+            Err(AuthError::BadSignature)
+        );
+    }
+
+    #[test]
+    fn malformed_headers_are_named() {
+        let mut r = signed("GET", "/v1/x", b"", 1_000);
+        r.headers.retain(|h| h.0 != HEADER_UUID);
+        assert_eq!(
+            verify(&r, "GET", "/v1/x", b"", 1_000),
+            Err(AuthError::MissingHeader(HEADER_UUID))
+        );
+        let mut r = signed("GET", "/v1/x", b"", 1_000);
+        for h in &mut r.headers {
+            if h.0 == HEADER_SIGNATURE {
+                h.1 = "0xabc".into();
+            }
+        }
+        assert!(matches!(
+            verify(&r, "GET", "/v1/x", b"", 1_000),
+            Err(AuthError::MalformedHeader {
+                header: HEADER_SIGNATURE,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn message_format_is_documented_string() {
+        let uuid = Uuid::from_u128(1);
+        let m = signing_message(b"", &uuid, 5, "5Grw", "get", "/v1/a?b=c");
+        assert_eq!(
+            m,
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855.\
+             00000000-0000-0000-0000-000000000001.5.5Grw.GET./v1/a?b=c"
+        );
+    }
+}

@@ -1,0 +1,428 @@
+//! The tensor wire formats and their checks, independent of any tensor library.
+//!
+//! Every tensor travels as a safetensors file with one metadata entry `iota` holding a JSON object
+//! whose `format` names the layout:
+//!
+//! * `iota-boundary/v1` (activations and activation gradients between stages, written by
+//!   `iota-model`): tensor `values` of shape `[batch, seq, width]`, F32, or I8 with a second
+//!   tensor `scales` (F32, one per row, `batch·seq` of them) and `"encoding": "int8"`.
+//! * `iota-partition/v1` (pseudo-gradient partitions and merged partitions): one F32 tensor
+//!   `values` of shape `[len]`.
+//!
+//! [`check_tensor`] is what the orchestrator runs on every upload and what a consumer runs after
+//! download: layout, dtype, exact shape, every value finite, int8 values in `[-127, 127]`.
+
+use std::collections::HashMap;
+
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::blob::BlobDtype;
+
+/// Name of the safetensors metadata entry.
+pub const META_KEY: &str = "iota";
+/// Format name of boundary tensors.
+pub const BOUNDARY_FORMAT: &str = "iota-boundary/v1";
+/// Format name of flat partitions.
+pub const PARTITION_FORMAT: &str = "iota-partition/v1";
+
+/// How boundary tensors are encoded on the wire in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WireEncoding {
+    /// Raw f32.
+    F32,
+    /// Per-row symmetric int8 with one f32 scale per row.
+    Int8,
+}
+
+/// What an upload slot expects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TensorSpec {
+    /// A boundary tensor of exactly this shape and encoding.
+    Boundary {
+        /// `[batch, seq, width]`.
+        shape: [u64; 3],
+        /// Encoding.
+        encoding: WireEncoding,
+    },
+    /// A flat f32 partition of exactly `len` values.
+    Partition {
+        /// Number of values.
+        len: u64,
+    },
+}
+
+impl TensorSpec {
+    /// An upper bound on the encoded size: payload plus a generous header allowance.
+    pub fn max_bytes(&self) -> u64 {
+        const HEADER_ALLOWANCE: u64 = 4096;
+        let payload = match self {
+            Self::Boundary { shape, encoding } => {
+                let n = shape.iter().product::<u64>();
+                let rows = shape[0] * shape[1];
+                match encoding {
+                    WireEncoding::F32 => 4 * n,
+                    WireEncoding::Int8 => n + 4 * rows,
+                }
+            }
+            Self::Partition { len } => 4 * len,
+        };
+        payload + HEADER_ALLOWANCE
+    }
+
+    /// The dtype and shape a descriptor of a valid tensor reports.
+    pub fn dtype_and_shape(&self) -> (BlobDtype, Vec<u64>) {
+        match self {
+            Self::Boundary { shape, encoding } => (
+                match encoding {
+                    WireEncoding::F32 => BlobDtype::F32,
+                    WireEncoding::Int8 => BlobDtype::I8,
+                },
+                shape.to_vec(),
+            ),
+            Self::Partition { len } => (BlobDtype::F32, vec![*len]),
+        }
+    }
+}
+
+/// Why a tensor was refused. The message names the first problem found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    /// Larger than the slot allows.
+    #[error("{got} bytes, more than the {max} this slot allows")]
+    TooLarge {
+        /// Actual size.
+        got: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// Not a safetensors file.
+    #[error("not a safetensors file: {0}")]
+    Unreadable(String),
+    /// The layout (format, tensor names) is wrong.
+    #[error("wrong layout: {0}")]
+    Layout(String),
+    /// The main tensor's dtype is wrong.
+    #[error("dtype {got}, expected {expected}")]
+    Dtype {
+        /// Actual.
+        got: String,
+        /// Expected.
+        expected: String,
+    },
+    /// The shape is wrong.
+    #[error("shape {got:?}, expected {expected:?}")]
+    Shape {
+        /// Actual.
+        got: Vec<u64>,
+        /// Expected.
+        expected: Vec<u64>,
+    },
+    /// A value is NaN or infinite (or an int8 value or scale is out of range).
+    #[error("non-finite or out-of-range value in {0}")]
+    NonFinite(String),
+}
+
+#[derive(Deserialize)]
+struct Meta {
+    format: String,
+    #[serde(default)]
+    encoding: Option<WireEncoding>,
+}
+
+/// Checks `bytes` against `spec`. Runs in one pass over the values; allocates nothing per value.
+pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> {
+    let max = spec.max_bytes();
+    if bytes.len() as u64 > max {
+        return Err(TensorError::TooLarge {
+            got: bytes.len() as u64,
+            max,
+        });
+    }
+    let (_, metadata) =
+        SafeTensors::read_metadata(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    let meta: Meta = metadata
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(META_KEY))
+        .ok_or_else(|| TensorError::Layout(format!("missing {META_KEY:?} metadata entry")))
+        .and_then(|m| {
+            serde_json::from_str(m).map_err(|e| TensorError::Layout(format!("bad metadata: {e}")))
+        })?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    let values = st
+        .tensor("values")
+        .map_err(|_| TensorError::Layout("no tensor named \"values\"".into()))?;
+    let shape: Vec<u64> = values.shape().iter().map(|d| *d as u64).collect();
+    match spec {
+        TensorSpec::Partition { len } => {
+            expect_format(&meta, PARTITION_FORMAT)?;
+            expect_names(&st, &["values"])?;
+            expect_dtype(values.dtype(), Dtype::F32)?;
+            expect_shape(&shape, &[*len])?;
+            check_f32_finite(values.data(), "values")
+        }
+        TensorSpec::Boundary {
+            shape: want,
+            encoding,
+        } => {
+            expect_format(&meta, BOUNDARY_FORMAT)?;
+            let got_encoding = meta.encoding.unwrap_or(WireEncoding::F32);
+            if got_encoding != *encoding {
+                return Err(TensorError::Layout(format!(
+                    "encoding {got_encoding:?}, this run uses {encoding:?}"
+                )));
+            }
+            expect_shape(&shape, want)?;
+            match encoding {
+                WireEncoding::F32 => {
+                    expect_names(&st, &["values"])?;
+                    expect_dtype(values.dtype(), Dtype::F32)?;
+                    check_f32_finite(values.data(), "values")
+                }
+                WireEncoding::Int8 => {
+                    expect_names(&st, &["scales", "values"])?;
+                    expect_dtype(values.dtype(), Dtype::I8)?;
+                    if values.data().iter().any(|b| *b == 0x80) {
+                        return Err(TensorError::NonFinite("values (-128)".into()));
+                    }
+                    let scales = st
+                        .tensor("scales")
+                        .map_err(|_| TensorError::Layout("no tensor named \"scales\"".into()))?;
+                    expect_dtype(scales.dtype(), Dtype::F32)?;
+                    let rows = want[0] * want[1];
+                    let scale_shape: Vec<u64> = scales.shape().iter().map(|d| *d as u64).collect();
+                    expect_shape(&scale_shape, &[rows])?;
+                    check_f32_finite(scales.data(), "scales")?;
+                    if f32_values(scales.data()).any(|s| s < 0.0) {
+                        return Err(TensorError::NonFinite("scales (negative)".into()));
+                    }
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+fn expect_format(meta: &Meta, want: &str) -> Result<(), TensorError> {
+    if meta.format == want {
+        Ok(())
+    } else {
+        Err(TensorError::Layout(format!(
+            "format {:?}, expected {want:?}",
+            meta.format
+        )))
+    }
+}
+
+fn expect_names(st: &SafeTensors<'_>, want: &[&str]) -> Result<(), TensorError> {
+    let mut names: Vec<&str> = st.names().into_iter().collect();
+    names.sort_unstable();
+    if names == want {
+        Ok(())
+    } else {
+        Err(TensorError::Layout(format!(
+            "tensors {names:?}, expected {want:?}"
+        )))
+    }
+}
+
+fn expect_dtype(got: Dtype, want: Dtype) -> Result<(), TensorError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(TensorError::Dtype {
+            got: format!("{got:?}"),
+            expected: format!("{want:?}"),
+        })
+    }
+}
+
+fn expect_shape(got: &[u64], want: &[u64]) -> Result<(), TensorError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(TensorError::Shape {
+            got: got.to_vec(),
+            expected: want.to_vec(),
+        })
+    }
+}
+
+fn f32_values(data: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    data.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+fn check_f32_finite(data: &[u8], what: &str) -> Result<(), TensorError> {
+    if f32_values(data).all(f32::is_finite) {
+        Ok(())
+    } else {
+        Err(TensorError::NonFinite(what.to_owned()))
+    }
+}
+
+/// Encodes a flat f32 partition (`iota-partition/v1`). Deterministic: the same values give the
+/// same bytes, so owners of a merge can compare BLAKE3 digests.
+pub fn encode_partition(values: &[f32]) -> Vec<u8> {
+    encode_f32(PARTITION_FORMAT, None, &[values.len() as u64], values)
+}
+
+/// Encodes an f32 boundary tensor (`iota-boundary/v1`) of `shape`. `iota-model` writes the same
+/// layout; this is for tools and simulations that do not run the model.
+pub fn encode_boundary_f32(shape: [u64; 3], values: &[f32]) -> Vec<u8> {
+    encode_f32(BOUNDARY_FORMAT, Some(WireEncoding::F32), &shape, values)
+}
+
+/// Encodes an int8 boundary tensor with its per-row scales.
+pub fn encode_boundary_i8(shape: [u64; 3], values: &[i8], scales: &[f32]) -> Vec<u8> {
+    let data: Vec<u8> = values.iter().map(|v| v.to_le_bytes()[0]).collect();
+    let rows = shape[0] * shape[1];
+    let mut tensors = vec![
+        ("values".to_owned(), raw_view(Dtype::I8, &shape, data)),
+        (
+            "scales".to_owned(),
+            raw_view(Dtype::F32, &[rows], f32_le(scales)),
+        ),
+    ];
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    serialize(tensors, BOUNDARY_FORMAT, Some(WireEncoding::Int8))
+}
+
+/// Decodes the values of a checked partition.
+pub fn decode_partition(bytes: &[u8], len: u64) -> Result<Vec<f32>, TensorError> {
+    check_tensor(bytes, &TensorSpec::Partition { len })?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    let values = st
+        .tensor("values")
+        .map_err(|_| TensorError::Layout("no tensor named \"values\"".into()))?;
+    Ok(f32_values(values.data()).collect())
+}
+
+fn f32_le(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+struct RawView {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl safetensors::View for RawView {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn raw_view(dtype: Dtype, shape: &[u64], data: Vec<u8>) -> RawView {
+    RawView {
+        dtype,
+        shape: shape.iter().map(|d| *d as usize).collect(),
+        data,
+    }
+}
+
+fn encode_f32(
+    format: &str,
+    encoding: Option<WireEncoding>,
+    shape: &[u64],
+    values: &[f32],
+) -> Vec<u8> {
+    serialize(
+        vec![(
+            "values".to_owned(),
+            raw_view(Dtype::F32, shape, f32_le(values)),
+        )],
+        format,
+        encoding,
+    )
+}
+
+fn serialize(tensors: Vec<(String, RawView)>, format: &str, encoding: Option<WireEncoding>) -> Vec<u8> {
+    let meta = match encoding {
+        Some(e) => serde_json::json!({ "format": format, "encoding": e }),
+        None => serde_json::json!({ "format": format }),
+    };
+    let mut info = HashMap::new();
+    info.insert(META_KEY.to_owned(), meta.to_string());
+    // Serialising owned, well-formed views cannot fail: shapes and byte lengths agree by
+    // construction. An empty buffer would fail every later check rather than pass one.
+    safetensors::serialize(tensors, Some(info)).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_round_trip_and_checks() {
+        let bytes = encode_partition(&[1.0, 2.0, 3.0]);
+        assert_eq!(check_tensor(&bytes, &TensorSpec::Partition { len: 3 }), Ok(()));
+        assert!(matches!(
+            check_tensor(&bytes, &TensorSpec::Partition { len: 4 }),
+            Err(TensorError::Shape { .. })
+        ));
+        assert_eq!(decode_partition(&bytes, 3), Ok(vec![1.0, 2.0, 3.0]));
+        let nan = encode_partition(&[1.0, f32::NAN, 3.0]);
+        assert!(matches!(
+            check_tensor(&nan, &TensorSpec::Partition { len: 3 }),
+            Err(TensorError::NonFinite(_))
+        ));
+        assert_eq!(encode_partition(&[1.0, 2.0]), encode_partition(&[1.0, 2.0]));
+    }
+
+    #[test]
+    fn boundary_checks() {
+        let spec = TensorSpec::Boundary {
+            shape: [2, 3, 4],
+            encoding: WireEncoding::F32,
+        };
+        let ok = encode_boundary_f32([2, 3, 4], &[0.5; 24]);
+        assert_eq!(check_tensor(&ok, &spec), Ok(()));
+        let wrong_shape = encode_boundary_f32([2, 4, 3], &[0.5; 24]);
+        assert!(matches!(
+            check_tensor(&wrong_shape, &spec),
+            Err(TensorError::Shape { .. })
+        ));
+        let mut inf = vec![0.5; 24];
+        inf[7] = f32::INFINITY;
+        assert!(matches!(
+            check_tensor(&encode_boundary_f32([2, 3, 4], &inf), &spec),
+            Err(TensorError::NonFinite(_))
+        ));
+        // An int8 tensor where f32 is expected is a layout error, not accepted.
+        let q = encode_boundary_i8([2, 3, 4], &[1; 24], &[0.1; 6]);
+        assert!(check_tensor(&q, &spec).is_err());
+        let spec8 = TensorSpec::Boundary {
+            shape: [2, 3, 4],
+            encoding: WireEncoding::Int8,
+        };
+        assert_eq!(check_tensor(&q, &spec8), Ok(()));
+        let bad_q = encode_boundary_i8([2, 3, 4], &[-128; 24], &[0.1; 6]);
+        assert!(check_tensor(&bad_q, &spec8).is_err());
+        let bad_scale = encode_boundary_i8([2, 3, 4], &[1; 24], &[-0.1; 6]);
+        assert!(check_tensor(&bad_scale, &spec8).is_err());
+        // Garbage and oversize.
+        assert!(matches!(
+            check_tensor(b"not a tensor", &spec),
+            Err(TensorError::Unreadable(_))
+        ));
+        let huge = vec![0u8; spec.max_bytes() as usize + 1];
+        assert!(matches!(
+            check_tensor(&huge, &spec),
+            Err(TensorError::TooLarge { .. })
+        ));
+    }
+}
