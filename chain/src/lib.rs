@@ -26,6 +26,7 @@ pub mod set_weights;
 pub mod shape;
 pub mod signer;
 pub mod wallet;
+pub mod watcher;
 pub mod weights;
 
 pub use client::{Receipt, Subtensor, TxOptions, TxOutcome, WaitFor};
@@ -34,3 +35,4 @@ pub use metagraph::{Axon, Hyperparams, Metagraph, Neuron};
 pub use network::{ConnectOptions, ShapeCheck};
 pub use ops::{Outcome, Registration};
 pub use set_weights::{VersionKey, WeightOptions, WeightsOutcome};
+pub use watcher::{MetagraphIndex, MetagraphWatcher, WatchOptions};

@@ -1,4 +1,4 @@
-//! `iota`: one binary for operators: local chain, wallets, chain operations.
+//! `iota`: one binary for operators: local chain, wallets, chain operations, the orchestrator.
 
 use clap::{Parser, Subcommand};
 
@@ -20,11 +20,66 @@ enum Command {
     },
     /// Chain operations: metagraph, register, serve-axon, stake, transfer, set-weights, …
     Chain(iota_chain::cli::ChainArgs),
+    /// The orchestrator: signed HTTP API, run state in PostgreSQL, blobs in object storage.
+    Orchestrator(OrchestratorCmd),
     /// Training-core tools.
     Model {
         #[command(subcommand)]
         command: ModelCommand,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct OrchestratorCmd {
+    /// Model config: `tiny`, `small`, `iota-1.5b`, `iota-15b` or a JSON file.
+    #[arg(long, env = "IOTA_MODEL", default_value = "tiny")]
+    model: String,
+    /// Print the OpenAPI document and exit.
+    #[arg(long = "print-openapi")]
+    print_openapi: bool,
+    #[command(flatten)]
+    args: iota_orchestrator::OrchestratorArgs,
+}
+
+/// The shape of a model as the orchestrator needs it, without loading weights.
+fn model_shape(name: &str) -> anyhow::Result<iota_orchestrator::config::ModelShape> {
+    let cfg = iota_model::ModelConfig::load(name)?;
+    let stage_params = (0..cfg.num_stages())
+        .map(|k| cfg.stage_param_count(k).map(|n| n as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(iota_orchestrator::config::ModelShape {
+        model: name.to_owned(),
+        stage_params,
+        boundary_dim: u32::try_from(cfg.boundary_dim())?,
+    })
+}
+
+async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
+    if cmd.print_openapi {
+        println!("{}", iota_orchestrator::openapi_json());
+        return Ok(());
+    }
+    let shape = model_shape(&cmd.model)?;
+    let wallet = cmd.args.wallet.wallet()?;
+    let hotkey = wallet.hotkeypub().map_err(|e| {
+        anyhow::anyhow!("the orchestrator's hotkey: {e} (create one with `iota wallet new-hotkey`)")
+    })?;
+    let config = cmd
+        .args
+        .config(shape, hotkey.ss58())
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let listener = tokio::net::TcpListener::bind(cmd.args.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cmd.args.listen))?;
+    println!(
+        "orchestrator on http://{} (dashboard at /)",
+        listener.local_addr()?
+    );
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    iota_orchestrator::run(config, listener, shutdown).await?;
+    Ok(())
 }
 
 #[derive(Debug, Subcommand)]
@@ -58,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             iota_chain::wallet::cli::run(&command, &mut std::io::stdout())?;
         }
         Command::Chain(args) => iota_chain::cli::run(&args, &mut std::io::stdout()).await?,
+        Command::Orchestrator(cmd) => orchestrator(cmd).await?,
         Command::Model {
             command:
                 ModelCommand::TrainTokenizer {

@@ -54,6 +54,10 @@ pub struct RunConfig {
     pub retention_epochs: u64,
     /// Seed that all parties use to initialise epoch-0 weights.
     pub init_seed: u64,
+    /// Outer (merge-time) learning rate applied to the averaged pseudo-gradient.
+    pub outer_lr: f64,
+    /// Outer Nesterov momentum coefficient.
+    pub outer_momentum: f64,
 }
 
 impl RunConfig {

@@ -179,7 +179,16 @@ impl ApiClient {
         path_and_query: &str,
         body: Option<Bytes>,
     ) -> Result<T, ClientError> {
-        self.request(method, path_and_query, body, true).await
+        let bytes = self
+            .request_bytes(
+                method,
+                path_and_query,
+                body,
+                true,
+                "application/octet-stream",
+            )
+            .await?;
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
     }
 
     async fn request<T: DeserializeOwned>(
@@ -190,7 +199,7 @@ impl ApiClient {
         signed: bool,
     ) -> Result<T, ClientError> {
         let bytes = self
-            .request_bytes(method, path_and_query, body, signed)
+            .request_bytes(method, path_and_query, body, signed, "application/json")
             .await?;
         serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
     }
@@ -201,6 +210,7 @@ impl ApiClient {
         path_and_query: &str,
         body: Option<Bytes>,
         signed: bool,
+        content_type: &'static str,
     ) -> Result<Bytes, ClientError> {
         let url = format!("{}{}", self.base, path_and_query);
         let mut last_error = ClientError::Network("no attempt made".into());
@@ -226,7 +236,9 @@ impl ApiClient {
                 }
             }
             if body.is_some() {
-                req = req.body(raw);
+                req = req
+                    .header(reqwest::header::CONTENT_TYPE, content_type)
+                    .body(raw);
             }
             match req.send().await {
                 Ok(resp) => {
@@ -388,8 +400,14 @@ impl ApiClient {
                     .map_err(|e| ClientError::Network(e.to_string()))?
             }
             None => {
-                self.request_bytes(Method::GET, &format!("/v1/blobs/{}", blob.key), None, true)
-                    .await?
+                self.request_bytes(
+                    Method::GET,
+                    &format!("/v1/blobs/{}", blob.key),
+                    None,
+                    true,
+                    "application/octet-stream",
+                )
+                .await?
             }
         };
         blob.check_bytes(&bytes).map_err(ClientError::BadObject)?;

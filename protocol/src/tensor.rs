@@ -6,8 +6,10 @@
 //! * `iota-boundary/v1` (activations and activation gradients between stages, written by
 //!   `iota-model`): tensor `values` of shape `[batch, seq, width]`, F32, or I8 with a second
 //!   tensor `scales` (F32, one per row, `batch·seq` of them) and `"encoding": "int8"`.
-//! * `iota-partition/v1` (pseudo-gradient partitions and merged partitions): one F32 tensor
-//!   `values` of shape `[len]`.
+//! * `iota-partition/v1` (pseudo-gradient partitions): one F32 tensor `values` of shape `[len]`.
+//! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
+//!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
+//!   makes the outer step stateless: whoever merges next epoch reads both from the store.
 //!
 //! [`check_tensor`] is what the orchestrator runs on every upload and what a consumer runs after
 //! download: layout, dtype, exact shape, every value finite, int8 values in `[-127, 127]`.
@@ -24,8 +26,10 @@ use crate::blob::BlobDtype;
 pub const META_KEY: &str = "iota";
 /// Format name of boundary tensors.
 pub const BOUNDARY_FORMAT: &str = "iota-boundary/v1";
-/// Format name of flat partitions.
+/// Format name of pseudo-gradient partitions.
 pub const PARTITION_FORMAT: &str = "iota-partition/v1";
+/// Format name of merged partitions.
+pub const MERGED_FORMAT: &str = "iota-merged/v1";
 
 /// How boundary tensors are encoded on the wire in a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
@@ -52,6 +56,11 @@ pub enum TensorSpec {
         /// Number of values.
         len: u64,
     },
+    /// A merged partition: weights and momentum, `len` values each.
+    Merged {
+        /// Number of values.
+        len: u64,
+    },
 }
 
 impl TensorSpec {
@@ -68,6 +77,7 @@ impl TensorSpec {
                 }
             }
             Self::Partition { len } => 4 * len,
+            Self::Merged { len } => 8 * len,
         };
         payload + HEADER_ALLOWANCE
     }
@@ -82,7 +92,7 @@ impl TensorSpec {
                 },
                 shape.to_vec(),
             ),
-            Self::Partition { len } => (BlobDtype::F32, vec![*len]),
+            Self::Partition { len } | Self::Merged { len } => (BlobDtype::F32, vec![*len]),
         }
     }
 }
@@ -164,6 +174,20 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
             expect_shape(&shape, &[*len])?;
             check_f32_finite(values.data(), "values")
         }
+        TensorSpec::Merged { len } => {
+            expect_format(&meta, MERGED_FORMAT)?;
+            expect_names(&st, &["momentum", "values"])?;
+            let momentum = st
+                .tensor("momentum")
+                .map_err(|_| TensorError::Layout("no tensor named \"momentum\"".into()))?;
+            for (name, t) in [("values", &values), ("momentum", &momentum)] {
+                expect_dtype(t.dtype(), Dtype::F32)?;
+                let shape: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
+                expect_shape(&shape, &[*len])?;
+                check_f32_finite(t.data(), name)?;
+            }
+            Ok(())
+        }
         TensorSpec::Boundary {
             shape: want,
             encoding,
@@ -185,7 +209,7 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
                 WireEncoding::Int8 => {
                     expect_names(&st, &["scales", "values"])?;
                     expect_dtype(values.dtype(), Dtype::I8)?;
-                    if values.data().iter().any(|b| *b == 0x80) {
+                    if values.data().contains(&0x80) {
                         return Err(TensorError::NonFinite("values (-128)".into()));
                     }
                     let scales = st
@@ -270,6 +294,40 @@ pub fn encode_partition(values: &[f32]) -> Vec<u8> {
     encode_f32(PARTITION_FORMAT, None, &[values.len() as u64], values)
 }
 
+/// Encodes a merged partition (`iota-merged/v1`): new weights and outer momentum, same length.
+/// Deterministic, so independent owners of a merge produce identical bytes and digests.
+pub fn encode_merged(values: &[f32], momentum: &[f32]) -> Vec<u8> {
+    let len = [values.len() as u64];
+    let mlen = [momentum.len() as u64];
+    serialize(
+        vec![
+            (
+                "momentum".to_owned(),
+                raw_view(Dtype::F32, &mlen, f32_le(momentum)),
+            ),
+            (
+                "values".to_owned(),
+                raw_view(Dtype::F32, &len, f32_le(values)),
+            ),
+        ],
+        MERGED_FORMAT,
+        None,
+    )
+}
+
+/// Decodes a checked merged partition into `(values, momentum)`.
+pub fn decode_merged(bytes: &[u8], len: u64) -> Result<(Vec<f32>, Vec<f32>), TensorError> {
+    check_tensor(bytes, &TensorSpec::Merged { len })?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    let read = |name: &str| -> Result<Vec<f32>, TensorError> {
+        let t = st
+            .tensor(name)
+            .map_err(|_| TensorError::Layout(format!("no tensor named {name:?}")))?;
+        Ok(f32_values(t.data()).collect())
+    };
+    Ok((read("values")?, read("momentum")?))
+}
+
 /// Encodes an f32 boundary tensor (`iota-boundary/v1`) of `shape`. `iota-model` writes the same
 /// layout; this is for tools and simulations that do not run the model.
 pub fn encode_boundary_f32(shape: [u64; 3], values: &[f32]) -> Vec<u8> {
@@ -350,7 +408,11 @@ fn encode_f32(
     )
 }
 
-fn serialize(tensors: Vec<(String, RawView)>, format: &str, encoding: Option<WireEncoding>) -> Vec<u8> {
+fn serialize(
+    tensors: Vec<(String, RawView)>,
+    format: &str,
+    encoding: Option<WireEncoding>,
+) -> Vec<u8> {
     let meta = match encoding {
         Some(e) => serde_json::json!({ "format": format, "encoding": e }),
         None => serde_json::json!({ "format": format }),
@@ -369,7 +431,10 @@ mod tests {
     #[test]
     fn partition_round_trip_and_checks() {
         let bytes = encode_partition(&[1.0, 2.0, 3.0]);
-        assert_eq!(check_tensor(&bytes, &TensorSpec::Partition { len: 3 }), Ok(()));
+        assert_eq!(
+            check_tensor(&bytes, &TensorSpec::Partition { len: 3 }),
+            Ok(())
+        );
         assert!(matches!(
             check_tensor(&bytes, &TensorSpec::Partition { len: 4 }),
             Err(TensorError::Shape { .. })
@@ -381,6 +446,20 @@ mod tests {
             Err(TensorError::NonFinite(_))
         ));
         assert_eq!(encode_partition(&[1.0, 2.0]), encode_partition(&[1.0, 2.0]));
+        // A pseudo-gradient is not a merged partition, and the other way round.
+        assert!(check_tensor(&bytes, &TensorSpec::Merged { len: 3 }).is_err());
+        let merged = encode_merged(&[1.0, 2.0, 3.0], &[0.0, 0.5, 0.0]);
+        assert_eq!(
+            check_tensor(&merged, &TensorSpec::Merged { len: 3 }),
+            Ok(())
+        );
+        assert!(check_tensor(&merged, &TensorSpec::Partition { len: 3 }).is_err());
+        assert_eq!(
+            decode_merged(&merged, 3),
+            Ok((vec![1.0, 2.0, 3.0], vec![0.0, 0.5, 0.0]))
+        );
+        let short_momentum = encode_merged(&[1.0, 2.0, 3.0], &[0.0, 0.5]);
+        assert!(check_tensor(&short_momentum, &TensorSpec::Merged { len: 3 }).is_err());
     }
 
     #[test]

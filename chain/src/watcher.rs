@@ -1,0 +1,244 @@
+//! A metagraph kept fresh in the background, for services that check callers on every request.
+//!
+//! [`MetagraphWatcher::spawn`] reads the subnet's metagraph every few blocks and publishes it
+//! through a `tokio::sync::watch` channel as a [`MetagraphIndex`]: hotkey → neuron in O(1). A read
+//! that fails keeps the last good index (callers keep working through a node hiccup) and retries
+//! with exponential backoff; [`MetagraphIndex::age`] tells how stale it is.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::client::Subtensor;
+use crate::error::ChainError;
+use crate::metagraph::{Metagraph, Neuron};
+use crate::wallet::PublicKey;
+
+/// A metagraph with a hotkey index.
+#[derive(Clone, Debug)]
+pub struct MetagraphIndex {
+    metagraph: Metagraph,
+    by_hotkey: HashMap<PublicKey, usize>,
+    read_at: Instant,
+}
+
+impl MetagraphIndex {
+    /// Indexes `metagraph`.
+    pub fn new(metagraph: Metagraph) -> Self {
+        let by_hotkey = metagraph
+            .neurons
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.hotkey, i))
+            .collect();
+        Self {
+            metagraph,
+            by_hotkey,
+            read_at: Instant::now(),
+        }
+    }
+
+    /// The neuron registered with `hotkey`.
+    pub fn neuron(&self, hotkey: &PublicKey) -> Option<&Neuron> {
+        self.by_hotkey
+            .get(hotkey)
+            .and_then(|i| self.metagraph.neurons.get(*i))
+    }
+
+    /// The uid of `hotkey`.
+    pub fn uid_of(&self, hotkey: &PublicKey) -> Option<u16> {
+        self.neuron(hotkey).map(|n| n.uid)
+    }
+
+    /// Whether `hotkey` holds a validator permit.
+    pub fn has_permit(&self, hotkey: &PublicKey) -> bool {
+        self.neuron(hotkey).is_some_and(|n| n.validator_permit)
+    }
+
+    /// The metagraph.
+    pub fn metagraph(&self) -> &Metagraph {
+        &self.metagraph
+    }
+
+    /// Block the metagraph was read at.
+    pub fn block(&self) -> u64 {
+        self.metagraph.block
+    }
+
+    /// Time since it was read.
+    pub fn age(&self) -> Duration {
+        self.read_at.elapsed()
+    }
+}
+
+/// Refresh schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct WatchOptions {
+    /// Time between reads (a few blocks: 12 s blocks on finney, so 36 s there).
+    pub every: Duration,
+    /// Longest backoff after failures.
+    pub max_backoff: Duration,
+}
+
+impl Default for WatchOptions {
+    fn default() -> Self {
+        Self {
+            every: Duration::from_secs(36),
+            max_backoff: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The background task; dropping it stops the refresh.
+pub struct MetagraphWatcher {
+    rx: watch::Receiver<Arc<MetagraphIndex>>,
+    task: JoinHandle<()>,
+}
+
+impl MetagraphWatcher {
+    /// Reads the metagraph once (failing if the chain does not answer) and keeps it fresh.
+    ///
+    /// # Errors
+    ///
+    /// The first read's error: a service should not start on a chain it cannot read.
+    pub async fn spawn(
+        chain: Subtensor,
+        netuid: u16,
+        opts: WatchOptions,
+    ) -> Result<Self, ChainError> {
+        let first = chain.metagraph(netuid).await?;
+        let (tx, rx) = watch::channel(Arc::new(MetagraphIndex::new(first)));
+        let task = tokio::spawn(async move {
+            let mut failures = 0u32;
+            loop {
+                let wait = if failures == 0 {
+                    opts.every
+                } else {
+                    opts.every
+                        .saturating_mul(1u32 << failures.min(8))
+                        .min(opts.max_backoff)
+                };
+                tokio::time::sleep(wait).await;
+                match chain.metagraph(netuid).await {
+                    Ok(m) => {
+                        failures = 0;
+                        if tx.send(Arc::new(MetagraphIndex::new(m))).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        failures = failures.saturating_add(1);
+                        tracing::warn!(error = %e, netuid, failures, "metagraph refresh failed; keeping the last one");
+                    }
+                }
+                if tx.is_closed() {
+                    return;
+                }
+            }
+        });
+        Ok(Self { rx, task })
+    }
+
+    /// A receiver of the latest index.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<MetagraphIndex>> {
+        self.rx.clone()
+    }
+
+    /// The latest index.
+    pub fn latest(&self) -> Arc<MetagraphIndex> {
+        self.rx.borrow().clone()
+    }
+
+    /// Waits until an index read at or after `block` is published.
+    ///
+    /// # Errors
+    ///
+    /// [`ChainError::Timeout`] when it does not come in time.
+    pub async fn wait_for_block(&self, block: u64, timeout: Duration) -> Result<(), ChainError> {
+        let mut rx = self.rx.clone();
+        let done = tokio::time::timeout(timeout, rx.wait_for(|m| m.block() >= block)).await;
+        match done {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(ChainError::Timeout {
+                what: format!("a metagraph read at block {block}"),
+                after: timeout,
+            }),
+        }
+    }
+}
+
+impl Drop for MetagraphWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metagraph::Hyperparams;
+
+    fn neuron(uid: u16, key: u8, permit: bool) -> Neuron {
+        Neuron {
+            uid,
+            hotkey: PublicKey::from_bytes([key; 32]),
+            coldkey: None,
+            stake: 0,
+            validator_permit: permit,
+            incentive: 0,
+            dividends: 0,
+            emission: 0,
+            consensus: 0,
+            validator_trust: 0,
+            active: true,
+            last_update: 0,
+            registered_at: 0,
+            axon: None,
+        }
+    }
+
+    #[test]
+    fn index_finds_every_neuron_and_nothing_else() {
+        let neurons: Vec<Neuron> = (0..200u16)
+            .map(|u| neuron(u, u as u8, u % 7 == 0))
+            .collect();
+        let m = Metagraph {
+            netuid: 1,
+            block: 5,
+            block_hash: String::new(),
+            hyperparams: Hyperparams {
+                netuid: 1,
+                block: 5,
+                tempo: 10,
+                weights_rate_limit: 0,
+                weights_version_key: 0,
+                commit_reveal_enabled: false,
+                reveal_period_epochs: 1,
+                burn: 0,
+                max_uids: 256,
+                n: 200,
+                max_weights_limit: u16::MAX,
+                min_allowed_weights: 0,
+                immunity_period: 0,
+                max_validators: 64,
+                registration_allowed: true,
+                serving_rate_limit: 0,
+                owner_coldkey: PublicKey::from_bytes([0; 32]),
+                owner_hotkey: PublicKey::from_bytes([0; 32]),
+                first_emission_block: None,
+            },
+            neurons,
+        };
+        let idx = MetagraphIndex::new(m);
+        for u in 0..200u16 {
+            let k = PublicKey::from_bytes([u as u8; 32]);
+            assert_eq!(idx.uid_of(&k), Some(u));
+            assert_eq!(idx.has_permit(&k), u % 7 == 0);
+        }
+        assert_eq!(idx.uid_of(&PublicKey::from_bytes([250; 32])), None);
+        assert!(!idx.has_permit(&PublicKey::from_bytes([250; 32])));
+    }
+}

@@ -1,0 +1,396 @@
+//! Shared state of the handlers, the error type they return, and the request-signing gate.
+
+use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use governor::clock::DefaultClock;
+use governor::state::keyed::DefaultKeyedStateStore;
+use governor::{Quota, RateLimiter};
+use iota_chain::MetagraphIndex;
+use iota_chain::wallet::PublicKey;
+use iota_protocol::api::RunConfig;
+use iota_protocol::signing::{SkewWindow, verify_request};
+use iota_protocol::{ApiError, AuthError, ErrorCode};
+use sqlx::PgPool;
+use tokio::sync::watch;
+
+use crate::store::{BlobStore, StoreError};
+
+/// Request rate and size limits.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Sustained signed requests per second per hotkey.
+    pub per_hotkey_rps: u32,
+    /// Burst of signed requests per hotkey.
+    pub per_hotkey_burst: u32,
+    /// Sustained public requests per second per IP.
+    pub per_ip_rps: u32,
+    /// Burst of public requests per IP.
+    pub per_ip_burst: u32,
+    /// Largest JSON body.
+    pub json_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            per_hotkey_rps: 50,
+            per_hotkey_burst: 200,
+            per_ip_rps: 50,
+            per_ip_burst: 200,
+            json_body_bytes: 1 << 20,
+        }
+    }
+}
+
+type KeyedLimiter<K> = RateLimiter<K, DefaultKeyedStateStore<K>, DefaultClock>;
+
+/// The run this process serves.
+#[derive(Clone, Debug)]
+pub struct RunRow {
+    /// Run id.
+    pub id: i64,
+    /// Shapes and timing.
+    pub config: RunConfig,
+    /// Subnet.
+    pub netuid: u16,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Everything a handler needs. Holds no run state of its own: that is in Postgres and the store.
+pub struct AppState {
+    /// Database.
+    pub db: PgPool,
+    /// Blobs.
+    pub store: BlobStore,
+    /// The run.
+    pub run: RunRow,
+    /// The orchestrator's hotkey (what requests must be signed for).
+    pub hotkey: String,
+    /// Latest metagraph.
+    pub metagraph: watch::Receiver<Arc<MetagraphIndex>>,
+    /// Accepted clock window of signed requests.
+    pub skew: SkewWindow,
+    /// Limits.
+    pub limits: Limits,
+    /// Whether this process drives the phases now.
+    pub leader: AtomicBool,
+    /// Merge reassignment rounds before the last deadline.
+    pub max_merge_rounds: u32,
+    per_hotkey: KeyedLimiter<[u8; 32]>,
+    per_ip: KeyedLimiter<IpAddr>,
+}
+
+fn quota(rps: u32, burst: u32) -> Quota {
+    let rps = NonZeroU32::new(rps.max(1)).unwrap_or(NonZeroU32::MIN);
+    let burst = NonZeroU32::new(burst.max(1)).unwrap_or(NonZeroU32::MIN);
+    Quota::per_second(rps).allow_burst(burst)
+}
+
+impl AppState {
+    /// Builds the state.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        db: PgPool,
+        store: BlobStore,
+        run: RunRow,
+        hotkey: String,
+        metagraph: watch::Receiver<Arc<MetagraphIndex>>,
+        skew: SkewWindow,
+        limits: Limits,
+        max_merge_rounds: u32,
+    ) -> Self {
+        Self {
+            db,
+            store,
+            run,
+            hotkey,
+            metagraph,
+            skew,
+            limits,
+            leader: AtomicBool::new(false),
+            max_merge_rounds,
+            per_hotkey: RateLimiter::keyed(quota(limits.per_hotkey_rps, limits.per_hotkey_burst)),
+            per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
+        }
+    }
+
+    /// The run's config.
+    pub fn config(&self) -> &RunConfig {
+        &self.run.config
+    }
+
+    /// Whether this process is the phase driver.
+    pub fn is_leader(&self) -> bool {
+        self.leader.load(Ordering::Relaxed)
+    }
+
+    /// Forgets rate-limit keys that are back at full quota (bounded memory under churn).
+    pub fn shrink_limiters(&self) {
+        self.per_hotkey.retain_recent();
+        self.per_ip.retain_recent();
+        self.per_hotkey.shrink_to_fit();
+        self.per_ip.shrink_to_fit();
+    }
+}
+
+/// Shared handle.
+pub type App = Arc<AppState>;
+
+/// A handler error: an [`ApiError`] with its status.
+#[derive(Debug)]
+pub struct AppError(pub ApiError);
+
+impl AppError {
+    /// A new error.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self(ApiError::new(code, message))
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        if status.is_server_error() {
+            tracing::error!(code = self.0.code.as_str(), message = %self.0.message, "request failed");
+        }
+        let mut resp = (status, axum::Json(self.0)).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+impl From<sqlx::Error> for AppError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::new(ErrorCode::Internal, format!("database: {e}"))
+    }
+}
+
+impl From<StoreError> for AppError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(k) => Self::new(ErrorCode::NotFound, format!("no object {k}")),
+            StoreError::BadKey(k) => Self::new(ErrorCode::BadRequest, format!("bad key {k:?}")),
+            StoreError::Backend(m) => Self::new(ErrorCode::Internal, format!("store: {m}")),
+        }
+    }
+}
+
+impl From<AuthError> for AppError {
+    fn from(e: AuthError) -> Self {
+        let code = match e {
+            AuthError::Stale { .. } | AuthError::Future { .. } => ErrorCode::ClockSkew,
+            AuthError::Replayed(_) => ErrorCode::Replayed,
+            _ => ErrorCode::Unauthenticated,
+        };
+        Self::new(code, e.to_string())
+    }
+}
+
+/// Handler result.
+pub type ApiResult<T> = Result<T, AppError>;
+
+/// Who signed a request, after every check passed.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    /// Public key.
+    pub key: PublicKey,
+    /// SS58 address.
+    pub ss58: String,
+    /// Uid on the subnet.
+    pub uid: u16,
+    /// Validator permit.
+    pub permit: bool,
+}
+
+/// Which callers a route group admits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// Any hotkey registered on the subnet.
+    Registered,
+    /// Registered with a validator permit.
+    Validator,
+}
+
+/// Milliseconds since the epoch, now.
+pub fn now_ms() -> u64 {
+    Utc::now().timestamp_millis().max(0) as u64
+}
+
+/// Signed-route middleware: buffers the body (bounded), verifies the Epistula signature against
+/// method, path, query and body, checks the caller against the metagraph, rate-limits per
+/// hotkey, and records the uuid in the shared replay cache. Cheap checks run first, so garbage
+/// costs neither a signature check nor a database write.
+pub async fn signed_gate(
+    State((app, gate, body_limit)): State<(App, Gate, usize)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match check_signed(&app, gate, body_limit, req).await {
+        Ok(req) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn check_signed(
+    app: &App,
+    gate: Gate,
+    body_limit: usize,
+    req: Request,
+) -> Result<Request, AppError> {
+    let (mut parts, body) = req.into_parts();
+    if let Some(len) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && len > body_limit as u64
+    {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("body of {len} bytes, this route takes at most {body_limit}"),
+        ));
+    }
+    let bytes: Bytes = axum::body::to_bytes(body, body_limit).await.map_err(|_| {
+        AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("body larger than {body_limit} bytes"),
+        )
+    })?;
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let verified = verify_request(
+        |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
+        parts.method.as_str(),
+        path_and_query,
+        &bytes,
+        &app.hotkey,
+        now_ms(),
+        app.skew,
+    )?;
+    let key = PublicKey::from_bytes(verified.signer);
+    let (uid, permit) = {
+        let index = app.metagraph.borrow();
+        let neuron = index.neuron(&key).ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotRegistered,
+                format!(
+                    "{} is not registered on subnet {} (metagraph at block {})",
+                    verified.signer_ss58,
+                    app.run.netuid,
+                    index.block()
+                ),
+            )
+        })?;
+        (neuron.uid, neuron.validator_permit)
+    };
+    if gate == Gate::Validator && !permit {
+        return Err(AppError::new(
+            ErrorCode::NotValidator,
+            format!("{} has no validator permit", verified.signer_ss58),
+        ));
+    }
+    if app.per_hotkey.check_key(&verified.signer).is_err() {
+        metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);
+        return Err(AppError::new(
+            ErrorCode::RateLimited,
+            "too many requests from this hotkey",
+        ));
+    }
+    let inserted = sqlx::query(
+        "INSERT INTO request_uuids (uuid, seen_at) VALUES ($1, now()) ON CONFLICT DO NOTHING",
+    )
+    .bind(verified.uuid)
+    .execute(&app.db)
+    .await?;
+    if inserted.rows_affected() == 0 {
+        return Err(AuthError::Replayed(verified.uuid).into());
+    }
+    parts.extensions.insert(Caller {
+        key,
+        ss58: key.ss58(),
+        uid,
+        permit,
+    });
+    Ok(Request::from_parts(parts, Body::from(bytes)))
+}
+
+/// Public-route middleware: per-IP rate limit.
+pub async fn public_gate(
+    State(app): State<App>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if app.per_ip.check_key(&peer.ip()).is_err() {
+        metrics::counter!("iota_rate_limited_total", "scope" => "ip").increment(1);
+        return AppError::new(
+            ErrorCode::RateLimited,
+            "too many requests from this address",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Deletes replay-cache entries older than the clock window allows (run by the phase driver).
+pub async fn prune_replay_cache(db: &PgPool, window: SkewWindow) -> Result<u64, sqlx::Error> {
+    let horizon = Duration::from_millis(window.replay_horizon_ms() + 1_000);
+    let cutoff = Utc::now()
+        - chrono::Duration::from_std(horizon).unwrap_or_else(|_| chrono::Duration::seconds(60));
+    let r = sqlx::query("DELETE FROM request_uuids WHERE seen_at < $1")
+        .bind(cutoff)
+        .execute(db)
+        .await?;
+    Ok(r.rows_affected())
+}
+
+/// `axum::Json` whose rejections are the API's error body.
+#[derive(axum::extract::FromRequest)]
+#[from_request(via(axum::Json), rejection(AppError))]
+pub struct ApiJson<T>(pub T);
+
+/// `axum::extract::Path` whose rejections are the API's error body.
+#[derive(axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(AppError))]
+pub struct ApiPath<T>(pub T);
+
+/// `axum::extract::Query` whose rejections are the API's error body.
+#[derive(axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(AppError))]
+pub struct ApiQuery<T>(pub T);
+
+impl From<axum::extract::rejection::JsonRejection> for AppError {
+    fn from(e: axum::extract::rejection::JsonRejection) -> Self {
+        Self::new(ErrorCode::BadRequest, e.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::PathRejection> for AppError {
+    fn from(e: axum::extract::rejection::PathRejection) -> Self {
+        Self::new(ErrorCode::BadRequest, e.body_text())
+    }
+}
+
+impl From<axum::extract::rejection::QueryRejection> for AppError {
+    fn from(e: axum::extract::rejection::QueryRejection) -> Self {
+        Self::new(ErrorCode::BadRequest, e.body_text())
+    }
+}

@@ -1,0 +1,269 @@
+//! Configuration: the library's [`Config`] and the `iota orchestrator` flags that build it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use iota_chain::cli::SubtensorArgs;
+use iota_chain::wallet::cli::WalletArgs;
+use iota_protocol::api::RunConfig;
+use iota_protocol::signing::SkewWindow;
+use iota_protocol::tensor::WireEncoding;
+
+use crate::app::Limits;
+use crate::store::StoreConfig;
+
+/// Everything [`crate::run`] needs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// PostgreSQL URL.
+    pub database_url: String,
+    /// Pool size.
+    pub db_max_connections: u32,
+    /// Blob store.
+    pub store: StoreConfig,
+    /// Chain endpoint (ws:// or wss://).
+    pub chain_endpoint: String,
+    /// Subnet.
+    pub netuid: u16,
+    /// The orchestrator's hotkey (SS58): what miners sign their requests for.
+    pub hotkey: String,
+    /// The run.
+    pub run: RunConfig,
+    /// Time between metagraph reads.
+    pub metagraph_refresh: Duration,
+    /// Accepted clock skew of signed requests.
+    pub skew: SkewWindow,
+    /// Rate and size limits.
+    pub limits: Limits,
+    /// Time between phase-driver steps.
+    pub tick: Duration,
+    /// Merge reassignment rounds before the last merge deadline.
+    pub max_merge_rounds: u32,
+}
+
+/// The model-derived parts of a run config, computed by the caller (the orchestrator never
+/// loads the model).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Model name or path, as miners should load it.
+    pub model: String,
+    /// Flat parameter count per stage.
+    pub stage_params: Vec<u64>,
+    /// Width of the boundary tensor between stages.
+    pub boundary_dim: u32,
+}
+
+/// `iota orchestrator` flags. Every flag can also come from the environment.
+#[derive(Clone, Debug, clap::Args)]
+pub struct OrchestratorArgs {
+    /// Address to listen on.
+    #[arg(long, env = "IOTA_LISTEN", default_value = "127.0.0.1:8700")]
+    pub listen: SocketAddr,
+    /// PostgreSQL URL.
+    #[arg(long = "database-url", env = "DATABASE_URL")]
+    pub database_url: String,
+    /// Database pool size.
+    #[arg(
+        long = "db-max-connections",
+        env = "IOTA_DB_MAX_CONNECTIONS",
+        default_value_t = 32
+    )]
+    pub db_max_connections: u32,
+    /// Blob store: a directory (`./store`, `file:///srv/iota`) or
+    /// `s3://bucket?endpoint=http://host:port&region=…` (credentials from AWS_* variables).
+    #[arg(long, env = "IOTA_STORE", default_value = "./iota-store")]
+    pub store: String,
+    /// Chain endpoint selection.
+    #[command(flatten)]
+    pub subtensor: SubtensorArgs,
+    /// Subnet.
+    #[arg(long, env = "BT_NETUID")]
+    pub netuid: u16,
+    /// The orchestrator's wallet (only the hotkey's public key is read).
+    #[command(flatten)]
+    pub wallet: WalletArgs,
+    /// Run name: a database holds several runs, each resumed by name.
+    #[arg(long = "run-name", env = "IOTA_RUN_NAME", default_value = "iota")]
+    pub run_name: String,
+    /// Partitions per stage for the butterfly merge.
+    #[arg(long, env = "IOTA_PARTITIONS", default_value_t = 4)]
+    pub partitions: u32,
+    /// Sequences per sample.
+    #[arg(long = "micro-batch", env = "IOTA_MICRO_BATCH", default_value_t = 4)]
+    pub micro_batch: u32,
+    /// Tokens per sequence.
+    #[arg(long = "seq-len", env = "IOTA_SEQ_LEN", default_value_t = 64)]
+    pub seq_len: u32,
+    /// Boundary tensor encoding: f32 or int8.
+    #[arg(long, env = "IOTA_WIRE", default_value = "int8", value_parser = parse_wire)]
+    pub wire: WireEncoding,
+    /// Samples per epoch.
+    #[arg(
+        long = "samples-per-epoch",
+        env = "IOTA_SAMPLES_PER_EPOCH",
+        default_value_t = 256
+    )]
+    pub samples_per_epoch: u64,
+    /// Samples one miner holds in flight.
+    #[arg(
+        long = "max-in-flight",
+        env = "IOTA_MAX_IN_FLIGHT",
+        default_value_t = 8
+    )]
+    pub max_in_flight: u32,
+    /// Seconds of the training phase.
+    #[arg(long = "training-s", env = "IOTA_TRAINING_S", default_value_t = 600)]
+    pub training_s: u64,
+    /// Seconds of the uploading phase.
+    #[arg(long = "uploading-s", env = "IOTA_UPLOADING_S", default_value_t = 120)]
+    pub uploading_s: u64,
+    /// Seconds of the merging phase.
+    #[arg(long = "merging-s", env = "IOTA_MERGING_S", default_value_t = 120)]
+    pub merging_s: u64,
+    /// Seconds of each merge reassignment round.
+    #[arg(
+        long = "merge-round-s",
+        env = "IOTA_MERGE_ROUND_S",
+        default_value_t = 60
+    )]
+    pub merge_round_s: u64,
+    /// Merge reassignment rounds.
+    #[arg(long = "merge-rounds", env = "IOTA_MERGE_ROUNDS", default_value_t = 2)]
+    pub merge_rounds: u32,
+    /// Seconds a work lease lasts.
+    #[arg(long = "lease-s", env = "IOTA_LEASE_S", default_value_t = 60)]
+    pub lease_s: u64,
+    /// Seconds without heartbeat before a miner is released.
+    #[arg(
+        long = "heartbeat-timeout-s",
+        env = "IOTA_HEARTBEAT_TIMEOUT_S",
+        default_value_t = 90
+    )]
+    pub heartbeat_timeout_s: u64,
+    /// Epochs of objects to keep.
+    #[arg(
+        long = "retention-epochs",
+        env = "IOTA_RETENTION_EPOCHS",
+        default_value_t = 3
+    )]
+    pub retention_epochs: u64,
+    /// Seed of the epoch-0 weights.
+    #[arg(long = "init-seed", env = "IOTA_INIT_SEED", default_value_t = 0)]
+    pub init_seed: u64,
+    /// Outer learning rate.
+    #[arg(long = "outer-lr", env = "IOTA_OUTER_LR", default_value_t = 0.7)]
+    pub outer_lr: f64,
+    /// Outer Nesterov momentum.
+    #[arg(
+        long = "outer-momentum",
+        env = "IOTA_OUTER_MOMENTUM",
+        default_value_t = 0.9
+    )]
+    pub outer_momentum: f64,
+    /// Seconds between metagraph reads.
+    #[arg(
+        long = "metagraph-refresh-s",
+        env = "IOTA_METAGRAPH_REFRESH_S",
+        default_value_t = 36
+    )]
+    pub metagraph_refresh_s: u64,
+    /// Oldest accepted request, in milliseconds.
+    #[arg(
+        long = "max-request-age-ms",
+        env = "IOTA_MAX_REQUEST_AGE_MS",
+        default_value_t = 10_000
+    )]
+    pub max_request_age_ms: u64,
+    /// Furthest accepted request timestamp in the future, in milliseconds.
+    #[arg(
+        long = "max-request-future-ms",
+        env = "IOTA_MAX_REQUEST_FUTURE_MS",
+        default_value_t = 5_000
+    )]
+    pub max_request_future_ms: u64,
+    /// Signed requests per second per hotkey.
+    #[arg(
+        long = "rate-per-hotkey",
+        env = "IOTA_RATE_PER_HOTKEY",
+        default_value_t = 50
+    )]
+    pub rate_per_hotkey: u32,
+    /// Public requests per second per IP.
+    #[arg(long = "rate-per-ip", env = "IOTA_RATE_PER_IP", default_value_t = 50)]
+    pub rate_per_ip: u32,
+    /// Milliseconds between phase-driver steps.
+    #[arg(long = "tick-ms", env = "IOTA_TICK_MS", default_value_t = 500)]
+    pub tick_ms: u64,
+}
+
+fn parse_wire(s: &str) -> Result<WireEncoding, String> {
+    match s {
+        "f32" => Ok(WireEncoding::F32),
+        "int8" => Ok(WireEncoding::Int8),
+        other => Err(format!("wire encoding {other:?}: use f32 or int8")),
+    }
+}
+
+impl OrchestratorArgs {
+    /// The run config for a model of `shape`.
+    pub fn run_config(&self, shape: ModelShape) -> RunConfig {
+        RunConfig {
+            name: self.run_name.clone(),
+            model: shape.model,
+            stages: shape.stage_params.len() as u32,
+            stage_params: shape.stage_params,
+            partitions: self.partitions,
+            micro_batch: self.micro_batch,
+            seq_len: self.seq_len,
+            boundary_dim: shape.boundary_dim,
+            wire: self.wire,
+            samples_per_epoch: self.samples_per_epoch,
+            max_in_flight: self.max_in_flight,
+            training_s: self.training_s,
+            uploading_s: self.uploading_s,
+            merging_s: self.merging_s,
+            merge_round_s: self.merge_round_s,
+            lease_s: self.lease_s,
+            heartbeat_timeout_s: self.heartbeat_timeout_s,
+            retention_epochs: self.retention_epochs,
+            init_seed: self.init_seed,
+            outer_lr: self.outer_lr,
+            outer_momentum: self.outer_momentum,
+        }
+    }
+
+    /// The library config. `hotkey` is the orchestrator's SS58 address.
+    pub fn config(&self, shape: ModelShape, hotkey: String) -> Result<Config, String> {
+        let store = StoreConfig::parse(&self.store)?;
+        let chain_endpoint = iota_chain::network::resolve_endpoint(
+            &self.subtensor.network,
+            self.subtensor.chain_endpoint.as_deref(),
+        )
+        .map_err(|e| e.to_string())?;
+        let run = self.run_config(shape);
+        run.validate()?;
+        Ok(Config {
+            database_url: self.database_url.clone(),
+            db_max_connections: self.db_max_connections,
+            store,
+            chain_endpoint,
+            netuid: self.netuid,
+            hotkey,
+            run,
+            metagraph_refresh: Duration::from_secs(self.metagraph_refresh_s.max(1)),
+            skew: SkewWindow {
+                max_age_ms: self.max_request_age_ms,
+                max_future_ms: self.max_request_future_ms,
+            },
+            limits: Limits {
+                per_hotkey_rps: self.rate_per_hotkey,
+                per_hotkey_burst: self.rate_per_hotkey.saturating_mul(4),
+                per_ip_rps: self.rate_per_ip,
+                per_ip_burst: self.rate_per_ip.saturating_mul(4),
+                ..Limits::default()
+            },
+            tick: Duration::from_millis(self.tick_ms.max(10)),
+            max_merge_rounds: self.merge_rounds,
+        })
+    }
+}

@@ -1,0 +1,932 @@
+//! The phase driver: expires leases, releases silent miners, moves the epoch through its phases,
+//! assigns merge owners, settles partitions, and collects old objects.
+//!
+//! It runs in every orchestrator process but acts only in the one holding a session-level
+//! Postgres advisory lock, so several replicas on one database drive one run exactly once; if the
+//! leader dies its connection closes, the lock is released, and another replica takes over at its
+//! next tick. Every step is a transaction over database state alone, so a restart resumes where
+//! the database is. Phase changes take an exclusive transaction-level lock that uploads take in
+//! shared mode, so an upload lands wholly before a phase change or is refused after it.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Json;
+use chrono::{DateTime, Utc};
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use iota_protocol::blob::BlobDescriptor;
+use sqlx::pool::PoolConnection;
+use sqlx::{Postgres, Row, Transaction};
+
+use crate::app::{ApiResult, App, AppError};
+use crate::miner::{abandon_sample, route_forward_sample, run_now};
+use crate::routing::{
+    PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step, verdict,
+};
+
+const LEADER_LOCK: i64 = 0x696f_7461_6472_7601; // "iotadrv" + 1
+const PHASE_LOCK_CLASS: i32 = 0x696f_7461; // "iota"
+
+/// Takes the phase lock in shared mode for the rest of the transaction (uploads).
+pub async fn phase_lock_shared(tx: &mut Transaction<'_, Postgres>, run: i64) -> ApiResult<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1, $2::int)")
+        .bind(PHASE_LOCK_CLASS)
+        .bind(run as i32)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn phase_lock_exclusive(tx: &mut Transaction<'_, Postgres>, run: i64) -> ApiResult<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
+        .bind(PHASE_LOCK_CLASS)
+        .bind(run as i32)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+fn secs(s: u64) -> chrono::Duration {
+    chrono::Duration::seconds(s.min(i64::MAX as u64 / 1000) as i64)
+}
+
+/// Runs the driver until `shutdown` resolves. `tick` is the time between steps.
+pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::Receiver<bool>) {
+    let mut leader_conn: Option<PoolConnection<Postgres>> = None;
+    let mut n: u64 = 0;
+    let mut shutdown = shutdown;
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        if leader_conn.is_none() {
+            leader_conn = try_lead(&app).await;
+        }
+        if let Some(conn) = &mut leader_conn {
+            // Still holding the lock? A broken connection means another replica may lead now.
+            let alive = sqlx::query("SELECT 1").execute(&mut **conn).await.is_ok();
+            if !alive {
+                tracing::warn!("lost the leader connection; stepping down");
+                leader_conn = None;
+                app.leader.store(false, Ordering::Relaxed);
+            } else {
+                if let Err(e) = step(&app, Utc::now()).await {
+                    tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
+                }
+                if n.is_multiple_of(50) {
+                    housekeeping(&app).await;
+                }
+            }
+        }
+        n += 1;
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    if let Some(mut conn) = leader_conn {
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(LEADER_LOCK)
+            .execute(&mut *conn)
+            .await;
+        app.leader.store(false, Ordering::Relaxed);
+    }
+}
+
+async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
+    let mut conn = app.db.acquire().await.ok()?;
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(LEADER_LOCK)
+        .fetch_one(&mut *conn)
+        .await
+        .ok()?;
+    if got {
+        tracing::info!("this process now drives the epoch phases");
+        app.leader.store(true, Ordering::Relaxed);
+        // Keep this connection out of the pool for as long as we lead.
+        Some(conn)
+    } else {
+        None
+    }
+}
+
+async fn housekeeping(app: &App) {
+    match crate::app::prune_replay_cache(&app.db, app.skew).await {
+        Ok(n) if n > 0 => tracing::debug!(pruned = n, "replay cache pruned"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
+    }
+    app.shrink_limiters();
+    if let Err(e) = collect_garbage(app).await {
+        tracing::warn!(error = ?e.0, "garbage collection failed");
+    }
+}
+
+/// One driver step at time `now`: leases, heartbeats, then at most one phase change.
+pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    expire_leases(app, now).await?;
+    release_silent_miners(app, now).await?;
+    let view = phase_view(app).await?;
+    match next_step(&view, now, app.max_merge_rounds) {
+        PhaseStep::Wait => {}
+        PhaseStep::StartUploading => start_uploading(app, now).await?,
+        PhaseStep::StartMerging => start_merging(app, now).await?,
+        PhaseStep::ReassignRound => reassign_round(app, now).await?,
+        PhaseStep::NextEpoch => next_epoch(app, now).await?,
+    }
+    Ok(())
+}
+
+/// Lapsed leases: a forward hop is re-routed to another miner of its stage as a new attempt; a
+/// backward hop cannot move (only its miner holds the activation cache), so its sample is
+/// abandoned. The old attempt's late result is refused with `lease_expired`.
+async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let mut tx = app.db.begin().await?;
+    let rows = sqlx::query(
+        "UPDATE tasks SET status = 'expired' WHERE id IN (
+             SELECT id FROM tasks WHERE run_id = $1 AND status = 'leased' AND leased_until < $2
+             FOR UPDATE SKIP LOCKED)
+         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+    )
+    .bind(app.run.id)
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?;
+    for row in &rows {
+        reroute(&mut tx, app, row, "lease lapsed").await?;
+    }
+    tx.commit().await?;
+    if !rows.is_empty() {
+        metrics::counter!("iota_leases_expired_total").increment(rows.len() as u64);
+        tracing::info!(count = rows.len(), "leases lapsed and were re-routed");
+    }
+    Ok(())
+}
+
+async fn reroute(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    row: &sqlx::postgres::PgRow,
+    why: &str,
+) -> ApiResult<()> {
+    let direction: String = row.try_get("direction")?;
+    let sample_id: i64 = row.try_get("sample_id")?;
+    if direction == "forward" {
+        let miner: String = row.try_get("miner")?;
+        route_forward_sample(
+            tx,
+            app,
+            row.try_get::<i64, _>("epoch")? as u64,
+            sample_id,
+            row.try_get::<i32, _>("stage")? as u32,
+            row.try_get::<i32, _>("attempt")? + 1,
+            row.try_get("input")?,
+            Some(&miner),
+        )
+        .await?;
+    } else {
+        abandon_sample(tx, sample_id, why).await?;
+    }
+    Ok(())
+}
+
+/// Miners silent for longer than the heartbeat timeout are released: their open hops move (or
+/// their samples end) and, while merging, their unsubmitted partitions get a new owner.
+async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let cutoff = now - secs(app.config().heartbeat_timeout_s);
+    let mut tx = app.db.begin().await?;
+    let released: Vec<String> = sqlx::query_scalar(
+        "UPDATE miners SET status = 'released'
+         WHERE run_id = $1 AND status = 'active' AND last_seen < $2 RETURNING hotkey",
+    )
+    .bind(app.run.id)
+    .bind(cutoff)
+    .fetch_all(&mut *tx)
+    .await?;
+    if released.is_empty() {
+        return Ok(());
+    }
+    let rows = sqlx::query(
+        "UPDATE tasks SET status = 'expired'
+         WHERE run_id = $1 AND miner = ANY($2) AND status IN ('pending', 'leased')
+         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+    )
+    .bind(app.run.id)
+    .bind(&released)
+    .fetch_all(&mut *tx)
+    .await?;
+    for row in &rows {
+        reroute(&mut tx, app, row, "miner released").await?;
+    }
+    let now_run = run_now(&mut *tx, app.run.id).await?;
+    if now_run.phase == Phase::Merging {
+        let orphaned = sqlx::query(
+            "SELECT o.stage, o.partition FROM partition_owners o
+             JOIN partitions p USING (run_id, epoch, stage, partition)
+             WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = ANY($3)
+               AND p.state IN ('open', 'disputed')
+               AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+                   AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+                   AND r.submitter = o.miner)",
+        )
+        .bind(app.run.id)
+        .bind(now_run.epoch as i64)
+        .bind(&released)
+        .fetch_all(&mut *tx)
+        .await?;
+        for row in orphaned {
+            add_owner(
+                &mut tx,
+                app,
+                now_run.epoch,
+                row.try_get::<i32, _>("stage")? as u32,
+                row.try_get::<i32, _>("partition")? as u32,
+                now_run.merge_round,
+            )
+            .await?;
+        }
+    }
+    tx.commit().await?;
+    metrics::counter!("iota_miners_released_total").increment(released.len() as u64);
+    tracing::warn!(miners = ?released, rerouted = rows.len(), "released miners that stopped heartbeating");
+    Ok(())
+}
+
+async fn phase_view(app: &App) -> ApiResult<PhaseView> {
+    let cfg = app.config();
+    let now = run_now(&app.db, app.run.id).await?;
+    let row = sqlx::query(
+        "SELECT e.samples_started,
+            (SELECT count(*) FROM samples s WHERE s.run_id = $1 AND s.epoch = $2
+               AND s.status IN ('forward', 'backward')) AS in_flight,
+            (SELECT count(DISTINCT t.miner) FROM tasks t JOIN miners m
+               ON m.run_id = t.run_id AND m.hotkey = t.miner AND m.status = 'active'
+             WHERE t.run_id = $1 AND t.epoch = $2 AND t.direction = 'backward'
+               AND t.status = 'done') AS workers,
+            (SELECT count(*) FROM pseudo_gradients g JOIN miners m
+               ON m.run_id = g.run_id AND m.hotkey = g.miner AND m.status = 'active'
+             WHERE g.run_id = $1 AND g.epoch = $2) AS received,
+            (SELECT count(*) FROM partitions p WHERE p.run_id = $1 AND p.epoch = $2
+               AND p.state IN ('open', 'disputed')) AS open_partitions
+         FROM epochs e WHERE e.run_id = $1 AND e.epoch = $2",
+    )
+    .bind(app.run.id)
+    .bind(now.epoch as i64)
+    .fetch_one(&app.db)
+    .await?;
+    let workers: i64 = row.try_get("workers")?;
+    Ok(PhaseView {
+        phase: now.phase,
+        deadline: now.phase_deadline,
+        merge_round: now.merge_round,
+        samples_started: row.try_get::<i64, _>("samples_started")? as u64,
+        samples_target: cfg.samples_per_epoch,
+        samples_in_flight: row.try_get::<i64, _>("in_flight")? as u64,
+        uploads_expected: workers as u64 * u64::from(cfg.partitions),
+        uploads_received: row.try_get::<i64, _>("received")? as u64,
+        partitions_open: row.try_get::<i64, _>("open_partitions")? as u64,
+    })
+}
+
+async fn set_phase(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    phase: Phase,
+    now: DateTime<Utc>,
+    deadline: DateTime<Utc>,
+    merge_round: u32,
+) -> ApiResult<()> {
+    sqlx::query(
+        "UPDATE runs SET phase = $2, phase_started = $3, phase_deadline = $4, merge_round = $5
+         WHERE id = $1",
+    )
+    .bind(app.run.id)
+    .bind(phase.as_str())
+    .bind(now)
+    .bind(deadline)
+    .bind(merge_round as i32)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+async fn start_uploading(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let mut tx = app.db.begin().await?;
+    phase_lock_exclusive(&mut tx, app.run.id).await?;
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.phase != Phase::Training {
+        return Ok(());
+    }
+    set_phase(
+        &mut tx,
+        app,
+        Phase::Uploading,
+        now,
+        now + secs(app.config().uploading_s),
+        0,
+    )
+    .await?;
+    sqlx::query("UPDATE epochs SET training_ended_at = $3 WHERE run_id = $1 AND epoch = $2")
+        .bind(app.run.id)
+        .bind(cur.epoch as i64)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    tracing::info!(epoch = cur.epoch, "phase: uploading");
+    Ok(())
+}
+
+/// Freezes each partition's contributions (in hotkey order, the fixed merge order) and assigns
+/// two owners per partition from the stage's active miners.
+async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let cfg = app.config().clone();
+    let mut tx = app.db.begin().await?;
+    phase_lock_exclusive(&mut tx, app.run.id).await?;
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.phase != Phase::Uploading {
+        return Ok(());
+    }
+    let epoch = cur.epoch;
+    let all_active: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT hotkey, stage FROM miners WHERE run_id = $1 AND status = 'active' ORDER BY hotkey",
+    )
+    .bind(app.run.id)
+    .fetch_all(&mut *tx)
+    .await?;
+    for stage in 0..cfg.stages {
+        let mut candidates: Vec<String> = all_active
+            .iter()
+            .filter(|(_, s)| *s as u32 == stage)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if candidates.is_empty() {
+            candidates = all_active.iter().map(|(k, _)| k.clone()).collect();
+        }
+        for partition in 0..cfg.partitions {
+            let rows = sqlx::query(
+                "SELECT miner, weight, blob FROM pseudo_gradients
+                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+                 ORDER BY miner",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .fetch_all(&mut *tx)
+            .await?;
+            let mut contributions = Vec::with_capacity(rows.len());
+            for r in &rows {
+                let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
+                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+                contributions.push(MergeContribution {
+                    hotkey: r.try_get("miner")?,
+                    weight: r.try_get("weight")?,
+                    blob,
+                });
+            }
+            let state = if contributions.is_empty() {
+                PartitionState::Unchanged
+            } else {
+                PartitionState::Open
+            };
+            sqlx::query(
+                "INSERT INTO partitions (run_id, epoch, stage, partition, state, contributions,
+                     resolved_by)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .bind(state.as_str())
+            .bind(
+                serde_json::to_value(&contributions)
+                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+            )
+            .bind((state == PartitionState::Unchanged).then_some("no contributions"))
+            .execute(&mut *tx)
+            .await?;
+            if state == PartitionState::Open {
+                for owner in initial_owners(&candidates, epoch, partition) {
+                    insert_owner(&mut tx, app, epoch, stage, partition, &owner, 0).await?;
+                }
+            }
+        }
+    }
+    set_phase(
+        &mut tx,
+        app,
+        Phase::Merging,
+        now,
+        now + secs(cfg.merging_s),
+        0,
+    )
+    .await?;
+    sqlx::query("UPDATE epochs SET uploading_ended_at = $3 WHERE run_id = $1 AND epoch = $2")
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    tracing::info!(epoch, "phase: merging");
+    Ok(())
+}
+
+async fn insert_owner(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    miner: &str,
+    round: u32,
+) -> ApiResult<()> {
+    sqlx::query(
+        "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(miner)
+    .bind(round as i32)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Adds one owner to a partition: an active miner that does not own it yet, preferring the
+/// stage's own miners and then those with the fewest assignments this epoch. Returns whether one
+/// was found.
+async fn add_owner(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    round: u32,
+) -> ApiResult<bool> {
+    let pick: Option<String> = sqlx::query_scalar(
+        "SELECT m.hotkey FROM miners m
+         WHERE m.run_id = $1 AND m.status = 'active'
+           AND NOT EXISTS (SELECT 1 FROM partition_owners o WHERE o.run_id = m.run_id
+               AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4 AND o.miner = m.hotkey)
+         ORDER BY (m.stage = $3) DESC,
+           (SELECT count(*) FROM partition_owners o2 WHERE o2.run_id = m.run_id
+              AND o2.epoch = $2 AND o2.miner = m.hotkey),
+           m.hotkey
+         LIMIT 1",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_optional(&mut **tx)
+    .await?;
+    match pick {
+        Some(miner) => {
+            insert_owner(tx, app, epoch, stage, partition, &miner, round).await?;
+            tracing::info!(epoch, stage, partition, %miner, round, "partition reassigned");
+            Ok(true)
+        }
+        None => Ok(false),
+    }
+}
+
+async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let mut tx = app.db.begin().await?;
+    phase_lock_exclusive(&mut tx, app.run.id).await?;
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.phase != Phase::Merging {
+        return Ok(());
+    }
+    let round = cur.merge_round + 1;
+    let open: Vec<(i32, i32)> = sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
+           AND state IN ('open', 'disputed') ORDER BY stage, partition",
+    )
+    .bind(app.run.id)
+    .bind(cur.epoch as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (stage, partition) in &open {
+        add_owner(
+            &mut tx,
+            app,
+            cur.epoch,
+            *stage as u32,
+            *partition as u32,
+            round,
+        )
+        .await?;
+    }
+    set_phase(
+        &mut tx,
+        app,
+        Phase::Merging,
+        cur.phase_started,
+        now + secs(app.config().merge_round_s),
+        round,
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::warn!(
+        epoch = cur.epoch,
+        round,
+        open = open.len(),
+        "merge deadline passed; partitions reassigned"
+    );
+    Ok(())
+}
+
+/// Ends the epoch: partitions still unsettled take their most-submitted result (or keep their
+/// weights when nobody merged them), travelling samples are closed, the next epoch starts.
+async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    let mut tx = app.db.begin().await?;
+    phase_lock_exclusive(&mut tx, app.run.id).await?;
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.phase != Phase::Merging {
+        return Ok(());
+    }
+    let epoch = cur.epoch;
+    let open: Vec<(i32, i32)> = sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
+           AND state IN ('open', 'disputed')",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (stage, partition) in open {
+        let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
+            "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2
+               AND stage = $3 AND partition = $4 ORDER BY submitted_at, submitter",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage)
+        .bind(partition)
+        .fetch_all(&mut *tx)
+        .await?;
+        let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
+        match final_pick(&hashes) {
+            Some(hash) => {
+                let blob = results
+                    .iter()
+                    .find(|(h, _)| *h == hash)
+                    .map(|(_, b)| b.clone());
+                let how = if results.len() == 1 {
+                    "single"
+                } else {
+                    "plurality"
+                };
+                sqlx::query(
+                    "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
+                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+                )
+                .bind(app.run.id)
+                .bind(epoch as i64)
+                .bind(stage)
+                .bind(partition)
+                .bind(blob)
+                .bind(how)
+                .execute(&mut *tx)
+                .await?;
+            }
+            None => {
+                sqlx::query(
+                    "UPDATE partitions SET state = 'unchanged', resolved_by = 'unmerged'
+                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+                )
+                .bind(app.run.id)
+                .bind(epoch as i64)
+                .bind(stage)
+                .bind(partition)
+                .execute(&mut *tx)
+                .await?;
+                tracing::error!(
+                    epoch,
+                    stage,
+                    partition,
+                    "no merge result by the last deadline; weights unchanged"
+                );
+            }
+        }
+    }
+    let leftover: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM samples WHERE run_id = $1 AND epoch = $2 AND status IN ('forward', 'backward')",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    for id in leftover {
+        abandon_sample(&mut tx, id, "epoch ended").await?;
+    }
+    sqlx::query("UPDATE epochs SET ended_at = $3 WHERE run_id = $1 AND epoch = $2")
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("UPDATE runs SET epoch = $2 WHERE id = $1")
+        .bind(app.run.id)
+        .bind(epoch as i64 + 1)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO epochs (run_id, epoch, started_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64 + 1)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    set_phase(
+        &mut tx,
+        app,
+        Phase::Training,
+        now,
+        now + secs(app.config().training_s),
+        0,
+    )
+    .await?;
+    tx.commit().await?;
+    metrics::counter!("iota_epochs_completed_total").increment(1);
+    tracing::info!(epoch = epoch + 1, "phase: training (new epoch)");
+    Ok(())
+}
+
+/// Records a merge result (an owner's or a validator's) and settles the partition when results
+/// agree. Atomic with phase changes, like pseudo-gradient uploads.
+pub async fn record_merge_result(
+    app: &App,
+    submitter: &str,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    blob: BlobDescriptor,
+) -> ApiResult<Json<UploadResponse>> {
+    let mut tx = app.db.begin().await?;
+    phase_lock_shared(&mut tx, app.run.id).await?;
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.epoch != epoch || cur.phase != Phase::Merging {
+        drop(tx);
+        app.store.delete(&blob.key).await?;
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            "the merging phase ended while this result was in flight",
+        ));
+    }
+    let state: String = sqlx::query_scalar(
+        "SELECT state FROM partitions WHERE run_id = $1 AND epoch = $2 AND stage = $3
+           AND partition = $4 FOR UPDATE",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_optional(&mut *tx)
+    .await?
+    .ok_or_else(|| AppError::new(ErrorCode::NotFound, "no such partition this epoch"))?;
+    let value = serde_json::to_value(&blob)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let stored: String = sqlx::query_scalar(
+        "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ON CONFLICT (run_id, epoch, stage, partition, submitter)
+         DO UPDATE SET submitter = merge_results.submitter RETURNING blake3",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(submitter)
+    .bind(&value)
+    .bind(&blob.blake3)
+    .fetch_one(&mut *tx)
+    .await?;
+    if stored != blob.blake3 {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            "you already submitted a different result for this partition",
+        ));
+    }
+    if state == "open" || state == "disputed" {
+        settle(&mut tx, app, &cur, stage, partition).await?;
+    }
+    tx.commit().await?;
+    Ok(Json(UploadResponse { blob }))
+}
+
+async fn settle(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    cur: &crate::miner::RunNow,
+    stage: u32,
+    partition: u32,
+) -> ApiResult<()> {
+    let epoch = cur.epoch;
+    let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
+        "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
+           AND partition = $4 ORDER BY submitted_at, submitter",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_all(&mut **tx)
+    .await?;
+    let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
+    match verdict(&hashes) {
+        Verdict::Pending => {}
+        Verdict::Accept { hash, unanimous } => {
+            let blob = results
+                .iter()
+                .find(|(h, _)| *h == hash)
+                .map(|(_, b)| b.clone());
+            sqlx::query(
+                "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
+                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .bind(blob)
+            .bind(if unanimous { "agreement" } else { "majority" })
+            .execute(&mut **tx)
+            .await?;
+            sqlx::query(
+                "UPDATE disputes SET state = 'settled', settled_by = 'majority', settled_hash = $5
+                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND state = 'open'",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .bind(&hash)
+            .execute(&mut **tx)
+            .await?;
+            metrics::counter!("iota_partitions_accepted_total").increment(1);
+        }
+        Verdict::Dispute => {
+            sqlx::query(
+                "UPDATE partitions SET state = 'disputed'
+                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .execute(&mut **tx)
+            .await?;
+            let opened = sqlx::query(
+                "INSERT INTO disputes (run_id, epoch, stage, partition, state)
+                 VALUES ($1, $2, $3, $4, 'open') ON CONFLICT DO NOTHING",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .execute(&mut **tx)
+            .await?;
+            // One tie-break owner per disagreement: more owners than results means one is
+            // already working on it.
+            let owners: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM partition_owners WHERE run_id = $1 AND epoch = $2
+                   AND stage = $3 AND partition = $4",
+            )
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage as i32)
+            .bind(partition as i32)
+            .fetch_one(&mut **tx)
+            .await?;
+            if owners <= results.len() as i64 {
+                add_owner(tx, app, epoch, stage, partition, cur.merge_round).await?;
+            }
+            if opened.rows_affected() > 0 {
+                metrics::counter!("iota_disputes_opened_total").increment(1);
+                tracing::warn!(
+                    epoch,
+                    stage,
+                    partition,
+                    "merge results disagree; dispute opened"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A validator's recomputed hash settles a dispute: the result that matches it is accepted.
+pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> ApiResult<()> {
+    let mut tx = app.db.begin().await?;
+    phase_lock_shared(&mut tx, app.run.id).await?;
+    let row = sqlx::query(
+        "SELECT epoch, stage, partition, state FROM disputes WHERE id = $1 AND run_id = $2 FOR UPDATE",
+    )
+    .bind(id)
+    .bind(app.run.id)
+    .fetch_optional(&mut *tx)
+    .await?
+    .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no dispute {id}")))?;
+    let epoch: i64 = row.try_get("epoch")?;
+    let stage: i32 = row.try_get("stage")?;
+    let partition: i32 = row.try_get("partition")?;
+    let state: String = row.try_get("state")?;
+    if state == "settled" {
+        return Ok(());
+    }
+    let blob: Option<serde_json::Value> = sqlx::query_scalar(
+        "SELECT blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
+           AND partition = $4 AND blake3 = $5 ORDER BY submitted_at LIMIT 1",
+    )
+    .bind(app.run.id)
+    .bind(epoch)
+    .bind(stage)
+    .bind(partition)
+    .bind(hash)
+    .fetch_optional(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE disputes SET state = 'settled', settled_by = $2, settled_hash = $3 WHERE id = $1",
+    )
+    .bind(id)
+    .bind(format!("validator:{validator}"))
+    .bind(hash)
+    .execute(&mut *tx)
+    .await?;
+    if let Some(blob) = blob {
+        sqlx::query(
+            "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+               AND state IN ('open', 'disputed')",
+        )
+        .bind(app.run.id)
+        .bind(epoch)
+        .bind(stage)
+        .bind(partition)
+        .bind(blob)
+        .bind(format!("validator:{validator}"))
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    tracing::info!(dispute = id, %validator, %hash, "dispute settled");
+    Ok(())
+}
+
+/// Deletes the objects of epochs older than the retention window, keeping the merged partitions
+/// that are still the latest accepted weights.
+async fn collect_garbage(app: &App) -> ApiResult<()> {
+    let cur = run_now(&app.db, app.run.id).await?;
+    let keep = app.config().retention_epochs.max(1);
+    if cur.epoch < keep {
+        return Ok(());
+    }
+    let old: Vec<i64> = sqlx::query_scalar(
+        "SELECT epoch FROM epochs WHERE run_id = $1 AND epoch < $2 AND NOT gc_done ORDER BY epoch",
+    )
+    .bind(app.run.id)
+    .bind((cur.epoch - keep) as i64)
+    .fetch_all(&app.db)
+    .await?;
+    if old.is_empty() {
+        return Ok(());
+    }
+    let latest: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT ON (stage, partition) accepted->>'key' FROM partitions
+         WHERE run_id = $1 AND state = 'accepted' ORDER BY stage, partition, epoch DESC",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    for epoch in old {
+        let base = format!("runs/{}/epoch-{epoch}", app.run.id);
+        let mut removed = 0;
+        removed += app.store.delete_prefix(&format!("{base}/samples")).await?;
+        removed += app
+            .store
+            .delete_prefix(&format!("{base}/pseudo-gradients"))
+            .await?;
+        for key in app.store.list(&format!("{base}/merged")).await? {
+            if !latest.contains(&key) {
+                app.store.delete(&key).await?;
+                removed += 1;
+            }
+        }
+        sqlx::query("UPDATE epochs SET gc_done = true WHERE run_id = $1 AND epoch = $2")
+            .bind(app.run.id)
+            .bind(epoch)
+            .execute(&app.db)
+            .await?;
+        tracing::info!(epoch, removed, "objects of an old epoch collected");
+    }
+    Ok(())
+}

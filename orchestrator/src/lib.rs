@@ -1,0 +1,471 @@
+//! The IOTA orchestrator: assigns miners to stages, routes samples along random pathways, moves
+//! tensors through object storage, drives the epoch phases, and serves explorers and validators.
+//! It never runs the model.
+//!
+//! * [`run`] serves one training run on a listener until shutdown; several processes on one
+//!   database serve the same run (the phase driver runs in the one holding an advisory lock).
+//! * [`app`]: state, errors, the request-signing gate. [`miner`], [`validator`], [`views`]: routes.
+//! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
+//! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
+//! * [`store`]: object storage (local directory or S3 with presigned URLs).
+//!
+//! `orchestrator/API.md` describes the API; `orchestrator/openapi.json` is its contract.
+
+pub mod app;
+pub mod config;
+pub mod dashboard;
+pub mod driver;
+pub mod miner;
+pub mod routing;
+pub mod sim;
+pub mod store;
+pub mod validator;
+pub mod views;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use chrono::{DateTime, Utc};
+use iota_chain::{ConnectOptions, MetagraphWatcher, Subtensor, WatchOptions};
+use iota_protocol::api::RunConfig;
+use iota_protocol::tensor::TensorSpec;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Row};
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+
+pub use app::{App, AppState, Gate, Limits, RunRow};
+pub use config::{Config, OrchestratorArgs};
+pub use store::{BlobStore, StoreConfig};
+
+/// Start-up errors, each saying what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    /// The run config is inconsistent.
+    #[error("invalid run config: {0}")]
+    Config(String),
+    /// PostgreSQL is unreachable or refused.
+    #[error(
+        "cannot use the database ({0}); check --database-url / DATABASE_URL and that PostgreSQL is running"
+    )]
+    Database(String),
+    /// A migration failed.
+    #[error("database migration failed: {0}")]
+    Migrate(String),
+    /// The stored run differs from the configured one.
+    #[error(
+        "run {name:?} already exists in this database with a different config; pick another --run-name or the same settings ({detail})"
+    )]
+    RunMismatch {
+        /// Run name.
+        name: String,
+        /// First difference.
+        detail: String,
+    },
+    /// The chain did not answer.
+    #[error(
+        "cannot read subnet {netuid} from the chain at {url}: {reason}; check --subtensor.network / --subtensor.chain_endpoint and --netuid"
+    )]
+    Chain {
+        /// Endpoint.
+        url: String,
+        /// Subnet.
+        netuid: u16,
+        /// What failed.
+        reason: String,
+    },
+    /// The object store could not be opened.
+    #[error("cannot open the object store: {0}; check --store")]
+    Store(String),
+    /// Serving failed.
+    #[error("server: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Connects to PostgreSQL and applies the orchestrator's migrations.
+pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, OrchestratorError> {
+    let db = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .map_err(|e| OrchestratorError::Database(e.to_string()))?;
+    sqlx::migrate!("../migrations/orchestrator")
+        .run(&db)
+        .await
+        .map_err(|e| OrchestratorError::Migrate(e.to_string()))?;
+    Ok(db)
+}
+
+/// Creates the run on first start, or loads it (refusing a changed config).
+pub async fn ensure_run(
+    db: &PgPool,
+    config: &RunConfig,
+    netuid: u16,
+    hotkey: &str,
+) -> Result<RunRow, OrchestratorError> {
+    let dberr = |e: sqlx::Error| OrchestratorError::Database(e.to_string());
+    let json =
+        serde_json::to_value(config).map_err(|e| OrchestratorError::Config(e.to_string()))?;
+    let mut tx = db.begin().await.map_err(dberr)?;
+    sqlx::query(
+        "INSERT INTO runs (name, config, netuid, orchestrator, phase_deadline)
+         VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+         ON CONFLICT (name) DO NOTHING",
+    )
+    .bind(&config.name)
+    .bind(&json)
+    .bind(i32::from(netuid))
+    .bind(hotkey)
+    .bind(config.training_s as f64)
+    .execute(&mut *tx)
+    .await
+    .map_err(dberr)?;
+    let row = sqlx::query("SELECT id, config, netuid, created_at FROM runs WHERE name = $1")
+        .bind(&config.name)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(dberr)?;
+    let id: i64 = row.try_get("id").map_err(dberr)?;
+    let stored: RunConfig = serde_json::from_value(row.try_get("config").map_err(dberr)?)
+        .map_err(|e| OrchestratorError::Config(format!("stored run config: {e}")))?;
+    let stored_netuid: i32 = row.try_get("netuid").map_err(dberr)?;
+    if stored != *config || stored_netuid != i32::from(netuid) {
+        let detail = if stored_netuid != i32::from(netuid) {
+            format!("netuid {stored_netuid} stored, {netuid} given")
+        } else {
+            format!(
+                "stored {}, given {}",
+                serde_json::to_string(&stored).unwrap_or_default(),
+                serde_json::to_string(config).unwrap_or_default()
+            )
+        };
+        return Err(OrchestratorError::RunMismatch {
+            name: config.name.clone(),
+            detail,
+        });
+    }
+    sqlx::query(
+        "INSERT INTO epochs (run_id, epoch, started_at) VALUES ($1, 0, now()) ON CONFLICT DO NOTHING",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await
+    .map_err(dberr)?;
+    let created_at: DateTime<Utc> = row.try_get("created_at").map_err(dberr)?;
+    tx.commit().await.map_err(dberr)?;
+    Ok(RunRow {
+        id,
+        config: config.clone(),
+        netuid,
+        created_at,
+    })
+}
+
+/// The process-wide Prometheus recorder (installed once; every orchestrator in the process
+/// shares it).
+pub fn metrics_handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (a host program's); ours still renders.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+async fn metrics_text() -> impl IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        metrics_handle().render(),
+    )
+}
+
+async fn track(matched: Option<MatchedPath>, req: Request, next: Next) -> Response {
+    let route = matched
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = req.method().as_str().to_owned();
+    let start = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16().to_string();
+    metrics::counter!("iota_http_requests_total", "route" => route.clone(), "method" => method.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!("iota_http_request_seconds", "route" => route, "method" => method)
+        .record(start.elapsed().as_secs_f64());
+    resp
+}
+
+/// The OpenAPI document.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "IOTA orchestrator API",
+        description = "Signed routes carry Epistula v2 headers with the method and path bound into the signature (see API.md)."
+    ),
+    paths(
+        miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
+        miner::commit_output, miner::complete, miner::upload_pg, miner::presign_pg, miner::commit_pg,
+        miner::merges, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
+        miner::report_bad_object,
+        validator::hops, validator::samples, validator::epoch, validator::disputes,
+        validator::settle, validator::upload_merge, validator::scores,
+        views::get_run, views::get_status, views::get_stages, views::get_stage_weights,
+        views::get_miners, views::get_loss, views::get_throughput, views::get_sample,
+        views::get_merges, views::get_scores, views::health,
+    ),
+    modifiers(&EpistulaScheme),
+)]
+pub struct ApiDoc;
+
+struct EpistulaScheme;
+
+impl utoipa::Modify for EpistulaScheme {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "epistula",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "epistula-request-signature",
+                "sr25519 signature over sha256(body).uuid.timestamp.signed_for.METHOD.path_and_query, with the other Epistula-* headers",
+            ))),
+        );
+    }
+}
+
+/// The OpenAPI document as pretty JSON (what `orchestrator/openapi.json` holds).
+pub fn openapi_json() -> String {
+    ApiDoc::openapi()
+        .to_pretty_json()
+        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+async fn openapi_route() -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        openapi_json(),
+    )
+}
+
+/// Largest body a signed upload route accepts: the biggest tensor slot of this run.
+pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
+    let boundary = miner::boundary_spec(cfg).max_bytes();
+    let partition = (0..cfg.stages)
+        .filter_map(|s| cfg.partition_range(s, 0))
+        .map(|r| {
+            TensorSpec::Merged {
+                len: r.end - r.start,
+            }
+            .max_bytes()
+        })
+        .max()
+        .unwrap_or(0);
+    boundary.max(partition).min(usize::MAX as u64) as usize
+}
+
+/// The HTTP routes over `app`.
+pub fn router(app: App) -> Router {
+    let json_limit = app.limits.json_body_bytes;
+    let upload_limit = max_upload_bytes(app.config());
+    let miner_json = Router::new()
+        .route("/v1/miner/register", post(miner::register))
+        .route("/v1/miner/heartbeat", post(miner::heartbeat))
+        .route("/v1/miner/work", post(miner::work))
+        .route("/v1/miner/tasks/{task_id}/complete", post(miner::complete))
+        .route(
+            "/v1/miner/tasks/{task_id}/output/presign",
+            post(miner::presign_output),
+        )
+        .route(
+            "/v1/miner/tasks/{task_id}/output/commit",
+            post(miner::commit_output),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign",
+            post(miner::presign_pg),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit",
+            post(miner::commit_pg),
+        )
+        .route("/v1/miner/merges", get(miner::merges))
+        .route(
+            "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign",
+            post(miner::presign_merge),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit",
+            post(miner::commit_merge),
+        )
+        .route(
+            "/v1/miner/reports/bad-object",
+            post(miner::report_bad_object),
+        )
+        .route("/v1/blobs/{*key}", get(miner::blob))
+        .route_layer(middleware::from_fn_with_state(
+            (app.clone(), Gate::Registered, json_limit),
+            app::signed_gate,
+        ));
+    let miner_upload = Router::new()
+        .route(
+            "/v1/miner/tasks/{task_id}/output",
+            put(miner::upload_output),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}",
+            put(miner::upload_pg),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}",
+            put(miner::upload_merge),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            (app.clone(), Gate::Registered, upload_limit),
+            app::signed_gate,
+        ));
+    let validator_json = Router::new()
+        .route("/v1/validator/epochs/{epoch}/hops", get(validator::hops))
+        .route(
+            "/v1/validator/epochs/{epoch}/samples",
+            get(validator::samples),
+        )
+        .route("/v1/validator/epochs/{epoch}", get(validator::epoch))
+        .route("/v1/validator/disputes", get(validator::disputes))
+        .route(
+            "/v1/validator/disputes/{id}/settle",
+            post(validator::settle),
+        )
+        .route(
+            "/v1/validator/epochs/{epoch}/scores",
+            post(validator::scores),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            (app.clone(), Gate::Validator, json_limit),
+            app::signed_gate,
+        ));
+    let validator_upload = Router::new()
+        .route(
+            "/v1/validator/epochs/{epoch}/merges/{stage}/{partition}",
+            put(validator::upload_merge),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            (app.clone(), Gate::Validator, upload_limit),
+            app::signed_gate,
+        ));
+    let public = Router::new()
+        .route("/v1/run", get(views::get_run))
+        .route("/v1/status", get(views::get_status))
+        .route("/v1/stages", get(views::get_stages))
+        .route("/v1/stages/{stage}/weights", get(views::get_stage_weights))
+        .route("/v1/miners", get(views::get_miners))
+        .route("/v1/loss", get(views::get_loss))
+        .route("/v1/throughput", get(views::get_throughput))
+        .route("/v1/samples/{id}", get(views::get_sample))
+        .route("/v1/epochs/{epoch}/merges", get(views::get_merges))
+        .route("/v1/scores", get(views::get_scores))
+        .route("/v1/noop", get(views::health))
+        .route("/healthz", get(views::health))
+        .route("/openapi.json", get(openapi_route))
+        .route("/metrics", get(metrics_text))
+        .route("/", get(dashboard::page))
+        .route("/dashboard", get(dashboard::page))
+        .route_layer(middleware::from_fn_with_state(
+            app.clone(),
+            app::public_gate,
+        ));
+    Router::new()
+        .merge(miner_json)
+        .merge(miner_upload)
+        .merge(validator_json)
+        .merge(validator_upload)
+        .merge(public)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(upload_limit.max(json_limit)))
+        .layer(middleware::from_fn(track))
+        .layer(TraceLayer::new_for_http())
+        .with_state(app)
+}
+
+async fn not_found(State(_): State<App>) -> Response {
+    app::AppError::new(iota_protocol::ErrorCode::NotFound, "no such route").into_response()
+}
+
+/// Serves the run until `shutdown` resolves: migrations, run row, metagraph watcher, phase
+/// driver, HTTP.
+pub async fn run(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), OrchestratorError> {
+    config.run.validate().map_err(OrchestratorError::Config)?;
+    let store =
+        BlobStore::open(&config.store).map_err(|e| OrchestratorError::Store(e.to_string()))?;
+    let db = connect_db(&config.database_url, config.db_max_connections).await?;
+    let run = ensure_run(&db, &config.run, config.netuid, &config.hotkey).await?;
+    let chain_err = |reason: String| OrchestratorError::Chain {
+        url: config.chain_endpoint.clone(),
+        netuid: config.netuid,
+        reason,
+    };
+    let chain = tokio::time::timeout(
+        Duration::from_secs(30),
+        Subtensor::connect(ConnectOptions::new(config.chain_endpoint.clone())),
+    )
+    .await
+    .map_err(|_| chain_err("no answer within 30 s".into()))?
+    .map_err(|e| chain_err(e.to_string()))?;
+    let watcher = MetagraphWatcher::spawn(
+        chain,
+        config.netuid,
+        WatchOptions {
+            every: config.metagraph_refresh,
+            ..WatchOptions::default()
+        },
+    )
+    .await
+    .map_err(|e| chain_err(e.to_string()))?;
+    let state: App = Arc::new(AppState::new(
+        db,
+        store,
+        run,
+        config.hotkey.clone(),
+        watcher.subscribe(),
+        config.skew,
+        config.limits,
+        config.max_merge_rounds,
+    ));
+    metrics_handle();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let driver = tokio::spawn(driver::run_driver(state.clone(), config.tick, stop_rx));
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, run = state.run.id, netuid = config.netuid, "orchestrator serving");
+    let served = axum::serve(
+        listener,
+        router(state.clone()).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await;
+    let _ = stop_tx.send(true);
+    let _ = driver.await;
+    drop(watcher);
+    served?;
+    Ok(())
+}
+
+/// Re-exported for the CLI's `openapi` command and tests.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}

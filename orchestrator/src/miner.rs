@@ -1,0 +1,1553 @@
+//! Signed routes for miners: join, heartbeat, leased work, uploads, completions, merges.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use chrono::{DateTime, Utc};
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
+use iota_protocol::tensor::{TensorSpec, check_tensor};
+use serde::Deserialize;
+use sqlx::{Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
+use crate::routing::{StageLoad, choose_stage, weighted_pick};
+use crate::views;
+
+/// The current epoch row of the run.
+pub(crate) struct RunNow {
+    pub epoch: u64,
+    pub phase: Phase,
+    pub phase_started: DateTime<Utc>,
+    pub phase_deadline: DateTime<Utc>,
+    pub merge_round: u32,
+}
+
+pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> ApiResult<RunNow> {
+    let row = sqlx::query(
+        "SELECT epoch, phase, phase_started, phase_deadline, merge_round FROM runs WHERE id = $1",
+    )
+    .bind(run)
+    .fetch_one(db)
+    .await?;
+    let phase: String = row.try_get("phase")?;
+    Ok(RunNow {
+        epoch: row.try_get::<i64, _>("epoch")? as u64,
+        phase: Phase::parse(&phase)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad phase {phase}")))?,
+        phase_started: row.try_get("phase_started")?,
+        phase_deadline: row.try_get("phase_deadline")?,
+        merge_round: row.try_get::<i32, _>("merge_round")? as u32,
+    })
+}
+
+/// `POST /v1/miner/register`: join the run (idempotent).
+#[utoipa::path(post, path = "/v1/miner/register", tag = "miner",
+    request_body = RegisterRequest,
+    responses((status = 200, body = RegisterResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn register(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiJson(req): ApiJson<RegisterRequest>,
+) -> ApiResult<Json<RegisterResponse>> {
+    let cap = &req.capacity;
+    if !(cap.tokens_per_s.is_finite() && cap.tokens_per_s >= 0.0) || cap.device.len() > 64 {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "capacity needs a finite, non-negative tokens_per_s and a short device name",
+        ));
+    }
+    let run = app.run.id;
+    let mut tx = app.db.begin().await?;
+    // Serialise joins of one run so two replicas cannot both fill the same emptiest stage.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('iota-join'), $1::int)")
+        .bind(run as i32)
+        .execute(&mut *tx)
+        .await?;
+    let now = run_now(&mut *tx, run).await?;
+    let existing = sqlx::query("SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2")
+        .bind(run)
+        .bind(&caller.ss58)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let stage = match existing {
+        Some(row) => {
+            let stage: i32 = row.try_get("stage")?;
+            sqlx::query(
+                "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
+                 tokens_per_s = $6, last_seen = now() WHERE run_id = $1 AND hotkey = $2",
+            )
+            .bind(run)
+            .bind(&caller.ss58)
+            .bind(i32::from(caller.uid))
+            .bind(&cap.device)
+            .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+            .bind(cap.tokens_per_s)
+            .execute(&mut *tx)
+            .await?;
+            stage as u32
+        }
+        None => {
+            let loads = stage_loads(&mut tx, &app).await?;
+            let stage = choose_stage(&loads, cap.memory_bytes).ok_or_else(|| {
+                let smallest = loads.iter().map(|l| l.params).min().unwrap_or(0);
+                AppError::new(
+                    ErrorCode::Forbidden,
+                    format!(
+                        "{} bytes of memory fit no stage: the smallest needs {}",
+                        cap.memory_bytes,
+                        smallest.saturating_mul(crate::routing::BYTES_PER_PARAM)
+                    ),
+                )
+            })?;
+            sqlx::query(
+                "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
+                 tokens_per_s, joined_epoch) VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8)",
+            )
+            .bind(run)
+            .bind(&caller.ss58)
+            .bind(i32::from(caller.uid))
+            .bind(stage as i32)
+            .bind(&cap.device)
+            .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+            .bind(cap.tokens_per_s)
+            .bind(now.epoch as i64)
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(miner = %caller.ss58, stage, epoch = now.epoch, "miner joined");
+            stage
+        }
+    };
+    tx.commit().await?;
+    metrics::counter!("iota_miner_registrations_total").increment(1);
+    let weights = views::stage_weights(&app, stage).await?;
+    let status = views::epoch_status(&app).await?;
+    Ok(Json(RegisterResponse {
+        run: views::run_info(&app),
+        uid: caller.uid,
+        stage,
+        status,
+        weights,
+    }))
+}
+
+async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult<Vec<StageLoad>> {
+    let rows = sqlx::query(
+        "SELECT stage, count(*) AS miners, coalesce(sum(tokens_per_s), 0) AS tps
+         FROM miners WHERE run_id = $1 AND status = 'active' GROUP BY stage",
+    )
+    .bind(app.run.id)
+    .fetch_all(&mut **tx)
+    .await?;
+    let cfg = app.config();
+    let mut loads: Vec<StageLoad> = (0..cfg.stages)
+        .map(|s| StageLoad {
+            stage: s,
+            params: cfg.params_of(s).unwrap_or(0),
+            miners: 0,
+            tokens_per_s: 0.0,
+        })
+        .collect();
+    for row in rows {
+        let s: i32 = row.try_get("stage")?;
+        if let Some(l) = loads.get_mut(s as usize) {
+            l.miners = row.try_get::<i64, _>("miners")? as u32;
+            l.tokens_per_s = row.try_get("tps")?;
+        }
+    }
+    Ok(loads)
+}
+
+/// The caller's stage, or 403 if it has not joined (or was released and must re-register).
+async fn miner_stage<'e, E: sqlx::PgExecutor<'e>>(
+    db: E,
+    app: &App,
+    caller: &Caller,
+) -> ApiResult<u32> {
+    let row = sqlx::query("SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = $2")
+        .bind(app.run.id)
+        .bind(&caller.ss58)
+        .fetch_optional(db)
+        .await?
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotAMiner,
+                "not a miner of this run: call POST /v1/miner/register first",
+            )
+        })?;
+    let status: String = row.try_get("status")?;
+    if status != "active" {
+        return Err(AppError::new(
+            ErrorCode::NotAMiner,
+            "released after missing heartbeats: call POST /v1/miner/register again",
+        ));
+    }
+    Ok(row.try_get::<i32, _>("stage")? as u32)
+}
+
+/// `POST /v1/miner/heartbeat`.
+#[utoipa::path(post, path = "/v1/miner/heartbeat", tag = "miner",
+    request_body = HeartbeatRequest,
+    responses((status = 200, body = HeartbeatResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn heartbeat(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiJson(req): ApiJson<HeartbeatRequest>,
+) -> ApiResult<Json<HeartbeatResponse>> {
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    let tps = req.tokens_per_s.filter(|t| t.is_finite() && *t >= 0.0);
+    sqlx::query(
+        "UPDATE miners SET last_seen = now(), tokens_per_s = coalesce($3, tokens_per_s)
+         WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .bind(tps)
+    .execute(&app.db)
+    .await?;
+    Ok(Json(HeartbeatResponse {
+        stage,
+        status: views::epoch_status(&app).await?,
+    }))
+}
+
+fn work_item(row: &sqlx::postgres::PgRow, cfg: &RunConfig) -> ApiResult<WorkItem> {
+    let direction: String = row.try_get("direction")?;
+    let direction = Direction::parse(&direction)
+        .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?;
+    let stage = row.try_get::<i32, _>("stage")? as u32;
+    let input: Option<serde_json::Value> = row.try_get("input")?;
+    let input = input
+        .map(serde_json::from_value::<BlobDescriptor>)
+        .transpose()
+        .map_err(|e| AppError::new(ErrorCode::Internal, format!("stored blob: {e}")))?;
+    let until: DateTime<Utc> = row.try_get("leased_until")?;
+    Ok(WorkItem {
+        task_id: row.try_get("id")?,
+        lease: row.try_get("lease")?,
+        lease_expires_ms: until.timestamp_millis(),
+        epoch: row.try_get::<i64, _>("epoch")? as u64,
+        sample_id: row.try_get("sample_id")?,
+        stage,
+        direction,
+        input,
+        expects_output: expects_output(direction, stage, cfg),
+    })
+}
+
+/// Every hop produces a tensor except the backward at stage 0 (nothing to send further back).
+fn expects_output(direction: Direction, stage: u32, _cfg: &RunConfig) -> bool {
+    !(direction == Direction::Backward && stage == 0)
+}
+
+/// `POST /v1/miner/work`: lease work. Pending hops routed to the caller come first (backward
+/// before forward, oldest first, since a pending backward holds a cache in the miner's memory);
+/// a stage-0 miner with room then gets new samples while the epoch is training.
+#[utoipa::path(post, path = "/v1/miner/work", tag = "miner",
+    request_body = WorkRequest,
+    responses((status = 200, body = WorkResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn work(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiJson(req): ApiJson<WorkRequest>,
+) -> ApiResult<Json<WorkResponse>> {
+    let max = req.max_items.clamp(1, 32) as i64;
+    let cfg = app.config();
+    let lease_s = cfg.lease_s as f64;
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    let mut tx = app.db.begin().await?;
+    sqlx::query("UPDATE miners SET last_seen = now() WHERE run_id = $1 AND hotkey = $2")
+        .bind(app.run.id)
+        .bind(&caller.ss58)
+        .execute(&mut *tx)
+        .await?;
+    let rows = sqlx::query(
+        "UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
+             leased_until = now() + make_interval(secs => $3)
+         WHERE id IN (
+             SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
+             ORDER BY (direction = 'backward') DESC, id LIMIT $4 FOR UPDATE SKIP LOCKED)
+         RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .bind(lease_s)
+    .bind(max)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut items = rows
+        .iter()
+        .map(|r| work_item(r, cfg))
+        .collect::<ApiResult<Vec<_>>>()?;
+    let now = run_now(&mut *tx, app.run.id).await?;
+    let room = max - items.len() as i64;
+    if stage == 0 && now.phase == Phase::Training && room > 0 {
+        items.extend(start_samples(&mut tx, &app, &caller, now.epoch, room).await?);
+    }
+    tx.commit().await?;
+    for item in &mut items {
+        presign_input(&app, item).await?;
+    }
+    metrics::counter!("iota_work_items_leased_total").increment(items.len() as u64);
+    Ok(Json(WorkResponse {
+        items,
+        status: views::epoch_status(&app).await?,
+    }))
+}
+
+async fn presign_input(app: &App, item: &mut WorkItem) -> ApiResult<()> {
+    if let Some(input) = &mut item.input {
+        input.url = app.store.presign(http::Method::GET, &input.key).await?;
+    }
+    Ok(())
+}
+
+/// Starts up to `room` new samples at stage 0 for the caller, within the epoch's sample budget
+/// and the miner's in-flight limit.
+async fn start_samples(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    room: i64,
+) -> ApiResult<Vec<WorkItem>> {
+    let cfg = app.config();
+    let in_flight: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM samples s JOIN tasks t
+           ON t.sample_id = s.id AND t.stage = 0 AND t.direction = 'forward'
+              AND t.status IN ('pending', 'leased', 'done')
+         WHERE s.run_id = $1 AND s.epoch = $2 AND s.status IN ('forward', 'backward')
+           AND t.miner = $3",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .fetch_one(&mut **tx)
+    .await?;
+    let want = room.min(i64::from(cfg.max_in_flight) - in_flight);
+    if want <= 0 {
+        return Ok(Vec::new());
+    }
+    let granted: Option<i64> = sqlx::query_scalar(
+        "WITH cur AS (SELECT samples_started FROM epochs WHERE run_id = $1 AND epoch = $2 FOR UPDATE)
+         UPDATE epochs e SET samples_started = LEAST(cur.samples_started + $3, $4)
+         FROM cur WHERE e.run_id = $1 AND e.epoch = $2
+         RETURNING e.samples_started - cur.samples_started",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(want)
+    .bind(cfg.samples_per_epoch.min(i64::MAX as u64) as i64)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let granted = granted.unwrap_or(0);
+    let mut items = Vec::new();
+    for _ in 0..granted {
+        let sample_id: i64 = sqlx::query_scalar(
+            "INSERT INTO samples (run_id, epoch, status) VALUES ($1, $2, 'forward') RETURNING id",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .fetch_one(&mut **tx)
+        .await?;
+        let row = sqlx::query(
+            "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, miner, status, lease,
+                 leased_at, leased_until)
+             VALUES ($1, $2, $3, 0, 'forward', $4, 'leased', gen_random_uuid(), now(),
+                 now() + make_interval(secs => $5))
+             RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(sample_id)
+        .bind(&caller.ss58)
+        .bind(cfg.lease_s as f64)
+        .fetch_one(&mut **tx)
+        .await?;
+        items.push(work_item(&row, cfg)?);
+    }
+    Ok(items)
+}
+
+/// Query of a direct upload.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct UploadQuery {
+    /// The lease (task outputs only).
+    #[serde(default)]
+    pub lease: Option<Uuid>,
+    /// BLAKE3 (hex) of the body.
+    pub blake3: String,
+}
+
+/// A leased task, locked for update.
+pub(crate) struct LeasedTask {
+    epoch: u64,
+    sample_id: i64,
+    stage: u32,
+    direction: Direction,
+    attempt: i32,
+    status: String,
+    lease: Option<Uuid>,
+    miner: String,
+    staged: Option<serde_json::Value>,
+    output: Option<serde_json::Value>,
+    next_task_id: Option<i64>,
+}
+
+async fn lock_task(tx: &mut Transaction<'_, Postgres>, run: i64, id: i64) -> ApiResult<LeasedTask> {
+    let row = sqlx::query(
+        "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
+                output,
+                (SELECT max(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
+                   AND n.attempt = 0) AS next_task_id
+         FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
+    )
+    .bind(id)
+    .bind(run)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no task {id}")))?;
+    let direction: String = row.try_get("direction")?;
+    Ok(LeasedTask {
+        epoch: row.try_get::<i64, _>("epoch")? as u64,
+        sample_id: row.try_get("sample_id")?,
+        stage: row.try_get::<i32, _>("stage")? as u32,
+        direction: Direction::parse(&direction)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?,
+        attempt: row.try_get("attempt")?,
+        status: row.try_get("status")?,
+        lease: row.try_get("lease")?,
+        miner: row.try_get("miner")?,
+        staged: row.try_get("staged_output")?,
+        output: row.try_get("output")?,
+        next_task_id: row.try_get("next_task_id")?,
+    })
+}
+
+fn check_lease(task: &LeasedTask, caller: &Caller, lease: Uuid, id: i64) -> ApiResult<()> {
+    if task.miner != caller.ss58 {
+        return Err(AppError::new(
+            ErrorCode::Forbidden,
+            format!("task {id} is not routed to you"),
+        ));
+    }
+    if task.lease != Some(lease) {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("lease {lease} of task {id} is not current: the hop was re-routed"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn boundary_spec(cfg: &RunConfig) -> TensorSpec {
+    TensorSpec::Boundary {
+        shape: cfg.boundary_shape(),
+        encoding: cfg.wire,
+    }
+}
+
+/// Checks an upload's bytes against its slot and declared hash, then stores it. Nothing is
+/// written unless every check passes.
+pub(crate) async fn accept_upload(
+    app: &App,
+    key: String,
+    spec: &TensorSpec,
+    bytes: Bytes,
+    declared_blake3: &str,
+) -> ApiResult<BlobDescriptor> {
+    if !is_blake3_hex(declared_blake3) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "blake3 must be 64 lowercase hex digits",
+        ));
+    }
+    let blob = check_bytes(spec, key, &bytes, declared_blake3)?;
+    app.store.put(&blob.key, bytes).await?;
+    metrics::counter!("iota_upload_bytes_total").increment(blob.size);
+    Ok(blob)
+}
+
+pub(crate) fn check_bytes(
+    spec: &TensorSpec,
+    key: String,
+    bytes: &[u8],
+    declared_blake3: &str,
+) -> ApiResult<BlobDescriptor> {
+    let max = spec.max_bytes();
+    if bytes.len() as u64 > max {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("{} bytes, this slot takes at most {max}", bytes.len()),
+        ));
+    }
+    let actual = blake3::hash(bytes).to_hex().to_string();
+    if actual != declared_blake3 {
+        return Err(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!("BLAKE3 of the body is {actual}, the request declared {declared_blake3}"),
+        ));
+    }
+    check_tensor(bytes, spec)
+        .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
+    let (dtype, shape) = spec.dtype_and_shape();
+    Ok(BlobDescriptor {
+        key,
+        size: bytes.len() as u64,
+        dtype,
+        shape,
+        blake3: actual,
+        url: None,
+    })
+}
+
+fn task_output_key(app: &App, task_id: i64, t: &LeasedTask) -> String {
+    format!(
+        "runs/{}/epoch-{}/samples/{}/s{}-{}-a{}-t{}.safetensors",
+        app.run.id,
+        t.epoch,
+        t.sample_id,
+        t.stage,
+        t.direction.as_str(),
+        t.attempt,
+        task_id
+    )
+}
+
+/// `PUT /v1/miner/tasks/{task_id}/output?lease=…&blake3=…`: upload a hop's output tensor.
+#[utoipa::path(put, path = "/v1/miner/tasks/{task_id}/output", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    let lease = q
+        .lease
+        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
+    // Check the lease before touching the store.
+    let task = {
+        let mut tx = app.db.begin().await?;
+        let t = lock_task(&mut tx, app.run.id, task_id).await?;
+        tx.commit().await?;
+        t
+    };
+    check_lease(&task, &caller, lease, task_id)?;
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}", task.status),
+        ));
+    }
+    if !expects_output(task.direction, task.stage, app.config()) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "the backward hop of stage 0 has no output",
+        ));
+    }
+    let key = task_output_key(&app, task_id, &task);
+    let blob = accept_upload(&app, key, &boundary_spec(app.config()), body, &q.blake3).await?;
+    stage_output(&app, task_id, lease, blob).await
+}
+
+async fn stage_output(
+    app: &App,
+    task_id: i64,
+    lease: Uuid,
+    blob: BlobDescriptor,
+) -> ApiResult<Json<UploadResponse>> {
+    let value = serde_json::to_value(&blob)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let updated = sqlx::query(
+        "UPDATE tasks SET staged_output = $3 WHERE id = $1 AND lease = $2 AND status = 'leased'",
+    )
+    .bind(task_id)
+    .bind(lease)
+    .bind(value)
+    .execute(&app.db)
+    .await?;
+    if updated.rows_affected() == 0 {
+        // The lease lapsed while the bytes were in flight: leave nothing behind.
+        app.store.delete(&blob.key).await?;
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id}'s lease lapsed during the upload"),
+        ));
+    }
+    Ok(Json(UploadResponse { blob }))
+}
+
+/// `POST /v1/miner/tasks/{task_id}/output/presign`: a URL to PUT the output straight to the
+/// store (S3-compatible stores only).
+#[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/presign", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body = PresignRequest,
+    responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn presign_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiJson(req): ApiJson<PresignRequest>,
+) -> ApiResult<Json<PresignResponse>> {
+    let lease = q
+        .lease
+        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
+    let task = {
+        let mut tx = app.db.begin().await?;
+        let t = lock_task(&mut tx, app.run.id, task_id).await?;
+        tx.commit().await?;
+        t
+    };
+    check_lease(&task, &caller, lease, task_id)?;
+    let spec = boundary_spec(app.config());
+    if req.size > spec.max_bytes() {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "{} bytes, this slot takes at most {}",
+                req.size,
+                spec.max_bytes()
+            ),
+        ));
+    }
+    presign(&app, task_output_key(&app, task_id, &task)).await
+}
+
+pub(crate) async fn presign(app: &App, key: String) -> ApiResult<Json<PresignResponse>> {
+    let url = app
+        .store
+        .presign(http::Method::PUT, &key)
+        .await?
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::BadRequest,
+                "this orchestrator's store does not presign: PUT the bytes to the orchestrator",
+            )
+        })?;
+    let ttl = chrono::Duration::from_std(app.store.presign_ttl())
+        .unwrap_or_else(|_| chrono::Duration::seconds(900));
+    Ok(Json(PresignResponse {
+        url,
+        key,
+        expires_ms: (Utc::now() + ttl).timestamp_millis(),
+    }))
+}
+
+/// Reads a presigned upload back, checks it in full, and deletes it if it fails.
+pub(crate) async fn accept_committed(
+    app: &App,
+    expected_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
+    if commit.key != expected_key {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("key {} is not this slot's {expected_key}", commit.key),
+        ));
+    }
+    let bytes = app
+        .store
+        .get_bounded(expected_key, spec.max_bytes())
+        .await
+        .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
+    if bytes.len() as u64 != commit.size {
+        app.store.delete(expected_key).await?;
+        return Err(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!(
+                "stored object is {} bytes, commit declared {}",
+                bytes.len(),
+                commit.size
+            ),
+        ));
+    }
+    match check_bytes(spec, expected_key.to_owned(), &bytes, &commit.blake3) {
+        Ok(blob) => Ok(blob),
+        Err(e) => {
+            app.store.delete(expected_key).await?;
+            Err(e)
+        }
+    }
+}
+
+/// `POST /v1/miner/tasks/{task_id}/output/commit?lease=…`: after a presigned upload.
+#[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/commit", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body = CommitRequest,
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn commit_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiJson(req): ApiJson<CommitRequest>,
+) -> ApiResult<Json<UploadResponse>> {
+    let lease = q
+        .lease
+        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
+    let task = {
+        let mut tx = app.db.begin().await?;
+        let t = lock_task(&mut tx, app.run.id, task_id).await?;
+        tx.commit().await?;
+        t
+    };
+    check_lease(&task, &caller, lease, task_id)?;
+    let key = task_output_key(&app, task_id, &task);
+    let blob = accept_committed(&app, &key, &boundary_spec(app.config()), &req).await?;
+    stage_output(&app, task_id, lease, blob).await
+}
+
+/// `POST /v1/miner/tasks/{task_id}/complete`: finish a hop and route the sample on.
+#[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/complete", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task")),
+    request_body = CompleteRequest,
+    responses((status = 200, body = CompleteResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn complete(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiJson(req): ApiJson<CompleteRequest>,
+) -> ApiResult<Json<CompleteResponse>> {
+    let cfg = app.config();
+    let mut tx = app.db.begin().await?;
+    let task = lock_task(&mut tx, app.run.id, task_id).await?;
+    check_lease(&task, &caller, req.lease, task_id)?;
+    if task.status == "done" {
+        // A retry of a completion that already went through.
+        let same = match (&task.output, &req.output) {
+            (Some(stored), Some(sent)) => serde_json::from_value::<BlobDescriptor>(stored.clone())
+                .map(|b| b.blake3 == sent.blake3)
+                .unwrap_or(false),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            return Err(AppError::new(
+                ErrorCode::Conflict,
+                format!("task {task_id} was completed with a different output"),
+            ));
+        }
+        let sample_done =
+            sqlx::query_scalar::<_, String>("SELECT status FROM samples WHERE id = $1")
+                .bind(task.sample_id)
+                .fetch_one(&mut *tx)
+                .await?
+                == "done";
+        return Ok(Json(CompleteResponse {
+            task_id,
+            next_task_id: task.next_task_id,
+            sample_done,
+        }));
+    }
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}: the hop was re-routed", task.status),
+        ));
+    }
+    let last = task.stage + 1 == cfg.stages;
+    let is_last_forward = last && task.direction == Direction::Forward;
+    let needs_output =
+        expects_output(task.direction, task.stage, cfg) && !(is_last_forward && cfg.stages == 1);
+    let output = if needs_output {
+        let staged = task
+            .staged
+            .clone()
+            .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok())
+            .ok_or_else(|| {
+                AppError::new(
+                    ErrorCode::BadRequest,
+                    format!("task {task_id} has no uploaded output: upload it first"),
+                )
+            })?;
+        match &req.output {
+            Some(o) if o.key == staged.key && o.blake3 == staged.blake3 => Some(staged),
+            _ => {
+                return Err(AppError::new(
+                    ErrorCode::BadRequest,
+                    "output does not match the uploaded object",
+                ));
+            }
+        }
+    } else {
+        None
+    };
+    if is_last_forward {
+        match req.loss {
+            Some(l) if l.is_finite() => {}
+            _ => {
+                return Err(AppError::new(
+                    ErrorCode::BadRequest,
+                    "the last stage's forward must report a finite loss",
+                ));
+            }
+        }
+    }
+    if let Some(seq) = &req.sequence_losses
+        && (seq.len() > cfg.micro_batch as usize || seq.iter().any(|l| !l.is_finite()))
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "sequence_losses: at most micro_batch finite values",
+        ));
+    }
+    if req.weights_digest.len() > 128 {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "weights_digest too long",
+        ));
+    }
+    let output_json = output
+        .as_ref()
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    sqlx::query(
+        "UPDATE tasks SET status = 'done', output = $2, inner_step = $3, weights_digest = $4,
+             compute_ms = $5, completed_at = now() WHERE id = $1",
+    )
+    .bind(task_id)
+    .bind(&output_json)
+    .bind(req.inner_step.min(i64::MAX as u64) as i64)
+    .bind(&req.weights_digest)
+    .bind(req.compute_ms.map(|m| m.min(i64::MAX as u64) as i64))
+    .execute(&mut *tx)
+    .await?;
+    if let Some(o) = &output {
+        sqlx::query(
+            "UPDATE epochs SET wire_bytes = wire_bytes + $3 WHERE run_id = $1 AND epoch = $2",
+        )
+        .bind(app.run.id)
+        .bind(task.epoch as i64)
+        .bind(o.size as i64)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let mut next_task_id = None;
+    let mut sample_done = false;
+    match task.direction {
+        Direction::Forward if !last => {
+            next_task_id = route_forward(
+                &mut tx,
+                &app,
+                &task,
+                task.stage + 1,
+                output_json.clone(),
+                None,
+            )
+            .await?;
+        }
+        Direction::Forward => {
+            sqlx::query(
+                "UPDATE samples SET loss = $2, sequence_losses = $3, status = 'backward' WHERE id = $1",
+            )
+            .bind(task.sample_id)
+            .bind(req.loss)
+            .bind(req.sequence_losses.clone())
+            .execute(&mut *tx)
+            .await?;
+            if task.stage == 0 {
+                finish_sample(&mut tx, &app, task.sample_id, task.epoch).await?;
+                sample_done = true;
+            } else {
+                next_task_id =
+                    route_backward(&mut tx, &app, &task, task.stage - 1, output_json.clone())
+                        .await?;
+            }
+        }
+        Direction::Backward if task.stage > 0 => {
+            next_task_id =
+                route_backward(&mut tx, &app, &task, task.stage - 1, output_json.clone()).await?;
+        }
+        Direction::Backward => {
+            finish_sample(&mut tx, &app, task.sample_id, task.epoch).await?;
+            sample_done = true;
+        }
+    }
+    tx.commit().await?;
+    metrics::counter!("iota_hops_completed_total", "direction" => task.direction.as_str())
+        .increment(1);
+    Ok(Json(CompleteResponse {
+        task_id,
+        next_task_id,
+        sample_done,
+    }))
+}
+
+async fn finish_sample(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    sample_id: i64,
+    epoch: u64,
+) -> ApiResult<()> {
+    sqlx::query("UPDATE samples SET status = 'done', completed_at = now() WHERE id = $1")
+        .bind(sample_id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "UPDATE epochs SET samples_completed = samples_completed + 1 WHERE run_id = $1 AND epoch = $2",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .execute(&mut **tx)
+    .await?;
+    metrics::counter!("iota_samples_completed_total").increment(1);
+    Ok(())
+}
+
+/// Routes a forward hop of the sample to a miner of `stage`, drawn by throughput. With no miner
+/// on that stage the sample is abandoned. `exclude` keeps a re-route off the miner that failed.
+pub(crate) async fn route_forward(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    from: &LeasedTask,
+    stage: u32,
+    input: Option<serde_json::Value>,
+    exclude: Option<&str>,
+) -> ApiResult<Option<i64>> {
+    route_forward_sample(
+        tx,
+        app,
+        from.epoch,
+        from.sample_id,
+        stage,
+        0,
+        input,
+        exclude,
+    )
+    .await
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn route_forward_sample(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    epoch: u64,
+    sample_id: i64,
+    stage: u32,
+    attempt: i32,
+    input: Option<serde_json::Value>,
+    exclude: Option<&str>,
+) -> ApiResult<Option<i64>> {
+    let rows = sqlx::query(
+        "SELECT hotkey, tokens_per_s FROM miners
+         WHERE run_id = $1 AND stage = $2 AND status = 'active' ORDER BY hotkey",
+    )
+    .bind(app.run.id)
+    .bind(stage as i32)
+    .fetch_all(&mut **tx)
+    .await?;
+    let all: Vec<(String, f64)> = rows
+        .iter()
+        .map(|r| Ok((r.try_get("hotkey")?, r.try_get("tokens_per_s")?)))
+        .collect::<Result<_, sqlx::Error>>()?;
+    let preferred: Vec<(String, f64)> = all
+        .iter()
+        .filter(|(k, _)| Some(k.as_str()) != exclude)
+        .cloned()
+        .collect();
+    let pool = if preferred.is_empty() {
+        &all
+    } else {
+        &preferred
+    };
+    let picked = weighted_pick(pool, &mut rand::thread_rng()).map(str::to_owned);
+    let Some(miner) = picked else {
+        abandon_sample(tx, sample_id, "no active miner on the next stage").await?;
+        return Ok(None);
+    };
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input)
+         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7) RETURNING id",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(sample_id)
+    .bind(stage as i32)
+    .bind(attempt)
+    .bind(&miner)
+    .bind(input)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(Some(id))
+}
+
+/// Routes a backward hop to the miner that ran the sample's forward at `stage` (it holds the
+/// activation cache). If that miner is gone, the sample is abandoned.
+async fn route_backward(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    from: &LeasedTask,
+    stage: u32,
+    grad: Option<serde_json::Value>,
+) -> ApiResult<Option<i64>> {
+    sqlx::query("UPDATE samples SET status = 'backward' WHERE id = $1")
+        .bind(from.sample_id)
+        .execute(&mut **tx)
+        .await?;
+    let miner: Option<String> = sqlx::query_scalar(
+        "SELECT t.miner FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
+         WHERE t.sample_id = $1 AND t.stage = $2 AND t.direction = 'forward' AND t.status = 'done'
+           AND m.status = 'active'",
+    )
+    .bind(from.sample_id)
+    .bind(stage as i32)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(miner) = miner else {
+        abandon_sample(
+            tx,
+            from.sample_id,
+            "the pathway's miner left before its backward",
+        )
+        .await?;
+        return Ok(None);
+    };
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input)
+         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6)
+         ON CONFLICT (sample_id, stage, direction, attempt) DO UPDATE SET attempt = tasks.attempt
+         RETURNING id",
+    )
+    .bind(app.run.id)
+    .bind(from.epoch as i64)
+    .bind(from.sample_id)
+    .bind(stage as i32)
+    .bind(&miner)
+    .bind(grad)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(Some(id))
+}
+
+/// Gives up on a sample: its open hops are closed and it no longer counts as in flight.
+pub(crate) async fn abandon_sample(
+    tx: &mut Transaction<'_, Postgres>,
+    sample_id: i64,
+    why: &str,
+) -> ApiResult<()> {
+    sqlx::query("UPDATE samples SET status = 'abandoned', completed_at = now() WHERE id = $1 AND status IN ('forward', 'backward')")
+        .bind(sample_id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
+        .bind(sample_id)
+        .execute(&mut **tx)
+        .await?;
+    metrics::counter!("iota_samples_abandoned_total").increment(1);
+    tracing::debug!(sample_id, why, "sample abandoned");
+    Ok(())
+}
+
+/// Weight of a miner's pseudo-gradient: its completed backward hops this epoch.
+pub(crate) async fn backward_work<'e, E: sqlx::PgExecutor<'e>>(
+    db: E,
+    run: i64,
+    epoch: u64,
+    miner: &str,
+) -> ApiResult<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE run_id = $1 AND epoch = $2 AND miner = $3
+           AND direction = 'backward' AND status = 'done'",
+    )
+    .bind(run)
+    .bind(epoch as i64)
+    .bind(miner)
+    .fetch_one(db)
+    .await?)
+}
+
+fn pg_key(app: &App, epoch: u64, stage: u32, partition: u32, miner: &str) -> String {
+    format!(
+        "runs/{}/epoch-{epoch}/pseudo-gradients/s{stage}/p{partition}/{miner}.safetensors",
+        app.run.id
+    )
+}
+
+/// Checks that a pseudo-gradient upload fits the current phase and the miner's work; returns the
+/// stage, the slot key, the spec and the merge weight.
+async fn pg_slot(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    partition: u32,
+) -> ApiResult<(u32, String, TensorSpec, f64)> {
+    let stage = miner_stage(&app.db, app, caller).await?;
+    let now = run_now(&app.db, app.run.id).await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "pseudo-gradients of epoch {epoch} are taken in its uploading phase; the run is in epoch {} {}",
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    let range = app
+        .config()
+        .partition_range(stage, partition)
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotFound,
+                format!("stage {stage} has no partition {partition}"),
+            )
+        })?;
+    let work = backward_work(&app.db, app.run.id, epoch, &caller.ss58).await?;
+    if work == 0 {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            "no completed backward pass this epoch: there is nothing to contribute",
+        ));
+    }
+    Ok((
+        stage,
+        pg_key(app, epoch, stage, partition, &caller.ss58),
+        TensorSpec::Partition {
+            len: range.end - range.start,
+        },
+        work as f64,
+    ))
+}
+
+/// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock
+/// makes a commit land wholly before the switch to merging (and count) or after it (refused).
+async fn record_pg(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    blob: BlobDescriptor,
+    weight: f64,
+) -> ApiResult<Json<UploadResponse>> {
+    let mut tx = app.db.begin().await?;
+    crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
+    let now = run_now(&mut *tx, app.run.id).await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading {
+        drop(tx);
+        app.store.delete(&blob.key).await?;
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            "the uploading phase ended while this partition was in flight",
+        ));
+    }
+    let value = serde_json::to_value(&blob)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let existing: Option<String> = sqlx::query_scalar(
+        "INSERT INTO pseudo_gradients (run_id, epoch, stage, partition, miner, blob, blake3, weight)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (run_id, epoch, stage, partition, miner) DO UPDATE SET weight = pseudo_gradients.weight
+         RETURNING blake3",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(&caller.ss58)
+    .bind(value)
+    .bind(&blob.blake3)
+    .bind(weight)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if existing.as_deref() != Some(blob.blake3.as_str()) {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            "a different pseudo-gradient was already accepted for this partition",
+        ));
+    }
+    tx.commit().await?;
+    Ok(Json(UploadResponse { blob }))
+}
+
+/// `PUT /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}?blake3=…`.
+#[utoipa::path(put, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    let (stage, key, spec, weight) = pg_slot(&app, &caller, epoch, partition).await?;
+    if let Some(same) =
+        already_accepted_pg(&app, &caller, epoch, stage, partition, &q.blake3).await?
+    {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
+    record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
+}
+
+async fn already_accepted_pg(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    blake3: &str,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let row: Option<(serde_json::Value, String)> = sqlx::query_as(
+        "SELECT blob, blake3 FROM pseudo_gradients
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND miner = $5",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(&caller.ss58)
+    .fetch_optional(&app.db)
+    .await?;
+    match row {
+        None => Ok(None),
+        Some((blob, hash)) if hash == blake3 => Ok(serde_json::from_value(blob).ok()),
+        Some(_) => Err(AppError::new(
+            ErrorCode::Conflict,
+            "a different pseudo-gradient was already accepted for this partition",
+        )),
+    }
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition")),
+    request_body = PresignRequest,
+    responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn presign_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiJson(req): ApiJson<PresignRequest>,
+) -> ApiResult<Json<PresignResponse>> {
+    let (_, key, spec, _) = pg_slot(&app, &caller, epoch, partition).await?;
+    if req.size > spec.max_bytes() {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "{} bytes, this slot takes at most {}",
+                req.size,
+                spec.max_bytes()
+            ),
+        ));
+    }
+    presign(&app, key).await
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition")),
+    request_body = CommitRequest,
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn commit_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiJson(req): ApiJson<CommitRequest>,
+) -> ApiResult<Json<UploadResponse>> {
+    let (stage, key, spec, weight) = pg_slot(&app, &caller, epoch, partition).await?;
+    if let Some(same) =
+        already_accepted_pg(&app, &caller, epoch, stage, partition, &req.blake3).await?
+    {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let blob = accept_committed(&app, &key, &spec, &req).await?;
+    record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
+}
+
+/// `GET /v1/miner/merges`: the partitions the caller owns in the current merging round and has
+/// not yet submitted.
+#[utoipa::path(get, path = "/v1/miner/merges", tag = "miner",
+    responses((status = 200, body = MergeAssignments), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn merges(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<MergeAssignments>> {
+    let now = run_now(&app.db, app.run.id).await?;
+    let mut assignments = Vec::new();
+    if now.phase == Phase::Merging {
+        let rows = sqlx::query(
+            "SELECT p.stage, p.partition, p.contributions FROM partition_owners o
+             JOIN partitions p ON p.run_id = o.run_id AND p.epoch = o.epoch AND p.stage = o.stage
+                  AND p.partition = o.partition
+             WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = $3
+               AND p.state IN ('open', 'disputed')
+               AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+                   AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+                   AND r.submitter = o.miner)
+             ORDER BY p.stage, p.partition",
+        )
+        .bind(app.run.id)
+        .bind(now.epoch as i64)
+        .bind(&caller.ss58)
+        .fetch_all(&app.db)
+        .await?;
+        for row in rows {
+            let stage = row.try_get::<i32, _>("stage")? as u32;
+            let partition = row.try_get::<i32, _>("partition")? as u32;
+            let range = app
+                .config()
+                .partition_range(stage, partition)
+                .ok_or_else(|| AppError::new(ErrorCode::Internal, "partition out of range"))?;
+            let mut contributions: Vec<MergeContribution> =
+                serde_json::from_value(row.try_get("contributions")?)
+                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+            for c in &mut contributions {
+                c.blob.url = app.store.presign(http::Method::GET, &c.blob.key).await?;
+            }
+            assignments.push(MergeAssignment {
+                epoch: now.epoch,
+                stage,
+                partition,
+                start: range.start,
+                end: range.end,
+                contributions,
+                deadline_ms: now.phase_deadline.timestamp_millis(),
+            });
+        }
+    }
+    Ok(Json(MergeAssignments {
+        assignments,
+        status: views::epoch_status(&app).await?,
+    }))
+}
+
+fn merged_key(app: &App, epoch: u64, stage: u32, partition: u32, who: &str) -> String {
+    format!(
+        "runs/{}/epoch-{epoch}/merged/s{stage}/p{partition}/{who}.safetensors",
+        app.run.id
+    )
+}
+
+/// Checks that `who` may submit a merge of this partition now; returns the slot.
+pub(crate) async fn merge_slot(
+    app: &App,
+    who: &str,
+    as_validator: bool,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+) -> ApiResult<(String, TensorSpec)> {
+    let now = run_now(&app.db, app.run.id).await?;
+    if now.epoch != epoch || now.phase != Phase::Merging {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "merges of epoch {epoch} are taken in its merging phase; the run is in epoch {} {}",
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    let range = app
+        .config()
+        .partition_range(stage, partition)
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotFound,
+                format!("stage {stage} has no partition {partition}"),
+            )
+        })?;
+    if !as_validator {
+        let owner: Option<i32> = sqlx::query_scalar(
+            "SELECT round FROM partition_owners WHERE run_id = $1 AND epoch = $2 AND stage = $3
+               AND partition = $4 AND miner = $5",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .bind(who)
+        .fetch_optional(&app.db)
+        .await?;
+        if owner.is_none() {
+            return Err(AppError::new(
+                ErrorCode::Forbidden,
+                format!("you do not own stage {stage} partition {partition} this epoch"),
+            ));
+        }
+    }
+    Ok((
+        merged_key(app, epoch, stage, partition, who),
+        TensorSpec::Merged {
+            len: range.end - range.start,
+        },
+    ))
+}
+
+/// `PUT /v1/miner/epochs/{epoch}/merges/{stage}/{partition}?blake3=…`: an owner's merged result.
+#[utoipa::path(put, path = "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("stage" = u32, Path, description = "Stage"),
+        ("partition" = u32, Path, description = "Partition"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_merge(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
+    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
+    crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+}
+
+/// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("stage" = u32, Path, description = "Stage"),
+        ("partition" = u32, Path, description = "Partition")),
+    request_body = PresignRequest,
+    responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn presign_merge(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiJson(req): ApiJson<PresignRequest>,
+) -> ApiResult<Json<PresignResponse>> {
+    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
+    if req.size > spec.max_bytes() {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "{} bytes, this slot takes at most {}",
+                req.size,
+                spec.max_bytes()
+            ),
+        ));
+    }
+    presign(&app, key).await
+}
+
+/// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("stage" = u32, Path, description = "Stage"),
+        ("partition" = u32, Path, description = "Partition")),
+    request_body = CommitRequest,
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn commit_merge(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiJson(req): ApiJson<CommitRequest>,
+) -> ApiResult<Json<UploadResponse>> {
+    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
+    let blob = accept_committed(&app, &key, &spec, &req).await?;
+    crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+}
+
+/// `GET /v1/blobs/{key}`: an object's bytes (for stores that do not presign).
+#[utoipa::path(get, path = "/v1/blobs/{key}", tag = "miner",
+    params(("key" = String, Path, description = "Object key")),
+    responses((status = 200, content_type = "application/octet-stream", body = Vec<u8>), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn blob(
+    State(app): State<App>,
+    Extension(_caller): Extension<Caller>,
+    ApiPath(key): ApiPath<String>,
+) -> ApiResult<Bytes> {
+    let prefix = format!("runs/{}/", app.run.id);
+    if !key.starts_with(&prefix) {
+        return Err(AppError::new(
+            ErrorCode::NotFound,
+            format!("no object {key}"),
+        ));
+    }
+    let bytes = app.store.get(&key).await?;
+    metrics::counter!("iota_download_bytes_total").increment(bytes.len() as u64);
+    Ok(bytes)
+}
+
+/// `POST /v1/miner/reports/bad-object`: a consumer says an object failed its checks. The
+/// orchestrator re-checks it; if it is bad, the producer's hop fails and the object is removed.
+#[utoipa::path(post, path = "/v1/miner/reports/bad-object", tag = "miner",
+    request_body = BadObjectReport,
+    responses((status = 200, body = BadObjectVerdict), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn report_bad_object(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiJson(report): ApiJson<BadObjectReport>,
+) -> ApiResult<Json<BadObjectVerdict>> {
+    let row = sqlx::query(
+        "SELECT id, sample_id, output FROM tasks WHERE run_id = $1 AND output->>'key' = $2",
+    )
+    .bind(app.run.id)
+    .bind(&report.key)
+    .fetch_optional(&app.db)
+    .await?;
+    let Some(row) = row else {
+        return Ok(Json(BadObjectVerdict {
+            confirmed: false,
+            detail: "no hop output has this key".into(),
+        }));
+    };
+    let task_id: i64 = row.try_get("id")?;
+    let sample_id: i64 = row.try_get("sample_id")?;
+    let blob: BlobDescriptor = serde_json::from_value(row.try_get("output")?)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let spec = boundary_spec(app.config());
+    let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
+        Err(e) => Some(e.to_string()),
+        Ok(bytes) => blob
+            .check_bytes(&bytes)
+            .err()
+            .or_else(|| check_tensor(&bytes, &spec).err().map(|e| e.to_string())),
+    };
+    let Some(problem) = problem else {
+        return Ok(Json(BadObjectVerdict {
+            confirmed: false,
+            detail: "the object checks out here; download it again".into(),
+        }));
+    };
+    let mut tx = app.db.begin().await?;
+    sqlx::query("UPDATE tasks SET status = 'failed' WHERE id = $1")
+        .bind(task_id)
+        .execute(&mut *tx)
+        .await?;
+    abandon_sample(&mut tx, sample_id, "bad object").await?;
+    sqlx::query(
+        "INSERT INTO bad_objects (run_id, key, reporter, reason) VALUES ($1, $2, $3, $4)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(&report.key)
+    .bind(&caller.ss58)
+    .bind(format!(
+        "{}; confirmed: {problem}",
+        report.reason.chars().take(500).collect::<String>()
+    ))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    app.store.delete(&blob.key).await?;
+    tracing::warn!(key = %report.key, task_id, %problem, "bad object confirmed; producer's hop failed");
+    Ok(Json(BadObjectVerdict {
+        confirmed: true,
+        detail: format!("confirmed: {problem}; the producer's hop {task_id} failed"),
+    }))
+}

@@ -1,0 +1,340 @@
+//! Pure decisions: which stage a new miner takes, which miner gets the next hop, who owns which
+//! partition, and when a phase ends. No I/O; time and randomness are passed in.
+
+use chrono::{DateTime, Utc};
+use iota_protocol::api::Phase;
+use rand::Rng;
+
+/// Bytes of memory a miner needs per stage parameter: f32 weights, gradients, two AdamW moments,
+/// plus the epoch-start copy for the pseudo-gradient.
+pub const BYTES_PER_PARAM: u64 = 20;
+
+/// Load of one stage as the assigner sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageLoad {
+    /// Stage index.
+    pub stage: u32,
+    /// Flat parameter count.
+    pub params: u64,
+    /// Active miners.
+    pub miners: u32,
+    /// Sum of their throughput (tokens/s).
+    pub tokens_per_s: f64,
+}
+
+/// Picks the stage for a new miner: among stages whose parameters fit in its memory, the one
+/// with the least total throughput (then fewest miners, then lowest index), so the slowest stage
+/// of the pipeline gets help first. `None` when no stage fits.
+pub fn choose_stage(loads: &[StageLoad], memory_bytes: u64) -> Option<u32> {
+    loads
+        .iter()
+        .filter(|l| l.params.saturating_mul(BYTES_PER_PARAM) <= memory_bytes)
+        .min_by(|a, b| {
+            a.tokens_per_s
+                .total_cmp(&b.tokens_per_s)
+                .then(a.miners.cmp(&b.miners))
+                .then(a.stage.cmp(&b.stage))
+        })
+        .map(|l| l.stage)
+}
+
+/// Floor on the routing weight, so a miner that reported no throughput still gets some work and
+/// can prove itself.
+const MIN_ROUTING_WEIGHT: f64 = 1.0;
+
+/// Draws one candidate with probability proportional to its throughput. Never deterministic:
+/// CLASP can only tell miners apart if pathways mix them.
+pub fn weighted_pick<'a, R: Rng + ?Sized>(
+    candidates: &'a [(String, f64)],
+    rng: &mut R,
+) -> Option<&'a str> {
+    let weight = |t: f64| {
+        if t.is_finite() {
+            t.max(MIN_ROUTING_WEIGHT)
+        } else {
+            MIN_ROUTING_WEIGHT
+        }
+    };
+    let total: f64 = candidates.iter().map(|(_, t)| weight(*t)).sum();
+    if candidates.is_empty() || total <= 0.0 {
+        return None;
+    }
+    let mut x = rng.gen_range(0.0..total);
+    for (key, t) in candidates {
+        let w = weight(*t);
+        if x < w {
+            return Some(key);
+        }
+        x -= w;
+    }
+    candidates.last().map(|(k, _)| k.as_str())
+}
+
+/// The first-round owners of `partition`: two consecutive miners of the sorted contributor list,
+/// rotated by partition and epoch so the load spreads and changes every epoch.
+pub fn initial_owners(sorted_candidates: &[String], epoch: u64, partition: u32) -> Vec<String> {
+    let n = sorted_candidates.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let first = ((u64::from(partition) + epoch) % n as u64) as usize;
+    let mut owners = vec![sorted_candidates[first].clone()];
+    if n > 1 {
+        owners.push(sorted_candidates[(first + 1) % n].clone());
+    }
+    owners
+}
+
+/// What the phase driver sees of the current phase.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseView {
+    /// Phase.
+    pub phase: Phase,
+    /// Its deadline.
+    pub deadline: DateTime<Utc>,
+    /// Merge reassignment round.
+    pub merge_round: u32,
+    /// Samples started / target this epoch.
+    pub samples_started: u64,
+    /// Target.
+    pub samples_target: u64,
+    /// Samples still travelling (forward or backward).
+    pub samples_in_flight: u64,
+    /// Pseudo-gradient partitions expected from miners that did work.
+    pub uploads_expected: u64,
+    /// Of those, received.
+    pub uploads_received: u64,
+    /// Partitions without an accepted result.
+    pub partitions_open: u64,
+}
+
+/// What the driver does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PhaseStep {
+    /// Nothing yet.
+    Wait,
+    /// Training → uploading.
+    StartUploading,
+    /// Uploading → merging (freeze contributions, assign owners).
+    StartMerging,
+    /// Merging deadline passed with partitions open: add an owner to each and extend.
+    ReassignRound,
+    /// Merging is over (all accepted, or the last round ended): settle leftovers, next epoch.
+    NextEpoch,
+}
+
+/// Decides the next step. Each phase ends by quorum or by deadline, so an epoch always advances
+/// within `training_s + uploading_s + merging_s + max_rounds · merge_round_s`.
+pub fn next_step(view: &PhaseView, now: DateTime<Utc>, max_rounds: u32) -> PhaseStep {
+    let expired = now >= view.deadline;
+    match view.phase {
+        Phase::Training => {
+            let quorum = view.samples_started >= view.samples_target && view.samples_in_flight == 0;
+            if quorum || expired {
+                PhaseStep::StartUploading
+            } else {
+                PhaseStep::Wait
+            }
+        }
+        Phase::Uploading => {
+            let quorum = view.uploads_received >= view.uploads_expected;
+            if quorum || expired {
+                PhaseStep::StartMerging
+            } else {
+                PhaseStep::Wait
+            }
+        }
+        Phase::Merging => {
+            if view.partitions_open == 0 {
+                PhaseStep::NextEpoch
+            } else if !expired {
+                PhaseStep::Wait
+            } else if view.merge_round < max_rounds {
+                PhaseStep::ReassignRound
+            } else {
+                PhaseStep::NextEpoch
+            }
+        }
+    }
+}
+
+/// How a partition's submitted results settle. `results` are hashes in submission order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not enough results yet.
+    Pending,
+    /// Two or more results agree on this hash (`unanimous` when nothing disagreed).
+    Accept {
+        /// The agreed hash.
+        hash: String,
+        /// Whether every result agreed.
+        unanimous: bool,
+    },
+    /// Results disagree with no majority: open a dispute and add a tie-break owner.
+    Dispute,
+}
+
+/// Settles results as they arrive: the first hash reached by two results wins.
+pub fn verdict(results: &[String]) -> Verdict {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for r in results {
+        match counts.iter_mut().find(|(h, _)| *h == r) {
+            Some((_, c)) => *c += 1,
+            None => counts.push((r, 1)),
+        }
+    }
+    if let Some((hash, _)) = counts.iter().find(|(_, c)| *c >= 2) {
+        return Verdict::Accept {
+            hash: (*hash).to_owned(),
+            unanimous: counts.len() == 1,
+        };
+    }
+    if counts.len() >= 2 {
+        Verdict::Dispute
+    } else {
+        Verdict::Pending
+    }
+}
+
+/// At the last deadline: the hash with the most results (earliest on a tie), if any.
+pub fn final_pick(results: &[String]) -> Option<String> {
+    let mut best: Option<(&str, usize)> = None;
+    for r in results {
+        let c = results.iter().filter(|x| *x == r).count();
+        if best.is_none_or(|(_, bc)| c > bc) {
+            best = Some((r, c));
+        }
+    }
+    best.map(|(h, _)| h.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Duration;
+    use rand::SeedableRng;
+
+    fn load(stage: u32, params: u64, miners: u32, tps: f64) -> StageLoad {
+        StageLoad {
+            stage,
+            params,
+            miners,
+            tokens_per_s: tps,
+        }
+    }
+
+    #[test]
+    fn stage_choice_balances_throughput_and_respects_memory() {
+        let loads = [
+            load(0, 1000, 2, 500.0),
+            load(1, 1000, 1, 100.0),
+            load(2, 10_000, 0, 0.0),
+        ];
+        // Stage 2 is empty but too big for 50 kB.
+        assert_eq!(choose_stage(&loads, 50_000), Some(1));
+        assert_eq!(choose_stage(&loads, 1_000_000), Some(2));
+        assert_eq!(choose_stage(&loads, 100), None);
+        // Ties go to fewer miners, then the lower index.
+        let tie = [load(0, 1, 2, 0.0), load(1, 1, 1, 0.0), load(2, 1, 1, 0.0)];
+        assert_eq!(choose_stage(&tie, 1 << 30), Some(1));
+    }
+
+    #[test]
+    fn weighted_pick_follows_throughput_and_is_random() {
+        let c = vec![("a".to_owned(), 300.0), ("b".to_owned(), 100.0)];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut a = 0;
+        for _ in 0..4000 {
+            if weighted_pick(&c, &mut rng) == Some("a") {
+                a += 1;
+            }
+        }
+        // Expect 3000 ± a few sigma (sigma ≈ 27).
+        assert!((2850..3150).contains(&a), "{a}");
+        assert_eq!(weighted_pick(&[], &mut rng), None);
+        // Zero or broken throughput still gets picked sometimes.
+        let z = vec![("x".to_owned(), 0.0), ("y".to_owned(), f64::NAN)];
+        let picks: std::collections::HashSet<_> = (0..100)
+            .filter_map(|_| weighted_pick(&z, &mut rng))
+            .collect();
+        assert_eq!(picks.len(), 2);
+    }
+
+    #[test]
+    fn owners_rotate_and_are_distinct() {
+        let m: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(initial_owners(&m, 0, 0), vec!["a", "b"]);
+        assert_eq!(initial_owners(&m, 0, 2), vec!["c", "a"]);
+        assert_eq!(initial_owners(&m, 1, 0), vec!["b", "c"]);
+        assert_eq!(initial_owners(&m[..1], 5, 3), vec!["a"]);
+        assert!(initial_owners(&[], 0, 0).is_empty());
+    }
+
+    fn view(phase: Phase) -> PhaseView {
+        PhaseView {
+            phase,
+            deadline: DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(100),
+            merge_round: 0,
+            samples_started: 0,
+            samples_target: 10,
+            samples_in_flight: 0,
+            uploads_expected: 4,
+            uploads_received: 0,
+            partitions_open: 3,
+        }
+    }
+
+    #[test]
+    fn phases_end_by_quorum_or_deadline() {
+        let before = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(50);
+        let after = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(100);
+        let mut v = view(Phase::Training);
+        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
+        assert_eq!(next_step(&v, after, 2), PhaseStep::StartUploading);
+        v.samples_started = 10;
+        v.samples_in_flight = 1;
+        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
+        v.samples_in_flight = 0;
+        assert_eq!(next_step(&v, before, 2), PhaseStep::StartUploading);
+
+        let mut v = view(Phase::Uploading);
+        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
+        v.uploads_received = 4;
+        assert_eq!(next_step(&v, before, 2), PhaseStep::StartMerging);
+        v.uploads_received = 0;
+        assert_eq!(next_step(&v, after, 2), PhaseStep::StartMerging);
+
+        let mut v = view(Phase::Merging);
+        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
+        assert_eq!(next_step(&v, after, 2), PhaseStep::ReassignRound);
+        v.merge_round = 2;
+        assert_eq!(next_step(&v, after, 2), PhaseStep::NextEpoch);
+        v.merge_round = 0;
+        v.partitions_open = 0;
+        assert_eq!(next_step(&v, before, 2), PhaseStep::NextEpoch);
+    }
+
+    #[test]
+    fn verdicts() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(verdict(&s(&["a"])), Verdict::Pending);
+        assert_eq!(
+            verdict(&s(&["a", "a"])),
+            Verdict::Accept {
+                hash: "a".into(),
+                unanimous: true
+            }
+        );
+        assert_eq!(verdict(&s(&["a", "b"])), Verdict::Dispute);
+        assert_eq!(
+            verdict(&s(&["a", "b", "b"])),
+            Verdict::Accept {
+                hash: "b".into(),
+                unanimous: false
+            }
+        );
+        assert_eq!(final_pick(&s(&["a", "b", "b"])), Some("b".into()));
+        assert_eq!(final_pick(&s(&["a", "b"])), Some("a".into()));
+        assert_eq!(final_pick(&[]), None);
+    }
+}

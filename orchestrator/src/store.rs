@@ -1,0 +1,288 @@
+//! Blob storage through `object_store`: a local directory by default, any S3-compatible bucket by
+//! configuration. With S3, miners get presigned URLs and bulk bytes bypass the orchestrator.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::signer::Signer;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+/// Where blobs live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// A directory on this machine, served by the orchestrator itself.
+    Local(std::path::PathBuf),
+    /// An S3-compatible bucket. Credentials come from the environment (`AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, …) unless given in the URL's query.
+    S3 {
+        /// Bucket.
+        bucket: String,
+        /// Endpoint URL for non-AWS stores (MinIO, R2, moto), e.g. `http://127.0.0.1:9000`.
+        endpoint: Option<String>,
+        /// Region.
+        region: Option<String>,
+    },
+}
+
+impl StoreConfig {
+    /// Parses `file:///path`, a plain path, or `s3://bucket?endpoint=http://…&region=…`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if let Some(rest) = text.strip_prefix("s3://") {
+            let (bucket, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let bucket = bucket.trim_end_matches('/');
+            if bucket.is_empty() {
+                return Err(format!("{text:?} names no bucket"));
+            }
+            let mut endpoint = None;
+            let mut region = None;
+            for pair in url::form_urlencoded::parse(query.as_bytes()) {
+                match pair.0.as_ref() {
+                    "endpoint" => endpoint = Some(pair.1.into_owned()),
+                    "region" => region = Some(pair.1.into_owned()),
+                    other => return Err(format!("unknown store option {other:?} in {text:?}")),
+                }
+            }
+            return Ok(Self::S3 {
+                bucket: bucket.to_owned(),
+                endpoint,
+                region,
+            });
+        }
+        let path = text.strip_prefix("file://").unwrap_or(text);
+        if path.is_empty() {
+            return Err("empty store path".into());
+        }
+        Ok(Self::Local(path.into()))
+    }
+}
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The object does not exist.
+    #[error("no object {0}")]
+    NotFound(String),
+    /// The key is not a valid object path.
+    #[error("invalid object key {0:?}")]
+    BadKey(String),
+    /// The store failed.
+    #[error("object store: {0}")]
+    Backend(String),
+}
+
+impl From<object_store::Error> for StoreError {
+    fn from(e: object_store::Error) -> Self {
+        match e {
+            object_store::Error::NotFound { path, .. } => Self::NotFound(path),
+            other => Self::Backend(other.to_string()),
+        }
+    }
+}
+
+/// The blob store.
+#[derive(Clone, Debug)]
+pub struct BlobStore {
+    inner: Arc<dyn ObjectStore>,
+    signer: Option<Arc<AmazonS3>>,
+    presign_ttl: Duration,
+}
+
+impl BlobStore {
+    /// Opens the store (creating a local directory if needed).
+    pub fn open(config: &StoreConfig) -> Result<Self, StoreError> {
+        match config {
+            StoreConfig::Local(dir) => {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    StoreError::Backend(format!("cannot create {}: {e}", dir.display()))
+                })?;
+                let fs = LocalFileSystem::new_with_prefix(dir)?;
+                Ok(Self {
+                    inner: Arc::new(fs),
+                    signer: None,
+                    presign_ttl: Duration::from_secs(900),
+                })
+            }
+            StoreConfig::S3 {
+                bucket,
+                endpoint,
+                region,
+            } => {
+                let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+                if let Some(ep) = endpoint {
+                    b = b
+                        .with_endpoint(ep)
+                        .with_allow_http(ep.starts_with("http://"))
+                        .with_virtual_hosted_style_request(false);
+                }
+                if let Some(r) = region {
+                    b = b.with_region(r);
+                }
+                let s3 = Arc::new(b.build()?);
+                Ok(Self {
+                    inner: s3.clone(),
+                    signer: Some(s3),
+                    presign_ttl: Duration::from_secs(900),
+                })
+            }
+        }
+    }
+
+    /// Whether uploads and downloads go straight to the store through presigned URLs.
+    pub fn presigns(&self) -> bool {
+        self.signer.is_some()
+    }
+
+    fn path(key: &str) -> Result<Path, StoreError> {
+        if key.is_empty() || key.contains("..") || key.starts_with('/') {
+            return Err(StoreError::BadKey(key.to_owned()));
+        }
+        Path::parse(key).map_err(|_| StoreError::BadKey(key.to_owned()))
+    }
+
+    /// Writes an object (atomically: readers see all of it or none).
+    pub async fn put(&self, key: &str, bytes: Bytes) -> Result<(), StoreError> {
+        self.inner
+            .put(&Self::path(key)?, PutPayload::from_bytes(bytes))
+            .await?;
+        Ok(())
+    }
+
+    /// Reads an object.
+    pub async fn get(&self, key: &str) -> Result<Bytes, StoreError> {
+        Ok(self.inner.get(&Self::path(key)?).await?.bytes().await?)
+    }
+
+    /// Reads at most `max` bytes of an object; a larger one is an error before it is read.
+    pub async fn get_bounded(&self, key: &str, max: u64) -> Result<Bytes, StoreError> {
+        let path = Self::path(key)?;
+        let meta = self.inner.head(&path).await?;
+        if meta.size > max {
+            return Err(StoreError::Backend(format!(
+                "{key} is {} bytes, more than {max}",
+                meta.size
+            )));
+        }
+        Ok(self.inner.get(&path).await?.bytes().await?)
+    }
+
+    /// Deletes an object; a missing one is fine.
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        match self.inner.delete(&Self::path(key)?).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Deletes every object under `prefix`, returning how many.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, StoreError> {
+        let prefix = Self::path(prefix)?;
+        let keys: Vec<Path> = self
+            .inner
+            .list(Some(&prefix))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await?;
+        let n = keys.len();
+        let results: Vec<_> = self
+            .inner
+            .delete_stream(futures::stream::iter(keys.into_iter().map(Ok)).boxed())
+            .collect()
+            .await;
+        for r in results {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(n)
+    }
+
+    /// Lists keys under `prefix`.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let prefix = Self::path(prefix)?;
+        Ok(self
+            .inner
+            .list(Some(&prefix))
+            .map_ok(|m| m.location.to_string())
+            .try_collect()
+            .await?)
+    }
+
+    /// A presigned URL for `method` on `key`, when the store presigns.
+    pub async fn presign(
+        &self,
+        method: http::Method,
+        key: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let Some(signer) = &self.signer else {
+            return Ok(None);
+        };
+        let url = signer
+            .signed_url(method, &Self::path(key)?, self.presign_ttl)
+            .await?;
+        Ok(Some(url.to_string()))
+    }
+
+    /// How long presigned URLs last.
+    pub fn presign_ttl(&self) -> Duration {
+        self.presign_ttl
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_store_urls() {
+        assert_eq!(
+            StoreConfig::parse("/tmp/x"),
+            Ok(StoreConfig::Local("/tmp/x".into()))
+        );
+        assert_eq!(
+            StoreConfig::parse("file:///tmp/x"),
+            Ok(StoreConfig::Local("/tmp/x".into()))
+        );
+        assert_eq!(
+            StoreConfig::parse("s3://b?endpoint=http://127.0.0.1:5000&region=us-east-1"),
+            Ok(StoreConfig::S3 {
+                bucket: "b".into(),
+                endpoint: Some("http://127.0.0.1:5000".into()),
+                region: Some("us-east-1".into())
+            })
+        );
+        assert!(StoreConfig::parse("s3://").is_err());
+        assert!(StoreConfig::parse("s3://b?colour=red").is_err());
+    }
+
+    #[tokio::test]
+    async fn local_round_trip_and_key_checks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = BlobStore::open(&StoreConfig::Local(dir.path().into())).expect("open");
+        store
+            .put("runs/1/a.bin", Bytes::from_static(b"abc"))
+            .await
+            .expect("put");
+        assert_eq!(store.get("runs/1/a.bin").await.expect("get"), &b"abc"[..]);
+        assert!(store.get_bounded("runs/1/a.bin", 2).await.is_err());
+        assert!(matches!(
+            store.get("runs/1/missing").await,
+            Err(StoreError::NotFound(_))
+        ));
+        assert!(matches!(
+            store.get("../etc/passwd").await,
+            Err(StoreError::BadKey(_))
+        ));
+        assert_eq!(store.delete_prefix("runs/1").await.expect("gc"), 1);
+        assert!(store.list("runs").await.expect("list").is_empty());
+        assert_eq!(
+            store.presign(http::Method::GET, "x").await.expect("p"),
+            None
+        );
+    }
+}

@@ -1,0 +1,301 @@
+//! Signed routes for validators (registered with a validator permit).
+//!
+//! The orchestrator does not choose what gets checked: a draw it could predict, a miner could
+//! too. Validators read the full record of an epoch and draw their own spot checks from a seed
+//! the orchestrator cannot know (a block hash after the upload deadline mixed with their secret).
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use sqlx::Row;
+
+use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
+use crate::miner::{UploadQuery, accept_upload, merge_slot, run_now};
+use crate::views::{self, PageQuery};
+
+/// `GET /v1/validator/epochs/{epoch}/hops`: every hop attempt of the epoch, by task id.
+#[utoipa::path(get, path = "/v1/validator/epochs/{epoch}/hops", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch"), PageQuery),
+    responses((status = 200, body = HopPage), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn hops(
+    State(app): State<App>,
+    Extension(_v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> ApiResult<Json<HopPage>> {
+    Ok(Json(views::hops_page(&app, epoch, &q).await?))
+}
+
+/// `GET /v1/validator/epochs/{epoch}/samples`: samples with pathway and loss (CLASP's input).
+#[utoipa::path(get, path = "/v1/validator/epochs/{epoch}/samples", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch"), PageQuery),
+    responses((status = 200, body = SamplePage), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn samples(
+    State(app): State<App>,
+    Extension(_v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> ApiResult<Json<SamplePage>> {
+    Ok(Json(views::samples_page(&app, epoch, &q).await?))
+}
+
+/// `GET /v1/validator/epochs/{epoch}`: miners' work, pseudo-gradients, merges and the
+/// epoch-start weights, everything a spot check is drawn from.
+#[utoipa::path(get, path = "/v1/validator/epochs/{epoch}", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = EpochRecord), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn epoch(
+    State(app): State<App>,
+    Extension(_v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+) -> ApiResult<Json<EpochRecord>> {
+    let cur = run_now(&app.db, app.run.id).await?;
+    if epoch > cur.epoch {
+        return Err(AppError::new(
+            ErrorCode::NotFound,
+            format!("epoch {epoch} has not started"),
+        ));
+    }
+    let miners = sqlx::query(
+        "SELECT t.miner, m.stage,
+            count(*) FILTER (WHERE t.direction = 'forward' AND t.status = 'done') AS fwd,
+            count(*) FILTER (WHERE t.direction = 'backward' AND t.status = 'done') AS bwd,
+            count(*) FILTER (WHERE t.status IN ('expired', 'failed')) AS failed
+         FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
+         WHERE t.run_id = $1 AND t.epoch = $2 GROUP BY t.miner, m.stage ORDER BY m.stage, t.miner",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(MinerWork {
+            hotkey: r.try_get("miner")?,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            forward_done: r.try_get::<i64, _>("fwd")? as u64,
+            backward_done: r.try_get::<i64, _>("bwd")? as u64,
+            failed: r.try_get::<i64, _>("failed")? as u64,
+        })
+    })
+    .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    let pseudo_gradients = sqlx::query(
+        "SELECT stage, partition, miner, blob, weight FROM pseudo_gradients
+         WHERE run_id = $1 AND epoch = $2 ORDER BY stage, partition, miner",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(PseudoGradientRecord {
+            epoch,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            partition: r.try_get::<i32, _>("partition")? as u32,
+            hotkey: r.try_get("miner")?,
+            blob: serde_json::from_value(r.try_get("blob")?)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+            weight: r.try_get("weight")?,
+        })
+    })
+    .collect::<ApiResult<Vec<_>>>()?;
+    let mut start_weights = Vec::new();
+    for stage in 0..app.config().stages {
+        start_weights.push(start_weights_of(&app, stage, epoch).await?);
+    }
+    Ok(Json(EpochRecord {
+        epoch,
+        phase: (epoch == cur.epoch).then_some(cur.phase),
+        miners,
+        pseudo_gradients,
+        partitions: views::partitions_of(&app, epoch).await?,
+        start_weights,
+    }))
+}
+
+/// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
+async fn start_weights_of(app: &App, stage: u32, epoch: u64) -> ApiResult<StageWeights> {
+    let rows = sqlx::query(
+        "SELECT DISTINCT ON (partition) partition, epoch, accepted FROM partitions
+         WHERE run_id = $1 AND stage = $2 AND state = 'accepted' AND epoch < $3
+         ORDER BY partition, epoch DESC",
+    )
+    .bind(app.run.id)
+    .bind(stage as i32)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?;
+    let mut partitions = vec![None; app.config().partitions as usize];
+    let mut latest = None;
+    for r in rows {
+        let p = r.try_get::<i32, _>("partition")? as usize;
+        latest = latest.max(Some(r.try_get::<i64, _>("epoch")? as u64));
+        if let Some(slot) = partitions.get_mut(p) {
+            *slot = Some(
+                serde_json::from_value(r.try_get("accepted")?)
+                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+            );
+        }
+    }
+    Ok(StageWeights {
+        epoch: latest,
+        stage,
+        partitions,
+    })
+}
+
+/// `GET /v1/validator/disputes`: open disputes with what is needed to recompute them.
+#[utoipa::path(get, path = "/v1/validator/disputes", tag = "validator",
+    responses((status = 200, body = Vec<Dispute>), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn disputes(
+    State(app): State<App>,
+    Extension(_v): Extension<Caller>,
+) -> ApiResult<Json<Vec<Dispute>>> {
+    let rows = sqlx::query(
+        "SELECT d.id, d.epoch, d.stage, d.partition, d.state, p.contributions FROM disputes d
+         JOIN partitions p USING (run_id, epoch, stage, partition)
+         WHERE d.run_id = $1 AND d.state = 'open' ORDER BY d.id",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let epoch = r.try_get::<i64, _>("epoch")? as u64;
+        let stage = r.try_get::<i32, _>("stage")? as u32;
+        let partition = r.try_get::<i32, _>("partition")? as u32;
+        let status = views::partitions_of(&app, epoch)
+            .await?
+            .into_iter()
+            .find(|p| p.stage == stage && p.partition == partition)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, "dispute without partition"))?;
+        out.push(Dispute {
+            id: r.try_get("id")?,
+            partition: status,
+            contributions: serde_json::from_value(r.try_get("contributions")?)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+            state: r.try_get("state")?,
+        });
+    }
+    Ok(Json(out))
+}
+
+/// `POST /v1/validator/disputes/{id}/settle`: the validator's recomputed hash.
+#[utoipa::path(post, path = "/v1/validator/disputes/{id}/settle", tag = "validator",
+    params(("id" = i64, Path, description = "Dispute")),
+    request_body = SettleRequest,
+    responses((status = 200, body = PartitionStatus), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn settle(
+    State(app): State<App>,
+    Extension(v): Extension<Caller>,
+    ApiPath(id): ApiPath<i64>,
+    ApiJson(req): ApiJson<SettleRequest>,
+) -> ApiResult<Json<PartitionStatus>> {
+    if !iota_protocol::blob::is_blake3_hex(&req.blake3) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "blake3 must be 64 lowercase hex digits",
+        ));
+    }
+    crate::driver::settle_dispute(&app, &v.ss58, id, &req.blake3).await?;
+    let (epoch, stage, partition): (i64, i32, i32) =
+        sqlx::query_as("SELECT epoch, stage, partition FROM disputes WHERE id = $1")
+            .bind(id)
+            .fetch_one(&app.db)
+            .await?;
+    views::partitions_of(&app, epoch as u64)
+        .await?
+        .into_iter()
+        .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
+        .map(Json)
+        .ok_or_else(|| AppError::new(ErrorCode::Internal, "partition vanished"))
+}
+
+/// `PUT /v1/validator/epochs/{epoch}/merges/{stage}/{partition}?blake3=…`: a validator's own
+/// merge of a partition (counts as one result: agreeing with an owner settles it).
+#[utoipa::path(put, path = "/v1/validator/epochs/{epoch}/merges/{stage}/{partition}", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch"), ("stage" = u32, Path, description = "Stage"),
+        ("partition" = u32, Path, description = "Partition"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_merge(
+    State(app): State<App>,
+    Extension(v): Extension<Caller>,
+    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    let who = format!("validator:{}", v.ss58);
+    let (key, spec) = merge_slot(&app, &who, true, epoch, stage, partition).await?;
+    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
+    crate::driver::record_merge_result(&app, &who, epoch, stage, partition, blob).await
+}
+
+/// `POST /v1/validator/epochs/{epoch}/scores`: the validator's scores (and the weights they
+/// produced). A resubmission for the same epoch replaces the previous one.
+#[utoipa::path(post, path = "/v1/validator/epochs/{epoch}/scores", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    request_body = ScoreSubmission,
+    responses((status = 200, body = ScoreRecord), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn scores(
+    State(app): State<App>,
+    Extension(v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+    ApiJson(sub): ApiJson<ScoreSubmission>,
+) -> ApiResult<Json<ScoreRecord>> {
+    if sub.scores.len() > 4096
+        || sub
+            .scores
+            .iter()
+            .any(|s| !(s.score.is_finite() && s.score >= 0.0))
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "scores: at most 4096 finite, non-negative values",
+        ));
+    }
+    if let Some(w) = &sub.weights
+        && w.uids.len() != w.weights.len()
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "weights: uids and weights differ in length",
+        ));
+    }
+    let cur = run_now(&app.db, app.run.id).await?;
+    if epoch > cur.epoch {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("epoch {epoch} has not started"),
+        ));
+    }
+    let row = sqlx::query(
+        "INSERT INTO validator_scores (run_id, epoch, validator, scores, weights)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (run_id, epoch, validator)
+         DO UPDATE SET scores = EXCLUDED.scores, weights = EXCLUDED.weights, submitted_at = now()
+         RETURNING validator, epoch, scores, weights, submitted_at",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&v.ss58)
+    .bind(to_json(&sub.scores)?)
+    .bind(sub.weights.as_ref().map(to_json).transpose()?)
+    .fetch_one(&app.db)
+    .await?;
+    Ok(Json(views::score_from_row(&row)?))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<serde_json::Value> {
+    serde_json::to_value(v).map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))
+}

@@ -1,0 +1,454 @@
+//! Read-only views: the public explorer API and the records validators read.
+
+use axum::Json;
+use axum::extract::State;
+use chrono::{DateTime, Utc};
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use iota_protocol::blob::BlobDescriptor;
+use serde::Deserialize;
+use sqlx::Row;
+
+use crate::app::{ApiPath, ApiResult, App, AppError};
+use crate::miner::run_now;
+
+fn json_err(e: serde_json::Error) -> AppError {
+    AppError::new(ErrorCode::Internal, format!("stored JSON: {e}"))
+}
+
+/// The run's identity.
+pub fn run_info(app: &App) -> RunInfo {
+    RunInfo {
+        id: app.run.id,
+        config: app.run.config.clone(),
+        orchestrator_hotkey: app.hotkey.clone(),
+        netuid: app.run.netuid,
+        created_ms: app.run.created_at.timestamp_millis(),
+    }
+}
+
+/// Where the run is now.
+pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
+    let now = run_now(&app.db, app.run.id).await?;
+    let (started, completed): (i64, i64) = sqlx::query_as(
+        "SELECT samples_started, samples_completed FROM epochs WHERE run_id = $1 AND epoch = $2",
+    )
+    .bind(app.run.id)
+    .bind(now.epoch as i64)
+    .fetch_one(&app.db)
+    .await?;
+    Ok(EpochStatus {
+        epoch: now.epoch,
+        phase: now.phase,
+        phase_started_ms: now.phase_started.timestamp_millis(),
+        phase_deadline_ms: now.phase_deadline.timestamp_millis(),
+        merge_round: now.merge_round,
+        samples_started: started as u64,
+        samples_completed: completed as u64,
+        server_time_ms: Utc::now().timestamp_millis(),
+    })
+}
+
+/// The latest accepted merge of every partition of `stage` (older epochs fill partitions that
+/// were left unchanged since).
+pub async fn stage_weights(app: &App, stage: u32) -> ApiResult<StageWeights> {
+    if stage >= app.config().stages {
+        return Err(AppError::new(
+            ErrorCode::NotFound,
+            format!("no stage {stage}"),
+        ));
+    }
+    let rows = sqlx::query(
+        "SELECT DISTINCT ON (partition) partition, epoch, accepted FROM partitions
+         WHERE run_id = $1 AND stage = $2 AND state = 'accepted'
+         ORDER BY partition, epoch DESC",
+    )
+    .bind(app.run.id)
+    .bind(stage as i32)
+    .fetch_all(&app.db)
+    .await?;
+    let mut partitions: Vec<Option<BlobDescriptor>> = vec![None; app.config().partitions as usize];
+    let mut latest: Option<u64> = None;
+    for row in rows {
+        let p = row.try_get::<i32, _>("partition")? as usize;
+        let epoch = row.try_get::<i64, _>("epoch")? as u64;
+        latest = latest.max(Some(epoch));
+        let mut blob: BlobDescriptor =
+            serde_json::from_value(row.try_get("accepted")?).map_err(json_err)?;
+        blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
+        if let Some(slot) = partitions.get_mut(p) {
+            *slot = Some(blob);
+        }
+    }
+    Ok(StageWeights {
+        epoch: latest,
+        stage,
+        partitions,
+    })
+}
+
+/// `GET /v1/run`.
+#[utoipa::path(get, path = "/v1/run", tag = "explorer", responses((status = 200, body = RunInfo)))]
+pub async fn get_run(State(app): State<App>) -> Json<RunInfo> {
+    Json(run_info(&app))
+}
+
+/// `GET /v1/status`.
+#[utoipa::path(get, path = "/v1/status", tag = "explorer", responses((status = 200, body = EpochStatus)))]
+pub async fn get_status(State(app): State<App>) -> ApiResult<Json<EpochStatus>> {
+    Ok(Json(epoch_status(&app).await?))
+}
+
+/// `GET /v1/stages`.
+#[utoipa::path(get, path = "/v1/stages", tag = "explorer", responses((status = 200, body = Vec<StageInfo>)))]
+pub async fn get_stages(State(app): State<App>) -> ApiResult<Json<Vec<StageInfo>>> {
+    let rows = sqlx::query(
+        "SELECT stage, count(*) AS n, coalesce(sum(tokens_per_s), 0) AS tps FROM miners
+         WHERE run_id = $1 AND status = 'active' GROUP BY stage",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    let cfg = app.config();
+    let mut out: Vec<StageInfo> = (0..cfg.stages)
+        .map(|s| StageInfo {
+            stage: s,
+            params: cfg.params_of(s).unwrap_or(0),
+            active_miners: 0,
+            tokens_per_s: 0.0,
+        })
+        .collect();
+    for row in rows {
+        if let Some(s) = out.get_mut(row.try_get::<i32, _>("stage")? as usize) {
+            s.active_miners = row.try_get::<i64, _>("n")? as u32;
+            s.tokens_per_s = row.try_get("tps")?;
+        }
+    }
+    Ok(Json(out))
+}
+
+/// `GET /v1/stages/{stage}/weights`.
+#[utoipa::path(get, path = "/v1/stages/{stage}/weights", tag = "explorer",
+    params(("stage" = u32, Path, description = "Stage")),
+    responses((status = 200, body = StageWeights), (status = 404, body = iota_protocol::ApiError)))]
+pub async fn get_stage_weights(
+    State(app): State<App>,
+    ApiPath(stage): ApiPath<u32>,
+) -> ApiResult<Json<StageWeights>> {
+    Ok(Json(stage_weights(&app, stage).await?))
+}
+
+/// `GET /v1/miners`.
+#[utoipa::path(get, path = "/v1/miners", tag = "explorer", responses((status = 200, body = Vec<MinerInfo>)))]
+pub async fn get_miners(State(app): State<App>) -> ApiResult<Json<Vec<MinerInfo>>> {
+    let now = run_now(&app.db, app.run.id).await?;
+    let rows = sqlx::query(
+        "SELECT m.hotkey, m.uid, m.stage, m.status, m.device, m.memory_bytes, m.tokens_per_s,
+                m.last_seen, m.joined_epoch,
+                (SELECT count(*) FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
+                   AND t.epoch = $2 AND t.status = 'done') AS hops
+         FROM miners m WHERE m.run_id = $1 ORDER BY m.stage, m.hotkey",
+    )
+    .bind(app.run.id)
+    .bind(now.epoch as i64)
+    .fetch_all(&app.db)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let last_seen: DateTime<Utc> = r.try_get("last_seen")?;
+        out.push(MinerInfo {
+            hotkey: r.try_get("hotkey")?,
+            uid: r.try_get::<i32, _>("uid")? as u16,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            status: r.try_get("status")?,
+            capacity: Capacity {
+                device: r.try_get("device")?,
+                memory_bytes: r.try_get::<i64, _>("memory_bytes")? as u64,
+                tokens_per_s: r.try_get("tokens_per_s")?,
+            },
+            last_seen_ms: last_seen.timestamp_millis(),
+            joined_epoch: r.try_get::<i64, _>("joined_epoch")? as u64,
+            hops_this_epoch: r.try_get::<i64, _>("hops")? as u64,
+        });
+    }
+    Ok(Json(out))
+}
+
+/// `GET /v1/loss`: mean last-stage loss per epoch.
+#[utoipa::path(get, path = "/v1/loss", tag = "explorer", responses((status = 200, body = Vec<LossPoint>)))]
+pub async fn get_loss(State(app): State<App>) -> ApiResult<Json<Vec<LossPoint>>> {
+    let rows: Vec<(i64, i64, f64)> = sqlx::query_as(
+        "SELECT epoch, count(loss), coalesce(avg(loss), 0) FROM samples
+         WHERE run_id = $1 AND loss IS NOT NULL GROUP BY epoch ORDER BY epoch",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    Ok(Json(
+        rows.into_iter()
+            .map(|(epoch, samples, mean_loss)| LossPoint {
+                epoch: epoch as u64,
+                samples: samples as u64,
+                mean_loss,
+            })
+            .collect(),
+    ))
+}
+
+/// `GET /v1/throughput`: samples, tokens and bytes per epoch.
+#[utoipa::path(get, path = "/v1/throughput", tag = "explorer", responses((status = 200, body = Vec<ThroughputPoint>)))]
+pub async fn get_throughput(State(app): State<App>) -> ApiResult<Json<Vec<ThroughputPoint>>> {
+    let rows = sqlx::query(
+        "SELECT epoch, samples_completed, wire_bytes,
+            extract(epoch FROM coalesce(training_ended_at, now()) - started_at)::float8 AS secs
+         FROM epochs WHERE run_id = $1 ORDER BY epoch",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    let tokens_per_sample = u64::from(app.config().micro_batch) * u64::from(app.config().seq_len);
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let samples = r.try_get::<i64, _>("samples_completed")? as u64;
+        out.push(ThroughputPoint {
+            epoch: r.try_get::<i64, _>("epoch")? as u64,
+            samples,
+            tokens: samples * tokens_per_sample,
+            seconds: r.try_get("secs")?,
+            wire_bytes: r.try_get::<i64, _>("wire_bytes")? as u64,
+        });
+    }
+    Ok(Json(out))
+}
+
+async fn sample_record(app: &App, id: i64) -> ApiResult<Option<SampleRecord>> {
+    let row = sqlx::query(
+        "SELECT s.id, s.epoch, s.status, s.loss, s.sequence_losses,
+            coalesce((SELECT array_agg(t.miner ORDER BY t.stage) FROM tasks t
+              WHERE t.sample_id = s.id AND t.direction = 'forward' AND t.status = 'done'),
+              '{}') AS pathway
+         FROM samples s WHERE s.run_id = $1 AND s.id = $2",
+    )
+    .bind(app.run.id)
+    .bind(id)
+    .fetch_optional(&app.db)
+    .await?;
+    row.map(|r| sample_from_row(&r)).transpose()
+}
+
+fn sample_from_row(r: &sqlx::postgres::PgRow) -> ApiResult<SampleRecord> {
+    Ok(SampleRecord {
+        sample_id: r.try_get("id")?,
+        epoch: r.try_get::<i64, _>("epoch")? as u64,
+        status: r.try_get("status")?,
+        pathway: r.try_get("pathway")?,
+        loss: r.try_get("loss")?,
+        sequence_losses: r.try_get("sequence_losses")?,
+    })
+}
+
+/// `GET /v1/samples/{id}`: a sample's pathway and loss.
+#[utoipa::path(get, path = "/v1/samples/{id}", tag = "explorer",
+    params(("id" = i64, Path, description = "Sample")),
+    responses((status = 200, body = SampleRecord), (status = 404, body = iota_protocol::ApiError)))]
+pub async fn get_sample(
+    State(app): State<App>,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<SampleRecord>> {
+    sample_record(&app, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no sample {id}")))
+}
+
+/// Merge status of every partition of an epoch.
+pub async fn partitions_of(app: &App, epoch: u64) -> ApiResult<Vec<PartitionStatus>> {
+    let rows = sqlx::query(
+        "SELECT p.stage, p.partition, p.state, p.accepted, p.resolved_by,
+            coalesce((SELECT array_agg(o.miner ORDER BY o.round, o.assigned_at, o.miner)
+              FROM partition_owners o WHERE o.run_id = p.run_id AND o.epoch = p.epoch
+              AND o.stage = p.stage AND o.partition = p.partition), '{}') AS owners,
+            coalesce((SELECT jsonb_agg(jsonb_build_object('hotkey', r.submitter, 'blake3', r.blake3)
+              ORDER BY r.submitted_at, r.submitter)
+              FROM merge_results r WHERE r.run_id = p.run_id AND r.epoch = p.epoch
+              AND r.stage = p.stage AND r.partition = p.partition), '[]'::jsonb) AS results
+         FROM partitions p WHERE p.run_id = $1 AND p.epoch = $2 ORDER BY p.stage, p.partition",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let state: String = r.try_get("state")?;
+        let accepted: Option<serde_json::Value> = r.try_get("accepted")?;
+        out.push(PartitionStatus {
+            epoch,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            partition: r.try_get::<i32, _>("partition")? as u32,
+            state: PartitionState::parse(&state)
+                .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad partition state"))?,
+            owners: r.try_get("owners")?,
+            results: serde_json::from_value(r.try_get("results")?).map_err(json_err)?,
+            accepted: accepted
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(json_err)?,
+            resolved_by: r.try_get("resolved_by")?,
+        });
+    }
+    Ok(out)
+}
+
+/// `GET /v1/epochs/{epoch}/merges`.
+#[utoipa::path(get, path = "/v1/epochs/{epoch}/merges", tag = "explorer",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = Vec<PartitionStatus>)))]
+pub async fn get_merges(
+    State(app): State<App>,
+    ApiPath(epoch): ApiPath<u64>,
+) -> ApiResult<Json<Vec<PartitionStatus>>> {
+    Ok(Json(partitions_of(&app, epoch).await?))
+}
+
+/// Latest score submission of every validator.
+pub async fn latest_scores(app: &App) -> ApiResult<Vec<ScoreRecord>> {
+    let rows = sqlx::query(
+        "SELECT DISTINCT ON (validator) validator, epoch, scores, weights, submitted_at
+         FROM validator_scores WHERE run_id = $1 ORDER BY validator, epoch DESC",
+    )
+    .bind(app.run.id)
+    .fetch_all(&app.db)
+    .await?;
+    rows.iter().map(score_from_row).collect()
+}
+
+pub(crate) fn score_from_row(r: &sqlx::postgres::PgRow) -> ApiResult<ScoreRecord> {
+    let submitted: DateTime<Utc> = r.try_get("submitted_at")?;
+    let weights: Option<serde_json::Value> = r.try_get("weights")?;
+    Ok(ScoreRecord {
+        validator: r.try_get("validator")?,
+        epoch: r.try_get::<i64, _>("epoch")? as u64,
+        scores: serde_json::from_value(r.try_get("scores")?).map_err(json_err)?,
+        weights: weights
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(json_err)?,
+        submitted_ms: submitted.timestamp_millis(),
+    })
+}
+
+/// `GET /v1/scores`: each validator's latest scores and weights.
+#[utoipa::path(get, path = "/v1/scores", tag = "explorer", responses((status = 200, body = Vec<ScoreRecord>)))]
+pub async fn get_scores(State(app): State<App>) -> ApiResult<Json<Vec<ScoreRecord>>> {
+    Ok(Json(latest_scores(&app).await?))
+}
+
+/// `GET /healthz` (and `/v1/noop`, the unsigned ceiling of the load benchmark).
+#[utoipa::path(get, path = "/healthz", tag = "explorer", responses((status = 200, body = Health)))]
+pub async fn health(State(app): State<App>) -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+        leader: app.is_leader(),
+    })
+}
+
+/// Paging query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct PageQuery {
+    /// Return records after this id.
+    #[serde(default)]
+    pub after: i64,
+    /// At most this many (1–5000, default 1000).
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+impl PageQuery {
+    fn limit(&self) -> i64 {
+        i64::from(self.limit.unwrap_or(1000).clamp(1, 5000))
+    }
+}
+
+/// Hop records of an epoch, by task id.
+pub async fn hops_page(app: &App, epoch: u64, q: &PageQuery) -> ApiResult<HopPage> {
+    let limit = q.limit();
+    let rows = sqlx::query(
+        "SELECT id, epoch, sample_id, stage, direction, attempt, miner, status, input, output,
+                inner_step, weights_digest, created_at, leased_at, completed_at, compute_ms
+         FROM tasks WHERE run_id = $1 AND epoch = $2 AND id > $3 ORDER BY id LIMIT $4",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(q.after)
+    .bind(limit)
+    .fetch_all(&app.db)
+    .await?;
+    let mut hops = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let direction: String = r.try_get("direction")?;
+        let input: Option<serde_json::Value> = r.try_get("input")?;
+        let output: Option<serde_json::Value> = r.try_get("output")?;
+        let created: DateTime<Utc> = r.try_get("created_at")?;
+        let leased: Option<DateTime<Utc>> = r.try_get("leased_at")?;
+        let completed: Option<DateTime<Utc>> = r.try_get("completed_at")?;
+        hops.push(HopRecord {
+            task_id: r.try_get("id")?,
+            epoch: r.try_get::<i64, _>("epoch")? as u64,
+            sample_id: r.try_get("sample_id")?,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            direction: Direction::parse(&direction)
+                .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?,
+            attempt: r.try_get::<i32, _>("attempt")? as u32,
+            miner: r.try_get("miner")?,
+            status: r.try_get("status")?,
+            input: input
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(json_err)?,
+            output: output
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(json_err)?,
+            inner_step: r.try_get::<Option<i64>, _>("inner_step")?.map(|v| v as u64),
+            weights_digest: r.try_get("weights_digest")?,
+            created_ms: created.timestamp_millis(),
+            leased_ms: leased.map(|t| t.timestamp_millis()),
+            completed_ms: completed.map(|t| t.timestamp_millis()),
+            compute_ms: r.try_get::<Option<i64>, _>("compute_ms")?.map(|v| v as u64),
+        });
+    }
+    let next_after = (hops.len() as i64 == limit)
+        .then(|| hops.last().map(|h| h.task_id))
+        .flatten();
+    Ok(HopPage { hops, next_after })
+}
+
+/// Samples of an epoch with pathways and losses, by id.
+pub async fn samples_page(app: &App, epoch: u64, q: &PageQuery) -> ApiResult<SamplePage> {
+    let limit = q.limit();
+    let rows = sqlx::query(
+        "SELECT s.id, s.epoch, s.status, s.loss, s.sequence_losses,
+            coalesce((SELECT array_agg(t.miner ORDER BY t.stage) FROM tasks t
+              WHERE t.sample_id = s.id AND t.direction = 'forward' AND t.status = 'done'),
+              '{}') AS pathway
+         FROM samples s WHERE s.run_id = $1 AND s.epoch = $2 AND s.id > $3 ORDER BY s.id LIMIT $4",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(q.after)
+    .bind(limit)
+    .fetch_all(&app.db)
+    .await?;
+    let samples = rows
+        .iter()
+        .map(sample_from_row)
+        .collect::<ApiResult<Vec<_>>>()?;
+    let next_after = (samples.len() as i64 == limit)
+        .then(|| samples.last().map(|s| s.sample_id))
+        .flatten();
+    Ok(SamplePage {
+        samples,
+        next_after,
+    })
+}

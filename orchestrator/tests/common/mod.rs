@@ -1,0 +1,282 @@
+//! Shared set-up of the orchestrator's integration tests: a fresh PostgreSQL database per test
+//! (on the server `DATABASE_URL` names; `scripts/test.sh` starts one), a localnet chain with a
+//! subnet and registered hotkeys, and orchestrators started in-process on port 0.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
+use iota_chain::wallet::{Keypair, PublicKey};
+use iota_chain::{ConnectOptions, Subtensor, TxOptions};
+use iota_localnet::{Localnet, LocalnetConfig};
+use iota_orchestrator::{Config, Limits, StoreConfig};
+use iota_protocol::api::RunConfig;
+use iota_protocol::signing::{RequestSigner, SkewWindow};
+use iota_protocol::tensor::WireEncoding;
+use sp_core::Pair as _;
+use sp_core::sr25519;
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A new, empty database on the test server. Fails (never skips) without `DATABASE_URL`.
+pub async fn fresh_db() -> String {
+    let base = std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
+    );
+    let name = format!("iota_test_{}", uuid::Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect(&base)
+        .await
+        .expect("connect to DATABASE_URL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .expect("create test database");
+    admin.close().await;
+    let (prefix, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL has a database name");
+    format!("{prefix}/{name}")
+}
+
+pub fn pair(seed: u8) -> sr25519::Pair {
+    sr25519::Pair::from_seed(&[seed; 32])
+}
+
+pub fn signer(seed: u8) -> Arc<dyn RequestSigner> {
+    Arc::new(pair(seed))
+}
+
+pub fn public(p: &sr25519::Pair) -> PublicKey {
+    PublicKey::from_bytes(p.public().0)
+}
+
+fn dev(name: &str) -> Keypair {
+    Keypair::from_private_key(&iota_localnet::dev_pair(name).to_raw_vec()).expect("dev key")
+}
+
+pub fn tx() -> TxOptions {
+    TxOptions {
+        timeout: Duration::from_secs(30),
+        ..TxOptions::default()
+    }
+}
+
+/// A localnet with a started subnet whose registered hotkeys are `miners` and `validators`
+/// (seeds); validators are staked and hold permits after the epoch this waits for.
+pub struct Chain {
+    pub net: Localnet,
+    pub chain: Subtensor,
+    pub netuid: u16,
+}
+
+pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("localnet");
+    let mut opts = ConnectOptions::new(net.ws_url());
+    opts.connect_timeout = Duration::from_secs(20);
+    let chain = Subtensor::connect(opts).await.expect("connect");
+    let alice = dev("Alice");
+    let owner_hot = public(&pair(250));
+    let netuid = chain
+        .register_network(&alice, &owner_hot, &tx())
+        .await
+        .expect("register_network")
+        .done()
+        .expect("not dry");
+    chain
+        .start_call(&alice, netuid, &tx())
+        .await
+        .expect("start_call");
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::MaxAllowedUids(1024),
+            true,
+            &tx(),
+        )
+        .await
+        .expect("max uids");
+    for seed in miners.iter().chain(validators) {
+        chain
+            .register(&alice, netuid, &public(&pair(*seed)), &tx())
+            .await
+            .expect("register hotkey");
+    }
+    for seed in validators {
+        chain
+            .add_stake(
+                &alice,
+                &public(&pair(*seed)),
+                netuid,
+                1_000 * RAO_PER_TAO,
+                &tx(),
+            )
+            .await
+            .expect("stake");
+    }
+    // Permits are handed out at an epoch.
+    let tempo = chain.hyperparams(netuid).await.expect("hyperparams").tempo;
+    net.produce_blocks(u32::from(tempo) + 2);
+    Chain { net, chain, netuid }
+}
+
+/// Small shapes: 3 stages of a few thousand parameters, 4 partitions.
+pub fn run_config(name: &str) -> RunConfig {
+    RunConfig {
+        name: name.into(),
+        model: "sim".into(),
+        stages: 3,
+        stage_params: vec![4000, 3000, 5000],
+        partitions: 4,
+        micro_batch: 2,
+        seq_len: 8,
+        boundary_dim: 16,
+        wire: WireEncoding::F32,
+        samples_per_epoch: 12,
+        max_in_flight: 4,
+        training_s: 30,
+        uploading_s: 20,
+        merging_s: 20,
+        merge_round_s: 10,
+        lease_s: 5,
+        heartbeat_timeout_s: 4,
+        retention_epochs: 2,
+        init_seed: 1,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+    }
+}
+
+pub fn config(chain: &Chain, db: &str, store: &std::path::Path, run: RunConfig) -> Config {
+    Config {
+        database_url: db.into(),
+        db_max_connections: 16,
+        store: StoreConfig::Local(store.into()),
+        chain_endpoint: chain.net.ws_url(),
+        netuid: chain.netuid,
+        hotkey: pair(200).ss58(),
+        run,
+        metagraph_refresh: Duration::from_millis(200),
+        skew: SkewWindow::default(),
+        limits: Limits {
+            per_hotkey_rps: 1000,
+            per_hotkey_burst: 1000,
+            per_ip_rps: 1000,
+            per_ip_burst: 1000,
+            ..Limits::default()
+        },
+        tick: Duration::from_millis(100),
+        max_merge_rounds: 2,
+    }
+}
+
+/// An orchestrator running in this process.
+pub struct Running {
+    pub base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: Option<tokio::task::JoinHandle<Result<(), iota_orchestrator::OrchestratorError>>>,
+}
+
+impl Running {
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = h.await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(h) = &self.handle {
+            h.abort();
+        }
+    }
+}
+
+pub async fn start(config: Config) -> Running {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let handle = tokio::spawn(iota_orchestrator::run(config, listener, async {
+        let _ = rx.await;
+    }));
+    // Ready when the public API answers.
+    let http = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = http.get(format!("{base}/healthz")).send().await
+            && r.status().is_success()
+        {
+            break;
+        }
+        if handle.is_finished() {
+            let out = handle.await;
+            panic!("orchestrator exited at start: {out:?}");
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "orchestrator did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Running {
+        base,
+        stop: Some(tx),
+        handle: Some(handle),
+    }
+}
+
+/// Polls `check` until it returns `Some`, failing after `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Files under `dir`, recursively.
+pub fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        if let Ok(entries) = std::fs::read_dir(&d) {
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    out.push(p);
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,505 @@
+//! Who may call what, and what an upload must be: against a real PostgreSQL and a localnet.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use iota_protocol::api::*;
+use iota_protocol::blob::blake3_hex;
+use iota_protocol::signing::{RequestSigner, sign_request};
+use iota_protocol::tensor::{encode_boundary_f32, encode_boundary_i8};
+use iota_protocol::{ApiClient, ApiError, ErrorCode, RetryPolicy};
+use uuid::Uuid;
+
+const MINER: u8 = 1;
+const OTHER_MINER: u8 = 2;
+const VALIDATOR: u8 = 10;
+const STRANGER: u8 = 99;
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+}
+
+struct Raw {
+    http: reqwest::Client,
+    base: String,
+    receiver: String,
+}
+
+impl Raw {
+    /// Sends `method path` with `body`, signed by `signer` for `signed_method signed_path` at
+    /// `ts`, with `uuid`.
+    #[allow(clippy::too_many_arguments)]
+    async fn send(
+        &self,
+        signer: &dyn RequestSigner,
+        method: reqwest::Method,
+        path: &str,
+        signed_method: &str,
+        signed_path: &str,
+        body: Vec<u8>,
+        ts: u64,
+        uuid: Uuid,
+    ) -> (u16, Option<ApiError>) {
+        let headers = sign_request(
+            signer,
+            &self.receiver,
+            signed_method,
+            signed_path,
+            &body,
+            ts,
+            uuid,
+        );
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        for (k, v) in headers.headers {
+            req = req.header(k, v);
+        }
+        let resp = req
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("request");
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.expect("body");
+        (status, serde_json::from_slice(&bytes).ok())
+    }
+
+    async fn signed(
+        &self,
+        signer: &dyn RequestSigner,
+        method: reqwest::Method,
+        path: &str,
+        body: Vec<u8>,
+    ) -> (u16, Option<ApiError>) {
+        let m = method.as_str().to_owned();
+        self.send(
+            signer,
+            method,
+            path,
+            &m,
+            path,
+            body,
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .await
+    }
+}
+
+fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
+    r.1.as_ref().map(|e| e.code)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_are_checked_and_bad_uploads_leave_nothing() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[VALIDATOR]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let run = run_config("trust");
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let raw = Raw {
+        http: reqwest::Client::new(),
+        base: orch.base.clone(),
+        receiver: pair(200).ss58(),
+    };
+    let register_body = serde_json::to_vec(&RegisterRequest {
+        capacity: Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 100.0,
+        },
+    })
+    .expect("json");
+    let post = reqwest::Method::POST;
+
+    // A registered miner is accepted; an unregistered hotkey is refused.
+    let ok = raw
+        .signed(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/register",
+            register_body.clone(),
+        )
+        .await;
+    assert_eq!(ok.0, 200, "{ok:?}");
+    let stranger = raw
+        .signed(
+            &pair(STRANGER),
+            post.clone(),
+            "/v1/miner/register",
+            register_body.clone(),
+        )
+        .await;
+    assert_eq!(
+        (stranger.0, code(&stranger)),
+        (403, Some(ErrorCode::NotRegistered))
+    );
+
+    // A forged signature: signed by another key but claiming to be the miner.
+    let forged = {
+        let ts = now_ms();
+        let uuid = Uuid::new_v4();
+        let mut headers = sign_request(
+            &pair(STRANGER),
+            &raw.receiver,
+            "POST",
+            "/v1/miner/heartbeat",
+            b"{}",
+            ts,
+            uuid,
+        )
+        .headers;
+        for h in &mut headers {
+            if h.0 == "epistula-signed-by" {
+                h.1 = pair(MINER).ss58();
+            }
+        }
+        let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let resp = req
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .expect("send");
+        let status = resp.status().as_u16();
+        let err: ApiError = resp.json().await.expect("error body");
+        (status, Some(err))
+    };
+    assert_eq!(
+        (forged.0, code(&forged)),
+        (401, Some(ErrorCode::Unauthenticated))
+    );
+
+    // Stale and future timestamps.
+    let hb = b"{}".to_vec();
+    let stale = raw
+        .send(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/heartbeat",
+            "POST",
+            "/v1/miner/heartbeat",
+            hb.clone(),
+            now_ms() - 60_000,
+            Uuid::new_v4(),
+        )
+        .await;
+    assert_eq!((stale.0, code(&stale)), (401, Some(ErrorCode::ClockSkew)));
+    let future = raw
+        .send(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/heartbeat",
+            "POST",
+            "/v1/miner/heartbeat",
+            hb.clone(),
+            now_ms() + 60_000,
+            Uuid::new_v4(),
+        )
+        .await;
+    assert_eq!((future.0, code(&future)), (401, Some(ErrorCode::ClockSkew)));
+
+    // A replayed uuid: the first use passes, the identical second one is refused.
+    let uuid = Uuid::new_v4();
+    let ts = now_ms();
+    let first = raw
+        .send(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/heartbeat",
+            "POST",
+            "/v1/miner/heartbeat",
+            hb.clone(),
+            ts,
+            uuid,
+        )
+        .await;
+    assert_eq!(first.0, 200, "{first:?}");
+    let replay = raw
+        .send(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/heartbeat",
+            "POST",
+            "/v1/miner/heartbeat",
+            hb.clone(),
+            ts,
+            uuid,
+        )
+        .await;
+    assert_eq!((replay.0, code(&replay)), (401, Some(ErrorCode::Replayed)));
+
+    // A signature for another path, and for another method.
+    let other_path = raw
+        .send(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/work",
+            "POST",
+            "/v1/miner/heartbeat",
+            hb.clone(),
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .await;
+    assert_eq!(
+        (other_path.0, code(&other_path)),
+        (401, Some(ErrorCode::Unauthenticated))
+    );
+    let other_method = raw
+        .send(
+            &pair(MINER),
+            reqwest::Method::GET,
+            "/v1/miner/merges",
+            "POST",
+            "/v1/miner/merges",
+            Vec::new(),
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .await;
+    assert_eq!(
+        (other_method.0, code(&other_method)),
+        (401, Some(ErrorCode::Unauthenticated))
+    );
+
+    // A miner calling a validator endpoint; the validator may.
+    let as_miner = raw
+        .signed(
+            &pair(MINER),
+            reqwest::Method::GET,
+            "/v1/validator/disputes",
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(
+        (as_miner.0, code(&as_miner)),
+        (403, Some(ErrorCode::NotValidator))
+    );
+    let as_validator = raw
+        .signed(
+            &pair(VALIDATOR),
+            reqwest::Method::GET,
+            "/v1/validator/disputes",
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(as_validator.0, 200, "{as_validator:?}");
+
+    // A JSON body over the limit is refused before anything else.
+    let big = vec![b' '; 2 << 20];
+    let too_big = raw
+        .signed(&pair(MINER), post.clone(), "/v1/miner/heartbeat", big)
+        .await;
+    assert_eq!(
+        (too_big.0, code(&too_big)),
+        (413, Some(ErrorCode::PayloadTooLarge))
+    );
+
+    // Uploads. Find the stage-0 miner and lease a forward hop.
+    let client = |seed: u8| {
+        ApiClient::new(
+            orch.base.clone(),
+            signer(seed),
+            pair(200).ss58(),
+            RetryPolicy::default(),
+        )
+        .expect("client")
+    };
+    let a = client(MINER);
+    let b = client(OTHER_MINER);
+    let sa = a
+        .register(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 100.0,
+        })
+        .await
+        .expect("a");
+    let sb = b
+        .register(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 100.0,
+        })
+        .await
+        .expect("b");
+    assert_ne!(sa.stage, sb.stage, "two miners spread over stages");
+    let (stage0, other) = if sa.stage == 0 { (&a, &b) } else { (&b, &a) };
+    let item = stage0
+        .work(1)
+        .await
+        .expect("work")
+        .items
+        .pop()
+        .expect("a new sample at stage 0");
+    assert_eq!((item.stage, item.direction), (0, Direction::Forward));
+
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let files_before = files_under(store.path());
+    let rows = |sql: &'static str| {
+        let db = db.clone();
+        async move {
+            let pool = sqlx::PgPool::connect(&db).await.expect("db");
+            let n: i64 = sqlx::query_scalar(sql)
+                .fetch_one(&pool)
+                .await
+                .expect("count");
+            pool.close().await;
+            n
+        }
+    };
+    let staged_before = rows("SELECT count(*) FROM tasks WHERE staged_output IS NOT NULL").await;
+    let upload = |bytes: Vec<u8>, declared: String| {
+        let raw = &raw;
+        let path = format!(
+            "/v1/miner/tasks/{}/output?lease={}&blake3={declared}",
+            item.task_id, item.lease
+        );
+        let who = if std::ptr::eq(stage0, &a) {
+            MINER
+        } else {
+            OTHER_MINER
+        };
+        async move {
+            raw.signed(&pair(who), reqwest::Method::PUT, &path, bytes)
+                .await
+        }
+    };
+    type Case = (&'static str, Vec<u8>, Option<String>, u16, ErrorCode);
+    let cases: Vec<Case> = vec![
+        (
+            "oversized",
+            vec![0u8; (run.boundary_shape().iter().product::<u64>() * 4 + 8192) as usize],
+            None,
+            413,
+            ErrorCode::PayloadTooLarge,
+        ),
+        (
+            "wrong shape",
+            encode_boundary_f32([shape[0], shape[1], shape[2] / 2], &vec![0.1; n / 2]),
+            None,
+            400,
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "wrong dtype",
+            encode_boundary_i8(
+                shape,
+                &vec![1; n],
+                &vec![0.1; (shape[0] * shape[1]) as usize],
+            ),
+            None,
+            400,
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "NaN",
+            {
+                let mut v = vec![0.1f32; n];
+                v[3] = f32::NAN;
+                encode_boundary_f32(shape, &v)
+            },
+            None,
+            400,
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "hash mismatch",
+            encode_boundary_f32(shape, &vec![0.1; n]),
+            Some(blake3_hex(b"something else")),
+            400,
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "garbage",
+            b"not a tensor at all".to_vec(),
+            None,
+            400,
+            ErrorCode::InvalidTensor,
+        ),
+    ];
+    for (what, bytes, declared, status, expect) in cases {
+        let declared = declared.unwrap_or_else(|| blake3_hex(&bytes));
+        let r = upload(bytes, declared).await;
+        assert_eq!((r.0, code(&r)), (status, Some(expect)), "{what}: {r:?}");
+    }
+    assert_eq!(
+        files_under(store.path()),
+        files_before,
+        "refused uploads left files"
+    );
+    assert_eq!(
+        rows("SELECT count(*) FROM tasks WHERE staged_output IS NOT NULL").await,
+        staged_before
+    );
+
+    // Another miner cannot upload to this lease; the miner with a wrong lease neither.
+    let good = encode_boundary_f32(shape, &vec![0.25; n]);
+    let stolen = other
+        .upload_output(item.task_id, item.lease, good.clone().into())
+        .await;
+    assert_eq!(
+        stolen.err().and_then(|e| e.code()),
+        Some(ErrorCode::Forbidden)
+    );
+    let wrong_lease = stage0
+        .upload_output(item.task_id, Uuid::new_v4(), good.clone().into())
+        .await;
+    assert_eq!(
+        wrong_lease.err().and_then(|e| e.code()),
+        Some(ErrorCode::LeaseExpired)
+    );
+    assert_eq!(files_under(store.path()), files_before);
+
+    // A good upload is stored and its descriptor checks out on download.
+    let blob = stage0
+        .upload_output(item.task_id, item.lease, good.clone().into())
+        .await
+        .expect("upload")
+        .blob;
+    assert_eq!(blob.size, good.len() as u64);
+    assert_eq!(stage0.download(&blob).await.expect("download"), &good[..]);
+    assert_eq!(files_under(store.path()).len(), files_before.len() + 1);
+
+    // Public routes need no signature; the OpenAPI document and metrics are served.
+    let http = reqwest::Client::new();
+    let status: EpochStatus = http
+        .get(format!("{}/v1/status", orch.base))
+        .send()
+        .await
+        .expect("status")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(status.phase, Phase::Training);
+    let metrics = http
+        .get(format!("{}/metrics", orch.base))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(metrics.contains("iota_http_requests_total"), "{metrics}");
+    let unknown = http
+        .get(format!("{}/v1/nope", orch.base))
+        .send()
+        .await
+        .expect("404");
+    assert_eq!(unknown.status().as_u16(), 404);
+    let body: ApiError = unknown.json().await.expect("error body");
+    assert_eq!(body.code, ErrorCode::NotFound);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    orch.stop().await;
+}
