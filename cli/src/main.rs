@@ -75,11 +75,31 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
         "orchestrator on http://{} (dashboard at /)",
         listener.local_addr()?
     );
-    let shutdown = async {
+    iota_orchestrator::run(config, listener, shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM, so services finish in-flight requests and exit cleanly.
+async fn shutdown_signal() {
+    let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    iota_orchestrator::run(config, listener, shutdown).await?;
-    Ok(())
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    tracing::info!("shutting down");
 }
 
 #[derive(Debug, Subcommand)]

@@ -204,18 +204,20 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(cutoff)
     .fetch_all(&mut *tx)
     .await?;
-    if released.is_empty() {
-        return Ok(());
-    }
+    // Open hops of every released miner, not only the ones released now: a completion that
+    // raced with an earlier release may have routed a hop to a miner that was just leaving.
     let rows = sqlx::query(
-        "UPDATE tasks SET status = 'expired'
-         WHERE run_id = $1 AND miner = ANY($2) AND status IN ('pending', 'leased')
-         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+        "UPDATE tasks t SET status = 'expired' FROM miners m
+         WHERE t.run_id = $1 AND m.run_id = t.run_id AND m.hotkey = t.miner
+           AND m.status = 'released' AND t.status IN ('pending', 'leased')
+         RETURNING t.epoch, t.sample_id, t.stage, t.direction, t.attempt, t.miner, t.input",
     )
     .bind(app.run.id)
-    .bind(&released)
     .fetch_all(&mut *tx)
     .await?;
+    if released.is_empty() && rows.is_empty() {
+        return Ok(());
+    }
     for row in &rows {
         reroute(&mut tx, app, row, "miner released").await?;
     }
@@ -262,8 +264,8 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
                AND s.status IN ('forward', 'backward')) AS in_flight,
             (SELECT count(DISTINCT t.miner) FROM tasks t JOIN miners m
                ON m.run_id = t.run_id AND m.hotkey = t.miner AND m.status = 'active'
-             WHERE t.run_id = $1 AND t.epoch = $2 AND t.direction = 'backward'
-               AND t.status = 'done') AS workers,
+             WHERE t.run_id = $1 AND t.epoch = $2 AND t.status = 'done'
+               AND (t.direction = 'backward' OR t.stage = $3)) AS workers,
             (SELECT count(*) FROM pseudo_gradients g JOIN miners m
                ON m.run_id = g.run_id AND m.hotkey = g.miner AND m.status = 'active'
              WHERE g.run_id = $1 AND g.epoch = $2) AS received,
@@ -273,6 +275,7 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
     )
     .bind(app.run.id)
     .bind(now.epoch as i64)
+    .bind(cfg.stages as i32 - 1)
     .fetch_one(&app.db)
     .await?;
     let workers: i64 = row.try_get("workers")?;
@@ -356,13 +359,21 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .fetch_all(&mut *tx)
     .await?;
     for stage in 0..cfg.stages {
+        // The stage's own miners merge its partitions (they need the result anyway); a stage
+        // with fewer than two borrows from the others so every partition has two owners.
         let mut candidates: Vec<String> = all_active
             .iter()
             .filter(|(_, s)| *s as u32 == stage)
             .map(|(k, _)| k.clone())
             .collect();
-        if candidates.is_empty() {
-            candidates = all_active.iter().map(|(k, _)| k.clone()).collect();
+        if candidates.len() < 2 {
+            candidates.extend(
+                all_active
+                    .iter()
+                    .filter(|(_, s)| *s as u32 != stage)
+                    .map(|(k, _)| k.clone())
+                    .take(2 - candidates.len()),
+            );
         }
         for partition in 0..cfg.partitions {
             let rows = sqlx::query(

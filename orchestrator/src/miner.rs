@@ -244,9 +244,10 @@ fn expects_output(direction: Direction, stage: u32, _cfg: &RunConfig) -> bool {
     !(direction == Direction::Backward && stage == 0)
 }
 
-/// `POST /v1/miner/work`: lease work. Pending hops routed to the caller come first (backward
-/// before forward, oldest first, since a pending backward holds a cache in the miner's memory);
-/// a stage-0 miner with room then gets new samples while the epoch is training.
+/// `POST /v1/miner/work`: lease work. Leases the caller still holds come back first (so a retried
+/// poll is harmless: a miner skips task ids it is already running), then pending hops routed to
+/// it (backward before forward, oldest first, since a pending backward holds a cache in the
+/// miner's memory); a stage-0 miner with room then gets new samples while the epoch trains.
 #[utoipa::path(post, path = "/v1/miner/work", tag = "miner",
     request_body = WorkRequest,
     responses((status = 200, body = WorkResponse), (status = "4XX", body = iota_protocol::ApiError)),
@@ -266,6 +267,18 @@ pub async fn work(
         .bind(&caller.ss58)
         .execute(&mut *tx)
         .await?;
+    // Leases the caller already holds come back first: a poll retried after a lost answer
+    // returns the same work instead of leasing more (and letting the first leases lapse).
+    let held = sqlx::query(
+        "SELECT id, lease, leased_until, epoch, sample_id, stage, direction, input FROM tasks
+         WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > now()
+         ORDER BY id LIMIT $3",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .bind(max)
+    .fetch_all(&mut *tx)
+    .await?;
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
              leased_until = now() + make_interval(secs => $3)
@@ -277,11 +290,12 @@ pub async fn work(
     .bind(app.run.id)
     .bind(&caller.ss58)
     .bind(lease_s)
-    .bind(max)
+    .bind(max - held.len() as i64)
     .fetch_all(&mut *tx)
     .await?;
-    let mut items = rows
+    let mut items = held
         .iter()
+        .chain(rows.iter())
         .map(|r| work_item(r, cfg))
         .collect::<ApiResult<Vec<_>>>()?;
     let now = run_now(&mut *tx, app.run.id).await?;
@@ -1054,20 +1068,23 @@ pub(crate) async fn abandon_sample(
     Ok(())
 }
 
-/// Weight of a miner's pseudo-gradient: its completed backward hops this epoch.
+/// Weight of a miner's pseudo-gradient: its completed hops this epoch that updated its
+/// gradients: every backward hop, and the last stage's forward hops (the last stage runs its
+/// backward in the same hop).
 pub(crate) async fn backward_work<'e, E: sqlx::PgExecutor<'e>>(
     db: E,
-    run: i64,
+    app: &App,
     epoch: u64,
     miner: &str,
 ) -> ApiResult<i64> {
     Ok(sqlx::query_scalar(
         "SELECT count(*) FROM tasks WHERE run_id = $1 AND epoch = $2 AND miner = $3
-           AND direction = 'backward' AND status = 'done'",
+           AND status = 'done' AND (direction = 'backward' OR stage = $4)",
     )
-    .bind(run)
+    .bind(app.run.id)
     .bind(epoch as i64)
     .bind(miner)
+    .bind(app.config().stages as i32 - 1)
     .fetch_one(db)
     .await?)
 }
@@ -1108,7 +1125,7 @@ async fn pg_slot(
                 format!("stage {stage} has no partition {partition}"),
             )
         })?;
-    let work = backward_work(&app.db, app.run.id, epoch, &caller.ss58).await?;
+    let work = backward_work(&app.db, app, epoch, &caller.ss58).await?;
     if work == 0 {
         return Err(AppError::new(
             ErrorCode::Conflict,

@@ -122,7 +122,8 @@ impl SimMiner {
             match self.run_item(&item).await {
                 Ok(()) => {
                     report.hops += 1;
-                    if item.direction == Direction::Backward {
+                    let last = item.stage + 1 == self.config.stages;
+                    if item.direction == Direction::Backward || last {
                         self.backward_done += 1;
                     }
                 }

@@ -1,0 +1,360 @@
+//! Scripted epochs with simulated miners (random tensors of the right shapes, no model): every
+//! phase runs, vanished miners' work is re-routed and their partitions reassigned, and two
+//! orchestrators on one database serve one run.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use futures::future::join_all;
+use iota_orchestrator::sim::SimMiner;
+use iota_protocol::api::*;
+use iota_protocol::{ApiClient, RetryPolicy};
+use sqlx::PgPool;
+
+async fn validator_client(base: &str, seed: u8) -> ApiClient {
+    ApiClient::connect(base, signer(seed), RetryPolicy::default())
+        .await
+        .expect("validator client")
+}
+
+async fn join(base: &str, seeds: &[u8]) -> Vec<SimMiner> {
+    let mut out = Vec::new();
+    for (i, s) in seeds.iter().enumerate() {
+        out.push(
+            SimMiner::join(base, signer(*s), 100.0 + i as f64, u64::from(*s))
+                .await
+                .expect("join"),
+        );
+    }
+    out
+}
+
+async fn step_all(miners: &mut [SimMiner]) {
+    let results = join_all(miners.iter_mut().map(|m| m.step())).await;
+    for r in results {
+        r.expect("miner step");
+    }
+}
+
+async fn status(base: &str) -> EpochStatus {
+    reqwest::get(format!("{base}/v1/status"))
+        .await
+        .expect("status")
+        .json()
+        .await
+        .expect("json")
+}
+
+/// Consistency of the run state, checked by queries: no sample counted twice, every finished
+/// sample has exactly one done hop per stage and direction, counters match rows.
+async fn check_consistency(db: &PgPool) {
+    let double: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT sample_id, stage, direction FROM tasks WHERE status = 'done'
+           GROUP BY sample_id, stage, direction HAVING count(*) > 1) d",
+    )
+    .fetch_one(db)
+    .await
+    .expect("query");
+    assert_eq!(double, 0, "a hop was completed twice");
+    let mismatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM epochs e WHERE e.samples_completed <>
+           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
+              AND s.status = 'done')",
+    )
+    .fetch_one(db)
+    .await
+    .expect("query");
+    assert_eq!(
+        mismatched, 0,
+        "samples_completed disagrees with the samples table"
+    );
+    let stages: i64 = sqlx::query_scalar("SELECT (config->>'stages')::bigint FROM runs LIMIT 1")
+        .fetch_one(db)
+        .await
+        .expect("stages");
+    let incomplete: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM samples s WHERE s.status = 'done' AND
+           (SELECT count(*) FROM tasks t WHERE t.sample_id = s.id AND t.status = 'done') <> 2 * $1 - 1",
+    )
+    .bind(stages)
+    .fetch_one(db)
+    .await
+    .expect("query");
+    assert_eq!(incomplete, 0, "a done sample lacks a hop (or has extra)");
+    let lossless: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM samples WHERE status = 'done' AND loss IS NULL")
+            .fetch_one(db)
+            .await
+            .expect("query");
+    assert_eq!(lossless, 0, "a done sample has no loss");
+    let open_tasks_of_closed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks t JOIN samples s ON s.id = t.sample_id
+         WHERE s.status IN ('done', 'abandoned') AND t.status IN ('pending', 'leased')",
+    )
+    .fetch_one(db)
+    .await
+    .expect("query");
+    assert_eq!(
+        open_tasks_of_closed, 0,
+        "a closed sample still has open hops"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_completes_with_a_vanished_miner() {
+    init_tracing();
+    let seeds = [1u8, 2, 3, 4, 5, 6];
+    let chain = chain_with(&seeds, &[10]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("vanish");
+    run.training_s = 60;
+    run.uploading_s = 15;
+    run.merging_s = 6;
+    run.merge_round_s = 4;
+    run.lease_s = 2;
+    run.heartbeat_timeout_s = 2;
+    let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let db = PgPool::connect(&db_url).await.expect("db");
+
+    let mut miners = join(&orch.base, &seeds).await;
+    let mut stages: Vec<u32> = miners.iter().map(|m| m.stage).collect();
+    stages.sort_unstable();
+    assert_eq!(stages, vec![0, 0, 1, 1, 2, 2], "joins balance the stages");
+
+    // Work until samples flow, then one stage-1 miner leases work and vanishes with it.
+    let vanisher_index = miners
+        .iter()
+        .position(|m| m.stage == 1)
+        .expect("a stage-1 miner");
+    let vanisher = miners.remove(vanisher_index);
+    let vanisher_key = vanisher.client().hotkey();
+    let mut leased = 0;
+    for _ in 0..200 {
+        step_all(&mut miners).await;
+        leased += vanisher.client().work(4).await.expect("poll").items.len();
+        if leased > 0 {
+            break;
+        }
+    }
+    assert!(leased > 0, "the vanishing miner never got work");
+    drop(vanisher);
+
+    // The rest carry on until epoch 1 begins.
+    let mut rounds = 0;
+    while status(&orch.base).await.epoch == 0 {
+        step_all(&mut miners).await;
+        rounds += 1;
+        assert!(rounds < 3000, "epoch 0 did not complete");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The vanished miner was released and its leased hops re-routed to its stage peer.
+    let released: String = sqlx::query_scalar("SELECT status FROM miners WHERE hotkey = $1")
+        .bind(&vanisher_key)
+        .fetch_one(&db)
+        .await
+        .expect("miner row");
+    assert_eq!(released, "released");
+    let rerouted: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks old JOIN tasks new ON new.sample_id = old.sample_id
+           AND new.stage = old.stage AND new.direction = 'forward' AND new.attempt = old.attempt + 1
+         WHERE old.miner = $1 AND old.status = 'expired' AND old.direction = 'forward'
+           AND new.miner <> $1",
+    )
+    .bind(&vanisher_key)
+    .fetch_one(&db)
+    .await
+    .expect("query");
+    assert!(
+        rerouted >= 1,
+        "no lapsed hop of the vanished miner was re-routed"
+    );
+
+    // A late result on the lapsed lease is refused cleanly.
+    let late: (i64, uuid::Uuid) = sqlx::query_as(
+        "SELECT id, lease FROM tasks WHERE miner = $1 AND status = 'expired' LIMIT 1",
+    )
+    .bind(&vanisher_key)
+    .fetch_one(&db)
+    .await
+    .expect("lapsed task");
+    let ghost = ApiClient::connect(
+        &orch.base,
+        signer(seeds[vanisher_index]),
+        RetryPolicy::default(),
+    )
+    .await
+    .expect("client");
+    let refused = ghost
+        .complete(
+            late.0,
+            &CompleteRequest {
+                lease: late.1,
+                output: None,
+                inner_step: 0,
+                weights_digest: String::new(),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: None,
+            },
+        )
+        .await
+        .expect_err("late completion");
+    assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::LeaseExpired));
+
+    // Every partition of every stage was merged; the vanished miner owns no accepted result.
+    let merges = ghost.merge_status(0).await.expect("merge status");
+    assert_eq!(merges.len(), (run.stages * run.partitions) as usize);
+    for p in &merges {
+        assert_eq!(p.state, PartitionState::Accepted, "{p:?}");
+        assert!(p.results.iter().all(|r| r.hotkey != vanisher_key));
+        let agreeing = p
+            .results
+            .iter()
+            .filter(|r| Some(&r.blake3) == p.accepted.as_ref().map(|b| &b.blake3))
+            .count();
+        assert!(
+            agreeing >= 2,
+            "accepted without two agreeing results: {p:?}"
+        );
+    }
+
+    // The next epoch starts from those merged weights.
+    let v = validator_client(&orch.base, 10).await;
+    let record = v.epoch_record(1).await.expect("epoch record");
+    for w in &record.start_weights {
+        assert_eq!(w.epoch, Some(0));
+        assert!(w.partitions.iter().all(Option::is_some));
+    }
+    let record0 = v.epoch_record(0).await.expect("epoch 0");
+    assert!(
+        record0
+            .miners
+            .iter()
+            .any(|m| m.hotkey == vanisher_key && m.failed >= 1)
+    );
+    let samples = v.samples(0, 0, 1000).await.expect("samples");
+    assert!(
+        samples
+            .samples
+            .iter()
+            .any(|s| s.status == "done" && s.pathway.len() == 3 && s.loss.is_some())
+    );
+    let hops = v.hops(0, 0, 1000).await.expect("hops");
+    assert!(
+        hops.hops
+            .iter()
+            .all(|h| h.status != "done" || h.inner_step.is_some())
+    );
+    check_consistency(&db).await;
+    orch.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_orchestrators_serve_one_run_and_fail_over() {
+    init_tracing();
+    let seeds = [21u8, 22, 23, 24, 25, 26];
+    let chain = chain_with(&seeds, &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("replicas");
+    run.samples_per_epoch = 8;
+    run.uploading_s = 15;
+    run.merging_s = 15;
+    let a = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let b = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let db = PgPool::connect(&db_url).await.expect("db");
+
+    // Half the miners talk to each replica.
+    let mut miners = join(&a.base, &seeds[..3]).await;
+    miners.extend(join(&b.base, &seeds[3..]).await);
+
+    let leaders = |bases: Vec<String>| async move {
+        let mut n = 0;
+        for base in bases {
+            let h: Health = reqwest::get(format!("{base}/healthz"))
+                .await
+                .expect("health")
+                .json()
+                .await
+                .expect("json");
+            n += usize::from(h.leader);
+        }
+        n
+    };
+    eventually("one leader", Duration::from_secs(10), || {
+        let bases = vec![a.base.clone(), b.base.clone()];
+        async move { (leaders(bases).await == 1).then_some(()) }
+    })
+    .await;
+
+    let mut rounds = 0;
+    while status(&a.base).await.epoch == 0 {
+        step_all(&mut miners).await;
+        rounds += 1;
+        assert!(rounds < 3000, "epoch 0 did not complete on two replicas");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        status(&b.base).await.epoch,
+        1,
+        "both replicas read one state"
+    );
+    let merges: Vec<PartitionStatus> = reqwest::get(format!("{}/v1/epochs/0/merges", b.base))
+        .await
+        .expect("merges")
+        .json()
+        .await
+        .expect("json");
+    assert!(merges.iter().all(|p| p.state == PartitionState::Accepted));
+    check_consistency(&db).await;
+
+    // Stop whichever leads; the other takes over the phases and the run goes on.
+    let a_leads: Health = reqwest::get(format!("{}/healthz", a.base))
+        .await
+        .expect("health")
+        .json()
+        .await
+        .expect("json");
+    let (survivor, stopped) = if a_leads.leader { (b, a) } else { (a, b) };
+    stopped.stop().await;
+    eventually("the survivor leads", Duration::from_secs(10), || {
+        let base = survivor.base.clone();
+        async move {
+            let h: Health = reqwest::get(format!("{base}/healthz"))
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            h.leader.then_some(())
+        }
+    })
+    .await;
+    let mut miners: Vec<SimMiner> = Vec::new();
+    for (i, s) in seeds.iter().enumerate() {
+        miners.push(
+            SimMiner::join(
+                &survivor.base,
+                Arc::new(pair(*s)),
+                100.0 + i as f64,
+                u64::from(*s),
+            )
+            .await
+            .expect("rejoin"),
+        );
+    }
+    let mut rounds = 0;
+    while status(&survivor.base).await.epoch == 1 {
+        step_all(&mut miners).await;
+        rounds += 1;
+        assert!(rounds < 3000, "epoch 1 did not complete after fail-over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check_consistency(&db).await;
+    survivor.stop().await;
+}
