@@ -181,3 +181,15 @@ CREATE TABLE request_uuids (
     seen_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 CREATE INDEX request_uuids_seen_at ON request_uuids (seen_at);
+
+-- What each validator checked in an epoch and what it found, published for anyone to audit.
+CREATE TABLE spot_checks (
+    run_id       BIGINT NOT NULL REFERENCES runs(id),
+    epoch        BIGINT NOT NULL,
+    validator    TEXT NOT NULL,
+    seed         TEXT NOT NULL,
+    seed_block   BIGINT NOT NULL,
+    checks       JSONB NOT NULL,
+    submitted_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, epoch, validator)
+);

@@ -222,6 +222,7 @@ async fn track(matched: Option<MatchedPath>, req: Request, next: Next) -> Respon
         miner::report_bad_object,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
+        validator::spot_checks, validator::report_spot_checks,
         views::get_run, views::get_status, views::get_stages, views::get_stage_weights,
         views::get_miners, views::get_loss, views::get_throughput, views::get_sample,
         views::get_merges, views::get_scores, views::health,
@@ -351,6 +352,10 @@ pub fn router(app: App) -> Router {
         .route(
             "/v1/validator/epochs/{epoch}/scores",
             post(validator::scores),
+        )
+        .route(
+            "/v1/validator/epochs/{epoch}/spot-checks",
+            get(validator::spot_checks).post(validator::report_spot_checks),
         )
         .route_layer(middleware::from_fn_with_state(
             (app.clone(), Gate::Validator, json_limit),

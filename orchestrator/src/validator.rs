@@ -299,3 +299,110 @@ pub async fn scores(
 fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<serde_json::Value> {
     serde_json::to_value(v).map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))
 }
+
+/// `GET /v1/validator/epochs/{epoch}/spot-checks`: the replayable work of every miner, the
+/// re-derivable merges, and what validators reported checking.
+#[utoipa::path(get, path = "/v1/validator/epochs/{epoch}/spot-checks", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = SpotCheckTasks), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn spot_checks(
+    State(app): State<App>,
+    Extension(_v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+) -> ApiResult<Json<SpotCheckTasks>> {
+    let rows = sqlx::query(
+        "SELECT m.hotkey, m.stage,
+            coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
+              WHERE t.run_id = m.run_id AND t.epoch = $2 AND t.miner = m.hotkey
+                AND t.status = 'done'), '{}') AS hops,
+            coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
+              WHERE g.run_id = m.run_id AND g.epoch = $2 AND g.miner = m.hotkey), '{}') AS pgs
+         FROM miners m WHERE m.run_id = $1 ORDER BY m.stage, m.hotkey",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?;
+    let mut miners = Vec::new();
+    for r in rows {
+        let hops: Vec<i64> = r.try_get("hops")?;
+        let pgs: Vec<i32> = r.try_get("pgs")?;
+        if hops.is_empty() && pgs.is_empty() {
+            continue;
+        }
+        miners.push(SpotCheckCandidate {
+            hotkey: r.try_get("hotkey")?,
+            stage: r.try_get::<i32, _>("stage")? as u32,
+            hop_task_ids: hops,
+            pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
+        });
+    }
+    let partitions = views::partitions_of(&app, epoch)
+        .await?
+        .into_iter()
+        .filter(|p| p.state == PartitionState::Accepted)
+        .collect();
+    let reported = sqlx::query(
+        "SELECT validator, seed, seed_block, checks FROM spot_checks
+         WHERE run_id = $1 AND epoch = $2 ORDER BY validator",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&app.db)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(SpotCheckReport {
+            validator: r.try_get("validator")?,
+            seed: r.try_get("seed")?,
+            seed_block: r.try_get::<i64, _>("seed_block")? as u64,
+            checks: serde_json::from_value(r.try_get("checks")?)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+        })
+    })
+    .collect::<ApiResult<Vec<_>>>()?;
+    Ok(Json(SpotCheckTasks {
+        epoch,
+        miners,
+        partitions,
+        reported,
+    }))
+}
+
+/// `POST /v1/validator/epochs/{epoch}/spot-checks`: publish what this validator checked (one
+/// report per validator and epoch; a resubmission replaces it).
+#[utoipa::path(post, path = "/v1/validator/epochs/{epoch}/spot-checks", tag = "validator",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    request_body = SpotCheckReport,
+    responses((status = 200, body = SpotCheckReport), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn report_spot_checks(
+    State(app): State<App>,
+    Extension(v): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+    ApiJson(mut report): ApiJson<SpotCheckReport>,
+) -> ApiResult<Json<SpotCheckReport>> {
+    if report.checks.len() > 10_000 || report.seed.len() > 256 {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "at most 10000 checks and a seed of at most 256 characters",
+        ));
+    }
+    report.validator = v.ss58.clone();
+    sqlx::query(
+        "INSERT INTO spot_checks (run_id, epoch, validator, seed, seed_block, checks)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         ON CONFLICT (run_id, epoch, validator) DO UPDATE SET seed = EXCLUDED.seed,
+           seed_block = EXCLUDED.seed_block, checks = EXCLUDED.checks, submitted_at = now()",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&v.ss58)
+    .bind(&report.seed)
+    .bind(report.seed_block.min(i64::MAX as u64) as i64)
+    .bind(to_json(&report.checks)?)
+    .execute(&app.db)
+    .await?;
+    Ok(Json(report))
+}

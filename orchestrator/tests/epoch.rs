@@ -107,7 +107,8 @@ async fn check_consistency(db: &PgPool) {
 async fn an_epoch_completes_with_a_vanished_miner() {
     init_tracing();
     let seeds = [1u8, 2, 3, 4, 5, 6];
-    let chain = chain_with(&seeds, &[10]).await;
+    let late_joiner = 7u8;
+    let chain = chain_with(&[1, 2, 3, 4, 5, 6, late_joiner], &[10]).await;
     let db_url = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let mut run = run_config("vanish");
@@ -251,6 +252,37 @@ async fn an_epoch_completes_with_a_vanished_miner() {
             .all(|h| h.status != "done" || h.inner_step.is_some())
     );
     check_consistency(&db).await;
+
+    // A miner joining now gets the merged weights of its stage, and they check out.
+    let late = ApiClient::connect(&orch.base, signer(late_joiner), RetryPolicy::default())
+        .await
+        .expect("client");
+    let joined = late
+        .register(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 1.0,
+        })
+        .await
+        .expect("late join");
+    assert_eq!(
+        joined.stage, 1,
+        "the stage that lost a miner gets the newcomer"
+    );
+    assert_eq!(joined.weights.epoch, Some(0));
+    for (p, blob) in joined.weights.partitions.iter().enumerate() {
+        let blob = blob.as_ref().expect("every partition merged");
+        let accepted = merges
+            .iter()
+            .find(|m| m.stage == 1 && m.partition as usize == p)
+            .and_then(|m| m.accepted.clone())
+            .expect("accepted");
+        assert_eq!(blob.blake3, accepted.blake3);
+        let bytes = late.download(blob).await.expect("download merged weights");
+        let range = run.partition_range(1, p as u32).expect("range");
+        iota_protocol::tensor::decode_merged(&bytes, range.end - range.start)
+            .expect("a merged partition");
+    }
     orch.stop().await;
 }
 
@@ -357,4 +389,155 @@ async fn two_orchestrators_serve_one_run_and_fail_over() {
     }
     check_consistency(&db).await;
     survivor.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
+    init_tracing();
+    let chain = chain_with(&[41, 42], &[43]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("disputes");
+    run.stages = 2;
+    run.stage_params = vec![4000, 3000];
+    run.samples_per_epoch = 6;
+    run.merging_s = 60;
+    let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let mut miners = join(&orch.base, &[41, 42]).await;
+    miners[1].wrong_merge = true;
+    let cheat = miners[1].client().hotkey();
+    let v = validator_client(&orch.base, 43).await;
+
+    // Run until the two owners' results disagree: with no third miner to break the tie, the
+    // dispute waits for a validator.
+    let mut disputes = Vec::new();
+    for _ in 0..3000 {
+        step_all(&mut miners).await;
+        disputes = v.disputes().await.expect("disputes");
+        if disputes.len() == (run.stages * run.partitions) as usize {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        disputes.len(),
+        (run.stages * run.partitions) as usize,
+        "every partition disputed"
+    );
+
+    // The validator recomputes each merge from the contributions and settles.
+    for d in &disputes {
+        let p = &d.partition;
+        let range = run.partition_range(p.stage, p.partition).expect("range");
+        let len = range.end - range.start;
+        let mut parts = Vec::new();
+        for c in &d.contributions {
+            let bytes = v.download(&c.blob).await.expect("download contribution");
+            parts.push((
+                c.weight,
+                iota_protocol::tensor::decode_partition(&bytes, len).expect("decode"),
+            ));
+        }
+        let merged = iota_orchestrator::sim::average(&parts, len as usize);
+        let bytes = iota_protocol::tensor::encode_merged(&merged, &vec![0.0; len as usize]);
+        let hash = iota_protocol::blob::blake3_hex(&bytes);
+        let settled = v.settle(d.id, &hash).await.expect("settle");
+        assert_eq!(settled.state, PartitionState::Accepted);
+        assert_eq!(
+            settled.accepted.as_ref().map(|b| b.blake3.clone()),
+            Some(hash)
+        );
+        assert!(
+            settled
+                .resolved_by
+                .as_deref()
+                .is_some_and(|r| r.starts_with("validator:"))
+        );
+        let cheat_result = settled
+            .results
+            .iter()
+            .find(|r| r.hotkey == cheat)
+            .expect("cheat's result");
+        assert_ne!(
+            Some(&cheat_result.blake3),
+            settled.accepted.as_ref().map(|b| &b.blake3)
+        );
+    }
+    assert!(
+        v.disputes().await.expect("disputes").is_empty(),
+        "all settled"
+    );
+
+    // With everything settled the epoch ends without waiting for the merge deadline.
+    let mut rounds = 0;
+    while status(&orch.base).await.epoch == 0 {
+        step_all(&mut miners).await;
+        rounds += 1;
+        assert!(rounds < 500, "epoch 0 did not end after settlement");
+    }
+
+    // Scores, weights and spot checks are recorded and published.
+    let submission = ScoreSubmission {
+        scores: vec![
+            MinerScore {
+                hotkey: miners[0].client().hotkey(),
+                score: 1.0,
+            },
+            MinerScore {
+                hotkey: cheat.clone(),
+                score: 0.0,
+            },
+        ],
+        weights: Some(WeightsSet {
+            block: 12,
+            uids: vec![0, 1],
+            weights: vec![65535, 0],
+        }),
+    };
+    let stored = v.submit_scores(0, &submission).await.expect("scores");
+    assert_eq!(stored.scores, submission.scores);
+    let again = v
+        .submit_scores(0, &submission)
+        .await
+        .expect("idempotent resubmission");
+    assert_eq!(again.scores, stored.scores);
+    let public: Vec<ScoreRecord> = reqwest::get(format!("{}/v1/scores", orch.base))
+        .await
+        .expect("scores")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(public.len(), 1);
+    assert_eq!(public[0].weights.as_ref().map(|w| w.block), Some(12));
+    let tasks = v.spot_checks(0).await.expect("spot-check tasks");
+    assert_eq!(tasks.miners.len(), 2);
+    assert!(tasks.miners.iter().all(|m| !m.hop_task_ids.is_empty()));
+    assert_eq!(
+        tasks.partitions.len(),
+        (run.stages * run.partitions) as usize
+    );
+    let report = SpotCheckReport {
+        validator: String::new(),
+        seed: "ab".repeat(32),
+        seed_block: 20,
+        checks: vec![SpotCheckResult {
+            hotkey: cheat.clone(),
+            kind: "merge".into(),
+            target: "0/0".into(),
+            passed: false,
+            detail: "hash mismatch".into(),
+        }],
+    };
+    v.report_spot_checks(0, &report).await.expect("report");
+    let tasks = v.spot_checks(0).await.expect("spot-check tasks");
+    assert_eq!(tasks.reported.len(), 1);
+    assert_eq!(tasks.reported[0].validator, v.hotkey());
+    // Miners may not use validator routes.
+    let refused = miners[0]
+        .client()
+        .spot_checks(0)
+        .await
+        .expect_err("miner refused");
+    assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::NotValidator));
+    orch.stop().await;
 }

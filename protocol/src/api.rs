@@ -663,6 +663,61 @@ pub struct Dispute {
     pub state: String,
 }
 
+/// What a validator may spot-check in an epoch, and what validators reported checking.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SpotCheckTasks {
+    /// Epoch.
+    pub epoch: u64,
+    /// Per miner: the hops that can be replayed, in the order they ran.
+    pub miners: Vec<SpotCheckCandidate>,
+    /// Partitions whose merge can be re-derived (accepted ones, with their hash).
+    pub partitions: Vec<PartitionStatus>,
+    /// Spot checks validators have reported for this epoch.
+    pub reported: Vec<SpotCheckReport>,
+}
+
+/// One miner's replayable work.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SpotCheckCandidate {
+    /// Miner.
+    pub hotkey: String,
+    /// Stage.
+    pub stage: u32,
+    /// Completed hops, by completion time (the replay order).
+    pub hop_task_ids: Vec<i64>,
+    /// Partitions of its pseudo-gradient that were uploaded.
+    pub pseudo_gradient_partitions: Vec<u32>,
+}
+
+/// The outcome of one check.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SpotCheckResult {
+    /// Miner checked.
+    pub hotkey: String,
+    /// `replay`, `merge`, `loss`, …
+    pub kind: String,
+    /// What was checked (task ids, `stage/partition`, …).
+    pub target: String,
+    /// Whether it passed.
+    pub passed: bool,
+    /// Measurements (cosine, relative error, hashes).
+    pub detail: String,
+}
+
+/// `POST /v1/validator/epochs/{epoch}/spot-checks`: what a validator checked and found.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SpotCheckReport {
+    /// Validator (filled in by the orchestrator from the signature).
+    #[serde(default)]
+    pub validator: String,
+    /// The seed the draw came from (hex), so anyone can redo the draw.
+    pub seed: String,
+    /// The chain block whose hash went into the seed.
+    pub seed_block: u64,
+    /// Results.
+    pub checks: Vec<SpotCheckResult>,
+}
+
 /// `POST /v1/validator/disputes/{id}/settle`: the hash the validator recomputed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct SettleRequest {

@@ -482,6 +482,30 @@ impl ApiClient {
             .await
     }
 
+    /// Replayable work and reported spot checks of `epoch`.
+    pub async fn spot_checks(&self, epoch: u64) -> Result<SpotCheckTasks, ClientError> {
+        self.signed_raw(
+            Method::GET,
+            &format!("/v1/validator/epochs/{epoch}/spot-checks"),
+            None,
+        )
+        .await
+    }
+
+    /// Publishes what this validator checked in `epoch`.
+    pub async fn report_spot_checks(
+        &self,
+        epoch: u64,
+        report: &SpotCheckReport,
+    ) -> Result<SpotCheckReport, ClientError> {
+        self.signed_json(
+            Method::POST,
+            &format!("/v1/validator/epochs/{epoch}/spot-checks"),
+            report,
+        )
+        .await
+    }
+
     /// Open disputes.
     pub async fn disputes(&self) -> Result<Vec<Dispute>, ClientError> {
         self.signed_raw(Method::GET, "/v1/validator/disputes", None)
@@ -489,7 +513,7 @@ impl ApiClient {
     }
 
     /// Settles a dispute with the recomputed hash.
-    pub async fn settle(&self, id: i64, blake3: &str) -> Result<Dispute, ClientError> {
+    pub async fn settle(&self, id: i64, blake3: &str) -> Result<PartitionStatus, ClientError> {
         self.signed_json(
             Method::POST,
             &format!("/v1/validator/disputes/{id}/settle"),
