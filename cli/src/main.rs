@@ -56,7 +56,9 @@ fn model_shape(name: &str) -> anyhow::Result<iota_orchestrator::config::ModelSha
 
 async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
     if cmd.print_openapi {
-        println!("{}", iota_orchestrator::openapi_json());
+        use std::io::Write as _;
+        // A closed pipe (`| head`) is not an error worth a panic.
+        let _ = writeln!(std::io::stdout(), "{}", iota_orchestrator::openapi_json());
         return Ok(());
     }
     let shape = model_shape(&cmd.model)?;
@@ -119,7 +121,15 @@ enum ModelCommand {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() {
+    // One line that says what to fix, not a backtrace: the errors carry their context.
+    if let Err(e) = run().await {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -134,7 +134,7 @@ async fn sigkill_and_restart_lose_nothing() {
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let store = dir.path().join("store");
-    let spawn = || {
+    let spawn_on = |port: u16| {
         Proc(
             Command::new(env!("CARGO_BIN_EXE_iota"))
                 .args(["orchestrator", "--model", "tiny"])
@@ -170,6 +170,7 @@ async fn sigkill_and_restart_lose_nothing() {
                 .expect("spawn iota orchestrator"),
         )
     };
+    let spawn = || spawn_on(port);
     let mut child = spawn();
     wait_up(&base, &mut child).await;
     let db = PgPool::connect(&db_url).await.expect("db");
@@ -214,6 +215,43 @@ async fn sigkill_and_restart_lose_nothing() {
     let (s2, h2) = counts(&db).await;
     assert!(s2 >= done_samples && h2 >= done_hops, "work was lost");
 
+    // A second process on the same database serves the same run; one of the two leads.
+    let port2 = free_port();
+    let base2 = format!("http://127.0.0.1:{port2}");
+    let mut second = spawn_on(port2);
+    wait_up(&base2, &mut second).await;
+    let mut leaders = Vec::new();
+    for _ in 0..100 {
+        leaders.clear();
+        for b in [&base, &base2] {
+            let h: iota_protocol::api::Health = reqwest::get(format!("{b}/healthz"))
+                .await
+                .expect("health")
+                .json()
+                .await
+                .expect("json");
+            leaders.push(h.leader);
+        }
+        if leaders.iter().filter(|l| **l).count() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        leaders.iter().filter(|l| **l).count(),
+        1,
+        "exactly one leader: {leaders:?}"
+    );
+    let s2 = status(&base2)
+        .await
+        .expect("status from the second process");
+    assert_eq!((s2.epoch, s2.phase), (after.epoch, after.phase));
+    for (i, s) in seeds.iter().enumerate().skip(3) {
+        miners[i] = SimMiner::join(&base2, Arc::new(pair(*s)), 100.0 + i as f64, u64::from(*s))
+            .await
+            .expect("join through the second process");
+    }
+
     // The miners carry on through the restart and the epoch completes.
     let mut rounds = 0;
     while status(&base).await.map(|s| s.epoch) != Some(1) {
@@ -252,6 +290,8 @@ async fn sigkill_and_restart_lose_nothing() {
     .await
     .expect("query");
     assert_eq!(mismatched, 0);
+
+    drop(second);
 
     // SIGTERM: a clean exit.
     let pid = child.0.id().to_string();

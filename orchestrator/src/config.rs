@@ -59,9 +59,9 @@ pub struct OrchestratorArgs {
     /// Address to listen on.
     #[arg(long, env = "IOTA_LISTEN", default_value = "127.0.0.1:8700")]
     pub listen: SocketAddr,
-    /// PostgreSQL URL.
+    /// PostgreSQL URL (required to serve).
     #[arg(long = "database-url", env = "DATABASE_URL")]
-    pub database_url: String,
+    pub database_url: Option<String>,
     /// Database pool size.
     #[arg(
         long = "db-max-connections",
@@ -76,9 +76,9 @@ pub struct OrchestratorArgs {
     /// Chain endpoint selection.
     #[command(flatten)]
     pub subtensor: SubtensorArgs,
-    /// Subnet.
+    /// Subnet (required to serve).
     #[arg(long, env = "BT_NETUID")]
-    pub netuid: u16,
+    pub netuid: Option<u16>,
     /// The orchestrator's wallet (only the hotkey's public key is read).
     #[command(flatten)]
     pub wallet: WalletArgs,
@@ -242,12 +242,19 @@ impl OrchestratorArgs {
         .map_err(|e| e.to_string())?;
         let run = self.run_config(shape);
         run.validate()?;
+        let database_url = self
+            .database_url
+            .clone()
+            .ok_or("no database: pass --database-url or set DATABASE_URL")?;
+        let netuid = self
+            .netuid
+            .ok_or("no subnet: pass --netuid or set BT_NETUID")?;
         Ok(Config {
-            database_url: self.database_url.clone(),
+            database_url,
             db_max_connections: self.db_max_connections,
             store,
             chain_endpoint,
-            netuid: self.netuid,
+            netuid,
             hotkey,
             run,
             metagraph_refresh: Duration::from_secs(self.metagraph_refresh_s.max(1)),
