@@ -38,6 +38,8 @@ pub struct Limits {
     pub per_ip_burst: u32,
     /// Largest JSON body.
     pub json_body_bytes: usize,
+    /// Uploads buffered at once (each up to the largest tensor slot).
+    pub concurrent_uploads: usize,
 }
 
 impl Default for Limits {
@@ -48,6 +50,7 @@ impl Default for Limits {
             per_ip_rps: 50,
             per_ip_burst: 200,
             json_body_bytes: 1 << 20,
+            concurrent_uploads: 64,
         }
     }
 }

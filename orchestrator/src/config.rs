@@ -191,6 +191,13 @@ pub struct OrchestratorArgs {
     /// Public requests per second per IP.
     #[arg(long = "rate-per-ip", env = "IOTA_RATE_PER_IP", default_value_t = 50)]
     pub rate_per_ip: u32,
+    /// Uploads held in memory at once.
+    #[arg(
+        long = "max-concurrent-uploads",
+        env = "IOTA_MAX_CONCURRENT_UPLOADS",
+        default_value_t = 64
+    )]
+    pub max_concurrent_uploads: usize,
     /// Milliseconds between phase-driver steps.
     #[arg(long = "tick-ms", env = "IOTA_TICK_MS", default_value_t = 500)]
     pub tick_ms: u64,
@@ -267,6 +274,7 @@ impl OrchestratorArgs {
                 per_hotkey_burst: self.rate_per_hotkey.saturating_mul(4),
                 per_ip_rps: self.rate_per_ip,
                 per_ip_burst: self.rate_per_ip.saturating_mul(4),
+                concurrent_uploads: self.max_concurrent_uploads,
                 ..Limits::default()
             },
             tick: Duration::from_millis(self.tick_ms.max(10)),

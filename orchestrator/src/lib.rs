@@ -39,6 +39,7 @@ use iota_protocol::tensor::TensorSpec;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
+use tower::limit::GlobalConcurrencyLimitLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
@@ -281,6 +282,9 @@ pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
 pub fn router(app: App) -> Router {
     let json_limit = app.limits.json_body_bytes;
     let upload_limit = max_upload_bytes(app.config());
+    let uploads = Arc::new(tokio::sync::Semaphore::new(
+        app.limits.concurrent_uploads.max(1),
+    ));
     let miner_json = Router::new()
         .route("/v1/miner/register", post(miner::register))
         .route("/v1/miner/heartbeat", post(miner::heartbeat))
@@ -336,7 +340,10 @@ pub fn router(app: App) -> Router {
         .route_layer(middleware::from_fn_with_state(
             (app.clone(), Gate::Registered, upload_limit),
             app::signed_gate,
-        ));
+        ))
+        // The gate buffers a body before it can check the signature over it: bound how many
+        // such bodies are in memory at once.
+        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads.clone()));
     let validator_json = Router::new()
         .route("/v1/validator/epochs/{epoch}/hops", get(validator::hops))
         .route(
@@ -369,7 +376,8 @@ pub fn router(app: App) -> Router {
         .route_layer(middleware::from_fn_with_state(
             (app.clone(), Gate::Validator, upload_limit),
             app::signed_gate,
-        ));
+        ))
+        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads));
     let public = Router::new()
         .route("/v1/run", get(views::get_run))
         .route("/v1/status", get(views::get_status))

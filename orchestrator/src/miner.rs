@@ -459,6 +459,37 @@ fn check_lease(task: &LeasedTask, caller: &Caller, lease: Uuid, id: i64) -> ApiR
     Ok(())
 }
 
+/// The task `task_id` if the caller holds `lease` on it (read without locking: the write that
+/// follows re-checks the lease).
+async fn leased_task(
+    app: &App,
+    caller: &Caller,
+    task_id: i64,
+    lease: Option<Uuid>,
+) -> ApiResult<(LeasedTask, Uuid)> {
+    let lease = lease.ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
+    let mut tx = app.db.begin().await?;
+    let task = lock_task(&mut tx, app.run.id, task_id).await?;
+    tx.commit().await?;
+    check_lease(&task, caller, lease, task_id)?;
+    Ok((task, lease))
+}
+
+/// Refuses a presigned upload larger than its slot before handing out a URL.
+fn check_presign_size(req: &PresignRequest, spec: &TensorSpec) -> ApiResult<()> {
+    if req.size > spec.max_bytes() {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "{} bytes, this slot takes at most {}",
+                req.size,
+                spec.max_bytes()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn boundary_spec(cfg: &RunConfig) -> TensorSpec {
     TensorSpec::Boundary {
         shape: cfg.boundary_shape(),
@@ -546,17 +577,8 @@ pub async fn upload_output(
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
-    let lease = q
-        .lease
-        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
     // Check the lease before touching the store.
-    let task = {
-        let mut tx = app.db.begin().await?;
-        let t = lock_task(&mut tx, app.run.id, task_id).await?;
-        tx.commit().await?;
-        t
-    };
-    check_lease(&task, &caller, lease, task_id)?;
+    let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
     if task.status != "leased" {
         return Err(AppError::new(
             ErrorCode::LeaseExpired,
@@ -615,27 +637,9 @@ pub async fn presign_output(
     ApiQuery(q): ApiQuery<UploadQuery>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
-    let lease = q
-        .lease
-        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
-    let task = {
-        let mut tx = app.db.begin().await?;
-        let t = lock_task(&mut tx, app.run.id, task_id).await?;
-        tx.commit().await?;
-        t
-    };
-    check_lease(&task, &caller, lease, task_id)?;
+    let (task, _) = leased_task(&app, &caller, task_id, q.lease).await?;
     let spec = boundary_spec(app.config());
-    if req.size > spec.max_bytes() {
-        return Err(AppError::new(
-            ErrorCode::PayloadTooLarge,
-            format!(
-                "{} bytes, this slot takes at most {}",
-                req.size,
-                spec.max_bytes()
-            ),
-        ));
-    }
+    check_presign_size(&req, &spec)?;
     presign(&app, task_output_key(&app, task_id, &task)).await
 }
 
@@ -710,16 +714,7 @@ pub async fn commit_output(
     ApiQuery(q): ApiQuery<UploadQuery>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
-    let lease = q
-        .lease
-        .ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
-    let task = {
-        let mut tx = app.db.begin().await?;
-        let t = lock_task(&mut tx, app.run.id, task_id).await?;
-        tx.commit().await?;
-        t
-    };
-    check_lease(&task, &caller, lease, task_id)?;
+    let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
     let key = task_output_key(&app, task_id, &task);
     let blob = accept_committed(&app, &key, &boundary_spec(app.config()), &req).await?;
     stage_output(&app, task_id, lease, blob).await
@@ -1257,16 +1252,7 @@ pub async fn presign_pg(
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let (_, key, spec, _) = pg_slot(&app, &caller, epoch, partition).await?;
-    if req.size > spec.max_bytes() {
-        return Err(AppError::new(
-            ErrorCode::PayloadTooLarge,
-            format!(
-                "{} bytes, this slot takes at most {}",
-                req.size,
-                spec.max_bytes()
-            ),
-        ));
-    }
+    check_presign_size(&req, &spec)?;
     presign(&app, key).await
 }
 
@@ -1446,16 +1432,7 @@ pub async fn presign_merge(
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
-    if req.size > spec.max_bytes() {
-        return Err(AppError::new(
-            ErrorCode::PayloadTooLarge,
-            format!(
-                "{} bytes, this slot takes at most {}",
-                req.size,
-                spec.max_bytes()
-            ),
-        ));
-    }
+    check_presign_size(&req, &spec)?;
     presign(&app, key).await
 }
 

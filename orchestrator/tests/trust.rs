@@ -472,6 +472,77 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     assert_eq!(stage0.download(&blob).await.expect("download"), &good[..]);
     assert_eq!(files_under(store.path()).len(), files_before.len() + 1);
 
+    // The hop completes and goes to the stage-1 miner. If the object goes bad in the store, the
+    // consumer's download catches it, and its report fails the producer's hop.
+    let done = stage0
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                lease: item.lease,
+                output: Some(blob.clone()),
+                inner_step: 0,
+                weights_digest: "00".repeat(32),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: Some(3),
+            },
+        )
+        .await
+        .expect("complete");
+    assert!(done.next_task_id.is_some() && !done.sample_done);
+    let again = stage0
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                lease: item.lease,
+                output: Some(blob.clone()),
+                inner_step: 0,
+                weights_digest: "00".repeat(32),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: Some(3),
+            },
+        )
+        .await
+        .expect("a retried completion is answered the same");
+    assert_eq!(again, done);
+    let next = other.work(4).await.expect("work").items;
+    let next = next
+        .iter()
+        .find(|i| Some(i.task_id) == done.next_task_id)
+        .expect("the next hop is routed to the stage-1 miner");
+    let input = next.input.clone().expect("an input");
+    assert_eq!(input.blake3, blob.blake3);
+    let path = store.path().join(&input.key);
+    let mut bytes = std::fs::read(&path).expect("stored object");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&path, &bytes).expect("corrupt it");
+    let bad = other.download(&input).await.expect_err("corrupt download");
+    assert!(
+        matches!(bad, iota_protocol::ClientError::BadObject(_)),
+        "{bad}"
+    );
+    let verdict = other
+        .report_bad_object(&input.key, &bad.to_string())
+        .await
+        .expect("report");
+    assert!(verdict.confirmed, "{verdict:?}");
+    let pool = sqlx::PgPool::connect(&db).await.expect("db");
+    let (task_status, sample_status): (String, String) = sqlx::query_as(
+        "SELECT t.status, s.status FROM tasks t JOIN samples s ON s.id = t.sample_id WHERE t.id = $1",
+    )
+    .bind(item.task_id)
+    .fetch_one(&pool)
+    .await
+    .expect("row");
+    assert_eq!(
+        (task_status.as_str(), sample_status.as_str()),
+        ("failed", "abandoned")
+    );
+    assert!(!path.exists(), "the bad object is deleted");
+    pool.close().await;
+
     // Public routes need no signature; the OpenAPI document and metrics are served.
     let http = reqwest::Client::new();
     let status: EpochStatus = http
@@ -501,5 +572,58 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     let body: ApiError = unknown.json().await.expect("error body");
     assert_eq!(body.code, ErrorCode::NotFound);
     tokio::time::sleep(Duration::from_millis(10)).await;
+    orch.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_requests_are_rate_limited_per_hotkey() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("limits"));
+    cfg.limits.per_hotkey_rps = 1;
+    cfg.limits.per_hotkey_burst = 3;
+    let orch = start(cfg).await;
+    let no_retry = RetryPolicy {
+        attempts: 1,
+        ..RetryPolicy::default()
+    };
+    let a =
+        ApiClient::new(orch.base.clone(), signer(MINER), pair(200).ss58(), no_retry).expect("a");
+    let b = ApiClient::new(
+        orch.base.clone(),
+        signer(OTHER_MINER),
+        pair(200).ss58(),
+        no_retry,
+    )
+    .expect("b");
+    let cap = Capacity {
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        tokens_per_s: 1.0,
+    };
+    a.register(cap.clone()).await.expect("register");
+    b.register(cap).await.expect("register");
+    let mut limited = None;
+    for _ in 0..10 {
+        if let Err(e) = a.heartbeat(None).await {
+            limited = Some(e);
+            break;
+        }
+    }
+    let limited = limited.expect("the burst runs out");
+    assert_eq!(limited.code(), Some(ErrorCode::RateLimited));
+    // Another hotkey is not affected.
+    b.heartbeat(None).await.expect("other hotkey");
+    // A retrying client waits and gets through.
+    let patient = ApiClient::new(
+        orch.base.clone(),
+        signer(MINER),
+        pair(200).ss58(),
+        RetryPolicy::default(),
+    )
+    .expect("patient");
+    patient.heartbeat(None).await.expect("after Retry-After");
     orch.stop().await;
 }
