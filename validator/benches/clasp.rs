@@ -20,7 +20,7 @@ fn run(stages: usize, per_stage: usize, samples: usize) {
         let mut loss = 3.0 + rng.gen_range(-0.2..0.2);
         for k in 0..stages {
             let m = (k * per_stage + rng.gen_range(0..per_stage)) as u32;
-            if m % 97 == 0 {
+            if m.is_multiple_of(97) {
                 loss += 0.3;
             }
             pathways.push(m);
