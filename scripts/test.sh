@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's whole check, as a new user and CI run it: formatting, lints, every test.
 #
-# Starts what the tests need and stops it afterwards: a throwaway PostgreSQL from the system's
-# binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead).
+# Installs and starts what the tests need, and stops it afterwards: a throwaway PostgreSQL from
+# the system's binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead) and
+# Debian's Chromium for the dashboard test (set IOTA_CHROMIUM to use another browser binary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +19,13 @@ if [ -z "${DATABASE_URL:-}" ]; then
     cleanup+=("scripts/pg.sh stop '$IOTA_PG_DIR'")
 fi
 export DATABASE_URL
+
+if [ -z "${IOTA_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
+    echo "== installing chromium (Debian package, for the dashboard test)"
+    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 
 echo "== cargo fmt --check"
 cargo fmt --all --check
