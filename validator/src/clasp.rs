@@ -433,3 +433,113 @@ mod tests {
         );
     }
 }
+
+/// A CLASP fit over the orchestrator's sample records, by hotkey.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HotkeyEffects {
+    /// The fit; `effects[i]` belongs to `hotkeys[i]`.
+    pub fit: ClaspFit,
+    /// Miner hotkeys, in effect order.
+    pub hotkeys: Vec<String>,
+}
+
+/// Fits CLASP on finished samples (status `done`, a full pathway and a loss); others are skipped.
+/// A miner is placed at the stage where it appears; one hotkey on two stages is refused.
+pub fn fit_samples(
+    stages: usize,
+    samples: &[iota_protocol::api::SampleRecord],
+    cfg: &ClaspConfig,
+) -> Result<HotkeyEffects, ClaspError> {
+    let usable = || {
+        samples
+            .iter()
+            .filter(|s| s.status == "done" && s.pathway.len() == stages && s.loss.is_some())
+    };
+    let mut index: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    let mut hotkeys: Vec<String> = Vec::new();
+    let mut miner_stage: Vec<u32> = Vec::new();
+    for (n, s) in usable().enumerate() {
+        for (k, h) in s.pathway.iter().enumerate() {
+            match index.get(h.as_str()) {
+                Some(m) if miner_stage[*m as usize] != k as u32 => {
+                    return Err(ClaspError::WrongMiner {
+                        index: n as u64,
+                        miner: *m,
+                        stage: k,
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    index.insert(h, hotkeys.len() as u32);
+                    hotkeys.push(h.clone());
+                    miner_stage.push(k as u32);
+                }
+            }
+        }
+    }
+    let mut clasp = Clasp::new(stages, miner_stage);
+    let mut path = vec![0u32; stages];
+    for s in usable() {
+        for (p, h) in path.iter_mut().zip(&s.pathway) {
+            *p = index.get(h.as_str()).copied().unwrap_or_default();
+        }
+        clasp.add(s.loss.unwrap_or_default(), &path)?;
+    }
+    Ok(HotkeyEffects {
+        fit: clasp.fit(cfg)?,
+        hotkeys,
+    })
+}
+
+#[cfg(test)]
+mod record_tests {
+    use super::*;
+    use iota_protocol::api::SampleRecord;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn fits_sample_records_by_hotkey() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let names = [["a0", "a1", "a2"], ["b0", "b1", "b2"]];
+        let mut samples: Vec<SampleRecord> = (0..3000)
+            .map(|i| {
+                let pathway: Vec<String> = names
+                    .iter()
+                    .map(|stage| stage[rng.gen_range(0..3)].to_owned())
+                    .collect();
+                let bad = pathway.iter().any(|h| h == "b1");
+                SampleRecord {
+                    sample_id: i,
+                    epoch: 0,
+                    status: "done".into(),
+                    loss: Some(3.0 + if bad { 0.5 } else { 0.0 } + rng.gen_range(-0.1..0.1)),
+                    sequence_losses: None,
+                    pathway,
+                }
+            })
+            .collect();
+        // Unfinished samples are ignored, whatever they claim.
+        samples.push(SampleRecord {
+            sample_id: -1,
+            epoch: 0,
+            status: "abandoned".into(),
+            pathway: vec!["a0".into()],
+            loss: Some(100.0),
+            sequence_losses: None,
+        });
+        let fitted = fit_samples(2, &samples, &ClaspConfig::default()).expect("fit");
+        assert_eq!(fitted.fit.samples, 3000);
+        let flagged: Vec<&str> = fitted
+            .fit
+            .effects
+            .iter()
+            .filter(|e| e.flagged)
+            .map(|e| fitted.hotkeys[e.miner as usize].as_str())
+            .collect();
+        assert_eq!(flagged, vec!["b1"]);
+        // A hotkey at two stages is refused rather than silently merged.
+        samples[0].pathway = vec!["a0".into(), "a0".into()];
+        assert!(fit_samples(2, &samples, &ClaspConfig::default()).is_err());
+    }
+}

@@ -6,4 +6,6 @@
 
 pub mod clasp;
 
-pub use clasp::{Clasp, ClaspConfig, ClaspError, ClaspFit, MinerEffect};
+pub use clasp::{
+    Clasp, ClaspConfig, ClaspError, ClaspFit, HotkeyEffects, MinerEffect, fit_samples,
+};
