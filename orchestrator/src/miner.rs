@@ -611,6 +611,12 @@ pub async fn presign_output(
         t
     };
     check_lease(&task, &caller, lease, task_id)?;
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}", task.status),
+        ));
+    }
     let spec = boundary_spec(app.config());
     if req.size > spec.max_bytes() {
         return Err(AppError::new(
@@ -658,11 +664,17 @@ pub(crate) async fn accept_committed(
             format!("key {} is not this slot's {expected_key}", commit.key),
         ));
     }
-    let bytes = app
-        .store
-        .get_bounded(expected_key, spec.max_bytes())
-        .await
-        .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
+    // A presigned PUT is not bounded by the store: an oversized object is refused here, and
+    // deleted like any other bad upload.
+    let bytes = match app.store.get_bounded(expected_key, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            if !matches!(e, crate::store::StoreError::NotFound(_)) {
+                app.store.delete(expected_key).await?;
+            }
+            return Err(AppError::new(ErrorCode::InvalidTensor, e.to_string()));
+        }
+    };
     if bytes.len() as u64 != commit.size {
         app.store.delete(expected_key).await?;
         return Err(AppError::new(
@@ -707,6 +719,32 @@ pub async fn commit_output(
     };
     check_lease(&task, &caller, lease, task_id)?;
     let key = task_output_key(&app, task_id, &task);
+    if task.status == "done" {
+        // A retried commit after the completion: the object is the hop's output now, and
+        // consumers may be reading it, so it is answered from the record and never re-checked
+        // (a failed re-check would delete it).
+        let stored = task
+            .output
+            .clone()
+            .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok());
+        return match stored {
+            Some(blob) if blob.key == req.key && blob.blake3 == req.blake3 => {
+                Ok(Json(UploadResponse { blob }))
+            }
+            _ => Err(AppError::new(
+                ErrorCode::Conflict,
+                format!("task {task_id} was completed with a different output"),
+            )),
+        };
+    }
+    if task.status != "leased" {
+        // A late upload to a re-routed hop: nobody will read it.
+        app.store.delete(&key).await?;
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}: the hop was re-routed", task.status),
+        ));
+    }
     let blob = accept_committed(&app, &key, &boundary_spec(app.config()), &req).await?;
     stage_output(&app, task_id, lease, blob).await
 }
