@@ -259,13 +259,9 @@ pub async fn work(
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
     let lease_s = cfg.lease_s as f64;
-    let stage = miner_stage(&app.db, &app, &caller).await?;
-    let mut tx = app.db.begin().await?;
-    sqlx::query("UPDATE miners SET last_seen = now() WHERE run_id = $1 AND hotkey = $2")
-        .bind(app.run.id)
-        .bind(&caller.ss58)
-        .execute(&mut *tx)
-        .await?;
+    // The hot path of every miner: three statements, no transaction. Leasing is one atomic
+    // statement; only a stage-0 miner that may still start samples needs a transaction.
+    let stage = poll_miner(&app, &caller).await?;
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
              leased_until = now() + make_interval(secs => $3)
@@ -278,26 +274,55 @@ pub async fn work(
     .bind(&caller.ss58)
     .bind(lease_s)
     .bind(max)
-    .fetch_all(&mut *tx)
+    .fetch_all(&app.db)
     .await?;
     let mut items = rows
         .iter()
         .map(|r| work_item(r, cfg))
         .collect::<ApiResult<Vec<_>>>()?;
-    let now = run_now(&mut *tx, app.run.id).await?;
+    let mut status = views::epoch_status(&app).await?;
     let room = max - items.len() as i64;
-    if stage == 0 && now.phase == Phase::Training && room > 0 {
-        items.extend(start_samples(&mut tx, &app, &caller, now.epoch, room).await?);
+    // Once the epoch's sample budget is spent, stage 0 polls skip the locking budget update.
+    if stage == 0
+        && status.phase == Phase::Training
+        && room > 0
+        && status.samples_started < cfg.samples_per_epoch
+    {
+        let mut tx = app.db.begin().await?;
+        let started = start_samples(&mut tx, &app, &caller, status.epoch, room).await?;
+        tx.commit().await?;
+        if !started.is_empty() {
+            status = views::epoch_status(&app).await?;
+        }
+        items.extend(started);
     }
-    tx.commit().await?;
     for item in &mut items {
         presign_input(&app, item).await?;
     }
     metrics::counter!("iota_work_items_leased_total").increment(items.len() as u64);
-    Ok(Json(WorkResponse {
-        items,
-        status: views::epoch_status(&app).await?,
-    }))
+    Ok(Json(WorkResponse { items, status }))
+}
+
+/// A work poll's check of the caller, which also marks it seen: one round trip. `last_seen` is
+/// written at most once a second per miner (a tight poll loop would otherwise write a row
+/// version per poll); that is far finer than any heartbeat timeout.
+async fn poll_miner(app: &App, caller: &Caller) -> ApiResult<u32> {
+    let stage: Option<i32> = sqlx::query_scalar(
+        "WITH touched AS (
+             UPDATE miners SET last_seen = now()
+             WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+               AND last_seen < now() - interval '1 second')
+         SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .fetch_optional(&app.db)
+    .await?;
+    match stage {
+        Some(stage) => Ok(stage as u32),
+        // Not a miner, or released: the full check says which.
+        None => miner_stage(&app.db, app, caller).await,
+    }
 }
 
 async fn presign_input(app: &App, item: &mut WorkItem) -> ApiResult<()> {
