@@ -254,7 +254,11 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     let orchestrator_key = common::pair(200).ss58();
     let config = Config {
         database_url: db,
-        db_max_connections: 32,
+        // The CLI's default pool; IOTA_BENCH_DB_CONNECTIONS tries others.
+        db_max_connections: std::env::var("IOTA_BENCH_DB_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32),
         store: StoreConfig::Local(store.path().into()),
         chain_endpoint: net.ws_url(),
         netuid,
