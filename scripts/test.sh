@@ -2,8 +2,10 @@
 # The project's whole check, as a new user and CI run it: formatting, lints, every test.
 #
 # Installs and starts what the tests need, and stops it afterwards: a throwaway PostgreSQL from
-# the system's binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead) and
-# Debian's Chromium for the dashboard test (set IOTA_CHROMIUM to use another browser binary).
+# the system's binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead), an
+# S3-compatible server for the object-store tests (scripts/s3.sh: moto from PyPI in a venv; set
+# IOTA_TEST_S3_ENDPOINT to use your own) and Debian's Chromium for the dashboard test (set
+# IOTA_CHROMIUM to use another browser binary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +21,13 @@ if [ -z "${DATABASE_URL:-}" ]; then
     cleanup+=("scripts/pg.sh stop '$IOTA_PG_DIR'")
 fi
 export DATABASE_URL
+
+if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
+    echo "== starting an S3-compatible server (moto, from PyPI)"
+    eval "$(scripts/s3.sh start)"
+    cleanup+=("scripts/s3.sh stop '$IOTA_S3_DIR'")
+fi
+export IOTA_TEST_S3_ENDPOINT
 
 if [ -z "${IOTA_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
     echo "== installing chromium (Debian package, for the dashboard test)"

@@ -260,13 +260,9 @@ pub async fn work(
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
     let lease_s = cfg.lease_s as f64;
-    let stage = miner_stage(&app.db, &app, &caller).await?;
-    let mut tx = app.db.begin().await?;
-    sqlx::query("UPDATE miners SET last_seen = now() WHERE run_id = $1 AND hotkey = $2")
-        .bind(app.run.id)
-        .bind(&caller.ss58)
-        .execute(&mut *tx)
-        .await?;
+    // The hot path of every miner: few statements, no transaction. Leasing is one atomic
+    // statement; only a stage-0 miner that may still start samples needs a transaction.
+    let stage = poll_miner(&app, &caller).await?;
     // Leases the caller already holds come back first: a poll retried after a lost answer
     // returns the same work instead of leasing more (and letting the first leases lapse).
     let held = sqlx::query(
@@ -277,7 +273,7 @@ pub async fn work(
     .bind(app.run.id)
     .bind(&caller.ss58)
     .bind(max)
-    .fetch_all(&mut *tx)
+    .fetch_all(&app.db)
     .await?;
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
@@ -291,27 +287,56 @@ pub async fn work(
     .bind(&caller.ss58)
     .bind(lease_s)
     .bind(max - held.len() as i64)
-    .fetch_all(&mut *tx)
+    .fetch_all(&app.db)
     .await?;
     let mut items = held
         .iter()
         .chain(rows.iter())
         .map(|r| work_item(r, cfg))
         .collect::<ApiResult<Vec<_>>>()?;
-    let now = run_now(&mut *tx, app.run.id).await?;
+    let mut status = views::epoch_status(&app).await?;
     let room = max - items.len() as i64;
-    if stage == 0 && now.phase == Phase::Training && room > 0 {
-        items.extend(start_samples(&mut tx, &app, &caller, now.epoch, room).await?);
+    // Once the epoch's sample budget is spent, stage 0 polls skip the locking budget update.
+    if stage == 0
+        && status.phase == Phase::Training
+        && room > 0
+        && status.samples_started < cfg.samples_per_epoch
+    {
+        let mut tx = app.db.begin().await?;
+        let started = start_samples(&mut tx, &app, &caller, status.epoch, room).await?;
+        tx.commit().await?;
+        if !started.is_empty() {
+            status = views::epoch_status(&app).await?;
+        }
+        items.extend(started);
     }
-    tx.commit().await?;
     for item in &mut items {
         presign_input(&app, item).await?;
     }
     metrics::counter!("iota_work_items_leased_total").increment(items.len() as u64);
-    Ok(Json(WorkResponse {
-        items,
-        status: views::epoch_status(&app).await?,
-    }))
+    Ok(Json(WorkResponse { items, status }))
+}
+
+/// A work poll's check of the caller, which also marks it seen: one round trip. `last_seen` is
+/// written at most once a second per miner (a tight poll loop would otherwise write a row
+/// version per poll); that is far finer than any heartbeat timeout.
+async fn poll_miner(app: &App, caller: &Caller) -> ApiResult<u32> {
+    let stage: Option<i32> = sqlx::query_scalar(
+        "WITH touched AS (
+             UPDATE miners SET last_seen = now()
+             WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+               AND last_seen < now() - interval '1 second')
+         SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .fetch_optional(&app.db)
+    .await?;
+    match stage {
+        Some(stage) => Ok(stage as u32),
+        // Not a miner, or released: the full check says which.
+        None => miner_stage(&app.db, app, caller).await,
+    }
 }
 
 async fn presign_input(app: &App, item: &mut WorkItem) -> ApiResult<()> {
@@ -638,6 +663,12 @@ pub async fn presign_output(
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let (task, _) = leased_task(&app, &caller, task_id, q.lease).await?;
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}", task.status),
+        ));
+    }
     let spec = boundary_spec(app.config());
     check_presign_size(&req, &spec)?;
     presign(&app, task_output_key(&app, task_id, &task)).await
@@ -676,11 +707,17 @@ pub(crate) async fn accept_committed(
             format!("key {} is not this slot's {expected_key}", commit.key),
         ));
     }
-    let bytes = app
-        .store
-        .get_bounded(expected_key, spec.max_bytes())
-        .await
-        .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
+    // A presigned PUT is not bounded by the store: an oversized object is refused here, and
+    // deleted like any other bad upload.
+    let bytes = match app.store.get_bounded(expected_key, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            if !matches!(e, crate::store::StoreError::NotFound(_)) {
+                app.store.delete(expected_key).await?;
+            }
+            return Err(AppError::new(ErrorCode::InvalidTensor, e.to_string()));
+        }
+    };
     if bytes.len() as u64 != commit.size {
         app.store.delete(expected_key).await?;
         return Err(AppError::new(
@@ -716,6 +753,32 @@ pub async fn commit_output(
 ) -> ApiResult<Json<UploadResponse>> {
     let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
     let key = task_output_key(&app, task_id, &task);
+    if task.status == "done" {
+        // A retried commit after the completion: the object is the hop's output now, and
+        // consumers may be reading it, so it is answered from the record and never re-checked
+        // (a failed re-check would delete it).
+        let stored = task
+            .output
+            .clone()
+            .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok());
+        return match stored {
+            Some(blob) if blob.key == req.key && blob.blake3 == req.blake3 => {
+                Ok(Json(UploadResponse { blob }))
+            }
+            _ => Err(AppError::new(
+                ErrorCode::Conflict,
+                format!("task {task_id} was completed with a different output"),
+            )),
+        };
+    }
+    if task.status != "leased" {
+        // A late upload to a re-routed hop: nobody will read it.
+        app.store.delete(&key).await?;
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}: the hop was re-routed", task.status),
+        ));
+    }
     let blob = accept_committed(&app, &key, &boundary_spec(app.config()), &req).await?;
     stage_output(&app, task_id, lease, blob).await
 }

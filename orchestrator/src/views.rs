@@ -29,22 +29,27 @@ pub fn run_info(app: &App) -> RunInfo {
 
 /// Where the run is now.
 pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
-    let now = run_now(&app.db, app.run.id).await?;
-    let (started, completed): (i64, i64) = sqlx::query_as(
-        "SELECT samples_started, samples_completed FROM epochs WHERE run_id = $1 AND epoch = $2",
+    // One round trip: every work poll and heartbeat answers with this.
+    let row = sqlx::query(
+        "SELECT r.epoch, r.phase, r.phase_started, r.phase_deadline, r.merge_round,
+                e.samples_started, e.samples_completed
+         FROM runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch WHERE r.id = $1",
     )
     .bind(app.run.id)
-    .bind(now.epoch as i64)
     .fetch_one(&app.db)
     .await?;
+    let phase: String = row.try_get("phase")?;
+    let phase_started: DateTime<Utc> = row.try_get("phase_started")?;
+    let phase_deadline: DateTime<Utc> = row.try_get("phase_deadline")?;
     Ok(EpochStatus {
-        epoch: now.epoch,
-        phase: now.phase,
-        phase_started_ms: now.phase_started.timestamp_millis(),
-        phase_deadline_ms: now.phase_deadline.timestamp_millis(),
-        merge_round: now.merge_round,
-        samples_started: started as u64,
-        samples_completed: completed as u64,
+        epoch: row.try_get::<i64, _>("epoch")? as u64,
+        phase: Phase::parse(&phase)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad phase {phase}")))?,
+        phase_started_ms: phase_started.timestamp_millis(),
+        phase_deadline_ms: phase_deadline.timestamp_millis(),
+        merge_round: row.try_get::<i32, _>("merge_round")? as u32,
+        samples_started: row.try_get::<i64, _>("samples_started")? as u64,
+        samples_completed: row.try_get::<i64, _>("samples_completed")? as u64,
         server_time_ms: Utc::now().timestamp_millis(),
     })
 }

@@ -1,0 +1,468 @@
+//! Load benchmark of the orchestrator on loopback, against a real PostgreSQL (`DATABASE_URL`,
+//! e.g. from `scripts/pg.sh start`) and a localnet subnet with 1,000 registered miners:
+//!
+//! * signed work polls (`POST /v1/miner/work`, the request every miner sends in a loop) per
+//!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
+//!   the same client concurrency (one closed loop per miner), alternating in one run;
+//! * activation upload and download MB/s through the orchestrator (local directory store).
+//!
+//! `cargo bench -p iota-orchestrator --bench load`. Client and server share this machine, so
+//! both figures include the client's own cost (signing, for the signed polls).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use futures::StreamExt;
+use iota_chain::calls::Hyperparam;
+use iota_chain::{ConnectOptions, Subtensor};
+use iota_localnet::{Localnet, LocalnetConfig};
+use iota_orchestrator::{Config, Limits, StoreConfig};
+use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
+use iota_protocol::signing::{RequestSigner, SkewWindow, sign_request};
+use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
+use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
+use rand::{Rng, SeedableRng};
+use sp_core::Pair as _;
+use sp_core::sr25519;
+
+const MINERS: usize = 1000;
+/// Miners on stage 0 that move activations in the transfer part.
+const MOVERS: usize = 4;
+const WARMUP: Duration = Duration::from_secs(2);
+const WINDOW: Duration = Duration::from_secs(8);
+const ROUNDS: usize = 2;
+
+fn miner_pair(i: usize) -> sr25519::Pair {
+    let mut seed = [0xb5u8; 32];
+    seed[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    sr25519::Pair::from_seed(&seed)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Boundary tensors of a small real model's size: 8 sequences of 1,024 tokens of width 2,048,
+/// int8 on the wire (16 MiB plus per-row scales).
+fn run_config() -> RunConfig {
+    RunConfig {
+        name: "load".into(),
+        model: "sim".into(),
+        stages: 3,
+        stage_params: vec![4000, 3000, 5000],
+        partitions: 4,
+        micro_batch: 8,
+        seq_len: 1024,
+        boundary_dim: 2048,
+        wire: WireEncoding::Int8,
+        samples_per_epoch: (MOVERS * 4) as u64,
+        max_in_flight: 4,
+        training_s: 3600,
+        uploading_s: 60,
+        merging_s: 60,
+        merge_round_s: 30,
+        lease_s: 3600,
+        heartbeat_timeout_s: 3600,
+        retention_epochs: 2,
+        init_seed: 1,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+    }
+}
+
+/// A localnet subnet with every miner's hotkey registered by Alice.
+async fn chain(pairs: &[sr25519::Pair]) -> anyhow::Result<(Localnet, u16)> {
+    let net = Localnet::spawn(LocalnetConfig::instant()).await?;
+    let mut opts = ConnectOptions::new(net.ws_url());
+    opts.connect_timeout = Duration::from_secs(20);
+    let chain = Subtensor::connect(opts).await?;
+    let alice = iota_chain::wallet::Keypair::from_private_key(
+        &iota_localnet::dev_pair("Alice").to_raw_vec(),
+    )?;
+    let tx = common::tx();
+    let owner = common::public(&common::pair(250));
+    let netuid = chain
+        .register_network(&alice, &owner, &tx)
+        .await?
+        .done()
+        .context("dry run")?;
+    chain.start_call(&alice, netuid, &tx).await?;
+    // Room for every miner, at the smallest burn (one registration per block is the default,
+    // and the instant localnet makes a block per transaction).
+    for setting in [
+        Hyperparam::MaxAllowedUids(1024),
+        Hyperparam::MaxBurn(500_000),
+    ] {
+        chain
+            .set_hyperparam(&alice, netuid, setting, true, &tx)
+            .await?;
+    }
+    let started = Instant::now();
+    for p in pairs {
+        chain
+            .register(&alice, netuid, &common::public(p), &tx)
+            .await?;
+    }
+    eprintln!(
+        "registered {} hotkeys in {:.1} s",
+        pairs.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok((net, netuid))
+}
+
+struct Window {
+    requests: usize,
+    errors: usize,
+    latencies_us: Vec<u32>,
+}
+
+impl Window {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / WINDOW.as_secs_f64()
+    }
+
+    fn percentile_ms(&self, p: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((self.latencies_us.len() - 1) as f64 * p).round() as usize;
+        f64::from(self.latencies_us[i]) / 1000.0
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Noop,
+    SignedPoll,
+}
+
+/// One closed loop per miner for `WARMUP + WINDOW`; counts requests that start after the
+/// warm-up and end inside the window.
+async fn closed_loops(
+    kind: Kind,
+    http: &reqwest::Client,
+    base: &str,
+    orchestrator: &str,
+    pairs: &[Arc<sr25519::Pair>],
+) -> Window {
+    let start = Instant::now();
+    let measure_from = start + WARMUP;
+    let end = measure_from + WINDOW;
+    let body = serde_json::to_vec(&WorkRequest { max_items: 1 }).unwrap_or_default();
+    let loops = pairs.iter().map(|pair| {
+        let http = http.clone();
+        let body = body.clone();
+        let pair = pair.clone();
+        let work_url = format!("{base}/v1/miner/work");
+        let noop_url = format!("{base}/v1/noop");
+        async move {
+            let mut ok = 0usize;
+            let mut errors = 0usize;
+            let mut latencies = Vec::new();
+            loop {
+                let t0 = Instant::now();
+                if t0 >= end {
+                    break;
+                }
+                let req = match kind {
+                    Kind::Noop => http.get(&noop_url),
+                    Kind::SignedPoll => {
+                        let signed = sign_request(
+                            pair.as_ref(),
+                            orchestrator,
+                            "POST",
+                            "/v1/miner/work",
+                            &body,
+                            now_ms(),
+                            uuid::Uuid::new_v4(),
+                        );
+                        let mut req = http
+                            .post(&work_url)
+                            .header("content-type", "application/json")
+                            .body(body.clone());
+                        for (k, v) in signed.headers {
+                            req = req.header(k, v);
+                        }
+                        req
+                    }
+                };
+                let good = match req.send().await {
+                    Ok(resp) => {
+                        let status = resp.status();
+                        resp.bytes().await.is_ok() && status.is_success()
+                    }
+                    Err(_) => false,
+                };
+                let t1 = Instant::now();
+                if t0 >= measure_from && t1 <= end {
+                    if good {
+                        ok += 1;
+                        latencies.push((t1 - t0).as_micros().min(u128::from(u32::MAX)) as u32);
+                    } else {
+                        errors += 1;
+                    }
+                }
+            }
+            (ok, errors, latencies)
+        }
+    });
+    let results = futures::future::join_all(loops).await;
+    let mut w = Window {
+        requests: 0,
+        errors: 0,
+        latencies_us: Vec::new(),
+    };
+    for (ok, errors, lat) in results {
+        w.requests += ok;
+        w.errors += errors;
+        w.latencies_us.extend(lat);
+    }
+    w.latencies_us.sort_unstable();
+    w
+}
+
+fn boundary(run: &RunConfig) -> Bytes {
+    let shape = run.boundary_shape();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let values: Vec<i8> = (0..shape.iter().product::<u64>())
+        .map(|_| rng.gen_range(-127..=127))
+        .collect();
+    let scales: Vec<f32> = (0..shape[0] * shape[1])
+        .map(|_| rng.gen_range(0.001..0.01))
+        .collect();
+    Bytes::from(encode_boundary_i8(shape, &values, &scales))
+}
+
+async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
+    let Ok(_) = std::env::var("DATABASE_URL") else {
+        bail!("DATABASE_URL is not set: eval \"$(scripts/pg.sh start)\" first");
+    };
+    let pairs: Vec<sr25519::Pair> = (0..MINERS).map(miner_pair).collect();
+    let (net, netuid) = chain(&pairs).await?;
+    let db = common::fresh_db().await;
+    let store = tempfile::tempdir()?;
+    let run = run_config();
+    let orchestrator_key = common::pair(200).ss58();
+    let config = Config {
+        database_url: db,
+        // The CLI's default pool; IOTA_BENCH_DB_CONNECTIONS tries others.
+        db_max_connections: std::env::var("IOTA_BENCH_DB_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32),
+        store: StoreConfig::Local(store.path().into()),
+        chain_endpoint: net.ws_url(),
+        netuid,
+        hotkey: orchestrator_key.clone(),
+        run: run.clone(),
+        metagraph_refresh: Duration::from_secs(5),
+        skew: SkewWindow::default(),
+        limits: Limits {
+            per_hotkey_rps: 10_000,
+            per_hotkey_burst: 10_000,
+            per_ip_rps: 10_000_000,
+            per_ip_burst: 10_000_000,
+            ..Limits::default()
+        },
+        tick: Duration::from_millis(500),
+        max_merge_rounds: 2,
+    };
+    // The orchestrator runs on its own runtime, as it would in its own process.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let served = server.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        iota_orchestrator::run(config, listener, async {
+            let _ = stop_rx.await;
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(MINERS)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !http
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        if served.is_finished() || Instant::now() > deadline {
+            bail!("the orchestrator did not start: {:?}", served.await);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Every miner joins (the metagraph watcher sees the registrations at start-up).
+    let started = Instant::now();
+    let pairs: Vec<Arc<sr25519::Pair>> = pairs.into_iter().map(Arc::new).collect();
+    let joined: Vec<(usize, u32)> = futures::stream::iter(pairs.iter().enumerate())
+        .map(|(i, pair)| {
+            let base = base.clone();
+            let key = orchestrator_key.clone();
+            let signer: Arc<dyn RequestSigner> = pair.clone();
+            async move {
+                let client = ApiClient::new(base, signer, key, RetryPolicy::default())?;
+                let r = client
+                    .register(Capacity {
+                        device: "sim".into(),
+                        memory_bytes: 64 << 30,
+                        tokens_per_s: 100.0,
+                    })
+                    .await?;
+                anyhow::Ok((i, r.stage))
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let per_stage: Vec<usize> = (0..run.stages)
+        .map(|s| joined.iter().filter(|(_, st)| *st == s).count())
+        .collect();
+    eprintln!(
+        "{MINERS} miners joined in {:.1} s; per stage {per_stage:?}",
+        started.elapsed().as_secs_f64()
+    );
+
+    // Activations: stage-0 miners lease the epoch's samples, upload one boundary tensor per hop
+    // through the orchestrator, and read them back.
+    let bytes = boundary(&run);
+    let movers: Vec<ApiClient> = joined
+        .iter()
+        .filter(|(_, s)| *s == 0)
+        .take(MOVERS)
+        .map(|(i, _)| {
+            let signer: Arc<dyn RequestSigner> = pairs[*i].clone();
+            ApiClient::new(
+                base.clone(),
+                signer,
+                orchestrator_key.clone(),
+                RetryPolicy::default(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let upload_start = Instant::now();
+    let uploaded: Vec<Vec<BlobDescriptor>> = futures::future::join_all(movers.iter().map(|m| {
+        let bytes = bytes.clone();
+        async move {
+            let mut blobs = Vec::new();
+            for item in m.work(4).await?.items {
+                blobs.push(
+                    m.upload_output(item.task_id, item.lease, bytes.clone())
+                        .await?
+                        .blob,
+                );
+            }
+            anyhow::Ok(blobs)
+        }
+    }))
+    .await
+    .into_iter()
+    .collect::<Result<_, _>>()?;
+    let upload_s = upload_start.elapsed().as_secs_f64();
+    let n_up: usize = uploaded.iter().map(Vec::len).sum();
+    if n_up == 0 {
+        bail!("no hop was leased to upload to");
+    }
+    let download_start = Instant::now();
+    let downloaded: Vec<usize> =
+        futures::future::join_all(movers.iter().zip(&uploaded).map(|(m, blobs)| async move {
+            for blob in blobs {
+                m.download(blob).await?;
+            }
+            anyhow::Ok(blobs.len())
+        }))
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let download_s = download_start.elapsed().as_secs_f64();
+    let n_down: usize = downloaded.iter().sum();
+    let mb = bytes.len() as f64 / 1e6;
+
+    // Polls: the same 1,000 closed loops against the no-op and the signed work route, alternating.
+    let mut noop = Vec::new();
+    let mut signed = Vec::new();
+    for _ in 0..ROUNDS {
+        noop.push(closed_loops(Kind::Noop, &http, &base, &orchestrator_key, &pairs).await);
+        signed.push(closed_loops(Kind::SignedPoll, &http, &base, &orchestrator_key, &pairs).await);
+    }
+
+    println!();
+    println!(
+        "orchestrator load, {MINERS} miners on loopback, {} closed loops, {ROUNDS} alternating windows of {} s each",
+        MINERS,
+        WINDOW.as_secs()
+    );
+    println!(
+        "{:<28} {:>10} {:>9} {:>9} {:>8}",
+        "route", "req/s", "p50 ms", "p99 ms", "errors"
+    );
+    for (r, (n, s)) in noop.iter().zip(&signed).enumerate() {
+        for (name, w) in [
+            ("GET /v1/noop (unsigned)", n),
+            ("POST /v1/miner/work (signed)", s),
+        ] {
+            println!(
+                "{:<28} {:>10.0} {:>9.2} {:>9.2} {:>8}   (window {})",
+                name,
+                w.rps(),
+                w.percentile_ms(0.50),
+                w.percentile_ms(0.99),
+                w.errors,
+                r + 1
+            );
+        }
+    }
+    let mean = |ws: &[Window]| ws.iter().map(Window::rps).sum::<f64>() / ws.len() as f64;
+    let worst_p99 = signed
+        .iter()
+        .map(|w| w.percentile_ms(0.99))
+        .fold(0.0f64, f64::max);
+    println!(
+        "signed poll / no-op ceiling: {:.1}% (target >= 50%); worst signed p99 {:.2} ms (target < 50 ms)",
+        100.0 * mean(&signed) / mean(&noop),
+        worst_p99
+    );
+    println!(
+        "activation upload:   {n_up} x {mb:.1} MB in {upload_s:.2} s = {:.0} MB/s ({MOVERS} miners at once, through the orchestrator)",
+        n_up as f64 * mb / upload_s
+    );
+    println!(
+        "activation download: {n_down} x {mb:.1} MB in {download_s:.2} s = {:.0} MB/s ({MOVERS} miners at once, GET /v1/blobs, hash checked)",
+        n_down as f64 * mb / download_s
+    );
+
+    let _ = stop_tx.send(());
+    served.await??;
+    net.stop().await;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("orchestrator")
+        .enable_all()
+        .build()?;
+    let clients = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("miners")
+        .enable_all()
+        .build()?;
+    clients.block_on(bench(server.handle().clone()))
+}

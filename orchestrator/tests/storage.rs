@@ -1,0 +1,470 @@
+//! One upload/download scenario, run against a local directory and against an S3-compatible
+//! store (`scripts/s3.sh` starts moto; `scripts/test.sh` exports `IOTA_TEST_S3_ENDPOINT`):
+//! direct uploads through the orchestrator, presigned uploads with their commit checks, downloads
+//! through presigned URLs or the orchestrator, refused uploads that leave nothing in the store,
+//! and the retention of old epochs' objects.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use iota_orchestrator::{BlobStore, StoreConfig};
+use iota_protocol::api::*;
+use iota_protocol::blob::blake3_hex;
+use iota_protocol::tensor::encode_boundary_f32;
+use iota_protocol::{ApiClient, ClientError, ErrorCode, RetryPolicy};
+use reqwest::Method;
+
+const MINERS: [u8; 3] = [1, 2, 3];
+
+/// The S3 store the test script started, or `None` outside CI when there is none.
+fn s3_store() -> Option<StoreConfig> {
+    let Ok(endpoint) = std::env::var("IOTA_TEST_S3_ENDPOINT") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "IOTA_TEST_S3_ENDPOINT is not set: run scripts/test.sh, which starts an S3-protocol \
+             server (scripts/s3.sh start) and exports it"
+        );
+        eprintln!("skipped: IOTA_TEST_S3_ENDPOINT is not set (eval \"$(scripts/s3.sh start)\")");
+        return None;
+    };
+    Some(StoreConfig::S3 {
+        bucket: std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into()),
+        endpoint: Some(endpoint),
+        region: Some(std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_directory_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    upload_download_scenario(StoreConfig::Local(dir.path().into())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_store_with_presigned_urls() {
+    if let Some(store) = s3_store() {
+        upload_download_scenario(store).await;
+    }
+}
+
+fn err_code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> Option<ErrorCode> {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.code(),
+    }
+}
+
+async fn keys(store: &BlobStore, prefix: &str) -> Vec<String> {
+    let mut k = store.list(prefix).await.expect("list store");
+    k.sort();
+    k
+}
+
+fn tensor(run: &RunConfig, fill: f32) -> Vec<u8> {
+    let shape = run.boundary_shape();
+    encode_boundary_f32(shape, &vec![fill; shape.iter().product::<u64>() as usize])
+}
+
+async fn upload_download_scenario(store: StoreConfig) {
+    init_tracing();
+    let presigned = matches!(store, StoreConfig::S3 { .. });
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let unused = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("storage");
+    run.samples_per_epoch = 4;
+    run.training_s = 60;
+    run.uploading_s = 3;
+    run.merging_s = 3;
+    run.merge_round_s = 1;
+    run.lease_s = 60;
+    run.heartbeat_timeout_s = 60;
+    run.retention_epochs = 1;
+    let mut config = config(&chain, &db, unused.path(), run.clone());
+    config.store = store.clone();
+    config.tick = Duration::from_millis(50);
+    config.max_merge_rounds = 1;
+
+    // The test's own handle on the same store, to see what is (and is not) in it. The bucket is
+    // reused between runs of this test: start from an empty one.
+    let blobs = BlobStore::open(&store).expect("open store");
+    blobs.delete_prefix("runs").await.expect("empty the store");
+    let orch = start(config).await;
+    let http = reqwest::Client::new();
+
+    let mut by_stage: Vec<Option<ApiClient>> = vec![None, None, None];
+    for seed in MINERS {
+        let client = ApiClient::connect(orch.base.clone(), signer(seed), RetryPolicy::default())
+            .await
+            .expect("connect");
+        let joined = client
+            .register(Capacity {
+                device: "cpu".into(),
+                memory_bytes: 1 << 30,
+                tokens_per_s: 100.0,
+            })
+            .await
+            .expect("register");
+        by_stage[joined.stage as usize] = Some(client);
+    }
+    let stages: [Option<ApiClient>; 3] = by_stage.try_into().unwrap_or_else(|_| unreachable!());
+    let [Some(s0), Some(s1), Some(s2)] = stages else {
+        panic!("three miners should spread over the three stages");
+    };
+    let run_id = s0.public_get::<RunInfo>("/v1/run").await.expect("run").id;
+    let all = || keys(&blobs, "runs");
+
+    // A sample starts at stage 0.
+    let item = s0
+        .work(1)
+        .await
+        .expect("work")
+        .items
+        .pop()
+        .expect("a sample");
+    assert_eq!((item.stage, item.direction), (0, Direction::Forward));
+    let output_path = |what: &str, blake3: &str| {
+        format!(
+            "/v1/miner/tasks/{}/output{what}?lease={}&blake3={blake3}",
+            item.task_id, item.lease
+        )
+    };
+
+    // Bad direct uploads are refused and leave nothing in the store.
+    let before = all().await;
+    let good = tensor(&run, 0.25);
+    let mut nan = tensor(&run, 0.5);
+    let n = nan.len();
+    nan[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+    let oversized = vec![7u8; iota_orchestrator::max_upload_bytes(&run) + 1];
+    let bad: [(&str, Vec<u8>, String, ErrorCode); 3] = [
+        (
+            "NaN",
+            nan.clone(),
+            blake3_hex(&nan),
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "hash mismatch",
+            good.clone(),
+            blake3_hex(b"other bytes"),
+            ErrorCode::InvalidTensor,
+        ),
+        (
+            "oversized",
+            oversized.clone(),
+            blake3_hex(&oversized),
+            ErrorCode::PayloadTooLarge,
+        ),
+    ];
+    for (what, bytes, declared, expect) in bad {
+        let r = s0
+            .signed_raw::<UploadResponse>(
+                Method::PUT,
+                &output_path("", &declared),
+                Some(bytes.into()),
+            )
+            .await;
+        assert_eq!(err_code(r), Some(expect), "{what}");
+    }
+    assert_eq!(all().await, before, "refused direct uploads left objects");
+
+    let presign = |size: u64, blake3: String| {
+        let path = output_path("/presign", &blake3);
+        let s0 = &s0;
+        async move {
+            s0.signed_json::<_, PresignResponse>(
+                Method::POST,
+                &path,
+                &PresignRequest { size, blake3 },
+            )
+            .await
+        }
+    };
+    let commit = |key: String, size: u64, blake3: String| {
+        let path = output_path("/commit", &blake3);
+        let s0 = &s0;
+        async move {
+            s0.signed_json::<_, UploadResponse>(
+                Method::POST,
+                &path,
+                &CommitRequest { key, size, blake3 },
+            )
+            .await
+        }
+    };
+    let put_presigned = |url: String, bytes: Vec<u8>| {
+        let http = http.clone();
+        async move {
+            let resp = http
+                .put(url)
+                .body(bytes)
+                .send()
+                .await
+                .expect("PUT to the store");
+            assert!(
+                resp.status().is_success(),
+                "store refused a presigned PUT: {}",
+                resp.status()
+            );
+        }
+    };
+
+    let first_output = if presigned {
+        let StoreConfig::S3 {
+            endpoint: Some(endpoint),
+            ..
+        } = &store
+        else {
+            unreachable!("S3 config has an endpoint")
+        };
+        // Bytes that fail the tensor checks reach the store (the URL cannot check them) but are
+        // refused at commit and deleted.
+        let target = presign(nan.len() as u64, blake3_hex(&nan))
+            .await
+            .expect("presign");
+        assert!(target.url.starts_with(endpoint.as_str()), "{}", target.url);
+        put_presigned(target.url.clone(), nan.clone()).await;
+        assert!(
+            all().await.contains(&target.key),
+            "the presigned PUT landed"
+        );
+        let r = commit(target.key.clone(), nan.len() as u64, blake3_hex(&nan)).await;
+        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        assert_eq!(all().await, before, "a refused commit left its object");
+
+        // A presigned URL does not bind the size: more bytes than the slot takes are refused
+        // at commit and deleted, whatever the commit declares.
+        put_presigned(target.url.clone(), oversized.clone()).await;
+        let r = commit(
+            target.key.clone(),
+            oversized.len() as u64,
+            blake3_hex(&oversized),
+        )
+        .await;
+        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        assert_eq!(
+            all().await,
+            before,
+            "an oversized presigned upload was kept"
+        );
+
+        // The commit must declare the stored size and hash.
+        put_presigned(target.url.clone(), good.clone()).await;
+        let r = commit(target.key.clone(), good.len() as u64 + 1, blake3_hex(&good)).await;
+        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        assert_eq!(all().await, before);
+        put_presigned(target.url.clone(), good.clone()).await;
+        let r = commit(target.key.clone(), good.len() as u64, blake3_hex(b"other")).await;
+        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        assert_eq!(all().await, before);
+
+        // Nothing uploaded yet: nothing to commit. Another slot's key is refused.
+        let r = commit(target.key.clone(), good.len() as u64, blake3_hex(&good)).await;
+        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        let r = commit(
+            format!("runs/{run_id}/elsewhere"),
+            good.len() as u64,
+            blake3_hex(&good),
+        )
+        .await;
+        assert_eq!(err_code(r), Some(ErrorCode::BadRequest));
+
+        // A slot-sized presign only: asking for more is refused before any URL is handed out.
+        let r = presign(oversized.len() as u64, blake3_hex(&oversized)).await;
+        assert_eq!(err_code(r), Some(ErrorCode::PayloadTooLarge));
+
+        // The good bytes: presign, PUT, commit (twice: a retried commit changes nothing).
+        let target = presign(good.len() as u64, blake3_hex(&good))
+            .await
+            .expect("presign");
+        put_presigned(target.url.clone(), good.clone()).await;
+        let blob = commit(target.key.clone(), good.len() as u64, blake3_hex(&good))
+            .await
+            .expect("commit")
+            .blob;
+        let again = commit(target.key.clone(), good.len() as u64, blake3_hex(&good))
+            .await
+            .expect("retried commit")
+            .blob;
+        assert_eq!(blob, again);
+        blob
+    } else {
+        // A local store presigns nothing: the bytes go through the orchestrator.
+        let r = presign(good.len() as u64, blake3_hex(&good)).await;
+        assert_eq!(err_code(r), Some(ErrorCode::BadRequest));
+        s0.upload_output(item.task_id, item.lease, good.clone().into())
+            .await
+            .expect("direct upload")
+            .blob
+    };
+    assert_eq!(
+        (first_output.size, blake3_hex(&good)),
+        (good.len() as u64, first_output.blake3.clone())
+    );
+    let mut expected = before.clone();
+    expected.push(first_output.key.clone());
+    expected.sort();
+    assert_eq!(
+        all().await,
+        expected,
+        "exactly the accepted object is stored"
+    );
+    let done = s0
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                lease: item.lease,
+                output: Some(first_output.clone()),
+                inner_step: 0,
+                weights_digest: "0".repeat(64),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: Some(1),
+            },
+        )
+        .await
+        .expect("complete");
+    assert!(done.next_task_id.is_some(), "routed on to stage 1");
+    if presigned {
+        // A commit retried after the completion answers from the record and keeps the object.
+        let again = commit(
+            first_output.key.clone(),
+            good.len() as u64,
+            blake3_hex(&good),
+        )
+        .await
+        .expect("commit retried after completion");
+        assert_eq!(again.blob, first_output);
+        assert!(all().await.contains(&first_output.key));
+    }
+
+    // Stage 1 downloads it: straight from the store through a presigned URL, or from the
+    // orchestrator. A descriptor that does not match the bytes is caught on download.
+    let hop1 = s1
+        .work(1)
+        .await
+        .expect("work")
+        .items
+        .pop()
+        .expect("the hop at stage 1");
+    let input = hop1.input.clone().expect("stage 1 has an input");
+    assert_eq!(
+        (input.key.as_str(), input.size),
+        (first_output.key.as_str(), first_output.size)
+    );
+    assert_eq!(
+        input.url.is_some(),
+        presigned,
+        "presigned download URL: {:?}",
+        input.url
+    );
+    assert_eq!(s1.download(&input).await.expect("download"), &good[..]);
+    let mut forged = input.clone();
+    forged.blake3 = blake3_hex(b"something else");
+    assert!(matches!(
+        s1.download(&forged).await,
+        Err(ClientError::BadObject(_))
+    ));
+
+    // Stage 1 and 2 upload through the orchestrator (into whichever store it has).
+    let mut hop = hop1;
+    for (client, fill, next_stage) in [(&s1, 0.5f32, Some(&s2)), (&s2, 0.75, None)] {
+        let bytes = tensor(&run, fill);
+        let blob = client
+            .upload_output(hop.task_id, hop.lease, Bytes::from(bytes.clone()))
+            .await
+            .expect("direct upload")
+            .blob;
+        assert!(all().await.contains(&blob.key));
+        let last = next_stage.is_none();
+        client
+            .complete(
+                hop.task_id,
+                &CompleteRequest {
+                    lease: hop.lease,
+                    output: Some(blob.clone()),
+                    inner_step: 0,
+                    weights_digest: "0".repeat(64),
+                    loss: last.then_some(2.5),
+                    sequence_losses: None,
+                    compute_ms: Some(1),
+                },
+            )
+            .await
+            .expect("complete");
+        if let Some(next) = next_stage {
+            hop = next
+                .work(1)
+                .await
+                .expect("work")
+                .items
+                .pop()
+                .expect("next hop");
+            let input = hop.input.clone().expect("input");
+            assert_eq!(input.url.is_some(), presigned);
+            assert_eq!(next.download(&input).await.expect("download"), &bytes[..]);
+        }
+    }
+
+    // Retention: simulated miners take over and the epochs advance; once epoch 2 runs, epoch 0's
+    // hop outputs and pseudo-gradients are gone, and the current weights remain downloadable.
+    let epoch0 = format!("runs/{run_id}/epoch-0");
+    let hop_outputs = keys(&blobs, &format!("{epoch0}/samples")).await;
+    assert!(hop_outputs.contains(&first_output.key), "{hop_outputs:?}");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut sims = Vec::new();
+    for (i, seed) in MINERS.into_iter().enumerate() {
+        let base = orch.base.clone();
+        let stop = stop.clone();
+        sims.push(tokio::spawn(async move {
+            let mut miner =
+                iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
+                    .await
+                    .expect("sim join");
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = miner.step().await {
+                    tracing::warn!(error = %e, "simulated miner step failed");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    let status_client = &s0;
+    eventually(
+        "epoch 2 and epoch 0's objects collected",
+        Duration::from_secs(150),
+        || {
+            let blobs = &blobs;
+            let epoch0 = &epoch0;
+            async move {
+                let status = status_client.status().await.ok()?;
+                let left = keys(blobs, &format!("{epoch0}/samples")).await.len()
+                    + keys(blobs, &format!("{epoch0}/pseudo-gradients"))
+                        .await
+                        .len();
+                (status.epoch >= 2 && left == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for sim in sims {
+        let _ = sim.await;
+    }
+    for stage in 0..run.stages {
+        let weights = s0.stage_weights(stage).await.expect("weights");
+        for blob in weights.partitions.iter().flatten() {
+            assert_eq!(blob.url.is_some(), presigned);
+            s0.download(blob)
+                .await
+                .expect("current weights survive retention");
+        }
+    }
+    orch.stop().await;
+}
