@@ -17,6 +17,9 @@ use crate::state::State;
 const STATE_HISTORY: usize = 4_096;
 /// Most extrinsics one block takes; the rest wait for the next.
 const MAX_BLOCK_EXTRINSICS: usize = 8_192;
+/// Most transactions the pool holds; more are refused until blocks drain it (a node's
+/// `--pool-limit` is 8192 by default).
+pub const MAX_POOL: usize = 8_192;
 
 #[derive(Clone, Debug)]
 pub struct ChainConfig {
@@ -72,6 +75,11 @@ pub enum SubmitError {
     Invalid(#[from] InvalidTransaction),
     #[error("Transaction Already Imported")]
     AlreadyImported,
+    /// Another pool transaction from the same signer already uses this nonce.
+    #[error("Priority is too low: a transaction with the same nonce is already in the pool")]
+    TooLowPriority,
+    #[error("Immediately Dropped: the pool is full")]
+    PoolFull,
 }
 
 pub struct Chain {
@@ -215,13 +223,17 @@ impl Chain {
             return Err(SubmitError::AlreadyImported);
         }
         let xt = self.check(&bytes)?;
-        let nonce = runtime::account_nonce(self.best_state(), &xt.signer);
-        let pending_from_signer = self
+        if self
             .pool
             .iter()
-            .filter(|tx| tx.xt.signer == xt.signer)
-            .count() as u32;
-        let status = if xt.extra.nonce <= nonce + pending_from_signer {
+            .any(|tx| tx.xt.signer == xt.signer && tx.xt.extra.nonce == xt.extra.nonce)
+        {
+            return Err(SubmitError::TooLowPriority);
+        }
+        if self.pool.len() >= MAX_POOL {
+            return Err(SubmitError::PoolFull);
+        }
+        let status = if xt.extra.nonce <= self.next_index(&xt.signer) {
             TxStatus::Ready
         } else {
             TxStatus::Future
@@ -252,11 +264,31 @@ impl Chain {
     ) -> Result<H256, SubmitError> {
         use sp_core::Pair as _;
         let signer = AccountId32::new(pair.public().0);
-        let pending = self.pool.iter().filter(|tx| tx.xt.signer == signer).count() as u32;
-        let nonce = runtime::account_nonce(self.best_state(), &signer) + pending;
+        let nonce = self.next_index(&signer);
         let no_lookup = |_: u64| None;
         let bytes = extrinsic::sign(pair, call, nonce, &self.tx_context(&no_lookup));
         self.submit(bytes, None)
+    }
+
+    /// The nonce `who`'s next transaction should carry: the account's nonce advanced past the
+    /// pool transactions that are ready to follow it, as `system_accountNextIndex` on a node.
+    pub fn next_index(&self, who: &AccountId32) -> u32 {
+        let mut pending: Vec<u32> = self
+            .pool
+            .iter()
+            .filter(|tx| &tx.xt.signer == who)
+            .map(|tx| tx.xt.extra.nonce)
+            .collect();
+        pending.sort_unstable();
+        let mut next = runtime::account_nonce(self.best_state(), who);
+        for nonce in pending {
+            if nonce == next {
+                next += 1;
+            } else if nonce > next {
+                break;
+            }
+        }
+        next
     }
 
     /// Picks the transactions that are valid now, in arrival order and per-signer nonce order.

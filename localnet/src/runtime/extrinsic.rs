@@ -272,6 +272,116 @@ pub mod extension_types {
         Disabled,
         Enabled,
     }
+
+    /// The extensions' explicit data, nested as finney's runtime declares it.
+    pub type TxExtension = (
+        (
+            CheckNonZeroSender,
+            CheckSpecVersion,
+            CheckTxVersion,
+            CheckGenesis,
+            CheckMortality,
+            CheckNonce,
+            CheckWeight,
+        ),
+        (
+            ChargeTransactionPayment,
+            SudoTransactionExtension,
+            CheckShieldedTxValidity,
+            SubtensorTransactionExtension,
+            DrandPriority,
+        ),
+        CheckMetadataHash,
+    );
+
+    /// An extrinsic as runtime APIs take it: opaque bytes whose type parameters tell a client
+    /// (V14 metadata has no other place for them) the address, call, signature and extensions.
+    pub struct UncheckedExtrinsic;
+
+    impl TypeInfo for UncheckedExtrinsic {
+        type Identity = Self;
+        fn type_info() -> scale_info::Type {
+            use scale_info::{Path, TypeParameter, build::Fields, meta_type};
+            scale_info::Type::builder()
+                .path(Path::new(
+                    "UncheckedExtrinsic",
+                    "sp_runtime::generic::unchecked_extrinsic",
+                ))
+                .type_params(vec![
+                    TypeParameter::new("Address", Some(meta_type::<MultiAddress>())),
+                    TypeParameter::new("Call", Some(meta_type::<RuntimeCall>())),
+                    TypeParameter::new("Signature", Some(meta_type::<MultiSignature>())),
+                    TypeParameter::new("Extra", Some(meta_type::<TxExtension>())),
+                ])
+                .composite(Fields::unnamed().field(|f| f.ty::<Vec<u8>>()))
+        }
+    }
+
+    /// `sp_runtime::transaction_validity::TransactionSource`.
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum TransactionSource {
+        InBlock,
+        Local,
+        External,
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Debug, PartialEq, Eq)]
+    pub struct ValidTransaction {
+        pub priority: u64,
+        pub requires: Vec<Vec<u8>>,
+        pub provides: Vec<Vec<u8>>,
+        pub longevity: u64,
+        pub propagate: bool,
+    }
+
+    /// `sp_runtime::transaction_validity::InvalidTransaction`, all of Substrate's variants.
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum InvalidTransactionKind {
+        Call,
+        Payment,
+        Future,
+        Stale,
+        BadProof,
+        AncientBirthBlock,
+        ExhaustsResources,
+        Custom(u8),
+        BadMandatory,
+        MandatoryValidation,
+        BadSigner,
+        IndeterminateImplicit,
+        UnknownOrigin,
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum UnknownTransaction {
+        CannotLookup,
+        NoUnsignedValidator,
+        Custom(u8),
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum TransactionValidityError {
+        Invalid(InvalidTransactionKind),
+        Unknown(UnknownTransaction),
+    }
+
+    pub type TransactionValidity = Result<ValidTransaction, TransactionValidityError>;
+
+    impl From<super::InvalidTransaction> for TransactionValidityError {
+        fn from(invalid: super::InvalidTransaction) -> Self {
+            use super::InvalidTransaction as I;
+            TransactionValidityError::Invalid(match invalid {
+                I::Call | I::Undecodable => InvalidTransactionKind::Call,
+                I::Payment => InvalidTransactionKind::Payment,
+                I::Future => InvalidTransactionKind::Future,
+                I::Stale => InvalidTransactionKind::Stale,
+                I::BadProof => InvalidTransactionKind::BadProof,
+                I::AncientBirthBlock => InvalidTransactionKind::AncientBirthBlock,
+                I::ExhaustsResources => InvalidTransactionKind::ExhaustsResources,
+                I::Custom(code) => InvalidTransactionKind::Custom(code),
+            })
+        }
+    }
 }
 
 #[cfg(test)]
