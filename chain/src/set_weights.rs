@@ -9,7 +9,7 @@ use crate::calls;
 use crate::client::{Subtensor, TxOptions, TxOutcome};
 use crate::commit::{CommitStore, PendingCommit, by_netuid};
 use crate::error::ChainError;
-use crate::metagraph::{Hyperparams, SubnetRead, epoch_index};
+use crate::metagraph::{Hyperparams, SubnetRead};
 use crate::wallet::{Keypair, PublicKey};
 use crate::weights::{
     DEFAULT_SALT_LEN, commit_hash, convert_weights_and_uids_for_emit, generate_salt,
@@ -400,7 +400,11 @@ impl Subtensor {
             }
         };
         pending.commit_block = Some(receipt.block_number);
-        pending.reveal_epoch = hp.epoch_of(receipt.block_number) + hp.reveal_period_epochs;
+        let at = self.at_best().await?;
+        pending.reveal_epoch = self
+            .epoch_index_at(&at, netuid, hp.tempo, receipt.block_number)
+            .await?
+            + hp.reveal_period_epochs;
         store.save(&pending).await?;
         let reveal_from_block = first_block_of_epoch(netuid, hp.tempo, pending.reveal_epoch);
         tracing::info!(
@@ -456,20 +460,17 @@ impl Subtensor {
                 }
                 Err(e) => return Err(e),
             };
-            let epoch = epoch_index(netuid, hp.tempo, next);
+            let epoch = self.epoch_index_at(&at, netuid, hp.tempo, next).await?;
             for c in commits {
                 let opens = first_block_of_epoch(netuid, hp.tempo, c.reveal_epoch);
                 if epoch < c.reveal_epoch {
                     report.waiting.push((c.hash_hex(), opens));
                     continue;
                 }
+                // A window that looks passed by our count is still tried: only the chain's
+                // answer (a refused reveal) removes the salt, never a local estimate.
                 if epoch > c.reveal_epoch {
-                    tracing::warn!(netuid, hash = %c.hash_hex(), reveal_epoch = c.reveal_epoch, epoch, "reveal window missed");
-                    store.remove(&c.hash).await?;
-                    report
-                        .dropped
-                        .push((c.hash_hex(), "reveal window passed".to_owned()));
-                    continue;
+                    tracing::warn!(netuid, hash = %c.hash_hex(), reveal_epoch = c.reveal_epoch, epoch, "reveal window looks passed; asking the chain");
                 }
                 let call = calls::reveal_weights(
                     netuid,
@@ -556,6 +557,7 @@ impl Subtensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metagraph::epoch_index;
 
     fn hp(n: u16, min_allowed: u16, max_limit: u16) -> Hyperparams {
         Hyperparams {

@@ -17,8 +17,8 @@ use crate::state::State;
 const STATE_HISTORY: usize = 4_096;
 /// Most extrinsics one block takes; the rest wait for the next.
 const MAX_BLOCK_EXTRINSICS: usize = 8_192;
-/// Most transactions the pool holds; more are refused until blocks drain it (a node's
-/// `--pool-limit` is 8192 by default).
+/// Default for the most transactions the pool holds; more are refused until blocks drain it (a
+/// node's `--pool-limit` is 8192 by default).
 pub const MAX_POOL: usize = 8_192;
 
 #[derive(Clone, Debug)]
@@ -29,6 +29,8 @@ pub struct ChainConfig {
     pub instant: bool,
     /// Tempo given to newly registered subnets.
     pub new_subnet_tempo: u16,
+    /// Most transactions the pool holds ([`MAX_POOL`] by default).
+    pub pool_limit: usize,
 }
 
 impl Default for ChainConfig {
@@ -37,6 +39,7 @@ impl Default for ChainConfig {
             block_time: Some(Duration::from_millis(250)),
             instant: false,
             new_subnet_tempo: 10,
+            pool_limit: MAX_POOL,
         }
     }
 }
@@ -230,7 +233,7 @@ impl Chain {
         {
             return Err(SubmitError::TooLowPriority);
         }
-        if self.pool.len() >= MAX_POOL {
+        if self.pool.len() >= self.config.pool_limit {
             return Err(SubmitError::PoolFull);
         }
         let status = if xt.extra.nonce <= self.next_index(&xt.signer) {
@@ -406,5 +409,229 @@ impl Chain {
         let _ = self.heads.send(header);
         tracing::trace!(number, ?hash, "block produced");
         hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::call::{AdminUtilsCall, RuntimeCall, SubtensorCall, SudoCall, SystemCall};
+    use crate::runtime::storage::subtensor::{LastMechansimStepBlock, SubnetworkN, Tempo};
+    use crate::runtime::{dev_account, dev_pair};
+
+    fn chain() -> Chain {
+        Chain::new(ChainConfig {
+            block_time: None,
+            instant: false,
+            new_subnet_tempo: 10,
+            pool_limit: 64,
+        })
+    }
+
+    fn submit_and_block(chain: &mut Chain, who: &str, call: RuntimeCall) {
+        chain
+            .sign_and_submit(&dev_pair(who), &call)
+            .expect("accepted");
+        chain.produce_block();
+    }
+
+    /// A started subnet on a fresh chain; returns its netuid.
+    fn started_subnet(chain: &mut Chain) -> u16 {
+        let hotkey = dev_account("Alice//hot");
+        submit_and_block(
+            chain,
+            "Alice",
+            RuntimeCall::SubtensorModule(SubtensorCall::register_network { hotkey }),
+        );
+        let netuid = 1;
+        assert_eq!(SubnetworkN::get(chain.best_state(), &netuid), 1);
+        submit_and_block(
+            chain,
+            "Alice",
+            RuntimeCall::SubtensorModule(SubtensorCall::start_call { netuid }),
+        );
+        netuid
+    }
+
+    #[test]
+    fn epochs_run_where_subtensor_runs_them() {
+        let mut chain = chain();
+        let netuid = started_subnet(&mut chain);
+        let tempo = u64::from(Tempo::get(chain.best_state(), &netuid));
+        let mut epoch_blocks = vec![];
+        for _ in 0..40 {
+            chain.produce_block();
+            let number = chain.best().header.number as u64;
+            if LastMechansimStepBlock::get(chain.best_state(), &netuid) == number {
+                epoch_blocks.push(number);
+            }
+        }
+        assert!(epoch_blocks.len() >= 3, "{epoch_blocks:?}");
+        for b in epoch_blocks {
+            assert_eq!(
+                (b + u64::from(netuid) + 1) % (tempo + 1),
+                tempo,
+                "block {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_second_transaction_with_a_pending_nonce_is_refused_and_next_index_counts_the_pool() {
+        let mut chain = chain();
+        let alice = dev_account("Alice");
+        let remark = |n: u8| RuntimeCall::System(SystemCall::remark { remark: vec![n] });
+        let no_lookup = |_: u64| None;
+        let ctx = chain.tx_context(&no_lookup);
+        let first = extrinsic::sign(&dev_pair("Alice"), &remark(1), 0, &ctx);
+        let same_nonce = extrinsic::sign(&dev_pair("Alice"), &remark(2), 0, &ctx);
+        let next = extrinsic::sign(&dev_pair("Alice"), &remark(3), 1, &ctx);
+        let gap = extrinsic::sign(&dev_pair("Alice"), &remark(4), 5, &ctx);
+        assert_eq!(chain.next_index(&alice), 0);
+        chain.submit(first, None).expect("first");
+        assert_eq!(chain.next_index(&alice), 1, "counts the ready transaction");
+        assert!(matches!(
+            chain.submit(same_nonce, None),
+            Err(SubmitError::TooLowPriority)
+        ));
+        chain.submit(gap, None).expect("a future nonce waits");
+        assert_eq!(chain.next_index(&alice), 1, "a gap is not ready");
+        chain.submit(next, None).expect("next");
+        assert_eq!(chain.next_index(&alice), 2);
+        chain.produce_block();
+        assert_eq!(runtime::account_nonce(chain.best_state(), &alice), 2);
+        assert_eq!(chain.pending().count(), 1, "the future one still waits");
+    }
+
+    #[test]
+    fn the_pool_is_bounded() {
+        let mut chain = chain();
+        let no_lookup = |_: u64| None;
+        let call = RuntimeCall::System(SystemCall::remark { remark: vec![] });
+        // Future nonces never leave the pool by themselves: the cap is what stops them.
+        let limit = chain.config().pool_limit as u32;
+        for nonce in 1..=limit {
+            let ctx = chain.tx_context(&no_lookup);
+            let bytes = extrinsic::sign(&dev_pair("Bob"), &call, nonce, &ctx);
+            chain.submit(bytes, None).expect("room in the pool");
+        }
+        let ctx = chain.tx_context(&no_lookup);
+        let one_more = extrinsic::sign(&dev_pair("Bob"), &call, limit + 1, &ctx);
+        assert!(matches!(
+            chain.submit(one_more, None),
+            Err(SubmitError::PoolFull)
+        ));
+    }
+
+    fn nested_sudo(depth: usize) -> RuntimeCall {
+        let mut call = RuntimeCall::System(SystemCall::remark { remark: vec![] });
+        for _ in 0..depth {
+            call = RuntimeCall::Sudo(SudoCall::sudo {
+                call: Box::new(call),
+            });
+        }
+        call
+    }
+
+    #[test]
+    fn deeply_nested_calls_are_refused_before_the_signature_is_checked() {
+        let chain = chain();
+        let no_lookup = |_: u64| None;
+        let ctx = chain.tx_context(&no_lookup);
+        let shallow = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(10), 0, &ctx);
+        assert_eq!(chain.validate(&shallow), Ok(()));
+        // Far deeper than the limit, as raw bytes (0x0c00 is `Sudo.sudo`), with a junk
+        // signature: the decoder must stop at the depth limit, not recurse or verify.
+        let mut deep = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(0), 0, &ctx);
+        let body_start = deep.len() - nested_sudo(0).encode().len();
+        let mut body = deep.split_off(body_start);
+        let mut nested = Vec::new();
+        for _ in 0..100_000 {
+            nested.extend([12u8, 0]);
+        }
+        nested.append(&mut body);
+        let mut unframed = deep;
+        // Drop the old length prefix and frame again.
+        let old_len = <parity_scale_codec::Compact<u32> as parity_scale_codec::Decode>::decode(
+            &mut &unframed[..],
+        )
+        .expect("len");
+        let prefix = parity_scale_codec::Compact(old_len.0).encode().len();
+        let mut inner = unframed.split_off(prefix);
+        inner.extend(nested);
+        let mut framed = parity_scale_codec::Compact(inner.len() as u32).encode();
+        framed.extend(inner);
+        assert_eq!(
+            chain.validate(&framed),
+            Err(InvalidTransaction::Undecodable)
+        );
+        let at_limit = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(300), 0, &ctx);
+        assert_eq!(
+            chain.validate(&at_limit),
+            Err(InvalidTransaction::Undecodable)
+        );
+    }
+
+    #[test]
+    fn extreme_owner_hyperparameters_do_not_panic_block_production() {
+        let mut chain = chain();
+        let netuid = started_subnet(&mut chain);
+        let sudo = |call: AdminUtilsCall| {
+            RuntimeCall::Sudo(SudoCall::sudo {
+                call: Box::new(RuntimeCall::AdminUtils(call)),
+            })
+        };
+        for call in [
+            AdminUtilsCall::sudo_set_tempo { netuid, tempo: 1 },
+            AdminUtilsCall::sudo_set_kappa {
+                netuid,
+                kappa: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_activity_cutoff {
+                netuid,
+                activity_cutoff: 0,
+            },
+            AdminUtilsCall::sudo_set_bonds_moving_average {
+                netuid,
+                bonds_moving_average: u64::MAX,
+            },
+            AdminUtilsCall::sudo_set_max_allowed_validators {
+                netuid,
+                max_allowed_validators: 0,
+            },
+            AdminUtilsCall::sudo_set_immunity_period {
+                netuid,
+                immunity_period: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_min_allowed_weights {
+                netuid,
+                min_allowed_weights: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_max_burn {
+                netuid,
+                max_burn: u64::MAX,
+            },
+            AdminUtilsCall::sudo_set_min_burn {
+                netuid,
+                min_burn: u64::MAX,
+            },
+        ] {
+            submit_and_block(&mut chain, "Alice", sudo(call));
+        }
+        for _ in 0..5 {
+            chain.produce_block();
+        }
+        submit_and_block(
+            &mut chain,
+            "Alice",
+            sudo(AdminUtilsCall::sudo_set_tempo {
+                netuid,
+                tempo: u16::MAX,
+            }),
+        );
+        for _ in 0..5 {
+            chain.produce_block();
+        }
+        assert!(chain.best().header.number > 10);
     }
 }

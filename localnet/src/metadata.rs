@@ -822,4 +822,47 @@ mod tests {
         let errors = sub.error_variants().expect("errors");
         assert_eq!(errors[28].name, "SettingWeightsTooFast");
     }
+
+    #[test]
+    fn v14_v15_and_v16_describe_the_same_runtime() {
+        let v16 = subxt_metadata::Metadata::decode_from(metadata_bytes()).expect("v16");
+        for version in [14, 15] {
+            let bytes = metadata_bytes_at(version).expect("served");
+            assert_eq!(&bytes[..4], b"meta");
+            assert_eq!(bytes[4], version as u8, "version byte");
+            let md = subxt_metadata::Metadata::decode_from(bytes).expect("decodes");
+            for p in v16.pallets() {
+                let q = md.pallet_by_name(p.name()).expect("same pallets");
+                assert_eq!(p.call_index(), q.call_index());
+                assert_eq!(p.hash(), q.hash(), "pallet {} in V{version}", p.name());
+            }
+            let ids = |m: &subxt_metadata::Metadata| {
+                m.extrinsic()
+                    .transaction_extensions_to_use_for_encoding()
+                    .map(|e| e.identifier().to_string())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ids(&md), ids(&v16), "V{version} transaction extensions");
+            let names = |m: &subxt_metadata::Metadata| {
+                m.runtime_api_traits()
+                    .flat_map(|t| {
+                        t.methods()
+                            .map(move |x| (t.name().to_string(), x.name().to_string(), x.hash()))
+                    })
+                    .collect::<Vec<_>>()
+            };
+            if version == 15 {
+                assert_eq!(
+                    names(&md),
+                    names(&v16),
+                    "V15 declares the same runtime APIs"
+                );
+            }
+        }
+        assert!(metadata_bytes_at(13).is_none());
+        let sub = v16
+            .runtime_api_trait_by_name("SubnetInfoRuntimeApi")
+            .expect("declared");
+        assert!(sub.method_by_name("get_metagraph").is_some());
+    }
 }

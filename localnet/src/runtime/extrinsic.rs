@@ -2,7 +2,7 @@
 //! v4 signed extrinsic, finney's transaction-extension list, and the signed payload's implicit
 //! parts (spec and transaction version, genesis hash, mortality checkpoint, metadata hash).
 
-use parity_scale_codec::{Compact, Decode, Encode, Input};
+use parity_scale_codec::{Compact, Decode, DecodeLimit, Encode, Input};
 use scale_info::TypeInfo;
 use sp_core::{Pair as _, ed25519, sr25519};
 
@@ -91,6 +91,9 @@ pub struct ChainContext<'a> {
 
 const SIGNED_V4: u8 = 0b1000_0000 | 4;
 
+/// Substrate's `MAX_EXTRINSIC_DEPTH`: how deeply calls may nest inside one extrinsic.
+pub const MAX_CALL_DEPTH: u32 = 256;
+
 /// Decodes an extrinsic as it travels (with its compact length prefix).
 pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
     let input = &mut &bytes[..];
@@ -111,7 +114,10 @@ pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
     let signature = MultiSignature::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let extra = Extra::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let call_bytes = input.to_vec();
-    let call = RuntimeCall::decode(&mut &call_bytes[..]).map_err(|_| InvalidTransaction::Call)?;
+    // Nested calls (`Sudo.sudo` in `Sudo.sudo` …) decode recursively: bound the depth as
+    // Substrate does, before any signature check, so hostile nesting is refused, not a crash.
+    let call = RuntimeCall::decode_with_depth_limit(MAX_CALL_DEPTH, &mut &call_bytes[..])
+        .map_err(|_| InvalidTransaction::Undecodable)?;
     if call.encoded_size() != call_bytes.len() {
         return Err(InvalidTransaction::Undecodable);
     }
