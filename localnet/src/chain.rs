@@ -15,6 +15,9 @@ use crate::state::State;
 
 /// How many recent blocks keep their full state for reads "at" them.
 const STATE_HISTORY: usize = 4_096;
+/// `System.BlockHashCount`: how many recent blocks keep their hash in `System.BlockHash` and
+/// their body; older ones keep only the header, as on a pruned node.
+pub const BLOCK_HASH_COUNT: u64 = 2_400;
 /// Most extrinsics one block takes; the rest wait for the next.
 const MAX_BLOCK_EXTRINSICS: usize = 8_192;
 /// Default for the most transactions the pool holds; more are refused until blocks drain it (a
@@ -47,7 +50,8 @@ impl Default for ChainConfig {
 pub struct Block {
     pub header: Header,
     pub hash: H256,
-    pub extrinsics: Vec<Vec<u8>>,
+    /// The body; `None` once the block is older than [`BLOCK_HASH_COUNT`].
+    pub extrinsics: Option<Vec<Vec<u8>>>,
     /// Post-state; dropped for blocks older than [`STATE_HISTORY`].
     pub state: Option<State>,
 }
@@ -85,6 +89,37 @@ pub enum SubmitError {
     PoolFull,
 }
 
+/// What a signature check needs from the chain (see [`Chain::signature_context`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SignatureContext {
+    pub genesis_hash: H256,
+    pub next_block: u64,
+    pub birth: u64,
+    pub birth_hash: Option<H256>,
+}
+
+/// Decodes `bytes` and checks the signature while holding the chain's lock only to copy the
+/// context: the expensive cryptography runs while other requests use the chain.
+pub fn verify_unlocked(
+    chain: &std::sync::Mutex<Chain>,
+    bytes: &[u8],
+) -> Result<SignedExtrinsic, InvalidTransaction> {
+    let xt = extrinsic::decode(bytes)?;
+    let ctx = chain
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .signature_context(&xt);
+    let lookup = |n: u64| (n == ctx.birth).then_some(ctx.birth_hash).flatten();
+    xt.verify(&ChainContext {
+        genesis_hash: ctx.genesis_hash,
+        spec_version: runtime::SPEC_VERSION,
+        transaction_version: runtime::TRANSACTION_VERSION,
+        next_block: ctx.next_block,
+        block_hash: &lookup,
+    })?;
+    Ok(xt)
+}
+
 pub struct Chain {
     config: ChainConfig,
     blocks: Vec<Block>,
@@ -111,7 +146,7 @@ impl Chain {
         let genesis = Block {
             header,
             hash,
-            extrinsics: vec![],
+            extrinsics: Some(vec![]),
             state: Some(state),
         };
         Self {
@@ -197,16 +232,30 @@ impl Chain {
         let xt = extrinsic::decode(bytes)?;
         let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
         xt.verify(&self.tx_context(&lookup))?;
+        self.check_state(&xt)?;
+        Ok(xt)
+    }
+
+    /// The checks that need the chain's state (run under its lock; the signature is not one).
+    fn check_state(&self, xt: &SignedExtrinsic) -> Result<(), InvalidTransaction> {
         if xt.extra.nonce < runtime::account_nonce(self.best_state(), &xt.signer) {
             return Err(InvalidTransaction::Stale);
         }
-        runtime::subtensor::pool_checks(
-            self.best_state(),
-            self.next_block(),
-            &xt.signer,
-            &xt.call,
-        )?;
-        Ok(xt)
+        runtime::subtensor::pool_checks(self.best_state(), self.next_block(), &xt.signer, &xt.call)
+    }
+
+    /// What checking `xt`'s signature needs from the chain, copied out so the check can run
+    /// without the chain's lock: genesis hash, the next block's number, and the hash of the
+    /// block the transaction's era points at.
+    pub fn signature_context(&self, xt: &SignedExtrinsic) -> SignatureContext {
+        let next_block = self.next_block();
+        let birth = xt.extra.era.birth(next_block);
+        SignatureContext {
+            genesis_hash: self.genesis_hash(),
+            next_block,
+            birth,
+            birth_hash: self.block_by_number(birth).map(|b| b.hash),
+        }
     }
 
     /// What `TaggedTransactionQueue_validate_transaction` answers: [`Chain::submit`]'s checks
@@ -221,11 +270,25 @@ impl Chain {
         bytes: Vec<u8>,
         watcher: Option<mpsc::UnboundedSender<TxStatus>>,
     ) -> Result<H256, SubmitError> {
+        let xt = extrinsic::decode(&bytes)?;
+        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
+        xt.verify(&self.tx_context(&lookup))?;
+        self.submit_verified(bytes, xt, watcher)
+    }
+
+    /// Queues a transaction whose signature was already checked (see [`verify_unlocked`]); the
+    /// checks that need state run here.
+    pub fn submit_verified(
+        &mut self,
+        bytes: Vec<u8>,
+        xt: SignedExtrinsic,
+        watcher: Option<mpsc::UnboundedSender<TxStatus>>,
+    ) -> Result<H256, SubmitError> {
         let hash = H256(sp_crypto_hashing::blake2_256(&bytes));
         if self.pool.iter().any(|tx| tx.hash == hash) {
             return Err(SubmitError::AlreadyImported);
         }
-        let xt = self.check(&bytes)?;
+        self.check_state(&xt)?;
         if self
             .pool
             .iter()
@@ -336,6 +399,12 @@ impl Chain {
         let mut events = Vec::new();
         ParentHash::insert(&mut state, &parent_hash);
         BlockHash::insert(&mut state, &(number - 1), &parent_hash);
+        // As frame_system: keep the last `BlockHashCount` hashes, and genesis's for ever.
+        if let Some(expired) = number.checked_sub(BLOCK_HASH_COUNT as u32 + 1)
+            && expired > 0
+        {
+            BlockHash::remove(&mut state, &expired);
+        }
         {
             let mut exec = Exec {
                 state: &mut state,
@@ -399,12 +468,17 @@ impl Chain {
         self.blocks.push(Block {
             header: header.clone(),
             hash,
-            extrinsics,
+            extrinsics: Some(extrinsics),
             state: Some(state),
         });
         if self.blocks.len() > STATE_HISTORY {
             let old = self.blocks.len() - STATE_HISTORY - 1;
             self.blocks[old].state = None;
+        }
+        if let Some(old) = (number as u64).checked_sub(BLOCK_HASH_COUNT + 1)
+            && old > 0
+        {
+            self.blocks[old as usize].extrinsics = None;
         }
         let _ = self.heads.send(header);
         tracing::trace!(number, ?hash, "block produced");
@@ -633,5 +707,47 @@ mod tests {
             chain.produce_block();
         }
         assert!(chain.best().header.number > 10);
+    }
+
+    #[test]
+    fn old_block_hashes_and_bodies_are_pruned() {
+        let mut chain = chain();
+        let total = BLOCK_HASH_COUNT + 10;
+        for _ in 0..total {
+            chain.produce_block();
+        }
+        let state = chain.best_state();
+        assert!(
+            state.get(&BlockHash::key(&0)).is_some(),
+            "genesis's hash is kept"
+        );
+        for n in 1..=9u32 {
+            assert!(
+                state.get(&BlockHash::key(&n)).is_none(),
+                "block {n}'s hash is pruned"
+            );
+            assert!(
+                chain
+                    .block_by_number(u64::from(n))
+                    .expect("header")
+                    .extrinsics
+                    .is_none()
+            );
+        }
+        let recent = (total - BLOCK_HASH_COUNT) as u32;
+        assert!(state.get(&BlockHash::key(&recent)).is_some());
+        assert!(
+            chain
+                .block_by_number(u64::from(recent))
+                .expect("header")
+                .extrinsics
+                .is_some()
+        );
+        let hashes = state.keys_with_prefix(&BlockHash::prefix(), None).count() as u64;
+        assert_eq!(
+            hashes,
+            BLOCK_HASH_COUNT + 1,
+            "the last BlockHashCount hashes and genesis"
+        );
     }
 }

@@ -469,7 +469,7 @@ fn build() -> RuntimeMetadataV16 {
             Some(meta_type::<SystemError>()),
             ("System", storage::system::entries()),
             vec![
-                constant("BlockHashCount", 2_400u32),
+                constant("BlockHashCount", crate::chain::BLOCK_HASH_COUNT as u32),
                 constant("Version", runtime_version()),
                 constant("SS58Prefix", SS58_PREFIX),
             ],

@@ -10,7 +10,7 @@ use parity_scale_codec::{Decode, Encode};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::chain::{Chain, SubmitError, TxStatus};
+use crate::chain::{Chain, SubmitError, TxStatus, verify_unlocked};
 use crate::metadata::{METADATA_VERSIONS, metadata_bytes_at};
 use crate::runtime::extrinsic::InvalidTransaction;
 use crate::runtime::extrinsic::extension_types::{
@@ -407,14 +407,16 @@ pub fn module(
                 None => Some(chain.best()),
                 Some(h) => chain.block_by_hash(&h),
             };
-            Ok(block.map(|b| {
-                json!({
+            // A pruned body reads as an unknown block, as on a pruned node.
+            Ok(block.and_then(|b| {
+                let extrinsics = b.extrinsics.as_ref()?;
+                Some(json!({
                     "block": {
                         "header": header_json(&b.header),
-                        "extrinsics": b.extrinsics.iter().map(hex0x).collect::<Vec<_>>(),
+                        "extrinsics": extrinsics.iter().map(hex0x).collect::<Vec<_>>(),
                     },
                     "justifications": null,
-                })
+                }))
             }))
         },
     )?;
@@ -597,8 +599,9 @@ pub fn module(
         |p, chain, _| -> RpcResult<String> {
             let args = positional(&p)?;
             let bytes = parse_hex(arg(&args, 0), "extrinsic")?;
+            let xt = verify_unlocked(chain, &bytes).map_err(|e| submit_error(e.into()))?;
             lock(chain)
-                .submit(bytes, None)
+                .submit_verified(bytes, xt, None)
                 .map(hex0x)
                 .map_err(submit_error)
         },
@@ -613,8 +616,12 @@ pub fn module(
                 Ok(b) => b,
                 Err(e) => return pending.reject(e).await,
             };
+            let xt = match verify_unlocked(&chain, &bytes) {
+                Ok(xt) => xt,
+                Err(e) => return pending.reject(submit_error(e.into())).await,
+            };
             let (tx, rx) = mpsc::unbounded_channel();
-            let submitted = lock(&chain).submit(bytes, Some(tx));
+            let submitted = lock(&chain).submit_verified(bytes, xt, Some(tx));
             if let Err(e) = submitted {
                 return pending.reject(submit_error(e)).await;
             }
