@@ -123,6 +123,25 @@ struct WeightsContext {
     hyperparams: Hyperparams,
 }
 
+/// First commit-reveal version that is drand-timelocked (CRv3; v4 is the current one).
+pub const FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION: u16 = 3;
+
+/// The storage key and metadata default of `CommitRevealWeightsVersion`, when the runtime
+/// declares it (the localnet, which has hash commit-reveal only, does not).
+pub fn commit_reveal_version_item(metadata: &subxt::Metadata) -> Option<(Vec<u8>, Option<u16>)> {
+    let entry = metadata
+        .pallet_by_name("SubtensorModule")?
+        .storage()?
+        .entry_by_name("CommitRevealWeightsVersion")?;
+    let mut key = sp_crypto_hashing::twox_128(b"SubtensorModule").to_vec();
+    key.extend(sp_crypto_hashing::twox_128(b"CommitRevealWeightsVersion"));
+    let default = entry
+        .default_value()
+        .and_then(|bytes| bytes.get(..2))
+        .map(|b| u16::from_le_bytes([b[0], b[1]]));
+    Some((key, default))
+}
+
 /// First block whose epoch index is `epoch` (spec ≤ 403 rule).
 pub fn first_block_of_epoch(netuid: u16, tempo: u16, epoch: u64) -> u64 {
     (epoch * (u64::from(tempo) + 1)).saturating_sub(u64::from(netuid) + 1)
@@ -176,6 +195,26 @@ pub fn weights_for_chain(
         0,
     )?;
     Ok(convert_weights_and_uids_for_emit(&kept_uids, &kept)?)
+}
+
+impl Subtensor {
+    /// `CommitRevealWeightsVersion` at the best block, or `None` when the runtime has no such
+    /// item (hash commit-reveal only).
+    ///
+    /// # Errors
+    ///
+    /// Transport errors.
+    pub async fn commit_reveal_version(&self) -> Result<Option<u16>, ChainError> {
+        let at = self.at_best().await?;
+        let Some((key, default)) = commit_reveal_version_item(at.metadata_ref()) else {
+            return Ok(None);
+        };
+        let stored = self.fetch_raw_many(at.block_hash(), &[key]).await?;
+        Ok(match stored.into_iter().next().flatten() {
+            Some(bytes) if bytes.len() >= 2 => Some(u16::from_le_bytes([bytes[0], bytes[1]])),
+            _ => default,
+        })
+    }
 }
 
 impl Subtensor {
@@ -348,6 +387,11 @@ impl Subtensor {
         opts: &WeightOptions,
     ) -> Result<WeightsOutcome, ChainError> {
         let netuid = hp.netuid;
+        if let Some(version) = self.commit_reveal_version().await?
+            && version >= FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION
+        {
+            return Err(ChainError::TimelockedCommitRequired { netuid, version });
+        }
         let public = hotkey.public();
         let salt = generate_salt(opts.salt_len);
         let hash = commit_hash(
