@@ -285,12 +285,15 @@ impl std::fmt::Debug for Keypair {
 }
 
 /// Decodes hex with an optional `0x` prefix.
-pub(crate) fn decode_hex(text: &str) -> Result<Vec<u8>, String> {
+/// Decodes hex that may hold a secret; the bytes are wiped when dropped.
+pub(crate) fn decode_hex(text: &str) -> Result<Zeroizing<Vec<u8>>, String> {
     let digits = text
         .strip_prefix("0x")
         .or_else(|| text.strip_prefix("0X"))
         .unwrap_or(text);
-    hex::decode(digits).map_err(|e| format!("not valid hex ({e})"))
+    hex::decode(digits)
+        .map(Zeroizing::new)
+        .map_err(|e| format!("not valid hex ({e})"))
 }
 
 #[cfg(test)]
