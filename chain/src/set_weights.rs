@@ -40,6 +40,10 @@ pub struct WeightOptions {
     pub salt_len: usize,
     /// Submission options (dry run, inclusion, timeout).
     pub tx: TxOptions,
+    /// Run the validator's `process_weights` step first (lay scores out over the subnet, pad to
+    /// `MinAllowedWeights`, clip at `MaxWeightsLimit`). Off: the given uids and scores are only
+    /// converted, as the SDK's `set_weights` does.
+    pub process_weights: bool,
 }
 
 impl Default for WeightOptions {
@@ -50,6 +54,7 @@ impl Default for WeightOptions {
             rate_limit_timeout: Duration::from_secs(30 * 60),
             salt_len: DEFAULT_SALT_LEN,
             tx: TxOptions::default(),
+            process_weights: false,
         }
     }
 }
@@ -197,6 +202,27 @@ pub fn weights_for_chain(
     Ok(convert_weights_and_uids_for_emit(&kept_uids, &kept)?)
 }
 
+/// The SDK's `set_weights` conversion of exactly what the caller gave: max-normalise, round,
+/// ×65535, drop zeros (`convert_weights_and_uids_for_emit`), after checking every uid is on the
+/// subnet.
+///
+/// # Errors
+///
+/// As [`weights_for_chain`].
+pub fn convert_as_given(
+    hyperparams: &Hyperparams,
+    uids: &[u16],
+    scores: &[f32],
+) -> Result<(Vec<u16>, Vec<u16>), ChainError> {
+    if let Some(uid) = uids.iter().find(|&&u| u >= hyperparams.n) {
+        return Err(ChainError::InvalidArgument(format!(
+            "uid {uid} is not on netuid {} ({} neurons)",
+            hyperparams.netuid, hyperparams.n
+        )));
+    }
+    Ok(convert_weights_and_uids_for_emit(uids, scores)?)
+}
+
 impl Subtensor {
     /// `CommitRevealWeightsVersion` at the best block, or `None` when the runtime has no such
     /// item (hash commit-reveal only).
@@ -238,7 +264,11 @@ impl Subtensor {
         opts: &WeightOptions,
     ) -> Result<WeightsOutcome, ChainError> {
         let ctx = self.weights_context(hotkey, netuid).await?;
-        let (uids, values) = weights_for_chain(&ctx.hyperparams, uids, scores)?;
+        let (uids, values) = if opts.process_weights {
+            weights_for_chain(&ctx.hyperparams, uids, scores)?
+        } else {
+            convert_as_given(&ctx.hyperparams, uids, scores)?
+        };
         self.send_weights(hotkey, ctx, uids, values, store, opts)
             .await
     }
@@ -659,6 +689,19 @@ mod tests {
         let sum: u64 = values.iter().map(|&v| u64::from(v)).sum();
         let max = u64::from(*values.iter().max().expect("max"));
         assert!(max * 2 <= sum + 2, "{values:?}");
+    }
+
+    #[test]
+    fn weights_are_sent_as_given_unless_processing_is_asked_for() {
+        // 8 neurons, MinAllowedWeights 4, MaxWeightsLimit 50%: the validator's step pads and clips.
+        let params = hp(8, 4, u16::MAX / 2);
+        let (uids, values) = convert_as_given(&params, &[1, 2], &[1.0, 3.0]).expect("given");
+        assert_eq!(uids, vec![1, 2]);
+        assert_eq!(values, vec![21845, 65535]);
+        let (processed_uids, _) =
+            weights_for_chain(&params, &[1, 2], &[1.0, 3.0]).expect("processed");
+        assert!(processed_uids.len() >= 4, "{processed_uids:?}");
+        assert!(convert_as_given(&params, &[8], &[1.0]).is_err());
     }
 
     #[test]
