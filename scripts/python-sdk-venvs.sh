@@ -20,8 +20,11 @@ fi
 
 make_venv() { # dir, pip requirement
     local dir=$1 requirement=$2
-    if [ -x "$dir/bin/python" ] && "$dir/bin/python" -m pip show bittensor 2>/dev/null \
-        | grep -qx "Version: ${requirement#*==}"; then
+    local installed=""
+    if [ -x "$dir/bin/python" ]; then
+        installed=$("$dir/bin/python" -m pip show bittensor 2>/dev/null || true)
+    fi
+    if grep -qx "Version: ${requirement#*==}" <<<"$installed"; then
         return
     fi
     rm -rf "$dir"
