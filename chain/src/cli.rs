@@ -205,7 +205,7 @@ pub enum ChainCommand {
         /// Uids, comma separated.
         #[arg(long, value_delimiter = ',', required = true)]
         uids: Vec<u16>,
-        /// Scores for those uids, comma separated (any scale; max-normalised).
+        /// Weights for those uids, comma separated (any scale; max-normalised and sent as given).
         #[arg(
             long,
             value_delimiter = ',',
@@ -219,6 +219,10 @@ pub enum ChainCommand {
         /// Fail instead of waiting when the weights rate limit has not passed.
         #[arg(long = "no-wait")]
         no_wait: bool,
+        /// Apply the validator's `process_weights` first (pad to MinAllowedWeights, clip at
+        /// MaxWeightsLimit); without it the given weights are only converted, as the SDK does.
+        #[arg(long = "process")]
+        process: bool,
         /// Where commit-reveal keeps salts until the reveal.
         #[arg(long = "commit-store", env = "IOTA_COMMIT_STORE")]
         commit_store: Option<PathBuf>,
@@ -499,6 +503,7 @@ pub async fn run_with_password(
             weights,
             version_key,
             no_wait,
+            process,
             commit_store,
             wallet,
         } => {
@@ -508,6 +513,7 @@ pub async fn run_with_password(
             let opts = WeightOptions {
                 version_key: version_key.map_or(VersionKey::FromChain, VersionKey::Exact),
                 wait_for_rate_limit: !no_wait,
+                process_weights: *process,
                 tx: tx.clone(),
                 ..WeightOptions::default()
             };

@@ -182,9 +182,10 @@ impl JsonFileCommitStore {
         let _guard = self.lock.lock().await;
         let path = self.path.clone();
         tokio::task::spawn_blocking(move || {
+            let _file_lock = lock_file(&path, true)?;
             let mut contents = read_file(&path)?;
             f(&mut contents.commits);
-            contents.version = 1;
+            contents.version = FILE_VERSION;
             write_atomic(&path, &contents)
         })
         .await
@@ -195,20 +196,66 @@ impl JsonFileCommitStore {
     async fn load(&self) -> Result<Vec<PendingCommit>, ChainError> {
         let _guard = self.lock.lock().await;
         let path = self.path.clone();
-        tokio::task::spawn_blocking(move || read_file(&path))
-            .await
-            .map_err(|e| self.err(e))?
-            .map(|c| c.commits)
-            .map_err(|e| self.err(e))
+        tokio::task::spawn_blocking(move || {
+            let _file_lock = lock_file(&path, false)?;
+            read_file(&path)
+        })
+        .await
+        .map_err(|e| self.err(e))?
+        .map(|c| c.commits)
+        .map_err(|e| self.err(e))
     }
 }
 
-fn read_file(path: &Path) -> Result<FileContents, String> {
-    match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("not a commit file: {e}")),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(FileContents::default()),
-        Err(e) => Err(e.to_string()),
+/// The file format this client reads and writes.
+const FILE_VERSION: u32 = 1;
+
+/// Takes the store's lock file (`<file>.lock` beside it; the data file itself is replaced on
+/// every write, so it cannot carry the lock): exclusive for a read-modify-write, shared for a
+/// read. Held until the returned file is dropped, so two processes sharing a store (a validator
+/// and `iota chain reveal`) cannot lose each other's commits.
+fn lock_file(path: &Path, exclusive: bool) -> Result<std::fs::File, String> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".lock");
+    let lock_path = path.with_file_name(name);
+    if let Some(dir) = lock_path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.mode(0o600);
+    }
+    let file = options
+        .open(&lock_path)
+        .map_err(|e| format!("lock file {}: {e}", lock_path.display()))?;
+    if exclusive {
+        file.lock()
+    } else {
+        file.lock_shared()
+    }
+    .map_err(|e| format!("cannot lock {}: {e}", lock_path.display()))?;
+    Ok(file)
+}
+
+fn read_file(path: &Path) -> Result<FileContents, String> {
+    let contents: FileContents = match std::fs::read(path) {
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map_err(|e| format!("not a commit file: {e}"))?
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(FileContents::default()),
+        Err(e) => return Err(e.to_string()),
+    };
+    if contents.version != FILE_VERSION {
+        // Rewriting a newer format with this one could drop what it added (and the salts with it).
+        return Err(format!(
+            "commit file version {} is not the version {FILE_VERSION} this client reads; leaving it untouched",
+            contents.version
+        ));
+    }
+    Ok(contents)
 }
 
 fn write_atomic(path: &Path, contents: &FileContents) -> Result<(), String> {
@@ -331,13 +378,14 @@ mod tests {
             let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
         }
-        // No temporary files are left behind.
-        let names: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
+        // No temporary files are left behind: the data file and its lock file only.
+        let mut names: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
             .expect("list")
             .filter_map(Result::ok)
-            .map(|e| e.file_name())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(names.len(), 1, "{names:?}");
+        names.sort();
+        assert_eq!(names, ["commits.json", "commits.json.lock"]);
     }
 
     #[tokio::test]
@@ -354,5 +402,53 @@ mod tests {
         // And a save does not silently overwrite it.
         assert!(store.save(&sample(1)).await.is_err());
         assert_eq!(std::fs::read(&path).expect("read"), b"{not json");
+    }
+
+    #[tokio::test]
+    async fn another_version_is_refused_and_left_untouched() {
+        let dir = std::env::temp_dir().join(format!("iota-commit-version-{}", std::process::id()));
+        let path = dir.join("commits.json");
+        std::fs::create_dir_all(&dir).unwrap();
+        let newer = r#"{"version": 2, "commits": [], "salts_v2": {}}"#;
+        std::fs::write(&path, newer).unwrap();
+        let store = JsonFileCommitStore::new(&path);
+        let err = store.save(&sample(1)).await.unwrap_err().to_string();
+        assert!(err.contains("version 2"), "{err}");
+        assert!(store.pending(&sample(1).hotkey).await.is_err());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), newer);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn two_stores_on_one_file_lose_no_commit() {
+        // Two handles with separate in-process locks stand for two processes: only the file lock
+        // keeps their read-modify-write cycles apart.
+        let dir = std::env::temp_dir().join(format!("iota-commit-lock-{}", std::process::id()));
+        let path = dir.join("commits.json");
+        let writers: Vec<_> = (0..2u8)
+            .map(|w| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .build()
+                        .unwrap();
+                    let store = JsonFileCommitStore::new(&path);
+                    rt.block_on(async {
+                        for i in 0..25u8 {
+                            store.save(&sample(w * 100 + i)).await.unwrap();
+                        }
+                    });
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let all = rt.block_on(JsonFileCommitStore::new(&path).load()).unwrap();
+        assert_eq!(all.len(), 50);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

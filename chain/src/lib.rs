@@ -5,6 +5,7 @@
 //! * [`weights`]: SDK-exact weight conversion and the commit-reveal v2 hash.
 //! * [`Subtensor`] ([`client`]): connection with reconnects and timeouts, runtime shape check
 //!   ([`shape`]), batched storage reads, signed submission with typed errors ([`ChainError`]).
+//! * [`epoch`]: when epochs run, by the modulo rule (spec ≤ 403) or from state (spec ≥ 404).
 //! * [`metagraph`]: every neuron of a subnet plus its hyperparameters in three batched reads.
 //! * [`ops`]: register (idempotent), serve axon, stake, transfer, subnets, `AdminUtils` setters.
 //! * [`set_weights`]: float scores to chain weights, version key, rate limit, commit-reveal with a
@@ -18,6 +19,7 @@ pub mod calls;
 pub mod cli;
 pub mod client;
 pub mod commit;
+pub mod epoch;
 pub mod error;
 pub mod metagraph;
 pub mod network;

@@ -85,7 +85,10 @@ impl Hyperparams {
     }
 }
 
-/// Epoch index of `block` for `netuid` with `tempo` (spec ≤ 403 modulo rule).
+/// Commit-reveal epoch index of `block` for `netuid` with `tempo` (spec ≤ 403 modulo rule,
+/// subtensor's `get_epoch_index`). It steps in the block after the one that runs the epoch
+/// (see [`crate::epoch::blocks_until_next_epoch`]); spec ≥ 404 keeps it in state
+/// ([`Subtensor::epoch_index_at`]).
 pub fn epoch_index(netuid: u16, tempo: u16, block: u64) -> u64 {
     (block + u64::from(netuid) + 1) / (u64::from(tempo) + 1)
 }

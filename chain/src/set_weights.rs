@@ -9,7 +9,7 @@ use crate::calls;
 use crate::client::{Subtensor, TxOptions, TxOutcome};
 use crate::commit::{CommitStore, PendingCommit, by_netuid};
 use crate::error::ChainError;
-use crate::metagraph::{Hyperparams, SubnetRead, epoch_index};
+use crate::metagraph::{Hyperparams, SubnetRead};
 use crate::wallet::{Keypair, PublicKey};
 use crate::weights::{
     DEFAULT_SALT_LEN, commit_hash, convert_weights_and_uids_for_emit, generate_salt,
@@ -40,6 +40,10 @@ pub struct WeightOptions {
     pub salt_len: usize,
     /// Submission options (dry run, inclusion, timeout).
     pub tx: TxOptions,
+    /// Run the validator's `process_weights` step first (lay scores out over the subnet, pad to
+    /// `MinAllowedWeights`, clip at `MaxWeightsLimit`). Off: the given uids and scores are only
+    /// converted, as the SDK's `set_weights` does.
+    pub process_weights: bool,
 }
 
 impl Default for WeightOptions {
@@ -50,6 +54,7 @@ impl Default for WeightOptions {
             rate_limit_timeout: Duration::from_secs(30 * 60),
             salt_len: DEFAULT_SALT_LEN,
             tx: TxOptions::default(),
+            process_weights: false,
         }
     }
 }
@@ -123,6 +128,25 @@ struct WeightsContext {
     hyperparams: Hyperparams,
 }
 
+/// First commit-reveal version that is drand-timelocked (CRv3; v4 is the current one).
+pub const FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION: u16 = 3;
+
+/// The storage key and metadata default of `CommitRevealWeightsVersion`, when the runtime
+/// declares it (the localnet, which has hash commit-reveal only, does not).
+pub fn commit_reveal_version_item(metadata: &subxt::Metadata) -> Option<(Vec<u8>, Option<u16>)> {
+    let entry = metadata
+        .pallet_by_name("SubtensorModule")?
+        .storage()?
+        .entry_by_name("CommitRevealWeightsVersion")?;
+    let mut key = sp_crypto_hashing::twox_128(b"SubtensorModule").to_vec();
+    key.extend(sp_crypto_hashing::twox_128(b"CommitRevealWeightsVersion"));
+    let default = entry
+        .default_value()
+        .and_then(|bytes| bytes.get(..2))
+        .map(|b| u16::from_le_bytes([b[0], b[1]]));
+    Some((key, default))
+}
+
 /// First block whose epoch index is `epoch` (spec ≤ 403 rule).
 pub fn first_block_of_epoch(netuid: u16, tempo: u16, epoch: u64) -> u64 {
     (epoch * (u64::from(tempo) + 1)).saturating_sub(u64::from(netuid) + 1)
@@ -178,6 +202,47 @@ pub fn weights_for_chain(
     Ok(convert_weights_and_uids_for_emit(&kept_uids, &kept)?)
 }
 
+/// The SDK's `set_weights` conversion of exactly what the caller gave: max-normalise, round,
+/// ×65535, drop zeros (`convert_weights_and_uids_for_emit`), after checking every uid is on the
+/// subnet.
+///
+/// # Errors
+///
+/// As [`weights_for_chain`].
+pub fn convert_as_given(
+    hyperparams: &Hyperparams,
+    uids: &[u16],
+    scores: &[f32],
+) -> Result<(Vec<u16>, Vec<u16>), ChainError> {
+    if let Some(uid) = uids.iter().find(|&&u| u >= hyperparams.n) {
+        return Err(ChainError::InvalidArgument(format!(
+            "uid {uid} is not on netuid {} ({} neurons)",
+            hyperparams.netuid, hyperparams.n
+        )));
+    }
+    Ok(convert_weights_and_uids_for_emit(uids, scores)?)
+}
+
+impl Subtensor {
+    /// `CommitRevealWeightsVersion` at the best block, or `None` when the runtime has no such
+    /// item (hash commit-reveal only).
+    ///
+    /// # Errors
+    ///
+    /// Transport errors.
+    pub async fn commit_reveal_version(&self) -> Result<Option<u16>, ChainError> {
+        let at = self.at_best().await?;
+        let Some((key, default)) = commit_reveal_version_item(at.metadata_ref()) else {
+            return Ok(None);
+        };
+        let stored = self.fetch_raw_many(at.block_hash(), &[key]).await?;
+        Ok(match stored.into_iter().next().flatten() {
+            Some(bytes) if bytes.len() >= 2 => Some(u16::from_le_bytes([bytes[0], bytes[1]])),
+            _ => default,
+        })
+    }
+}
+
 impl Subtensor {
     /// Sets `hotkey`'s weights on `netuid` from float scores, as the Python SDK would.
     ///
@@ -199,7 +264,11 @@ impl Subtensor {
         opts: &WeightOptions,
     ) -> Result<WeightsOutcome, ChainError> {
         let ctx = self.weights_context(hotkey, netuid).await?;
-        let (uids, values) = weights_for_chain(&ctx.hyperparams, uids, scores)?;
+        let (uids, values) = if opts.process_weights {
+            weights_for_chain(&ctx.hyperparams, uids, scores)?
+        } else {
+            convert_as_given(&ctx.hyperparams, uids, scores)?
+        };
         self.send_weights(hotkey, ctx, uids, values, store, opts)
             .await
     }
@@ -348,6 +417,11 @@ impl Subtensor {
         opts: &WeightOptions,
     ) -> Result<WeightsOutcome, ChainError> {
         let netuid = hp.netuid;
+        if let Some(version) = self.commit_reveal_version().await?
+            && version >= FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION
+        {
+            return Err(ChainError::TimelockedCommitRequired { netuid, version });
+        }
         let public = hotkey.public();
         let salt = generate_salt(opts.salt_len);
         let hash = commit_hash(
@@ -400,7 +474,11 @@ impl Subtensor {
             }
         };
         pending.commit_block = Some(receipt.block_number);
-        pending.reveal_epoch = hp.epoch_of(receipt.block_number) + hp.reveal_period_epochs;
+        let at = self.at_best().await?;
+        pending.reveal_epoch = self
+            .epoch_index_at(&at, netuid, hp.tempo, receipt.block_number)
+            .await?
+            + hp.reveal_period_epochs;
         store.save(&pending).await?;
         let reveal_from_block = first_block_of_epoch(netuid, hp.tempo, pending.reveal_epoch);
         tracing::info!(
@@ -456,20 +534,17 @@ impl Subtensor {
                 }
                 Err(e) => return Err(e),
             };
-            let epoch = epoch_index(netuid, hp.tempo, next);
+            let epoch = self.epoch_index_at(&at, netuid, hp.tempo, next).await?;
             for c in commits {
                 let opens = first_block_of_epoch(netuid, hp.tempo, c.reveal_epoch);
                 if epoch < c.reveal_epoch {
                     report.waiting.push((c.hash_hex(), opens));
                     continue;
                 }
+                // A window that looks passed by our count is still tried: only the chain's
+                // answer (a refused reveal) removes the salt, never a local estimate.
                 if epoch > c.reveal_epoch {
-                    tracing::warn!(netuid, hash = %c.hash_hex(), reveal_epoch = c.reveal_epoch, epoch, "reveal window missed");
-                    store.remove(&c.hash).await?;
-                    report
-                        .dropped
-                        .push((c.hash_hex(), "reveal window passed".to_owned()));
-                    continue;
+                    tracing::warn!(netuid, hash = %c.hash_hex(), reveal_epoch = c.reveal_epoch, epoch, "reveal window looks passed; asking the chain");
                 }
                 let call = calls::reveal_weights(
                     netuid,
@@ -556,6 +631,7 @@ impl Subtensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metagraph::epoch_index;
 
     fn hp(n: u16, min_allowed: u16, max_limit: u16) -> Hyperparams {
         Hyperparams {
@@ -613,6 +689,19 @@ mod tests {
         let sum: u64 = values.iter().map(|&v| u64::from(v)).sum();
         let max = u64::from(*values.iter().max().expect("max"));
         assert!(max * 2 <= sum + 2, "{values:?}");
+    }
+
+    #[test]
+    fn weights_are_sent_as_given_unless_processing_is_asked_for() {
+        // 8 neurons, MinAllowedWeights 4, MaxWeightsLimit 50%: the validator's step pads and clips.
+        let params = hp(8, 4, u16::MAX / 2);
+        let (uids, values) = convert_as_given(&params, &[1, 2], &[1.0, 3.0]).expect("given");
+        assert_eq!(uids, vec![1, 2]);
+        assert_eq!(values, vec![21845, 65535]);
+        let (processed_uids, _) =
+            weights_for_chain(&params, &[1, 2], &[1.0, 3.0]).expect("processed");
+        assert!(processed_uids.len() >= 4, "{processed_uids:?}");
+        assert!(convert_as_given(&params, &[8], &[1.0]).is_err());
     }
 
     #[test]

@@ -22,6 +22,10 @@ fn finney(spec: u32) -> Option<Metadata> {
     match std::fs::read(path) {
         Ok(bytes) => Some(Metadata::decode_from(&bytes[..]).expect("finney metadata decodes")),
         Err(e) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "finney spec {spec} metadata missing at {path} ({e}): CI must check against it"
+            );
             println!(
                 "SKIPPED: finney spec {spec} metadata not found at {path} ({e}); it lives beside the project's own checkout"
             );
@@ -286,4 +290,23 @@ fn breaking_changes_are_named() {
     // rather than sending wrong bytes.
     let call = calls::set_weights(1, vec![0], vec![1], 70_000);
     assert!(encode_call(&upgraded, &call).is_err());
+}
+
+#[test]
+fn finney_requires_timelocked_commits_and_the_localnet_does_not() {
+    use iota_chain::set_weights::{
+        FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION, commit_reveal_version_item,
+    };
+    let Some(finney) = finney(393) else { return };
+    let (_, default) = commit_reveal_version_item(&finney).expect("spec 393 declares the version");
+    assert!(
+        default.is_some_and(|v| v >= FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION),
+        "{default:?}"
+    );
+    let localnet = Metadata::decode_from(iota_localnet_metadata()).expect("localnet metadata");
+    assert!(commit_reveal_version_item(&localnet).is_none());
+}
+
+fn iota_localnet_metadata() -> &'static [u8] {
+    include_bytes!("../../metadata/localnet.scale")
 }

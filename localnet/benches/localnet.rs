@@ -157,8 +157,46 @@ async fn metagraph_iteration() -> (Duration, Duration) {
     (median(samples_keys), median(samples_all))
 }
 
+/// Resident set size of this process, in MiB (Linux `/proc/self/status`).
+fn resident_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// Resident memory before and after `n` signed transactions through the chain (40 per block, so
+/// the run passes `BlockHashCount` and pruning takes effect), with the block count at the end.
+fn memory_after_transactions(n: u32) -> (f64, f64, u64) {
+    use iota_localnet::chain::{Chain, ChainConfig};
+    let before = resident_mib().unwrap_or(f64::NAN);
+    let mut chain = Chain::new(ChainConfig {
+        block_time: None,
+        instant: false,
+        ..ChainConfig::default()
+    });
+    let signers: Vec<_> = (0..10).map(|i| dev_pair(&format!("Mem{i}"))).collect();
+    for i in 0..n {
+        let call = RuntimeCall::System(SystemCall::remark {
+            remark: i.to_le_bytes().to_vec(),
+        });
+        chain
+            .sign_and_submit(&signers[(i % 10) as usize], &call)
+            .expect("accepted");
+        if i % 40 == 39 {
+            chain.produce_block();
+        }
+    }
+    chain.produce_block();
+    let blocks = chain.best().header.number as u64;
+    let after = resident_mib().unwrap_or(f64::NAN);
+    drop(chain);
+    (before, after, blocks)
+}
+
 #[tokio::main]
 async fn main() {
+    let (rss_before, rss_after, blocks) = memory_after_transactions(100_000);
     let startup = startup().await;
     let tps = transactions_per_second(2_000).await;
     let (keys, metagraph) = metagraph_iteration().await;
@@ -177,5 +215,8 @@ async fn main() {
     println!(
         "  Keys + 5 per-uid vectors (metagraph read):    {:>8.2} ms",
         metagraph.as_secs_f64() * 1e3
+    );
+    println!(
+        "  resident memory, 10^5 transactions:           {rss_after:>8.1} MiB ({rss_before:.1} MiB before; {blocks} blocks of 40)"
     );
 }

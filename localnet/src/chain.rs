@@ -15,8 +15,14 @@ use crate::state::State;
 
 /// How many recent blocks keep their full state for reads "at" them.
 const STATE_HISTORY: usize = 4_096;
+/// `System.BlockHashCount`: how many recent blocks keep their hash in `System.BlockHash` and
+/// their body; older ones keep only the header, as on a pruned node.
+pub const BLOCK_HASH_COUNT: u64 = 2_400;
 /// Most extrinsics one block takes; the rest wait for the next.
 const MAX_BLOCK_EXTRINSICS: usize = 8_192;
+/// Default for the most transactions the pool holds; more are refused until blocks drain it (a
+/// node's `--pool-limit` is 8192 by default).
+pub const MAX_POOL: usize = 8_192;
 
 #[derive(Clone, Debug)]
 pub struct ChainConfig {
@@ -26,6 +32,8 @@ pub struct ChainConfig {
     pub instant: bool,
     /// Tempo given to newly registered subnets.
     pub new_subnet_tempo: u16,
+    /// Most transactions the pool holds ([`MAX_POOL`] by default).
+    pub pool_limit: usize,
 }
 
 impl Default for ChainConfig {
@@ -34,6 +42,7 @@ impl Default for ChainConfig {
             block_time: Some(Duration::from_millis(250)),
             instant: false,
             new_subnet_tempo: 10,
+            pool_limit: MAX_POOL,
         }
     }
 }
@@ -41,7 +50,8 @@ impl Default for ChainConfig {
 pub struct Block {
     pub header: Header,
     pub hash: H256,
-    pub extrinsics: Vec<Vec<u8>>,
+    /// The body; `None` once the block is older than [`BLOCK_HASH_COUNT`].
+    pub extrinsics: Option<Vec<Vec<u8>>>,
     /// Post-state; dropped for blocks older than [`STATE_HISTORY`].
     pub state: Option<State>,
 }
@@ -72,6 +82,42 @@ pub enum SubmitError {
     Invalid(#[from] InvalidTransaction),
     #[error("Transaction Already Imported")]
     AlreadyImported,
+    /// Another pool transaction from the same signer already uses this nonce.
+    #[error("Priority is too low: a transaction with the same nonce is already in the pool")]
+    TooLowPriority,
+    #[error("Immediately Dropped: the pool is full")]
+    PoolFull,
+}
+
+/// What a signature check needs from the chain (see [`Chain::signature_context`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SignatureContext {
+    pub genesis_hash: H256,
+    pub next_block: u64,
+    pub birth: u64,
+    pub birth_hash: Option<H256>,
+}
+
+/// Decodes `bytes` and checks the signature while holding the chain's lock only to copy the
+/// context: the expensive cryptography runs while other requests use the chain.
+pub fn verify_unlocked(
+    chain: &std::sync::Mutex<Chain>,
+    bytes: &[u8],
+) -> Result<SignedExtrinsic, InvalidTransaction> {
+    let xt = extrinsic::decode(bytes)?;
+    let ctx = chain
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .signature_context(&xt);
+    let lookup = |n: u64| (n == ctx.birth).then_some(ctx.birth_hash).flatten();
+    xt.verify(&ChainContext {
+        genesis_hash: ctx.genesis_hash,
+        spec_version: runtime::SPEC_VERSION,
+        transaction_version: runtime::TRANSACTION_VERSION,
+        next_block: ctx.next_block,
+        block_hash: &lookup,
+    })?;
+    Ok(xt)
 }
 
 pub struct Chain {
@@ -100,7 +146,7 @@ impl Chain {
         let genesis = Block {
             header,
             hash,
-            extrinsics: vec![],
+            extrinsics: Some(vec![]),
             state: Some(state),
         };
         Self {
@@ -186,16 +232,30 @@ impl Chain {
         let xt = extrinsic::decode(bytes)?;
         let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
         xt.verify(&self.tx_context(&lookup))?;
+        self.check_state(&xt)?;
+        Ok(xt)
+    }
+
+    /// The checks that need the chain's state (run under its lock; the signature is not one).
+    fn check_state(&self, xt: &SignedExtrinsic) -> Result<(), InvalidTransaction> {
         if xt.extra.nonce < runtime::account_nonce(self.best_state(), &xt.signer) {
             return Err(InvalidTransaction::Stale);
         }
-        runtime::subtensor::pool_checks(
-            self.best_state(),
-            self.next_block(),
-            &xt.signer,
-            &xt.call,
-        )?;
-        Ok(xt)
+        runtime::subtensor::pool_checks(self.best_state(), self.next_block(), &xt.signer, &xt.call)
+    }
+
+    /// What checking `xt`'s signature needs from the chain, copied out so the check can run
+    /// without the chain's lock: genesis hash, the next block's number, and the hash of the
+    /// block the transaction's era points at.
+    pub fn signature_context(&self, xt: &SignedExtrinsic) -> SignatureContext {
+        let next_block = self.next_block();
+        let birth = xt.extra.era.birth(next_block);
+        SignatureContext {
+            genesis_hash: self.genesis_hash(),
+            next_block,
+            birth,
+            birth_hash: self.block_by_number(birth).map(|b| b.hash),
+        }
     }
 
     /// What `TaggedTransactionQueue_validate_transaction` answers: [`Chain::submit`]'s checks
@@ -210,18 +270,36 @@ impl Chain {
         bytes: Vec<u8>,
         watcher: Option<mpsc::UnboundedSender<TxStatus>>,
     ) -> Result<H256, SubmitError> {
+        let xt = extrinsic::decode(&bytes)?;
+        let lookup = |n: u64| self.block_by_number(n).map(|b| b.hash);
+        xt.verify(&self.tx_context(&lookup))?;
+        self.submit_verified(bytes, xt, watcher)
+    }
+
+    /// Queues a transaction whose signature was already checked (see [`verify_unlocked`]); the
+    /// checks that need state run here.
+    pub fn submit_verified(
+        &mut self,
+        bytes: Vec<u8>,
+        xt: SignedExtrinsic,
+        watcher: Option<mpsc::UnboundedSender<TxStatus>>,
+    ) -> Result<H256, SubmitError> {
         let hash = H256(sp_crypto_hashing::blake2_256(&bytes));
         if self.pool.iter().any(|tx| tx.hash == hash) {
             return Err(SubmitError::AlreadyImported);
         }
-        let xt = self.check(&bytes)?;
-        let nonce = runtime::account_nonce(self.best_state(), &xt.signer);
-        let pending_from_signer = self
+        self.check_state(&xt)?;
+        if self
             .pool
             .iter()
-            .filter(|tx| tx.xt.signer == xt.signer)
-            .count() as u32;
-        let status = if xt.extra.nonce <= nonce + pending_from_signer {
+            .any(|tx| tx.xt.signer == xt.signer && tx.xt.extra.nonce == xt.extra.nonce)
+        {
+            return Err(SubmitError::TooLowPriority);
+        }
+        if self.pool.len() >= self.config.pool_limit {
+            return Err(SubmitError::PoolFull);
+        }
+        let status = if xt.extra.nonce <= self.next_index(&xt.signer) {
             TxStatus::Ready
         } else {
             TxStatus::Future
@@ -252,11 +330,31 @@ impl Chain {
     ) -> Result<H256, SubmitError> {
         use sp_core::Pair as _;
         let signer = AccountId32::new(pair.public().0);
-        let pending = self.pool.iter().filter(|tx| tx.xt.signer == signer).count() as u32;
-        let nonce = runtime::account_nonce(self.best_state(), &signer) + pending;
+        let nonce = self.next_index(&signer);
         let no_lookup = |_: u64| None;
         let bytes = extrinsic::sign(pair, call, nonce, &self.tx_context(&no_lookup));
         self.submit(bytes, None)
+    }
+
+    /// The nonce `who`'s next transaction should carry: the account's nonce advanced past the
+    /// pool transactions that are ready to follow it, as `system_accountNextIndex` on a node.
+    pub fn next_index(&self, who: &AccountId32) -> u32 {
+        let mut pending: Vec<u32> = self
+            .pool
+            .iter()
+            .filter(|tx| &tx.xt.signer == who)
+            .map(|tx| tx.xt.extra.nonce)
+            .collect();
+        pending.sort_unstable();
+        let mut next = runtime::account_nonce(self.best_state(), who);
+        for nonce in pending {
+            if nonce == next {
+                next += 1;
+            } else if nonce > next {
+                break;
+            }
+        }
+        next
     }
 
     /// Picks the transactions that are valid now, in arrival order and per-signer nonce order.
@@ -301,6 +399,12 @@ impl Chain {
         let mut events = Vec::new();
         ParentHash::insert(&mut state, &parent_hash);
         BlockHash::insert(&mut state, &(number - 1), &parent_hash);
+        // As frame_system: keep the last `BlockHashCount` hashes, and genesis's for ever.
+        if let Some(expired) = number.checked_sub(BLOCK_HASH_COUNT as u32 + 1)
+            && expired > 0
+        {
+            BlockHash::remove(&mut state, &expired);
+        }
         {
             let mut exec = Exec {
                 state: &mut state,
@@ -364,15 +468,286 @@ impl Chain {
         self.blocks.push(Block {
             header: header.clone(),
             hash,
-            extrinsics,
+            extrinsics: Some(extrinsics),
             state: Some(state),
         });
         if self.blocks.len() > STATE_HISTORY {
             let old = self.blocks.len() - STATE_HISTORY - 1;
             self.blocks[old].state = None;
         }
+        if let Some(old) = (number as u64).checked_sub(BLOCK_HASH_COUNT + 1)
+            && old > 0
+        {
+            self.blocks[old as usize].extrinsics = None;
+        }
         let _ = self.heads.send(header);
         tracing::trace!(number, ?hash, "block produced");
         hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::call::{AdminUtilsCall, RuntimeCall, SubtensorCall, SudoCall, SystemCall};
+    use crate::runtime::storage::subtensor::{LastMechansimStepBlock, SubnetworkN, Tempo};
+    use crate::runtime::{dev_account, dev_pair};
+
+    fn chain() -> Chain {
+        Chain::new(ChainConfig {
+            block_time: None,
+            instant: false,
+            new_subnet_tempo: 10,
+            pool_limit: 64,
+        })
+    }
+
+    fn submit_and_block(chain: &mut Chain, who: &str, call: RuntimeCall) {
+        chain
+            .sign_and_submit(&dev_pair(who), &call)
+            .expect("accepted");
+        chain.produce_block();
+    }
+
+    /// A started subnet on a fresh chain; returns its netuid.
+    fn started_subnet(chain: &mut Chain) -> u16 {
+        let hotkey = dev_account("Alice//hot");
+        submit_and_block(
+            chain,
+            "Alice",
+            RuntimeCall::SubtensorModule(SubtensorCall::register_network { hotkey }),
+        );
+        let netuid = 1;
+        assert_eq!(SubnetworkN::get(chain.best_state(), &netuid), 1);
+        submit_and_block(
+            chain,
+            "Alice",
+            RuntimeCall::SubtensorModule(SubtensorCall::start_call { netuid }),
+        );
+        netuid
+    }
+
+    #[test]
+    fn epochs_run_where_subtensor_runs_them() {
+        let mut chain = chain();
+        let netuid = started_subnet(&mut chain);
+        let tempo = u64::from(Tempo::get(chain.best_state(), &netuid));
+        let mut epoch_blocks = vec![];
+        for _ in 0..40 {
+            chain.produce_block();
+            let number = chain.best().header.number as u64;
+            if LastMechansimStepBlock::get(chain.best_state(), &netuid) == number {
+                epoch_blocks.push(number);
+            }
+        }
+        assert!(epoch_blocks.len() >= 3, "{epoch_blocks:?}");
+        for b in epoch_blocks {
+            assert_eq!(
+                (b + u64::from(netuid) + 1) % (tempo + 1),
+                tempo,
+                "block {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_second_transaction_with_a_pending_nonce_is_refused_and_next_index_counts_the_pool() {
+        let mut chain = chain();
+        let alice = dev_account("Alice");
+        let remark = |n: u8| RuntimeCall::System(SystemCall::remark { remark: vec![n] });
+        let no_lookup = |_: u64| None;
+        let ctx = chain.tx_context(&no_lookup);
+        let first = extrinsic::sign(&dev_pair("Alice"), &remark(1), 0, &ctx);
+        let same_nonce = extrinsic::sign(&dev_pair("Alice"), &remark(2), 0, &ctx);
+        let next = extrinsic::sign(&dev_pair("Alice"), &remark(3), 1, &ctx);
+        let gap = extrinsic::sign(&dev_pair("Alice"), &remark(4), 5, &ctx);
+        assert_eq!(chain.next_index(&alice), 0);
+        chain.submit(first, None).expect("first");
+        assert_eq!(chain.next_index(&alice), 1, "counts the ready transaction");
+        assert!(matches!(
+            chain.submit(same_nonce, None),
+            Err(SubmitError::TooLowPriority)
+        ));
+        chain.submit(gap, None).expect("a future nonce waits");
+        assert_eq!(chain.next_index(&alice), 1, "a gap is not ready");
+        chain.submit(next, None).expect("next");
+        assert_eq!(chain.next_index(&alice), 2);
+        chain.produce_block();
+        assert_eq!(runtime::account_nonce(chain.best_state(), &alice), 2);
+        assert_eq!(chain.pending().count(), 1, "the future one still waits");
+    }
+
+    #[test]
+    fn the_pool_is_bounded() {
+        let mut chain = chain();
+        let no_lookup = |_: u64| None;
+        let call = RuntimeCall::System(SystemCall::remark { remark: vec![] });
+        // Future nonces never leave the pool by themselves: the cap is what stops them.
+        let limit = chain.config().pool_limit as u32;
+        for nonce in 1..=limit {
+            let ctx = chain.tx_context(&no_lookup);
+            let bytes = extrinsic::sign(&dev_pair("Bob"), &call, nonce, &ctx);
+            chain.submit(bytes, None).expect("room in the pool");
+        }
+        let ctx = chain.tx_context(&no_lookup);
+        let one_more = extrinsic::sign(&dev_pair("Bob"), &call, limit + 1, &ctx);
+        assert!(matches!(
+            chain.submit(one_more, None),
+            Err(SubmitError::PoolFull)
+        ));
+    }
+
+    fn nested_sudo(depth: usize) -> RuntimeCall {
+        let mut call = RuntimeCall::System(SystemCall::remark { remark: vec![] });
+        for _ in 0..depth {
+            call = RuntimeCall::Sudo(SudoCall::sudo {
+                call: Box::new(call),
+            });
+        }
+        call
+    }
+
+    #[test]
+    fn deeply_nested_calls_are_refused_before_the_signature_is_checked() {
+        let chain = chain();
+        let no_lookup = |_: u64| None;
+        let ctx = chain.tx_context(&no_lookup);
+        let shallow = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(10), 0, &ctx);
+        assert_eq!(chain.validate(&shallow), Ok(()));
+        // Far deeper than the limit, as raw bytes (0x0c00 is `Sudo.sudo`), with a junk
+        // signature: the decoder must stop at the depth limit, not recurse or verify.
+        let mut deep = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(0), 0, &ctx);
+        let body_start = deep.len() - nested_sudo(0).encode().len();
+        let mut body = deep.split_off(body_start);
+        let mut nested = Vec::new();
+        for _ in 0..100_000 {
+            nested.extend([12u8, 0]);
+        }
+        nested.append(&mut body);
+        let mut unframed = deep;
+        // Drop the old length prefix and frame again.
+        let old_len = <parity_scale_codec::Compact<u32> as parity_scale_codec::Decode>::decode(
+            &mut &unframed[..],
+        )
+        .expect("len");
+        let prefix = parity_scale_codec::Compact(old_len.0).encode().len();
+        let mut inner = unframed.split_off(prefix);
+        inner.extend(nested);
+        let mut framed = parity_scale_codec::Compact(inner.len() as u32).encode();
+        framed.extend(inner);
+        assert_eq!(
+            chain.validate(&framed),
+            Err(InvalidTransaction::Undecodable)
+        );
+        let at_limit = extrinsic::sign(&dev_pair("Alice"), &nested_sudo(300), 0, &ctx);
+        assert_eq!(
+            chain.validate(&at_limit),
+            Err(InvalidTransaction::Undecodable)
+        );
+    }
+
+    #[test]
+    fn extreme_owner_hyperparameters_do_not_panic_block_production() {
+        let mut chain = chain();
+        let netuid = started_subnet(&mut chain);
+        let sudo = |call: AdminUtilsCall| {
+            RuntimeCall::Sudo(SudoCall::sudo {
+                call: Box::new(RuntimeCall::AdminUtils(call)),
+            })
+        };
+        for call in [
+            AdminUtilsCall::sudo_set_tempo { netuid, tempo: 1 },
+            AdminUtilsCall::sudo_set_kappa {
+                netuid,
+                kappa: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_activity_cutoff {
+                netuid,
+                activity_cutoff: 0,
+            },
+            AdminUtilsCall::sudo_set_bonds_moving_average {
+                netuid,
+                bonds_moving_average: u64::MAX,
+            },
+            AdminUtilsCall::sudo_set_max_allowed_validators {
+                netuid,
+                max_allowed_validators: 0,
+            },
+            AdminUtilsCall::sudo_set_immunity_period {
+                netuid,
+                immunity_period: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_min_allowed_weights {
+                netuid,
+                min_allowed_weights: u16::MAX,
+            },
+            AdminUtilsCall::sudo_set_max_burn {
+                netuid,
+                max_burn: u64::MAX,
+            },
+            AdminUtilsCall::sudo_set_min_burn {
+                netuid,
+                min_burn: u64::MAX,
+            },
+        ] {
+            submit_and_block(&mut chain, "Alice", sudo(call));
+        }
+        for _ in 0..5 {
+            chain.produce_block();
+        }
+        submit_and_block(
+            &mut chain,
+            "Alice",
+            sudo(AdminUtilsCall::sudo_set_tempo {
+                netuid,
+                tempo: u16::MAX,
+            }),
+        );
+        for _ in 0..5 {
+            chain.produce_block();
+        }
+        assert!(chain.best().header.number > 10);
+    }
+
+    #[test]
+    fn old_block_hashes_and_bodies_are_pruned() {
+        let mut chain = chain();
+        let total = BLOCK_HASH_COUNT + 10;
+        for _ in 0..total {
+            chain.produce_block();
+        }
+        let state = chain.best_state();
+        assert!(
+            state.get(&BlockHash::key(&0)).is_some(),
+            "genesis's hash is kept"
+        );
+        for n in 1..=9u32 {
+            assert!(
+                state.get(&BlockHash::key(&n)).is_none(),
+                "block {n}'s hash is pruned"
+            );
+            assert!(
+                chain
+                    .block_by_number(u64::from(n))
+                    .expect("header")
+                    .extrinsics
+                    .is_none()
+            );
+        }
+        let recent = (total - BLOCK_HASH_COUNT) as u32;
+        assert!(state.get(&BlockHash::key(&recent)).is_some());
+        assert!(
+            chain
+                .block_by_number(u64::from(recent))
+                .expect("header")
+                .extrinsics
+                .is_some()
+        );
+        let hashes = state.keys_with_prefix(&BlockHash::prefix(), None).count() as u64;
+        assert_eq!(
+            hashes,
+            BLOCK_HASH_COUNT + 1,
+            "the last BlockHashCount hashes and genesis"
+        );
     }
 }

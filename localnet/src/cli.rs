@@ -78,6 +78,7 @@ pub async fn run(args: LocalnetArgs) -> Result<(), CliError> {
                     block_time: (!a.block_time.is_zero()).then_some(a.block_time),
                     instant: a.instant || a.block_time.is_zero(),
                     new_subnet_tempo: a.tempo,
+                    ..ChainConfig::default()
                 },
             };
             let net = Localnet::spawn(config).await?;

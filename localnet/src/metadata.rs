@@ -28,6 +28,10 @@ use crate::runtime::storage;
 use crate::runtime::types::{AccountId32, H256, MultiAddress, MultiSignature, RuntimeVersion};
 use crate::runtime::{EXISTENTIAL_DEPOSIT, SS58_PREFIX, runtime_version};
 
+/// `Aura.SlotDuration` as declared: the default block time of `iota localnet chain` (a timer
+/// set on the command line changes the blocks, not this constant).
+pub const SLOT_DURATION_MS: u64 = 250;
+
 /// The module-error outer enum: one variant per pallet wrapping its error enum.
 #[derive(TypeInfo)]
 #[allow(dead_code)]
@@ -75,6 +79,97 @@ const CANONICAL_PATHS: &[(&str, &[&str])] = &[
     ("RuntimeVersion", &["sp_version", "RuntimeVersion"]),
     ("Cow", &["Cow"]),
     ("RuntimeCall", &["node_subtensor_runtime", "RuntimeCall"]),
+    ("Runtime", &["node_subtensor_runtime", "Runtime"]),
+    ("OpaqueMetadata", &["sp_core", "OpaqueMetadata"]),
+    (
+        "RuntimeDispatchInfo",
+        &["pallet_transaction_payment", "types", "RuntimeDispatchInfo"],
+    ),
+    (
+        "TransactionSource",
+        &["sp_runtime", "transaction_validity", "TransactionSource"],
+    ),
+    (
+        "ValidTransaction",
+        &["sp_runtime", "transaction_validity", "ValidTransaction"],
+    ),
+    (
+        "InvalidTransactionKind",
+        &["sp_runtime", "transaction_validity", "InvalidTransaction"],
+    ),
+    (
+        "UnknownTransaction",
+        &["sp_runtime", "transaction_validity", "UnknownTransaction"],
+    ),
+    (
+        "TransactionValidityError",
+        &[
+            "sp_runtime",
+            "transaction_validity",
+            "TransactionValidityError",
+        ],
+    ),
+    ("FixedI128", &["substrate_fixed", "FixedI128"]),
+    ("FixedI64", &["substrate_fixed", "FixedI64"]),
+    (
+        "SubnetIdentityV3",
+        &["pallet_subtensor", "pallet", "SubnetIdentityV3"],
+    ),
+    (
+        "ChainIdentityV2",
+        &["pallet_subtensor", "pallet", "ChainIdentityV2"],
+    ),
+    (
+        "PrometheusInfo",
+        &["pallet_subtensor", "pallet", "PrometheusInfo"],
+    ),
+    (
+        "Metagraph",
+        &["pallet_subtensor", "rpc_info", "metagraph", "Metagraph"],
+    ),
+    (
+        "SelectiveMetagraph",
+        &[
+            "pallet_subtensor",
+            "rpc_info",
+            "metagraph",
+            "SelectiveMetagraph",
+        ],
+    ),
+    (
+        "NeuronInfo",
+        &["pallet_subtensor", "rpc_info", "neuron_info", "NeuronInfo"],
+    ),
+    (
+        "NeuronInfoLite",
+        &[
+            "pallet_subtensor",
+            "rpc_info",
+            "neuron_info",
+            "NeuronInfoLite",
+        ],
+    ),
+    (
+        "SimSwapResult",
+        &["pallet_subtensor_swap_runtime_api", "SimSwapResult"],
+    ),
+    (
+        "SubnetState",
+        &["pallet_subtensor", "rpc_info", "show_subnet", "SubnetState"],
+    ),
+    (
+        "StakeInfo",
+        &["pallet_subtensor", "rpc_info", "stake_info", "StakeInfo"],
+    ),
+    (
+        "SubnetHyperparamsV2",
+        &[
+            "pallet_subtensor",
+            "rpc_info",
+            "subnet_info",
+            "SubnetHyperparamsV2",
+        ],
+    ),
     ("RuntimeEvent", &["node_subtensor_runtime", "RuntimeEvent"]),
     ("RuntimeError", &["node_subtensor_runtime", "RuntimeError"]),
     ("SystemCall", &["frame_system", "pallet", "Call"]),
@@ -105,7 +200,7 @@ fn pallet(
     index: u8,
     calls: Option<MetaType>,
     event: Option<MetaType>,
-    error: MetaType,
+    error: Option<MetaType>,
     storage: (&'static str, Vec<frame_metadata::v16::StorageEntryMetadata>),
     constants: Vec<PalletConstantMetadata>,
 ) -> PalletMetadata {
@@ -124,8 +219,8 @@ fn pallet(
             deprecation_info: EnumDeprecationInfo::nothing_deprecated(),
         }),
         constants,
-        error: Some(PalletErrorMetadata {
-            ty: error,
+        error: error.map(|ty| PalletErrorMetadata {
+            ty,
             deprecation_info: EnumDeprecationInfo::nothing_deprecated(),
         }),
         associated_types: vec![],
@@ -190,6 +285,155 @@ fn extension<T: TypeInfo + 'static, I: TypeInfo + 'static>(
     }
 }
 
+/// The runtime APIs the localnet answers, with finney's trait names, method names, parameter
+/// names and types. `runtime_version()` advertises the same traits.
+pub const RUNTIME_APIS: &[(&str, u32)] = &[
+    ("Core", 5),
+    ("Metadata", 2),
+    ("TaggedTransactionQueue", 3),
+    ("AccountNonceApi", 1),
+    ("TransactionPaymentApi", 4),
+    ("NeuronInfoRuntimeApi", 1),
+    ("SubnetInfoRuntimeApi", 1),
+    ("SubnetRegistrationRuntimeApi", 1),
+    ("StakeInfoRuntimeApi", 1),
+    ("SwapRuntimeApi", 1),
+];
+
+fn runtime_apis() -> Vec<RuntimeApiMetadata> {
+    use crate::runtime::rpc_info as info;
+    let netuid = || ("netuid", meta_type::<u16>());
+    let uid = || ("uid", meta_type::<u16>());
+    let methods = |name: &str| -> Vec<RuntimeApiMethodMetadata> {
+        match name {
+            "Core" => vec![api_method("version", vec![], meta_type::<RuntimeVersion>())],
+            "Metadata" => vec![
+                api_method("metadata", vec![], meta_type::<info::OpaqueMetadata>()),
+                api_method(
+                    "metadata_at_version",
+                    vec![("version", meta_type::<u32>())],
+                    meta_type::<Option<info::OpaqueMetadata>>(),
+                ),
+                api_method("metadata_versions", vec![], meta_type::<Vec<u32>>()),
+            ],
+            "TaggedTransactionQueue" => vec![api_method(
+                "validate_transaction",
+                vec![
+                    ("source", meta_type::<ext::TransactionSource>()),
+                    ("tx", meta_type::<ext::UncheckedExtrinsic>()),
+                    ("block_hash", meta_type::<H256>()),
+                ],
+                meta_type::<ext::TransactionValidity>(),
+            )],
+            "AccountNonceApi" => vec![api_method(
+                "account_nonce",
+                vec![("account", meta_type::<AccountId32>())],
+                meta_type::<u32>(),
+            )],
+            "TransactionPaymentApi" => vec![api_method(
+                "query_info",
+                vec![
+                    ("uxt", meta_type::<ext::UncheckedExtrinsic>()),
+                    ("len", meta_type::<u32>()),
+                ],
+                meta_type::<info::RuntimeDispatchInfo>(),
+            )],
+            "NeuronInfoRuntimeApi" => vec![
+                api_method(
+                    "get_neurons",
+                    vec![netuid()],
+                    meta_type::<Vec<info::NeuronInfo>>(),
+                ),
+                api_method(
+                    "get_neuron",
+                    vec![netuid(), uid()],
+                    meta_type::<Option<info::NeuronInfo>>(),
+                ),
+                api_method(
+                    "get_neurons_lite",
+                    vec![netuid()],
+                    meta_type::<Vec<info::NeuronInfoLite>>(),
+                ),
+                api_method(
+                    "get_neuron_lite",
+                    vec![netuid(), uid()],
+                    meta_type::<Option<info::NeuronInfoLite>>(),
+                ),
+            ],
+            "SubnetInfoRuntimeApi" => vec![
+                api_method(
+                    "get_subnet_hyperparams_v2",
+                    vec![netuid()],
+                    meta_type::<Option<info::SubnetHyperparamsV2>>(),
+                ),
+                api_method(
+                    "get_metagraph",
+                    vec![netuid()],
+                    meta_type::<Option<info::Metagraph>>(),
+                ),
+                api_method(
+                    "get_selective_metagraph",
+                    vec![netuid(), ("metagraph_indexes", meta_type::<Vec<u16>>())],
+                    meta_type::<Option<info::SelectiveMetagraph>>(),
+                ),
+                api_method(
+                    "get_selective_mechagraph",
+                    vec![
+                        netuid(),
+                        ("subid", meta_type::<u8>()),
+                        ("metagraph_indexes", meta_type::<Vec<u16>>()),
+                    ],
+                    meta_type::<Option<info::SelectiveMetagraph>>(),
+                ),
+                api_method(
+                    "get_subnet_state",
+                    vec![netuid()],
+                    meta_type::<Option<info::SubnetState>>(),
+                ),
+            ],
+            "SubnetRegistrationRuntimeApi" => vec![api_method(
+                "get_network_registration_cost",
+                vec![],
+                meta_type::<u64>(),
+            )],
+            "StakeInfoRuntimeApi" => vec![
+                api_method(
+                    "get_stake_info_for_coldkey",
+                    vec![("coldkey_account", meta_type::<AccountId32>())],
+                    meta_type::<Vec<info::StakeInfo>>(),
+                ),
+                api_method(
+                    "get_stake_info_for_hotkey_coldkey_netuid",
+                    vec![
+                        ("hotkey_account", meta_type::<AccountId32>()),
+                        ("coldkey_account", meta_type::<AccountId32>()),
+                        ("netuid", meta_type::<u16>()),
+                    ],
+                    meta_type::<Option<info::StakeInfo>>(),
+                ),
+            ],
+            "SwapRuntimeApi" => vec![
+                api_method("current_alpha_price", vec![netuid()], meta_type::<u64>()),
+                api_method(
+                    "sim_swap_tao_for_alpha",
+                    vec![netuid(), ("tao", meta_type::<u64>())],
+                    meta_type::<info::SimSwapResult>(),
+                ),
+                api_method(
+                    "sim_swap_alpha_for_tao",
+                    vec![netuid(), ("alpha", meta_type::<u64>())],
+                    meta_type::<info::SimSwapResult>(),
+                ),
+            ],
+            _ => vec![],
+        }
+    };
+    RUNTIME_APIS
+        .iter()
+        .map(|(name, version)| api(name, *version, methods(name)))
+        .collect()
+}
+
 fn build() -> RuntimeMetadataV16 {
     let extensions = vec![
         extension::<ext::CheckNonZeroSender, ()>("CheckNonZeroSender"),
@@ -222,20 +466,30 @@ fn build() -> RuntimeMetadataV16 {
             0,
             Some(meta_type::<SystemCall>()),
             Some(meta_type::<SystemEvent>()),
-            meta_type::<SystemError>(),
+            Some(meta_type::<SystemError>()),
             ("System", storage::system::entries()),
             vec![
-                constant("BlockHashCount", 2_400u32),
+                constant("BlockHashCount", crate::chain::BLOCK_HASH_COUNT as u32),
                 constant("Version", runtime_version()),
                 constant("SS58Prefix", SS58_PREFIX),
             ],
+        ),
+        // Only the slot duration: clients read the block time from it.
+        pallet(
+            "Aura",
+            3,
+            None,
+            None,
+            None,
+            ("Aura", vec![]),
+            vec![constant("SlotDuration", SLOT_DURATION_MS)],
         ),
         pallet(
             "Balances",
             5,
             Some(meta_type::<BalancesCall>()),
             Some(meta_type::<BalancesEvent>()),
-            meta_type::<BalancesError>(),
+            Some(meta_type::<BalancesError>()),
             ("Balances", storage::balances::entries()),
             vec![constant("ExistentialDeposit", EXISTENTIAL_DEPOSIT)],
         ),
@@ -244,7 +498,7 @@ fn build() -> RuntimeMetadataV16 {
             7,
             Some(meta_type::<SubtensorCall>()),
             Some(meta_type::<SubtensorEvent>()),
-            meta_type::<SubtensorError>(),
+            Some(meta_type::<SubtensorError>()),
             ("SubtensorModule", storage::subtensor::entries()),
             vec![],
         ),
@@ -253,7 +507,7 @@ fn build() -> RuntimeMetadataV16 {
             12,
             Some(meta_type::<SudoCall>()),
             Some(meta_type::<SudoEvent>()),
-            meta_type::<SudoError>(),
+            Some(meta_type::<SudoError>()),
             ("Sudo", storage::sudo::entries()),
             vec![],
         ),
@@ -262,41 +516,13 @@ fn build() -> RuntimeMetadataV16 {
             19,
             Some(meta_type::<AdminUtilsCall>()),
             Some(meta_type::<AdminUtilsEvent>()),
-            meta_type::<AdminUtilsError>(),
+            Some(meta_type::<AdminUtilsError>()),
             ("AdminUtils", vec![]),
             vec![],
         ),
     ];
 
-    let apis = vec![
-        api(
-            "Core",
-            5,
-            vec![api_method("version", vec![], meta_type::<RuntimeVersion>())],
-        ),
-        api(
-            "Metadata",
-            2,
-            vec![
-                api_method("metadata", vec![], meta_type::<Vec<u8>>()),
-                api_method(
-                    "metadata_at_version",
-                    vec![("version", meta_type::<u32>())],
-                    meta_type::<Option<Vec<u8>>>(),
-                ),
-                api_method("metadata_versions", vec![], meta_type::<Vec<u32>>()),
-            ],
-        ),
-        api(
-            "AccountNonceApi",
-            1,
-            vec![api_method(
-                "account_nonce",
-                vec![("account", meta_type::<AccountId32>())],
-                meta_type::<u32>(),
-            )],
-        ),
-    ];
+    let apis = runtime_apis();
 
     let outer_enums = OuterEnums {
         call_enum_ty: meta_type::<RuntimeCall>(),
@@ -324,6 +550,21 @@ fn build() -> RuntimeMetadataV16 {
             *segments = path.iter().map(|s| s.to_string()).collect();
         }
     }
+    // The runtime marker type V14 and V15 point at; nothing else refers to it.
+    let id = metadata.types.types.len() as u32;
+    metadata.types.types.push(scale_info::PortableType {
+        id,
+        ty: scale_info::Type {
+            path: scale_info::Path {
+                segments: vec!["node_subtensor_runtime".into(), "Runtime".into()],
+            },
+            type_params: vec![],
+            type_def: scale_info::TypeDef::Composite(scale_info::TypeDefComposite {
+                fields: vec![],
+            }),
+            docs: vec![],
+        },
+    });
     metadata
 }
 
@@ -334,6 +575,228 @@ pub fn metadata_bytes() -> &'static [u8] {
         RuntimeMetadataPrefixed(frame_metadata::META_RESERVED, RuntimeMetadata::V16(build()))
             .encode()
     })
+}
+
+/// The metadata versions served, as `Metadata_metadata_versions` lists them.
+pub const METADATA_VERSIONS: [u32; 3] = [14, 15, 16];
+
+/// The metadata in `version` (14, 15 or 16), every version from one type registry: V14 and V15
+/// are V16 with the fields older clients know, and the same type ids.
+pub fn metadata_bytes_at(version: u32) -> Option<&'static [u8]> {
+    static V14: OnceLock<Vec<u8>> = OnceLock::new();
+    static V15: OnceLock<Vec<u8>> = OnceLock::new();
+    let prefixed = |md: RuntimeMetadata| RuntimeMetadataPrefixed(frame_metadata::META_RESERVED, md);
+    match version {
+        14 => {
+            Some(V14.get_or_init(|| prefixed(RuntimeMetadata::V14(older::v14(build()))).encode()))
+        }
+        15 => {
+            Some(V15.get_or_init(|| prefixed(RuntimeMetadata::V15(older::v15(build()))).encode()))
+        }
+        16 => Some(metadata_bytes()),
+        _ => None,
+    }
+}
+
+/// Down-conversion of the portable V16 metadata to V15 and V14.
+mod older {
+    use frame_metadata::v14;
+    use frame_metadata::v15;
+    use frame_metadata::v16::{self, RuntimeMetadataV16};
+    use scale_info::form::PortableForm;
+    use scale_info::{PortableRegistry, TypeDef};
+
+    type P = PortableForm;
+
+    fn find(types: &PortableRegistry, last: &str) -> u32 {
+        types
+            .types
+            .iter()
+            .find(|t| t.ty.path.segments.last().map(String::as_str) == Some(last))
+            .map(|t| t.id)
+            .unwrap_or_else(|| panic!("type {last} is registered by the runtime API declarations"))
+    }
+
+    fn type_param(types: &PortableRegistry, id: u32, name: &str) -> u32 {
+        types
+            .resolve(id)
+            .and_then(|t| t.type_params.iter().find(|p| p.name == name))
+            .and_then(|p| p.ty)
+            .map(|t| t.id)
+            .unwrap_or_else(|| panic!("UncheckedExtrinsic has a type parameter {name}"))
+    }
+
+    fn storage(s: v16::PalletStorageMetadata<P>) -> v14::PalletStorageMetadata<P> {
+        v14::PalletStorageMetadata {
+            prefix: s.prefix,
+            entries: s
+                .entries
+                .into_iter()
+                .map(|e| v14::StorageEntryMetadata {
+                    name: e.name,
+                    modifier: e.modifier,
+                    ty: e.ty,
+                    default: e.default,
+                    docs: e.docs,
+                })
+                .collect(),
+        }
+    }
+
+    struct Parts {
+        constants: Vec<v14::PalletConstantMetadata<P>>,
+        storage: Option<v14::PalletStorageMetadata<P>>,
+        calls: Option<v14::PalletCallMetadata<P>>,
+        event: Option<v14::PalletEventMetadata<P>>,
+        error: Option<v14::PalletErrorMetadata<P>>,
+    }
+
+    fn parts(p: &v16::PalletMetadata<P>) -> Parts {
+        Parts {
+            constants: p
+                .constants
+                .iter()
+                .map(|c| v14::PalletConstantMetadata {
+                    name: c.name.clone(),
+                    ty: c.ty,
+                    value: c.value.clone(),
+                    docs: c.docs.clone(),
+                })
+                .collect(),
+            storage: p.storage.clone().map(storage),
+            calls: p
+                .calls
+                .as_ref()
+                .map(|c| v14::PalletCallMetadata { ty: c.ty }),
+            event: p
+                .event
+                .as_ref()
+                .map(|e| v14::PalletEventMetadata { ty: e.ty }),
+            error: p
+                .error
+                .as_ref()
+                .map(|e| v14::PalletErrorMetadata { ty: e.ty }),
+        }
+    }
+
+    fn extensions(md: &RuntimeMetadataV16) -> Vec<v14::SignedExtensionMetadata<P>> {
+        md.extrinsic
+            .transaction_extensions
+            .iter()
+            .map(|e| v14::SignedExtensionMetadata {
+                identifier: e.identifier.clone(),
+                ty: e.ty,
+                additional_signed: e.implicit,
+            })
+            .collect()
+    }
+
+    pub fn v15(md: RuntimeMetadataV16) -> v15::RuntimeMetadataV15 {
+        let xt = find(&md.types, "UncheckedExtrinsic");
+        let extra = type_param(&md.types, xt, "Extra");
+        let runtime = find(&md.types, "Runtime");
+        let signed_extensions = extensions(&md)
+            .into_iter()
+            .map(|e| v15::SignedExtensionMetadata {
+                identifier: e.identifier,
+                ty: e.ty,
+                additional_signed: e.additional_signed,
+            })
+            .collect();
+        let pallets = md
+            .pallets
+            .iter()
+            .map(|p| {
+                let parts = parts(p);
+                v15::PalletMetadata {
+                    name: p.name.clone(),
+                    storage: parts.storage,
+                    calls: parts.calls,
+                    event: parts.event,
+                    constants: parts.constants,
+                    error: parts.error,
+                    index: p.index,
+                    docs: p.docs.clone(),
+                }
+            })
+            .collect();
+        let apis = md
+            .apis
+            .iter()
+            .map(|a| v15::RuntimeApiMetadata {
+                name: a.name.clone(),
+                methods: a
+                    .methods
+                    .iter()
+                    .map(|m| v15::RuntimeApiMethodMetadata {
+                        name: m.name.clone(),
+                        inputs: m
+                            .inputs
+                            .iter()
+                            .map(|i| v15::RuntimeApiMethodParamMetadata {
+                                name: i.name.clone(),
+                                ty: i.ty,
+                            })
+                            .collect(),
+                        output: m.output,
+                        docs: m.docs.clone(),
+                    })
+                    .collect(),
+                docs: a.docs.clone(),
+            })
+            .collect();
+        v15::RuntimeMetadataV15 {
+            pallets,
+            extrinsic: v15::ExtrinsicMetadata {
+                version: 4,
+                address_ty: md.extrinsic.address_ty,
+                call_ty: md.extrinsic.call_ty,
+                signature_ty: md.extrinsic.signature_ty,
+                extra_ty: extra.into(),
+                signed_extensions,
+            },
+            ty: runtime.into(),
+            apis,
+            outer_enums: md.outer_enums,
+            custom: md.custom,
+            types: md.types,
+        }
+    }
+
+    pub fn v14(md: RuntimeMetadataV16) -> v14::RuntimeMetadataV14 {
+        let xt = find(&md.types, "UncheckedExtrinsic");
+        debug_assert!(matches!(
+            md.types.resolve(xt).map(|t| &t.type_def),
+            Some(TypeDef::Composite(_))
+        ));
+        let runtime = find(&md.types, "Runtime");
+        let pallets = md
+            .pallets
+            .iter()
+            .map(|p| {
+                let parts = parts(p);
+                v14::PalletMetadata {
+                    name: p.name.clone(),
+                    storage: parts.storage,
+                    calls: parts.calls,
+                    event: parts.event,
+                    constants: parts.constants,
+                    error: parts.error,
+                    index: p.index,
+                }
+            })
+            .collect();
+        v14::RuntimeMetadataV14 {
+            pallets,
+            extrinsic: v14::ExtrinsicMetadata {
+                ty: xt.into(),
+                version: 4,
+                signed_extensions: extensions(&md),
+            },
+            ty: runtime.into(),
+            types: md.types,
+        }
+    }
 }
 
 /// The path of the committed copy, relative to the workspace root.
@@ -358,5 +821,48 @@ mod tests {
         );
         let errors = sub.error_variants().expect("errors");
         assert_eq!(errors[28].name, "SettingWeightsTooFast");
+    }
+
+    #[test]
+    fn v14_v15_and_v16_describe_the_same_runtime() {
+        let v16 = subxt_metadata::Metadata::decode_from(metadata_bytes()).expect("v16");
+        for version in [14, 15] {
+            let bytes = metadata_bytes_at(version).expect("served");
+            assert_eq!(&bytes[..4], b"meta");
+            assert_eq!(bytes[4], version as u8, "version byte");
+            let md = subxt_metadata::Metadata::decode_from(bytes).expect("decodes");
+            for p in v16.pallets() {
+                let q = md.pallet_by_name(p.name()).expect("same pallets");
+                assert_eq!(p.call_index(), q.call_index());
+                assert_eq!(p.hash(), q.hash(), "pallet {} in V{version}", p.name());
+            }
+            let ids = |m: &subxt_metadata::Metadata| {
+                m.extrinsic()
+                    .transaction_extensions_to_use_for_encoding()
+                    .map(|e| e.identifier().to_string())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ids(&md), ids(&v16), "V{version} transaction extensions");
+            let names = |m: &subxt_metadata::Metadata| {
+                m.runtime_api_traits()
+                    .flat_map(|t| {
+                        t.methods()
+                            .map(move |x| (t.name().to_string(), x.name().to_string(), x.hash()))
+                    })
+                    .collect::<Vec<_>>()
+            };
+            if version == 15 {
+                assert_eq!(
+                    names(&md),
+                    names(&v16),
+                    "V15 declares the same runtime APIs"
+                );
+            }
+        }
+        assert!(metadata_bytes_at(13).is_none());
+        let sub = v16
+            .runtime_api_trait_by_name("SubnetInfoRuntimeApi")
+            .expect("declared");
+        assert!(sub.method_by_name("get_metagraph").is_some());
     }
 }

@@ -10,9 +10,12 @@ use parity_scale_codec::{Decode, Encode};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::chain::{Chain, SubmitError, TxStatus};
-use crate::metadata::metadata_bytes;
+use crate::chain::{Chain, SubmitError, TxStatus, verify_unlocked};
+use crate::metadata::{METADATA_VERSIONS, metadata_bytes_at};
 use crate::runtime::extrinsic::InvalidTransaction;
+use crate::runtime::extrinsic::extension_types::{
+    TransactionSource, TransactionValidity, TransactionValidityError, ValidTransaction,
+};
 use crate::runtime::types::{AccountId32, H256, Header};
 use crate::runtime::{self, runtime_version};
 
@@ -25,6 +28,10 @@ const CLIENT_ERROR: i32 = 4003;
 const VERIFICATION_ERROR: i32 = 1002;
 const POOL_INVALID_TX: i32 = 1010;
 const POOL_ALREADY_IMPORTED: i32 = 1013;
+const POOL_TOO_LOW_PRIORITY: i32 = 1014;
+const POOL_IMMEDIATELY_DROPPED: i32 = 1016;
+/// Most keys `state_getKeys` returns in one answer (the paged form has no such limit).
+const MAX_KEYS: usize = 10_000;
 
 fn invalid_params(msg: impl Into<String>) -> ErrorObjectOwned {
     ErrorObject::owned(INVALID_PARAMS, msg.into(), None::<()>)
@@ -50,6 +57,18 @@ fn submit_error(err: SubmitError) -> ErrorObjectOwned {
             POOL_ALREADY_IMPORTED,
             "Transaction Already Imported",
             None::<()>,
+        ),
+        SubmitError::TooLowPriority => ErrorObject::owned(
+            POOL_TOO_LOW_PRIORITY,
+            "Priority is too low: (0 vs 0)",
+            Some(
+                "The transaction has too low priority to replace another transaction already in the pool.",
+            ),
+        ),
+        SubmitError::PoolFull => ErrorObject::owned(
+            POOL_IMMEDIATELY_DROPPED,
+            "Immediately Dropped",
+            Some("The transaction couldn't enter the pool because of the limit"),
         ),
     }
 }
@@ -155,87 +174,145 @@ fn status_json(status: &TxStatus) -> Value {
     }
 }
 
-/// Runtime API calls answered by `state_call`.
+fn decode_arg<T: Decode>(input: &mut &[u8], what: &str) -> Result<T, ErrorObjectOwned> {
+    T::decode(input).map_err(|e| invalid_params(format!("{what}: {e}")))
+}
+
+/// Runtime API calls answered by `state_call`, each one a method the metadata declares.
 fn runtime_call(
     chain: &Chain,
     method: &str,
     data: &[u8],
     at: Option<&H256>,
 ) -> Result<Vec<u8>, ErrorObjectOwned> {
+    use crate::runtime::rpc_info as info;
     let state = chain.state_at(at).map_err(client_error)?;
+    let block = match at {
+        Some(h) => chain.block_by_hash(h).map(|b| b.header.number as u64),
+        None => Some(chain.best().header.number as u64),
+    }
+    .unwrap_or_default();
     let input = &mut &data[..];
-    match method {
-        "Core_version" => Ok(runtime_version().encode()),
-        "Metadata_metadata" => Ok(metadata_bytes().to_vec().encode()),
-        "Metadata_metadata_versions" => Ok(vec![16u32].encode()),
+    let out = match method {
+        "Core_version" => runtime_version().encode(),
+        "Metadata_metadata" => {
+            info::OpaqueMetadata(metadata_bytes_at(14).unwrap_or_default().to_vec()).encode()
+        }
+        "Metadata_metadata_versions" => METADATA_VERSIONS.to_vec().encode(),
         "Metadata_metadata_at_version" => {
-            let version =
-                u32::decode(input).map_err(|e| invalid_params(format!("version: {e}")))?;
-            Ok((version == 16).then(|| metadata_bytes().to_vec()).encode())
+            let version: u32 = decode_arg(input, "version")?;
+            metadata_bytes_at(version)
+                .map(|b| info::OpaqueMetadata(b.to_vec()))
+                .encode()
         }
         "AccountNonceApi_account_nonce" => {
-            let who =
-                AccountId32::decode(input).map_err(|e| invalid_params(format!("account: {e}")))?;
-            Ok(runtime::account_nonce(state, &who).encode())
+            let who: AccountId32 = decode_arg(input, "account")?;
+            runtime::account_nonce(state, &who).encode()
         }
         "TaggedTransactionQueue_validate_transaction" => {
-            let _source = u8::decode(input).map_err(|e| invalid_params(format!("source: {e}")))?;
-            let tx = Vec::<u8>::decode(input)
-                .map_err(|e| invalid_params(format!("transaction: {e}")))?;
+            let _source: TransactionSource = decode_arg(input, "source")?;
+            let tx: Vec<u8> = decode_arg(input, "tx")?;
             let mut framed = parity_scale_codec::Compact(tx.len() as u32).encode();
             framed.extend_from_slice(&tx);
-            Ok(transaction_validity(chain.validate(&framed)))
+            let validity: TransactionValidity = chain
+                .validate(&framed)
+                .map(|()| ValidTransaction {
+                    priority: 0,
+                    requires: vec![],
+                    provides: vec![],
+                    longevity: u64::MAX,
+                    propagate: true,
+                })
+                .map_err(TransactionValidityError::from);
+            validity.encode()
         }
-        other => Err(client_error(format!(
-            "Execution failed: Exported method {other} is not found"
-        ))),
-    }
-}
-
-/// SCALE `TransactionValidity`: `Result<ValidTransaction, TransactionValidityError>`.
-fn transaction_validity(result: Result<(), InvalidTransaction>) -> Vec<u8> {
-    match result {
-        Ok(()) => {
-            // priority, requires, provides, longevity, propagate
-            let valid = (
-                0u64,
-                Vec::<Vec<u8>>::new(),
-                Vec::<Vec<u8>>::new(),
-                u64::MAX,
-                true,
-            );
-            let mut out = vec![0u8];
-            valid.encode_to(&mut out);
-            out
+        "TransactionPaymentApi_query_info" => {
+            let _uxt: Vec<u8> = decode_arg(input, "uxt")?;
+            let len: u32 = decode_arg(input, "len")?;
+            info::query_info(len).encode()
         }
-        Err(invalid) => {
-            // Err, TransactionValidityError::Invalid, then the InvalidTransaction variant.
-            let mut out = vec![1u8, 0];
-            match invalid {
-                InvalidTransaction::Call | InvalidTransaction::Undecodable => out.push(0),
-                InvalidTransaction::Payment => out.push(1),
-                InvalidTransaction::Future => out.push(2),
-                InvalidTransaction::Stale => out.push(3),
-                InvalidTransaction::BadProof => out.push(4),
-                InvalidTransaction::AncientBirthBlock => out.push(5),
-                InvalidTransaction::ExhaustsResources => out.push(6),
-                InvalidTransaction::Custom(code) => out.extend([7, code]),
-            }
-            out
+        "NeuronInfoRuntimeApi_get_neurons" => {
+            info::neurons(state, decode_arg(input, "netuid")?).encode()
         }
-    }
+        "NeuronInfoRuntimeApi_get_neurons_lite" => {
+            info::neurons_lite(state, decode_arg(input, "netuid")?).encode()
+        }
+        "NeuronInfoRuntimeApi_get_neuron" => {
+            let netuid: u16 = decode_arg(input, "netuid")?;
+            info::neuron(state, netuid, decode_arg(input, "uid")?).encode()
+        }
+        "NeuronInfoRuntimeApi_get_neuron_lite" => {
+            let netuid: u16 = decode_arg(input, "netuid")?;
+            info::neuron_lite_at(state, netuid, decode_arg(input, "uid")?).encode()
+        }
+        "SubnetInfoRuntimeApi_get_metagraph" => {
+            info::metagraph(state, decode_arg(input, "netuid")?, block).encode()
+        }
+        "SubnetInfoRuntimeApi_get_selective_metagraph" => {
+            let netuid: u16 = decode_arg(input, "netuid")?;
+            let indexes: Vec<u16> = decode_arg(input, "metagraph_indexes")?;
+            info::metagraph(state, netuid, block)
+                .map(|m| info::SelectiveMetagraph::select(m, &indexes))
+                .encode()
+        }
+        "SubnetInfoRuntimeApi_get_selective_mechagraph" => {
+            let netuid: u16 = decode_arg(input, "netuid")?;
+            let subid: u8 = decode_arg(input, "subid")?;
+            let indexes: Vec<u16> = decode_arg(input, "metagraph_indexes")?;
+            // One mechanism per subnet on the localnet: mechanism 0 is the subnet.
+            (subid == 0)
+                .then(|| info::metagraph(state, netuid, block))
+                .flatten()
+                .map(|m| info::SelectiveMetagraph::select(m, &indexes))
+                .encode()
+        }
+        "SubnetInfoRuntimeApi_get_subnet_state" => {
+            info::subnet_state(state, decode_arg(input, "netuid")?).encode()
+        }
+        "SubnetInfoRuntimeApi_get_subnet_hyperparams_v2" => {
+            info::hyperparams_v2(state, decode_arg(input, "netuid")?).encode()
+        }
+        "StakeInfoRuntimeApi_get_stake_info_for_coldkey" => {
+            info::stake_info_for_coldkey(state, &decode_arg(input, "coldkey_account")?).encode()
+        }
+        "StakeInfoRuntimeApi_get_stake_info_for_hotkey_coldkey_netuid" => {
+            let hotkey: AccountId32 = decode_arg(input, "hotkey_account")?;
+            let coldkey: AccountId32 = decode_arg(input, "coldkey_account")?;
+            info::stake_info(state, &hotkey, &coldkey, decode_arg(input, "netuid")?).encode()
+        }
+        "SwapRuntimeApi_current_alpha_price" => {
+            let _netuid: u16 = decode_arg(input, "netuid")?;
+            info::ALPHA_PRICE.encode()
+        }
+        "SwapRuntimeApi_sim_swap_tao_for_alpha" | "SwapRuntimeApi_sim_swap_alpha_for_tao" => {
+            let _netuid: u16 = decode_arg(input, "netuid")?;
+            info::sim_swap(decode_arg(input, "amount")?).encode()
+        }
+        "SubnetRegistrationRuntimeApi_get_network_registration_cost" => {
+            info::network_registration_cost(state).encode()
+        }
+        other => {
+            return Err(client_error(format!(
+                "Execution failed: Exported method {other} is not found"
+            )));
+        }
+    };
+    Ok(out)
 }
 
 const METHODS: &[&str] = &[
+    "account_nextIndex",
     "author_pendingExtrinsics",
     "author_submitAndWatchExtrinsic",
     "author_submitExtrinsic",
     "author_unwatchExtrinsic",
     "chain_getBlock",
     "chain_getBlockHash",
+    "chain_getFinalisedHead",
     "chain_getFinalizedHead",
     "chain_getHead",
     "chain_getHeader",
+    "chain_getRuntimeVersion",
     "chain_subscribeAllHeads",
     "chain_subscribeFinalizedHeads",
     "chain_subscribeNewHeads",
@@ -243,15 +320,20 @@ const METHODS: &[&str] = &[
     "chain_unsubscribeFinalizedHeads",
     "chain_unsubscribeNewHeads",
     "dev_newBlock",
+    "payment_queryInfo",
     "rpc_methods",
     "state_call",
+    "state_getKeys",
     "state_getKeysPaged",
     "state_getMetadata",
     "state_getRuntimeVersion",
     "state_getStorage",
+    "state_getStorageAt",
     "state_queryStorageAt",
     "state_subscribeRuntimeVersion",
+    "state_subscribeStorage",
     "state_unsubscribeRuntimeVersion",
+    "state_unsubscribeStorage",
     "system_accountNextIndex",
     "system_chain",
     "system_health",
@@ -287,8 +369,9 @@ pub fn module(
             .ok_or_else(|| invalid_params("account: expected SS58"))?;
         let who: AccountId32 = sp_core::crypto::Ss58Codec::from_ss58check(who)
             .map_err(|e| invalid_params(format!("account: {e:?}")))?;
-        Ok(runtime::account_nonce(lock(chain).best_state(), &who))
+        Ok(lock(chain).next_index(&who))
     })?;
+    m.register_alias("account_nextIndex", "system_accountNextIndex")?;
 
     m.register_method(
         "chain_getBlockHash",
@@ -324,14 +407,16 @@ pub fn module(
                 None => Some(chain.best()),
                 Some(h) => chain.block_by_hash(&h),
             };
-            Ok(block.map(|b| {
-                json!({
+            // A pruned body reads as an unknown block, as on a pruned node.
+            Ok(block.and_then(|b| {
+                let extrinsics = b.extrinsics.as_ref()?;
+                Some(json!({
                     "block": {
                         "header": header_json(&b.header),
-                        "extrinsics": b.extrinsics.iter().map(hex0x).collect::<Vec<_>>(),
+                        "extrinsics": extrinsics.iter().map(hex0x).collect::<Vec<_>>(),
                     },
                     "justifications": null,
-                })
+                }))
             }))
         },
     )?;
@@ -376,7 +461,9 @@ pub fn module(
             }
         },
     )?;
-    m.register_method("state_getMetadata", |_, _, _| hex0x(metadata_bytes()))?;
+    m.register_method("state_getMetadata", |_, _, _| {
+        hex0x(metadata_bytes_at(14).unwrap_or_default())
+    })?;
     m.register_method("state_call", |p, chain, _| -> RpcResult<String> {
         let args = positional(&p)?;
         let method = arg(&args, 0)
@@ -449,6 +536,61 @@ pub fn module(
         Ok(json!([{ "block": hex0x(block_hash), "changes": changes }]))
     })?;
 
+    m.register_alias("state_getStorageAt", "state_getStorage")?;
+    m.register_alias("chain_getRuntimeVersion", "state_getRuntimeVersion")?;
+    m.register_alias("chain_getFinalisedHead", "chain_getFinalizedHead")?;
+    m.register_method("state_getKeys", |p, chain, _| -> RpcResult<Vec<String>> {
+        let args = positional(&p)?;
+        let prefix = parse_hex(arg(&args, 0), "prefix")?;
+        let at = parse_hash(arg(&args, 1))?;
+        let chain = lock(chain);
+        let state = chain.state_at(at.as_ref()).map_err(client_error)?;
+        let keys: Vec<String> = state
+            .keys_with_prefix(&prefix, None)
+            .take(MAX_KEYS + 1)
+            .map(hex0x)
+            .collect();
+        if keys.len() > MAX_KEYS {
+            return Err(client_error(format!(
+                "more than {MAX_KEYS} keys under this prefix: use state_getKeysPaged"
+            )));
+        }
+        Ok(keys)
+    })?;
+    m.register_method("payment_queryInfo", |p, _, _| -> RpcResult<Value> {
+        let args = positional(&p)?;
+        let bytes = parse_hex(arg(&args, 0), "extrinsic")?;
+        let info = crate::runtime::rpc_info::query_info(bytes.len() as u32);
+        Ok(json!({
+            "weight": { "ref_time": info.weight.ref_time, "proof_size": info.weight.proof_size },
+            "class": "normal",
+            "partialFee": info.partial_fee.to_string(),
+        }))
+    })?;
+    m.register_subscription(
+        "state_subscribeStorage",
+        "state_storage",
+        "state_unsubscribeStorage",
+        |p, pending, chain, _| async move {
+            let keys = match positional(&p).and_then(|args| match arg(&args, 0) {
+                Value::Array(keys) => keys
+                    .iter()
+                    .map(|k| parse_hex(k, "storage key"))
+                    .collect::<Result<Vec<_>, _>>(),
+                Value::Null => Err(invalid_params(
+                    "keys: subscribing to every key is not supported",
+                )),
+                _ => Err(invalid_params("keys: expected an array")),
+            }) {
+                Ok(keys) if keys.len() <= MAX_KEYS => keys,
+                Ok(_) => return pending.reject(invalid_params("too many keys")).await,
+                Err(e) => return pending.reject(e).await,
+            };
+            let mut heads = lock(&chain).subscribe_heads();
+            stream_storage(pending, (*chain).clone(), keys, &mut heads).await;
+        },
+    )?;
+
     m.register_method("author_pendingExtrinsics", |_, chain, _| -> Vec<String> {
         lock(chain).pending().map(hex0x).collect()
     })?;
@@ -457,8 +599,9 @@ pub fn module(
         |p, chain, _| -> RpcResult<String> {
             let args = positional(&p)?;
             let bytes = parse_hex(arg(&args, 0), "extrinsic")?;
+            let xt = verify_unlocked(chain, &bytes).map_err(|e| submit_error(e.into()))?;
             lock(chain)
-                .submit(bytes, None)
+                .submit_verified(bytes, xt, None)
                 .map(hex0x)
                 .map_err(submit_error)
         },
@@ -473,8 +616,12 @@ pub fn module(
                 Ok(b) => b,
                 Err(e) => return pending.reject(e).await,
             };
+            let xt = match verify_unlocked(&chain, &bytes) {
+                Ok(xt) => xt,
+                Err(e) => return pending.reject(submit_error(e.into())).await,
+            };
             let (tx, rx) = mpsc::unbounded_channel();
-            let submitted = lock(&chain).submit(bytes, Some(tx));
+            let submitted = lock(&chain).submit_verified(bytes, xt, Some(tx));
             if let Err(e) = submitted {
                 return pending.reject(submit_error(e)).await;
             }
@@ -525,6 +672,52 @@ async fn stream_heads(
                 Ok(header) => next = Some(header),
                 // A slow subscriber skips heads rather than holding the chain back.
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            },
+        }
+    }
+}
+
+/// `state_storage` notifications: the watched keys' values now, then each block's changes.
+async fn stream_storage(
+    pending: PendingSubscriptionSink,
+    chain: SharedChain,
+    keys: Vec<Vec<u8>>,
+    heads: &mut tokio::sync::broadcast::Receiver<Header>,
+) {
+    let Ok(sink) = pending.accept().await else {
+        return;
+    };
+    let mut last: Vec<Option<Vec<u8>>> = vec![None; keys.len()];
+    let mut first = true;
+    loop {
+        let (hash, values) = {
+            let chain = lock(&chain);
+            let state = chain.best_state();
+            let values: Vec<Option<Vec<u8>>> = keys.iter().map(|k| state.get(k).cloned()).collect();
+            (chain.best().hash, values)
+        };
+        let changes: Vec<Value> = keys
+            .iter()
+            .zip(values.iter().zip(&last))
+            .filter(|(_, (now, before))| first || now != before)
+            .map(|(k, (now, _))| json!([hex0x(k), now.as_ref().map(hex0x)]))
+            .collect();
+        if !changes.is_empty() {
+            let msg = json!({ "block": hex0x(hash), "changes": changes });
+            let Ok(msg) = serde_json::value::to_raw_value(&msg) else {
+                return;
+            };
+            if sink.send(msg).await.is_err() {
+                return;
+            }
+        }
+        first = false;
+        last = values;
+        tokio::select! {
+            _ = sink.closed() => return,
+            received = heads.recv() => match received {
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             },
         }

@@ -23,19 +23,31 @@ impl PublicKey {
         Self(bytes)
     }
 
-    /// Parses an SS58 address of any network prefix.
+    /// Parses an SS58 address with Bittensor's prefix (42). An address of another network (a
+    /// Polkadot `1…` or Kusama address of the same key) is refused: sending to it is almost
+    /// always a mistake of network, not of key.
     ///
     /// # Errors
     ///
-    /// [`WalletError::InvalidAddress`] when the checksum or length is wrong.
+    /// [`WalletError::InvalidAddress`] when the checksum or length is wrong or the prefix is not
+    /// 42.
     pub fn from_ss58(address: &str) -> Result<Self, WalletError> {
-        let (public, _format) =
+        let (public, format) =
             sr25519::Public::from_ss58check_with_version(address).map_err(|e| {
                 WalletError::InvalidAddress {
                     address: address.to_owned(),
                     reason: e.to_string(),
                 }
             })?;
+        if u16::from(format) != SS58_FORMAT {
+            return Err(WalletError::InvalidAddress {
+                address: address.to_owned(),
+                reason: format!(
+                    "SS58 prefix {} belongs to another network; Bittensor addresses use {SS58_FORMAT}",
+                    u16::from(format)
+                ),
+            });
+        }
         Ok(Self(public.0))
     }
 
@@ -273,12 +285,15 @@ impl std::fmt::Debug for Keypair {
 }
 
 /// Decodes hex with an optional `0x` prefix.
-pub(crate) fn decode_hex(text: &str) -> Result<Vec<u8>, String> {
+/// Decodes hex that may hold a secret; the bytes are wiped when dropped.
+pub(crate) fn decode_hex(text: &str) -> Result<Zeroizing<Vec<u8>>, String> {
     let digits = text
         .strip_prefix("0x")
         .or_else(|| text.strip_prefix("0X"))
         .unwrap_or(text);
-    hex::decode(digits).map_err(|e| format!("not valid hex ({e})"))
+    hex::decode(digits)
+        .map(Zeroizing::new)
+        .map_err(|e| format!("not valid hex ({e})"))
 }
 
 #[cfg(test)]
@@ -294,6 +309,18 @@ mod tests {
                            7e3d9508202c269171b44ae89d90649e259203e7ec84c44c5866d74e3905281b";
     const PUBLIC: &str = "0x0080771682c452f1b6cff97a736c549029f6eeb0402f7374ea9f450bde815e27";
     const SS58: &str = "5C5N259oJuH7ysNPn3EM12DtWtwsb2L6vB1E8dof5EhiyV6b";
+
+    #[test]
+    fn addresses_of_other_networks_are_refused() {
+        let key = PublicKey::from_ss58(SS58).unwrap();
+        assert_eq!(key.to_hex(), PUBLIC);
+        for prefix in [0u16, 2, 1284] {
+            let other = sr25519::Public::from_raw(key.to_bytes())
+                .to_ss58check_with_version(Ss58AddressFormat::custom(prefix));
+            let err = PublicKey::from_ss58(&other).unwrap_err().to_string();
+            assert!(err.contains(&format!("prefix {prefix}")), "{err}");
+        }
+    }
 
     #[test]
     fn phrase_seed_and_private_key_agree_with_btwallet() {

@@ -72,8 +72,8 @@ impl PasswordSource {
     /// Returns the password to encrypt a new keyfile at `path`.
     ///
     /// A given password is used as is. Otherwise the `BT_PW_…` variable is used if set, or
-    /// the user is prompted twice; prompted passwords must match and have at least
-    /// [`MIN_PASSWORD_LEN`] characters.
+    /// the user is prompted twice; prompted passwords must match, and passwords from the
+    /// variable or the prompt must have at least [`MIN_PASSWORD_LEN`] characters.
     ///
     /// # Errors
     ///
@@ -85,6 +85,8 @@ impl PasswordSource {
             Self::EnvOrPrompt | Self::EnvOnly => {
                 let var = env_var_name(path);
                 if let Some(password) = password_from_env(&var)? {
+                    // The same rules as a typed password.
+                    check_new_password(&password)?;
                     return Ok(password);
                 }
                 let unavailable = |reason: String| WalletError::PasswordUnavailable {
@@ -181,12 +183,16 @@ pub fn decode_env_password(var_name: &str, value: &str) -> Result<Zeroizing<Stri
     );
     let plain = xor_with_name(&raw, var_name);
     let text = std::str::from_utf8(&plain).map_err(|_| env_error("does not decode to UTF-8"))?;
+    if text.is_empty() {
+        // As at the prompt: an empty password protects nothing.
+        return Err(env_error("decodes to an empty password"));
+    }
     Ok(Zeroizing::new(text.to_owned()))
 }
 
 /// Reads and decodes the variable if it is set.
 fn password_from_env(var_name: &str) -> Result<Option<Zeroizing<String>>, WalletError> {
-    match std::env::var(var_name) {
+    match std::env::var(var_name).map(Zeroizing::new) {
         Ok(value) => decode_env_password(var_name, &value).map(Some),
         Err(std::env::VarError::NotPresent) => Ok(None),
         Err(std::env::VarError::NotUnicode(_)) => Err(WalletError::PasswordEnv {
@@ -277,5 +283,13 @@ mod tests {
     fn given_passwords_are_redacted_in_debug() {
         let source = PasswordSource::given("hunter2");
         assert!(!format!("{source:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn environment_passwords_obey_the_typed_rules() {
+        let var = "BT_PW_IOTA_TEST_EMPTY";
+        let empty = encode_env_password(var, "");
+        let err = decode_env_password(var, &empty).unwrap_err().to_string();
+        assert!(err.contains("empty"), "{err}");
     }
 }

@@ -112,6 +112,14 @@ pub enum SubtensorCall {
         salt: Vec<u16>,
         version_key: u64,
     },
+    #[codec(index = 119)]
+    set_mechanism_weights {
+        netuid: u16,
+        mecid: u8,
+        dests: Vec<u16>,
+        weights: Vec<u16>,
+        version_key: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]

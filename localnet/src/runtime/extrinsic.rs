@@ -2,7 +2,7 @@
 //! v4 signed extrinsic, finney's transaction-extension list, and the signed payload's implicit
 //! parts (spec and transaction version, genesis hash, mortality checkpoint, metadata hash).
 
-use parity_scale_codec::{Compact, Decode, Encode, Input};
+use parity_scale_codec::{Compact, Decode, DecodeLimit, Encode, Input};
 use scale_info::TypeInfo;
 use sp_core::{Pair as _, ed25519, sr25519};
 
@@ -91,6 +91,9 @@ pub struct ChainContext<'a> {
 
 const SIGNED_V4: u8 = 0b1000_0000 | 4;
 
+/// Substrate's `MAX_EXTRINSIC_DEPTH`: how deeply calls may nest inside one extrinsic.
+pub const MAX_CALL_DEPTH: u32 = 256;
+
 /// Decodes an extrinsic as it travels (with its compact length prefix).
 pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
     let input = &mut &bytes[..];
@@ -111,7 +114,10 @@ pub fn decode(bytes: &[u8]) -> Result<SignedExtrinsic, InvalidTransaction> {
     let signature = MultiSignature::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let extra = Extra::decode(input).map_err(|_| InvalidTransaction::Undecodable)?;
     let call_bytes = input.to_vec();
-    let call = RuntimeCall::decode(&mut &call_bytes[..]).map_err(|_| InvalidTransaction::Call)?;
+    // Nested calls (`Sudo.sudo` in `Sudo.sudo` …) decode recursively: bound the depth as
+    // Substrate does, before any signature check, so hostile nesting is refused, not a crash.
+    let call = RuntimeCall::decode_with_depth_limit(MAX_CALL_DEPTH, &mut &call_bytes[..])
+        .map_err(|_| InvalidTransaction::Undecodable)?;
     if call.encoded_size() != call_bytes.len() {
         return Err(InvalidTransaction::Undecodable);
     }
@@ -271,6 +277,116 @@ pub mod extension_types {
     pub enum Mode {
         Disabled,
         Enabled,
+    }
+
+    /// The extensions' explicit data, nested as finney's runtime declares it.
+    pub type TxExtension = (
+        (
+            CheckNonZeroSender,
+            CheckSpecVersion,
+            CheckTxVersion,
+            CheckGenesis,
+            CheckMortality,
+            CheckNonce,
+            CheckWeight,
+        ),
+        (
+            ChargeTransactionPayment,
+            SudoTransactionExtension,
+            CheckShieldedTxValidity,
+            SubtensorTransactionExtension,
+            DrandPriority,
+        ),
+        CheckMetadataHash,
+    );
+
+    /// An extrinsic as runtime APIs take it: opaque bytes whose type parameters tell a client
+    /// (V14 metadata has no other place for them) the address, call, signature and extensions.
+    pub struct UncheckedExtrinsic;
+
+    impl TypeInfo for UncheckedExtrinsic {
+        type Identity = Self;
+        fn type_info() -> scale_info::Type {
+            use scale_info::{Path, TypeParameter, build::Fields, meta_type};
+            scale_info::Type::builder()
+                .path(Path::new(
+                    "UncheckedExtrinsic",
+                    "sp_runtime::generic::unchecked_extrinsic",
+                ))
+                .type_params(vec![
+                    TypeParameter::new("Address", Some(meta_type::<MultiAddress>())),
+                    TypeParameter::new("Call", Some(meta_type::<RuntimeCall>())),
+                    TypeParameter::new("Signature", Some(meta_type::<MultiSignature>())),
+                    TypeParameter::new("Extra", Some(meta_type::<TxExtension>())),
+                ])
+                .composite(Fields::unnamed().field(|f| f.ty::<Vec<u8>>()))
+        }
+    }
+
+    /// `sp_runtime::transaction_validity::TransactionSource`.
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum TransactionSource {
+        InBlock,
+        Local,
+        External,
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Debug, PartialEq, Eq)]
+    pub struct ValidTransaction {
+        pub priority: u64,
+        pub requires: Vec<Vec<u8>>,
+        pub provides: Vec<Vec<u8>>,
+        pub longevity: u64,
+        pub propagate: bool,
+    }
+
+    /// `sp_runtime::transaction_validity::InvalidTransaction`, all of Substrate's variants.
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum InvalidTransactionKind {
+        Call,
+        Payment,
+        Future,
+        Stale,
+        BadProof,
+        AncientBirthBlock,
+        ExhaustsResources,
+        Custom(u8),
+        BadMandatory,
+        MandatoryValidation,
+        BadSigner,
+        IndeterminateImplicit,
+        UnknownOrigin,
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum UnknownTransaction {
+        CannotLookup,
+        NoUnsignedValidator,
+        Custom(u8),
+    }
+
+    #[derive(TypeInfo, Encode, Decode, Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum TransactionValidityError {
+        Invalid(InvalidTransactionKind),
+        Unknown(UnknownTransaction),
+    }
+
+    pub type TransactionValidity = Result<ValidTransaction, TransactionValidityError>;
+
+    impl From<super::InvalidTransaction> for TransactionValidityError {
+        fn from(invalid: super::InvalidTransaction) -> Self {
+            use super::InvalidTransaction as I;
+            TransactionValidityError::Invalid(match invalid {
+                I::Call | I::Undecodable => InvalidTransactionKind::Call,
+                I::Payment => InvalidTransactionKind::Payment,
+                I::Future => InvalidTransactionKind::Future,
+                I::Stale => InvalidTransactionKind::Stale,
+                I::BadProof => InvalidTransactionKind::BadProof,
+                I::AncientBirthBlock => InvalidTransactionKind::AncientBirthBlock,
+                I::ExhaustsResources => InvalidTransactionKind::ExhaustsResources,
+                I::Custom(code) => InvalidTransactionKind::Custom(code),
+            })
+        }
     }
 }
 

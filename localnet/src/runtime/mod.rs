@@ -7,6 +7,7 @@ pub mod call;
 pub mod error;
 pub mod event;
 pub mod extrinsic;
+pub mod rpc_info;
 pub mod storage;
 pub mod subtensor;
 pub mod types;
@@ -46,12 +47,10 @@ pub fn runtime_version() -> RuntimeVersion {
         authoring_version: 1,
         spec_version: SPEC_VERSION,
         impl_version: 1,
-        apis: Cow(vec![
-            api("Core", 5),
-            api("Metadata", 2),
-            api("AccountNonceApi", 1),
-            api("TaggedTransactionQueue", 3),
-        ]),
+        apis: Cow(crate::metadata::RUNTIME_APIS
+            .iter()
+            .map(|(name, version)| api(name, *version))
+            .collect()),
         transaction_version: TRANSACTION_VERSION,
         system_version: 1,
     }

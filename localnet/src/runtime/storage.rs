@@ -224,6 +224,7 @@ pub mod subtensor {
         SubnetOwner: value [Identity netuid: u16] => AccountId32 = zero_account();
         SubnetOwnerHotkey: value [Identity netuid: u16] => AccountId32 = zero_account();
         SubnetMechanism: value [Identity netuid: u16] => u16;
+        TokenSymbol: value [Identity netuid: u16] => Vec<u8> = "\u{1D70F}".as_bytes().to_vec();
         MechanismCountCurrent: value [Twox64Concat netuid: u16] => u8 = 1;
         FirstEmissionBlockNumber: option [Identity netuid: u16] => u64;
         SubtokenEnabled: value [Identity netuid: u16] => bool;

@@ -77,8 +77,17 @@ pub fn epoch_index(state: &State, netuid: u16, block: u64) -> u64 {
 }
 
 fn is_epoch_block(state: &State, netuid: u16, block: u64) -> bool {
-    let tempo = Tempo::get(state, &netuid) as u64;
-    tempo != 0 && (block + netuid as u64 + 1).is_multiple_of(tempo + 1)
+    blocks_until_next_epoch(netuid, Tempo::get(state, &netuid), block) == 0
+}
+
+/// Subtensor's `blocks_until_next_epoch` (spec 393): the epoch runs in the block where this is
+/// zero, i.e. where `(block + netuid + 1) % (tempo + 1) == tempo`; tempo 0 never runs one.
+pub fn blocks_until_next_epoch(netuid: u16, tempo: u16, block: u64) -> u64 {
+    if tempo == 0 {
+        return u64::MAX;
+    }
+    let remainder = block.wrapping_add(netuid as u64 + 1) % (tempo as u64 + 1);
+    (tempo as u64).saturating_sub(remainder)
 }
 
 /// Checks subtensor's transaction extension makes before a transaction enters the pool; a
@@ -100,6 +109,7 @@ pub fn pool_checks(
     };
     match call {
         SubtensorCall::set_weights { netuid, .. }
+        | SubtensorCall::set_mechanism_weights { netuid, .. }
         | SubtensorCall::commit_weights { netuid, .. }
         | SubtensorCall::reveal_weights { netuid, .. }
             if TotalHotkeyAlpha::get(state, signer, netuid) < StakeThreshold::get(state) =>
@@ -194,6 +204,25 @@ pub fn dispatch(exec: &mut Exec<'_>, origin: &Origin, call: &SubtensorCall) -> D
             weights,
             version_key,
         } => {
+            if CommitRevealWeightsEnabled::get(exec.state, netuid) {
+                return Err(E::CommitRevealEnabled.into());
+            }
+            set_weights(exec, &who, *netuid, dests, weights, *version_key, true)?;
+            Ok(Pays::No)
+        }
+        // The localnet runs one mechanism per subnet (MechanismCountCurrent = 1): mechanism 0 is
+        // the subnet's own weights, any other does not exist.
+        SubtensorCall::set_mechanism_weights {
+            netuid,
+            mecid,
+            dests,
+            weights,
+            version_key,
+        } => {
+            ensure_subnet(exec.state, *netuid)?;
+            if *mecid >= MechanismCountCurrent::get(exec.state, netuid) {
+                return Err(E::MechanismDoesNotExist.into());
+            }
             if CommitRevealWeightsEnabled::get(exec.state, netuid) {
                 return Err(E::CommitRevealEnabled.into());
             }

@@ -241,14 +241,24 @@ mod tests {
     }
 
     #[test]
-    fn header_hash_is_stable() {
+    fn header_hash_is_blake2_of_substrates_layout() {
         let h = Header {
-            parent_hash: H256::zero(),
-            number: 1,
-            state_root: H256::zero(),
-            extrinsics_root: H256::zero(),
-            digest: Digest::default(),
+            parent_hash: H256::repeat_byte(1),
+            number: 300,
+            state_root: H256::repeat_byte(2),
+            extrinsics_root: H256::repeat_byte(3),
+            digest: Digest {
+                logs: vec![DigestItem::PreRuntime(*b"aura", vec![9, 9])],
+            },
         };
-        assert_eq!(h.hash(), h.clone().hash());
+        // Substrate's layout written out by hand: the number is compact (300 -> 0xb1 0x04), the
+        // digest a vector of enum items (PreRuntime = 6, engine id, bytes).
+        let mut expected = vec![1u8; 32];
+        expected.extend([0xb1, 0x04]);
+        expected.extend([2u8; 32]);
+        expected.extend([3u8; 32]);
+        expected.extend([4, 6, b'a', b'u', b'r', b'a', 8, 9, 9]);
+        assert_eq!(h.encode(), expected);
+        assert_eq!(h.hash(), H256(sp_crypto_hashing::blake2_256(&expected)));
     }
 }
