@@ -116,6 +116,7 @@ pub fn load_weights_bytes(stage: &Stage, bytes: &[u8]) -> Result<()> {
     for (p, t) in stage.params().iter().zip(staged) {
         p.var().set(&t)?;
     }
+    stage.mark_weights_changed();
     Ok(())
 }
 

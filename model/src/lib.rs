@@ -41,9 +41,11 @@ pub use config::{ModelConfig, RopeScaling};
 pub use data::{Batch, Dataset, GrammarCorpus, TextDataset, make_batch, train_bpe_tokenizer};
 pub use error::{ModelError, Result};
 pub use merge::{Contribution, FlatLayout, MergedPartition, partition_ranges, weighted_average};
-pub use optim::{AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, StepOutcome};
+pub use optim::{
+    AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, PreparedStep, StepOutcome,
+};
 pub use pipeline::{Pipeline, StepStats, WireConfig};
-pub use stage::{Stage, StageCache, StageOptions, StageOutput};
+pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
 pub use train::{TrainStep, Trainer};
 
 /// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.

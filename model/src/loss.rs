@@ -14,9 +14,11 @@ use candle_core::{D, Tensor};
 
 use crate::error::Result;
 
-/// Result of the forward pass: the mean loss and the per-token log-sum-exp needed by backward.
+/// Result of the forward pass: the mean loss, the per-token losses and the per-token
+/// log-sum-exp needed by backward.
 pub(crate) struct CeForward {
     pub loss: Tensor,
+    pub token_losses: Tensor,
     pub lse: Tensor,
 }
 
@@ -59,8 +61,13 @@ pub(crate) fn ce_forward(
     let (m, s) = acc.ok_or_else(|| crate::error::ModelError::Config("empty vocabulary".into()))?;
     let lse = (m + s.log()?)?.squeeze(D::Minus1)?;
     let target_logit = (&h * w.index_select(targets, 0)?)?.sum(D::Minus1)?;
-    let loss = (&lse - target_logit)?.mean_all()?;
-    Ok(CeForward { loss, lse })
+    let token_losses = (&lse - target_logit)?;
+    let loss = token_losses.mean_all()?;
+    Ok(CeForward {
+        loss,
+        token_losses,
+        lse,
+    })
 }
 
 /// Gradients of `scale * sum_i CE_i` (pass `scale = 1/n` for the mean) with respect to `h` and

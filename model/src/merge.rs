@@ -112,6 +112,7 @@ pub fn load_flat_params(stage: &Stage, flat: &[f32]) -> Result<()> {
         .to_dtype(var.dtype())?;
         var.set(&t)?;
     }
+    stage.mark_weights_changed();
     Ok(())
 }
 

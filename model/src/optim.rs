@@ -24,7 +24,9 @@ pub struct AdamWConfig {
     pub eps: f64,
     /// Decoupled weight decay, applied to matrices only.
     pub weight_decay: f64,
-    /// Clip the stage's gradient to this global L2 norm; `None` disables clipping.
+    /// Clip the gradient to this L2 norm; `None` disables clipping. For the model-wide
+    /// threshold of a run, give each stage [`AdamWConfig::for_stage`]: a miner sees only its own
+    /// stage's gradient, so it clips to its share of the global norm (IOTA's rule).
     pub max_grad_norm: Option<f64>,
 }
 
@@ -42,6 +44,18 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
+    /// This config for stage `k` of `model`, reading `max_grad_norm` as the model-wide threshold
+    /// and scaling it to `max_norm * sqrt(stage_params / total_params)` ([`stage_clip_norm`]).
+    /// If every stage's gradient sits at its threshold, the model-wide norm is `max_norm`.
+    pub fn for_stage(&self, model: &crate::config::ModelConfig, k: usize) -> Result<Self> {
+        let stage = model.stage_param_count(k)?;
+        let total = model.param_count()?;
+        Ok(Self {
+            max_grad_norm: self.max_grad_norm.map(|c| stage_clip_norm(c, stage, total)),
+            ..self.clone()
+        })
+    }
+
     fn validate(&self) -> Result<()> {
         let finite_nonneg = |v: f64| v.is_finite() && v >= 0.0;
         let ok = finite_nonneg(self.lr)
@@ -138,7 +152,48 @@ pub enum StepOutcome {
     Skipped(SkipReason),
 }
 
+/// An update computed by [`AdamW::prepare`] and not yet written: lets a caller step several
+/// stages transactionally (all commit, or all skip).
+#[derive(Debug)]
+pub struct PreparedStep {
+    kind: Prepared,
+    params: usize,
+}
+
+#[derive(Debug)]
+enum Prepared {
+    Update {
+        step: u64,
+        lr: f64,
+        grad_norm: f64,
+        staged: Vec<Option<(Tensor, Tensor, Tensor)>>,
+    },
+    Skip(SkipReason),
+}
+
+impl PreparedStep {
+    /// Why the step would be skipped, if it would.
+    pub fn skip_reason(&self) -> Option<&SkipReason> {
+        match &self.kind {
+            Prepared::Skip(r) => Some(r),
+            Prepared::Update { .. } => None,
+        }
+    }
+    /// Norm of the mean gradient before clipping (`None` for a skipped step).
+    pub fn grad_norm(&self) -> Option<f64> {
+        match &self.kind {
+            Prepared::Update { grad_norm, .. } => Some(*grad_norm),
+            Prepared::Skip(_) => None,
+        }
+    }
+}
+
 /// AdamW with moments in the master-weight dtype, global-norm clipping and a schedule.
+///
+/// The step divides the accumulated gradients by [`Stage::backward_tokens`], so it steps on
+/// the token-mean loss over all micro-batches since the last step. The learning rate comes from
+/// the schedule ([`AdamW::step`]) or from the caller ([`AdamW::step_with`]): a miner follows the
+/// run's global schedule, not a count of its own steps.
 #[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
@@ -209,10 +264,71 @@ impl AdamW {
         StepOutcome::Skipped(reason)
     }
 
-    /// Apply one update from the gradients accumulated in `stage` (averaged over its backward
-    /// calls), then clear them.
+    /// Apply one update with the schedule's learning rate for step `step_count() + 1`, from the
+    /// token-mean of the gradients accumulated in `stage`, then clear them.
     pub fn step(&mut self, stage: &mut Stage) -> Result<StepOutcome> {
-        let n = stage.backward_count();
+        let lr = self.next_lr();
+        self.step_with(stage, lr)
+    }
+
+    /// [`AdamW::step`] with the learning rate `lr` given by the caller (the run's schedule at the
+    /// current global step); the bias correction uses this optimizer's own step count.
+    pub fn step_with(&mut self, stage: &mut Stage, lr: f64) -> Result<StepOutcome> {
+        let p = self.prepare(stage, lr)?;
+        self.commit(stage, p)
+    }
+
+    /// Set the step count used for bias correction (e.g. from the run state when a miner
+    /// joins mid-run; the moments are kept).
+    pub fn set_step_count(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Write a prepared update into `stage` (or record its skip) and clear the gradients.
+    pub fn commit(&mut self, stage: &mut Stage, prepared: PreparedStep) -> Result<StepOutcome> {
+        if prepared.params != stage.params().len() || self.m.len() != stage.params().len() {
+            return Err(ModelError::InvalidInput(
+                "prepared step belongs to another stage".into(),
+            ));
+        }
+        let (t, lr, grad_norm, staged) = match prepared.kind {
+            Prepared::Skip(reason) => return Ok(self.skip(stage, reason)),
+            Prepared::Update {
+                step,
+                lr,
+                grad_norm,
+                staged,
+            } => (step, lr, grad_norm, staged),
+        };
+        for (i, s) in staged.into_iter().enumerate() {
+            if let Some((w, m, v)) = s {
+                stage.params()[i].var().set(&w)?;
+                self.m[i] = m;
+                self.v[i] = v;
+            }
+        }
+        stage.mark_weights_changed();
+        self.step = t;
+        stage.zero_grad();
+        Ok(StepOutcome::Applied {
+            step: t,
+            lr,
+            grad_norm,
+        })
+    }
+
+    /// Compute the update from the gradients accumulated in `stage` with learning rate `lr`,
+    /// without writing anything.
+    pub fn prepare(&self, stage: &Stage, lr: f64) -> Result<PreparedStep> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(ModelError::InvalidInput(format!("learning rate {lr}")));
+        }
+        let params = stage.params().len();
+        let skip = |r| PreparedStep {
+            kind: Prepared::Skip(r),
+            params,
+        };
+        let n = stage.backward_tokens();
         if n == 0 {
             return Err(ModelError::InvalidInput(
                 "no gradients accumulated since the last step".into(),
@@ -237,14 +353,13 @@ impl AdamW {
         }
         let grad_norm = sq.sqrt() * inv_n;
         if !grad_norm.is_finite() {
-            return Ok(self.skip(stage, SkipReason::NonFiniteGradient));
+            return Ok(skip(SkipReason::NonFiniteGradient));
         }
         let clip = match self.cfg.max_grad_norm {
             Some(c) if grad_norm > c => c / (grad_norm + 1e-6),
             _ => 1.0,
         };
         let t = self.step + 1;
-        let lr = self.cfg.lr * self.schedule.factor(t);
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(t.min(i32::MAX as u64) as i32);
         let bc2 = 1.0 - b2.powi(t.min(i32::MAX as u64) as i32);
@@ -280,21 +395,16 @@ impl AdamW {
             }
         }
         if !check.is_finite() {
-            return Ok(self.skip(stage, SkipReason::NonFiniteUpdate));
+            return Ok(skip(SkipReason::NonFiniteUpdate));
         }
-        for (i, s) in staged.into_iter().enumerate() {
-            if let Some((w, m, v)) = s {
-                stage.params()[i].var().set(&w)?;
-                self.m[i] = m;
-                self.v[i] = v;
-            }
-        }
-        self.step = t;
-        stage.zero_grad();
-        Ok(StepOutcome::Applied {
-            step: t,
-            lr,
-            grad_norm,
+        Ok(PreparedStep {
+            kind: Prepared::Update {
+                step: t,
+                lr,
+                grad_norm,
+                staged,
+            },
+            params,
         })
     }
 }
