@@ -193,6 +193,11 @@ pub fn load_adamw(opt: &mut AdamW, stage: &Stage, path: &Path) -> Result<()> {
 
 /// Encode the outer optimizer's momentum buffer for `stage`.
 pub fn outer_to_bytes(opt: &OuterOptimizer, stage: &Stage) -> Result<Vec<u8>> {
+    if opt.step_in_progress() {
+        return Err(ModelError::Checkpoint(
+            "outer step is half applied (some partitions pending); finish it first".into(),
+        ));
+    }
     let buf = opt.momentum_buffer();
     let tensors = vec![(
         "outer.momentum".to_string(),
@@ -201,13 +206,15 @@ pub fn outer_to_bytes(opt: &OuterOptimizer, stage: &Stage) -> Result<Vec<u8>> {
     st::encode(tensors, &meta_json(stage, "outer-state", opt.steps())?)
 }
 
-/// Restore the outer momentum buffer.
+/// Restore the outer momentum buffer and the outer step count.
 pub fn load_outer_bytes(opt: &mut OuterOptimizer, stage: &Stage, bytes: &[u8]) -> Result<()> {
     let (tensors, meta) = st::decode(bytes)?;
-    check_meta(&meta, stage, "outer-state")?;
+    let meta = check_meta(&meta, stage, "outer-state")?;
     let n = opt.momentum_buffer().len();
     let (_, data) = st::read_f32(&tensors, "outer.momentum", Some(&[n]))?;
-    opt.set_momentum_buffer(data)
+    opt.set_momentum_buffer(data)?;
+    opt.set_steps(meta.step);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -288,5 +295,13 @@ mod tests {
         let mut outer2 = OuterOptimizer::new(OuterConfig::default(), s.num_parameters()).unwrap();
         load_outer_bytes(&mut outer2, &s, &ob).unwrap();
         assert_eq!(outer2.momentum_buffer(), outer.momentum_buffer());
+        assert_eq!(
+            outer2.steps(),
+            1,
+            "the outer step count survives the round trip"
+        );
+        // Half an outer step cannot be checkpointed.
+        outer.step_partition(0..3, &mut w[0..3], &g[0..3]).unwrap();
+        assert!(outer_to_bytes(&outer, &s).is_err());
     }
 }

@@ -40,7 +40,10 @@ pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
 pub use config::{ModelConfig, RopeScaling};
 pub use data::{Batch, Dataset, GrammarCorpus, TextDataset, make_batch, train_bpe_tokenizer};
 pub use error::{ModelError, Result};
-pub use merge::{Contribution, FlatLayout, MergedPartition, partition_ranges, weighted_average};
+pub use merge::{
+    Contribution, FlatLayout, MergedPartition, flatten_range, load_range, partition_ranges,
+    pseudo_gradient_range, weighted_average,
+};
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, PreparedStep, StepOutcome,
 };

@@ -4,7 +4,7 @@
 
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::optim::{AdamW, AdamWConfig, LrSchedule, SkipReason, StepOutcome};
+use crate::optim::{AdamW, AdamWConfig, LrSchedule, SkipReason, StepOutcome, step_stages};
 use crate::pipeline::Pipeline;
 
 /// What one optimizer step did.
@@ -134,26 +134,9 @@ impl Trainer {
             }
             loss_sum += f64::from(loss) * b.inputs.elem_count() as f64;
         }
-        // Transactional across stages: every stage's update is computed and checked first; if
-        // any would be skipped, none is written.
-        let mut prepared = Vec::with_capacity(self.optimizers.len());
-        for (opt, stage) in self.optimizers.iter().zip(self.pipeline.stages()) {
-            prepared.push(opt.prepare(stage, opt.next_lr())?);
-        }
-        if let Some(reason) = prepared.iter().find_map(|p| p.skip_reason().cloned()) {
-            let mut r = self.skip_all(reason, (tokens, fwd, bwd));
-            r.loss = (loss_sum / tokens as f64) as f32;
-            return Ok(r);
-        }
-        let mut outcomes = Vec::with_capacity(self.optimizers.len());
-        for ((opt, stage), p) in self
-            .optimizers
-            .iter_mut()
-            .zip(self.pipeline.stages_mut())
-            .zip(prepared)
-        {
-            outcomes.push(opt.commit(stage, p)?);
-        }
+        // Transactional across stages: if any stage's update would be skipped, none is written.
+        let lr = self.optimizers[0].next_lr();
+        let outcomes = step_stages(&mut self.optimizers, self.pipeline.stages_mut(), lr)?;
         let applied = outcomes
             .iter()
             .all(|o| matches!(o, StepOutcome::Applied { .. }));
