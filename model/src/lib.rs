@@ -15,6 +15,8 @@
 //! * [`checkpoint`]: safetensors weights and optimizer state.
 //! * [`data`]: sample id -> token window; the grammar corpus with its entropy floor; text files
 //!   with a `tokenizers` tokenizer; offline BPE training.
+//! * [`replay`]: a stage driven hop by hop (miner) and replayed from epoch-start weights
+//!   (validator spot checks), with comparison helpers.
 //! * [`train`]: a local loop over a pipeline for tests, benchmarks and single-machine runs.
 //!
 //! candle's fused RmsNorm, `softmax_last_dim` and rope kernels drop gradients, so the layers are
@@ -31,6 +33,7 @@ mod loss;
 pub mod merge;
 pub mod optim;
 pub mod pipeline;
+pub mod replay;
 pub mod rng;
 mod st;
 pub mod stage;
@@ -48,6 +51,7 @@ pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, PreparedStep, StepOutcome,
 };
 pub use pipeline::{Pipeline, StepStats, WireConfig};
+pub use replay::{Comparison, Hop, HopResult, Replay, StageRunner, Thresholds, compare, replay};
 pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
 pub use train::{TrainStep, Trainer};
 
