@@ -101,7 +101,7 @@ impl StageOptions {
         })
     }
 
-    fn validate(&self) -> Result<()> {
+    fn validate(&self, allow_cpu_half: bool) -> Result<()> {
         if !matches!(self.param_dtype, DType::F32 | DType::F64) {
             return Err(ModelError::Config(format!(
                 "param_dtype must be F32 or F64, got {:?}",
@@ -115,6 +115,18 @@ impl StageOptions {
             return Err(ModelError::Config(format!(
                 "compute_dtype {:?} is not allowed with param_dtype {:?}",
                 self.compute_dtype, self.param_dtype
+            )));
+        }
+        if !allow_cpu_half
+            && self.device.is_cpu()
+            && matches!(self.compute_dtype, DType::BF16 | DType::F16)
+        {
+            // candle's CPU half-precision kernels are slow and not what a GPU computes, so a
+            // CPU run would be both useless for speed and a bad replay of a GPU miner.
+            return Err(ModelError::Config(format!(
+                "compute_dtype {:?} needs a CUDA device (build with the `cuda` feature); on the \
+                 CPU use F32",
+                self.compute_dtype
             )));
         }
         Ok(())
@@ -280,6 +292,11 @@ pub struct Stage {
     norm: Option<usize>,
     head: Option<usize>,
     rope: Rope,
+    /// Causal mask of the last sequence length used, kept so a step does not rebuild it.
+    mask: std::sync::Mutex<Option<Tensor>>,
+    /// Weights cast to the compute dtype (when it differs from the param dtype), tagged with the
+    /// weights version they were cast from: one cast per optimizer step, not per forward.
+    compute_weights: std::sync::Mutex<Option<(u64, Vec<Tensor>)>>,
     uid: u64,
 }
 
@@ -300,8 +317,28 @@ impl Stage {
     /// `cfg.init_seed` and each parameter's name, so a stage built alone equals the same stage
     /// built as part of the whole model).
     pub fn new(cfg: &ModelConfig, index: usize, opts: StageOptions) -> Result<Self> {
+        Self::build(cfg, index, opts, false)
+    }
+
+    /// Test hook: a half-precision stage on the CPU (slow, but it exercises the bf16 paths
+    /// where no GPU is available).
+    #[cfg(test)]
+    pub(crate) fn new_allowing_cpu_half(
+        cfg: &ModelConfig,
+        index: usize,
+        opts: StageOptions,
+    ) -> Result<Self> {
+        Self::build(cfg, index, opts, true)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        index: usize,
+        opts: StageOptions,
+        allow_cpu_half: bool,
+    ) -> Result<Self> {
         cfg.validate()?;
-        opts.validate()?;
+        opts.validate(allow_cpu_half)?;
         let shapes = cfg.stage_param_shapes(index)?;
         let n_layers = cfg.n_layers() as f64;
         let mut params = Vec::with_capacity(shapes.len());
@@ -368,6 +405,8 @@ impl Stage {
             stale_recomputes: 0,
             blocks,
             rope,
+            mask: std::sync::Mutex::new(None),
+            compute_weights: std::sync::Mutex::new(None),
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -477,12 +516,30 @@ impl Stage {
     /// Parameter `i` in the compute dtype; detached (no gradient graph) unless `track`.
     fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
         let t = self.params[i].var.as_tensor();
-        let t = if track { t.clone() } else { t.detach() };
-        Ok(if t.dtype() == self.opts.compute_dtype {
-            t
-        } else {
-            t.to_dtype(self.opts.compute_dtype)?
-        })
+        if t.dtype() == self.opts.compute_dtype {
+            return Ok(if track { t.clone() } else { t.detach() });
+        }
+        // The cast copies keep their link to the f32 variables, so gradients still reach the
+        // master weights; every weight change bumps the version and invalidates them.
+        let version = self.weights_version();
+        let mut slot = self
+            .compute_weights
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let fresh = matches!(slot.as_ref(), Some((v, _)) if *v == version);
+        if !fresh {
+            let cast = self
+                .params
+                .iter()
+                .map(|p| Ok(p.var.as_tensor().to_dtype(self.opts.compute_dtype)?))
+                .collect::<Result<Vec<_>>>()?;
+            *slot = Some((version, cast));
+        }
+        let w = slot
+            .as_ref()
+            .and_then(|(_, ws)| ws.get(i))
+            .ok_or_else(|| ModelError::InvalidInput(format!("no parameter {i}")))?;
+        Ok(if track { w.clone() } else { w.detach() })
     }
 
     pub(crate) fn validate_tokens(&self, tokens: &Tensor, what: &str) -> Result<(usize, usize)> {
@@ -593,6 +650,21 @@ impl Stage {
         self.run_inner(input, true)
     }
 
+    /// The `[t, t]` causal mask, rebuilt only when the sequence length changes.
+    fn causal_mask(&self, t: usize) -> Result<Tensor> {
+        // A poisoned lock only means another thread panicked mid-update; the cache is still a
+        // valid mask or empty, so recover it.
+        let mut slot = self.mask.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = slot.as_ref()
+            && m.dim(0)? == t
+        {
+            return Ok(m.clone());
+        }
+        let m = layers::causal_mask(t, self.opts.compute_dtype, &self.opts.device)?;
+        *slot = Some(m.clone());
+        Ok(m)
+    }
+
     /// [`Stage::run`], building the gradient graph only if `track`.
     fn run_inner(&self, input: &Tensor, track: bool) -> Result<Tensor> {
         let mut x = if self.is_first() {
@@ -600,7 +672,7 @@ impl Stage {
         } else {
             input.to_dtype(self.opts.compute_dtype)?
         };
-        let mask = layers::causal_mask(x.dim(1)?, self.opts.compute_dtype, &self.opts.device)?;
+        let mask = self.causal_mask(x.dim(1)?)?;
         for blk in &self.blocks {
             x = self.block(blk, x, &mask, track)?;
         }
@@ -1183,6 +1255,13 @@ mod tests {
             ..StageOptions::cpu()
         };
         assert!(Stage::new(&cfg, 0, bad).is_err());
+        // Half precision on the CPU is refused with a clear message.
+        let bf16_cpu = StageOptions {
+            compute_dtype: DType::BF16,
+            ..StageOptions::cpu()
+        };
+        let err = Stage::new(&cfg, 0, bf16_cpu).unwrap_err().to_string();
+        assert!(err.contains("BF16") && err.contains("CUDA"), "{err}");
         assert!(Stage::new(&cfg, 3, StageOptions::cpu()).is_err());
     }
 
@@ -1230,6 +1309,14 @@ mod tests {
     /// gradients of a from-scratch forward+backward with the new weights (a full recompute), not
     /// a mix of old activations (or an old log-sum-exp) with new weights.
     fn check_stale_cache(opts: &StageOptions, tol: f64) {
+        check_stale_cache_with(opts, tol, Stage::new)
+    }
+
+    fn check_stale_cache_with(
+        opts: &StageOptions,
+        tol: f64,
+        build: fn(&ModelConfig, usize, StageOptions) -> Result<Stage>,
+    ) {
         use crate::optim::{AdamW, AdamWConfig, LrSchedule};
         let cfg = ModelConfig::tiny();
         let b = batch(10, 3);
@@ -1241,7 +1328,7 @@ mod tests {
                     recompute,
                     ..opts.clone()
                 };
-                let mut stage = Stage::new(&cfg, k, opts.clone()).unwrap();
+                let mut stage = build(&cfg, k, opts.clone()).unwrap();
                 let (input, other_input) = if k == 0 {
                     (b.inputs.clone(), other.inputs.clone())
                 } else {
@@ -1273,7 +1360,7 @@ mod tests {
                 let g_in = stage.backward(cache, g_out.as_ref()).unwrap();
                 assert_eq!(stage.stale_recomputes(), 1);
 
-                let mut fresh = Stage::new(&cfg, k, opts.clone()).unwrap();
+                let mut fresh = build(&cfg, k, opts.clone()).unwrap();
                 for (f, p) in fresh.params().iter().zip(stage.params()) {
                     f.var().set(&p.var().as_tensor().copy().unwrap()).unwrap();
                 }
@@ -1303,6 +1390,48 @@ mod tests {
     #[test]
     fn stale_cache_backward_equals_from_scratch_f64() {
         check_stale_cache(&f64_opts(), 1e-12);
+    }
+
+    /// bf16 compute on the CPU (test hook): the cached bf16 graph holds old weight copies, f32
+    /// sees the update in place; both recompute the same way. The gradients are compared with a
+    /// fresh bf16 stage, so the tolerance is f32-tight: same weights, same arithmetic.
+    #[test]
+    fn stale_cache_backward_equals_from_scratch_bf16_on_cpu_hook() {
+        let opts = StageOptions {
+            compute_dtype: DType::BF16,
+            ..StageOptions::cpu()
+        };
+        check_stale_cache_with(&opts, 1e-6, Stage::new_allowing_cpu_half);
+    }
+
+    /// bf16 weights are cast once per weights version, and the cast copies still carry the
+    /// gradient to the f32 master weights.
+    #[test]
+    fn bf16_weight_copies_are_made_once_per_step() {
+        let cfg = ModelConfig::tiny();
+        let opts = StageOptions {
+            compute_dtype: DType::BF16,
+            ..StageOptions::cpu()
+        };
+        let mut s = Stage::new_allowing_cpu_half(&cfg, 1, opts).unwrap();
+        let x = random_like(&s.input_dims(2, 6), 5, DType::F32);
+        let g = random_like(&s.output_dims(2, 6), 6, DType::F32);
+        let id = |s: &Stage| s.weight(2, true).unwrap().id();
+        let before = id(&s);
+        s.forward(&x, None).unwrap();
+        assert_eq!(id(&s), before, "no new cast between forwards");
+        let (_, c) = s.forward(&x, None).unwrap();
+        s.backward(c, Some(&g)).unwrap();
+        for i in 0..s.params().len() {
+            assert!(
+                abs_sum(s.grad(i).unwrap()) > 0.0,
+                "{}",
+                s.params()[i].name()
+            );
+            assert_eq!(s.grad(i).unwrap().dtype(), DType::F32);
+        }
+        s.mark_weights_changed();
+        assert_ne!(id(&s), before, "a weight change invalidates the casts");
     }
 
     /// bf16 compute keeps old weight copies in a cached graph while f32 sees the update in
