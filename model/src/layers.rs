@@ -142,8 +142,15 @@ pub(crate) fn attention(
         (expand(k)?, expand(v)?)
     };
     let scale = 1.0 / (hd as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-    let probs = softmax_last(&scores)?;
+    let scores = (q.matmul(&k.t()?)? * scale)?;
+    // Under half-precision compute the mask is f32 and the softmax runs in f32: exp and its sum
+    // lose too much in bf16.
+    let probs = if scores.dtype() == mask.dtype() {
+        softmax_last(&scores.broadcast_add(mask)?)?
+    } else {
+        softmax_last(&scores.to_dtype(mask.dtype())?.broadcast_add(mask)?)?
+            .to_dtype(scores.dtype())?
+    };
     let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
     linear(&out, w.wo)
 }

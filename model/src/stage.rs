@@ -590,25 +590,46 @@ impl Stage {
             .ok_or_else(|| ModelError::InvalidInput("stage has no embedding".into()))?;
         let (b, t) = tokens.dims2()?;
         let x = self
-            .weight(idx, track)?
+            .master(idx, track)
             .index_select(&tokens.flatten_all()?, 0)?;
         Ok(x.reshape((b, t, self.cfg.d_model))?)
     }
 
+    /// The master-weight copy of parameter `i` (param dtype), detached unless `track`.
+    fn master(&self, i: usize, track: bool) -> Tensor {
+        let t = self.params[i].var.as_tensor();
+        if track { t.clone() } else { t.detach() }
+    }
+
+    /// RMSNorm computed in the param dtype (f32 under bf16 compute: a mean of squares in bf16
+    /// loses too much), returned in the compute dtype for the matrix products that follow.
+    fn norm(&self, x: &Tensor, i: usize, track: bool) -> Result<Tensor> {
+        let y = layers::rms_norm(
+            &x.to_dtype(self.opts.param_dtype)?,
+            &self.master(i, track),
+            self.cfg.norm_eps,
+        )?;
+        Ok(y.to_dtype(self.opts.compute_dtype)?)
+    }
+
+    /// One block. The residual stream `x` stays in the param dtype (f32 when computing in
+    /// bf16); the branches run in the compute dtype and are added back in the param dtype.
     fn block(&self, blk: &BlockIdx, x: Tensor, mask: &Tensor, track: bool) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (d, b) = (cfg.d_model, cfg.bottleneck_dim);
-        let eps = cfg.norm_eps;
+        let (pd, cd) = (self.opts.param_dtype, self.opts.compute_dtype);
         // Receiving side of the bottleneck: decode b -> d for attention; the incoming b-vector
         // is the residual of the first b channels.
         let (x, skip) = match blk.decoder {
             Some(i) => (
-                layers::linear(&x, &self.weight(i, track)?)?.relu()?,
+                layers::linear(&x.to_dtype(cd)?, &self.weight(i, track)?)?
+                    .relu()?
+                    .to_dtype(pd)?,
                 Some(x),
             ),
             None => (x, None),
         };
-        let attn_in = layers::rms_norm(&x, &self.weight(blk.attn_norm, track)?, eps)?;
+        let attn_in = self.norm(&x, blk.attn_norm, track)?;
         let weights = [blk.wq, blk.wk, blk.wv, blk.wo]
             .iter()
             .map(|i| self.weight(*i, track))
@@ -624,22 +645,25 @@ impl Stage {
             cfg,
             &self.rope,
             mask,
-        )?;
+        )?
+        .to_dtype(pd)?;
         let h = match skip {
             Some(z) => (a + z.pad_with_zeros(D::Minus1, 0, d - b)?)?,
             None => (x + a)?,
         };
         let f = layers::swiglu(
-            &layers::rms_norm(&h, &self.weight(blk.ffn_norm, track)?, eps)?,
+            &self.norm(&h, blk.ffn_norm, track)?,
             &self.weight(blk.w_gate, track)?,
             &self.weight(blk.w_up, track)?,
             &self.weight(blk.w_down, track)?,
         )?;
         match blk.encoder {
             // Sending side: project d -> b and carry the first b residual channels through.
-            Some(i) => Ok((layers::linear(&f.silu()?, &self.weight(i, track)?)?
-                + h.narrow(D::Minus1, 0, b)?)?),
-            None => Ok((h + f)?),
+            Some(i) => Ok(
+                (layers::linear(&f.silu()?, &self.weight(i, track)?)?.to_dtype(pd)?
+                    + h.narrow(D::Minus1, 0, b)?)?,
+            ),
+            None => Ok((h + f.to_dtype(pd)?)?),
         }
     }
 
@@ -660,26 +684,32 @@ impl Stage {
         {
             return Ok(m.clone());
         }
-        let m = layers::causal_mask(t, self.opts.compute_dtype, &self.opts.device)?;
+        // Scores are masked in f32 under half-precision compute (see `layers::attention`).
+        let dtype = match self.opts.compute_dtype {
+            DType::BF16 | DType::F16 => DType::F32,
+            other => other,
+        };
+        let m = layers::causal_mask(t, dtype, &self.opts.device)?;
         *slot = Some(m.clone());
         Ok(m)
     }
 
     /// [`Stage::run`], building the gradient graph only if `track`.
     fn run_inner(&self, input: &Tensor, track: bool) -> Result<Tensor> {
+        // The residual stream is kept in the param dtype (see `block`).
         let mut x = if self.is_first() {
             self.embed_tokens(input, track)?
         } else {
-            input.to_dtype(self.opts.compute_dtype)?
+            input.clone()
         };
         let mask = self.causal_mask(x.dim(1)?)?;
         for blk in &self.blocks {
             x = self.block(blk, x, &mask, track)?;
         }
         if let Some(i) = self.norm {
-            x = layers::rms_norm(&x, &self.weight(i, track)?, self.cfg.norm_eps)?;
+            x = layers::rms_norm(&x, &self.master(i, track), self.cfg.norm_eps)?;
         }
-        Ok(x.to_dtype(self.opts.param_dtype)?)
+        Ok(x)
     }
 
     fn head_weight(&self) -> Result<&Tensor> {
@@ -1432,6 +1462,37 @@ mod tests {
         }
         s.mark_weights_changed();
         assert_ne!(id(&s), before, "a weight change invalidates the casts");
+    }
+
+    /// bf16 compute (CPU test hook) with f32 norms, softmax and residual stays close to f32:
+    /// outputs, input gradients and parameter gradients.
+    #[test]
+    fn bf16_compute_tracks_f32() {
+        let cfg = ModelConfig::tiny();
+        let half = StageOptions {
+            compute_dtype: DType::BF16,
+            ..StageOptions::cpu()
+        };
+        let mut a = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let mut h = Stage::new_allowing_cpu_half(&cfg, 1, half).unwrap();
+        let x = random_like(&a.input_dims(2, 16), 8, DType::F32);
+        let g = random_like(&a.output_dims(2, 16), 9, DType::F32);
+        let (oa, ca) = a.forward(&x, None).unwrap();
+        let (oh, ch) = h.forward(&x, None).unwrap();
+        let (oa, oh) = (oa.activations().unwrap(), oh.activations().unwrap());
+        assert_eq!(oh.dtype(), DType::F32, "the residual stream leaves in f32");
+        let out_err = max_rel_diff(oh, oa);
+        let ga = a.backward(ca, Some(&g)).unwrap().unwrap();
+        let gh = h.backward(ch, Some(&g)).unwrap().unwrap();
+        let in_err = max_rel_diff(&gh, &ga);
+        let mut worst = 0f64;
+        for i in 0..a.params().len() {
+            worst = worst.max(max_rel_diff(h.grad(i).unwrap(), a.grad(i).unwrap()));
+        }
+        eprintln!(
+            "bf16 vs f32: output {out_err:.2e}, input grad {in_err:.2e}, param grad {worst:.2e}"
+        );
+        assert!(out_err < 2e-2 && in_err < 5e-2 && worst < 0.1);
     }
 
     /// bf16 compute keeps old weight copies in a cached graph while f32 sees the update in

@@ -60,14 +60,14 @@ def rms_norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope_tables(cfg, seq):
+def rope_tables(cfg, seq, dtype=torch.float64):
     if cfg["rope_scaling"] is not None:
         raise SystemExit("rope_scaling is not implemented in the reference")
     hd = cfg["d_model"] // cfg["n_heads"]
     i = torch.arange(hd // 2, dtype=torch.float64)
     inv_freq = cfg["rope_theta"] ** (-2.0 * i / hd)
     ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cos(ang), torch.sin(ang)
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
 
 def rotate(x, cos, sin):
@@ -122,13 +122,43 @@ def block(x, p, i, cfg, cos, sin):
 
 
 def loss_of(p, tokens, targets, cfg):
-    cos, sin = rope_tables(cfg, tokens.shape[1])
+    cos, sin = rope_tables(cfg, tokens.shape[1], p["embed.weight"].dtype)
     x = p["embed.weight"][tokens]
     for i in range(sum(cfg["stages"])):
         x = block(x, p, i, cfg, cos, sin)
     x = rms_norm(x, p["norm.weight"], cfg["norm_eps"])
     logits = x @ p["head.weight"].T
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def param_shapes(cfg):
+    """Canonical parameter names and shapes of the whole model (as ModelConfig::stage_param_shapes)."""
+    d, h, kv, ff, b = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"], cfg["d_ff"], cfg["bottleneck_dim"]
+    hd = d // h
+    has_bneck = b != d
+    out = [("embed.weight", (cfg["vocab_size"], d))]
+    first = 0
+    for k, n in enumerate(cfg["stages"]):
+        for i in range(first, first + n):
+            p = f"blocks.{i}"
+            if k > 0 and i == first and has_bneck:
+                out.append((f"{p}.decoder.weight", (d, b)))
+            out += [
+                (f"{p}.attn_norm.weight", (d,)),
+                (f"{p}.attn.wq", (h * hd, d)),
+                (f"{p}.attn.wk", (kv * hd, d)),
+                (f"{p}.attn.wv", (kv * hd, d)),
+                (f"{p}.attn.wo", (d, h * hd)),
+                (f"{p}.ffn_norm.weight", (d,)),
+                (f"{p}.ffn.w_gate", (ff, d)),
+                (f"{p}.ffn.w_up", (ff, d)),
+                (f"{p}.ffn.w_down", (d, ff)),
+            ]
+            if k + 1 < len(cfg["stages"]) and i == first + n - 1 and has_bneck:
+                out.append((f"{p}.encoder.weight", (b, d)))
+        first += n
+    out += [("norm.weight", (d,)), ("head.weight", (cfg["vocab_size"], d))]
+    return out
 
 
 def run_case(golden_dir, case):
