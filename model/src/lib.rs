@@ -15,7 +15,7 @@
 //! * [`checkpoint`]: safetensors weights and optimizer state.
 //! * [`data`]: sample id -> token window; the grammar corpus with its entropy floor; text files
 //!   with a `tokenizers` tokenizer; offline BPE training.
-//! * [`replay`]: a stage driven hop by hop (miner) and replayed from epoch-start weights
+//! * [`mod@replay`]: a stage driven hop by hop (miner) and replayed from epoch-start weights
 //!   (validator spot checks), with comparison helpers.
 //! * [`train`]: a local loop over a pipeline for tests, benchmarks and single-machine runs.
 //!

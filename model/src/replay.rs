@@ -467,6 +467,51 @@ mod tests {
         assert!(!c.passes(&strict), "{c:?}");
     }
 
+    /// The last stage: forwards carry targets, outputs are per-sequence losses, backward takes
+    /// no gradient; a replay across an inner step is exact.
+    #[test]
+    fn last_stage_replays_losses() {
+        use crate::data::{GrammarCorpus, make_batch};
+        let cfg = ModelConfig::tiny();
+        let g = GrammarCorpus::new(5, 12).unwrap();
+        let build = || {
+            let stage = Stage::new(&cfg, 2, StageOptions::cpu()).unwrap();
+            let opt = AdamW::new(&stage, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+            (stage, opt)
+        };
+        let (stage, opt) = build();
+        let fwd = |s: u64| Hop::Forward {
+            sample: s,
+            input: randn(&stage.input_dims(3, 12), 300 + s),
+            targets: Some(
+                make_batch(&g, &[3 * s, 3 * s + 1, 3 * s + 2], &Device::Cpu)
+                    .unwrap()
+                    .targets,
+            ),
+        };
+        let bwd = |s: u64| Hop::Backward {
+            sample: s,
+            grad_output: None,
+        };
+        let hops = vec![
+            fwd(1),
+            fwd(2),
+            bwd(1),
+            Hop::InnerStep { lr: 1e-2 },
+            bwd(2),
+            fwd(3),
+        ];
+        let mut miner = StageRunner::new(stage, opt, 4);
+        let claimed = miner.apply_all(&hops).unwrap();
+        let losses = claimed[5].values().unwrap().unwrap();
+        assert_eq!(losses.len(), 3, "one loss per sequence");
+        let (stage, opt) = build();
+        let rep = replay(stage, opt, &hops, 4).unwrap();
+        let cmp = compare_results(&claimed, &rep.results).unwrap();
+        assert_eq!(cmp.len(), 5, "three loss vectors and two input gradients");
+        assert!(cmp.iter().all(|(_, c)| c.relative_error == 0.0));
+    }
+
     #[test]
     fn malformed_hop_lists_are_errors() {
         let cfg = ModelConfig::tiny();
