@@ -712,11 +712,13 @@ impl Stage {
         Ok(x)
     }
 
-    fn head_weight(&self) -> Result<&Tensor> {
+    /// The LM head weight in the compute dtype (the cached cast under bf16), for the head's
+    /// matrix products; the loss arithmetic stays in the param dtype.
+    fn head_weight(&self) -> Result<Tensor> {
         let i = self
             .head
             .ok_or_else(|| ModelError::InvalidInput("stage has no LM head".into()))?;
-        Ok(self.params[i].var.as_tensor())
+        self.weight(i, false)
     }
 
     /// Loss report and per-token log-sum-exp of the final hidden state `h: [batch, seq, d]`.
@@ -729,7 +731,7 @@ impl Stage {
         let (b, t) = targets.dims2()?;
         let f = loss::ce_forward(
             &h.reshape(((), d))?,
-            self.head_weight()?,
+            &self.head_weight()?,
             &targets.flatten_all()?,
             self.cfg.loss_vocab_chunk,
         )?;
@@ -759,7 +761,7 @@ impl Stage {
         let d = self.cfg.d_model;
         let (gh, gw) = loss::ce_backward(
             &h.reshape(((), d))?,
-            self.head_weight()?,
+            &self.head_weight()?,
             &targets.flatten_all()?,
             lse,
             self.cfg.loss_vocab_chunk,
@@ -1096,7 +1098,7 @@ mod tests {
                 let d = stage.config().d_model;
                 let f = loss::ce_forward(
                     &h.reshape(((), d)).unwrap(),
-                    stage.head_weight().unwrap(),
+                    &stage.head_weight().unwrap(),
                     &targets.flatten_all().unwrap(),
                     stage.config().loss_vocab_chunk,
                 )
