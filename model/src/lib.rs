@@ -19,6 +19,46 @@
 //!   (validator spot checks), with comparison helpers.
 //! * [`train`]: a local loop over a pipeline for tests, benchmarks and single-machine runs.
 //!
+//! # A miner's epoch on one stage, and a validator's replay
+//!
+//! ```
+//! use iota_model::merge::{flatten_range, partition_ranges, pseudo_gradient_range};
+//! use iota_model::replay::{Hop, StageRunner, compare_results, replay};
+//! use iota_model::{AdamW, AdamWConfig, LrSchedule, ModelConfig, Stage, StageOptions, Tensor};
+//! # fn main() -> iota_model::Result<()> {
+//! let cfg = ModelConfig::tiny();
+//! let build = || -> iota_model::Result<(Stage, AdamW)> {
+//!     let stage = Stage::new(&cfg, 1, StageOptions::cpu())?; // epoch-start weights
+//!     let adamw = AdamWConfig::default().for_stage(&cfg, 1)?; // IOTA's per-stage clip share
+//!     let opt = AdamW::new(&stage, adamw, LrSchedule::constant())?;
+//!     Ok((stage, opt))
+//! };
+//! let (stage, opt) = build()?;
+//! let start = flatten_range(&stage, 0..stage.num_parameters())?;
+//! // Inputs and gradients arrive from the neighbouring stages' miners.
+//! let x = Tensor::zeros(stage.input_dims(2, 8), iota_model::DType::F32, &iota_model::Device::Cpu)?;
+//! let g = Tensor::ones(stage.output_dims(2, 8), iota_model::DType::F32, &iota_model::Device::Cpu)?;
+//! let hops = vec![
+//!     Hop::Forward { sample: 7, input: x, targets: None },
+//!     Hop::Backward { sample: 7, grad_output: Some((g * 1e-3)?) },
+//!     Hop::InnerStep { lr: 1e-3 }, // the run's learning rate, from outside
+//! ];
+//! let mut miner = StageRunner::new(stage, opt, 16);
+//! let claimed = miner.apply_all(&hops)?;
+//! // Upload the pseudo-gradient partition by partition.
+//! for r in partition_ranges(start.len(), 4)? {
+//!     let _part = pseudo_gradient_range(miner.stage(), r.clone(), &start[r])?;
+//! }
+//! // A validator replays from the same epoch-start weights and compares hop by hop.
+//! let (stage, opt) = build()?;
+//! let rep = replay(stage, opt, &hops, 16)?;
+//! for (_, c) in compare_results(&claimed, &rep.results)? {
+//!     assert_eq!(c.relative_error, 0.0);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! candle's fused RmsNorm, `softmax_last_dim` and rope kernels drop gradients, so the layers are
 //! composed from differentiable primitives and a test checks that every parameter gets a
 //! non-zero gradient.
