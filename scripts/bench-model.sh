@@ -6,11 +6,10 @@
 #   scripts/bench-model.sh throughput     # one of them
 #   BENCH_STEPS=300 scripts/bench-model.sh compression
 #
-# candle's CPU elementwise thread pool costs more in wake-ups than it saves on small machines
-# (measured 2x slower on 2 vCPUs); set CANDLE_NUM_THREADS yourself to override the default of 1.
-# Matrix products still use every core.
+# Threads: candle's default (all cores) unless CANDLE_NUM_THREADS is set. On an idle 2-vCPU
+# machine 2 threads measured 7-23% faster than 1; on an oversubscribed one, 1 thread was 2x
+# faster (model/README.md, "CPU speed and thread count").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CANDLE_NUM_THREADS="${CANDLE_NUM_THREADS:-1}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/model}"
 exec cargo bench -p iota-model --bench model -- "$@"

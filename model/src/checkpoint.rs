@@ -4,6 +4,12 @@
 //! `adamw.v.<name>`; the outer momentum as one flat tensor. A JSON metadata entry records what the
 //! file is, so that loading the wrong kind of file, another stage's weights or a mismatched shape
 //! is an error instead of a silent partial load. Bytes are deterministic for equal contents.
+//!
+//! The metadata holds BLAKE3 fingerprints of the model config (its JSON) and of the stage's flat
+//! layout (names and shapes in order); loading refuses a file whose fingerprints differ from the
+//! stage's, naming both configs. Files are written to a unique temporary file beside the target,
+//! fsynced, renamed over the target, and the directory is fsynced, so a crash leaves either the
+//! old or the new checkpoint, and two writers never share a temporary file.
 
 use std::path::Path;
 
@@ -11,6 +17,7 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::merge::FlatLayout;
 use crate::optim::{AdamW, OuterOptimizer};
 use crate::st;
 use crate::stage::Stage;
@@ -23,24 +30,65 @@ struct Meta {
     stage: usize,
     #[serde(default)]
     step: u64,
+    #[serde(default)]
+    config_fingerprint: String,
+    #[serde(default)]
+    layout_fingerprint: String,
 }
 
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
+
+/// BLAKE3 of the config's JSON: equal for configs that build identical models.
+pub fn config_fingerprint(cfg: &crate::config::ModelConfig) -> Result<String> {
+    Ok(blake3::hash(cfg.to_json()?.as_bytes()).to_hex().to_string())
+}
 
 fn tensor_f32(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
 }
 
+static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn write(path: &Path, bytes: &[u8]) -> Result<()> {
-    if let Some(parent) = path.parent()
-        && !parent.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
+    use std::io::Write;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(|e| ModelError::io(&parent, e))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| ModelError::InvalidInput(format!("{} is not a file path", path.display())))?
+        .to_string_lossy();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    // Unique per process, call and time; `create_new` refuses an existing file in any case.
+    let tmp = parent.join(format!(
+        ".{name}.{}.{}.{nanos}.tmp",
+        std::process::id(),
+        TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| ModelError::io(&tmp, e))?;
+        f.write_all(bytes).map_err(|e| ModelError::io(&tmp, e))?;
+        f.sync_all().map_err(|e| ModelError::io(&tmp, e))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
+        // Make the rename itself durable.
+        std::fs::File::open(&parent)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| ModelError::io(&parent, e))
+    })();
+    if result.is_err() {
+        std::fs::remove_file(&tmp).ok();
     }
-    // Write then rename, so a crash never leaves a truncated checkpoint under the final name.
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+    result
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
@@ -63,7 +111,30 @@ fn check_meta(meta: &str, stage: &Stage, kind: &str) -> Result<Meta> {
             stage.index()
         )));
     }
+    let cfg_fp = config_fingerprint(stage.config())?;
+    if m.config_fingerprint != cfg_fp {
+        return Err(ModelError::Checkpoint(format!(
+            "file was written for config {:?} (fingerprint {}), this stage is config {:?} \
+             (fingerprint {cfg_fp}): the model shapes or hyper-parameters differ",
+            m.config,
+            short(&m.config_fingerprint),
+            stage.config().name,
+        )));
+    }
+    let layout_fp = FlatLayout::of(stage).fingerprint().to_hex().to_string();
+    if m.layout_fingerprint != layout_fp {
+        return Err(ModelError::Checkpoint(format!(
+            "file's parameter layout (fingerprint {}) differs from stage {}'s ({})",
+            short(&m.layout_fingerprint),
+            stage.index(),
+            short(&layout_fp)
+        )));
+    }
     Ok(m)
+}
+
+fn short(fp: &str) -> &str {
+    fp.get(..16).unwrap_or(fp)
 }
 
 fn meta_json(stage: &Stage, kind: &str, step: u64) -> Result<String> {
@@ -73,6 +144,8 @@ fn meta_json(stage: &Stage, kind: &str, step: u64) -> Result<String> {
         config: stage.config().name.clone(),
         stage: stage.index(),
         step,
+        config_fingerprint: config_fingerprint(stage.config())?,
+        layout_fingerprint: FlatLayout::of(stage).fingerprint().to_hex().to_string(),
     })?)
 }
 
@@ -116,6 +189,7 @@ pub fn load_weights_bytes(stage: &Stage, bytes: &[u8]) -> Result<()> {
     for (p, t) in stage.params().iter().zip(staged) {
         p.var().set(&t)?;
     }
+    stage.mark_weights_changed();
     Ok(())
 }
 
@@ -192,6 +266,11 @@ pub fn load_adamw(opt: &mut AdamW, stage: &Stage, path: &Path) -> Result<()> {
 
 /// Encode the outer optimizer's momentum buffer for `stage`.
 pub fn outer_to_bytes(opt: &OuterOptimizer, stage: &Stage) -> Result<Vec<u8>> {
+    if opt.step_in_progress() {
+        return Err(ModelError::Checkpoint(
+            "outer step is half applied (some partitions pending); finish it first".into(),
+        ));
+    }
     let buf = opt.momentum_buffer();
     let tensors = vec![(
         "outer.momentum".to_string(),
@@ -200,13 +279,15 @@ pub fn outer_to_bytes(opt: &OuterOptimizer, stage: &Stage) -> Result<Vec<u8>> {
     st::encode(tensors, &meta_json(stage, "outer-state", opt.steps())?)
 }
 
-/// Restore the outer momentum buffer.
+/// Restore the outer momentum buffer and the outer step count.
 pub fn load_outer_bytes(opt: &mut OuterOptimizer, stage: &Stage, bytes: &[u8]) -> Result<()> {
     let (tensors, meta) = st::decode(bytes)?;
-    check_meta(&meta, stage, "outer-state")?;
+    let meta = check_meta(&meta, stage, "outer-state")?;
     let n = opt.momentum_buffer().len();
     let (_, data) = st::read_f32(&tensors, "outer.momentum", Some(&[n]))?;
-    opt.set_momentum_buffer(data)
+    opt.set_momentum_buffer(data)?;
+    opt.set_steps(meta.step);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -252,7 +333,56 @@ mod tests {
         load_weights(&c, &path).unwrap();
         assert_eq!(flatten_params(&c).unwrap(), flat);
         assert!(load_weights(&c, &dir.join("missing.safetensors")).is_err());
+        // Saving over an existing file, from several threads at once, leaves one whole file
+        // and no temporary files.
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                sc.spawn(|| save_weights(&a, &path).unwrap());
+            }
+        });
+        load_weights(&c, &path).unwrap();
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        assert_eq!(names, vec!["stage1.safetensors".to_string()]);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_config_or_layout_is_refused() {
+        let cfg = ModelConfig::tiny();
+        let a = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let bytes = weights_to_bytes(&a).unwrap();
+        // Same shapes, different hyper-parameter: the config fingerprint differs.
+        let mut other = cfg.clone();
+        other.rope_theta = 500_000.0;
+        let b = Stage::new(&other, 1, StageOptions::cpu()).unwrap();
+        let before = flatten_params(&b).unwrap();
+        let err = load_weights_bytes(&b, &bytes).unwrap_err().to_string();
+        assert!(
+            err.contains("config") && err.contains("fingerprint"),
+            "{err}"
+        );
+        assert_eq!(flatten_params(&b).unwrap(), before, "nothing was loaded");
+        // Different shapes: refused before any tensor is read.
+        let c = Stage::new(&cfg.clone().with_bottleneck(32), 1, StageOptions::cpu()).unwrap();
+        assert!(matches!(
+            load_weights_bytes(&c, &bytes),
+            Err(ModelError::Checkpoint(_))
+        ));
+        // Optimizer and outer state carry the same check.
+        let opt = AdamW::new(&a, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        let ob = adamw_to_bytes(&opt, &a).unwrap();
+        let mut opt_b = AdamW::new(&b, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        assert!(load_adamw_bytes(&mut opt_b, &b, &ob).is_err());
+        let outer = OuterOptimizer::new(OuterConfig::default(), a.num_parameters()).unwrap();
+        let ub = outer_to_bytes(&outer, &a).unwrap();
+        let mut outer_b = OuterOptimizer::new(OuterConfig::default(), b.num_parameters()).unwrap();
+        assert!(load_outer_bytes(&mut outer_b, &b, &ub).is_err());
+        // And the matching config loads.
+        let d = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        load_weights_bytes(&d, &bytes).unwrap();
     }
 
     #[test]
@@ -287,5 +417,13 @@ mod tests {
         let mut outer2 = OuterOptimizer::new(OuterConfig::default(), s.num_parameters()).unwrap();
         load_outer_bytes(&mut outer2, &s, &ob).unwrap();
         assert_eq!(outer2.momentum_buffer(), outer.momentum_buffer());
+        assert_eq!(
+            outer2.steps(),
+            1,
+            "the outer step count survives the round trip"
+        );
+        // Half an outer step cannot be checkpointed.
+        outer.step_partition(0..3, &mut w[0..3], &g[0..3]).unwrap();
+        assert!(outer_to_bytes(&outer, &s).is_err());
     }
 }

@@ -142,8 +142,15 @@ pub(crate) fn attention(
         (expand(k)?, expand(v)?)
     };
     let scale = 1.0 / (hd as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-    let probs = softmax_last(&scores)?;
+    let scores = (q.matmul(&k.t()?)? * scale)?;
+    // Under half-precision compute the mask is f32 and the softmax runs in f32: exp and its sum
+    // lose too much in bf16.
+    let probs = if scores.dtype() == mask.dtype() {
+        softmax_last(&scores.broadcast_add(mask)?)?
+    } else {
+        softmax_last(&scores.to_dtype(mask.dtype())?.broadcast_add(mask)?)?
+            .to_dtype(scores.dtype())?
+    };
     let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
     linear(&out, w.wo)
 }
@@ -188,7 +195,8 @@ mod tests {
     }
 
     #[test]
-    fn rms_norm_unit_rms() {
+    fn rms_norm_matches_hand_computation() {
+        // eps 0 with unit gains: every row comes out with unit RMS.
         let x = Tensor::new(&[[3.0f32, 4.0], [1.0, -1.0]], &dev()).unwrap();
         let w = Tensor::new(&[1.0f32, 1.0], &dev()).unwrap();
         let y = rms_norm(&x, &w, 0.0).unwrap().to_vec2::<f32>().unwrap();
@@ -196,46 +204,63 @@ mod tests {
             let ms = row.iter().map(|v| v * v).sum::<f32>() / 2.0;
             assert!((ms - 1.0).abs() < 1e-5);
         }
+        // A large eps and non-unit gains: x / sqrt(mean(x^2) + eps) * w, eps inside the root.
+        let x = Tensor::new(&[[3.0f64, 4.0, 0.0]], &dev()).unwrap();
+        let w = Tensor::new(&[2.0f64, -1.0, 5.0], &dev()).unwrap();
+        let y = rms_norm(&x, &w, 0.5).unwrap().to_vec2::<f64>().unwrap();
+        let inv = 1.0 / ((9.0 + 16.0) / 3.0 + 0.5f64).sqrt();
+        let expect = [3.0 * inv * 2.0, -4.0 * inv, 0.0];
+        for (a, b) in y[0].iter().zip(expect) {
+            assert!((a - b).abs() < 1e-12, "{:?} vs {expect:?}", y[0]);
+        }
     }
 
     #[test]
-    fn rope_preserves_norm_and_position_zero() {
+    fn rope_matches_hand_computed_rotation() {
         let cfg = ModelConfig::tiny();
-        let rope = Rope::new(&cfg, DType::F32, &dev()).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (1, 2, 5, cfg.head_dim()), &dev()).unwrap();
+        let hd = cfg.head_dim();
+        let half = hd / 2;
+        let rope = Rope::new(&cfg, DType::F64, &dev()).unwrap();
+        let x = Tensor::randn(0f64, 1.0, (1, 2, 5, hd), &dev()).unwrap();
         let y = rope.apply(&x).unwrap();
-        let nx = x
-            .sqr()
-            .unwrap()
-            .sum(D::Minus1)
-            .unwrap()
-            .to_vec3::<f32>()
-            .unwrap();
-        let ny = y
-            .sqr()
-            .unwrap()
-            .sum(D::Minus1)
-            .unwrap()
-            .to_vec3::<f32>()
-            .unwrap();
-        for (a, b) in nx[0].iter().flatten().zip(ny[0].iter().flatten()) {
-            assert!((a - b).abs() < 1e-4);
+        let xv = x.squeeze(0).unwrap().to_vec3::<f64>().unwrap();
+        let yv = y.squeeze(0).unwrap().to_vec3::<f64>().unwrap();
+        // Rotate-half layout (HF Llama): pair (i, i + half) rotates by pos * theta^(-2i/hd).
+        for h in 0..2 {
+            for pos in 0..5 {
+                for i in 0..half {
+                    let a = pos as f64 * cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64);
+                    let (x1, x2) = (xv[h][pos][i], xv[h][pos][i + half]);
+                    let r1 = x1 * a.cos() - x2 * a.sin();
+                    let r2 = x2 * a.cos() + x1 * a.sin();
+                    assert!((yv[h][pos][i] - r1).abs() < 1e-12, "pos {pos} i {i}");
+                    assert!((yv[h][pos][i + half] - r2).abs() < 1e-12, "pos {pos} i {i}");
+                }
+            }
         }
-        let x0 = x
-            .narrow(2, 0, 1)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let y0 = y
-            .narrow(2, 0, 1)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        assert_eq!(x0, y0);
+        // Relative positions: <R(m) q, R(n) k> depends only on m - n.
+        let q = Tensor::randn(0f64, 1.0, (1, 1, 1, hd), &dev()).unwrap();
+        let k = Tensor::randn(0f64, 1.0, (1, 1, 1, hd), &dev()).unwrap();
+        let at = |t: &Tensor, p: usize| {
+            let rep = t.repeat((1, 1, 5, 1)).unwrap();
+            rope.apply(&rep).unwrap().narrow(2, p, 1).unwrap()
+        };
+        let dot = |a: Tensor, b: Tensor| {
+            (a * b)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        let d1 = dot(at(&q, 3), at(&k, 1));
+        let d2 = dot(at(&q, 4), at(&k, 2));
+        let d3 = dot(at(&q, 4), at(&k, 1));
+        assert!((d1 - d2).abs() < 1e-12);
+        assert!(
+            (d1 - d3).abs() > 1e-6,
+            "a different offset gives a different score"
+        );
     }
 
     #[test]

@@ -15,7 +15,49 @@
 //! * [`checkpoint`]: safetensors weights and optimizer state.
 //! * [`data`]: sample id -> token window; the grammar corpus with its entropy floor; text files
 //!   with a `tokenizers` tokenizer; offline BPE training.
+//! * [`mod@replay`]: a stage driven hop by hop (miner) and replayed from epoch-start weights
+//!   (validator spot checks), with comparison helpers.
 //! * [`train`]: a local loop over a pipeline for tests, benchmarks and single-machine runs.
+//!
+//! # A miner's epoch on one stage, and a validator's replay
+//!
+//! ```
+//! use iota_model::merge::{flatten_range, partition_ranges, pseudo_gradient_range};
+//! use iota_model::replay::{Hop, StageRunner, compare_results, replay};
+//! use iota_model::{AdamW, AdamWConfig, LrSchedule, ModelConfig, Stage, StageOptions, Tensor};
+//! # fn main() -> iota_model::Result<()> {
+//! let cfg = ModelConfig::tiny();
+//! let build = || -> iota_model::Result<(Stage, AdamW)> {
+//!     let stage = Stage::new(&cfg, 1, StageOptions::cpu())?; // epoch-start weights
+//!     let adamw = AdamWConfig::default().for_stage(&cfg, 1)?; // IOTA's per-stage clip share
+//!     let opt = AdamW::new(&stage, adamw, LrSchedule::constant())?;
+//!     Ok((stage, opt))
+//! };
+//! let (stage, opt) = build()?;
+//! let start = flatten_range(&stage, 0..stage.num_parameters())?;
+//! // Inputs and gradients arrive from the neighbouring stages' miners.
+//! let x = Tensor::zeros(stage.input_dims(2, 8), iota_model::DType::F32, &iota_model::Device::Cpu)?;
+//! let g = Tensor::ones(stage.output_dims(2, 8), iota_model::DType::F32, &iota_model::Device::Cpu)?;
+//! let hops = vec![
+//!     Hop::Forward { sample: 7, input: x, targets: None },
+//!     Hop::Backward { sample: 7, grad_output: Some((g * 1e-3)?) },
+//!     Hop::InnerStep { lr: 1e-3 }, // the run's learning rate, from outside
+//! ];
+//! let mut miner = StageRunner::new(stage, opt, 16);
+//! let claimed = miner.apply_all(&hops)?;
+//! // Upload the pseudo-gradient partition by partition.
+//! for r in partition_ranges(start.len(), 4)? {
+//!     let _part = pseudo_gradient_range(miner.stage(), r.clone(), &start[r])?;
+//! }
+//! // A validator replays from the same epoch-start weights and compares hop by hop.
+//! let (stage, opt) = build()?;
+//! let rep = replay(stage, opt, &hops, 16)?;
+//! for (_, c) in compare_results(&claimed, &rep.results)? {
+//!     assert_eq!(c.relative_error, 0.0);
+//! }
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! candle's fused RmsNorm, `softmax_last_dim` and rope kernels drop gradients, so the layers are
 //! composed from differentiable primitives and a test checks that every parameter gets a
@@ -31,6 +73,7 @@ mod loss;
 pub mod merge;
 pub mod optim;
 pub mod pipeline;
+pub mod replay;
 pub mod rng;
 mod st;
 pub mod stage;
@@ -40,10 +83,16 @@ pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
 pub use config::{ModelConfig, RopeScaling};
 pub use data::{Batch, Dataset, GrammarCorpus, TextDataset, make_batch, train_bpe_tokenizer};
 pub use error::{ModelError, Result};
-pub use merge::{Contribution, FlatLayout, MergedPartition, partition_ranges, weighted_average};
-pub use optim::{AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, StepOutcome};
+pub use merge::{
+    Contribution, FlatLayout, MergedPartition, flatten_range, load_range, partition_ranges,
+    pseudo_gradient_range, weighted_average,
+};
+pub use optim::{
+    AdamW, AdamWConfig, LrSchedule, OuterConfig, OuterOptimizer, PreparedStep, StepOutcome,
+};
 pub use pipeline::{Pipeline, StepStats, WireConfig};
-pub use stage::{Stage, StageCache, StageOptions, StageOutput};
+pub use replay::{Comparison, Hop, HopResult, Replay, StageRunner, Thresholds, compare, replay};
+pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
 pub use train::{TrainStep, Trainer};
 
 /// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.

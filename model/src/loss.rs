@@ -9,14 +9,20 @@
 //!   log-sum-exp, and accumulate `dL/dh` and the block's rows of `dL/dW`.
 //!
 //! At most `[tokens, chunk]` logits exist at any time. The loss is the mean over tokens.
+//!
+//! The matrix products run in the dtype of the head weight passed in (bf16 on a GPU, so the
+//! largest product of the model uses tensor cores); logits, log-sum-exp, probabilities and the
+//! gradients are f32 (the dtype of `h`). With `w` in the dtype of `h` nothing is cast.
 
 use candle_core::{D, Tensor};
 
 use crate::error::Result;
 
-/// Result of the forward pass: the mean loss and the per-token log-sum-exp needed by backward.
+/// Result of the forward pass: the mean loss, the per-token losses and the per-token
+/// log-sum-exp needed by backward.
 pub(crate) struct CeForward {
     pub loss: Tensor,
+    pub token_losses: Tensor,
     pub lse: Tensor,
 }
 
@@ -26,8 +32,9 @@ fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |s| (s, chunk.min(vocab - s)))
 }
 
-/// Mean cross-entropy of `h: [n, d]` against `targets: [n]` (u32) under head `w: [vocab, d]`.
-/// Inputs are treated as constants (no autograd graph is built).
+/// Mean cross-entropy of `h: [n, d]` against `targets: [n]` (u32) under head `w: [vocab, d]`
+/// (matrix products in `w`'s dtype, everything else in `h`'s). Inputs are treated as constants
+/// (no autograd graph is built).
 pub(crate) fn ce_forward(
     h: &Tensor,
     w: &Tensor,
@@ -35,10 +42,15 @@ pub(crate) fn ce_forward(
     chunk: usize,
 ) -> Result<CeForward> {
     let (h, w) = (h.detach(), w.detach());
+    let acc_dtype = h.dtype();
+    // `h` rounded to the product dtype; the target logit below uses the same rounded values.
+    let h = h.to_dtype(w.dtype())?;
     let vocab = w.dim(0)?;
     let mut acc: Option<(Tensor, Tensor)> = None;
     for (start, len) in chunks(vocab, chunk) {
-        let logits = h.matmul(&w.narrow(0, start, len)?.t()?)?;
+        let logits = h
+            .matmul(&w.narrow(0, start, len)?.t()?)?
+            .to_dtype(acc_dtype)?;
         let cmax = logits.max_keepdim(D::Minus1)?;
         acc = Some(match acc {
             None => {
@@ -58,9 +70,16 @@ pub(crate) fn ce_forward(
     }
     let (m, s) = acc.ok_or_else(|| crate::error::ModelError::Config("empty vocabulary".into()))?;
     let lse = (m + s.log()?)?.squeeze(D::Minus1)?;
-    let target_logit = (&h * w.index_select(targets, 0)?)?.sum(D::Minus1)?;
-    let loss = (&lse - target_logit)?.mean_all()?;
-    Ok(CeForward { loss, lse })
+    let target_logit = (h.to_dtype(acc_dtype)?
+        * w.index_select(targets, 0)?.to_dtype(acc_dtype)?)?
+    .sum(D::Minus1)?;
+    let token_losses = (&lse - target_logit)?;
+    let loss = token_losses.mean_all()?;
+    Ok(CeForward {
+        loss,
+        token_losses,
+        lse,
+    })
 }
 
 /// Gradients of `scale * sum_i CE_i` (pass `scale = 1/n` for the mean) with respect to `h` and
@@ -74,19 +93,25 @@ pub(crate) fn ce_backward(
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let (h, w) = (h.detach(), w.detach());
+    let acc = h.dtype();
+    let mm = w.dtype();
+    let h_mm = h.to_dtype(mm)?;
     let vocab = w.dim(0)?;
     let lse = lse.unsqueeze(D::Minus1)?;
     let mut grad_h = h.zeros_like()?;
     let mut grad_w_blocks = Vec::new();
     for (start, len) in chunks(vocab, chunk) {
         let wc = w.narrow(0, start, len)?;
-        let probs = (h.matmul(&wc.t()?)?.broadcast_sub(&lse)?.exp()? * scale)?;
-        grad_h = (grad_h + probs.matmul(&wc)?)?;
-        grad_w_blocks.push(probs.t()?.matmul(&h)?);
+        let logits = h_mm.matmul(&wc.t()?)?.to_dtype(acc)?;
+        let probs = (logits.broadcast_sub(&lse)?.exp()? * scale)?;
+        let probs_mm = probs.to_dtype(mm)?;
+        grad_h = (grad_h + probs_mm.matmul(&wc)?.to_dtype(acc)?)?;
+        grad_w_blocks.push(probs_mm.t()?.matmul(&h_mm)?.to_dtype(acc)?);
     }
     // The -1 of the one-hot target: subtract W[target] from dh and h from dW[target].
-    let grad_h = (grad_h - (w.index_select(targets, 0)? * scale)?)?;
-    let grad_w = Tensor::cat(&grad_w_blocks, 0)?.index_add(targets, &(&h * -scale)?, 0)?;
+    let h_used = h_mm.to_dtype(acc)?;
+    let grad_h = (grad_h - (w.index_select(targets, 0)?.to_dtype(acc)? * scale)?)?;
+    let grad_w = Tensor::cat(&grad_w_blocks, 0)?.index_add(targets, &(&h_used * -scale)?, 0)?;
     Ok((grad_h, grad_w))
 }
 
@@ -126,6 +151,41 @@ mod tests {
             .unwrap()
             .to_scalar::<f64>()
             .unwrap()
+    }
+
+    /// Products in bf16 (weight passed in bf16), arithmetic in f32: close to the f32 result,
+    /// gradients in f32.
+    #[test]
+    fn bf16_products_stay_close_to_f32() {
+        let dev = Device::Cpu;
+        let h = Tensor::randn(0f32, 1.0, (9, 16), &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.3, (40, 16), &dev).unwrap();
+        let t = Tensor::new(&[0u32, 39, 3, 3, 7, 1, 12, 20, 21], &dev).unwrap();
+        let f = ce_forward(&h, &w, &t, 16).unwrap();
+        let (gh, gw) = ce_backward(&h, &w, &t, &f.lse, 16, 1.0 / 9.0).unwrap();
+        let wb = w.to_dtype(DType::BF16).unwrap();
+        let fb = ce_forward(&h, &wb, &t, 16).unwrap();
+        let (ghb, gwb) = ce_backward(&h, &wb, &t, &fb.lse, 16, 1.0 / 9.0).unwrap();
+        assert_eq!(
+            (fb.loss.dtype(), ghb.dtype(), gwb.dtype()),
+            (DType::F32, DType::F32, DType::F32)
+        );
+        let l = f.loss.to_scalar::<f32>().unwrap();
+        let lb = fb.loss.to_scalar::<f32>().unwrap();
+        assert!((l - lb).abs() / l < 1e-2, "{l} vs {lb}");
+        let rel = |a: &Tensor, b: &Tensor| {
+            let d = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap();
+            let m = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap()
+        };
+        assert!(rel(&ghb, &gh) < 3e-2 && rel(&gwb, &gw) < 3e-2);
     }
 
     #[test]

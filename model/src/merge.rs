@@ -112,7 +112,89 @@ pub fn load_flat_params(stage: &Stage, flat: &[f32]) -> Result<()> {
         .to_dtype(var.dtype())?;
         var.set(&t)?;
     }
+    stage.mark_weights_changed();
     Ok(())
+}
+
+fn check_range(layout: &FlatLayout, range: &Range<usize>) -> Result<()> {
+    if range.start > range.end || range.end > layout.total {
+        return Err(ModelError::InvalidInput(format!(
+            "range {range:?} outside the flat view 0..{}",
+            layout.total
+        )));
+    }
+    Ok(())
+}
+
+/// The pieces of `range` that fall in each parameter: (parameter index, start within the
+/// parameter, start within the range, length).
+fn pieces(layout: &FlatLayout, range: &Range<usize>) -> Vec<(usize, usize, usize, usize)> {
+    layout
+        .entries
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| {
+            let start = range.start.max(e.offset);
+            let end = range.end.min(e.offset + e.len);
+            (start < end).then(|| (i, start - e.offset, start - range.start, end - start))
+        })
+        .collect()
+}
+
+/// Elements `range` of the stage's flat f32 view (as [`flatten_params`] would give them),
+/// copying only the tensors the range touches, so a partition of a large stage never needs a
+/// full host copy.
+pub fn flatten_range(stage: &Stage, range: Range<usize>) -> Result<Vec<f32>> {
+    let layout = FlatLayout::of(stage);
+    check_range(&layout, &range)?;
+    let mut out = Vec::with_capacity(range.len());
+    for (i, local, _, len) in pieces(&layout, &range) {
+        let t = stage.params()[i]
+            .var()
+            .as_tensor()
+            .flatten_all()?
+            .narrow(0, local, len)?
+            .to_dtype(DType::F32)?;
+        out.extend(t.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+/// Overwrite elements `range` of the stage's flat view with `values` (checked for length and
+/// finiteness before anything is written) and bump the stage's weights version.
+pub fn load_range(stage: &Stage, range: Range<usize>, values: &[f32]) -> Result<()> {
+    let layout = FlatLayout::of(stage);
+    check_range(&layout, &range)?;
+    if values.len() != range.len() {
+        return Err(ModelError::shape(
+            format!("values for range {range:?}"),
+            &[range.len()],
+            &[values.len()],
+        ));
+    }
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(ModelError::NonFinite(format!("values for range {range:?}")));
+    }
+    for (i, local, at, len) in pieces(&layout, &range) {
+        let var = stage.params()[i].var();
+        let src =
+            Tensor::from_slice(&values[at..at + len], len, var.device())?.to_dtype(var.dtype())?;
+        // A contiguous variable's flat view shares its storage: write the slice in place.
+        var.as_tensor().flatten_all()?.slice_set(&src, 0, local)?;
+    }
+    stage.mark_weights_changed();
+    Ok(())
+}
+
+/// The pseudo-gradient `start - current` over `range` of the flat view, where `start` holds the
+/// epoch-start weights of that range: what a miner uploads for one partition.
+pub fn pseudo_gradient_range(
+    stage: &Stage,
+    range: Range<usize>,
+    start: &[f32],
+) -> Result<Vec<f32>> {
+    let current = flatten_range(stage, range)?;
+    crate::optim::pseudo_gradient(start, &current)
 }
 
 /// `parts` contiguous ranges covering `0..total`, sizes differing by at most one (the first
@@ -382,6 +464,100 @@ mod tests {
         let stage = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
         load_flat_params(&stage, &global).unwrap();
         assert_eq!(flatten_params(&stage).unwrap(), global);
+    }
+
+    #[test]
+    fn range_io_matches_the_full_view_across_tensor_boundaries() {
+        use crate::optim::pseudo_gradient;
+        let cfg = ModelConfig::tiny();
+        let s = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let full = flatten_params(&s).unwrap();
+        let n = full.len();
+        let layout = FlatLayout::of(&s);
+        let b1 = layout.entries[1].offset;
+        // Ranges inside one tensor, across several, empty, and the whole view.
+        for r in [0..5, b1 - 3..b1 + 700, 0..n, n - 1..n, 7..7] {
+            assert_eq!(flatten_range(&s, r.clone()).unwrap(), full[r].to_vec());
+        }
+        assert!(flatten_range(&s, 0..n + 1).is_err());
+        let v0 = s.weights_version();
+        let parts = partition_ranges(n, 7).unwrap();
+        let mut expect = full.clone();
+        for (j, r) in parts.iter().enumerate() {
+            let vals: Vec<f32> = (0..r.len()).map(|k| (j * 1000 + k) as f32 * 1e-4).collect();
+            expect[r.clone()].copy_from_slice(&vals);
+            load_range(&s, r.clone(), &vals).unwrap();
+        }
+        assert_eq!(flatten_params(&s).unwrap(), expect);
+        assert_eq!(s.weights_version(), v0 + 7);
+        // Bad input changes nothing.
+        assert!(load_range(&s, 0..3, &[1.0, 2.0]).is_err());
+        assert!(load_range(&s, 0..2, &[1.0, f32::NAN]).is_err());
+        assert!(load_range(&s, n..n + 1, &[1.0]).is_err());
+        assert_eq!(flatten_params(&s).unwrap(), expect);
+        // The pseudo-gradient by partition equals the full one, sliced.
+        let pg = pseudo_gradient(&full, &expect).unwrap();
+        for r in &parts {
+            assert_eq!(
+                pseudo_gradient_range(&s, r.clone(), &full[r.clone()]).unwrap(),
+                pg[r.clone()].to_vec()
+            );
+        }
+    }
+
+    /// The outer step applied partition by partition, in any order, gives the same bytes as the
+    /// whole-vector step, and the step count advances once the partitions cover the vector.
+    #[test]
+    fn outer_step_by_partition_equals_whole_step() {
+        use crate::optim::{OuterConfig, OuterOptimizer};
+        let n = 10_007;
+        let w0 = random(n, 1);
+        let g1 = random(n, 2);
+        let g2 = random(n, 3);
+        let mut whole = OuterOptimizer::new(OuterConfig::default(), n).unwrap();
+        let mut ww = w0.clone();
+        whole.step(&mut ww, &g1).unwrap();
+        whole.step(&mut ww, &g2).unwrap();
+        let mut parted = OuterOptimizer::new(OuterConfig::default(), n).unwrap();
+        let mut wp = w0.clone();
+        let parts = partition_ranges(n, 5).unwrap();
+        for g in [&g1, &g2] {
+            for j in [3, 0, 4, 1, 2] {
+                let r = parts[j].clone();
+                assert_eq!(parted.steps(), if std::ptr::eq(g, &g1) { 0 } else { 1 });
+                parted
+                    .step_partition(r.clone(), &mut wp[r.clone()], &g[r])
+                    .unwrap();
+            }
+        }
+        assert_eq!(parted.steps(), 2);
+        assert!(!parted.step_in_progress());
+        assert_eq!(
+            ww.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            wp.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(whole.momentum_buffer(), parted.momentum_buffer());
+        // A partition applied twice in one step, or out of bounds, is refused without change.
+        let r = parts[0].clone();
+        parted
+            .step_partition(r.clone(), &mut wp[r.clone()], &g1[r.clone()])
+            .unwrap();
+        let before = (wp.clone(), parted.momentum_buffer().to_vec());
+        assert!(
+            parted
+                .step_partition(r.clone(), &mut wp[r.clone()], &g1[r.clone()])
+                .is_err()
+        );
+        assert!(
+            parted
+                .step_partition(n - 1..n + 1, &mut [0.0, 0.0], &[0.0, 0.0])
+                .is_err()
+        );
+        assert!(
+            parted.step(&mut wp, &g1).is_err(),
+            "a partitioned step is in progress"
+        );
+        assert_eq!((wp, parted.momentum_buffer().to_vec()), before);
     }
 
     #[test]

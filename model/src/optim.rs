@@ -5,6 +5,8 @@
 //! transactional: new weights and moments are computed aside, checked for NaN/Inf, and only then
 //! written, so a bad step leaves the stage exactly at its last good state.
 
+use std::ops::Range;
+
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -24,7 +26,9 @@ pub struct AdamWConfig {
     pub eps: f64,
     /// Decoupled weight decay, applied to matrices only.
     pub weight_decay: f64,
-    /// Clip the stage's gradient to this global L2 norm; `None` disables clipping.
+    /// Clip the gradient to this L2 norm; `None` disables clipping. For the model-wide
+    /// threshold of a run, give each stage [`AdamWConfig::for_stage`]: a miner sees only its own
+    /// stage's gradient, so it clips to its share of the global norm (IOTA's rule).
     pub max_grad_norm: Option<f64>,
 }
 
@@ -42,6 +46,18 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
+    /// This config for stage `k` of `model`, reading `max_grad_norm` as the model-wide threshold
+    /// and scaling it to `max_norm * sqrt(stage_params / total_params)` ([`stage_clip_norm`]).
+    /// If every stage's gradient sits at its threshold, the model-wide norm is `max_norm`.
+    pub fn for_stage(&self, model: &crate::config::ModelConfig, k: usize) -> Result<Self> {
+        let stage = model.stage_param_count(k)?;
+        let total = model.param_count()?;
+        Ok(Self {
+            max_grad_norm: self.max_grad_norm.map(|c| stage_clip_norm(c, stage, total)),
+            ..self.clone()
+        })
+    }
+
     fn validate(&self) -> Result<()> {
         let finite_nonneg = |v: f64| v.is_finite() && v >= 0.0;
         let ok = finite_nonneg(self.lr)
@@ -138,7 +154,48 @@ pub enum StepOutcome {
     Skipped(SkipReason),
 }
 
+/// An update computed by [`AdamW::prepare`] and not yet written: lets a caller step several
+/// stages transactionally (all commit, or all skip).
+#[derive(Debug)]
+pub struct PreparedStep {
+    kind: Prepared,
+    params: usize,
+}
+
+#[derive(Debug)]
+enum Prepared {
+    Update {
+        step: u64,
+        lr: f64,
+        grad_norm: f64,
+        staged: Vec<Option<(Tensor, Tensor, Tensor)>>,
+    },
+    Skip(SkipReason),
+}
+
+impl PreparedStep {
+    /// Why the step would be skipped, if it would.
+    pub fn skip_reason(&self) -> Option<&SkipReason> {
+        match &self.kind {
+            Prepared::Skip(r) => Some(r),
+            Prepared::Update { .. } => None,
+        }
+    }
+    /// Norm of the mean gradient before clipping (`None` for a skipped step).
+    pub fn grad_norm(&self) -> Option<f64> {
+        match &self.kind {
+            Prepared::Update { grad_norm, .. } => Some(*grad_norm),
+            Prepared::Skip(_) => None,
+        }
+    }
+}
+
 /// AdamW with moments in the master-weight dtype, global-norm clipping and a schedule.
+///
+/// The step divides the accumulated gradients by [`Stage::backward_tokens`], so it steps on
+/// the token-mean loss over all micro-batches since the last step. The learning rate comes from
+/// the schedule ([`AdamW::step`]) or from the caller ([`AdamW::step_with`]): a miner follows the
+/// run's global schedule, not a count of its own steps.
 #[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
@@ -209,10 +266,71 @@ impl AdamW {
         StepOutcome::Skipped(reason)
     }
 
-    /// Apply one update from the gradients accumulated in `stage` (averaged over its backward
-    /// calls), then clear them.
+    /// Apply one update with the schedule's learning rate for step `step_count() + 1`, from the
+    /// token-mean of the gradients accumulated in `stage`, then clear them.
     pub fn step(&mut self, stage: &mut Stage) -> Result<StepOutcome> {
-        let n = stage.backward_count();
+        let lr = self.next_lr();
+        self.step_with(stage, lr)
+    }
+
+    /// [`AdamW::step`] with the learning rate `lr` given by the caller (the run's schedule at the
+    /// current global step); the bias correction uses this optimizer's own step count.
+    pub fn step_with(&mut self, stage: &mut Stage, lr: f64) -> Result<StepOutcome> {
+        let p = self.prepare(stage, lr)?;
+        self.commit(stage, p)
+    }
+
+    /// Set the step count used for bias correction (e.g. from the run state when a miner
+    /// joins mid-run; the moments are kept).
+    pub fn set_step_count(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Write a prepared update into `stage` (or record its skip) and clear the gradients.
+    pub fn commit(&mut self, stage: &mut Stage, prepared: PreparedStep) -> Result<StepOutcome> {
+        if prepared.params != stage.params().len() || self.m.len() != stage.params().len() {
+            return Err(ModelError::InvalidInput(
+                "prepared step belongs to another stage".into(),
+            ));
+        }
+        let (t, lr, grad_norm, staged) = match prepared.kind {
+            Prepared::Skip(reason) => return Ok(self.skip(stage, reason)),
+            Prepared::Update {
+                step,
+                lr,
+                grad_norm,
+                staged,
+            } => (step, lr, grad_norm, staged),
+        };
+        for (i, s) in staged.into_iter().enumerate() {
+            if let Some((w, m, v)) = s {
+                stage.params()[i].var().set(&w)?;
+                self.m[i] = m;
+                self.v[i] = v;
+            }
+        }
+        stage.mark_weights_changed();
+        self.step = t;
+        stage.zero_grad();
+        Ok(StepOutcome::Applied {
+            step: t,
+            lr,
+            grad_norm,
+        })
+    }
+
+    /// Compute the update from the gradients accumulated in `stage` with learning rate `lr`,
+    /// without writing anything.
+    pub fn prepare(&self, stage: &Stage, lr: f64) -> Result<PreparedStep> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(ModelError::InvalidInput(format!("learning rate {lr}")));
+        }
+        let params = stage.params().len();
+        let skip = |r| PreparedStep {
+            kind: Prepared::Skip(r),
+            params,
+        };
+        let n = stage.backward_tokens();
         if n == 0 {
             return Err(ModelError::InvalidInput(
                 "no gradients accumulated since the last step".into(),
@@ -237,14 +355,13 @@ impl AdamW {
         }
         let grad_norm = sq.sqrt() * inv_n;
         if !grad_norm.is_finite() {
-            return Ok(self.skip(stage, SkipReason::NonFiniteGradient));
+            return Ok(skip(SkipReason::NonFiniteGradient));
         }
         let clip = match self.cfg.max_grad_norm {
             Some(c) if grad_norm > c => c / (grad_norm + 1e-6),
             _ => 1.0,
         };
         let t = self.step + 1;
-        let lr = self.cfg.lr * self.schedule.factor(t);
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(t.min(i32::MAX as u64) as i32);
         let bc2 = 1.0 - b2.powi(t.min(i32::MAX as u64) as i32);
@@ -280,23 +397,53 @@ impl AdamW {
             }
         }
         if !check.is_finite() {
-            return Ok(self.skip(stage, SkipReason::NonFiniteUpdate));
+            return Ok(skip(SkipReason::NonFiniteUpdate));
         }
-        for (i, s) in staged.into_iter().enumerate() {
-            if let Some((w, m, v)) = s {
-                stage.params()[i].var().set(&w)?;
-                self.m[i] = m;
-                self.v[i] = v;
-            }
-        }
-        self.step = t;
-        stage.zero_grad();
-        Ok(StepOutcome::Applied {
-            step: t,
-            lr,
-            grad_norm,
+        Ok(PreparedStep {
+            kind: Prepared::Update {
+                step: t,
+                lr,
+                grad_norm,
+                staged,
+            },
+            params,
         })
     }
+}
+
+/// Step several stages transactionally with learning rate `lr`: every update is computed and
+/// checked first; if any stage would skip (NaN/Inf), every stage skips with that reason and no
+/// weight changes anywhere. `optimizers[k]` belongs to `stages[k]`.
+pub fn step_stages(
+    optimizers: &mut [AdamW],
+    stages: &mut [Stage],
+    lr: f64,
+) -> Result<Vec<StepOutcome>> {
+    if optimizers.len() != stages.len() {
+        return Err(ModelError::InvalidInput(format!(
+            "{} optimizers for {} stages",
+            optimizers.len(),
+            stages.len()
+        )));
+    }
+    let prepared = optimizers
+        .iter()
+        .zip(stages.iter())
+        .map(|(o, s)| o.prepare(s, lr))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(reason) = prepared.iter().find_map(|p| p.skip_reason().cloned()) {
+        return Ok(optimizers
+            .iter_mut()
+            .zip(stages.iter_mut())
+            .map(|(o, s)| o.skip(s, reason.clone()))
+            .collect());
+    }
+    optimizers
+        .iter_mut()
+        .zip(stages.iter_mut())
+        .zip(prepared)
+        .map(|((o, s), p)| o.commit(s, p))
+        .collect()
 }
 
 /// IOTA's per-stage clipping threshold: a global threshold scaled by
@@ -346,13 +493,61 @@ pub fn pseudo_gradient(start: &[f32], current: &[f32]) -> Result<Vec<f32>> {
     Ok(pg)
 }
 
+impl OuterConfig {
+    /// The outer update on one slice, in place: `buf = mu * buf + g`, then
+    /// `w -= lr * (g + mu * buf)` with Nesterov, `w -= lr * buf` without. `weights`, `momentum`
+    /// and `avg_pseudo_grad` are the same slice of the flat view (a partition), so a caller can
+    /// stream a large stage partition by partition with its momentum slice. Nothing changes if
+    /// an input or the result is not finite.
+    pub fn apply(
+        &self,
+        weights: &mut [f32],
+        momentum: &mut [f32],
+        avg_pseudo_grad: &[f32],
+    ) -> Result<()> {
+        let n = momentum.len();
+        if weights.len() != n || avg_pseudo_grad.len() != n {
+            return Err(ModelError::shape(
+                "outer step inputs (weights, pseudo-gradient)",
+                &[n, n],
+                &[weights.len(), avg_pseudo_grad.len()],
+            ));
+        }
+        if avg_pseudo_grad.iter().any(|v| !v.is_finite()) {
+            return Err(ModelError::NonFinite("averaged pseudo-gradient".into()));
+        }
+        let (lr, mu) = (self.lr, self.momentum);
+        let mut new_buf = Vec::with_capacity(n);
+        let mut new_w = Vec::with_capacity(n);
+        for ((w, g), b) in weights.iter().zip(avg_pseudo_grad).zip(momentum.iter()) {
+            let b = mu * b + g;
+            let dir = if self.nesterov { g + mu * b } else { b };
+            new_buf.push(b);
+            new_w.push(w - lr * dir);
+        }
+        if new_w.iter().chain(&new_buf).any(|v| !v.is_finite()) {
+            tracing::warn!(target: "iota_model::optim", "outer step produced non-finite values; not applied");
+            return Err(ModelError::NonFinite("outer step result".into()));
+        }
+        weights.copy_from_slice(&new_w);
+        momentum.copy_from_slice(&new_buf);
+        Ok(())
+    }
+}
+
 /// SGD with (Nesterov) momentum on flat f32 vectors; plain scalar arithmetic so every party
 /// derives the same bytes.
+///
+/// A step is applied either whole ([`OuterOptimizer::step`]) or partition by partition
+/// ([`OuterOptimizer::step_partition`]); the step count advances once the partitions of the
+/// current step cover the whole vector.
 #[derive(Clone, Debug)]
 pub struct OuterOptimizer {
     cfg: OuterConfig,
     momentum: Vec<f32>,
     steps: u64,
+    /// Ranges already applied in the current (unfinished) step, sorted by start.
+    applied: Vec<Range<usize>>,
 }
 
 impl OuterOptimizer {
@@ -365,6 +560,7 @@ impl OuterOptimizer {
             cfg,
             momentum: vec![0.0; len],
             steps: 0,
+            applied: Vec::new(),
         })
     }
 
@@ -401,43 +597,68 @@ impl OuterOptimizer {
         self.momentum = buf;
         Ok(())
     }
-    /// Outer steps applied.
+    /// Outer steps completed.
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+    /// Set the completed-step count (from a checkpoint or the run state).
+    pub fn set_steps(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+    /// Whether some but not all partitions of the current step were applied.
+    pub fn step_in_progress(&self) -> bool {
+        !self.applied.is_empty()
+    }
+
+    /// Apply the outer step to partition `range` of the flat view: `weights` are the
+    /// epoch-start (global) weights of that range, updated in place, and `avg_pseudo_grad` the
+    /// merged pseudo-gradient of the same range; the momentum slice `range` is used and updated.
+    /// Each range may be applied once per step; the step completes when the ranges cover the
+    /// whole vector. A failed call changes nothing.
+    pub fn step_partition(
+        &mut self,
+        range: Range<usize>,
+        weights: &mut [f32],
+        avg_pseudo_grad: &[f32],
+    ) -> Result<()> {
+        let n = self.momentum.len();
+        if range.start > range.end || range.end > n {
+            return Err(ModelError::InvalidInput(format!(
+                "partition {range:?} outside 0..{n}"
+            )));
+        }
+        if self
+            .applied
+            .iter()
+            .any(|r| r.start < range.end && range.start < r.end)
+        {
+            return Err(ModelError::InvalidInput(format!(
+                "partition {range:?} overlaps one already applied in this outer step"
+            )));
+        }
+        self.cfg
+            .apply(weights, &mut self.momentum[range.clone()], avg_pseudo_grad)?;
+        let pos = self.applied.partition_point(|r| r.start < range.start);
+        self.applied.insert(pos, range);
+        let covered: usize = self.applied.iter().map(|r| r.len()).sum();
+        if covered == n {
+            self.applied.clear();
+            self.steps += 1;
+        }
+        Ok(())
     }
 
     /// Apply the averaged pseudo-gradient to the epoch-start (global) weights in place:
     /// `buf = mu * buf + g`, then `w -= lr * (g + mu * buf)` with Nesterov, `w -= lr * buf`
     /// without. Nothing changes if the inputs or the result are not finite.
     pub fn step(&mut self, weights: &mut [f32], avg_pseudo_grad: &[f32]) -> Result<()> {
-        let n = self.momentum.len();
-        if weights.len() != n || avg_pseudo_grad.len() != n {
-            return Err(ModelError::shape(
-                "outer step inputs",
-                &[n, n],
-                &[weights.len(), avg_pseudo_grad.len()],
+        if self.step_in_progress() {
+            return Err(ModelError::InvalidInput(
+                "a partitioned outer step is in progress".into(),
             ));
         }
-        if avg_pseudo_grad.iter().any(|v| !v.is_finite()) {
-            return Err(ModelError::NonFinite("averaged pseudo-gradient".into()));
-        }
-        let (lr, mu) = (self.cfg.lr, self.cfg.momentum);
-        let mut new_buf = Vec::with_capacity(n);
-        let mut new_w = Vec::with_capacity(n);
-        for ((w, g), b) in weights.iter().zip(avg_pseudo_grad).zip(&self.momentum) {
-            let b = mu * b + g;
-            let dir = if self.cfg.nesterov { g + mu * b } else { b };
-            new_buf.push(b);
-            new_w.push(w - lr * dir);
-        }
-        if new_w.iter().chain(&new_buf).any(|v| !v.is_finite()) {
-            tracing::warn!(target: "iota_model::optim", "outer step produced non-finite values; not applied");
-            return Err(ModelError::NonFinite("outer step result".into()));
-        }
-        weights.copy_from_slice(&new_w);
-        self.momentum = new_buf;
-        self.steps += 1;
-        Ok(())
+        let n = self.momentum.len();
+        self.step_partition(0..n, weights, avg_pseudo_grad)
     }
 }
 
@@ -602,6 +823,126 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // Adam's first update is scale invariant, so the weights cannot show the clipping; the
+        // first moment can: m = (1 - beta1) * clipped gradient, whose norm is the threshold.
+        let m_norm = opt
+            .moments()
+            .0
+            .iter()
+            .map(|m| values(m).iter().map(|v| f64::from(*v).powi(2)).sum::<f64>())
+            .sum::<f64>()
+            .sqrt();
+        assert!(
+            (m_norm - (1.0 - c.beta1) * 1.0).abs() < 1e-4,
+            "first-moment norm {m_norm}: the gradient was not clipped to 1"
+        );
+    }
+
+    #[test]
+    fn caller_given_learning_rate_is_used() {
+        let cfg = ModelConfig::tiny();
+        let mut s = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let c = AdamWConfig {
+            lr: 1.0,
+            weight_decay: 0.0,
+            max_grad_norm: None,
+            ..AdamWConfig::default()
+        };
+        // The schedule would give 1.0; the caller's 0.01 must win.
+        let mut opt = AdamW::new(&s, c, LrSchedule::constant()).unwrap();
+        let w0 = values(s.params()[0].var().as_tensor());
+        let g = (s.params()[0].var().as_tensor().ones_like().unwrap() * 3.0).unwrap();
+        s.set_grad_for_test(0, g);
+        let out = opt.step_with(&mut s, 0.01).unwrap();
+        assert!(matches!(out, StepOutcome::Applied { lr, step: 1, .. } if lr == 0.01));
+        let w1 = values(s.params()[0].var().as_tensor());
+        assert!(
+            (w0[0] - w1[0] - 0.01).abs() < 1e-6,
+            "{} -> {}",
+            w0[0],
+            w1[0]
+        );
+        assert!(opt.step_with(&mut s, f64::NAN).is_err());
+        opt.set_step_count(41);
+        let g = s.params()[0].var().as_tensor().ones_like().unwrap();
+        s.set_grad_for_test(0, g);
+        assert!(matches!(
+            opt.step_with(&mut s, 0.01).unwrap(),
+            StepOutcome::Applied { step: 42, .. }
+        ));
+    }
+
+    #[test]
+    fn per_stage_clip_shares_add_up_to_the_global_norm() {
+        let cfg = ModelConfig::tiny();
+        let global = AdamWConfig {
+            max_grad_norm: Some(2.0),
+            ..AdamWConfig::default()
+        };
+        let total = cfg.param_count().unwrap() as f64;
+        let mut sq = 0.0;
+        for k in 0..cfg.num_stages() {
+            let c = global.for_stage(&cfg, k).unwrap().max_grad_norm.unwrap();
+            let share = cfg.stage_param_count(k).unwrap() as f64 / total;
+            assert!((c - 2.0 * share.sqrt()).abs() < 1e-12);
+            sq += c * c;
+        }
+        assert!((sq.sqrt() - 2.0).abs() < 1e-12);
+        let none = AdamWConfig {
+            max_grad_norm: None,
+            ..AdamWConfig::default()
+        };
+        assert_eq!(none.for_stage(&cfg, 0).unwrap().max_grad_norm, None);
+    }
+
+    /// One stage with an infinite gradient: no stage moves, every optimizer records the skip.
+    #[test]
+    fn multi_stage_step_is_all_or_nothing() {
+        let cfg = ModelConfig::tiny();
+        let mut stages = Stage::all(&cfg, &StageOptions::cpu()).unwrap();
+        let mut opts: Vec<AdamW> = stages
+            .iter()
+            .map(|s| AdamW::new(s, AdamWConfig::default(), LrSchedule::constant()).unwrap())
+            .collect();
+        let snapshot = |st: &[Stage]| -> Vec<Vec<f32>> {
+            st.iter()
+                .flat_map(|s| s.params().iter().map(|p| values(p.var().as_tensor())))
+                .collect()
+        };
+        let set_grads = |st: &mut [Stage], bad: Option<usize>| {
+            for (k, s) in st.iter_mut().enumerate() {
+                for i in 0..s.params().len() {
+                    let v = if bad == Some(k) && i == 1 {
+                        f64::INFINITY
+                    } else {
+                        0.01
+                    };
+                    let g = (s.params()[i].var().as_tensor().ones_like().unwrap() * v).unwrap();
+                    s.set_grad_for_test(i, g);
+                }
+            }
+        };
+        let before = snapshot(&stages);
+        set_grads(&mut stages, Some(1));
+        let out = step_stages(&mut opts, &mut stages, 1e-3).unwrap();
+        assert!(
+            out.iter()
+                .all(|o| *o == StepOutcome::Skipped(SkipReason::NonFiniteGradient))
+        );
+        assert_eq!(
+            snapshot(&stages),
+            before,
+            "stages 0 and 2 did not step either"
+        );
+        assert!(
+            opts.iter()
+                .all(|o| o.step_count() == 0 && o.skipped_count() == 1)
+        );
+        set_grads(&mut stages, None);
+        let out = step_stages(&mut opts, &mut stages, 1e-3).unwrap();
+        assert!(out.iter().all(|o| matches!(o, StepOutcome::Applied { .. })));
+        assert_ne!(snapshot(&stages), before);
+        assert!(step_stages(&mut opts[..2], &mut stages, 1e-3).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use crate::bottleneck::{BoundaryTensor, WireEncoding};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::stage::{Stage, StageCache, StageOptions};
+use crate::stage::{LossOutput, Stage, StageCache, StageOptions};
 
 /// Encodings used for the two directions of a stage boundary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -220,27 +220,32 @@ impl Pipeline {
             x = stage.run(&x.to_device(&stage.options().device)?)?;
         }
         let (loss, lse) = self.stages[last].head_forward(&x, targets)?;
-        if !loss.is_finite() {
-            return Ok(loss);
+        if !loss.mean.is_finite() {
+            return Ok(loss.mean);
         }
         let gh = self.stages[last].head_backward(&x, targets, &lse)?;
         let grads = (x * gh)?.sum_all()?.backward()?;
         for stage in &mut self.stages {
             stage.accumulate(&grads)?;
-            stage.count_backward();
+            stage.count_backward(b * t);
         }
-        Ok(loss)
+        Ok(loss.mean)
     }
 
     /// Mean loss of a batch through the staged path (including wire encoding of activations),
-    /// without touching gradients.
+    /// without building a gradient graph or touching gradients.
     pub fn eval_loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<f32> {
+        Ok(self.eval(tokens, targets)?.mean)
+    }
+
+    /// [`Pipeline::eval_loss`] with the per-sequence losses.
+    pub fn eval(&self, tokens: &Tensor, targets: &Tensor) -> Result<LossOutput> {
         let last = self.stages.len() - 1;
         let mut x = tokens.clone();
         for (k, stage) in self.stages.iter().enumerate() {
-            let (out, _) = stage.forward(&x, (k == last).then_some(targets))?;
+            let out = stage.forward_eval(&x, (k == last).then_some(targets))?;
             if k == last {
-                return out.loss();
+                return Ok(out.loss_output()?.clone());
             }
             x = hop(
                 out.activations()?,

@@ -4,13 +4,13 @@
 
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::optim::{AdamW, AdamWConfig, LrSchedule, SkipReason, StepOutcome};
+use crate::optim::{AdamW, AdamWConfig, LrSchedule, SkipReason, StepOutcome, step_stages};
 use crate::pipeline::Pipeline;
 
 /// What one optimizer step did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainStep {
-    /// Mean loss over the micro-batches (NaN if one was not finite).
+    /// Token-mean loss over all micro-batches (NaN if one was not finite).
     pub loss: f32,
     /// Whether every stage applied its update.
     pub applied: bool,
@@ -38,12 +38,15 @@ enum Mode {
 }
 
 impl Trainer {
-    /// Fresh optimizers for every stage of `pipeline`.
+    /// Fresh optimizers for every stage of `pipeline`. `adamw.max_grad_norm` is the model-wide
+    /// threshold; each stage clips to its share ([`AdamWConfig::for_stage`]), as independent
+    /// miners would.
     pub fn new(pipeline: Pipeline, adamw: AdamWConfig, schedule: LrSchedule) -> Result<Self> {
+        let cfg = pipeline.config().clone();
         let optimizers = pipeline
             .stages()
             .iter()
-            .map(|s| AdamW::new(s, adamw.clone(), schedule.clone()))
+            .map(|s| AdamW::new(s, adamw.for_stage(&cfg, s.index())?, schedule.clone()))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             pipeline,
@@ -129,12 +132,11 @@ impl Trainer {
             if !loss.is_finite() {
                 return Ok(self.skip_all(SkipReason::NonFiniteLoss, (tokens, fwd, bwd)));
             }
-            loss_sum += f64::from(loss);
+            loss_sum += f64::from(loss) * b.inputs.elem_count() as f64;
         }
-        let mut outcomes = Vec::with_capacity(self.optimizers.len());
-        for (opt, stage) in self.optimizers.iter_mut().zip(self.pipeline.stages_mut()) {
-            outcomes.push(opt.step(stage)?);
-        }
+        // Transactional across stages: if any stage's update would be skipped, none is written.
+        let lr = self.optimizers[0].next_lr();
+        let outcomes = step_stages(&mut self.optimizers, self.pipeline.stages_mut(), lr)?;
         let applied = outcomes
             .iter()
             .all(|o| matches!(o, StepOutcome::Applied { .. }));
@@ -142,7 +144,7 @@ impl Trainer {
             self.skipped += 1;
         }
         Ok(TrainStep {
-            loss: (loss_sum / micro_batches.len() as f64) as f32,
+            loss: (loss_sum / tokens as f64) as f32,
             applied,
             outcomes,
             tokens,

@@ -1,0 +1,148 @@
+//! Honest replay error across CPU thread counts: the figure validators set their spot-check
+//! thresholds from.
+//!
+//! The same epoch of hops (stage 1 of `small`, micro-batches 4x128, samples in flight across
+//! inner steps) runs in child processes with `CANDLE_NUM_THREADS`/`RAYON_NUM_THREADS` = 1 and 2
+//! (twice each), 3 and 8; every run is compared with the first single-thread run: worst cosine and relative
+//! error over forward outputs, input gradients, and the pseudo-gradient.
+//!
+//! ```text
+//! cargo run --release -p iota-model --example replay_error [-- --config tiny]
+//! ```
+
+use std::collections::HashMap;
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use iota_model::optim::{AdamW, AdamWConfig, LrSchedule};
+use iota_model::replay::{Hop, StageRunner, compare};
+use iota_model::rng::SplitMix64;
+use iota_model::{Device, ModelConfig, Stage, StageOptions, Tensor, merge};
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+fn randn(dims: &[usize], seed: u64, scale: f64) -> Res<Tensor> {
+    let mut r = SplitMix64::new(seed);
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| (r.next_normal() * scale) as f32).collect();
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
+}
+
+fn hops(stage: &Stage) -> Res<Vec<Hop>> {
+    let (b, t) = (4, 128.min(stage.config().max_seq_len));
+    let fwd = |s: u64| -> Res<Hop> {
+        Ok(Hop::Forward {
+            sample: s,
+            input: randn(&stage.input_dims(b, t), 100 + s, 1.0)?,
+            targets: None,
+        })
+    };
+    let bwd = |s: u64| -> Res<Hop> {
+        Ok(Hop::Backward {
+            sample: s,
+            grad_output: Some(randn(&stage.output_dims(b, t), 200 + s, 1e-3)?),
+        })
+    };
+    Ok(vec![
+        fwd(1)?,
+        fwd(2)?,
+        bwd(1)?,
+        fwd(3)?,
+        Hop::InnerStep { lr: 1e-3 },
+        bwd(2)?,
+        bwd(3)?,
+        fwd(4)?,
+        bwd(4)?,
+        Hop::InnerStep { lr: 1e-3 },
+    ])
+}
+
+/// One epoch; writes every result vector and the pseudo-gradient to `out`.
+fn run(cfg: &ModelConfig, out: &Path) -> Res<()> {
+    let stage = Stage::new(cfg, 1, StageOptions::cpu())?;
+    let opt = AdamW::new(&stage, AdamWConfig::default(), LrSchedule::constant())?;
+    let hops = hops(&stage)?;
+    let start = merge::flatten_params(&stage)?;
+    let mut runner = StageRunner::new(stage, opt, 8);
+    let mut tensors = HashMap::new();
+    for (i, hop) in hops.iter().enumerate() {
+        if let Some(v) = runner.apply(hop)?.values()? {
+            let n = v.len();
+            tensors.insert(format!("hop{i:02}"), Tensor::from_vec(v, n, &Device::Cpu)?);
+        }
+    }
+    let pg = runner.pseudo_gradient(&start)?;
+    let n = pg.len();
+    tensors.insert("pseudo".into(), Tensor::from_vec(pg, n, &Device::Cpu)?);
+    candle_core::safetensors::save(&tensors, out)?;
+    Ok(())
+}
+
+fn load(path: &Path) -> Res<HashMap<String, Vec<f32>>> {
+    let mut out = HashMap::new();
+    for (k, t) in candle_core::safetensors::load(path, &Device::Cpu)? {
+        out.insert(k, t.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let cfg = ModelConfig::by_name(&flag("--config").unwrap_or_else(|| "small".into()))?;
+    if let Some(out) = flag("--run") {
+        return run(&cfg, Path::new(&out));
+    }
+    let dir = std::env::temp_dir().join(format!("iota-replay-error-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let exe = std::env::current_exe()?;
+    let mut files: Vec<(String, PathBuf)> = Vec::new();
+    for (threads, rep) in [(1, 'a'), (1, 'b'), (2, 'a'), (2, 'b'), (3, 'a'), (8, 'a')] {
+        let path = dir.join(format!("t{threads}{rep}.safetensors"));
+        let t0 = std::time::Instant::now();
+        let status = Command::new(&exe)
+            .args(["--config", &cfg.name, "--run"])
+            .arg(&path)
+            .env("CANDLE_NUM_THREADS", threads.to_string())
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .status()?;
+        if !status.success() {
+            return Err(format!("child run with {threads} threads failed: {status}").into());
+        }
+        eprintln!("{threads} thread(s), run {rep}: {:.1?}", t0.elapsed());
+        files.push((format!("{threads} thread(s), run {rep}"), path));
+    }
+    let reference = load(&files[0].1)?;
+    println!(
+        "## Honest replay error, stage 1 of `{}`, micro-batches of 4 sequences (up to 128 tokens), 4 samples, 2 inner steps (reference: 1 thread, run a)\n",
+        cfg.name
+    );
+    println!(
+        "| run | worst output/input-grad cosine | worst rel. error | pseudo-grad cosine | pseudo-grad rel. error |"
+    );
+    println!("|---|---|---|---|---|");
+    for (label, path) in &files[1..] {
+        let other = load(path)?;
+        let (mut worst_cos, mut worst_rel) = (1f64, 0f64);
+        let mut keys: Vec<&String> = reference.keys().filter(|k| *k != "pseudo").collect();
+        keys.sort();
+        for k in keys {
+            let c = compare(&other[k], &reference[k])?;
+            worst_cos = worst_cos.min(c.cosine);
+            worst_rel = worst_rel.max(c.relative_error);
+        }
+        let p = compare(&other["pseudo"], &reference["pseudo"])?;
+        println!(
+            "| {label} | {worst_cos:.9} | {worst_rel:.3e} | {:.9} | {:.3e} |",
+            p.cosine, p.relative_error
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}

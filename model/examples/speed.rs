@@ -1,0 +1,55 @@
+//! candle forward+backward tokens/s for one model, one micro-batch shape, f32 on the CPU: the
+//! candle half of `scripts/bench-cpu-vs-torch.sh` (which runs PyTorch on the same shapes).
+//!
+//! ```text
+//! CANDLE_NUM_THREADS=2 cargo run --release -p iota-model --example speed -- small 4 128 5 [staged]
+//! ```
+//!
+//! Prints `tokens_per_s=<median over the timed iterations, after one warm-up>`.
+
+use std::error::Error;
+use std::time::Instant;
+
+use iota_model::rng::SplitMix64;
+use iota_model::{Device, ModelConfig, Pipeline, StageOptions, Tensor};
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--print-config") {
+        let name = args.get(1).map(String::as_str).unwrap_or("small");
+        println!("{}", ModelConfig::load(name)?.to_json()?);
+        return Ok(());
+    }
+    let arg = |i: usize, default: &str| args.get(i).cloned().unwrap_or_else(|| default.into());
+    let cfg = ModelConfig::load(&arg(0, "small"))?;
+    let batch: usize = arg(1, "4").parse()?;
+    let seq: usize = arg(2, "128").parse()?;
+    let iters: usize = arg(3, "5").parse()?;
+    let staged = arg(4, "monolithic") == "staged";
+    let mut rng = SplitMix64::new(0);
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
+            .collect()
+    };
+    let tokens = Tensor::from_vec(ids(batch * seq), (batch, seq), &Device::Cpu)?;
+    let targets = Tensor::from_vec(ids(batch * seq), (batch, seq), &Device::Cpu)?;
+    let mut p = Pipeline::new(&cfg, &StageOptions::cpu())?;
+    let mut times = Vec::new();
+    for it in 0..=iters {
+        p.zero_grad();
+        let t0 = Instant::now();
+        if staged {
+            p.forward_backward(&tokens, &targets)?;
+        } else {
+            p.forward_backward_monolithic(&tokens, &targets)?;
+        }
+        if it > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    println!("tokens_per_s={:.1}", (batch * seq) as f64 / median);
+    Ok(())
+}
