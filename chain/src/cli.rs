@@ -427,10 +427,17 @@ pub async fn run_with_password(
                 version: *version,
                 protocol: 4,
             };
-            let r = chain.serve_axon(&hotkey, *netuid, &axon, &tx).await?;
-            p.outcome(&r, |i| {
-                format!("axon {axon} served on netuid {netuid} (block {})", i.block)
-            })
+            match chain
+                .serve_axon_if_changed(&hotkey, *netuid, &axon, &tx)
+                .await?
+            {
+                Some(r) => p.outcome(&r, |i| {
+                    format!("axon {axon} served on netuid {netuid} (block {})", i.block)
+                }),
+                None => p.line(&format!(
+                    "axon {axon} already served on netuid {netuid}; nothing submitted"
+                )),
+            }
         }
         ChainCommand::Stake {
             netuid,

@@ -419,11 +419,32 @@ impl Subtensor {
         })
     }
 
-    /// The uid of `hotkey` on `netuid` at the best block, if registered.
+    /// The axon `hotkey` serves on `netuid`, if any.
     ///
     /// # Errors
     ///
-    /// [`ChainError::Rpc`], [`ChainError::Decode`].
+    /// [`ChainError`] when the chain cannot be read.
+    pub async fn axon_of(
+        &self,
+        netuid: u16,
+        hotkey: &PublicKey,
+    ) -> Result<Option<Axon>, ChainError> {
+        let at = self.at_best().await?;
+        let mut b = StorageBatch::new(&at);
+        let slot = b.add(
+            api::storage().subtensor_module().axons(),
+            (netuid, crate::signer::account(hotkey)),
+        )?;
+        let info: Option<api::runtime_types::pallet_subtensor::pallet::AxonInfo> =
+            b.fetch(self).await?.optional(&slot)?;
+        Ok(info.as_ref().and_then(Axon::from_info))
+    }
+
+    /// The uid of `hotkey` on `netuid`, if registered.
+    ///
+    /// # Errors
+    ///
+    /// [`ChainError`] when the chain cannot be read.
     pub async fn uid_of(&self, netuid: u16, hotkey: &PublicKey) -> Result<Option<u16>, ChainError> {
         let at = self.at_best().await?;
         let mut b = StorageBatch::new(&at);

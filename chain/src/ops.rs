@@ -137,12 +137,38 @@ impl Subtensor {
         }
     }
 
-    /// Publishes where `hotkey`'s axon listens on `netuid` (signed by the hotkey).
+    /// Publishes where `hotkey`'s axon listens on `netuid` (signed by the hotkey), only when it
+    /// differs from what the chain holds: `None` means unchanged and nothing was submitted (no
+    /// fee, no `ServingRateLimit` spent).
     ///
     /// # Errors
     ///
     /// [`ChainError::ServingRateLimitExceeded`], [`ChainError::HotKeyNotRegisteredInNetwork`],
     /// [`ChainError::InvalidIpAddress`], … and transport errors.
+    pub async fn serve_axon_if_changed(
+        &self,
+        hotkey: &Keypair,
+        netuid: u16,
+        axon: &AxonEndpoint,
+        opts: &TxOptions,
+    ) -> Result<Option<Outcome<Included>>, ChainError> {
+        if let Some(current) = self.axon_of(netuid, &hotkey.public()).await?
+            && current.ip == axon.ip
+            && current.port == axon.port
+            && current.version == axon.version
+            && current.protocol == axon.protocol
+        {
+            tracing::info!(netuid, axon = %axon, "axon unchanged; nothing submitted");
+            return Ok(None);
+        }
+        self.serve_axon(hotkey, netuid, axon, opts).await.map(Some)
+    }
+
+    /// Serves an axon unconditionally (`serve_axon`; rate-limited by `ServingRateLimit`).
+    ///
+    /// # Errors
+    ///
+    /// [`ChainError`] from the submission.
     pub async fn serve_axon(
         &self,
         hotkey: &Keypair,

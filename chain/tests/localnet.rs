@@ -192,6 +192,22 @@ async fn wallets_to_emission_on_a_timed_chain() {
         .serve_axon(&miner_hot, netuid, &axon, &tx())
         .await
         .expect("serve_axon");
+    // Serving the same axon again submits nothing; a changed one is submitted.
+    assert!(
+        chain
+            .serve_axon_if_changed(&miner_hot, netuid, &axon, &tx())
+            .await
+            .expect("unchanged axon")
+            .is_none()
+    );
+    assert_eq!(
+        chain
+            .axon_of(netuid, &miner_hot.public())
+            .await
+            .expect("axon")
+            .map(|a| a.port),
+        Some(8091)
+    );
 
     // The metagraph has them all.
     let mg = chain.metagraph(netuid).await.expect("metagraph");
