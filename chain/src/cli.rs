@@ -94,6 +94,10 @@ pub struct ChainArgs {
     /// Print the SCALE-encoded call as hex instead of submitting it.
     #[arg(long = "dry-run", env = "IOTA_DRY_RUN", global = true)]
     pub dry_run: bool,
+    /// Spend without asking: register burns, transfers and stake moves show their cost and ask
+    /// for confirmation unless this is given (and refuse to run unattended without it).
+    #[arg(long, short = 'y', env = "IOTA_YES", global = true)]
+    pub yes: bool,
     /// Wait for finalization instead of inclusion in a block.
     #[arg(
         long = "wait-for-finalization",
@@ -135,6 +139,9 @@ pub enum ChainCommand {
         /// The subnet.
         #[arg(long, env = "BT_NETUID")]
         netuid: u16,
+        /// Refuse when the burn is higher than this many TAO.
+        #[arg(long = "max-burn", env = "IOTA_MAX_BURN")]
+        max_burn: Option<f64>,
         #[command(flatten)]
         wallet: WalletArgs,
     },
@@ -392,9 +399,34 @@ pub async fn run_with_password(
                 ))
             }
         }
-        ChainCommand::Register { netuid, wallet } => {
+        ChainCommand::Register {
+            netuid,
+            max_burn,
+            wallet,
+        } => {
             let w = wallet.wallet()?;
             let hotkey = w.hotkeypub()?;
+            if chain.uid_of(*netuid, &hotkey).await?.is_none() {
+                let burn = chain.hyperparams(*netuid).await?.burn;
+                if let Some(max) = max_burn {
+                    let max_rao = calls::tao_to_rao(*max)?;
+                    if burn > max_rao {
+                        return Err(ChainError::InvalidArgument(format!(
+                            "registering on netuid {netuid} burns {} TAO, more than --max-burn {}",
+                            calls::format_tao(burn),
+                            calls::format_tao(max_rao)
+                        )));
+                    }
+                }
+                confirm(
+                    args,
+                    &format!(
+                        "Registering {} on netuid {netuid} burns {} TAO from the coldkey.",
+                        hotkey.ss58(),
+                        calls::format_tao(burn)
+                    ),
+                )?;
+            }
             let coldkey = w.coldkey(password)?;
             let r = chain.register(&coldkey, *netuid, &hotkey, &tx).await?;
             p.outcome(&r, |r| {
@@ -447,8 +479,16 @@ pub async fn run_with_password(
         } => {
             let w = wallet.wallet()?;
             let target = target_hotkey(hotkey.as_deref(), &w)?;
-            let coldkey = w.coldkey(password)?;
             let rao = calls::tao_to_rao(*amount)?;
+            confirm(
+                args,
+                &format!(
+                    "Staking {} TAO from the coldkey onto {} on netuid {netuid}.",
+                    calls::format_tao(rao),
+                    target.ss58()
+                ),
+            )?;
+            let coldkey = w.coldkey(password)?;
             let r = chain
                 .add_stake(&coldkey, &target, *netuid, rao, &tx)
                 .await?;
@@ -469,8 +509,16 @@ pub async fn run_with_password(
         } => {
             let w = wallet.wallet()?;
             let target = target_hotkey(hotkey.as_deref(), &w)?;
-            let coldkey = w.coldkey(password)?;
             let rao = calls::tao_to_rao(*amount)?;
+            confirm(
+                args,
+                &format!(
+                    "Unstaking {} alpha from {} on netuid {netuid} back to the coldkey.",
+                    calls::format_tao(rao),
+                    target.ss58()
+                ),
+            )?;
+            let coldkey = w.coldkey(password)?;
             let r = chain
                 .remove_stake(&coldkey, &target, *netuid, rao, &tx)
                 .await?;
@@ -490,8 +538,16 @@ pub async fn run_with_password(
             wallet,
         } => {
             let dest = calls::parse_account(dest)?;
-            let coldkey = wallet.wallet()?.coldkey(password)?;
             let rao = calls::tao_to_rao(*amount)?;
+            confirm(
+                args,
+                &format!(
+                    "Sending {} TAO from the coldkey to {}.",
+                    calls::format_tao(rao),
+                    dest.ss58()
+                ),
+            )?;
+            let coldkey = wallet.wallet()?.coldkey(password)?;
             let r = chain
                 .transfer(&coldkey, &dest, rao, !allow_death, &tx)
                 .await?;
@@ -638,6 +694,32 @@ fn store_path(given: Option<&PathBuf>, wallet: &Wallet) -> PathBuf {
             .dir()
             .join("iota-commits")
             .join(format!("{}.json", wallet.hotkey_name())),
+    }
+}
+
+/// Shows what a spending command costs and asks before going on. A dry run spends nothing and
+/// `--yes` answers for the user; without a terminal to ask on, it refuses instead of guessing.
+fn confirm(args: &ChainArgs, what: &str) -> Result<(), ChainError> {
+    use std::io::{BufRead, IsTerminal};
+    if args.dry_run || args.yes {
+        return Ok(());
+    }
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        return Err(ChainError::InvalidArgument(format!(
+            "{what} Not asking without a terminal: pass --yes (or set IOTA_YES=1) to confirm."
+        )));
+    }
+    eprint!("{what} Proceed? [y/N] ");
+    let mut answer = String::new();
+    stdin
+        .lock()
+        .read_line(&mut answer)
+        .map_err(ChainError::Output)?;
+    if matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes") {
+        Ok(())
+    } else {
+        Err(ChainError::InvalidArgument("cancelled".into()))
     }
 }
 

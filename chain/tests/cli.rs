@@ -23,6 +23,12 @@ async fn iota_chain(net: &Localnet, wallets: &std::path::Path, args: &[&str]) ->
     let url = net.ws_url();
     argv.push(&url);
     argv.extend_from_slice(args);
+    if matches!(
+        args.first(),
+        Some(&("register" | "transfer" | "stake" | "unstake"))
+    ) {
+        argv.push("--yes");
+    }
     // Read-only commands take no wallet flags.
     if !matches!(args.first(), Some(&("metagraph" | "hyperparams" | "check"))) {
         argv.extend_from_slice(&["--wallet.path", &path, "--wallet.name", "owner"]);
@@ -72,6 +78,31 @@ async fn operator_commands_against_the_localnet() {
         "{out}"
     );
 
+    // A burn above --max-burn is refused before anything is asked or spent.
+    let url = net.ws_url();
+    let path = dir.path().display().to_string();
+    let capped = Cli::try_parse_from([
+        "iota-chain",
+        "--subtensor.chain_endpoint",
+        url.as_str(),
+        "register",
+        "--netuid",
+        "1",
+        "--max-burn",
+        "0.5",
+        "--wallet.path",
+        path.as_str(),
+        "--wallet.name",
+        "owner",
+        "--wallet.hotkey",
+        "miner",
+    ])
+    .expect("arguments parse");
+    let mut sink = Vec::new();
+    let refused = run_with_password(&capped.chain, &mut sink, &PasswordSource::EnvOnly)
+        .await
+        .expect_err("burn above the cap");
+    assert!(refused.to_string().contains("--max-burn"), "{refused}");
     let out = iota_chain(
         &net,
         dir.path(),
