@@ -539,3 +539,29 @@ mod tests {
         assert!(Axon::from_info(&AxonInfo { ip_type: 5, ..info }).is_none());
     }
 }
+
+/// Subnets a chain can hold at most; per-mechanism storage is offset by this much per mechanism.
+pub const GLOBAL_MAX_SUBNET_COUNT: u16 = 4096;
+
+/// The `NetUidStorageIndex` under which mechanism `mechanism` of `netuid` keeps its per-mechanism
+/// values (`LastUpdate`, `Incentive`, `Weights`, commits): `netuid + mechanism · 4096`, so the
+/// main mechanism (0) reads at the netuid itself. This client reads and sets weights for the
+/// main mechanism only; `None` when the index does not fit.
+pub fn storage_index(netuid: u16, mechanism: u8) -> Option<u16> {
+    u16::from(mechanism)
+        .checked_mul(GLOBAL_MAX_SUBNET_COUNT)?
+        .checked_add(netuid)
+}
+
+#[cfg(test)]
+mod storage_index_tests {
+    use super::*;
+
+    #[test]
+    fn main_mechanism_is_the_netuid_and_others_are_offset() {
+        assert_eq!(storage_index(9, 0), Some(9));
+        assert_eq!(storage_index(9, 1), Some(4105));
+        assert_eq!(storage_index(4095, 14), Some(61_439));
+        assert_eq!(storage_index(1, 16), None);
+    }
+}
