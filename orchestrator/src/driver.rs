@@ -573,6 +573,11 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .fetch_all(&mut *tx)
     .await?;
     for (stage, partition) in open {
+        let key = PartitionKey {
+            epoch: epoch as i64,
+            stage,
+            partition,
+        };
         let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
             "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2
                AND stage = $3 AND partition = $4 ORDER BY submitted_at, submitter",
@@ -595,29 +600,17 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
                 } else {
                     "plurality"
                 };
-                sqlx::query(
-                    "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
-                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
-                )
-                .bind(app.run.id)
-                .bind(epoch as i64)
-                .bind(stage)
-                .bind(partition)
-                .bind(blob)
-                .bind(how)
-                .execute(&mut *tx)
-                .await?;
+                set_partition(&mut tx, app, key, PartitionState::Accepted, blob, Some(how)).await?;
             }
             None => {
-                sqlx::query(
-                    "UPDATE partitions SET state = 'unchanged', resolved_by = 'unmerged'
-                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+                set_partition(
+                    &mut tx,
+                    app,
+                    key,
+                    PartitionState::Unchanged,
+                    None,
+                    Some("unmerged"),
                 )
-                .bind(app.run.id)
-                .bind(epoch as i64)
-                .bind(stage)
-                .bind(partition)
-                .execute(&mut *tx)
                 .await?;
                 tracing::error!(
                     epoch,
@@ -669,6 +662,41 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     tx.commit().await?;
     metrics::counter!("iota_epochs_completed_total").increment(1);
     tracing::info!(epoch = epoch + 1, "phase: training (new epoch)");
+    Ok(())
+}
+
+/// A partition of the current run, by its key.
+#[derive(Clone, Copy)]
+struct PartitionKey {
+    epoch: i64,
+    stage: i32,
+    partition: i32,
+}
+
+/// Moves an open or disputed partition to `state`, with its accepted blob and who settled it.
+async fn set_partition(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    key: PartitionKey,
+    state: PartitionState,
+    accepted: Option<serde_json::Value>,
+    resolved_by: Option<&str>,
+) -> ApiResult<()> {
+    sqlx::query(
+        "UPDATE partitions SET state = $5, accepted = coalesce($6, accepted),
+             resolved_by = coalesce($7, resolved_by)
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+           AND state IN ('open', 'disputed')",
+    )
+    .bind(app.run.id)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .bind(state.as_str())
+    .bind(accepted)
+    .bind(resolved_by)
+    .execute(&mut **tx)
+    .await?;
     Ok(())
 }
 
@@ -742,6 +770,11 @@ async fn settle(
     partition: u32,
 ) -> ApiResult<()> {
     let epoch = cur.epoch;
+    let key = PartitionKey {
+        epoch: epoch as i64,
+        stage: stage as i32,
+        partition: partition as i32,
+    };
     let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
         "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
            AND partition = $4 ORDER BY submitted_at, submitter",
@@ -760,18 +793,8 @@ async fn settle(
                 .iter()
                 .find(|(h, _)| *h == hash)
                 .map(|(_, b)| b.clone());
-            sqlx::query(
-                "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
-                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .bind(blob)
-            .bind(if unanimous { "agreement" } else { "majority" })
-            .execute(&mut **tx)
-            .await?;
+            let how = if unanimous { "agreement" } else { "majority" };
+            set_partition(tx, app, key, PartitionState::Accepted, blob, Some(how)).await?;
             sqlx::query(
                 "UPDATE disputes SET state = 'settled', settled_by = 'majority', settled_hash = $5
                  WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND state = 'open'",
@@ -786,16 +809,7 @@ async fn settle(
             metrics::counter!("iota_partitions_accepted_total").increment(1);
         }
         Verdict::Dispute => {
-            sqlx::query(
-                "UPDATE partitions SET state = 'disputed'
-                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .execute(&mut **tx)
-            .await?;
+            set_partition(tx, app, key, PartitionState::Disputed, None, None).await?;
             let opened = sqlx::query(
                 "INSERT INTO disputes (run_id, epoch, stage, partition, state)
                  VALUES ($1, $2, $3, $4, 'open') ON CONFLICT DO NOTHING",
@@ -874,18 +888,20 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     .execute(&mut *tx)
     .await?;
     if let Some(blob) = blob {
-        sqlx::query(
-            "UPDATE partitions SET state = 'accepted', accepted = $5, resolved_by = $6
-             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-               AND state IN ('open', 'disputed')",
+        let key = PartitionKey {
+            epoch,
+            stage,
+            partition,
+        };
+        let by = format!("validator:{validator}");
+        set_partition(
+            &mut tx,
+            app,
+            key,
+            PartitionState::Accepted,
+            Some(blob),
+            Some(&by),
         )
-        .bind(app.run.id)
-        .bind(epoch)
-        .bind(stage)
-        .bind(partition)
-        .bind(blob)
-        .bind(format!("validator:{validator}"))
-        .execute(&mut *tx)
         .await?;
     }
     tx.commit().await?;
