@@ -3,7 +3,8 @@
 //!
 //! * signed work polls (`POST /v1/miner/work`, the request every miner sends in a loop) per
 //!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
-//!   the same client concurrency (one closed loop per miner), alternating in one run;
+//!   the same client concurrency (one closed loop per miner, or each miner polling once per
+//!   `IOTA_BENCH_POLL_INTERVAL_MS` as idle miners do), alternating in one run;
 //! * activation upload and download MB/s through the orchestrator (local directory store).
 //!
 //! `cargo bench -p iota-orchestrator --bench load`. Client and server share this machine, so
@@ -145,10 +146,13 @@ enum Kind {
     SignedPoll,
 }
 
-/// One closed loop per miner for `WARMUP + WINDOW`; counts requests that start after the
-/// warm-up and end inside the window.
+/// One loop per miner for `WARMUP + WINDOW`; counts requests that start after the warm-up and
+/// end inside the window. With a zero `interval` each loop is closed (the next request as soon
+/// as the last answer came); otherwise each miner polls once per `interval`, as an idle miner
+/// does.
 async fn closed_loops(
     kind: Kind,
+    interval: Duration,
     http: &reqwest::Client,
     base: &str,
     orchestrator: &str,
@@ -168,7 +172,14 @@ async fn closed_loops(
             let mut ok = 0usize;
             let mut errors = 0usize;
             let mut latencies = Vec::new();
+            // Paced miners start spread over one interval, then poll once per interval.
+            let mut next =
+                start + interval.mul_f64(rand::rngs::StdRng::from_entropy().gen_range(0.0..1.0));
             loop {
+                if !interval.is_zero() {
+                    tokio::time::sleep_until(next.into()).await;
+                    next += interval;
+                }
                 let t0 = Instant::now();
                 if t0 >= end {
                     break;
@@ -394,18 +405,49 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     let n_down: usize = downloaded.iter().sum();
     let mb = bytes.len() as f64 / 1e6;
 
-    // Polls: the same 1,000 closed loops against the no-op and the signed work route, alternating.
+    // Polls: the same 1,000 loops against the no-op and the signed work route, alternating.
+    // IOTA_BENCH_POLL_INTERVAL_MS paces each miner (0, the default: closed loops).
+    let interval = Duration::from_millis(
+        std::env::var("IOTA_BENCH_POLL_INTERVAL_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    );
     let mut noop = Vec::new();
     let mut signed = Vec::new();
     for _ in 0..ROUNDS {
-        noop.push(closed_loops(Kind::Noop, &http, &base, &orchestrator_key, &pairs).await);
-        signed.push(closed_loops(Kind::SignedPoll, &http, &base, &orchestrator_key, &pairs).await);
+        noop.push(
+            closed_loops(
+                Kind::Noop,
+                interval,
+                &http,
+                &base,
+                &orchestrator_key,
+                &pairs,
+            )
+            .await,
+        );
+        signed.push(
+            closed_loops(
+                Kind::SignedPoll,
+                interval,
+                &http,
+                &base,
+                &orchestrator_key,
+                &pairs,
+            )
+            .await,
+        );
     }
 
     println!();
+    let pacing = if interval.is_zero() {
+        "closed loops".to_owned()
+    } else {
+        format!("each polling every {} ms", interval.as_millis())
+    };
     println!(
-        "orchestrator load, {MINERS} miners on loopback, {} closed loops, {ROUNDS} alternating windows of {} s each",
-        MINERS,
+        "orchestrator load, {MINERS} miners on loopback, {pacing}, {ROUNDS} alternating windows of {} s each",
         WINDOW.as_secs()
     );
     println!(
