@@ -215,7 +215,7 @@ pub async fn heartbeat(
     }))
 }
 
-fn work_item(row: &sqlx::postgres::PgRow, cfg: &RunConfig) -> ApiResult<WorkItem> {
+fn work_item(row: &sqlx::postgres::PgRow) -> ApiResult<WorkItem> {
     let direction: String = row.try_get("direction")?;
     let direction = Direction::parse(&direction)
         .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?;
@@ -235,12 +235,12 @@ fn work_item(row: &sqlx::postgres::PgRow, cfg: &RunConfig) -> ApiResult<WorkItem
         stage,
         direction,
         input,
-        expects_output: expects_output(direction, stage, cfg),
+        expects_output: expects_output(direction, stage),
     })
 }
 
 /// Every hop produces a tensor except the backward at stage 0 (nothing to send further back).
-fn expects_output(direction: Direction, stage: u32, _cfg: &RunConfig) -> bool {
+fn expects_output(direction: Direction, stage: u32) -> bool {
     !(direction == Direction::Backward && stage == 0)
 }
 
@@ -292,7 +292,7 @@ pub async fn work(
     let mut items = held
         .iter()
         .chain(rows.iter())
-        .map(|r| work_item(r, cfg))
+        .map(work_item)
         .collect::<ApiResult<Vec<_>>>()?;
     let mut status = views::epoch_status(&app).await?;
     let room = max - items.len() as i64;
@@ -408,7 +408,7 @@ async fn start_samples(
         .bind(cfg.lease_s as f64)
         .fetch_one(&mut **tx)
         .await?;
-        items.push(work_item(&row, cfg)?);
+        items.push(work_item(&row)?);
     }
     Ok(items)
 }
@@ -610,7 +610,7 @@ pub async fn upload_output(
             format!("task {task_id} is {}", task.status),
         ));
     }
-    if !expects_output(task.direction, task.stage, app.config()) {
+    if !expects_output(task.direction, task.stage) {
         return Err(AppError::new(
             ErrorCode::BadRequest,
             "the backward hop of stage 0 has no output",
@@ -835,7 +835,7 @@ pub async fn complete(
     let last = task.stage + 1 == cfg.stages;
     let is_last_forward = last && task.direction == Direction::Forward;
     let needs_output =
-        expects_output(task.direction, task.stage, cfg) && !(is_last_forward && cfg.stages == 1);
+        expects_output(task.direction, task.stage) && !(is_last_forward && cfg.stages == 1);
     let output = if needs_output {
         let staged = task
             .staged
@@ -1476,9 +1476,30 @@ pub async fn upload_merge(
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
-    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
-    crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+    upload_merge_as(
+        &app,
+        &caller.ss58,
+        false,
+        (epoch, stage, partition),
+        body,
+        &q.blake3,
+    )
+    .await
+}
+
+/// Stores a merged partition uploaded through the orchestrator and records it as `who`'s result
+/// (an owner, or `validator:<ss58>` for a validator's own merge).
+pub(crate) async fn upload_merge_as(
+    app: &App,
+    who: &str,
+    as_validator: bool,
+    (epoch, stage, partition): (u64, u32, u32),
+    body: Bytes,
+    blake3: &str,
+) -> ApiResult<Json<UploadResponse>> {
+    let (key, spec) = merge_slot(app, who, as_validator, epoch, stage, partition).await?;
+    let blob = accept_upload(app, key, &spec, body, blake3).await?;
+    crate::driver::record_merge_result(app, who, epoch, stage, partition, blob).await
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign`.

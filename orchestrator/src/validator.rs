@@ -12,7 +12,7 @@ use iota_protocol::api::*;
 use sqlx::Row;
 
 use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
-use crate::miner::{UploadQuery, accept_upload, merge_slot, run_now};
+use crate::miner::{UploadQuery, run_now, upload_merge_as};
 use crate::views::{self, PageQuery};
 
 /// `GET /v1/validator/epochs/{epoch}/hops`: every hop attempt of the epoch, by task id.
@@ -235,9 +235,7 @@ pub async fn upload_merge(
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
     let who = format!("validator:{}", v.ss58);
-    let (key, spec) = merge_slot(&app, &who, true, epoch, stage, partition).await?;
-    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
-    crate::driver::record_merge_result(&app, &who, epoch, stage, partition, blob).await
+    upload_merge_as(&app, &who, true, (epoch, stage, partition), body, &q.blake3).await
 }
 
 /// `POST /v1/validator/epochs/{epoch}/scores`: the validator's scores (and the weights they

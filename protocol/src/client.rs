@@ -285,6 +285,14 @@ impl ApiClient {
         Err(last_error)
     }
 
+    /// PUTs tensor bytes to `path` with their BLAKE3 in the (signed) query, as every upload route
+    /// expects.
+    async fn put_tensor(&self, path: &str, bytes: Bytes) -> Result<UploadResponse, ClientError> {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let path = format!("{path}{sep}blake3={}", blake3_hex(&bytes));
+        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+    }
+
     // ---- miners ----
 
     /// Joins the run (idempotent: a second call returns the same stage).
@@ -323,11 +331,11 @@ impl ApiClient {
         lease: Uuid,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        let path = format!(
-            "/v1/miner/tasks/{task_id}/output?lease={lease}&blake3={}",
-            blake3_hex(&bytes)
-        );
-        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+        self.put_tensor(
+            &format!("/v1/miner/tasks/{task_id}/output?lease={lease}"),
+            bytes,
+        )
+        .await
     }
 
     /// Completes a task.
@@ -351,11 +359,11 @@ impl ApiClient {
         partition: u32,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        let path = format!(
-            "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}?blake3={}",
-            blake3_hex(&bytes)
-        );
-        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+        self.put_tensor(
+            &format!("/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}"),
+            bytes,
+        )
+        .await
     }
 
     /// The partitions this miner must merge now.
@@ -371,11 +379,11 @@ impl ApiClient {
         partition: u32,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        let path = format!(
-            "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}?blake3={}",
-            blake3_hex(&bytes)
-        );
-        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+        self.put_tensor(
+            &format!("/v1/miner/epochs/{epoch}/merges/{stage}/{partition}"),
+            bytes,
+        )
+        .await
     }
 
     /// Downloads a blob (presigned URL or the orchestrator) and checks its size and hash.
@@ -532,11 +540,11 @@ impl ApiClient {
         partition: u32,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        let path = format!(
-            "/v1/validator/epochs/{epoch}/merges/{stage}/{partition}?blake3={}",
-            blake3_hex(&bytes)
-        );
-        self.signed_raw(Method::PUT, &path, Some(bytes)).await
+        self.put_tensor(
+            &format!("/v1/validator/epochs/{epoch}/merges/{stage}/{partition}"),
+            bytes,
+        )
+        .await
     }
 
     /// Submits scores for `epoch` (idempotent per validator and epoch: a resubmission replaces).
