@@ -1,4 +1,5 @@
-//! `iota`: one binary for operators: local chain, wallets, chain operations, the orchestrator.
+//! `iota`: one binary for operators: local chain, wallets, chain operations, the orchestrator,
+//! the miner.
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,9 @@ enum Command {
     Chain(iota_chain::cli::ChainArgs),
     /// The orchestrator: signed HTTP API, run state in PostgreSQL, blobs in object storage.
     Orchestrator(OrchestratorCmd),
+    /// A miner: trains one pipeline stage for an orchestrator.
+    #[command(args_override_self = true)]
+    Miner(iota_miner::MinerArgs),
     /// Training-core tools.
     Model {
         #[command(subcommand)]
@@ -120,6 +124,56 @@ enum ModelCommand {
     },
 }
 
+/// `iota miner --config FILE`: the file's values become flags placed before the command line's,
+/// so the command line wins.
+fn args_with_config_file() -> anyhow::Result<Vec<String>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some("miner") {
+        return Ok(args);
+    }
+    let mut path = std::env::var("IOTA_MINER_CONFIG").ok();
+    let mut it = args.iter().skip(2);
+    while let Some(a) = it.next() {
+        if a == "--config" {
+            path = it.next().cloned();
+        } else if let Some(p) = a.strip_prefix("--config=") {
+            path = Some(p.to_owned());
+        }
+    }
+    let Some(path) = path else {
+        return Ok(args);
+    };
+    let extra = iota_miner::config::config_file_args(std::path::Path::new(&path))?;
+    let mut out = args[..2].to_vec();
+    out.extend(extra);
+    out.extend(args[2..].iter().cloned());
+    Ok(out)
+}
+
+async fn miner(args: iota_miner::MinerArgs) -> anyhow::Result<()> {
+    if let Some(addr) = args.metrics_addr {
+        iota_miner::progress::serve_metrics(addr)?;
+    }
+    let password = iota_chain::wallet::PasswordSource::EnvOrPrompt;
+    let ready = iota_miner::startup::prepare(&args, &password).await?;
+    println!(
+        "miner {} (uid {}) for {}",
+        ready.signer.ss58(),
+        ready.uid,
+        args.orchestrator_url
+    );
+    let (tx, rx) = tokio::sync::watch::channel(iota_miner::MinerStatus::new(ready.signer.ss58()));
+    let progress = tokio::spawn(iota_miner::progress::show(rx, args.progress));
+    let result = iota_miner::run(args.miner_config(), ready.signer, shutdown_signal(), tx).await;
+    let _ = progress.await;
+    let last = result?;
+    println!(
+        "miner stopped: {} hops, {} tokens, {} pseudo-gradient partitions, {} merges",
+        last.hops, last.tokens, last.pseudo_gradients, last.merges
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     // One line that says what to fix, not a backtrace: the errors carry their context.
@@ -130,14 +184,21 @@ async fn main() {
 }
 
 async fn run() -> anyhow::Result<()> {
+    let cli = Cli::parse_from(args_with_config_file()?);
+    let default_level = match &cli.command {
+        Command::Miner(m) if m.debug => "debug",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match Cli::parse().command {
+    match cli.command {
+        Command::Miner(args) => miner(args).await?,
         Command::Localnet(args) => iota_localnet::cli::run(args).await?,
         Command::Wallet { command } => {
             iota_chain::wallet::cli::run(&command, &mut std::io::stdout())?;

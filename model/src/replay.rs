@@ -131,6 +131,23 @@ impl StageRunner {
     pub fn optimizer(&self) -> &AdamW {
         &self.optimizer
     }
+    /// The stage, mutably (recomputation, zeroing gradients after a rollback).
+    pub fn stage_mut(&mut self) -> &mut Stage {
+        &mut self.stage
+    }
+    /// Drops the forward cache of `sample` (its backward will not come); whether it was held.
+    pub fn forget(&mut self, sample: u64) -> bool {
+        self.in_flight.remove(&sample).is_some()
+    }
+    /// Drops every forward cache.
+    pub fn forget_all(&mut self) {
+        self.in_flight.clear();
+    }
+    /// Starts over with `optimizer` (a fresh one at an epoch start) and no caches.
+    pub fn reset(&mut self, optimizer: AdamW) {
+        self.in_flight.clear();
+        self.optimizer = optimizer;
+    }
     /// Samples forwarded and not yet back-propagated.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()

@@ -76,6 +76,8 @@ fn run_config() -> RunConfig {
         init_seed: 1,
         outer_lr: 0.7,
         outer_momentum: 0.9,
+        inner_lr: 3e-3,
+        inner_steps_every: 2,
     }
 }
 

@@ -160,6 +160,16 @@ pub struct OrchestratorArgs {
         default_value_t = 0.9
     )]
     pub outer_momentum: f64,
+    /// Miners' inner AdamW learning rate.
+    #[arg(long = "inner-lr", env = "IOTA_INNER_LR", default_value_t = 3e-3)]
+    pub inner_lr: f64,
+    /// Gradient hops a miner accumulates per local optimizer step.
+    #[arg(
+        long = "inner-steps-every",
+        env = "IOTA_INNER_STEPS_EVERY",
+        default_value_t = 2
+    )]
+    pub inner_steps_every: u32,
     /// Seconds between metagraph reads.
     #[arg(
         long = "metagraph-refresh-s",
@@ -236,6 +246,8 @@ impl OrchestratorArgs {
             init_seed: self.init_seed,
             outer_lr: self.outer_lr,
             outer_momentum: self.outer_momentum,
+            inner_lr: self.inner_lr,
+            inner_steps_every: self.inner_steps_every,
         }
     }
 

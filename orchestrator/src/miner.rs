@@ -1382,6 +1382,7 @@ pub async fn merges(
             for c in &mut contributions {
                 c.blob.url = app.store.presign(http::Method::GET, &c.blob.key).await?;
             }
+            let base = merge_base(&app, now.epoch, stage, partition).await?;
             assignments.push(MergeAssignment {
                 epoch: now.epoch,
                 stage,
@@ -1389,6 +1390,7 @@ pub async fn merges(
                 start: range.start,
                 end: range.end,
                 contributions,
+                base,
                 deadline_ms: now.phase_deadline.timestamp_millis(),
             });
         }
@@ -1397,6 +1399,34 @@ pub async fn merges(
         assignments,
         status: views::epoch_status(&app).await?,
     }))
+}
+
+/// The latest accepted merge of a partition from an epoch before `epoch`: what a merge of
+/// `epoch` starts from (`None`: the initial weights).
+pub(crate) async fn merge_base(
+    app: &App,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let accepted: Option<serde_json::Value> = sqlx::query_scalar(
+        "SELECT accepted FROM partitions
+         WHERE run_id = $1 AND stage = $2 AND partition = $3 AND epoch < $4 AND state = 'accepted'
+         ORDER BY epoch DESC LIMIT 1",
+    )
+    .bind(app.run.id)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(epoch as i64)
+    .fetch_optional(&app.db)
+    .await?;
+    let Some(accepted) = accepted else {
+        return Ok(None);
+    };
+    let mut blob: BlobDescriptor = serde_json::from_value(accepted)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
+    Ok(Some(blob))
 }
 
 fn merged_key(app: &App, epoch: u64, stage: u32, partition: u32, who: &str) -> String {

@@ -58,7 +58,26 @@ pub struct RunConfig {
     pub outer_lr: f64,
     /// Outer Nesterov momentum coefficient.
     pub outer_momentum: f64,
+    /// Peak learning rate of each miner's inner AdamW (constant within an epoch).
+    #[serde(default = "default_inner_lr")]
+    pub inner_lr: f64,
+    /// Gradient hops (backward hops, and the last stage's forward hops) a miner accumulates
+    /// before each local optimizer step; a remainder is stepped when the epoch's training ends.
+    #[serde(default = "default_inner_steps_every")]
+    pub inner_steps_every: u32,
 }
+
+fn default_inner_lr() -> f64 {
+    3e-3
+}
+
+fn default_inner_steps_every() -> u32 {
+    2
+}
+
+/// Held-out sequence ids start here: training samples never reach it (see
+/// [`RunConfig::sequence_ids`]).
+pub const HELD_OUT_BASE: u64 = 1 << 62;
 
 impl RunConfig {
     /// Shape of every boundary tensor: `[micro_batch, seq_len, boundary_dim]`.
@@ -80,6 +99,21 @@ impl RunConfig {
     pub fn partition_range(&self, stage: u32, partition: u32) -> Option<std::ops::Range<u64>> {
         let total = self.params_of(stage)?;
         partition_range(total, self.partitions, partition)
+    }
+
+    /// The dataset sequences that make up sample `sample_id`: `micro_batch` consecutive ids.
+    /// Stage 0 builds its input from them and the last stage its targets, so every party
+    /// (miners, validators recomputing a loss) rebuilds the same batch from the id alone.
+    pub fn sequence_ids(&self, sample_id: i64) -> Vec<u64> {
+        let mb = u64::from(self.micro_batch);
+        let base = sample_id.unsigned_abs().wrapping_mul(mb) % HELD_OUT_BASE;
+        (0..mb).map(|i| base + i).collect()
+    }
+
+    /// `n` held-out sequence ids (never part of a training sample), for evaluating the merged
+    /// model.
+    pub fn held_out_ids(&self, n: u64) -> Vec<u64> {
+        (0..n).map(|i| HELD_OUT_BASE + i).collect()
     }
 
     /// Checks internal consistency.
@@ -115,6 +149,12 @@ impl RunConfig {
         }
         if self.max_in_flight == 0 {
             return Err("max_in_flight must be positive".into());
+        }
+        if !(self.inner_lr.is_finite() && self.inner_lr > 0.0) {
+            return Err(format!("inner_lr {} must be positive", self.inner_lr));
+        }
+        if self.inner_steps_every == 0 {
+            return Err("inner_steps_every must be at least 1".into());
         }
         Ok(())
     }
@@ -419,6 +459,11 @@ pub struct MergeAssignment {
     pub end: u64,
     /// Contributions in the fixed order to average them in, with their weights.
     pub contributions: Vec<MergeContribution>,
+    /// The partition's latest merged weights and momentum from before this epoch
+    /// (`iota-merged/v1`): the outer step starts from them. `None`: the initial weights from
+    /// `init_seed` and zero momentum.
+    #[serde(default)]
+    pub base: Option<BlobDescriptor>,
     /// Upload the result by this time.
     pub deadline_ms: UnixMs,
 }

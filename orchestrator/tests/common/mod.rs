@@ -156,6 +156,8 @@ pub fn run_config(name: &str) -> RunConfig {
         init_seed: 1,
         outer_lr: 0.7,
         outer_momentum: 0.9,
+        inner_lr: 3e-3,
+        inner_steps_every: 2,
     }
 }
 
@@ -209,9 +211,12 @@ impl Drop for Running {
 }
 
 pub async fn start(config: Config) -> Running {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    start_on(config, "127.0.0.1:0").await
+}
+
+/// [`start`] on a given address (to restart an orchestrator where its clients expect it).
+pub async fn start_on(config: Config, addr: &str) -> Running {
+    let listener = tokio::net::TcpListener::bind(addr).await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (tx, rx) = tokio::sync::oneshot::channel();
     let handle = tokio::spawn(iota_orchestrator::run(config, listener, async {

@@ -1,0 +1,128 @@
+//! Dishonest behaviours, for testing validators. Off unless `--adversary` names one; the honest
+//! path never consults this module except through [`Adversary`] checks at the points where a
+//! cheater would deviate.
+
+use rand::Rng;
+use rand::rngs::StdRng;
+
+/// One way of cheating.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Adversary {
+    /// Adds Gaussian noise (one standard deviation of the activations) to forward outputs.
+    Noise,
+    /// Sends zeros instead of activations and input gradients.
+    Zeros,
+    /// Never loads the merged weights after the first epoch: trains, and computes its
+    /// pseudo-gradient, on its own stale weights.
+    StaleWeights,
+    /// Claims backward work without doing it: zero input gradients, no optimizer steps, so a
+    /// zero pseudo-gradient.
+    Freeload,
+    /// Publishes merged partitions that are not the average (the first value shifted by 1).
+    WrongMerge,
+    /// Reports last-stage losses at half of what it computed.
+    LazyLoss,
+}
+
+impl Adversary {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Noise => "noise",
+            Self::Zeros => "zeros",
+            Self::StaleWeights => "stale-weights",
+            Self::Freeload => "freeload",
+            Self::WrongMerge => "wrong-merge",
+            Self::LazyLoss => "lazy-loss",
+        }
+    }
+
+    /// Every mode, for tests and help texts.
+    pub const ALL: [Adversary; 6] = [
+        Self::Noise,
+        Self::Zeros,
+        Self::StaleWeights,
+        Self::Freeload,
+        Self::WrongMerge,
+        Self::LazyLoss,
+    ];
+}
+
+impl std::fmt::Display for Adversary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Factor applied to reported losses by [`Adversary::LazyLoss`].
+pub const LAZY_LOSS_FACTOR: f32 = 0.5;
+
+/// Adds zero-mean Gaussian noise with the values' own standard deviation (Box–Muller).
+pub fn add_noise(values: &mut [f32], rng: &mut StdRng) {
+    let n = values.len().max(1) as f64;
+    let mean = values.iter().map(|v| f64::from(*v)).sum::<f64>() / n;
+    let var = values
+        .iter()
+        .map(|v| (f64::from(*v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let sigma = var.sqrt().max(1e-3);
+    for v in values.iter_mut() {
+        let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
+        let u2: f64 = rng.gen_range(0.0..1.0);
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        *v += (sigma * z) as f32;
+    }
+}
+
+/// The corruption [`Adversary::WrongMerge`] applies to a merged partition.
+pub fn corrupt_merge(values: &mut [f32]) {
+    if let Some(first) = values.first_mut() {
+        *first += 1.0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn noise_has_the_values_scale() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let clean: Vec<f32> = (0..20_000)
+            .map(|i| ((i % 200) as f32 - 100.0) / 50.0)
+            .collect();
+        let mut noisy = clean.clone();
+        add_noise(&mut noisy, &mut rng);
+        let n = clean.len() as f64;
+        let std = |v: &[f32]| {
+            let m = v.iter().map(|x| f64::from(*x)).sum::<f64>() / n;
+            (v.iter().map(|x| (f64::from(*x) - m).powi(2)).sum::<f64>() / n).sqrt()
+        };
+        let diff: Vec<f32> = noisy.iter().zip(&clean).map(|(a, b)| a - b).collect();
+        let ratio = std(&diff) / std(&clean);
+        assert!(
+            (ratio - 1.0).abs() < 0.05,
+            "noise std / signal std = {ratio}"
+        );
+    }
+
+    #[test]
+    fn wrong_merge_changes_the_first_value_only() {
+        let mut v = vec![0.5f32, 2.0, 3.0];
+        corrupt_merge(&mut v);
+        assert_eq!(v, vec![1.5, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn flag_names_round_trip() {
+        use clap::ValueEnum as _;
+        for a in Adversary::ALL {
+            assert_eq!(Adversary::from_str(a.as_str(), false), Ok(a));
+        }
+    }
+}

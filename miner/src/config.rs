@@ -1,0 +1,301 @@
+//! Configuration: the library's [`MinerConfig`] and the `iota miner` flags that build it.
+//!
+//! Flags follow Bittensor's conventions (`--wallet.name`, `--subtensor.network`, `--netuid`, …);
+//! every flag can also come from the environment, and `--config FILE` reads a TOML file whose
+//! keys are flag names (`"wallet.name" = "miner"`, `netuid = 9`). Precedence: command line, then
+//! the file, then the environment, then the default.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use iota_chain::cli::SubtensorArgs;
+use iota_chain::wallet::cli::WalletArgs;
+use iota_model::{DType, Device, StageOptions};
+use iota_protocol::client::RetryPolicy;
+
+use crate::adversary::Adversary;
+use crate::error::MinerError;
+
+/// Where the stage trains.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU, f32.
+    Cpu,
+    /// CUDA device `n` (bf16 compute, f32 master weights); needs the `cuda` feature.
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    /// Parses `cpu` or `cuda:N` (`cuda` alone is device 0).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("device {other:?}: use cpu or cuda:N")),
+        }
+    }
+
+    /// `cpu` or `cuda:N`.
+    pub fn name(&self) -> String {
+        match self {
+            Self::Cpu => "cpu".into(),
+            Self::Cuda(n) => format!("cuda:{n}"),
+        }
+    }
+
+    /// The stage options for this device.
+    pub fn stage_options(&self) -> Result<StageOptions, MinerError> {
+        match self {
+            Self::Cpu => Ok(StageOptions::cpu()),
+            Self::Cuda(n) => {
+                let device = Device::new_cuda(*n).map_err(|e| {
+                    MinerError::Config(format!(
+                        "cuda:{n}: {e} (build with `--features cuda` on a machine with a GPU)"
+                    ))
+                })?;
+                Ok(StageOptions {
+                    device,
+                    compute_dtype: DType::BF16,
+                    ..StageOptions::cpu()
+                })
+            }
+        }
+    }
+}
+
+/// How progress is shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProgressMode {
+    /// A status line on a terminal, log lines otherwise.
+    Auto,
+    /// A status line, redrawn in place.
+    Line,
+    /// A structured log line every few seconds.
+    Log,
+    /// Nothing beyond the logs.
+    Off,
+}
+
+/// Everything [`crate::run`] needs besides the signer.
+#[derive(Clone, Debug)]
+pub struct MinerConfig {
+    /// The orchestrator's base URL.
+    pub orchestrator_url: String,
+    /// Training device.
+    pub device: DeviceSpec,
+    /// Pause between polls when there is nothing to do.
+    pub poll_interval: Duration,
+    /// Work items asked for per poll.
+    pub max_items: u32,
+    /// Forward caches kept for pending backward passes before recomputing instead (default:
+    /// twice the run's in-flight limit).
+    pub cache_budget: Option<usize>,
+    /// Memory to report; measured when `None`.
+    pub memory_bytes: Option<u64>,
+    /// A dishonest behaviour, for testing validators.
+    pub adversary: Option<Adversary>,
+    /// Retries of network errors, 429 and 5xx.
+    pub retry: RetryPolicy,
+    /// Seed of the miner's own randomness (the noise adversary).
+    pub seed: u64,
+}
+
+impl MinerConfig {
+    /// Defaults for a miner of the orchestrator at `url` on the CPU.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            orchestrator_url: url.into(),
+            device: DeviceSpec::Cpu,
+            poll_interval: Duration::from_millis(200),
+            max_items: 4,
+            cache_budget: None,
+            memory_bytes: None,
+            adversary: None,
+            retry: RetryPolicy::default(),
+            seed: 0,
+        }
+    }
+
+    /// The stage options for the configured device.
+    pub fn stage_options(&self) -> Result<StageOptions, MinerError> {
+        self.device.stage_options()
+    }
+}
+
+/// `iota miner` flags. Every flag can also come from the environment.
+#[derive(Clone, Debug, clap::Args)]
+pub struct MinerArgs {
+    /// A TOML file of flag values (`"wallet.name" = "m1"`, `netuid = 9`); the command line wins.
+    #[arg(long, env = "IOTA_MINER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The miner's wallet (the hotkey signs every request).
+    #[command(flatten)]
+    pub wallet: WalletArgs,
+    /// Chain endpoint selection.
+    #[command(flatten)]
+    pub subtensor: SubtensorArgs,
+    /// Subnet.
+    #[arg(long, env = "BT_NETUID", default_value_t = 9)]
+    pub netuid: u16,
+    /// The orchestrator's base URL.
+    #[arg(
+        long = "orchestrator.url",
+        env = "IOTA_ORCHESTRATOR_URL",
+        default_value = "http://127.0.0.1:8700"
+    )]
+    pub orchestrator_url: String,
+    /// Training device: cpu or cuda:N.
+    #[arg(long, env = "IOTA_DEVICE", default_value = "cpu", value_parser = DeviceSpec::parse)]
+    pub device: DeviceSpec,
+    /// Debug logging.
+    #[arg(long = "logging.debug", env = "BT_LOGGING_DEBUG")]
+    pub debug: bool,
+    /// Register the hotkey (burned_register) if it is not registered yet.
+    #[arg(long, env = "IOTA_REGISTER")]
+    pub register: bool,
+    /// Refuse to register when the burn is above this many TAO.
+    #[arg(long = "max-burn", env = "IOTA_MAX_BURN")]
+    pub max_burn: Option<f64>,
+    /// Register without asking for confirmation.
+    #[arg(long, env = "IOTA_YES")]
+    pub yes: bool,
+    /// Axon IP to publish on-chain (submitted only when it differs from what is served).
+    #[arg(long = "axon.ip", env = "BT_AXON_IP")]
+    pub axon_ip: Option<IpAddr>,
+    /// Axon port to publish on-chain.
+    #[arg(long = "axon.port", env = "BT_AXON_PORT", default_value_t = 8091)]
+    pub axon_port: u16,
+    /// Serve Prometheus metrics on this address (`127.0.0.1:9100`).
+    #[arg(long = "metrics.addr", env = "IOTA_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Progress display.
+    #[arg(long, env = "IOTA_PROGRESS", value_enum, default_value = "auto")]
+    pub progress: ProgressMode,
+    /// Milliseconds between polls when idle.
+    #[arg(
+        long = "poll-interval-ms",
+        env = "IOTA_POLL_INTERVAL_MS",
+        default_value_t = 200
+    )]
+    pub poll_interval_ms: u64,
+    /// Work items per poll.
+    #[arg(long = "max-items", env = "IOTA_MAX_ITEMS", default_value_t = 4)]
+    pub max_items: u32,
+    /// Forward caches kept before recomputing (default: twice the run's in-flight limit).
+    #[arg(long = "cache-budget", env = "IOTA_CACHE_BUDGET")]
+    pub cache_budget: Option<usize>,
+    /// Memory to report to the orchestrator, in GB (measured when absent).
+    #[arg(long = "memory-gb", env = "IOTA_MEMORY_GB")]
+    pub memory_gb: Option<f64>,
+    /// Cheat in this way (for testing validators only).
+    #[arg(long, env = "IOTA_ADVERSARY", value_enum)]
+    pub adversary: Option<Adversary>,
+}
+
+impl MinerArgs {
+    /// The library config.
+    pub fn miner_config(&self) -> MinerConfig {
+        MinerConfig {
+            orchestrator_url: self.orchestrator_url.clone(),
+            device: self.device.clone(),
+            poll_interval: Duration::from_millis(self.poll_interval_ms),
+            max_items: self.max_items.clamp(1, 32),
+            cache_budget: self.cache_budget,
+            memory_bytes: self.memory_gb.map(|g| (g * 1e9) as u64),
+            adversary: self.adversary,
+            retry: RetryPolicy::default(),
+            seed: rand::random(),
+        }
+    }
+}
+
+/// Reads a `--config` TOML file into command-line arguments (`--key value`, `--flag` for
+/// `true`), to be placed before the real ones so that those win.
+pub fn config_file_args(path: &Path) -> Result<Vec<String>, MinerError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| MinerError::Config(format!("{}: {e}", path.display())))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| MinerError::Config(format!("{}: {e}", path.display())))?;
+    let mut args = Vec::new();
+    flatten_toml("", &table, &mut args, path)?;
+    Ok(args)
+}
+
+fn flatten_toml(
+    prefix: &str,
+    table: &toml::Table,
+    args: &mut Vec<String>,
+    path: &Path,
+) -> Result<(), MinerError> {
+    for (k, v) in table {
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match v {
+            // `[wallet] name = "x"` is the same as `"wallet.name" = "x"`.
+            toml::Value::Table(t) => flatten_toml(&key, t, args, path)?,
+            toml::Value::Boolean(true) => args.push(format!("--{key}")),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => args.extend([format!("--{key}"), s.clone()]),
+            toml::Value::Integer(i) => args.extend([format!("--{key}"), i.to_string()]),
+            toml::Value::Float(f) => args.extend([format!("--{key}"), f.to_string()]),
+            other => {
+                return Err(MinerError::Config(format!(
+                    "{}: {key} = {other}: use a string, number or boolean",
+                    path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(DeviceSpec::parse("cpu"), Ok(DeviceSpec::Cpu));
+        assert_eq!(DeviceSpec::parse("cuda:1"), Ok(DeviceSpec::Cuda(1)));
+        assert!(DeviceSpec::parse("gpu").is_err());
+        assert!(DeviceSpec::parse("cuda:x").is_err());
+    }
+
+    #[test]
+    fn config_file_becomes_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("miner.toml");
+        std::fs::write(
+            &path,
+            "netuid = 7\nregister = true\nyes = false\n\"orchestrator.url\" = \"http://o:1\"\n[wallet]\nname = \"m1\"\n",
+        )
+        .expect("write");
+        let mut args = config_file_args(&path).expect("parse");
+        args.sort();
+        let mut want: Vec<String> = [
+            "--netuid",
+            "7",
+            "--register",
+            "--orchestrator.url",
+            "http://o:1",
+            "--wallet.name",
+            "m1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        want.sort();
+        assert_eq!(args, want);
+        std::fs::write(&path, "netuid = [1]\n").expect("write");
+        assert!(config_file_args(&path).is_err());
+    }
+}

@@ -1,0 +1,683 @@
+//! The miner loop: join the run, then poll for work and do what the epoch's phase asks for.
+//!
+//! Network failures never end the loop: the client retries with backoff and jitter, and what a
+//! failed round computed stays in `pending` to be re-sent at the next poll (the orchestrator's
+//! handlers are idempotent). A hop is only dropped when the orchestrator says its lease lapsed.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use iota_protocol::BlobDescriptor;
+use iota_protocol::ErrorCode;
+use iota_protocol::api::{
+    Capacity, CompleteRequest, Direction, EpochStatus, MergeAssignment, Phase, RunConfig, WorkItem,
+};
+use iota_protocol::client::ApiClient;
+use iota_protocol::signing::RequestSigner;
+use iota_protocol::tensor::{decode_merged, decode_partition, encode_partition};
+use tokio::sync::{oneshot, watch};
+
+use crate::capacity;
+use crate::config::MinerConfig;
+use crate::error::MinerError;
+use crate::status::MinerStatus;
+use crate::trainer::{HopOutput, StageTrainer, initial_range, run_model};
+
+/// A miner running on the tokio runtime (see [`spawn`]).
+pub struct MinerHandle {
+    status: watch::Receiver<MinerStatus>,
+    stop: Option<oneshot::Sender<()>>,
+    join: tokio::task::JoinHandle<Result<MinerStatus, MinerError>>,
+}
+
+impl MinerHandle {
+    /// The latest status.
+    pub fn status(&self) -> MinerStatus {
+        self.status.borrow().clone()
+    }
+    /// A receiver of status updates.
+    pub fn subscribe(&self) -> watch::Receiver<MinerStatus> {
+        self.status.clone()
+    }
+    /// Whether the loop has ended.
+    pub fn is_finished(&self) -> bool {
+        self.join.is_finished()
+    }
+    /// Asks the miner to finish its current hop and exit; waits for it.
+    pub async fn stop(mut self) -> Result<MinerStatus, MinerError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.join
+            .await
+            .map_err(|e| MinerError::Internal(format!("miner task: {e}")))?
+    }
+    /// Ends the miner at once, as a crash would (its leases lapse).
+    pub fn abort(&self) {
+        self.join.abort();
+    }
+}
+
+/// Starts a miner signing as `signer`; several can run in one process.
+pub fn spawn(config: MinerConfig, signer: Arc<dyn RequestSigner>) -> MinerHandle {
+    let (status_tx, status_rx) = watch::channel(MinerStatus::new(signer.ss58()));
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let join = tokio::spawn(run(
+        config,
+        signer,
+        async {
+            let _ = stop_rx.await;
+        },
+        status_tx,
+    ));
+    MinerHandle {
+        status: status_rx,
+        stop: Some(stop_tx),
+        join,
+    }
+}
+
+/// Runs a miner until `shutdown` resolves (then it finishes the hop in hand and returns) or a
+/// fatal error (a run this miner cannot train). Progress goes to `status`.
+pub async fn run(
+    config: MinerConfig,
+    signer: Arc<dyn RequestSigner>,
+    shutdown: impl Future<Output = ()> + Send,
+    status: watch::Sender<MinerStatus>,
+) -> Result<MinerStatus, MinerError> {
+    tokio::pin!(shutdown);
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stopping.clone();
+    let body = async move {
+        let mut node = match Node::join(config, signer, status, &flag).await? {
+            Some(n) => n,
+            None => return Ok(MinerStatus::default()),
+        };
+        node.run(&flag).await?;
+        Ok(node.status.borrow().clone())
+    };
+    tokio::pin!(body);
+    tokio::select! {
+        r = &mut body => r,
+        _ = &mut shutdown => {
+            stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+            tracing::info!("stopping: finishing the hop in hand");
+            body.await
+        }
+    }
+}
+
+/// A computed hop not yet accepted by the orchestrator.
+struct Pending {
+    item: WorkItem,
+    out: HopOutput,
+    compute_ms: u64,
+    output: Option<BlobDescriptor>,
+}
+
+struct Node {
+    cfg: MinerConfig,
+    client: ApiClient,
+    run: RunConfig,
+    stage: u32,
+    trainer: Arc<Mutex<StageTrainer>>,
+    /// Epoch whose start weights are loaded.
+    epoch: u64,
+    uploaded: Option<u64>,
+    merged: HashSet<(u64, u32, u32)>,
+    pending: HashMap<i64, Pending>,
+    status: watch::Sender<MinerStatus>,
+    last_heartbeat: Instant,
+    heartbeat_every: Duration,
+    tokens_per_s: f64,
+}
+
+fn stopping(flag: &std::sync::atomic::AtomicBool) -> bool {
+    flag.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Sleeps `d`, returning early when the miner is stopping.
+async fn pause(d: Duration, flag: &std::sync::atomic::AtomicBool) {
+    let end = Instant::now() + d;
+    while Instant::now() < end && !stopping(flag) {
+        tokio::time::sleep((end - Instant::now()).min(Duration::from_millis(50))).await;
+    }
+}
+
+async fn blocking<T, F>(trainer: &Arc<Mutex<StageTrainer>>, f: F) -> Result<T, MinerError>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut StageTrainer) -> Result<T, MinerError> + Send + 'static,
+{
+    let t = trainer.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut guard = t
+            .lock()
+            .map_err(|_| MinerError::Internal("trainer lock poisoned".into()))?;
+        f(&mut guard)
+    })
+    .await
+    .map_err(|e| MinerError::Internal(format!("compute task: {e}")))?
+}
+
+fn is(e: &MinerError, code: ErrorCode) -> bool {
+    matches!(e, MinerError::Api(c) if c.code() == Some(code))
+}
+
+impl Node {
+    /// Connects, measures, registers and loads the stage's current weights. `None` when asked
+    /// to stop before joining.
+    async fn join(
+        cfg: MinerConfig,
+        signer: Arc<dyn RequestSigner>,
+        status: watch::Sender<MinerStatus>,
+        flag: &std::sync::atomic::AtomicBool,
+    ) -> Result<Option<Self>, MinerError> {
+        let mut attempt = 0u32;
+        let client = loop {
+            match ApiClient::connect(&cfg.orchestrator_url, signer.clone(), cfg.retry).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    attempt += 1;
+                    tracing::warn!(url = %cfg.orchestrator_url, error = %e, attempt, "orchestrator unreachable; retrying");
+                    let wait = cfg.retry.backoff(attempt.min(6), &mut rand::thread_rng());
+                    pause(wait, flag).await;
+                    if stopping(flag) {
+                        return Ok(None);
+                    }
+                }
+            }
+        };
+        let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
+        let run = info.config;
+        let model = run_model(&run)?;
+        let device = cfg.device.clone();
+        let measured = {
+            let run = run.clone();
+            tokio::task::spawn_blocking(move || {
+                capacity::measure_tokens_per_s(&run, &model, &device)
+            })
+            .await
+            .map_err(|e| MinerError::Internal(e.to_string()))??
+        };
+        let capacity = Capacity {
+            device: cfg.device.name(),
+            memory_bytes: cfg
+                .memory_bytes
+                .unwrap_or_else(|| capacity::available_memory(&cfg.device)),
+            tokens_per_s: measured,
+        };
+        tracing::info!(device = %capacity.device, memory_gb = capacity.memory_bytes as f64 / 1e9, tokens_per_s = measured, "capacity");
+        let joined = client.register(capacity).await?;
+        let stage = joined.stage;
+        tracing::info!(
+            stage,
+            uid = joined.uid,
+            epoch = joined.status.epoch,
+            "joined the run"
+        );
+        let trainer = {
+            let (run, opts, budget, adv, seed) = (
+                run.clone(),
+                cfg.stage_options()?,
+                cfg.cache_budget.unwrap_or(2 * run.max_in_flight as usize),
+                cfg.adversary,
+                cfg.seed,
+            );
+            tokio::task::spawn_blocking(move || {
+                StageTrainer::new(run, stage, opts, budget, adv, seed)
+            })
+            .await
+            .map_err(|e| MinerError::Internal(e.to_string()))??
+        };
+        status.send_modify(|s| {
+            s.stage = Some(stage);
+            s.uid = Some(joined.uid);
+            s.adversary = cfg.adversary;
+            s.tokens_per_s = measured;
+        });
+        let heartbeat_every = Duration::from_millis((run.heartbeat_timeout_s * 1000 / 3).max(200));
+        let mut node = Self {
+            cfg,
+            client,
+            run,
+            stage,
+            trainer: Arc::new(Mutex::new(trainer)),
+            epoch: joined.status.epoch,
+            uploaded: None,
+            merged: HashSet::new(),
+            pending: HashMap::new(),
+            status,
+            last_heartbeat: Instant::now(),
+            heartbeat_every,
+            tokens_per_s: measured,
+        };
+        node.load_weights(joined.status.epoch).await?;
+        node.observe(&joined.status);
+        Ok(Some(node))
+    }
+
+    /// Downloads the stage's merged weights (checking every hash) and starts epoch `epoch`
+    /// from them, one partition at a time.
+    async fn load_weights(&mut self, epoch: u64) -> Result<(), MinerError> {
+        let weights = self.client.stage_weights(self.stage).await?;
+        for (j, blob) in weights.partitions.iter().enumerate() {
+            let j = j as u32;
+            let values = match blob {
+                Some(b) => {
+                    let len = self
+                        .run
+                        .partition_range(self.stage, j)
+                        .map(|r| r.end - r.start)
+                        .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
+                    let bytes = self.client.download(b).await?;
+                    let (values, _momentum) = decode_merged(&bytes, len)
+                        .map_err(|e| MinerError::BadInput(format!("merged partition {j}: {e}")))?;
+                    Some(values)
+                }
+                None => None,
+            };
+            blocking(&self.trainer, move |t| {
+                t.load_partition(j, values.as_deref())
+            })
+            .await?;
+        }
+        let digest = blocking(&self.trainer, move |t| {
+            t.begin_epoch(epoch)?;
+            t.weights_digest()
+        })
+        .await?;
+        self.epoch = epoch;
+        self.pending.clear();
+        tracing::info!(epoch, stage = self.stage, weights = %digest, "epoch-start weights loaded");
+        self.status.send_modify(|s| {
+            s.weights_epoch = Some(epoch);
+            s.weights_digest = Some(digest.clone());
+            s.weights_history.push((epoch, digest));
+            if s.weights_history.len() > MinerStatus::HISTORY {
+                s.weights_history.remove(0);
+            }
+            s.epoch_hops = 0;
+        });
+        Ok(())
+    }
+
+    fn observe(&self, st: &EpochStatus) {
+        self.status.send_modify(|s| {
+            s.epoch = st.epoch;
+            s.phase = Some(st.phase);
+            s.phase_deadline_ms = st.phase_deadline_ms;
+            s.server_time_ms = st.server_time_ms;
+        });
+        metrics::gauge!("iota_miner_epoch").set(st.epoch as f64);
+    }
+
+    async fn run(&mut self, flag: &std::sync::atomic::AtomicBool) -> Result<(), MinerError> {
+        let mut failures = 0u32;
+        while !stopping(flag) {
+            match self.round(flag).await {
+                Ok(busy) => {
+                    failures = 0;
+                    if !busy {
+                        pause(self.cfg.poll_interval, flag).await;
+                    }
+                }
+                Err(e @ (MinerError::RunMismatch(_) | MinerError::Config(_))) => return Err(e),
+                Err(e) if is(&e, ErrorCode::NotAMiner) => {
+                    tracing::warn!("released by the orchestrator; joining again");
+                    let joined =
+                        self.client
+                            .register(Capacity {
+                                device: self.cfg.device.name(),
+                                memory_bytes: self.cfg.memory_bytes.unwrap_or_else(|| {
+                                    capacity::available_memory(&self.cfg.device)
+                                }),
+                                tokens_per_s: self.tokens_per_s,
+                            })
+                            .await;
+                    if let Ok(j) = joined
+                        && j.stage != self.stage
+                    {
+                        return Err(MinerError::Internal(format!(
+                            "re-joined on stage {} instead of {}: restart the miner",
+                            j.stage, self.stage
+                        )));
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    self.status.send_modify(|s| s.errors += 1);
+                    tracing::warn!(error = %e, failures, "round failed; retrying");
+                    let wait = self
+                        .cfg
+                        .retry
+                        .backoff(failures.min(6), &mut rand::thread_rng());
+                    pause(wait, flag).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One poll and what follows from it; whether anything was done.
+    async fn round(&mut self, flag: &std::sync::atomic::AtomicBool) -> Result<bool, MinerError> {
+        if self.last_heartbeat.elapsed() >= self.heartbeat_every {
+            let beat = self.client.heartbeat(Some(self.tokens_per_s)).await?;
+            self.last_heartbeat = Instant::now();
+            self.observe(&beat.status);
+        }
+        let work = self.client.work(self.cfg.max_items).await?;
+        self.last_heartbeat = Instant::now();
+        let st = work.status.clone();
+        self.observe(&st);
+        if st.epoch > self.epoch {
+            self.load_weights(st.epoch).await?;
+        }
+        let mut busy = false;
+        for item in work.items {
+            if stopping(flag) {
+                break;
+            }
+            if item.epoch != self.epoch {
+                // Work of an epoch whose weights are gone: let the lease lapse.
+                continue;
+            }
+            busy = true;
+            self.hop(item).await?;
+        }
+        match st.phase {
+            Phase::Uploading if !busy && self.uploaded != Some(st.epoch) => {
+                busy |= self.upload_pseudo_gradients(st.epoch).await?;
+            }
+            Phase::Merging => busy |= self.merge().await?,
+            _ => {}
+        }
+        Ok(busy)
+    }
+
+    /// Computes (unless already computed), uploads and completes one hop.
+    async fn hop(&mut self, item: WorkItem) -> Result<(), MinerError> {
+        let task_id = item.task_id;
+        if !self.pending.contains_key(&task_id) {
+            let input = match &item.input {
+                Some(blob) => Some(self.client.download(blob).await?),
+                None => None,
+            };
+            let started = Instant::now();
+            let (sample, direction) = (item.sample_id, item.direction);
+            let computed = blocking(&self.trainer, move |t| match direction {
+                Direction::Forward => t.forward(sample, input.as_deref()),
+                Direction::Backward => match &input {
+                    Some(g) => t.backward(sample, g),
+                    None => Err(MinerError::BadInput(
+                        "a backward hop without a gradient".into(),
+                    )),
+                },
+            })
+            .await;
+            let out = match computed {
+                Ok(out) => out,
+                Err(MinerError::BadInput(why)) => {
+                    if let Some(blob) = &item.input {
+                        tracing::warn!(task_id, key = %blob.key, why, "bad input; reporting it");
+                        let _ = self.client.report_bad_object(&blob.key, &why).await;
+                    }
+                    return Ok(());
+                }
+                Err(MinerError::NonFinite(_)) => {
+                    self.status.send_modify(|s| s.nonfinite_events += 1);
+                    return Ok(());
+                }
+                // A backward whose forward this miner no longer holds (it restarted, or the
+                // cache was dropped): the sample cannot finish here.
+                Err(MinerError::Model(e)) if direction == Direction::Backward => {
+                    tracing::warn!(task_id, error = %e, "cannot run this backward; dropping it");
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            let compute_ms = started.elapsed().as_millis() as u64;
+            let secs = started.elapsed().as_secs_f64().max(1e-6);
+            let rate = out.tokens as f64 / secs;
+            self.tokens_per_s = if self.tokens_per_s > 0.0 {
+                0.9 * self.tokens_per_s + 0.1 * rate
+            } else {
+                rate
+            };
+            self.pending.insert(
+                task_id,
+                Pending {
+                    item: item.clone(),
+                    out,
+                    compute_ms,
+                    output: None,
+                },
+            );
+        }
+        match self.submit(task_id).await {
+            Ok(()) => Ok(()),
+            Err(e) if is(&e, ErrorCode::LeaseExpired) || is(&e, ErrorCode::Forbidden) => {
+                if let Some(p) = self.pending.remove(&task_id)
+                    && p.item.direction == Direction::Forward
+                {
+                    let sample = p.item.sample_id as u64;
+                    blocking(&self.trainer, move |t| Ok(t.forget(sample))).await?;
+                }
+                self.status.send_modify(|s| s.leases_lost += 1);
+                metrics::counter!("iota_miner_leases_lost_total").increment(1);
+                tracing::info!(task_id, "lease lapsed; the hop was re-routed");
+                Ok(())
+            }
+            Err(e) if is(&e, ErrorCode::WrongPhase) => {
+                self.pending.remove(&task_id);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn submit(&mut self, task_id: i64) -> Result<(), MinerError> {
+        let Some(p) = self.pending.get(&task_id) else {
+            return Ok(());
+        };
+        let (lease, bytes) = (p.item.lease, p.out.bytes.clone());
+        let output = match (&p.output, bytes, p.item.expects_output) {
+            (Some(done), _, _) => Some(done.clone()),
+            (None, Some(bytes), true) => {
+                let size = bytes.len();
+                let started = Instant::now();
+                let blob = self
+                    .client
+                    .upload_output(task_id, lease, Bytes::from(bytes))
+                    .await?
+                    .blob;
+                let secs = started.elapsed().as_secs_f64().max(1e-6);
+                self.status.send_modify(|s| {
+                    s.bytes_uploaded += size as u64;
+                    s.upload_mb_per_s = size as f64 / 1e6 / secs;
+                });
+                metrics::counter!("iota_miner_upload_bytes_total").increment(size as u64);
+                if let Some(p) = self.pending.get_mut(&task_id) {
+                    p.output = Some(blob.clone());
+                }
+                Some(blob)
+            }
+            (None, None, true) => {
+                return Err(MinerError::Internal(format!(
+                    "task {task_id} expects an output this stage does not produce"
+                )));
+            }
+            (None, _, false) => None,
+        };
+        let Some(p) = self.pending.get(&task_id) else {
+            return Ok(());
+        };
+        let req = CompleteRequest {
+            lease,
+            output,
+            inner_step: p.out.inner_step,
+            weights_digest: p.out.weights_digest.clone(),
+            loss: p.out.loss.map(f64::from),
+            sequence_losses: p
+                .out
+                .sequence_losses
+                .as_ref()
+                .map(|v| v.iter().map(|x| f64::from(*x)).collect()),
+            compute_ms: Some(p.compute_ms),
+        };
+        self.client.complete(task_id, &req).await?;
+        if let Some(p) = self.pending.remove(&task_id) {
+            let dir = p.item.direction;
+            self.status.send_modify(|s| {
+                s.hops += 1;
+                s.epoch_hops += 1;
+                s.tokens += p.out.tokens;
+                s.tokens_per_s = self.tokens_per_s;
+                if let Some(l) = p.out.loss {
+                    s.last_loss = Some(l);
+                }
+            });
+            metrics::counter!("iota_miner_hops_total", "direction" => dir.as_str()).increment(1);
+            metrics::counter!("iota_miner_tokens_total").increment(p.out.tokens);
+            if let Some(l) = p.out.loss {
+                metrics::gauge!("iota_miner_loss").set(f64::from(l));
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps the remaining gradients and uploads the pseudo-gradient partition by partition.
+    async fn upload_pseudo_gradients(&mut self, epoch: u64) -> Result<bool, MinerError> {
+        let hops = blocking(&self.trainer, |t| Ok(t.gradient_hops())).await?;
+        if hops == 0 {
+            self.uploaded = Some(epoch);
+            return Ok(false);
+        }
+        blocking(&self.trainer, |t| t.finish_training()).await?;
+        for j in 0..self.run.partitions {
+            let values = blocking(&self.trainer, move |t| t.pseudo_gradient(j)).await?;
+            let bytes = encode_partition(&values);
+            let size = bytes.len() as u64;
+            match self
+                .client
+                .upload_pseudo_gradient(epoch, j, Bytes::from(bytes))
+                .await
+            {
+                Ok(_) => {
+                    self.status.send_modify(|s| {
+                        s.pseudo_gradients += 1;
+                        s.bytes_uploaded += size;
+                    });
+                    metrics::counter!("iota_miner_pseudo_gradients_total").increment(1);
+                }
+                Err(e) if e.code() == Some(ErrorCode::WrongPhase) => {
+                    tracing::warn!(epoch, partition = j, "the upload phase ended first");
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.uploaded = Some(epoch);
+        tracing::info!(epoch, stage = self.stage, hops, "pseudo-gradient uploaded");
+        Ok(true)
+    }
+
+    /// Merges every partition this miner owns in the current round.
+    async fn merge(&mut self) -> Result<bool, MinerError> {
+        let assignments = self.client.merges().await?.assignments;
+        let mut any = false;
+        for a in assignments {
+            let key = (a.epoch, a.stage, a.partition);
+            if self.merged.contains(&key) {
+                continue;
+            }
+            let bytes = match self.merge_one(&a).await {
+                Ok(b) => b,
+                Err(MinerError::BadInput(why)) => {
+                    tracing::warn!(
+                        epoch = a.epoch,
+                        stage = a.stage,
+                        partition = a.partition,
+                        why,
+                        "cannot merge"
+                    );
+                    self.merged.insert(key);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match self
+                .client
+                .upload_merge(a.epoch, a.stage, a.partition, Bytes::from(bytes))
+                .await
+            {
+                Ok(r) => {
+                    tracing::info!(epoch = a.epoch, stage = a.stage, partition = a.partition, blake3 = %r.blob.blake3, "merged");
+                    self.status.send_modify(|s| s.merges += 1);
+                    metrics::counter!("iota_miner_merges_total").increment(1);
+                }
+                Err(e) if e.code() == Some(ErrorCode::WrongPhase) => {}
+                Err(e) => return Err(e.into()),
+            }
+            self.merged.insert(key);
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// The merged partition: the contributions' weighted average in the given order, then the
+    /// outer Nesterov step from the partition's base weights and momentum. One partition's
+    /// contributions are in memory at a time.
+    async fn merge_one(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
+        let len = a.end.saturating_sub(a.start);
+        let mut parts = Vec::with_capacity(a.contributions.len());
+        for c in &a.contributions {
+            let bytes = self.client.download(&c.blob).await?;
+            match decode_partition(&bytes, len) {
+                Ok(v) => parts.push((c.weight, v)),
+                Err(e) => {
+                    let _ = self
+                        .client
+                        .report_bad_object(&c.blob.key, &e.to_string())
+                        .await;
+                    return Err(MinerError::BadInput(format!(
+                        "contribution of {}: {e}",
+                        c.hotkey
+                    )));
+                }
+            }
+        }
+        let (weights, momentum) = match &a.base {
+            Some(b) => {
+                let bytes = self.client.download(b).await?;
+                decode_merged(&bytes, len)
+                    .map_err(|e| MinerError::BadInput(format!("merge base: {e}")))?
+            }
+            None => {
+                let (run, stage, range) =
+                    (self.run.clone(), a.stage, a.start as usize..a.end as usize);
+                let own = stage == self.stage;
+                let trainer = self.trainer.clone();
+                let init = tokio::task::spawn_blocking(move || -> Result<Vec<f32>, MinerError> {
+                    let model = if own {
+                        trainer
+                            .lock()
+                            .map_err(|_| MinerError::Internal("trainer lock poisoned".into()))?
+                            .model()
+                            .clone()
+                    } else {
+                        run_model(&run)?
+                    };
+                    initial_range(&model, stage, range)
+                })
+                .await
+                .map_err(|e| MinerError::Internal(e.to_string()))??;
+                (init, vec![0.0; len as usize])
+            }
+        };
+        crate::merge::merged_partition(&self.run, &parts, weights, momentum, self.cfg.adversary)
+    }
+}

@@ -1,0 +1,98 @@
+//! What a miner is doing, for its status line, its metrics and tests.
+
+use iota_protocol::api::Phase;
+use serde::Serialize;
+
+use crate::adversary::Adversary;
+
+/// A snapshot of a miner.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MinerStatus {
+    /// SS58 of the hotkey.
+    pub hotkey: String,
+    /// Uid on the subnet.
+    pub uid: Option<u16>,
+    /// Assigned stage.
+    pub stage: Option<u32>,
+    /// The run's current epoch.
+    pub epoch: u64,
+    /// The run's current phase.
+    pub phase: Option<Phase>,
+    /// When the phase ends at the latest (server clock, ms).
+    pub phase_deadline_ms: i64,
+    /// The server's clock at the last answer (ms).
+    pub server_time_ms: i64,
+    /// Epoch whose start weights are loaded.
+    pub weights_epoch: Option<u64>,
+    /// BLAKE3 of those epoch-start weights (hex).
+    pub weights_digest: Option<String>,
+    /// The last epoch-start weights loaded: `(epoch, digest)`, oldest first, at most
+    /// [`MinerStatus::HISTORY`].
+    pub weights_history: Vec<(u64, String)>,
+    /// Hops completed (accepted by the orchestrator).
+    pub hops: u64,
+    /// Hops completed this epoch.
+    pub epoch_hops: u64,
+    /// Tokens processed in completed hops.
+    pub tokens: u64,
+    /// Recent compute throughput.
+    pub tokens_per_s: f64,
+    /// Last loss computed (last stage).
+    pub last_loss: Option<f32>,
+    /// Bytes uploaded.
+    pub bytes_uploaded: u64,
+    /// Throughput of the last activation upload.
+    pub upload_mb_per_s: f64,
+    /// Pseudo-gradient partitions uploaded.
+    pub pseudo_gradients: u64,
+    /// Merged partitions uploaded.
+    pub merges: u64,
+    /// Hops dropped because their lease lapsed.
+    pub leases_lost: u64,
+    /// Non-finite results rolled back.
+    pub nonfinite_events: u64,
+    /// Rounds that failed and were retried.
+    pub errors: u64,
+    /// The configured dishonest behaviour, if any.
+    pub adversary: Option<Adversary>,
+}
+
+impl MinerStatus {
+    /// Entries kept in [`MinerStatus::weights_history`].
+    pub const HISTORY: usize = 32;
+
+    /// A miner that has not joined yet.
+    pub fn new(hotkey: String) -> Self {
+        Self {
+            hotkey,
+            ..Self::default()
+        }
+    }
+
+    /// One line for a terminal.
+    pub fn line(&self) -> String {
+        let phase = self.phase.map(|p| p.as_str()).unwrap_or("joining");
+        let stage = self
+            .stage
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| "-".into());
+        let left = ((self.phase_deadline_ms - self.server_time_ms).max(0) as f64 / 1000.0).round();
+        let loss = self
+            .last_loss
+            .map(|l| format!("{l:.3}"))
+            .unwrap_or_else(|| "-".into());
+        format!(
+            "stage {stage} | epoch {} {phase} ({left:.0}s left) | hops {} (epoch {}) | {:.0} tok/s | loss {loss} | up {:.1} MB ({:.1} MB/s) | pg {} merges {} | lost {} nan {}",
+            self.epoch,
+            self.hops,
+            self.epoch_hops,
+            self.tokens_per_s,
+            self.bytes_uploaded as f64 / 1e6,
+            self.upload_mb_per_s,
+            self.pseudo_gradients,
+            self.merges,
+            self.leases_lost,
+            self.nonfinite_events,
+        )
+    }
+}

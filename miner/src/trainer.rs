@@ -1,0 +1,549 @@
+//! The compute half of a miner: one stage, its inner optimizer and the epoch's bookkeeping.
+//! Blocking code (candle); the loop in [`crate::node`] runs it on a blocking thread.
+//!
+//! Every epoch is replayable from public data: it starts from the merged weights with a fresh
+//! inner optimizer, each hop records how many inner steps preceded it, and a step follows every
+//! [`RunConfig::inner_steps_every`] gradient hops (plus one for a remainder when training ends).
+
+use std::ops::Range;
+
+use iota_model::bottleneck::WireEncoding as ModelWire;
+use iota_model::merge::{digest_f32, flatten_params, flatten_range, load_range};
+use iota_model::{
+    AdamW, AdamWConfig, BoundaryTensor, DType, Device, GrammarCorpus, Hop, HopResult, LrSchedule,
+    ModelConfig, ModelError, Stage, StageOptions, StageOutput, StageRunner, StepOutcome, Tensor,
+    make_batch, pseudo_gradient_range,
+};
+use iota_protocol::api::RunConfig;
+use iota_protocol::tensor::WireEncoding;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::adversary::{Adversary, LAZY_LOSS_FACTOR, add_noise};
+use crate::error::MinerError;
+
+/// The result of one hop, ready to upload.
+#[derive(Clone, Debug)]
+pub struct HopOutput {
+    /// Encoded boundary tensor (`None` for stage 0's backward).
+    pub bytes: Option<Vec<u8>>,
+    /// Inner steps taken this epoch before the hop ran.
+    pub inner_step: u64,
+    /// BLAKE3 (hex) of the stage's flat weights the hop ran with.
+    pub weights_digest: String,
+    /// Mean token loss (last stage's forward).
+    pub loss: Option<f32>,
+    /// Per-sequence losses (last stage's forward).
+    pub sequence_losses: Option<Vec<f32>>,
+    /// Tokens processed.
+    pub tokens: u64,
+}
+
+/// A stage being trained for the orchestrator.
+pub struct StageTrainer {
+    run: RunConfig,
+    model: ModelConfig,
+    stage_index: u32,
+    opts: StageOptions,
+    runner: StageRunner,
+    dataset: GrammarCorpus,
+    /// Flat epoch-start weights: the base of the pseudo-gradient.
+    epoch_start: Vec<f32>,
+    /// Epoch whose start weights are loaded.
+    epoch: Option<u64>,
+    gradient_hops: u64,
+    pending_gradients: u32,
+    inner_steps: u64,
+    digest: Option<(u64, String)>,
+    cache_budget: usize,
+    adversary: Option<Adversary>,
+    rng: StdRng,
+    /// Initial weights, kept while an epoch start loads partitions never merged.
+    initial: Option<Vec<f32>>,
+    /// Non-finite results rolled back (hops dropped, steps skipped).
+    pub nonfinite_events: u64,
+}
+
+impl std::fmt::Debug for StageTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageTrainer")
+            .field("stage", &self.stage_index)
+            .field("epoch", &self.epoch)
+            .field("inner_steps", &self.inner_steps)
+            .finish_non_exhaustive()
+    }
+}
+
+fn model_wire(w: WireEncoding) -> ModelWire {
+    match w {
+        WireEncoding::F32 => ModelWire::F32,
+        WireEncoding::Int8 => ModelWire::Int8,
+    }
+}
+
+/// The model config a run names, with the run's initialisation seed, checked against the
+/// run's stage shapes so a miner never trains a model the orchestrator does not describe.
+pub fn run_model(run: &RunConfig) -> Result<ModelConfig, MinerError> {
+    let mut model = ModelConfig::load(&run.model)?;
+    model.init_seed = run.init_seed;
+    if model.num_stages() != run.stages as usize {
+        return Err(MinerError::RunMismatch(format!(
+            "model {:?} has {} stages, the run {}",
+            run.model,
+            model.num_stages(),
+            run.stages
+        )));
+    }
+    for (k, want) in run.stage_params.iter().enumerate() {
+        let have = model.stage_param_count(k)? as u64;
+        if have != *want {
+            return Err(MinerError::RunMismatch(format!(
+                "stage {k} of {:?} has {have} parameters, the run {want}",
+                run.model
+            )));
+        }
+    }
+    if model.boundary_dim() as u64 != u64::from(run.boundary_dim) {
+        return Err(MinerError::RunMismatch(format!(
+            "boundary width {} against the run's {}",
+            model.boundary_dim(),
+            run.boundary_dim
+        )));
+    }
+    Ok(model)
+}
+
+/// The run's training corpus: the embedded grammar seeded by the run.
+pub fn run_dataset(run: &RunConfig, model: &ModelConfig) -> Result<GrammarCorpus, MinerError> {
+    use iota_model::Dataset as _;
+    let ds = GrammarCorpus::new(run.init_seed, run.seq_len as usize)?;
+    if ds.vocab_size() > model.vocab_size {
+        return Err(MinerError::RunMismatch(format!(
+            "the corpus needs {} tokens, the model has {}",
+            ds.vocab_size(),
+            model.vocab_size
+        )));
+    }
+    Ok(ds)
+}
+
+/// Initial weights of `range` of `stage`, from the run's seed.
+pub fn initial_range(
+    model: &ModelConfig,
+    stage: u32,
+    range: Range<usize>,
+) -> Result<Vec<f32>, MinerError> {
+    let s = Stage::new(model, stage as usize, StageOptions::cpu())?;
+    Ok(flatten_range(&s, range)?)
+}
+
+impl StageTrainer {
+    /// Stage `stage` of the run with its initial weights; call [`StageTrainer::start_epoch`]
+    /// before training.
+    pub fn new(
+        run: RunConfig,
+        stage: u32,
+        opts: StageOptions,
+        cache_budget: usize,
+        adversary: Option<Adversary>,
+        seed: u64,
+    ) -> Result<Self, MinerError> {
+        let model = run_model(&run)?;
+        let dataset = run_dataset(&run, &model)?;
+        let s = Stage::new(&model, stage as usize, opts.clone())?;
+        let adamw = Self::optimizer(&model, &run, &s)?;
+        let epoch_start = flatten_params(&s)?;
+        Ok(Self {
+            runner: StageRunner::new(s, adamw, usize::MAX),
+            run,
+            model,
+            stage_index: stage,
+            opts,
+            dataset,
+            epoch_start,
+            epoch: None,
+            gradient_hops: 0,
+            pending_gradients: 0,
+            inner_steps: 0,
+            digest: None,
+            cache_budget: cache_budget.max(1),
+            adversary,
+            rng: StdRng::seed_from_u64(seed),
+            initial: None,
+            nonfinite_events: 0,
+        })
+    }
+
+    fn optimizer(model: &ModelConfig, run: &RunConfig, s: &Stage) -> Result<AdamW, MinerError> {
+        let cfg = AdamWConfig {
+            lr: run.inner_lr,
+            ..AdamWConfig::default()
+        }
+        .for_stage(model, s.index())?;
+        Ok(AdamW::new(s, cfg, LrSchedule::constant())?)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &ModelConfig {
+        &self.model
+    }
+    /// The stage index.
+    pub fn stage_index(&self) -> u32 {
+        self.stage_index
+    }
+    /// Epoch whose start weights are loaded.
+    pub fn epoch(&self) -> Option<u64> {
+        self.epoch
+    }
+    /// Gradient hops this epoch (the merge weight the orchestrator counts).
+    pub fn gradient_hops(&self) -> u64 {
+        self.gradient_hops
+    }
+    /// Inner steps taken this epoch.
+    pub fn inner_steps(&self) -> u64 {
+        self.inner_steps
+    }
+    /// Forward caches waiting for their backward.
+    pub fn in_flight(&self) -> usize {
+        self.runner.in_flight()
+    }
+    /// The stage.
+    pub fn stage(&self) -> &Stage {
+        self.runner.stage()
+    }
+
+    /// Loads partition `j` of the next epoch's start weights: its merged values, or `None` for
+    /// a partition never merged (initial weights from the run's seed). Call
+    /// [`StageTrainer::begin_epoch`] once every partition is loaded.
+    pub fn load_partition(&mut self, j: u32, values: Option<&[f32]>) -> Result<(), MinerError> {
+        if self.adversary == Some(Adversary::StaleWeights) && self.epoch.is_some() {
+            return Ok(());
+        }
+        let range = self.partition(j)?;
+        match values {
+            Some(v) => load_range(self.runner.stage(), range, v)?,
+            None => {
+                if self.initial.is_none() {
+                    let s =
+                        Stage::new(&self.model, self.stage_index as usize, StageOptions::cpu())?;
+                    self.initial = Some(flatten_params(&s)?);
+                }
+                let init = self
+                    .initial
+                    .as_ref()
+                    .and_then(|v| v.get(range.clone()))
+                    .ok_or_else(|| {
+                        MinerError::Internal("initial weights shorter than the stage".into())
+                    })?;
+                load_range(self.runner.stage(), range, init)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts epoch `epoch` from the loaded weights: caches and gradients dropped, a fresh inner
+    /// optimizer, the weights kept as the pseudo-gradient's base.
+    pub fn begin_epoch(&mut self, epoch: u64) -> Result<(), MinerError> {
+        self.runner.stage_mut().zero_grad();
+        let adamw = Self::optimizer(&self.model, &self.run, self.runner.stage())?;
+        self.runner.reset(adamw);
+        self.epoch_start = flatten_params(self.runner.stage())?;
+        self.initial = None;
+        self.epoch = Some(epoch);
+        self.gradient_hops = 0;
+        self.pending_gradients = 0;
+        self.inner_steps = 0;
+        self.digest = None;
+        Ok(())
+    }
+
+    /// Drops the forward cache of a sample whose lease lapsed.
+    pub fn forget(&mut self, sample: u64) -> bool {
+        self.runner.forget(sample)
+    }
+
+    /// The flat range of partition `j` of this stage.
+    pub fn partition(&self, j: u32) -> Result<Range<usize>, MinerError> {
+        let r = self
+            .run
+            .partition_range(self.stage_index, j)
+            .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
+        Ok(r.start as usize..r.end as usize)
+    }
+
+    /// Epoch-start values of `range`.
+    pub fn epoch_start_range(&self, range: Range<usize>) -> Option<&[f32]> {
+        self.epoch_start.get(range)
+    }
+
+    /// BLAKE3 (hex) of the current flat weights, recomputed only after they change.
+    pub fn weights_digest(&mut self) -> Result<String, MinerError> {
+        let version = self.runner.stage().weights_version();
+        if let Some((v, d)) = &self.digest
+            && *v == version
+        {
+            return Ok(d.clone());
+        }
+        let d = digest_f32(&flatten_params(self.runner.stage())?)
+            .to_hex()
+            .to_string();
+        self.digest = Some((version, d.clone()));
+        Ok(d)
+    }
+
+    fn dims(&self) -> [usize; 3] {
+        [
+            self.run.micro_batch as usize,
+            self.run.seq_len as usize,
+            self.run.boundary_dim as usize,
+        ]
+    }
+
+    fn encode(&mut self, t: &Tensor, zero: bool, noise: bool) -> Result<Vec<u8>, MinerError> {
+        let mut values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if zero {
+            values.iter_mut().for_each(|v| *v = 0.0);
+        } else if noise {
+            add_noise(&mut values, &mut self.rng);
+        }
+        let b = BoundaryTensor::from_f32(t.dims(), &values, model_wire(self.run.wire))?;
+        Ok(b.to_bytes()?)
+    }
+
+    fn decode(&self, bytes: &[u8]) -> Result<Tensor, MinerError> {
+        let b = BoundaryTensor::from_bytes(bytes, Some(&self.dims()))
+            .map_err(|e| MinerError::BadInput(e.to_string()))?;
+        Ok(b.to_tensor(&self.opts.device)?)
+    }
+
+    fn is_last(&self) -> bool {
+        self.stage_index + 1 == self.run.stages
+    }
+
+    fn record(&mut self) -> Result<(u64, String), MinerError> {
+        Ok((self.inner_steps, self.weights_digest()?))
+    }
+
+    /// A forward hop of `sample_id`: `input` is the previous stage's activation (none on
+    /// stage 0). On the last stage this is forward and backward at once, and the output is the
+    /// input gradient.
+    pub fn forward(
+        &mut self,
+        sample_id: i64,
+        input: Option<&[u8]>,
+    ) -> Result<HopOutput, MinerError> {
+        let sample = sample_id as u64;
+        // A re-routed attempt of a sample this miner already holds replaces the old cache.
+        self.runner.forget(sample);
+        let batch = make_batch(
+            &self.dataset,
+            &self.run.sequence_ids(sample_id),
+            &self.opts.device,
+        )?;
+        let x = match input {
+            None if self.stage_index == 0 => batch.inputs.clone(),
+            Some(bytes) if self.stage_index > 0 => self.decode(bytes)?,
+            _ => {
+                return Err(MinerError::BadInput(
+                    "a forward input is needed exactly on stages after the first".into(),
+                ));
+            }
+        };
+        let tokens = (self.run.micro_batch * self.run.seq_len) as u64;
+        let (inner_step, weights_digest) = self.record()?;
+        let last = self.is_last();
+        let recompute = self.runner.in_flight() >= self.cache_budget;
+        self.runner.stage_mut().set_recompute(recompute);
+        let targets = last.then(|| batch.targets.clone());
+        if last && self.adversary == Some(Adversary::Freeload) {
+            // Computes the loss only; claims the backward with a zero gradient.
+            let out = self.runner.stage().forward_eval(&x, targets.as_ref())?;
+            let l = out.loss_output()?.clone();
+            let zeros = Tensor::zeros(self.dims().to_vec(), DType::F32, &Device::Cpu)?;
+            self.gradient_hops += 1;
+            return Ok(HopOutput {
+                bytes: Some(self.encode(&zeros, true, false)?),
+                inner_step,
+                weights_digest,
+                loss: Some(l.mean),
+                sequence_losses: Some(l.per_sequence),
+                tokens,
+            });
+        }
+        let result = self.runner.apply(&Hop::Forward {
+            sample,
+            input: x,
+            targets,
+        });
+        let output = match self.nonfinite_guard(result)? {
+            HopResult::Forward { output, .. } => output,
+            _ => {
+                return Err(MinerError::Internal(
+                    "forward gave no forward result".into(),
+                ));
+            }
+        };
+        match output {
+            StageOutput::Activations(a) => {
+                let zeros = self.adversary == Some(Adversary::Zeros);
+                let noise = self.adversary == Some(Adversary::Noise);
+                Ok(HopOutput {
+                    bytes: Some(self.encode(&a, zeros, noise)?),
+                    inner_step,
+                    weights_digest,
+                    loss: None,
+                    sequence_losses: None,
+                    tokens,
+                })
+            }
+            StageOutput::Loss(l) => {
+                let grad = match self.backward_inner(sample, None)? {
+                    Some(g) => g,
+                    None => return Err(MinerError::Internal("no input gradient".into())),
+                };
+                let zeros = self.adversary == Some(Adversary::Zeros);
+                let bytes = self.encode(&grad, zeros, false)?;
+                let (mut loss, mut seq) = (l.mean, l.per_sequence);
+                if self.adversary == Some(Adversary::LazyLoss) {
+                    loss *= LAZY_LOSS_FACTOR;
+                    seq.iter_mut().for_each(|v| *v *= LAZY_LOSS_FACTOR);
+                }
+                Ok(HopOutput {
+                    bytes: Some(bytes),
+                    inner_step,
+                    weights_digest,
+                    loss: Some(loss),
+                    sequence_losses: Some(seq),
+                    tokens,
+                })
+            }
+        }
+    }
+
+    /// A backward hop: `grad` is the gradient of the loss with respect to this stage's output.
+    pub fn backward(&mut self, sample_id: i64, grad: &[u8]) -> Result<HopOutput, MinerError> {
+        let sample = sample_id as u64;
+        let g = self.decode(grad)?;
+        let tokens = (self.run.micro_batch * self.run.seq_len) as u64;
+        let (inner_step, weights_digest) = self.record()?;
+        if self.adversary == Some(Adversary::Freeload) {
+            if !self.runner.forget(sample) {
+                return Err(MinerError::BadInput(format!(
+                    "backward of sample {sample_id} with no forward"
+                )));
+            }
+            self.gradient_hops += 1;
+            let bytes = if self.stage_index == 0 {
+                None
+            } else {
+                let zeros = Tensor::zeros(self.dims().to_vec(), DType::F32, &Device::Cpu)?;
+                Some(self.encode(&zeros, true, false)?)
+            };
+            return Ok(HopOutput {
+                bytes,
+                inner_step,
+                weights_digest,
+                loss: None,
+                sequence_losses: None,
+                tokens,
+            });
+        }
+        let grad_input = self.backward_inner(sample, Some(g))?;
+        let zeros = self.adversary == Some(Adversary::Zeros);
+        let bytes = match grad_input {
+            Some(t) => Some(self.encode(&t, zeros, false)?),
+            None => None,
+        };
+        Ok(HopOutput {
+            bytes,
+            inner_step,
+            weights_digest,
+            loss: None,
+            sequence_losses: None,
+            tokens,
+        })
+    }
+
+    fn backward_inner(
+        &mut self,
+        sample: u64,
+        grad_output: Option<Tensor>,
+    ) -> Result<Option<Tensor>, MinerError> {
+        let result = self.runner.apply(&Hop::Backward {
+            sample,
+            grad_output,
+        });
+        let grad_input = match self.nonfinite_guard(result)? {
+            HopResult::Backward { grad_input, .. } => grad_input,
+            _ => {
+                return Err(MinerError::Internal(
+                    "backward gave no backward result".into(),
+                ));
+            }
+        };
+        self.gradient_hops += 1;
+        self.pending_gradients += 1;
+        if self.pending_gradients >= self.run.inner_steps_every {
+            self.inner_step()?;
+        }
+        Ok(grad_input)
+    }
+
+    /// A non-finite result rolls the stage back to its last consistent state: the hop is not
+    /// submitted and the gradients accumulated since the last step are dropped.
+    fn nonfinite_guard(
+        &mut self,
+        r: iota_model::Result<HopResult>,
+    ) -> Result<HopResult, MinerError> {
+        match r {
+            Err(ModelError::NonFinite(what)) => {
+                self.nonfinite_events += 1;
+                self.runner.stage_mut().zero_grad();
+                self.pending_gradients = 0;
+                metrics::counter!("iota_miner_nonfinite_total").increment(1);
+                tracing::warn!(
+                    stage = self.stage_index,
+                    what,
+                    "non-finite values: hop dropped, gradients rolled back"
+                );
+                Err(MinerError::NonFinite(what))
+            }
+            other => Ok(other?),
+        }
+    }
+
+    fn inner_step(&mut self) -> Result<(), MinerError> {
+        self.pending_gradients = 0;
+        if self.adversary == Some(Adversary::Freeload) {
+            return Ok(());
+        }
+        let outcome = self.runner.apply(&Hop::InnerStep {
+            lr: self.run.inner_lr,
+        })?;
+        self.inner_steps += 1;
+        if let HopResult::InnerStep(StepOutcome::Skipped(reason)) = &outcome {
+            self.nonfinite_events += 1;
+            metrics::counter!("iota_miner_nonfinite_total").increment(1);
+            tracing::warn!(stage = self.stage_index, ?reason, "inner step skipped");
+        }
+        Ok(())
+    }
+
+    /// Ends the epoch's training: steps the remaining accumulated gradients.
+    pub fn finish_training(&mut self) -> Result<(), MinerError> {
+        if self.pending_gradients > 0 {
+            self.inner_step()?;
+        }
+        self.runner.forget_all();
+        Ok(())
+    }
+
+    /// Pseudo-gradient (epoch-start minus current weights) of partition `j`.
+    pub fn pseudo_gradient(&self, j: u32) -> Result<Vec<f32>, MinerError> {
+        let range = self.partition(j)?;
+        let start = self.epoch_start.get(range.clone()).ok_or_else(|| {
+            MinerError::Internal("epoch-start weights shorter than the stage".into())
+        })?;
+        Ok(pseudo_gradient_range(self.runner.stage(), range, start)?)
+    }
+}

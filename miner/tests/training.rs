@@ -1,0 +1,89 @@
+//! A real run: localnet + PostgreSQL + orchestrator + 3 stages × 2 miners training the `tiny`
+//! model on the CPU for several epochs. Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+
+mod support;
+
+use std::time::Duration;
+
+use iota_miner::{MinerHandle, spawn};
+use support::*;
+
+const EPOCHS: u64 = 3;
+
+async fn start_miners(base: &str, seeds: &[u8]) -> Vec<MinerHandle> {
+    seeds
+        .iter()
+        .map(|s| {
+            let mut cfg = miner_config(base);
+            cfg.seed = u64::from(*s);
+            spawn(cfg, signer(*s))
+        })
+        .collect()
+}
+
+/// Waits until every miner has moved past epoch `epoch`'s start and returns, per miner, its stage
+/// and the digest of the start weights it loaded for `epoch`.
+async fn loaded_digests(miners: &[MinerHandle], epoch: u64) -> Vec<(u32, String)> {
+    eventually(
+        &format!("miners on epoch {epoch}'s weights"),
+        Duration::from_secs(60),
+        || async {
+            let all: Vec<_> = miners.iter().map(|m| m.status()).collect();
+            all.iter().all(|s| s.weights_epoch >= Some(epoch)).then(|| {
+                all.iter()
+                    .map(|s| {
+                        let (_, d) = s
+                            .weights_history
+                            .iter()
+                            .find(|(e, _)| *e == epoch)
+                            .unwrap_or_else(|| panic!("{} skipped epoch {epoch}", s.hotkey));
+                        (s.stage.expect("stage"), d.clone())
+                    })
+                    .collect()
+            })
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn miners_train_merge_and_agree() {
+    init_tracing();
+    let seeds = [11u8, 12, 13, 14, 15, 16];
+    let chain = chain_with(&seeds, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let run = tiny_run("miners-train", 24);
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let client = explorer(&orch.base, seeds[0]).await;
+    let initial = held_out_loss(&client, &run, 0).await;
+
+    let miners = start_miners(&orch.base, &seeds).await;
+    let mut losses = vec![initial];
+    for epoch in 1..=EPOCHS {
+        wait_epoch(&client, epoch, Duration::from_secs(240)).await;
+        assert_all_agreed(&client, &run, epoch - 1).await;
+        // Every miner of a stage loaded bit-identical weights: the merged ones.
+        let (_, merged) = epoch_start_stages(&client, &run, epoch).await;
+        for (stage, digest) in loaded_digests(&miners, epoch).await {
+            assert_eq!(
+                digest, merged[stage as usize],
+                "stage {stage} at the start of epoch {epoch}"
+            );
+        }
+        losses.push(held_out_loss(&client, &run, epoch).await);
+    }
+    eprintln!("held-out loss by epoch: {losses:?}");
+    for w in losses.windows(2) {
+        assert!(w[1] < w[0], "held-out loss did not go down: {losses:?}");
+    }
+    let stages: std::collections::HashSet<u32> =
+        miners.iter().filter_map(|m| m.status().stage).collect();
+    assert_eq!(stages.len(), 3, "every stage has miners");
+    for m in miners {
+        let s = m.stop().await.expect("clean stop");
+        assert!(s.hops > 0, "{} did no work", s.hotkey);
+        assert_eq!(s.nonfinite_events, 0);
+    }
+    orch.stop().await;
+}
