@@ -26,6 +26,11 @@ enum Command {
     /// A miner: trains one pipeline stage for an orchestrator.
     #[command(args_override_self = true)]
     Miner(iota_miner::MinerArgs),
+    /// A validator: verifies miners' work, scores it, sets weights on chain.
+    Validator {
+        #[command(subcommand)]
+        command: ValidatorCommand,
+    },
     /// Training-core tools.
     Model {
         #[command(subcommand)]
@@ -109,6 +114,72 @@ async fn shutdown_signal() {
 }
 
 #[derive(Debug, Subcommand)]
+enum ValidatorCommand {
+    /// Run the validator loop.
+    Run(iota_validator::ValidatorArgs),
+    /// Print the latest scores and weight submissions from the validator's database.
+    Scores(iota_validator::ValidatorArgs),
+}
+
+async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
+    let (args, run_loop) = match command {
+        ValidatorCommand::Run(a) => (a, true),
+        ValidatorCommand::Scores(a) => (a, false),
+    };
+    let url = args.database_url.clone().ok_or_else(|| {
+        anyhow::anyhow!("no database: pass --database.url or set IOTA_VALIDATOR_DATABASE_URL")
+    })?;
+    let store = iota_validator::Store::connect(&url).await?;
+    if !run_loop {
+        return print_scores(&store).await;
+    }
+    let password = iota_chain::wallet::PasswordSource::EnvOrPrompt;
+    let hotkey = args.wallet.wallet()?.hotkey(&password)?;
+    let chain = iota_chain::Subtensor::connect(args.subtensor.connect_options()?).await?;
+    if chain.uid_of(args.netuid, &hotkey.public()).await?.is_none() {
+        anyhow::bail!(
+            "hotkey {} is not registered on netuid {}: run `iota chain register --netuid {}`",
+            hotkey.ss58(),
+            args.netuid,
+            args.netuid
+        );
+    }
+    let v = iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
+    println!("validator for {} on netuid {}", args.orchestrator_url, args.netuid);
+    iota_validator::run(v, shutdown_signal()).await;
+    Ok(())
+}
+
+async fn print_scores(store: &iota_validator::Store) -> anyhow::Result<()> {
+    let rows = store.latest_scores().await?;
+    println!("{:>6}  {:<50} {:>8} {:>8} {:>10}  penalty", "epoch", "hotkey", "work", "quality", "score");
+    for (epoch, hotkey, work, quality, score, penalty) in rows {
+        println!(
+            "{epoch:>6}  {hotkey:<50} {work:>8.0} {quality:>8.3} {score:>10.1}  {}",
+            penalty.unwrap_or_default()
+        );
+    }
+    println!("\nweight submissions (newest first):");
+    for s in store.submissions(10).await? {
+        let pairs: Vec<String> = s
+            .uids
+            .iter()
+            .zip(&s.weights)
+            .map(|(u, w)| format!("{u}:{w:.3}"))
+            .collect();
+        println!(
+            "  #{} epoch {} {} block {} [{}]",
+            s.id,
+            s.epoch,
+            s.state,
+            s.block.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
+            pairs.join(" ")
+        );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Subcommand)]
 enum ModelCommand {
     /// Train a byte-level BPE tokenizer on local `.txt`/`.jsonl` files (offline).
     TrainTokenizer {
@@ -187,6 +258,9 @@ async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args_with_config_file()?);
     let default_level = match &cli.command {
         Command::Miner(m) if m.debug => "debug",
+        Command::Validator {
+            command: ValidatorCommand::Run(v),
+        } if v.debug => "debug",
         _ => "info",
     };
     tracing_subscriber::fmt()
@@ -205,6 +279,7 @@ async fn run() -> anyhow::Result<()> {
         }
         Command::Chain(args) => iota_chain::cli::run(&args, &mut std::io::stdout()).await?,
         Command::Orchestrator(cmd) => orchestrator(cmd).await?,
+        Command::Validator { command } => validator(command).await?,
         Command::Model {
             command:
                 ModelCommand::TrainTokenizer {

@@ -401,6 +401,7 @@ impl Node {
     /// Computes (unless already computed), uploads and completes one hop.
     async fn hop(&mut self, item: WorkItem) -> Result<(), MinerError> {
         let task_id = item.task_id;
+        let handling = Instant::now();
         if !self.pending.contains_key(&task_id) {
             let input = match &item.input {
                 Some(blob) => Some(self.client.download(blob).await?),
@@ -458,7 +459,11 @@ impl Node {
             );
         }
         match self.submit(task_id).await {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                let ms = handling.elapsed().as_secs_f64() * 1e3;
+                self.status.send_modify(|s| s.busy_ms += ms);
+                Ok(())
+            }
             Err(e) if is(&e, ErrorCode::LeaseExpired) || is(&e, ErrorCode::Forbidden) => {
                 if let Some(p) = self.pending.remove(&task_id)
                     && p.item.direction == Direction::Forward
@@ -497,6 +502,7 @@ impl Node {
                 let secs = started.elapsed().as_secs_f64().max(1e-6);
                 self.status.send_modify(|s| {
                     s.bytes_uploaded += size as u64;
+                    s.boundary_bytes += size as u64;
                     s.upload_mb_per_s = size as f64 / 1e6 / secs;
                 });
                 metrics::counter!("iota_miner_upload_bytes_total").increment(size as u64);

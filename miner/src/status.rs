@@ -41,6 +41,10 @@ pub struct MinerStatus {
     pub last_loss: Option<f32>,
     /// Bytes uploaded.
     pub bytes_uploaded: u64,
+    /// Of those, boundary tensors (activations and input gradients).
+    pub boundary_bytes: u64,
+    /// Milliseconds spent handling completed hops: download, compute, upload, completion.
+    pub busy_ms: f64,
     /// Throughput of the last activation upload.
     pub upload_mb_per_s: f64,
     /// Pseudo-gradient partitions uploaded.

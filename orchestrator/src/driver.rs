@@ -379,7 +379,7 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
             let rows = sqlx::query(
                 "SELECT miner, weight, blob FROM pseudo_gradients
                  WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-                 ORDER BY miner",
+                 ORDER BY miner COLLATE \"C\"",
             )
             .bind(app.run.id)
             .bind(epoch as i64)

@@ -1,0 +1,89 @@
+//! `iota validator` flags (every flag also from the environment).
+
+use std::time::Duration;
+
+use iota_chain::cli::SubtensorArgs;
+use iota_chain::wallet::cli::WalletArgs;
+
+use crate::replay::ReplayThresholds;
+use crate::service::ValidatorConfig;
+
+/// Flags shared by the validator's commands.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ValidatorArgs {
+    /// The validator's wallet (the hotkey signs requests and weights).
+    #[command(flatten)]
+    pub wallet: WalletArgs,
+    /// Chain endpoint selection.
+    #[command(flatten)]
+    pub subtensor: SubtensorArgs,
+    /// Subnet.
+    #[arg(long, env = "BT_NETUID", default_value_t = 9)]
+    pub netuid: u16,
+    /// The orchestrator's base URL.
+    #[arg(
+        long = "orchestrator.url",
+        env = "IOTA_ORCHESTRATOR_URL",
+        default_value = "http://127.0.0.1:8700"
+    )]
+    pub orchestrator_url: String,
+    /// The validator's PostgreSQL database.
+    #[arg(long = "database.url", env = "IOTA_VALIDATOR_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Miners replayed per epoch (0: all).
+    #[arg(long = "replays-per-epoch", env = "IOTA_REPLAYS_PER_EPOCH", default_value_t = 4)]
+    pub replays_per_epoch: usize,
+    /// Merged partitions re-derived per epoch (0: all).
+    #[arg(long = "merges-per-epoch", env = "IOTA_MERGES_PER_EPOCH", default_value_t = 4)]
+    pub merges_per_epoch: usize,
+    /// Smallest cosine of a replayed tensor that passes.
+    #[arg(long = "min-cosine", env = "IOTA_MIN_COSINE", default_value_t = 0.99)]
+    pub min_cosine: f64,
+    /// Largest relative error of a replayed tensor that passes.
+    #[arg(long = "max-relative-error", env = "IOTA_MAX_RELATIVE_ERROR", default_value_t = 0.05)]
+    pub max_relative_error: f64,
+    /// Per-epoch decay of older scores.
+    #[arg(long = "score-decay", env = "IOTA_SCORE_DECAY", default_value_t = 0.7)]
+    pub score_decay: f64,
+    /// Epochs of scores that count.
+    #[arg(long = "score-window", env = "IOTA_SCORE_WINDOW", default_value_t = 10)]
+    pub score_window: u64,
+    /// Uid that receives the burn share.
+    #[arg(long = "burn-uid", env = "IOTA_BURN_UID")]
+    pub burn_uid: Option<u16>,
+    /// Share of the weights to the burn uid, in [0, 1).
+    #[arg(long = "burn-share", env = "IOTA_BURN_SHARE", default_value_t = 0.0)]
+    pub burn_share: f64,
+    /// Seconds between loop steps.
+    #[arg(long = "poll-interval-s", env = "IOTA_POLL_INTERVAL_S", default_value_t = 5)]
+    pub poll_interval_s: u64,
+    /// Score only; never set weights.
+    #[arg(long = "no-weights", env = "IOTA_NO_WEIGHTS")]
+    pub no_weights: bool,
+    /// Debug logging.
+    #[arg(long = "logging.debug", env = "BT_LOGGING_DEBUG")]
+    pub debug: bool,
+}
+
+impl ValidatorArgs {
+    /// The library config.
+    pub fn validator_config(&self) -> ValidatorConfig {
+        let mut c = ValidatorConfig::new(&self.orchestrator_url, self.netuid);
+        c.poll_interval = Duration::from_secs(self.poll_interval_s.max(1));
+        c.replays_per_epoch = self.replays_per_epoch;
+        c.merges_per_epoch = self.merges_per_epoch;
+        c.thresholds = ReplayThresholds {
+            min_cosine: self.min_cosine,
+            max_relative_error: self.max_relative_error,
+            ..ReplayThresholds::default()
+        };
+        c.score.decay = self.score_decay;
+        c.score.window = self.score_window;
+        c.burn = self
+            .burn_uid
+            .filter(|_| self.burn_share > 0.0)
+            .map(|u| (u, self.burn_share.clamp(0.0, 0.99)));
+        c.set_weights = !self.no_weights;
+        c
+    }
+}

@@ -1,0 +1,197 @@
+//! Replay spot check: re-run one miner's epoch on its stage from the public epoch-start weights,
+//! hop by hop in the order it ran them, with the miner's own trainer code, and compare every
+//! output, every last-stage loss and the pseudo-gradient it uploaded.
+//!
+//! The replay drives [`StageTrainer`], the code an honest miner runs, so an honest claim differs
+//! from the replay only by the last bits of the kernels (thread count, CPU against GPU). The
+//! default thresholds leave orders of magnitude of room above that (see the crate README) while
+//! every cheat the miner crate can perform lands far outside them.
+
+use std::time::Instant;
+
+use iota_miner::StageTrainer;
+use iota_model::replay::{Comparison, compare};
+use iota_model::{BoundaryTensor, StageOptions};
+use iota_protocol::api::{Direction, RunConfig};
+
+use crate::error::ValidatorError;
+
+/// One completed hop of the miner, with the bytes it received and sent.
+#[derive(Clone, Debug)]
+pub struct RecordedHop {
+    /// Task id.
+    pub task_id: i64,
+    /// Sample.
+    pub sample_id: i64,
+    /// Direction.
+    pub direction: Direction,
+    /// The input blob's bytes (none for a forward at stage 0).
+    pub input: Option<Vec<u8>>,
+    /// The output blob's bytes (none for stage 0's backward).
+    pub output: Option<Vec<u8>>,
+    /// Per-sequence losses the sample reports (last stage's forward).
+    pub sequence_losses: Option<Vec<f64>>,
+}
+
+/// Acceptance thresholds of a replay.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplayThresholds {
+    /// Smallest acceptable cosine between a claimed tensor and the replay.
+    pub min_cosine: f64,
+    /// Largest acceptable relative L2 error of a claimed tensor.
+    pub max_relative_error: f64,
+    /// Largest acceptable relative error of a reported loss.
+    pub max_loss_error: f64,
+}
+
+impl Default for ReplayThresholds {
+    fn default() -> Self {
+        Self {
+            min_cosine: 0.99,
+            max_relative_error: 0.05,
+            max_loss_error: 0.01,
+        }
+    }
+}
+
+/// What a replay found.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ReplayReport {
+    /// Hops replayed.
+    pub hops: usize,
+    /// Task ids whose output or loss failed the thresholds (or could not be replayed).
+    pub failed_hops: Vec<i64>,
+    /// Lowest cosine over all compared tensors.
+    pub worst_cosine: f64,
+    /// Highest relative error over all compared tensors.
+    pub worst_relative_error: f64,
+    /// Highest relative error of a reported loss.
+    pub worst_loss_error: f64,
+    /// Pseudo-gradient partitions compared and the lowest cosine among them.
+    pub pseudo_gradient_partitions: usize,
+    /// Lowest pseudo-gradient cosine (1 when none was compared).
+    pub pseudo_gradient_cosine: f64,
+    /// Highest pseudo-gradient relative error.
+    pub pseudo_gradient_relative_error: f64,
+    /// Whether everything passed.
+    pub passed: bool,
+    /// Why it failed, if it did.
+    pub reason: Option<String>,
+    /// Seconds the replay computed.
+    pub compute_s: f64,
+}
+
+fn boundary(bytes: &[u8]) -> Result<Vec<f32>, ValidatorError> {
+    Ok(BoundaryTensor::from_bytes(bytes, None)
+        .map_err(|e| ValidatorError::BadObject(e.to_string()))?
+        .to_f32())
+}
+
+/// Replays `hops` of a miner of `stage` from `start` (the epoch-start weights per partition,
+/// `None` for never merged) and compares with what it claimed, including its pseudo-gradient
+/// partitions `claimed_pg` (`(partition, values)`).
+pub fn replay_miner(
+    run: &RunConfig,
+    stage: u32,
+    epoch: u64,
+    start: &[Option<Vec<f32>>],
+    hops: &[RecordedHop],
+    claimed_pg: &[(u32, Vec<f32>)],
+    t: &ReplayThresholds,
+) -> Result<ReplayReport, ValidatorError> {
+    let started = Instant::now();
+    let mut trainer = StageTrainer::new(
+        run.clone(),
+        stage,
+        StageOptions::cpu(),
+        usize::MAX,
+        None,
+        0,
+    )?;
+    for (j, values) in start.iter().enumerate() {
+        trainer.load_partition(j as u32, values.as_deref())?;
+    }
+    trainer.begin_epoch(epoch)?;
+    let mut report = ReplayReport {
+        hops: 0,
+        failed_hops: Vec::new(),
+        worst_cosine: 1.0,
+        worst_relative_error: 0.0,
+        worst_loss_error: 0.0,
+        pseudo_gradient_partitions: 0,
+        pseudo_gradient_cosine: 1.0,
+        pseudo_gradient_relative_error: 0.0,
+        passed: true,
+        reason: None,
+        compute_s: 0.0,
+    };
+    let note = |report: &mut ReplayReport, c: &Comparison| {
+        report.worst_cosine = report.worst_cosine.min(c.cosine);
+        report.worst_relative_error = report.worst_relative_error.max(c.relative_error);
+    };
+    for hop in hops {
+        report.hops += 1;
+        let out = match hop.direction {
+            Direction::Forward => trainer.forward(hop.sample_id, hop.input.as_deref()),
+            Direction::Backward => match &hop.input {
+                Some(g) => trainer.backward(hop.sample_id, g),
+                None => Err(iota_miner::MinerError::BadInput("no gradient".into())),
+            },
+        };
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                report.failed_hops.push(hop.task_id);
+                report.reason.get_or_insert(format!("task {}: {e}", hop.task_id));
+                continue;
+            }
+        };
+        let mut ok = true;
+        match (&out.bytes, &hop.output) {
+            (Some(mine), Some(theirs)) => {
+                let c = compare(&boundary(theirs)?, &boundary(mine)?)?;
+                note(&mut report, &c);
+                ok &= c.cosine >= t.min_cosine && c.relative_error <= t.max_relative_error;
+            }
+            (None, None) => {}
+            _ => ok = false,
+        }
+        if let Some(replayed) = &out.sequence_losses {
+            match &hop.sequence_losses {
+                Some(claimed) if claimed.len() == replayed.len() => {
+                    for (c, r) in claimed.iter().zip(replayed) {
+                        let r = f64::from(*r);
+                        let err = (c - r).abs() / r.abs().max(1e-6);
+                        report.worst_loss_error = report.worst_loss_error.max(err);
+                        ok &= err <= t.max_loss_error;
+                    }
+                }
+                _ => ok = false,
+            }
+        }
+        if !ok {
+            report.failed_hops.push(hop.task_id);
+            report
+                .reason
+                .get_or_insert(format!("task {}: output or loss differs from the replay", hop.task_id));
+        }
+    }
+    trainer.finish_training()?;
+    for (j, claimed) in claimed_pg {
+        let mine = trainer.pseudo_gradient(*j)?;
+        let c = compare(claimed, &mine)?;
+        report.pseudo_gradient_partitions += 1;
+        report.pseudo_gradient_cosine = report.pseudo_gradient_cosine.min(c.cosine);
+        report.pseudo_gradient_relative_error =
+            report.pseudo_gradient_relative_error.max(c.relative_error);
+        if !(c.cosine >= t.min_cosine && c.relative_error <= t.max_relative_error) {
+            report.passed = false;
+            report
+                .reason
+                .get_or_insert(format!("pseudo-gradient partition {j} differs from the replay"));
+        }
+    }
+    report.passed &= report.failed_hops.is_empty();
+    report.compute_s = started.elapsed().as_secs_f64();
+    Ok(report)
+}

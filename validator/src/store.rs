@@ -1,0 +1,361 @@
+//! The validator's PostgreSQL database (`migrations/validator/`).
+
+use iota_chain::ChainError;
+use iota_chain::commit::{CommitStore, PendingCommit};
+use iota_chain::wallet::PublicKey;
+use sqlx::{PgPool, Row};
+
+use crate::clasp::ClaspFit;
+use crate::error::ValidatorError;
+use crate::score::EpochScore;
+
+/// One check's outcome as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckRow {
+    /// Miner checked.
+    pub hotkey: String,
+    /// `replay` or `merge`.
+    pub kind: String,
+    /// What was checked.
+    pub target: String,
+    /// Whether it passed.
+    pub passed: bool,
+    /// Measurements.
+    pub detail: serde_json::Value,
+}
+
+/// A weight submission as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SubmissionRow {
+    /// Row id.
+    pub id: i64,
+    /// Latest scored epoch.
+    pub epoch: u64,
+    /// Uids.
+    pub uids: Vec<u16>,
+    /// Normalised weights.
+    pub weights: Vec<f64>,
+    /// `pending`, `set`, `committed`, `revealed`, `failed`.
+    pub state: String,
+    /// Block it landed in.
+    pub block: Option<u64>,
+}
+
+/// The database.
+#[derive(Clone, Debug)]
+pub struct Store {
+    db: PgPool,
+}
+
+impl Store {
+    /// Connects and applies the migrations.
+    pub async fn connect(url: &str) -> Result<Self, ValidatorError> {
+        let db = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect(url)
+            .await?;
+        sqlx::migrate!("../migrations/validator").run(&db).await?;
+        Ok(Self { db })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.db
+    }
+
+    /// The secret mixed into spot-check draws, created on first use.
+    pub async fn secret(&self) -> Result<[u8; 32], ValidatorError> {
+        let fresh: [u8; 32] = rand::random();
+        sqlx::query("INSERT INTO validator_secret (secret) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(fresh.to_vec())
+            .execute(&self.db)
+            .await?;
+        let stored: Vec<u8> = sqlx::query_scalar("SELECT secret FROM validator_secret")
+            .fetch_one(&self.db)
+            .await?;
+        stored
+            .try_into()
+            .map_err(|_| ValidatorError::Config("stored secret is not 32 bytes".into()))
+    }
+
+    /// Whether `epoch` of `run_id` is scored.
+    pub async fn is_scored(&self, run_id: i64, epoch: u64) -> Result<bool, ValidatorError> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM scored_epochs WHERE run_id = $1 AND epoch = $2)",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_one(&self.db)
+        .await?)
+    }
+
+    /// Stores an epoch's checks, CLASP fit and scores in one transaction.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn record_epoch(
+        &self,
+        run_id: i64,
+        epoch: u64,
+        seed: &str,
+        seed_block: u64,
+        checks: &[CheckRow],
+        clasp: Option<(&ClaspFit, &[String])>,
+        scores: &[EpochScore],
+    ) -> Result<(), ValidatorError> {
+        let mut tx = self.db.begin().await?;
+        let samples = clasp.map(|(f, _)| f.samples).unwrap_or(0);
+        sqlx::query(
+            "INSERT INTO scored_epochs (run_id, epoch, seed, seed_block, samples)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .bind(seed)
+        .bind(seed_block as i64)
+        .bind(samples as i64)
+        .execute(&mut *tx)
+        .await?;
+        for c in checks {
+            sqlx::query(
+                "INSERT INTO spot_checks (run_id, epoch, hotkey, kind, target, passed, detail)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(run_id)
+            .bind(epoch as i64)
+            .bind(&c.hotkey)
+            .bind(&c.kind)
+            .bind(&c.target)
+            .bind(c.passed)
+            .bind(&c.detail)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if let Some((fit, hotkeys)) = clasp {
+            for e in &fit.effects {
+                let Some(hotkey) = hotkeys.get(e.miner as usize) else {
+                    continue;
+                };
+                sqlx::query(
+                    "INSERT INTO clasp_effects (run_id, epoch, hotkey, stage, effect, std_error, z, samples, flagged)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                )
+                .bind(run_id)
+                .bind(epoch as i64)
+                .bind(hotkey)
+                .bind(e.stage as i32)
+                .bind(e.effect)
+                .bind(e.std_error)
+                .bind(if e.z.is_finite() { e.z } else { 0.0 })
+                .bind(e.samples as i64)
+                .bind(e.flagged)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        for s in scores {
+            sqlx::query(
+                "INSERT INTO scores (run_id, epoch, hotkey, work, quality, score, penalty)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(run_id)
+            .bind(epoch as i64)
+            .bind(&s.hotkey)
+            .bind(s.work)
+            .bind(s.quality)
+            .bind(s.score)
+            .bind(&s.penalty)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Scores of the `window` latest scored epochs of `run_id`.
+    pub async fn recent_scores(
+        &self,
+        run_id: i64,
+        window: u64,
+    ) -> Result<Vec<EpochScore>, ValidatorError> {
+        let rows = sqlx::query(
+            "SELECT epoch, hotkey, work, quality, score, penalty FROM scores
+             WHERE run_id = $1 AND epoch > (SELECT coalesce(max(epoch), 0) FROM scores WHERE run_id = $1) - $2
+             ORDER BY epoch, hotkey",
+        )
+        .bind(run_id)
+        .bind(window as i64)
+        .fetch_all(&self.db)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(EpochScore {
+                    epoch: r.try_get::<i64, _>("epoch")? as u64,
+                    hotkey: r.try_get("hotkey")?,
+                    work: r.try_get("work")?,
+                    quality: r.try_get("quality")?,
+                    score: r.try_get("score")?,
+                    penalty: r.try_get("penalty")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The latest scored epoch's scores (any run): `(epoch, hotkey, work, quality, score,
+    /// penalty)`, best first.
+    #[allow(clippy::type_complexity)]
+    pub async fn latest_scores(
+        &self,
+    ) -> Result<Vec<(i64, String, f64, f64, f64, Option<String>)>, ValidatorError> {
+        Ok(sqlx::query_as(
+            "SELECT epoch, hotkey, work, quality, score, penalty FROM scores
+             WHERE (run_id, epoch) = (SELECT run_id, epoch FROM scored_epochs ORDER BY scored_at DESC LIMIT 1)
+             ORDER BY score DESC, hotkey",
+        )
+        .fetch_all(&self.db)
+        .await?)
+    }
+
+    /// Latest scored epoch of `run_id`.
+    pub async fn latest_scored(&self, run_id: i64) -> Result<Option<u64>, ValidatorError> {
+        let e: Option<i64> = sqlx::query_scalar("SELECT max(epoch) FROM scored_epochs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&self.db)
+            .await?;
+        Ok(e.map(|e| e as u64))
+    }
+
+    /// Records a submission about to be sent; returns its id.
+    pub async fn begin_submission(
+        &self,
+        run_id: i64,
+        epoch: u64,
+        netuid: u16,
+        uids: &[u16],
+        weights: &[f64],
+    ) -> Result<i64, ValidatorError> {
+        let uids: Vec<i32> = uids.iter().map(|u| i32::from(*u)).collect();
+        Ok(sqlx::query_scalar(
+            "INSERT INTO weight_submissions (run_id, epoch, netuid, uids, weights, state)
+             VALUES ($1, $2, $3, $4, $5, 'pending') RETURNING id",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .bind(i32::from(netuid))
+        .bind(uids)
+        .bind(weights)
+        .fetch_one(&self.db)
+        .await?)
+    }
+
+    /// Records what became of submission `id`.
+    pub async fn finish_submission(
+        &self,
+        id: i64,
+        state: &str,
+        block: Option<u64>,
+        version_key: Option<u64>,
+        commit_hash: Option<&str>,
+        outcome: &serde_json::Value,
+    ) -> Result<(), ValidatorError> {
+        sqlx::query(
+            "UPDATE weight_submissions SET state = $2, block = $3, version_key = $4,
+                 commit_hash = coalesce($5, commit_hash), outcome = $6, updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(id)
+        .bind(state)
+        .bind(block.map(|b| b as i64))
+        .bind(version_key.map(|v| v as i64))
+        .bind(commit_hash)
+        .bind(outcome)
+        .execute(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// Marks the committed submission with `hash` revealed at `block`.
+    pub async fn mark_revealed(&self, hash: &str, block: u64) -> Result<(), ValidatorError> {
+        sqlx::query(
+            "UPDATE weight_submissions SET state = 'revealed', block = $2, updated_at = now()
+             WHERE commit_hash = $1",
+        )
+        .bind(hash)
+        .bind(block as i64)
+        .execute(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// The latest submissions, newest first.
+    pub async fn submissions(&self, limit: i64) -> Result<Vec<SubmissionRow>, ValidatorError> {
+        let rows = sqlx::query(
+            "SELECT id, epoch, uids, weights, state, block FROM weight_submissions
+             ORDER BY id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.db)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(SubmissionRow {
+                    id: r.try_get("id")?,
+                    epoch: r.try_get::<i64, _>("epoch")? as u64,
+                    uids: r
+                        .try_get::<Vec<i32>, _>("uids")?
+                        .into_iter()
+                        .map(|u| u as u16)
+                        .collect(),
+                    weights: r.try_get("weights")?,
+                    state: r.try_get("state")?,
+                    block: r.try_get::<Option<i64>, _>("block")?.map(|b| b as u64),
+                })
+            })
+            .collect()
+    }
+}
+
+fn db_err(e: sqlx::Error) -> ChainError {
+    ChainError::InvalidArgument(format!("commit store: {e}"))
+}
+
+impl CommitStore for Store {
+    async fn save(&self, commit: &PendingCommit) -> Result<(), ChainError> {
+        let json = serde_json::to_value(commit)
+            .map_err(|e| ChainError::InvalidArgument(format!("commit store: {e}")))?;
+        sqlx::query(
+            "INSERT INTO pending_commits (hash, hotkey, commit) VALUES ($1, $2, $3)
+             ON CONFLICT (hash) DO UPDATE SET commit = EXCLUDED.commit",
+        )
+        .bind(commit.hash_hex())
+        .bind(commit.hotkey.ss58())
+        .bind(json)
+        .execute(&self.db)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    async fn pending(&self, hotkey: &PublicKey) -> Result<Vec<PendingCommit>, ChainError> {
+        let rows: Vec<serde_json::Value> = sqlx::query_scalar(
+            "SELECT commit FROM pending_commits WHERE hotkey = $1 ORDER BY created_at",
+        )
+        .bind(hotkey.ss58())
+        .fetch_all(&self.db)
+        .await
+        .map_err(db_err)?;
+        rows.into_iter()
+            .map(|v| {
+                serde_json::from_value(v)
+                    .map_err(|e| ChainError::InvalidArgument(format!("commit store: {e}")))
+            })
+            .collect()
+    }
+
+    async fn remove(&self, hash: &[u8; 32]) -> Result<(), ChainError> {
+        sqlx::query("DELETE FROM pending_commits WHERE hash = $1")
+            .bind(format!("0x{}", hex::encode(hash)))
+            .execute(&self.db)
+            .await
+            .map_err(db_err)?;
+        Ok(())
+    }
+}
