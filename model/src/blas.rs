@@ -55,8 +55,30 @@ pub(crate) fn describe() -> String {
     format!(
         "OpenBLAS {} kernels, {} thread(s) over row blocks",
         corename(),
-        rayon::current_num_threads()
+        pool().map_or(1, |p| p.current_num_threads())
     )
+}
+
+/// The threads the row blocks run on: as many as candle gives its own matrix products
+/// (`RAYON_NUM_THREADS`, else the physical cores), `None` for one thread (the blocks then run
+/// in the caller) or when the pool cannot be started.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = candle_core::utils::get_num_threads();
+        if threads <= 1 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("iota-blas-{i}"))
+            .build()
+            .map_err(|e| {
+                tracing::warn!(target: "iota_model::blas", error = %e, "no BLAS thread pool; one thread");
+            })
+            .ok()
+    })
+    .as_ref()
 }
 
 /// OpenBLAS 0.3.21 (Debian 12) does not know AMD Zen 5 and falls back to its AVX2 kernels on a
@@ -83,8 +105,8 @@ fn warn_if_avx2_on_avx512() {
 }
 
 /// Whether products go through BLAS: on unless `IOTA_MATMUL=gemm`. OpenBLAS itself is set to
-/// one thread: products are split into fixed row blocks run on rayon's pool instead
-/// (`RAYON_NUM_THREADS`, as for candle), so the result does not depend on the thread count.
+/// one thread: products are split into fixed row blocks run on [`pool`] instead, so the result
+/// does not depend on the thread count.
 pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
@@ -94,7 +116,7 @@ pub(crate) fn enabled() -> bool {
             unsafe { openblas_set_num_threads(1) };
             tracing::debug!(
                 target: "iota_model::blas",
-                threads = rayon::current_num_threads(),
+                threads = pool().map_or(1, |p| p.current_num_threads()),
                 kernels = %corename(),
                 "matrix products through OpenBLAS"
             );
@@ -319,6 +341,7 @@ fn batched<T: Gemm>(
     la: &Layout,
     b: &[T],
     lb: &Layout,
+    pool: Option<&rayon::ThreadPool>,
 ) -> candle_core::Result<(Vec<T>, Shape)> {
     let (da, db) = (la.dims(), lb.dims());
     let r = da.len();
@@ -341,8 +364,8 @@ fn batched<T: Gemm>(
     let (ni, ki) = (to_int(n)?, to_int(k)?);
     let (lda, ldb) = (to_int(oa.mat.ld)?, to_int(ob.mat.ld)?);
     // Work items: blocks of ROW_BLOCK output rows of each batch, split the same way whatever the
-    // thread count, each a single-threaded OpenBLAS call (see `enabled`), spread over rayon's
-    // pool. OpenBLAS's own threading would make results depend on the thread count.
+    // thread count, each a single-threaded OpenBLAS call (see `enabled`), spread over `pool`.
+    // OpenBLAS's own threading would make results depend on the thread count.
     let mut items = Vec::with_capacity(oa.offsets.len() * m.div_ceil(ROW_BLOCK));
     for ((&pa, &pb), cm) in oa.offsets.iter().zip(&ob.offsets).zip(c.chunks_mut(m * n)) {
         for (blk, rows) in cm.chunks_mut(ROW_BLOCK * n).enumerate() {
@@ -366,9 +389,13 @@ fn batched<T: Gemm>(
         }
     }
     let (ta, tb) = (oa.mat.trans, ob.mat.trans);
-    items.into_par_iter().for_each(|(ab, bb, mr, rows)| {
+    let run = |(ab, bb, mr, rows): (&[T], &[T], c_int, &mut [T])| {
         T::gemm(ta, tb, mr, ni, ki, ab, lda, bb, ldb, rows, ni);
-    });
+    };
+    match pool {
+        Some(p) if items.len() > 1 => p.install(|| items.into_par_iter().for_each(run)),
+        _ => items.into_iter().for_each(run),
+    }
     Ok((c, Shape::from(out_dims)))
 }
 
@@ -391,11 +418,11 @@ impl CustomOp2 for BlasMatMul {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         match (s1, s2) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                let (c, s) = batched(a, l1, b, l2)?;
+                let (c, s) = batched(a, l1, b, l2, pool())?;
                 Ok((CpuStorage::F32(c), s))
             }
             (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                let (c, s) = batched(a, l1, b, l2)?;
+                let (c, s) = batched(a, l1, b, l2, pool())?;
                 Ok((CpuStorage::F64(c), s))
             }
             _ => bail!(
@@ -500,16 +527,19 @@ mod tests {
         let b = randn(&[80, 96], 15)
             .to_dtype(candle_core::DType::F32)
             .expect("c");
+        let (av, bv) = (
+            a.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("a"),
+            b.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("b"),
+        );
+        let la = Layout::contiguous(a.shape());
+        let lb = Layout::contiguous(b.shape()).transpose(0, 1).expect("t");
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .expect("pool");
-            pool.install(|| matmul(&a, &b.t().expect("t")))
-                .expect("matmul")
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("values")
+            let pool = (threads > 1).then_some(&pool);
+            batched(&av, &la, &bv, &lb, pool).expect("matmul").0
         };
         let one = run(1);
         for threads in [2, 3] {
