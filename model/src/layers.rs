@@ -1,8 +1,9 @@
-//! Differentiable building blocks, composed from candle primitives.
+//! Differentiable building blocks.
 //!
 //! candle's fused `rms_norm`, `softmax_last_dim` and `rotary_emb::rope*` kernels have no backward
-//! pass: gradients silently stop at them. Everything here is written with ops that candle can
-//! differentiate (matmul, elementwise, reductions, narrow/cat), at some cost in speed.
+//! pass: gradients silently stop at them. On the CPU in f32/f64 the layers run this crate's fused
+//! kernels, which have one (`crate::fused`); elsewhere (CUDA, half precision) they are written
+//! with ops that candle can differentiate (matmul, elementwise, reductions, narrow/cat).
 
 use candle_core::{D, DType, Device, Tensor};
 
