@@ -36,6 +36,13 @@ if [ -z "${IOTA_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 
+if ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
+    echo "== installing libopenblas-dev (Debian package, for iota-model's openblas feature)"
+    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas-dev >/dev/null
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"

@@ -4,7 +4,10 @@
 //! The same epoch of hops (stage 1 of `small`, micro-batches 4x128, samples in flight across
 //! inner steps) runs in child processes with `CANDLE_NUM_THREADS`/`RAYON_NUM_THREADS` = 1 and 2
 //! (twice each), 3 and 8; every run is compared with the first single-thread run: worst cosine and relative
-//! error over forward outputs, input gradients, and the pseudo-gradient.
+//! error over forward outputs, input gradients, and the pseudo-gradient. Built with the `openblas`
+//! feature it also runs candle's own kernel (`IOTA_MATMUL=gemm`) and OpenBLAS's AVX2 and AVX-512
+//! kernels (`OPENBLAS_CORETYPE`), the error between a miner and a validator whose builds or CPUs
+//! differ.
 //!
 //! ```text
 //! cargo run --release -p iota-model --example replay_error [-- --config tiny]
@@ -21,6 +24,9 @@ use iota_model::rng::SplitMix64;
 use iota_model::{Device, ModelConfig, Stage, StageOptions, Tensor, merge};
 
 type Res<T> = Result<T, Box<dyn Error>>;
+
+/// A child run: thread count, label, extra environment.
+type Run = (usize, String, Vec<(&'static str, &'static str)>);
 
 fn randn(dims: &[usize], seed: u64, scale: f64) -> Res<Tensor> {
     let mut r = SplitMix64::new(seed);
@@ -103,24 +109,50 @@ fn main() -> Res<()> {
     std::fs::create_dir_all(&dir)?;
     let exe = std::env::current_exe()?;
     let mut files: Vec<(String, PathBuf)> = Vec::new();
-    for (threads, rep) in [(1, 'a'), (1, 'b'), (2, 'a'), (2, 'b'), (3, 'a'), (8, 'a')] {
-        let path = dir.join(format!("t{threads}{rep}.safetensors"));
+    // (threads, label, extra environment): the same build at several thread counts and, in an
+    // `openblas` build, the other matrix kernels a miner or validator might end up with.
+    let mut runs: Vec<Run> = [(1, 'a'), (1, 'b'), (2, 'a')]
+        .into_iter()
+        .chain([(2, 'b'), (3, 'a'), (8, 'a')])
+        .map(|(t, rep)| (t, format!("run {rep}"), vec![]))
+        .collect();
+    let backend = iota_model::matmul_backend();
+    eprintln!("matmul: {backend}");
+    if backend.starts_with("OpenBLAS") {
+        runs.push((1, "IOTA_MATMUL=gemm".into(), vec![("IOTA_MATMUL", "gemm")]));
+        for core in ["Haswell", "SkylakeX"] {
+            #[cfg(target_arch = "x86_64")]
+            if core == "SkylakeX" && !std::is_x86_feature_detected!("avx512f") {
+                continue;
+            }
+            for t in [1, 2] {
+                runs.push((
+                    t,
+                    format!("OPENBLAS_CORETYPE={core}"),
+                    vec![("OPENBLAS_CORETYPE", core)],
+                ));
+            }
+        }
+    }
+    for (i, (threads, label, env)) in runs.iter().enumerate() {
+        let path = dir.join(format!("run{i}.safetensors"));
         let t0 = std::time::Instant::now();
         let status = Command::new(&exe)
             .args(["--config", &cfg.name, "--run"])
             .arg(&path)
             .env("CANDLE_NUM_THREADS", threads.to_string())
             .env("RAYON_NUM_THREADS", threads.to_string())
+            .envs(env.iter().copied())
             .status()?;
         if !status.success() {
             return Err(format!("child run with {threads} threads failed: {status}").into());
         }
-        eprintln!("{threads} thread(s), run {rep}: {:.1?}", t0.elapsed());
-        files.push((format!("{threads} thread(s), run {rep}"), path));
+        eprintln!("{threads} thread(s), {label}: {:.1?}", t0.elapsed());
+        files.push((format!("{threads} thread(s), {label}"), path));
     }
     let reference = load(&files[0].1)?;
     println!(
-        "## Honest replay error, stage 1 of `{}`, micro-batches of 4 sequences (up to 128 tokens), 4 samples, 2 inner steps (reference: 1 thread, run a)\n",
+        "## Honest replay error, stage 1 of `{}`, micro-batches of 4 sequences (up to 128 tokens), 4 samples, 2 inner steps (reference: 1 thread, run a; matmul: {backend})\n",
         cfg.name
     );
     println!(

@@ -5,7 +5,10 @@
 //! CANDLE_NUM_THREADS=2 cargo run --release -p iota-model --example speed -- small 4 128 5 [staged]
 //! ```
 //!
-//! Prints `tokens_per_s=<median over the timed iterations, after one warm-up>`.
+//! Prints `tokens_per_s=<median over the timed iterations, after one warm-up>` on stdout, and on
+//! stderr the tokens per CPU-second of the whole process over the timed iterations (from
+//! `/proc/self/stat`, Linux only): less sensitive than wall time to other processes on a busy
+//! machine, and with several threads it shows what the extra threads cost.
 
 use std::error::Error;
 use std::time::Instant;
@@ -36,7 +39,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     let targets = Tensor::from_vec(ids(batch * seq), (batch, seq), &Device::Cpu)?;
     let mut p = Pipeline::new(&cfg, &StageOptions::cpu())?;
     let mut times = Vec::new();
+    let mut cpu_start = None;
     for it in 0..=iters {
+        if it == 1 {
+            cpu_start = cpu_seconds();
+        }
         p.zero_grad();
         let t0 = Instant::now();
         if staged {
@@ -51,5 +58,23 @@ fn main() -> Result<(), Box<dyn Error>> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!("tokens_per_s={:.1}", (batch * seq) as f64 / median);
+    eprintln!("matmul: {}", iota_model::matmul_backend());
+    if let (Some(a), Some(b)) = (cpu_start, cpu_seconds()) {
+        eprintln!(
+            "tokens_per_cpu_s={:.1}",
+            (batch * seq * iters) as f64 / (b - a).max(1e-9)
+        );
+    }
     Ok(())
+}
+
+/// User plus system CPU time of this process in seconds (all threads), from `/proc/self/stat`.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // The kernel reports USER_HZ ticks, 100 per second on every Linux architecture.
+    Some(ticks / 100.0)
 }

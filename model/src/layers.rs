@@ -1,13 +1,28 @@
-//! Differentiable building blocks, composed from candle primitives.
+//! Differentiable building blocks.
 //!
 //! candle's fused `rms_norm`, `softmax_last_dim` and `rotary_emb::rope*` kernels have no backward
-//! pass: gradients silently stop at them. Everything here is written with ops that candle can
-//! differentiate (matmul, elementwise, reductions, narrow/cat), at some cost in speed.
+//! pass: gradients silently stop at them. On the CPU in f32/f64 the layers run this crate's fused
+//! kernels, which have one (`crate::fused`); elsewhere (CUDA, half precision) they are written
+//! with ops that candle can differentiate (matmul, elementwise, reductions, narrow/cat).
 
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::fused::{self, RopeTables};
+
+/// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]`: through OpenBLAS with the `openblas` feature
+/// (f32 and f64 on the CPU), candle's matmul otherwise.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "openblas")]
+    {
+        crate::blas::matmul(a, b)
+    }
+    #[cfg(not(feature = "openblas"))]
+    {
+        a.matmul(b)
+    }
+}
 
 /// `x @ w^T` for `x: [..., in]` and `w: [out, in]`, folding leading dims into one matmul.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -18,7 +33,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         .first()
         .ok_or_else(|| ModelError::InvalidInput("linear on a scalar".into()))?;
     let out = w.dim(0)?;
-    let y = x.reshape((rows, inp))?.matmul(&w.t()?)?;
+    let y = matmul(&x.reshape((rows, inp))?, &w.t()?)?;
     let mut shape = lead.to_vec();
     shape.push(out);
     Ok(y.reshape(shape)?)
@@ -26,6 +41,9 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// RMSNorm over the last dim: `x / sqrt(mean(x^2) + eps) * w`.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused::applies(x) {
+        return Ok(fused::rms_norm(x, w, eps)?);
+    }
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)
@@ -53,6 +71,8 @@ pub(crate) fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Ten
 pub(crate) struct Rope {
     cos: Tensor,
     sin: Tensor,
+    /// The same tables in f64 for the fused CPU kernel.
+    tables: RopeTables,
 }
 
 impl Rope {
@@ -87,13 +107,21 @@ impl Rope {
                 sin.push(a.sin());
             }
         }
+        let tables = RopeTables {
+            cos: std::sync::Arc::new(cos.clone()),
+            sin: std::sync::Arc::new(sin.clone()),
+            half,
+        };
         let cos = Tensor::from_vec(cos, (t, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (t, half), device)?.to_dtype(dtype)?;
-        Ok(Self { cos, sin })
+        Ok(Self { cos, sin, tables })
     }
 
     /// Rotate `x: [batch, heads, seq, head_dim]`.
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        if fused::applies(x) {
+            return Ok(fused::rope(x, &self.tables)?);
+        }
         let (_, _, t, hd) = x.dims4()?;
         let half = hd / 2;
         let cos = self.cos.narrow(0, 0, t)?;
@@ -129,6 +157,20 @@ pub(crate) fn attention(
     let q = rope.apply(&heads(linear(x, w.wq)?, h)?)?;
     let k = rope.apply(&heads(linear(x, w.wk)?, kv)?)?;
     let v = heads(linear(x, w.wv)?, kv)?.contiguous()?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    if fused::applies(&q) {
+        // The h/kv query heads that share a key/value head are adjacent, so they stack into the
+        // rows of one product per key/value head: no copies of k and v, and larger products.
+        let rep = h / kv;
+        let q = q.contiguous()?.reshape((b, kv, rep * t, hd))?;
+        let scores = matmul(&q, &k.t()?)?.reshape((b, h, t, t))?;
+        let probs = fused::causal_softmax(&scores, scale)?.reshape((b, kv, rep * t, t))?;
+        let out = matmul(&probs, &v)?
+            .reshape((b, h, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, h * hd))?;
+        return linear(&out, w.wo);
+    }
     let (k, v) = if h == kv {
         (k, v)
     } else {
@@ -141,8 +183,7 @@ pub(crate) fn attention(
         };
         (expand(k)?, expand(v)?)
     };
-    let scale = 1.0 / (hd as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let scores = (matmul(&q, &k.t()?)? * scale)?;
     // Under half-precision compute the mask is f32 and the softmax runs in f32: exp and its sum
     // lose too much in bf16.
     let probs = if scores.dtype() == mask.dtype() {
@@ -151,7 +192,9 @@ pub(crate) fn attention(
         softmax_last(&scores.to_dtype(mask.dtype())?.broadcast_add(mask)?)?
             .to_dtype(scores.dtype())?
     };
-    let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+    let out = matmul(&probs, &v)?
+        .transpose(1, 2)?
+        .reshape((b, t, h * hd))?;
     linear(&out, w.wo)
 }
 
@@ -162,9 +205,12 @@ pub(crate) fn swiglu(
     w_up: &Tensor,
     w_down: &Tensor,
 ) -> Result<Tensor> {
-    let g = linear(x, w_gate)?.silu()?;
+    let g = linear(x, w_gate)?;
     let u = linear(x, w_up)?;
-    linear(&(g * u)?, w_down)
+    if fused::applies(&g) {
+        return linear(&fused::silu_mul(&g, &u)?, w_down);
+    }
+    linear(&(g.silu()? * u)?, w_down)
 }
 
 #[cfg(test)]
@@ -173,6 +219,72 @@ mod tests {
 
     fn dev() -> Device {
         Device::Cpu
+    }
+
+    /// A block's attention and feed-forward through the fused CPU kernels and through the
+    /// composed candle ops: same values and same gradients (f64, grouped-query heads).
+    #[test]
+    fn fused_kernels_match_composed_ops() {
+        let cfg = ModelConfig::tiny();
+        let d = cfg.d_model;
+        let kvd = cfg.n_kv_heads * cfg.head_dim();
+        let var = |dims: &[usize], seed: u64, scale: f64| {
+            let mut r = crate::rng::SplitMix64::new(seed);
+            let n: usize = dims.iter().product();
+            let v: Vec<f64> = (0..n).map(|_| r.next_normal() * scale).collect();
+            candle_core::Var::from_tensor(&Tensor::from_vec(v, dims, &dev()).unwrap()).unwrap()
+        };
+        let x = var(&[2, 7, d], 1, 1.0);
+        let norm_w = var(&[d], 2, 1.0);
+        let (wq, wk, wv, wo) = (
+            var(&[d, d], 3, 0.3),
+            var(&[kvd, d], 4, 0.3),
+            var(&[kvd, d], 5, 0.3),
+            var(&[d, d], 6, 0.3),
+        );
+        let (wg, wu, wd) = (
+            var(&[cfg.d_ff, d], 7, 0.3),
+            var(&[cfg.d_ff, d], 8, 0.3),
+            var(&[d, cfg.d_ff], 9, 0.3),
+        );
+        let r = var(&[2, 7, d], 10, 1.0);
+        let rope = Rope::new(&cfg, DType::F64, &dev()).unwrap();
+        let mask = causal_mask(7, DType::F64, &dev()).unwrap();
+        let vars = [&x, &norm_w, &wq, &wk, &wv, &wo, &wg, &wu, &wd];
+        let run = |composed: bool| {
+            crate::fused::COMPOSED_ONLY.with(|c| c.set(composed));
+            let n = rms_norm(x.as_tensor(), norm_w.as_tensor(), 1e-5).unwrap();
+            let w = AttnWeights {
+                wq: wq.as_tensor(),
+                wk: wk.as_tensor(),
+                wv: wv.as_tensor(),
+                wo: wo.as_tensor(),
+            };
+            let a = attention(&n, &w, &cfg, &rope, &mask).unwrap();
+            let f = swiglu(&a, wg.as_tensor(), wu.as_tensor(), wd.as_tensor()).unwrap();
+            crate::fused::COMPOSED_ONLY.with(|c| c.set(false));
+            let loss = (f * r.as_tensor()).unwrap().sum_all().unwrap();
+            let grads = loss.backward().unwrap();
+            let mut out = vec![loss.to_scalar::<f64>().unwrap()];
+            for v in vars {
+                out.extend(
+                    grads
+                        .get(v.as_tensor())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap(),
+                );
+            }
+            out
+        };
+        let (fused, composed) = (run(false), run(true));
+        assert_eq!(fused.len(), composed.len());
+        let scale = composed.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
+            assert!((a - b).abs() <= 1e-12 * scale, "element {i}: {a} vs {b}");
+        }
     }
 
     #[test]

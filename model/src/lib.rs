@@ -63,11 +63,14 @@
 //! composed from differentiable primitives and a test checks that every parameter gets a
 //! non-zero gradient.
 
+#[cfg(feature = "openblas")]
+mod blas;
 pub mod bottleneck;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+mod fused;
 mod layers;
 mod loss;
 pub mod merge;
@@ -94,6 +97,19 @@ pub use pipeline::{Pipeline, StepStats, WireConfig};
 pub use replay::{Comparison, Hop, HopResult, Replay, StageRunner, Thresholds, compare, replay};
 pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
 pub use train::{TrainStep, Trainer};
+
+/// What runs the CPU matrix products: OpenBLAS (with its kernel family and thread count) when
+/// built with the `openblas` feature, otherwise candle's own kernel. For logs and benchmarks.
+pub fn matmul_backend() -> String {
+    #[cfg(feature = "openblas")]
+    {
+        blas::describe()
+    }
+    #[cfg(not(feature = "openblas"))]
+    {
+        "candle gemm".into()
+    }
+}
 
 /// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.
 pub use candle_core::{DType, Device, Tensor};

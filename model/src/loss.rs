@@ -17,6 +17,8 @@
 use candle_core::{D, Tensor};
 
 use crate::error::Result;
+use crate::fused;
+use crate::layers::matmul;
 
 /// Result of the forward pass: the mean loss, the per-token losses and the per-token
 /// log-sum-exp needed by backward.
@@ -48,9 +50,20 @@ pub(crate) fn ce_forward(
     let vocab = w.dim(0)?;
     let mut acc: Option<(Tensor, Tensor)> = None;
     for (start, len) in chunks(vocab, chunk) {
-        let logits = h
-            .matmul(&w.narrow(0, start, len)?.t()?)?
-            .to_dtype(acc_dtype)?;
+        let logits = matmul(&h, &w.narrow(0, start, len)?.t()?)?.to_dtype(acc_dtype)?;
+        if fused::applies(&logits) {
+            // One pass per chunk: its row max and the sum of exp relative to that max.
+            let (cmax, csum) = fused::row_max_sumexp(&logits)?;
+            acc = Some(match acc {
+                None => (cmax, csum),
+                Some((m, s)) => {
+                    let m_new = m.maximum(&cmax)?;
+                    let s = ((s * (m - &m_new)?.exp()?)? + (csum * (cmax - &m_new)?.exp()?)?)?;
+                    (m_new, s)
+                }
+            });
+            continue;
+        }
         let cmax = logits.max_keepdim(D::Minus1)?;
         acc = Some(match acc {
             None => {
@@ -97,16 +110,20 @@ pub(crate) fn ce_backward(
     let mm = w.dtype();
     let h_mm = h.to_dtype(mm)?;
     let vocab = w.dim(0)?;
-    let lse = lse.unsqueeze(D::Minus1)?;
+    let lse_col = lse.unsqueeze(D::Minus1)?;
     let mut grad_h = h.zeros_like()?;
     let mut grad_w_blocks = Vec::new();
     for (start, len) in chunks(vocab, chunk) {
         let wc = w.narrow(0, start, len)?;
-        let logits = h_mm.matmul(&wc.t()?)?.to_dtype(acc)?;
-        let probs = (logits.broadcast_sub(&lse)?.exp()? * scale)?;
+        let logits = matmul(&h_mm, &wc.t()?)?.to_dtype(acc)?;
+        let probs = if fused::applies(&logits) {
+            fused::scaled_probs(&logits, lse, scale)?
+        } else {
+            (logits.broadcast_sub(&lse_col)?.exp()? * scale)?
+        };
         let probs_mm = probs.to_dtype(mm)?;
-        grad_h = (grad_h + probs_mm.matmul(&wc)?.to_dtype(acc)?)?;
-        grad_w_blocks.push(probs_mm.t()?.matmul(&h_mm)?.to_dtype(acc)?);
+        grad_h = (grad_h + matmul(&probs_mm, &wc)?.to_dtype(acc)?)?;
+        grad_w_blocks.push(matmul(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?);
     }
     // The -1 of the one-hot target: subtract W[target] from dh and h from dW[target].
     let h_used = h_mm.to_dtype(acc)?;

@@ -1,0 +1,673 @@
+//! Fused CPU kernels with their own backward for the layers' elementwise chains.
+//!
+//! Composed from candle primitives, a causal softmax is eight graph nodes, an RMSNorm seven and a
+//! rotation seven per operand, and candle's backward adds a zero-filled gradient buffer plus an
+//! addition for every node. Each op here is one pass forward and one or two passes backward. Rows
+//! are processed one at a time in a fixed order, so results do not depend on the thread count.
+//! f32 and f64 on the CPU only; `layers` keeps the composed versions for other devices and dtypes.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{WithDType, bail};
+
+/// The float types the kernels run in.
+pub(crate) trait Real: WithDType {
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn neg_infinity() -> Self;
+}
+
+impl Real for f32 {
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn neg_infinity() -> Self {
+        f32::NEG_INFINITY
+    }
+}
+
+impl Real for f64 {
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn neg_infinity() -> Self {
+        f64::NEG_INFINITY
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test switch: run the composed versions on the CPU too, to compare the two.
+    pub(crate) static COMPOSED_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the fused kernels apply to `t`: f32 or f64 on the CPU.
+pub(crate) fn applies(t: &Tensor) -> bool {
+    #[cfg(test)]
+    if COMPOSED_ONLY.with(|c| c.get()) {
+        return false;
+    }
+    t.device().is_cpu() && matches!(t.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+}
+
+/// The contiguous slice a layout covers, or an error (callers make inputs contiguous first).
+fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [T]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("{op}: input is not contiguous")
+    };
+    Ok(&T::cpu_storage_as_slice(s)?[start..end])
+}
+
+/// Dispatch a kernel generic over the float type on a storage's dtype.
+macro_rules! by_dtype {
+    ($s:expr, $op:expr, $f:ident($($arg:expr),*)) => {
+        match $s {
+            CpuStorage::F32(_) => $f::<f32>($($arg),*),
+            CpuStorage::F64(_) => $f::<f64>($($arg),*),
+            _ => bail!("{}: only f32 and f64", $op),
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax of scaled scores.
+
+/// `softmax(scale * x + causal_mask)` over the last dim of `x: [..., t, t]`: row `i` of each
+/// `t x t` block sees columns `0..=i`, the rest come out as exact zeros.
+pub(crate) fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(CausalSoftmax { scale })
+}
+
+struct CausalSoftmax {
+    scale: f64,
+}
+
+fn square_tail(l: &Layout, op: &str) -> Result<usize> {
+    let dims = l.dims();
+    let r = dims.len();
+    if r < 2 || dims[r - 1] != dims[r - 2] {
+        bail!("{op}: need [..., t, t], got {dims:?}")
+    }
+    Ok(dims[r - 1])
+}
+
+fn softmax_fwd<T: Real>(s: &CpuStorage, l: &Layout, scale: f64) -> Result<CpuStorage> {
+    let x = contiguous::<T>(s, l, "causal-softmax")?;
+    let t = square_tail(l, "causal-softmax")?;
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); x.len()];
+    for (r, (xr, yr)) in x.chunks(t).zip(out.chunks_mut(t)).enumerate() {
+        let n = r % t + 1;
+        let mut m = T::neg_infinity();
+        for &v in &xr[..n] {
+            let v = v * scale;
+            if v > m {
+                m = v;
+            }
+        }
+        let mut sum = T::zero();
+        for (y, &v) in yr[..n].iter_mut().zip(&xr[..n]) {
+            *y = (v * scale - m).exp();
+            sum += *y;
+        }
+        let inv = T::one() / sum;
+        for y in &mut yr[..n] {
+            *y *= inv;
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(s, self.name(), softmax_fwd(s, l, self.scale))?;
+        Ok((out, l.shape().clone()))
+    }
+    fn bwd(&self, _x: &Tensor, p: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        // dx = scale * p * (g - sum(g * p)); masked entries have p = 0 and get 0.
+        let g = g.contiguous()?;
+        Ok(Some(p.apply_op2_no_bwd(
+            &g,
+            &CausalSoftmaxBwd { scale: self.scale },
+        )?))
+    }
+}
+
+struct CausalSoftmaxBwd {
+    scale: f64,
+}
+
+fn softmax_bwd<T: Real>(
+    sp: &CpuStorage,
+    lp: &Layout,
+    sg: &CpuStorage,
+    lg: &Layout,
+    scale: f64,
+) -> Result<CpuStorage> {
+    let p = contiguous::<T>(sp, lp, "causal-softmax-bwd")?;
+    let g = contiguous::<T>(sg, lg, "causal-softmax-bwd")?;
+    let t = square_tail(lp, "causal-softmax-bwd")?;
+    if p.len() != g.len() {
+        bail!(
+            "causal-softmax-bwd: {} probabilities, {} gradients",
+            p.len(),
+            g.len()
+        )
+    }
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); p.len()];
+    for (r, ((pr, gr), dr)) in p
+        .chunks(t)
+        .zip(g.chunks(t))
+        .zip(out.chunks_mut(t))
+        .enumerate()
+    {
+        let n = r % t + 1;
+        let mut dot = T::zero();
+        for (&pv, &gv) in pr[..n].iter().zip(&gr[..n]) {
+            dot += pv * gv;
+        }
+        for ((d, &pv), &gv) in dr[..n].iter_mut().zip(&pr[..n]).zip(&gr[..n]) {
+            *d = scale * pv * (gv - dot);
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp2 for CausalSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "causal-softmax-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        sp: &CpuStorage,
+        lp: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(sp, self.name(), softmax_bwd(sp, lp, sg, lg, self.scale))?;
+        Ok((out, lp.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm.
+
+/// `x / sqrt(mean(x^2) + eps) * w` over the last dim of `x: [..., d]`, `w: [d]`.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+fn inv_rms<T: Real>(row: &[T], eps: f64) -> T {
+    let mut ss = T::zero();
+    for &v in row {
+        ss += v * v;
+    }
+    let d = T::from_f64(row.len() as f64);
+    T::one() / (ss / d + T::from_f64(eps)).sqrt()
+}
+
+fn rms_dims(lx: &Layout, lw: &Layout, op: &str) -> Result<usize> {
+    let d = lx.dims().last().copied().unwrap_or(0);
+    if lw.dims() != [d] || d == 0 {
+        bail!("{op}: x {:?} and w {:?}", lx.dims(), lw.dims())
+    }
+    Ok(d)
+}
+
+fn rms_fwd<T: Real>(
+    sx: &CpuStorage,
+    lx: &Layout,
+    sw: &CpuStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<CpuStorage> {
+    let d = rms_dims(lx, lw, "rms-norm")?;
+    let x = contiguous::<T>(sx, lx, "rms-norm")?;
+    let w = contiguous::<T>(sw, lw, "rms-norm")?;
+    let mut out = vec![T::zero(); x.len()];
+    for (xr, yr) in x.chunks(d).zip(out.chunks_mut(d)) {
+        let inv = inv_rms(xr, eps);
+        for ((y, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
+            *y = xv * inv * wv;
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(sx, self.name(), rms_fwd(sx, lx, sw, lw, self.eps))?;
+        Ok((out, lx.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let dx = x.apply_op3_no_bwd(
+            w,
+            &g,
+            &RmsNormBwd {
+                eps: self.eps,
+                wrt_x: true,
+            },
+        )?;
+        let dw = x.apply_op3_no_bwd(
+            w,
+            &g,
+            &RmsNormBwd {
+                eps: self.eps,
+                wrt_x: false,
+            },
+        )?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+struct RmsNormBwd {
+    eps: f64,
+    /// The gradient with respect to `x` (`[..., d]`), otherwise to `w` (`[d]`).
+    wrt_x: bool,
+}
+
+fn rms_bwd<T: Real>(
+    (sx, lx): (&CpuStorage, &Layout),
+    (sw, lw): (&CpuStorage, &Layout),
+    (sg, lg): (&CpuStorage, &Layout),
+    eps: f64,
+    wrt_x: bool,
+) -> Result<CpuStorage> {
+    let d = rms_dims(lx, lw, "rms-norm-bwd")?;
+    let x = contiguous::<T>(sx, lx, "rms-norm-bwd")?;
+    let w = contiguous::<T>(sw, lw, "rms-norm-bwd")?;
+    let g = contiguous::<T>(sg, lg, "rms-norm-bwd")?;
+    if x.len() != g.len() {
+        bail!("rms-norm-bwd: {} inputs, {} gradients", x.len(), g.len())
+    }
+    if !wrt_x {
+        // dw = sum over rows of g * x * inv, rows added in order.
+        let mut dw = vec![T::zero(); d];
+        for (xr, gr) in x.chunks(d).zip(g.chunks(d)) {
+            let inv = inv_rms(xr, eps);
+            for ((a, &xv), &gv) in dw.iter_mut().zip(xr).zip(gr) {
+                *a += gv * xv * inv;
+            }
+        }
+        return Ok(T::to_cpu_storage_owned(dw));
+    }
+    // With u = g * w: dx = inv * u - x * inv^3 * mean(u * x).
+    let dn = T::from_f64(d as f64);
+    let mut out = vec![T::zero(); x.len()];
+    for ((xr, gr), dr) in x.chunks(d).zip(g.chunks(d)).zip(out.chunks_mut(d)) {
+        let inv = inv_rms(xr, eps);
+        let mut dot = T::zero();
+        for ((&xv, &gv), &wv) in xr.iter().zip(gr).zip(w) {
+            dot += gv * wv * xv;
+        }
+        let c = inv * inv * inv * dot / dn;
+        for (((o, &xv), &gv), &wv) in dr.iter_mut().zip(xr).zip(gr).zip(w) {
+            *o = inv * gv * wv - xv * c;
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "rms-norm-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            sx,
+            self.name(),
+            rms_bwd((sx, lx), (sw, lw), (sg, lg), self.eps, self.wrt_x)
+        )?;
+        let shape = if self.wrt_x { lx.shape() } else { lw.shape() };
+        Ok((out, shape.clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding.
+
+/// Rotary tables `[positions, half]` in f64; kernels round them to their own dtype.
+#[derive(Debug, Clone)]
+pub(crate) struct RopeTables {
+    pub cos: Arc<Vec<f64>>,
+    pub sin: Arc<Vec<f64>>,
+    pub half: usize,
+}
+
+/// Rotate `x: [batch, heads, seq, head_dim]` (rotate-half layout); any strides with a unit last
+/// stride are read in place (the heads transpose needs no copy), the output is contiguous.
+pub(crate) fn rope(x: &Tensor, tables: &RopeTables) -> Result<Tensor> {
+    let x = if x.stride().last() == Some(&1) {
+        x.clone()
+    } else {
+        x.contiguous()?
+    };
+    x.apply_op1(Rope {
+        tables: tables.clone(),
+        inverse: false,
+    })
+}
+
+struct Rope {
+    tables: RopeTables,
+    /// Rotate by minus the angle: the backward (rotations are orthogonal).
+    inverse: bool,
+}
+
+fn rope_kernel<T: Real>(
+    s: &CpuStorage,
+    l: &Layout,
+    tables: &RopeTables,
+    inverse: bool,
+) -> Result<CpuStorage> {
+    let (b, h, t, hd) = l.shape().dims4()?;
+    let half = tables.half;
+    let st = l.stride();
+    if hd != 2 * half || st[3] != 1 || t * half > tables.cos.len() {
+        bail!("rope: dims {:?} strides {st:?} for half {half}", l.dims())
+    }
+    let x = T::cpu_storage_as_slice(s)?;
+    let last = l.start_offset() + (b - 1) * st[0] + (h - 1) * st[1] + (t - 1) * st[2] + hd;
+    if b * h * t * hd == 0 || last > x.len() {
+        if b * h * t * hd == 0 {
+            return Ok(T::to_cpu_storage_owned(Vec::new()));
+        }
+        bail!("rope: layout reaches past the storage")
+    }
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut out = vec![T::zero(); b * h * t * hd];
+    let mut rows = out.chunks_mut(hd);
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                let start = l.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
+                let xr = &x[start..start + hd];
+                let Some(yr) = rows.next() else {
+                    bail!("rope: output too short")
+                };
+                let (cos, sin) = (
+                    &tables.cos[ti * half..(ti + 1) * half],
+                    &tables.sin[ti * half..(ti + 1) * half],
+                );
+                let (x1, x2) = xr.split_at(half);
+                let (y1, y2) = yr.split_at_mut(half);
+                for i in 0..half {
+                    let (c, s) = (T::from_f64(cos[i]), T::from_f64(sign * sin[i]));
+                    y1[i] = x1[i] * c - x2[i] * s;
+                    y2[i] = x2[i] * c + x1[i] * s;
+                }
+            }
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            s,
+            self.name(),
+            rope_kernel(s, l, &self.tables, self.inverse)
+        )?;
+        Ok((out, Shape::from(l.dims())))
+    }
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = if g.stride().last() == Some(&1) {
+            g.clone()
+        } else {
+            g.contiguous()?
+        };
+        Ok(Some(g.apply_op1_no_bwd(&Rope {
+            tables: self.tables.clone(),
+            inverse: !self.inverse,
+        })?))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU gate.
+
+/// `silu(g) * u`, elementwise.
+pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    g.contiguous()?.apply_op2(&u.contiguous()?, SiluMul)
+}
+
+struct SiluMul;
+
+fn sigmoid<T: Real>(v: T) -> T {
+    T::one() / (T::one() + (T::zero() - v).exp())
+}
+
+fn silu_mul_fwd<T: Real>(
+    sg: &CpuStorage,
+    lg: &Layout,
+    su: &CpuStorage,
+    lu: &Layout,
+) -> Result<CpuStorage> {
+    let g = contiguous::<T>(sg, lg, "silu-mul")?;
+    let u = contiguous::<T>(su, lu, "silu-mul")?;
+    if lg.dims() != lu.dims() {
+        bail!("silu-mul: {:?} and {:?}", lg.dims(), lu.dims())
+    }
+    let out = g.iter().zip(u).map(|(&a, &b)| a * sigmoid(a) * b).collect();
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+    fn cpu_fwd(
+        &self,
+        sg: &CpuStorage,
+        lg: &Layout,
+        su: &CpuStorage,
+        lu: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(sg, self.name(), silu_mul_fwd(sg, lg, su, lu))?;
+        Ok((out, lg.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let dg = g.apply_op3_no_bwd(u, &dy, &SiluMulBwd { wrt_gate: true })?;
+        let du = g.apply_op3_no_bwd(u, &dy, &SiluMulBwd { wrt_gate: false })?;
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+struct SiluMulBwd {
+    wrt_gate: bool,
+}
+
+fn silu_mul_bwd<T: Real>(
+    (sg, lg): (&CpuStorage, &Layout),
+    (su, lu): (&CpuStorage, &Layout),
+    (sd, ld): (&CpuStorage, &Layout),
+    wrt_gate: bool,
+) -> Result<CpuStorage> {
+    let g = contiguous::<T>(sg, lg, "silu-mul-bwd")?;
+    let u = contiguous::<T>(su, lu, "silu-mul-bwd")?;
+    let dy = contiguous::<T>(sd, ld, "silu-mul-bwd")?;
+    if g.len() != u.len() || g.len() != dy.len() {
+        bail!("silu-mul-bwd: lengths {} {} {}", g.len(), u.len(), dy.len())
+    }
+    let out = if wrt_gate {
+        // d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
+        g.iter()
+            .zip(u)
+            .zip(dy)
+            .map(|((&a, &b), &d)| {
+                let s = sigmoid(a);
+                d * b * s * (T::one() + a * (T::one() - s))
+            })
+            .collect()
+    } else {
+        g.iter()
+            .zip(dy)
+            .map(|(&a, &d)| d * a * sigmoid(a))
+            .collect()
+    };
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp3 for SiluMulBwd {
+    fn name(&self) -> &'static str {
+        "silu-mul-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        sg: &CpuStorage,
+        lg: &Layout,
+        su: &CpuStorage,
+        lu: &Layout,
+        sd: &CpuStorage,
+        ld: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            sg,
+            self.name(),
+            silu_mul_bwd((sg, lg), (su, lu), (sd, ld), self.wrt_gate)
+        )?;
+        Ok((out, lg.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy helpers (no gradient graph: the loss computes its gradient by hand).
+
+/// Per row of `x: [n, v]`: the max `m` and `sum(exp(x - m))`, as two `[n, 1]` tensors.
+pub(crate) fn row_max_sumexp(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let both = x.contiguous()?.apply_op1_no_bwd(&RowMaxSumExp)?;
+    Ok((both.narrow(1, 0, 1)?, both.narrow(1, 1, 1)?))
+}
+
+struct RowMaxSumExp;
+
+fn max_sumexp<T: Real>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
+    let (_, v) = l.shape().dims2()?;
+    let x = contiguous::<T>(s, l, "row-max-sumexp")?;
+    let mut out = Vec::with_capacity(2 * x.len() / v.max(1));
+    for row in x.chunks(v.max(1)) {
+        let m = row
+            .iter()
+            .fold(T::neg_infinity(), |m, &a| if a > m { a } else { m });
+        let mut sum = T::zero();
+        for &a in row {
+            sum += (a - m).exp();
+        }
+        out.extend([m, sum]);
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp1 for RowMaxSumExp {
+    fn name(&self) -> &'static str {
+        "row-max-sumexp"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, _) = l.shape().dims2()?;
+        let out = by_dtype!(s, self.name(), max_sumexp(s, l))?;
+        Ok((out, Shape::from((n, 2))))
+    }
+}
+
+/// `exp(x - lse) * scale` for `x: [n, v]` and `lse: [n]`: the head's probabilities, scaled.
+pub(crate) fn scaled_probs(x: &Tensor, lse: &Tensor, scale: f64) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2_no_bwd(&lse.contiguous()?, &ScaledProbs { scale })
+}
+
+struct ScaledProbs {
+    scale: f64,
+}
+
+fn scaled_probs_kernel<T: Real>(
+    sx: &CpuStorage,
+    lx: &Layout,
+    sl: &CpuStorage,
+    ll: &Layout,
+    scale: f64,
+) -> Result<CpuStorage> {
+    let (n, v) = lx.shape().dims2()?;
+    if ll.dims() != [n] {
+        bail!("scaled-probs: x {:?}, lse {:?}", lx.dims(), ll.dims())
+    }
+    let x = contiguous::<T>(sx, lx, "scaled-probs")?;
+    let lse = contiguous::<T>(sl, ll, "scaled-probs")?;
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); x.len()];
+    for ((row, o), &l) in x.chunks(v.max(1)).zip(out.chunks_mut(v.max(1))).zip(lse) {
+        for (y, &a) in o.iter_mut().zip(row) {
+            *y = (a - l).exp() * scale;
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp2 for ScaledProbs {
+    fn name(&self) -> &'static str {
+        "scaled-probs"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sl: &CpuStorage,
+        ll: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            sx,
+            self.name(),
+            scaled_probs_kernel(sx, lx, sl, ll, self.scale)
+        )?;
+        Ok((out, lx.shape().clone()))
+    }
+}
