@@ -52,3 +52,6 @@ venvs=$(bash scripts/python-sdk-venvs.sh)
 eval "$venvs"
 echo "== cargo test"
 cargo test --workspace --locked
+echo "== iota-model with the openblas feature"
+cargo clippy -p iota-model --features openblas --all-targets --locked -- -D warnings
+cargo test -p iota-model --features openblas --locked

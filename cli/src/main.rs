@@ -144,15 +144,22 @@ async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
             args.netuid
         );
     }
-    let v = iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
-    println!("validator for {} on netuid {}", args.orchestrator_url, args.netuid);
+    let v =
+        iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
+    println!(
+        "validator for {} on netuid {}",
+        args.orchestrator_url, args.netuid
+    );
     iota_validator::run(v, shutdown_signal()).await;
     Ok(())
 }
 
 async fn print_scores(store: &iota_validator::Store) -> anyhow::Result<()> {
     let rows = store.latest_scores().await?;
-    println!("{:>6}  {:<50} {:>8} {:>8} {:>10}  penalty", "epoch", "hotkey", "work", "quality", "score");
+    println!(
+        "{:>6}  {:<50} {:>8} {:>8} {:>10}  penalty",
+        "epoch", "hotkey", "work", "quality", "score"
+    );
     for (epoch, hotkey, work, quality, score, penalty) in rows {
         println!(
             "{epoch:>6}  {hotkey:<50} {work:>8.0} {quality:>8.3} {score:>10.1}  {}",

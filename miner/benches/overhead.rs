@@ -68,10 +68,10 @@ fn core_tokens_per_s(run: &RunConfig, reps: usize) -> f64 {
     let g = (Tensor::randn(0f32, 1.0, stage.output_dims(b, t), &Device::Cpu).expect("g") * 1e-3)
         .expect("g");
     let g = g.to_dtype(DType::F32).expect("g");
-    let mut pass = |i: usize, stage: &mut Stage, opt: &mut AdamW| {
+    let pass = |i: usize, stage: &mut Stage, opt: &mut AdamW| {
         let (_, cache) = stage.forward(&x, None).expect("forward");
         stage.backward(cache, Some(&g)).expect("backward");
-        if (i + 1) % run.inner_steps_every as usize == 0 {
+        if (i + 1).is_multiple_of(run.inner_steps_every as usize) {
             opt.step_with(stage, run.inner_lr).expect("step");
         }
     };

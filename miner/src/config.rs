@@ -97,6 +97,8 @@ pub struct MinerConfig {
     pub cache_budget: Option<usize>,
     /// Memory to report; measured when `None`.
     pub memory_bytes: Option<u64>,
+    /// Throughput to report at registration; measured when `None`.
+    pub tokens_per_s: Option<f64>,
     /// A dishonest behaviour, for testing validators.
     pub adversary: Option<Adversary>,
     /// Retries of network errors, 429 and 5xx.
@@ -115,6 +117,7 @@ impl MinerConfig {
             max_items: 4,
             cache_budget: None,
             memory_bytes: None,
+            tokens_per_s: None,
             adversary: None,
             retry: RetryPolicy::default(),
             seed: 0,
@@ -207,6 +210,7 @@ impl MinerArgs {
             max_items: self.max_items.clamp(1, 32),
             cache_budget: self.cache_budget,
             memory_bytes: self.memory_gb.map(|g| (g * 1e9) as u64),
+            tokens_per_s: None,
             adversary: self.adversary,
             retry: RetryPolicy::default(),
             seed: rand::random(),

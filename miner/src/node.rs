@@ -195,7 +195,9 @@ impl Node {
         let run = info.config;
         let model = run_model(&run)?;
         let device = cfg.device.clone();
-        let measured = {
+        let measured = if let Some(t) = cfg.tokens_per_s {
+            t
+        } else {
             let run = run.clone();
             tokio::task::spawn_blocking(move || {
                 capacity::measure_tokens_per_s(&run, &model, &device)

@@ -31,16 +31,28 @@ pub struct ValidatorArgs {
     #[arg(long = "database.url", env = "IOTA_VALIDATOR_DATABASE_URL")]
     pub database_url: Option<String>,
     /// Miners replayed per epoch (0: all).
-    #[arg(long = "replays-per-epoch", env = "IOTA_REPLAYS_PER_EPOCH", default_value_t = 4)]
+    #[arg(
+        long = "replays-per-epoch",
+        env = "IOTA_REPLAYS_PER_EPOCH",
+        default_value_t = 4
+    )]
     pub replays_per_epoch: usize,
     /// Merged partitions re-derived per epoch (0: all).
-    #[arg(long = "merges-per-epoch", env = "IOTA_MERGES_PER_EPOCH", default_value_t = 4)]
+    #[arg(
+        long = "merges-per-epoch",
+        env = "IOTA_MERGES_PER_EPOCH",
+        default_value_t = 4
+    )]
     pub merges_per_epoch: usize,
     /// Smallest cosine of a replayed tensor that passes.
     #[arg(long = "min-cosine", env = "IOTA_MIN_COSINE", default_value_t = 0.99)]
     pub min_cosine: f64,
     /// Largest relative error of a replayed tensor that passes.
-    #[arg(long = "max-relative-error", env = "IOTA_MAX_RELATIVE_ERROR", default_value_t = 0.05)]
+    #[arg(
+        long = "max-relative-error",
+        env = "IOTA_MAX_RELATIVE_ERROR",
+        default_value_t = 0.05
+    )]
     pub max_relative_error: f64,
     /// Per-epoch decay of older scores.
     #[arg(long = "score-decay", env = "IOTA_SCORE_DECAY", default_value_t = 0.7)]
@@ -55,7 +67,11 @@ pub struct ValidatorArgs {
     #[arg(long = "burn-share", env = "IOTA_BURN_SHARE", default_value_t = 0.0)]
     pub burn_share: f64,
     /// Seconds between loop steps.
-    #[arg(long = "poll-interval-s", env = "IOTA_POLL_INTERVAL_S", default_value_t = 5)]
+    #[arg(
+        long = "poll-interval-s",
+        env = "IOTA_POLL_INTERVAL_S",
+        default_value_t = 5
+    )]
     pub poll_interval_s: u64,
     /// Score only; never set weights.
     #[arg(long = "no-weights", env = "IOTA_NO_WEIGHTS")]

@@ -100,14 +100,8 @@ pub fn replay_miner(
     t: &ReplayThresholds,
 ) -> Result<ReplayReport, ValidatorError> {
     let started = Instant::now();
-    let mut trainer = StageTrainer::new(
-        run.clone(),
-        stage,
-        StageOptions::cpu(),
-        usize::MAX,
-        None,
-        0,
-    )?;
+    let mut trainer =
+        StageTrainer::new(run.clone(), stage, StageOptions::cpu(), usize::MAX, None, 0)?;
     for (j, values) in start.iter().enumerate() {
         trainer.load_partition(j as u32, values.as_deref())?;
     }
@@ -142,7 +136,9 @@ pub fn replay_miner(
             Ok(o) => o,
             Err(e) => {
                 report.failed_hops.push(hop.task_id);
-                report.reason.get_or_insert(format!("task {}: {e}", hop.task_id));
+                report
+                    .reason
+                    .get_or_insert(format!("task {}: {e}", hop.task_id));
                 continue;
             }
         };
@@ -171,9 +167,10 @@ pub fn replay_miner(
         }
         if !ok {
             report.failed_hops.push(hop.task_id);
-            report
-                .reason
-                .get_or_insert(format!("task {}: output or loss differs from the replay", hop.task_id));
+            report.reason.get_or_insert(format!(
+                "task {}: output or loss differs from the replay",
+                hop.task_id
+            ));
         }
     }
     trainer.finish_training()?;
@@ -186,9 +183,9 @@ pub fn replay_miner(
             report.pseudo_gradient_relative_error.max(c.relative_error);
         if !(c.cosine >= t.min_cosine && c.relative_error <= t.max_relative_error) {
             report.passed = false;
-            report
-                .reason
-                .get_or_insert(format!("pseudo-gradient partition {j} differs from the replay"));
+            report.reason.get_or_insert(format!(
+                "pseudo-gradient partition {j} differs from the replay"
+            ));
         }
     }
     report.passed &= report.failed_hops.is_empty();

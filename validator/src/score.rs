@@ -58,7 +58,12 @@ pub struct EpochScore {
 }
 
 /// The quality factor of a miner with CLASP `effect` (`None`: not enough samples to fit).
-pub fn quality(effect: Option<f64>, flagged: bool, failed: Option<&str>, cfg: &ScoreConfig) -> (f64, Option<String>) {
+pub fn quality(
+    effect: Option<f64>,
+    flagged: bool,
+    failed: Option<&str>,
+    cfg: &ScoreConfig,
+) -> (f64, Option<String>) {
     if let Some(why) = failed {
         return (0.0, Some(why.to_owned()));
     }
@@ -130,15 +135,32 @@ mod tests {
 
     #[test]
     fn older_epochs_count_less_and_fall_out_of_the_window() {
-        let cfg = ScoreConfig { decay: 0.5, window: 2, ..ScoreConfig::default() };
-        let t = decayed_totals(&[s("a", 5, 10.0), s("a", 4, 10.0), s("a", 3, 10.0), s("b", 5, 10.0)], &cfg);
+        let cfg = ScoreConfig {
+            decay: 0.5,
+            window: 2,
+            ..ScoreConfig::default()
+        };
+        let t = decayed_totals(
+            &[
+                s("a", 5, 10.0),
+                s("a", 4, 10.0),
+                s("a", 3, 10.0),
+                s("b", 5, 10.0),
+            ],
+            &cfg,
+        );
         assert_eq!(t["a"], 15.0);
         assert_eq!(t["b"], 10.0);
     }
 
     #[test]
     fn weights_sum_to_one_with_the_burn() {
-        let t: BTreeMap<String, f64> = [("a".to_string(), 3.0), ("b".to_string(), 1.0), ("c".to_string(), 0.0)].into();
+        let t: BTreeMap<String, f64> = [
+            ("a".to_string(), 3.0),
+            ("b".to_string(), 1.0),
+            ("c".to_string(), 0.0),
+        ]
+        .into();
         let w = weights(&t, Some(("owner", 0.2)));
         assert!((w.values().sum::<f64>() - 1.0).abs() < 1e-12);
         assert!((w["a"] - 0.6).abs() < 1e-12 && (w["owner"] - 0.2).abs() < 1e-12);

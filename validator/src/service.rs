@@ -10,6 +10,7 @@ use std::time::Duration;
 use iota_chain::set_weights::{WeightOptions, WeightsOutcome};
 use iota_chain::wallet::Keypair;
 use iota_chain::{Subtensor, TxOptions};
+use iota_protocol::BlobDescriptor;
 use iota_protocol::api::{
     Direction, EpochRecord, HopRecord, PartitionState, RunConfig, SampleRecord, SpotCheckReport,
     SpotCheckResult,
@@ -17,7 +18,6 @@ use iota_protocol::api::{
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition};
-use iota_protocol::BlobDescriptor;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
@@ -137,7 +137,8 @@ impl Validator {
         store: Store,
     ) -> Result<Self, ValidatorError> {
         let signer: Arc<dyn RequestSigner> = Arc::new(HotkeySigner(hotkey.clone()));
-        let client = ApiClient::connect(&cfg.orchestrator_url, signer, RetryPolicy::default()).await?;
+        let client =
+            ApiClient::connect(&cfg.orchestrator_url, signer, RetryPolicy::default()).await?;
         let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
         Ok(Self {
             cfg,
@@ -239,7 +240,9 @@ impl Validator {
             .chain_get_block_hash(Some(n.into()))
             .await
             .map_err(|e| ValidatorError::Chain(iota_chain::ChainError::Rpc(e.to_string())))?
-            .ok_or_else(|| ValidatorError::Chain(iota_chain::ChainError::Rpc(format!("no block {n}"))))?;
+            .ok_or_else(|| {
+                ValidatorError::Chain(iota_chain::ChainError::Rpc(format!("no block {n}")))
+            })?;
         Ok((n, hash.0.to_vec()))
     }
 
@@ -247,7 +250,9 @@ impl Validator {
     pub async fn score_epoch(&self, epoch: u64) -> Result<EpochOutcome, ValidatorError> {
         let record = self.client.epoch_record(epoch).await?;
         if record.phase.is_some() {
-            return Err(ValidatorError::Config(format!("epoch {epoch} has not finished")));
+            return Err(ValidatorError::Config(format!(
+                "epoch {epoch} has not finished"
+            )));
         }
         let secret = self.store.secret().await?;
         let (seed_block, block_hash) = self.fresh_block().await?;
@@ -357,16 +362,17 @@ impl Validator {
             for r in &p.results {
                 let passed = r.blake3 == hash;
                 if !passed {
-                    failed
-                        .entry(r.hotkey.clone())
-                        .or_insert_with(|| format!("merge {}/{} is not the average", p.stage, p.partition));
+                    failed.entry(r.hotkey.clone()).or_insert_with(|| {
+                        format!("merge {}/{} is not the average", p.stage, p.partition)
+                    });
                 }
                 checks.push(SpotCheckResult {
                     hotkey: r.hotkey.clone(),
                     kind: "merge".into(),
                     target: format!("{}/{}", p.stage, p.partition),
                     passed,
-                    detail: serde_json::json!({"submitted": r.blake3, "recomputed": hash}).to_string(),
+                    detail: serde_json::json!({"submitted": r.blake3, "recomputed": hash})
+                        .to_string(),
                 });
             }
         }
@@ -398,7 +404,11 @@ impl Validator {
             .iter()
             .map(|m| {
                 let work = m.backward_done as f64
-                    + if m.stage == last { m.forward_done as f64 } else { 0.0 };
+                    + if m.stage == last {
+                        m.forward_done as f64
+                    } else {
+                        0.0
+                    };
                 let (effect, flagged) = effects
                     .get(m.hotkey.as_str())
                     .map(|(e, f)| (Some(*e), *f))
@@ -478,8 +488,8 @@ impl Validator {
             .filter(|p| p.stage == stage && p.partition == partition)
         {
             let bytes = self.client.download(&pg.blob).await?;
-            let values =
-                decode_partition(&bytes, len).map_err(|e| ValidatorError::BadObject(e.to_string()))?;
+            let values = decode_partition(&bytes, len)
+                .map_err(|e| ValidatorError::BadObject(e.to_string()))?;
             contributions.push((pg.hotkey.clone(), pg.weight, values));
         }
         let base = self
@@ -521,7 +531,9 @@ impl Validator {
     }
 
     /// The weights the stored scores give, by uid (hotkeys not on the subnet are dropped).
-    pub async fn weights_from_db(&self) -> Result<Option<(u64, Vec<u16>, Vec<f64>)>, ValidatorError> {
+    pub async fn weights_from_db(
+        &self,
+    ) -> Result<Option<(u64, Vec<u16>, Vec<f64>)>, ValidatorError> {
         let Some(latest) = self.store.latest_scored(self.run_id).await? else {
             return Ok(None);
         };
@@ -531,12 +543,19 @@ impl Validator {
             .await?;
         let totals = decayed_totals(&scores, &self.cfg.score);
         let meta = self.chain.metagraph(self.cfg.netuid).await?;
-        let uid_of: BTreeMap<String, u16> =
-            meta.neurons.iter().map(|n| (n.hotkey.ss58(), n.uid)).collect();
+        let uid_of: BTreeMap<String, u16> = meta
+            .neurons
+            .iter()
+            .map(|n| (n.hotkey.ss58(), n.uid))
+            .collect();
         let burn_key = self.cfg.burn.map(|(uid, _)| format!("uid:{uid}"));
         let w = weights(
             &totals,
-            self.cfg.burn.as_ref().zip(burn_key.as_deref()).map(|((_, b), k)| (k, *b)),
+            self.cfg
+                .burn
+                .as_ref()
+                .zip(burn_key.as_deref())
+                .map(|((_, b), k)| (k, *b)),
         );
         let mut by_uid: BTreeMap<u16, f64> = BTreeMap::new();
         for (k, v) in w {
@@ -573,17 +592,36 @@ impl Validator {
         };
         match self
             .chain
-            .set_weights(&self.hotkey, self.cfg.netuid, &uids, &scores, &self.store, &opts)
+            .set_weights(
+                &self.hotkey,
+                self.cfg.netuid,
+                &uids,
+                &scores,
+                &self.store,
+                &opts,
+            )
             .await
         {
             Ok(outcome) => {
                 let json = serde_json::to_value(&outcome).unwrap_or(serde_json::Value::Null);
                 let (state, block, version, hash) = match &outcome {
-                    WeightsOutcome::Set { block, version_key, .. } => ("set", Some(*block), Some(*version_key), None),
-                    WeightsOutcome::Committed { block, version_key, hash, .. } => {
-                        ("committed", Some(*block), Some(*version_key), Some(hash.as_str()))
+                    WeightsOutcome::Set {
+                        block, version_key, ..
+                    } => ("set", Some(*block), Some(*version_key), None),
+                    WeightsOutcome::Committed {
+                        block,
+                        version_key,
+                        hash,
+                        ..
+                    } => (
+                        "committed",
+                        Some(*block),
+                        Some(*version_key),
+                        Some(hash.as_str()),
+                    ),
+                    WeightsOutcome::DryRun { version_key, .. } => {
+                        ("dry_run", None, Some(*version_key), None)
                     }
-                    WeightsOutcome::DryRun { version_key, .. } => ("dry_run", None, Some(*version_key), None),
                 };
                 self.store
                     .finish_submission(id, state, block, version, hash, &json)
@@ -593,7 +631,14 @@ impl Validator {
             }
             Err(e) => {
                 self.store
-                    .finish_submission(id, "failed", None, None, None, &serde_json::json!({"error": e.to_string()}))
+                    .finish_submission(
+                        id,
+                        "failed",
+                        None,
+                        None,
+                        None,
+                        &serde_json::json!({"error": e.to_string()}),
+                    )
                     .await?;
                 Err(e.into())
             }

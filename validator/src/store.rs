@@ -216,10 +216,11 @@ impl Store {
 
     /// Latest scored epoch of `run_id`.
     pub async fn latest_scored(&self, run_id: i64) -> Result<Option<u64>, ValidatorError> {
-        let e: Option<i64> = sqlx::query_scalar("SELECT max(epoch) FROM scored_epochs WHERE run_id = $1")
-            .bind(run_id)
-            .fetch_one(&self.db)
-            .await?;
+        let e: Option<i64> =
+            sqlx::query_scalar("SELECT max(epoch) FROM scored_epochs WHERE run_id = $1")
+                .bind(run_id)
+                .fetch_one(&self.db)
+                .await?;
         Ok(e.map(|e| e as u64))
     }
 

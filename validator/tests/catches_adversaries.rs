@@ -1,0 +1,246 @@
+//! A real run with one miner of each adversarial kind among honest ones: localnet, PostgreSQL,
+//! orchestrator, 12 miners on the CPU (`tiny`) and a validator. Each cheater is caught by a
+//! replay, a merge check or CLASP; the weights the validator sets give every cheater less than
+//! every honest miner; after a tempo the chain's Yuma epoch pays honest miners more. Needs
+//! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+
+#[path = "../../miner/tests/support/mod.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use iota_chain::wallet::Keypair;
+use iota_chain::{ConnectOptions, Subtensor};
+use iota_miner::{Adversary, MinerHandle, spawn};
+use iota_validator::{Store, Validator, ValidatorConfig};
+use support::*;
+
+const HONEST: [u8; 6] = [81, 82, 83, 84, 85, 86];
+/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2.
+const CHEATERS: [(u8, Adversary); 6] = [
+    (91, Adversary::Noise),
+    (92, Adversary::Zeros),
+    (93, Adversary::LazyLoss),
+    (94, Adversary::Freeload),
+    (95, Adversary::WrongMerge),
+    (96, Adversary::StaleWeights),
+];
+const VALIDATOR: u8 = 99;
+const EPOCHS: u64 = 2;
+
+async fn join(base: &str, seed: u8, adversary: Option<Adversary>) -> MinerHandle {
+    let mut cfg = miner_config(base);
+    // Equal reported throughput: the orchestrator assigns stages round robin in join order.
+    cfg.tokens_per_s = Some(1000.0);
+    cfg.adversary = adversary;
+    cfg.seed = u64::from(seed);
+    let m = spawn(cfg, signer(seed));
+    eventually("joined", Duration::from_secs(60), || async {
+        m.status().stage.map(|_| ())
+    })
+    .await;
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
+    init_tracing();
+    let miners_seeds: Vec<u8> = HONEST
+        .iter()
+        .copied()
+        .chain(CHEATERS.iter().map(|c| c.0))
+        .collect();
+    let chain = chain_with(&miners_seeds, &[VALIDATOR]).await;
+    let ticking = async {
+        // The localnet seals blocks on demand: keep the chain moving as a real one would.
+        loop {
+            chain.net.produce_blocks(1);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let body = async {
+        let db = fresh_db().await;
+        let store_dir = tempfile::tempdir().expect("store");
+        let run = tiny_run("validator-adversaries", 48);
+        let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
+        let client = explorer(&orch.base, HONEST[0]).await;
+        let mut miners = Vec::new();
+        for s in HONEST {
+            miners.push((s, None, join(&orch.base, s, None).await));
+        }
+        for (s, a) in CHEATERS {
+            miners.push((s, Some(a), join(&orch.base, s, Some(a)).await));
+        }
+        for (_, a, m) in &miners {
+            let want = match a {
+                Some(Adversary::Noise | Adversary::Freeload) => Some(0),
+                Some(Adversary::Zeros | Adversary::WrongMerge) => Some(1),
+                Some(Adversary::LazyLoss | Adversary::StaleWeights) => Some(2),
+                _ => None,
+            };
+            if want.is_some() {
+                assert_eq!(
+                    m.status().stage,
+                    want,
+                    "{a:?} is on the stage where it can cheat"
+                );
+            }
+        }
+        wait_epoch(&client, EPOCHS, Duration::from_secs(400)).await;
+
+        let vdb = fresh_db().await;
+        let store = Store::connect(&vdb).await.expect("validator db");
+        let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+            .await
+            .expect("chain");
+        let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
+        cfg.replays_per_epoch = 0;
+        cfg.merges_per_epoch = 0;
+        cfg.tx = tx();
+        let hotkey = Keypair::from_seed([VALIDATOR; 32]);
+        let v = Validator::connect(cfg, hotkey, vchain, store.clone())
+            .await
+            .expect("validator");
+        let scored = v.step().await.expect("validator step");
+        assert!(scored.len() as u64 >= EPOCHS, "scored {scored:?}");
+
+        // Every cheater lost its score in at least one epoch, for the reason its cheat gives.
+        let rows: Vec<(i64, String, f64, Option<String>)> = sqlx::query_as(
+            "SELECT epoch, hotkey, quality, penalty FROM scores ORDER BY epoch, hotkey",
+        )
+        .fetch_all(store.pool())
+        .await
+        .expect("scores");
+        let ss58 = |seed: u8| iota_protocol::signing::RequestSigner::ss58(&pair(seed));
+        for (seed, kind) in CHEATERS {
+            let penalties: Vec<String> = rows
+                .iter()
+                .filter(|r| r.1 == ss58(seed) && r.2 == 0.0)
+                .filter_map(|r| r.3.clone())
+                .collect();
+            eprintln!("{kind}: {penalties:?}");
+            assert!(!penalties.is_empty(), "{kind} was never caught: {rows:?}");
+        }
+        for seed in HONEST {
+            let zeroed: Vec<_> = rows
+                .iter()
+                .filter(|r| r.1 == ss58(seed) && r.2 == 0.0)
+                .collect();
+            assert!(zeroed.is_empty(), "honest miner penalised: {zeroed:?}");
+        }
+
+        // The weights the validator committed (what it reveals) rank every cheater below every
+        // honest miner.
+        let subs = store.submissions(10).await.expect("submissions");
+        let sent = subs
+            .iter()
+            .find(|s| s.state == "committed" || s.state == "set")
+            .expect("weights sent to the chain")
+            .clone();
+        let meta = chain
+            .chain
+            .metagraph(chain.netuid)
+            .await
+            .expect("metagraph");
+        let uid = |seed: u8| {
+            meta.neurons
+                .iter()
+                .find(|n| n.hotkey.ss58() == ss58(seed))
+                .map(|n| n.uid)
+                .expect("uid")
+        };
+        let w: BTreeMap<u16, f64> = sent
+            .uids
+            .iter()
+            .copied()
+            .zip(sent.weights.iter().copied())
+            .collect();
+        let weight = |seed: u8| w.get(&uid(seed)).copied().unwrap_or(0.0);
+        let min_honest = HONEST
+            .iter()
+            .map(|s| weight(*s))
+            .fold(f64::INFINITY, f64::min);
+        let max_cheat = CHEATERS.iter().map(|(s, _)| weight(*s)).fold(0.0, f64::max);
+        assert!(
+            min_honest > max_cheat,
+            "weights: honest min {min_honest}, cheater max {max_cheat}"
+        );
+
+        // Restart the validator between commit and reveal: the new process reveals from the
+        // database.
+        drop(v);
+        let mut revealed_at = sent.block;
+        if sent.state == "committed" {
+            let store = Store::connect(&vdb).await.expect("validator db again");
+            let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+                .await
+                .expect("chain");
+            let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
+            cfg.tx = tx();
+            let v = Validator::connect(
+                cfg,
+                Keypair::from_seed([VALIDATOR; 32]),
+                vchain,
+                store.clone(),
+            )
+            .await
+            .expect("validator restarted");
+            revealed_at = eventually("the reveal", Duration::from_secs(120), || async {
+                v.reveal().await.expect("reveal");
+                let subs = store.submissions(10).await.ok()?;
+                subs.iter()
+                    .find(|s| s.id == sent.id && s.state == "revealed")
+                    .and_then(|s| s.block)
+            })
+            .await
+            .into();
+        }
+
+        // After a tempo, Yuma pays honest miners more incentive than any cheater.
+        let tempo = chain
+            .chain
+            .hyperparams(chain.netuid)
+            .await
+            .expect("hp")
+            .tempo;
+        let start = revealed_at.expect("block");
+        chain
+            .chain
+            .wait_for_block(start + u64::from(tempo) + 2, Duration::from_secs(120))
+            .await
+            .expect("a tempo");
+        let meta = chain
+            .chain
+            .metagraph(chain.netuid)
+            .await
+            .expect("metagraph");
+        let incentive = |seed: u8| {
+            meta.neurons
+                .iter()
+                .find(|n| n.hotkey.ss58() == ss58(seed))
+                .map(|n| n.incentive)
+                .expect("neuron")
+        };
+        let min_honest = HONEST.iter().map(|s| incentive(*s)).min().expect("honest");
+        let max_cheat = CHEATERS
+            .iter()
+            .map(|(s, _)| incentive(*s))
+            .max()
+            .expect("cheaters");
+        eprintln!("incentive: honest min {min_honest}, cheater max {max_cheat}");
+        assert!(
+            min_honest > max_cheat,
+            "incentive: honest min {min_honest}, cheater max {max_cheat}"
+        );
+
+        for (_, _, m) in miners {
+            let _ = m.stop().await;
+        }
+        orch.stop().await;
+    };
+    tokio::select! {
+        _ = ticking => unreachable!("the ticker never ends"),
+        _ = body => {}
+    }
+}
