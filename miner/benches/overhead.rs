@@ -114,6 +114,18 @@ async fn main() {
         (st.epoch > 0 || st.phase != Phase::Training).then_some(())
     })
     .await;
+    for m in &miners {
+        let s = m.status();
+        println!(
+            "  miner stage {:?}: hops {}, busy {:.1} s, leases lost {}, errors {}, non-finite {}",
+            s.stage,
+            s.hops,
+            s.busy_ms / 1e3,
+            s.leases_lost,
+            s.errors,
+            s.nonfinite_events
+        );
+    }
     let middle = miners
         .iter()
         .map(|m| m.status())
