@@ -318,17 +318,20 @@ struct GlanceFlush {
     run: i64,
 }
 
+// Every lookup is by primary key or row id, one per asked hotkey: joined on the array, the
+// planner scans all the run's miners, which costs more than a small batch saves (`OFFSET 0`
+// keeps the lateral lookup from being flattened into such a join).
 const GLANCE_SQL: &str = "
 WITH asked AS (
     SELECT DISTINCT unnest($2::text[]) AS hotkey
 ), touched AS (
     UPDATE miners SET last_seen = now()
-    WHERE run_id = $1 AND hotkey IN (
-        SELECT hotkey FROM miners
+    WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM miners
         WHERE run_id = $1 AND hotkey = ANY($2) AND status = 'active'
           AND last_seen < now() - interval '1 second'
         ORDER BY hotkey
-        FOR UPDATE SKIP LOCKED)
+        FOR UPDATE SKIP LOCKED))
 )
 SELECT a.hotkey, m.stage AS miner_stage, m.status = 'active' AS miner_active,
        EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = $1 AND t.miner = a.hotkey
@@ -339,7 +342,9 @@ SELECT a.hotkey, m.stage AS miner_stage, m.status = 'active' AS miner_active,
        r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
        e.samples_completed AS status_samples_completed
 FROM asked a
-LEFT JOIN miners m ON m.run_id = $1 AND m.hotkey = a.hotkey
+LEFT JOIN LATERAL (
+    SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = a.hotkey OFFSET 0
+) m ON true
 CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
 WHERE r.id = $1";
 
