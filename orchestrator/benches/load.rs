@@ -16,7 +16,9 @@
 //! uuid), since a real miner signs on its own machine. The run prints how many were pre-signed
 //! and how many had to be signed inside the window (when a miner's pool ran out).
 //! `IOTA_BENCH_SIGN_IN_LOOP=1` signs every poll inside the loop, as the client's cost was counted
-//! before.
+//! before. In closed loops a route's latency is about miners / throughput (Little's law), the
+//! no-op's included; latency targets are for paced runs (`IOTA_BENCH_POLL_INTERVAL_MS=1000`).
+//! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
