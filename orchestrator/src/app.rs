@@ -18,11 +18,12 @@ use governor::{Quota, RateLimiter};
 use iota_chain::MetagraphIndex;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::api::RunConfig;
-use iota_protocol::signing::{SkewWindow, verify_request};
+use iota_protocol::signing::{HEADER_SIGNED_BY, SkewWindow, verify_request};
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 use sqlx::PgPool;
 use tokio::sync::watch;
 
+use crate::replay::{ReplayCache, ReplayError};
 use crate::store::{BlobStore, StoreError};
 
 /// Request rate and size limits.
@@ -90,6 +91,10 @@ pub struct AppState {
     pub leader: AtomicBool,
     /// Merge reassignment rounds before the last deadline.
     pub max_merge_rounds: u32,
+    /// Signed-request uuids seen (group-committed to the database).
+    pub replay: ReplayCache,
+    /// Work polls' first look, shared by polls that arrive together.
+    pub glances: crate::miner::Glances,
     per_hotkey: KeyedLimiter<[u8; 32]>,
     per_ip: KeyedLimiter<IpAddr>,
 }
@@ -114,6 +119,8 @@ impl AppState {
         max_merge_rounds: u32,
     ) -> Self {
         Self {
+            replay: ReplayCache::new(db.clone()),
+            glances: crate::miner::Glances::new(db.clone(), run.id),
             db,
             store,
             run,
@@ -190,6 +197,12 @@ impl From<StoreError> for AppError {
             StoreError::BadKey(k) => Self::new(ErrorCode::BadRequest, format!("bad key {k:?}")),
             StoreError::Backend(m) => Self::new(ErrorCode::Internal, format!("store: {m}")),
         }
+    }
+}
+
+impl From<ReplayError> for AppError {
+    fn from(e: ReplayError) -> Self {
+        Self::new(ErrorCode::Internal, e.to_string())
     }
 }
 
@@ -279,6 +292,17 @@ async fn check_signed(
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
+    // Membership first (an O(1) lookup): a request in the name of a hotkey that is not on the
+    // subnet costs no signature verification. The rate limit waits for the signature, so that
+    // nobody can spend another hotkey's quota.
+    if let Some(claimed) = parts
+        .headers
+        .get(HEADER_SIGNED_BY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| PublicKey::from_ss58(v).ok().map(|k| (k, v)))
+    {
+        member(app, &claimed.0, claimed.1)?;
+    }
     let verified = verify_request(
         |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
         parts.method.as_str(),
@@ -289,21 +313,7 @@ async fn check_signed(
         app.skew,
     )?;
     let key = PublicKey::from_bytes(verified.signer);
-    let (uid, permit) = {
-        let index = app.metagraph.borrow();
-        let neuron = index.neuron(&key).ok_or_else(|| {
-            AppError::new(
-                ErrorCode::NotRegistered,
-                format!(
-                    "{} is not registered on subnet {} (metagraph at block {})",
-                    verified.signer_ss58,
-                    app.run.netuid,
-                    index.block()
-                ),
-            )
-        })?;
-        (neuron.uid, neuron.validator_permit)
-    };
+    let (uid, permit) = member(app, &key, &verified.signer_ss58)?;
     if gate == Gate::Validator && !permit {
         return Err(AppError::new(
             ErrorCode::NotValidator,
@@ -317,13 +327,8 @@ async fn check_signed(
             "too many requests from this hotkey",
         ));
     }
-    let inserted = sqlx::query(
-        "INSERT INTO request_uuids (uuid, seen_at) VALUES ($1, now()) ON CONFLICT DO NOTHING",
-    )
-    .bind(verified.uuid)
-    .execute(&app.db)
-    .await?;
-    if inserted.rows_affected() == 0 {
+    // Committed before the request acts, so every process refuses the uuid from now on.
+    if !app.replay.record(verified.uuid).await? {
         return Err(AuthError::Replayed(verified.uuid).into());
     }
     parts.extensions.insert(Caller {
@@ -333,6 +338,22 @@ async fn check_signed(
         permit,
     });
     Ok(Request::from_parts(parts, Body::from(bytes)))
+}
+
+/// The uid and validator permit of `key` in the latest metagraph, or `not_registered`.
+fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppError> {
+    let index = app.metagraph.borrow();
+    let neuron = index.neuron(key).ok_or_else(|| {
+        AppError::new(
+            ErrorCode::NotRegistered,
+            format!(
+                "{ss58} is not registered on subnet {} (metagraph at block {})",
+                app.run.netuid,
+                index.block()
+            ),
+        )
+    })?;
+    Ok((neuron.uid, neuron.validator_permit))
 }
 
 /// Public-route middleware: per-IP rate limit.

@@ -4,7 +4,8 @@
 //!
 //! * [`run`] serves one training run on a listener until shutdown; several processes on one
 //!   database serve the same run (the phase driver runs in the one holding an advisory lock).
-//! * [`app`]: state, errors, the request-signing gate. [`miner`], [`validator`], [`views`]: routes.
+//! * [`app`]: state, errors, the request-signing gate; [`replay`]: its group-committed replay
+//!   cache. [`miner`], [`validator`], [`views`]: routes.
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
 //! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
@@ -12,10 +13,12 @@
 //! `orchestrator/API.md` describes the API; `orchestrator/openapi.json` is its contract.
 
 pub mod app;
+mod batch;
 pub mod config;
 pub mod dashboard;
 pub mod driver;
 pub mod miner;
+pub mod replay;
 pub mod routing;
 pub mod sim;
 pub mod store;

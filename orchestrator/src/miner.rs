@@ -8,11 +8,15 @@ use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
 use iota_protocol::tensor::{TensorSpec, check_tensor};
+use std::collections::HashMap;
+
 use serde::Deserialize;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
+use crate::batch::{Batcher, Flush};
 use crate::routing::{StageLoad, choose_stage, weighted_pick};
 use crate::views;
 
@@ -259,49 +263,24 @@ pub async fn work(
 ) -> ApiResult<Json<WorkResponse>> {
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
-    let lease_s = cfg.lease_s as f64;
-    // The hot path of every miner: few statements, no transaction. Leasing is one atomic
-    // statement; only a stage-0 miner that may still start samples needs a transaction.
-    let stage = poll_miner(&app, &caller).await?;
-    // Leases the caller already holds come back first: a poll retried after a lost answer
-    // returns the same work instead of leasing more (and letting the first leases lapse).
-    let held = sqlx::query(
-        "SELECT id, lease, leased_until, epoch, sample_id, stage, direction, input FROM tasks
-         WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > now()
-         ORDER BY id LIMIT $3",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .bind(max)
-    .fetch_all(&app.db)
-    .await?;
-    let rows = sqlx::query(
-        "UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
-             leased_until = now() + make_interval(secs => $3)
-         WHERE id IN (
-             SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
-             ORDER BY (direction = 'backward') DESC, id LIMIT $4 FOR UPDATE SKIP LOCKED)
-         RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .bind(lease_s)
-    .bind(max - held.len() as i64)
-    .fetch_all(&app.db)
-    .await?;
-    let mut items = held
-        .iter()
-        .chain(rows.iter())
-        .map(work_item)
-        .collect::<ApiResult<Vec<_>>>()?;
-    let mut status = views::epoch_status(&app).await?;
+    // The hot path of every miner, and most polls find nothing to do: a glance shared with the
+    // polls that arrive at the same time answers those.
+    let glance = app.glances.look(caller.ss58.clone()).await?;
+    if let Some(stage) = glance.stage
+        && !glance.open_tasks
+        && !may_start_samples(cfg, stage, &glance.status)
+    {
+        return Ok(Json(WorkResponse {
+            items: Vec::new(),
+            status: glance.status,
+        }));
+    }
+    // Otherwise one statement (see POLL_SQL), no transaction. Only a stage-0 miner that may
+    // still start samples needs a transaction after it.
+    let (stage, mut items, mut status) = poll(&app, &caller, max).await?;
     let room = max - items.len() as i64;
     // Once the epoch's sample budget is spent, stage 0 polls skip the locking budget update.
-    if stage == 0
-        && status.phase == Phase::Training
-        && room > 0
-        && status.samples_started < cfg.samples_per_epoch
-    {
+    if room > 0 && may_start_samples(cfg, stage, &status) {
         let mut tx = app.db.begin().await?;
         let started = start_samples(&mut tx, &app, &caller, status.epoch, room).await?;
         tx.commit().await?;
@@ -317,27 +296,200 @@ pub async fn work(
     Ok(Json(WorkResponse { items, status }))
 }
 
-/// A work poll's check of the caller, which also marks it seen: one round trip. `last_seen` is
-/// written at most once a second per miner (a tight poll loop would otherwise write a row
-/// version per poll); that is far finer than any heartbeat timeout.
-async fn poll_miner(app: &App, caller: &Caller) -> ApiResult<u32> {
-    let stage: Option<i32> = sqlx::query_scalar(
-        "WITH touched AS (
-             UPDATE miners SET last_seen = now()
-             WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
-               AND last_seen < now() - interval '1 second')
-         SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .fetch_optional(&app.db)
-    .await?;
-    match stage {
-        Some(stage) => Ok(stage as u32),
-        // Not a miner, or released: the full check says which.
-        None => miner_stage(&app.db, app, caller).await,
+/// Whether a miner of `stage` may be given new samples now.
+fn may_start_samples(cfg: &RunConfig, stage: u32, status: &EpochStatus) -> bool {
+    stage == 0 && status.phase == Phase::Training && status.samples_started < cfg.samples_per_epoch
+}
+
+/// What a work poll needs to know first: the caller's stage (if it is an active miner), whether
+/// it has any open task (pending, or leased and unexpired), and the epoch status.
+pub(crate) struct Glance {
+    stage: Option<u32>,
+    open_tasks: bool,
+    status: EpochStatus,
+}
+
+/// The glances of many polls in one statement, which also marks their miners seen (at most
+/// once a second each, as the full poll does). Rows another statement has locked are not
+/// waited for: their touch waits for the next poll. A glance only reads, so a poll that finds
+/// work (or no active miner) runs the full statement, which decides alone.
+struct GlanceFlush {
+    db: PgPool,
+    run: i64,
+}
+
+// Every lookup is by primary key or row id, one per asked hotkey: joined on the array, the
+// planner scans all the run's miners, which costs more than a small batch saves (`OFFSET 0`
+// keeps the lateral lookup from being flattened into such a join).
+const GLANCE_SQL: &str = "
+WITH asked AS (
+    SELECT DISTINCT unnest($2::text[]) AS hotkey
+), touched AS (
+    UPDATE miners SET last_seen = now()
+    WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM miners
+        WHERE run_id = $1 AND hotkey = ANY($2) AND status = 'active'
+          AND last_seen < now() - interval '1 second'
+        ORDER BY hotkey
+        FOR UPDATE SKIP LOCKED))
+)
+SELECT a.hotkey, m.stage AS miner_stage, m.status = 'active' AS miner_active,
+       EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = $1 AND t.miner = a.hotkey
+               AND t.status IN ('pending', 'leased')
+               AND (t.status = 'pending' OR t.leased_until > now())) AS open_tasks,
+       r.epoch AS status_epoch, r.phase AS status_phase,
+       r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
+       r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
+       e.samples_completed AS status_samples_completed
+FROM asked a
+LEFT JOIN LATERAL (
+    SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = a.hotkey OFFSET 0
+) m ON true
+CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
+WHERE r.id = $1";
+
+impl Flush for GlanceFlush {
+    type Item = String;
+    type Output = ApiResult<Glance>;
+
+    async fn flush(&self, hotkeys: Vec<String>) -> Vec<Self::Output> {
+        metrics::histogram!("iota_poll_glance_batch_size").record(hotkeys.len() as f64);
+        let rows = match sqlx::query(GLANCE_SQL)
+            .bind(self.run)
+            .bind(&hotkeys)
+            .fetch_all(&self.db)
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) => {
+                let message = format!("database: {e}");
+                return hotkeys
+                    .iter()
+                    .map(|_| Err(AppError::new(ErrorCode::Internal, message.clone())))
+                    .collect();
+            }
+        };
+        let mut by_key: HashMap<String, &PgRow> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            if let Ok(key) = row.try_get::<String, _>("hotkey") {
+                by_key.insert(key, row);
+            }
+        }
+        hotkeys
+            .iter()
+            .map(|key| {
+                let row = by_key.get(key).ok_or_else(|| {
+                    AppError::new(ErrorCode::Internal, "no glance row for a polling miner")
+                })?;
+                let active = row.try_get::<Option<bool>, _>("miner_active")? == Some(true);
+                let stage = row.try_get::<Option<i32>, _>("miner_stage")?;
+                Ok(Glance {
+                    stage: stage.filter(|_| active).map(|s| s as u32),
+                    open_tasks: row.try_get("open_tasks")?,
+                    status: views::status_from_row(row)?,
+                })
+            })
+            .collect()
     }
 }
+
+/// Batched glances of work polls.
+pub struct Glances {
+    batcher: Batcher<GlanceFlush>,
+}
+
+impl Glances {
+    /// Glances over `db` for `run`.
+    pub fn new(db: PgPool, run: i64) -> Self {
+        Self {
+            batcher: Batcher::new(GlanceFlush { db, run }, 1024, 4),
+        }
+    }
+
+    pub(crate) async fn look(&self, hotkey: String) -> ApiResult<Glance> {
+        self.batcher
+            .submit(hotkey)
+            .await
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?
+    }
+}
+
+/// The poll statement for `caller`: its stage, its items (held leases first, then new ones) and
+/// the epoch status.
+async fn poll(
+    app: &App,
+    caller: &Caller,
+    max: i64,
+) -> ApiResult<(u32, Vec<WorkItem>, EpochStatus)> {
+    // Twice at most: a caller that was not active when the statement ran but is by the time the
+    // full check looks (it registered in between) polls again.
+    for _ in 0..2 {
+        let rows = sqlx::query(POLL_SQL)
+            .bind(app.run.id)
+            .bind(&caller.ss58)
+            .bind(app.config().lease_s as f64)
+            .bind(max)
+            .fetch_all(&app.db)
+            .await?;
+        let Some(first) = rows.first() else {
+            // Not a miner, or released: the full check says which.
+            miner_stage(&app.db, app, caller).await?;
+            continue;
+        };
+        let stage = first.try_get::<i32, _>("miner_stage")? as u32;
+        let status = views::status_from_row(first)?;
+        let mut items = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if row.try_get::<Option<i64>, _>("id")?.is_some() {
+                items.push(work_item(row)?);
+            }
+        }
+        return Ok((stage, items, status));
+    }
+    Err(AppError::new(
+        ErrorCode::Internal,
+        "the miner's state changed during the poll; poll again",
+    ))
+}
+
+/// The work poll as one statement: checks the caller (active miner of this run) and marks it seen
+/// (at most once a second), returns the leases it still holds, leases pending hops routed to it
+/// up to `$4` in all, and reads the epoch status. One row per item, or one row with null item
+/// columns; no row when the caller is not an active miner (nothing is leased then).
+const POLL_SQL: &str = "
+WITH me AS (
+    SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+), touched AS (
+    UPDATE miners SET last_seen = now()
+    WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+      AND last_seen < now() - interval '1 second'
+), held AS (
+    SELECT id, lease, leased_until, epoch, sample_id, stage, direction, input FROM tasks
+    WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > now()
+      AND EXISTS (SELECT 1 FROM me)
+    ORDER BY id LIMIT $4
+), fresh AS (
+    UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
+        leased_until = now() + make_interval(secs => $3)
+    WHERE id IN (
+        SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
+          AND EXISTS (SELECT 1 FROM me)
+        ORDER BY (direction = 'backward') DESC, id
+        LIMIT greatest($4 - (SELECT count(*) FROM held), 0)
+        FOR UPDATE SKIP LOCKED)
+    RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input
+), items AS (
+    SELECT 0 AS part, * FROM held UNION ALL SELECT 1 AS part, * FROM fresh
+)
+SELECT me.stage AS miner_stage, r.epoch AS status_epoch, r.phase AS status_phase,
+       r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
+       r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
+       e.samples_completed AS status_samples_completed,
+       i.id, i.lease, i.leased_until, i.epoch, i.sample_id, i.stage, i.direction, i.input
+FROM me CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
+LEFT JOIN items i ON true
+WHERE r.id = $1
+ORDER BY i.part, i.part = 1 AND i.direction = 'backward' DESC, i.id";
 
 async fn presign_input(app: &App, item: &mut WorkItem) -> ApiResult<()> {
     if let Some(input) = &mut item.input {
