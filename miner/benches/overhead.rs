@@ -22,7 +22,7 @@ use iota_protocol::api::{Phase, RunConfig};
 use support::*;
 
 const STAGE: usize = 1;
-const SAMPLES: u64 = 16;
+const SAMPLES: u64 = 24;
 
 fn run_config() -> RunConfig {
     let model = ModelConfig::small();
@@ -85,6 +85,7 @@ fn core_tokens_per_s(run: &RunConfig, reps: usize) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    init_tracing();
     let run = run_config();
     let core_before = tokio::task::spawn_blocking({
         let run = run.clone();
@@ -99,16 +100,16 @@ async fn main() {
     let store = tempfile::tempdir().expect("store");
     let orch = start(config(&chain, &db, store.path(), run.clone())).await;
     let client = explorer(&orch.base, seeds[0]).await;
-    let mut miners = Vec::new();
-    for s in seeds {
-        // One at a time, so each takes the next empty stage.
-        let m = spawn(miner_config(&orch.base), signer(s));
-        eventually("joined", Duration::from_secs(120), || async {
-            m.status().stage.map(|_| ())
+    // All join at once with equal reported throughput (one per stage), so no sample starts
+    // while a stage is still empty.
+    let miners: Vec<_> = seeds
+        .iter()
+        .map(|s| {
+            let mut cfg = miner_config(&orch.base);
+            cfg.tokens_per_s = Some(1000.0);
+            spawn(cfg, signer(*s))
         })
-        .await;
-        miners.push(m);
-    }
+        .collect();
     eventually("training done", Duration::from_secs(900), || async {
         let st = client.status().await.ok()?;
         (st.epoch > 0 || st.phase != Phase::Training).then_some(())

@@ -284,8 +284,10 @@ impl Validator {
                 .map(|p| p.map(|(v, _)| v))
                 .collect();
             let mut recorded = Vec::new();
+            let mut miner_compute_ms = 0u64;
             for id in &cand.hop_task_ids {
                 let Some(h) = hops.get(id) else { continue };
+                miner_compute_ms += h.compute_ms.unwrap_or(0);
                 let input = match &h.input {
                     Some(b) => Some(self.client.download(b).await?.to_vec()),
                     None => None,
@@ -333,7 +335,10 @@ impl Validator {
             })
             .await
             .map_err(|e| ValidatorError::Config(format!("replay task: {e}")))??;
+            // What a check costs next to the work it checks (the miner's reported compute).
+            let cost_ratio = report.compute_s / (miner_compute_ms as f64 / 1e3).max(1e-3);
             tracing::info!(epoch, miner = %cand.hotkey, passed = report.passed, hops = report.hops,
+                replay_s = report.compute_s, miner_compute_s = miner_compute_ms as f64 / 1e3, cost_ratio,
                 worst_cosine = report.worst_cosine, worst_relative_error = report.worst_relative_error,
                 pg_cosine = report.pseudo_gradient_cosine, "replay");
             if !report.passed {
