@@ -154,6 +154,13 @@ async fn main() {
         "  miner (hop handling incl. download, encode, upload, complete): {miner_tps:.0} tokens/s over {samples} samples"
     );
     println!("  ratio miner / core: {:.3}", miner_tps / core);
+    // Load on a shared machine moves both figures above; within the same hops it cannot.
+    println!(
+        "  within the miner's own hops: {:.1} s in the training core of {:.1} s handling them: {:.3}",
+        middle.compute_ms / 1e3,
+        middle.busy_ms / 1e3,
+        middle.compute_ms / middle.busy_ms.max(1e-9)
+    );
     println!(
         "  boundary bytes per token per direction: {wire_per_token:.1} (fp32 residual stream: {:.0}; {:.0}x smaller)",
         4.0 * d_model,

@@ -541,6 +541,7 @@ impl Node {
             let dir = p.item.direction;
             self.status.send_modify(|s| {
                 s.hops += 1;
+                s.compute_ms += p.compute_ms as f64;
                 s.epoch_hops += 1;
                 s.tokens += p.out.tokens;
                 s.tokens_per_s = self.tokens_per_s;

@@ -45,6 +45,8 @@ pub struct MinerStatus {
     pub boundary_bytes: u64,
     /// Milliseconds spent handling completed hops: download, compute, upload, completion.
     pub busy_ms: f64,
+    /// Of those, milliseconds in the training core (decode, forward/backward, step, encode).
+    pub compute_ms: f64,
     /// Throughput of the last activation upload.
     pub upload_mb_per_s: f64,
     /// Pseudo-gradient partitions uploaded.
