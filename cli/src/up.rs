@@ -622,36 +622,45 @@ async fn finish(
 
     // Every validator scores the trained epochs and gets its weights onto the chain.
     println!("waiting for both validators to score {epochs} epochs and set weights");
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut weights_set = Vec::new();
-    for (hotkey, store) in stores {
-        loop {
-            let scored: Option<i64> = sqlx::query_scalar("SELECT max(epoch) FROM scored_epochs")
-                .fetch_one(store.pool())
-                .await?;
-            let subs = store.submissions(20).await?;
-            let landed = subs
-                .iter()
-                .find(|s| (s.state == "set" || s.state == "revealed") && s.block.is_some());
-            if let (Some(s), Some(e)) = (landed, scored)
-                && e + 1 >= epochs as i64
-            {
-                weights_set.push(serde_json::json!({"validator": hotkey, "block": s.block}));
-                break;
+    let settle = async {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let mut weights_set = Vec::new();
+        for (hotkey, store) in stores {
+            loop {
+                // Weights that count the last trained epoch, landed in a block.
+                let subs = store.submissions(20).await?;
+                let landed = subs.iter().find(|s| {
+                    (s.state == "set" || s.state == "revealed")
+                        && s.block.is_some()
+                        && s.epoch + 1 >= epochs
+                });
+                if let Some(s) = landed {
+                    weights_set.push(serde_json::json!({
+                        "validator": hotkey, "block": s.block, "epoch": s.epoch, "state": s.state,
+                    }));
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "validator {hotkey} did not set weights for epoch {} in time",
+                    epochs - 1
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "validator {hotkey} did not score and set weights in time (latest scored {scored:?})"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-    }
-    // Yuma runs at the next tempo boundary.
-    let tempo = chain.hyperparams(netuid).await?.tempo;
-    let now = chain.best_block_number().await?;
-    chain
-        .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
-        .await?;
+        // Yuma runs at the next tempo boundary.
+        let tempo = chain.hyperparams(netuid).await?.tempo;
+        let now = chain.best_block_number().await?;
+        chain
+            .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
+            .await?;
+        anyhow::Ok(weights_set)
+    };
+    // A second Ctrl-C gives up on the validators (and the report).
+    let weights_set = tokio::select! {
+        r = settle => r?,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted while waiting for the validators: no report"),
+    };
     let meta = chain.metagraph(netuid).await?;
 
     let mut scores: BTreeMap<String, Vec<f64>> = BTreeMap::new();
