@@ -241,7 +241,11 @@ pub async fn up(
     let (db_base, _pg) = database()?;
 
     println!("starting the localnet chain");
-    let net = Localnet::spawn(LocalnetConfig::with_block_time(Duration::from_millis(250))).await?;
+    let mut config = LocalnetConfig::with_block_time(Duration::from_millis(250));
+    // 5 s chain epochs: a validator busy replaying on a small machine still reveals its
+    // commit inside the one-epoch window.
+    config.chain.new_subnet_tempo = 20;
+    let net = Localnet::spawn(config).await?;
     let result = with_chain(&args, &dir, &db_base, &net, shutdown).await;
     net.stop().await;
     result
