@@ -491,6 +491,15 @@ async fn miners_and_report(
         let h = iota_miner::spawn(cfg, Arc::new(KeySigner(m.key.clone())));
         let deadline = Instant::now() + Duration::from_secs(60);
         while h.status().stage.is_none() {
+            if h.is_finished() {
+                // Its error says what is wrong (a device without its feature, a refusal).
+                let err = h.stop().await.err().map(|e| e.to_string());
+                anyhow::bail!(
+                    "{} stopped before joining: {}",
+                    m.name,
+                    err.unwrap_or_default()
+                );
+            }
             anyhow::ensure!(Instant::now() < deadline, "{} did not join", m.name);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
