@@ -440,6 +440,10 @@ async fn with_orchestrator(
         let vchain = Subtensor::connect(ConnectOptions::new(ws_url)).await?;
         let mut cfg = ValidatorConfig::new(base, netuid);
         cfg.poll_interval = Duration::from_millis(500);
+        // A handful of miners: replay every one and re-derive every merge, so a cheater is
+        // never missed by the draw.
+        cfg.replays_per_epoch = 0;
+        cfg.merges_per_epoch = 0;
         cfg.tx = tx();
         validators.push(Validator::connect(cfg, m.key.clone(), vchain, store.clone()).await?);
         stores.push((m.key.ss58(), store));
