@@ -3,6 +3,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod up;
+
 #[derive(Debug, Parser)]
 #[command(name = "iota", version, about = "IOTA (Bittensor subnet 9) in Rust")]
 struct Cli {
@@ -12,8 +14,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// A subtensor-compatible local chain.
-    Localnet(iota_localnet::cli::LocalnetArgs),
+    /// A subtensor-compatible local chain, or a whole subnet on this machine (`up`).
+    Localnet {
+        #[command(subcommand)]
+        command: LocalnetCommand,
+    },
     /// btcli-compatible wallets: create, restore, list, show.
     Wallet {
         #[command(subcommand)]
@@ -36,6 +41,15 @@ enum Command {
         #[command(subcommand)]
         command: ModelCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum LocalnetCommand {
+    /// Run a whole subnet here: chain, PostgreSQL, orchestrator, miners and two validators
+    /// training `tiny` for a few epochs, then a report.
+    Up(up::UpArgs),
+    #[command(flatten)]
+    Chain(iota_localnet::cli::LocalnetCommand),
 }
 
 #[derive(Debug, clap::Args)]
@@ -268,6 +282,10 @@ async fn run() -> anyhow::Result<()> {
         Command::Validator {
             command: ValidatorCommand::Run(v),
         } if v.debug => "debug",
+        // Warnings only: the status line owns the terminal.
+        Command::Localnet {
+            command: LocalnetCommand::Up(_),
+        } => "warn",
         _ => "info",
     };
     tracing_subscriber::fmt()
@@ -280,7 +298,14 @@ async fn run() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Miner(args) => miner(args).await?,
-        Command::Localnet(args) => iota_localnet::cli::run(args).await?,
+        Command::Localnet {
+            command: LocalnetCommand::Up(args),
+        } => {
+            up::up(args, shutdown_signal()).await?;
+        }
+        Command::Localnet {
+            command: LocalnetCommand::Chain(command),
+        } => iota_localnet::cli::run(iota_localnet::cli::LocalnetArgs { command }).await?,
         Command::Wallet { command } => {
             iota_chain::wallet::cli::run(&command, &mut std::io::stdout())?;
         }

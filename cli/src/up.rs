@@ -1,0 +1,763 @@
+//! `iota localnet up`: a whole subnet in this process — chain, PostgreSQL, orchestrator, miners
+//! and two validators — training the `tiny` model for a few epochs, then a `report.json`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
+use iota_chain::wallet::{Keypair, Wallet};
+use iota_chain::{ConnectOptions, Subtensor, TxOptions};
+use iota_localnet::{Localnet, LocalnetConfig};
+use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
+use iota_model::merge::load_range;
+use iota_model::{Device, ModelConfig, Pipeline, Stage, StageOptions, make_batch};
+use iota_protocol::api::{PartitionState, RunConfig, ThroughputPoint};
+use iota_protocol::client::{ApiClient, RetryPolicy};
+use iota_protocol::signing::{RequestSigner, SkewWindow};
+use iota_protocol::tensor::{WireEncoding, decode_merged};
+use iota_validator::{Store, Validator, ValidatorConfig};
+
+/// Flags of `iota localnet up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Miners per pipeline stage.
+    #[arg(long, default_value_t = 2)]
+    pub miners_per_stage: u32,
+    /// Epochs to train (Ctrl-C stops earlier).
+    #[arg(long, default_value_t = 3)]
+    pub epochs: u64,
+    /// Add one cheating miner of this kind.
+    #[arg(long, value_enum)]
+    pub adversary: Option<Adversary>,
+    /// Miners' device: `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu", value_parser = DeviceSpec::parse)]
+    pub device: DeviceSpec,
+    /// Where to write the report (default: `report.json` in the run directory).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Run directory: wallets, blobs, report.
+    #[arg(long, default_value = "iota-localnet-run")]
+    pub dir: PathBuf,
+    /// Samples per epoch.
+    #[arg(long, default_value_t = 48)]
+    pub samples_per_epoch: u64,
+}
+
+/// A wallet key as a request signer.
+struct KeySigner(Keypair);
+
+impl RequestSigner for KeySigner {
+    fn ss58(&self) -> String {
+        self.0.ss58()
+    }
+    fn sign(&self, message: &[u8]) -> [u8; 64] {
+        self.0.sign(message)
+    }
+}
+
+/// A throwaway PostgreSQL started by `scripts/pg.sh`, stopped on drop.
+struct Postgres {
+    script: PathBuf,
+    dir: String,
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("bash")
+            .arg(&self.script)
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+fn pg_script() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/pg.sh");
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("scripts/pg.sh")
+    }
+}
+
+fn postgres_installed() -> bool {
+    std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| d.flatten().any(|v| v.path().join("bin/initdb").exists()))
+        .unwrap_or(false)
+}
+
+/// `DATABASE_URL`, or a throwaway server (with its guard).
+fn database() -> anyhow::Result<(String, Option<Postgres>)> {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        return Ok((url, None));
+    }
+    if !postgres_installed() {
+        anyhow::bail!(
+            "no PostgreSQL: install the server (Debian/Ubuntu: `sudo apt-get install postgresql`) \
+             or set DATABASE_URL to a server where this user may create databases"
+        );
+    }
+    let script = pg_script();
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("start")
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "starting PostgreSQL failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let var = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+            .map(str::to_owned)
+    };
+    let (Some(url), Some(dir)) = (var("DATABASE_URL"), var("IOTA_PG_DIR")) else {
+        anyhow::bail!("scripts/pg.sh printed no DATABASE_URL: {text}");
+    };
+    Ok((url, Some(Postgres { script, dir })))
+}
+
+/// Creates database `name` on the server of `base`; returns its URL.
+async fn create_db(base: &str, name: &str) -> anyhow::Result<String> {
+    let admin = sqlx::PgPool::connect(base)
+        .await
+        .with_context(|| format!("connecting to {base}"))?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .with_context(|| format!("creating database {name}"))?;
+    admin.close().await;
+    let (prefix, _) = base
+        .rsplit_once('/')
+        .context("DATABASE_URL has no database name")?;
+    Ok(format!("{prefix}/{name}"))
+}
+
+/// A deterministic key per role name, so a rerun in the same directory keeps its wallets.
+fn key_for(name: &str) -> Keypair {
+    Keypair::from_seed(*blake3::hash(format!("iota-localnet-up/{name}").as_bytes()).as_bytes())
+}
+
+fn tx() -> TxOptions {
+    TxOptions {
+        timeout: Duration::from_secs(30),
+        ..TxOptions::default()
+    }
+}
+
+/// The `tiny` run: 3 stages, 2 partitions each.
+fn tiny_run(samples_per_epoch: u64) -> anyhow::Result<RunConfig> {
+    let model = ModelConfig::tiny();
+    let stage_params = (0..model.num_stages())
+        .map(|k| model.stage_param_count(k).map(|n| n as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(RunConfig {
+        name: "localnet-up".into(),
+        model: "tiny".into(),
+        stages: u32::try_from(model.num_stages())?,
+        stage_params,
+        partitions: 2,
+        micro_batch: 4,
+        seq_len: 32,
+        boundary_dim: u32::try_from(model.boundary_dim())?,
+        wire: WireEncoding::Int8,
+        samples_per_epoch,
+        max_in_flight: 4,
+        training_s: 90,
+        uploading_s: 30,
+        merging_s: 30,
+        merge_round_s: 10,
+        lease_s: 10,
+        heartbeat_timeout_s: 6,
+        retention_epochs: 100,
+        init_seed: 7,
+        outer_lr: 0.7,
+        // As main's tests: tiny epochs of a few inner steps overshoot at 0.9.
+        outer_momentum: 0.5,
+        inner_lr: 1e-2,
+        inner_steps_every: 2,
+    })
+}
+
+/// Mean loss, on held-out sequences, of the weights the run starts `epoch` with (every
+/// partition's latest accepted merge before `epoch`; initial weights where none).
+async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> anyhow::Result<f32> {
+    let mut model = ModelConfig::load(&run.model)?;
+    model.init_seed = run.init_seed;
+    let mut latest = BTreeMap::new();
+    for e in 0..epoch {
+        for p in client.merge_status(e).await? {
+            if p.state == PartitionState::Accepted
+                && let Some(blob) = p.accepted
+            {
+                latest.insert((p.stage, p.partition), blob);
+            }
+        }
+    }
+    let mut stages = Vec::new();
+    for k in 0..run.stages {
+        let stage = Stage::new(&model, k as usize, StageOptions::cpu())?;
+        for j in 0..run.partitions {
+            let Some(blob) = latest.get(&(k, j)) else {
+                continue;
+            };
+            let range = run
+                .partition_range(k, j)
+                .context("partition out of range")?;
+            let bytes = client.download(blob).await?;
+            let (values, _) = decode_merged(&bytes, range.end - range.start)?;
+            load_range(&stage, range.start as usize..range.end as usize, &values)?;
+        }
+        stages.push(stage);
+    }
+    let ds = iota_miner::trainer::run_dataset(run, &model)?;
+    let pipe = Pipeline::from_stages(stages)?;
+    let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu)?;
+    Ok(pipe.eval_loss(&batch.inputs, &batch.targets)?)
+}
+
+/// One neuron of the subnet as this command set it up.
+struct Member {
+    name: String,
+    key: Keypair,
+    role: &'static str,
+    adversary: Option<Adversary>,
+}
+
+/// Runs the subnet until `epochs` are trained or `shutdown` resolves; writes the report.
+pub async fn up(
+    args: UpArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<serde_json::Value> {
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = std::fs::canonicalize(&args.dir)?;
+    let (db_base, _pg) = database()?;
+
+    println!("starting the localnet chain");
+    let mut config = LocalnetConfig::with_block_time(Duration::from_millis(250));
+    // 5 s chain epochs: a validator busy replaying on a small machine still reveals its
+    // commit inside the one-epoch window.
+    config.chain.new_subnet_tempo = 20;
+    let net = Localnet::spawn(config).await?;
+    let result = with_chain(&args, &dir, &db_base, &net, shutdown).await;
+    net.stop().await;
+    result
+}
+
+async fn with_chain(
+    args: &UpArgs,
+    dir: &Path,
+    db_base: &str,
+    net: &Localnet,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<serde_json::Value> {
+    let mut opts = ConnectOptions::new(net.ws_url());
+    opts.connect_timeout = Duration::from_secs(20);
+    let chain = Subtensor::connect(opts).await?;
+    let alice = Keypair::from_private_key(&sp_core::Pair::to_raw_vec(&iota_localnet::dev_pair(
+        "Alice",
+    )))?;
+
+    // Wallets under the run directory.
+    let wallets = dir.join("wallets");
+    let owner = key_for("owner");
+    let owner_wallet = Wallet::new(&wallets, "owner", "default")?;
+    owner_wallet.set_coldkey(&key_for("owner-cold"), None, true)?;
+    owner_wallet.set_hotkey(&owner, None, true)?;
+    let mut members = Vec::new();
+    for v in 0..2 {
+        members.push(Member {
+            name: format!("validator{v}"),
+            key: key_for(&format!("validator{v}")),
+            role: "validator",
+            adversary: None,
+        });
+    }
+    let stages = ModelConfig::tiny().num_stages() as u32;
+    for m in 0..stages * args.miners_per_stage {
+        members.push(Member {
+            name: format!("miner{m}"),
+            key: key_for(&format!("miner{m}")),
+            role: "miner",
+            adversary: None,
+        });
+    }
+    if let Some(kind) = args.adversary {
+        members.push(Member {
+            name: format!("adversary-{}", kind.as_str()),
+            key: key_for(&format!("adversary-{}", kind.as_str())),
+            role: "miner",
+            adversary: Some(kind),
+        });
+    }
+    for m in &members {
+        let w = Wallet::new(&wallets, &m.name, "default")?;
+        w.set_coldkey(&key_for(&format!("{}-cold", m.name)), None, true)?;
+        w.set_hotkey(&m.key, None, true)?;
+    }
+
+    // The subnet: registered, started, room for everyone, validators staked.
+    println!("registering the subnet and {} hotkeys", members.len());
+    let netuid = chain
+        .register_network(&alice, &owner.public(), &tx())
+        .await?
+        .done()
+        .context("register_network was a dry run")?;
+    chain.start_call(&alice, netuid, &tx()).await?;
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::MaxAllowedUids(1024),
+            true,
+            &tx(),
+        )
+        .await?;
+    for m in &members {
+        chain
+            .register(&alice, netuid, &m.key.public(), &tx())
+            .await?;
+    }
+    for m in members.iter().filter(|m| m.role == "validator") {
+        chain
+            .add_stake(&alice, &m.key.public(), netuid, 1_000 * RAO_PER_TAO, &tx())
+            .await?;
+    }
+    // Validator permits are handed out at an epoch.
+    let tempo = chain.hyperparams(netuid).await?.tempo;
+    let now = chain.best_block_number().await?;
+    chain
+        .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
+        .await?;
+
+    // Databases: one for the orchestrator, one per validator.
+    let tag = format!(
+        "iota_up_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    );
+    let orch_db = create_db(db_base, &format!("{tag}_orchestrator")).await?;
+
+    let run = tiny_run(args.samples_per_epoch)?;
+    let config = iota_orchestrator::Config {
+        database_url: orch_db,
+        db_max_connections: 16,
+        store: iota_orchestrator::StoreConfig::Local(dir.join("store")),
+        chain_endpoint: net.ws_url(),
+        netuid,
+        hotkey: owner.ss58(),
+        run: run.clone(),
+        metagraph_refresh: Duration::from_millis(500),
+        skew: SkewWindow::default(),
+        limits: iota_orchestrator::Limits {
+            per_hotkey_rps: 1000,
+            per_hotkey_burst: 1000,
+            per_ip_rps: 1000,
+            per_ip_burst: 1000,
+            ..iota_orchestrator::Limits::default()
+        },
+        tick: Duration::from_millis(100),
+        max_merge_rounds: 2,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let (orch_stop, orch_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let orch = tokio::spawn(iota_orchestrator::run(config, listener, async {
+        let _ = orch_stop_rx.await;
+    }));
+    let outcome = with_orchestrator(
+        args,
+        dir,
+        db_base,
+        &tag,
+        &chain,
+        &net.ws_url(),
+        netuid,
+        &base,
+        &run,
+        &members,
+        shutdown,
+    )
+    .await;
+    let _ = orch_stop.send(());
+    match orch.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "orchestrator"),
+        Err(e) => tracing::warn!(error = %e, "orchestrator task"),
+        Ok(Ok(())) => {}
+    }
+    outcome
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn with_orchestrator(
+    args: &UpArgs,
+    dir: &Path,
+    db_base: &str,
+    tag: &str,
+    chain: &Subtensor,
+    ws_url: &str,
+    netuid: u16,
+    base: &str,
+    run: &RunConfig,
+    members: &[Member],
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<serde_json::Value> {
+    // Ready when the public API answers.
+    let http_ok = async {
+        for _ in 0..600 {
+            if let Ok(c) = ApiClient::connect(
+                base,
+                Arc::new(KeySigner(members[0].key.clone())),
+                RetryPolicy::default(),
+            )
+            .await
+                && c.status().await.is_ok()
+            {
+                return Ok(c);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("the orchestrator did not start")
+    };
+    let client = http_ok.await?;
+    println!("dashboard: {base}/");
+
+    // Validators, each with its own database.
+    let mut validators = Vec::new();
+    let mut stores = Vec::new();
+    for (i, m) in members.iter().filter(|m| m.role == "validator").enumerate() {
+        let url = create_db(db_base, &format!("{tag}_validator{i}")).await?;
+        let store = Store::connect(&url).await?;
+        let vchain = Subtensor::connect(ConnectOptions::new(ws_url)).await?;
+        let mut cfg = ValidatorConfig::new(base, netuid);
+        cfg.poll_interval = Duration::from_millis(500);
+        // A handful of miners: replay every one and re-derive every merge, so a cheater is
+        // never missed by the draw.
+        cfg.replays_per_epoch = 0;
+        cfg.merges_per_epoch = 0;
+        cfg.tx = tx();
+        validators.push(Validator::connect(cfg, m.key.clone(), vchain, store.clone()).await?);
+        stores.push((m.key.ss58(), store));
+    }
+
+    // The validators' loops run beside the rest of this function (their futures are not
+    // `Send`-general enough for `tokio::spawn`), until `vstop`.
+    let (vstop, vstop_rx) = tokio::sync::watch::channel(false);
+    let loops = futures::future::join_all(validators.into_iter().map(|v| {
+        let mut rx = vstop_rx.clone();
+        iota_validator::run(v, async move {
+            let _ = rx.changed().await;
+        })
+    }));
+    let body = async {
+        let report = miners_and_report(
+            args, dir, &client, chain, netuid, base, run, members, &stores, shutdown,
+        )
+        .await;
+        let _ = vstop.send(true);
+        report
+    };
+    let (_, report) = tokio::join!(loops, body);
+    report
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn miners_and_report(
+    args: &UpArgs,
+    dir: &Path,
+    client: &ApiClient,
+    chain: &Subtensor,
+    netuid: u16,
+    base: &str,
+    run: &RunConfig,
+    members: &[Member],
+    stores: &[(String, Store)],
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<serde_json::Value> {
+    // Miners, joined one at a time so stages fill round robin.
+    let mut miners: Vec<(&Member, MinerHandle)> = Vec::new();
+    for (i, m) in members.iter().filter(|m| m.role == "miner").enumerate() {
+        let mut cfg = MinerConfig::new(base);
+        cfg.device = args.device.clone();
+        cfg.poll_interval = Duration::from_millis(50);
+        cfg.tokens_per_s = Some(1000.0);
+        cfg.adversary = m.adversary;
+        cfg.seed = i as u64 + 1;
+        let h = iota_miner::spawn(cfg, Arc::new(KeySigner(m.key.clone())));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while h.status().stage.is_none() {
+            if h.is_finished() {
+                // Its error says what is wrong (a device without its feature, a refusal).
+                let err = h.stop().await.err().map(|e| e.to_string());
+                anyhow::bail!(
+                    "{} stopped before joining: {}",
+                    m.name,
+                    err.unwrap_or_default()
+                );
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{} did not join", m.name);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        miners.push((m, h));
+    }
+    println!("{} miners and 2 validators running", miners.len());
+
+    let trained = train(args, client, run, &miners, shutdown).await;
+    let mut miner_totals = BTreeMap::new();
+    for (m, h) in miners {
+        match h.stop().await {
+            Ok(st) => {
+                miner_totals.insert(m.key.ss58(), st);
+            }
+            Err(e) => tracing::warn!(miner = %m.name, error = %e, "miner stopped with an error"),
+        }
+    }
+    match trained {
+        Ok(Some((losses, initial))) => {
+            finish(
+                args, dir, client, chain, netuid, run, members, stores, losses, initial,
+            )
+            .await
+        }
+        Ok(None) => Err(anyhow::anyhow!("interrupted before the first epoch ended")),
+        Err(e) => Err(e),
+    }
+}
+
+/// Trains until `args.epochs` epochs are merged or `shutdown`; returns the held-out loss after
+/// each finished epoch and before the first.
+async fn train(
+    args: &UpArgs,
+    client: &ApiClient,
+    run: &RunConfig,
+    miners: &[(&Member, MinerHandle)],
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<Option<(Vec<f32>, f32)>> {
+    let floor = iota_miner::trainer::run_dataset(run, &ModelConfig::tiny())?.entropy_floor();
+    let initial = held_out_loss(client, run, 0).await?;
+    let mut losses: Vec<f32> = Vec::new();
+    // Throughput over the last poll interval.
+    let mut last_tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
+    let (mut last_at, mut rate) = (Instant::now(), 0.0);
+    tokio::pin!(shutdown);
+    loop {
+        let st = tokio::select! {
+            _ = &mut shutdown => {
+                eprintln!();
+                println!("interrupted: stopping");
+                break;
+            }
+            st = client.status() => st?,
+        };
+        while (losses.len() as u64) < st.epoch.min(args.epochs) {
+            let e = losses.len() as u64 + 1;
+            losses.push(held_out_loss(client, run, e).await?);
+        }
+        let tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
+        let hops: Vec<String> = miners
+            .iter()
+            .map(|(_, h)| {
+                let s = h.status();
+                format!(
+                    "{}:{}",
+                    s.stage.map(|k| k.to_string()).unwrap_or("-".into()),
+                    s.hops
+                )
+            })
+            .collect();
+        let elapsed = last_at.elapsed().as_secs_f64();
+        if elapsed > 0.2 {
+            rate = tokens.saturating_sub(last_tokens) as f64 / elapsed;
+            (last_tokens, last_at) = (tokens, Instant::now());
+        }
+        let loss = losses.last().copied().unwrap_or(initial);
+        eprint!(
+            "\repoch {} {:<9} samples {}/{}  loss {loss:.3} (floor {floor:.3})  {:.0} tok/s (all stages)  hops {}   ",
+            st.epoch,
+            st.phase.as_str(),
+            st.samples_completed,
+            run.samples_per_epoch,
+            rate,
+            hops.join(" ")
+        );
+        if st.epoch >= args.epochs {
+            eprintln!();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok((!losses.is_empty()).then_some((losses, initial)))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn finish(
+    args: &UpArgs,
+    dir: &Path,
+    client: &ApiClient,
+    chain: &Subtensor,
+    netuid: u16,
+    run: &RunConfig,
+    members: &[Member],
+    stores: &[(String, Store)],
+    losses: Vec<f32>,
+    initial: f32,
+) -> anyhow::Result<serde_json::Value> {
+    let epochs = losses.len() as u64;
+    let floor = iota_miner::trainer::run_dataset(run, &ModelConfig::tiny())?.entropy_floor();
+
+    // Partitions of the trained epochs.
+    let (mut total, mut merged, mut agreeing) = (0u64, 0u64, 0u64);
+    for e in 0..epochs {
+        for p in client.merge_status(e).await? {
+            total += 1;
+            if p.state == PartitionState::Accepted {
+                merged += 1;
+                let hashes: std::collections::HashSet<&str> =
+                    p.results.iter().map(|r| r.blake3.as_str()).collect();
+                if p.resolved_by.as_deref() == Some("agreement") && hashes.len() == 1 {
+                    agreeing += 1;
+                }
+            }
+        }
+    }
+    let throughput: Vec<ThroughputPoint> = client.public_get("/v1/throughput").await?;
+    let done: Vec<&ThroughputPoint> = throughput.iter().filter(|t| t.epoch < epochs).collect();
+    let tokens: u64 = done.iter().map(|t| t.tokens).sum();
+    let wire: u64 = done.iter().map(|t| t.wire_bytes).sum();
+    // The same boundary tensors in f32: activations forward and gradients back across each of
+    // the stage boundaries, per token.
+    let fp32_per_token = 2 * (u64::from(run.stages) - 1) * u64::from(run.boundary_dim) * 4;
+
+    // Every validator scores the trained epochs and gets its weights onto the chain.
+    println!("waiting for both validators to score {epochs} epochs and set weights");
+    let settle = async {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let mut weights_set = Vec::new();
+        for (hotkey, store) in stores {
+            loop {
+                // Weights that count the last trained epoch, landed in a block.
+                let subs = store.submissions(20).await?;
+                let landed = subs.iter().find(|s| {
+                    (s.state == "set" || s.state == "revealed")
+                        && s.block.is_some()
+                        && s.epoch + 1 >= epochs
+                });
+                if let Some(s) = landed {
+                    weights_set.push(serde_json::json!({
+                        "validator": hotkey, "block": s.block, "epoch": s.epoch, "state": s.state,
+                    }));
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "validator {hotkey} did not set weights for epoch {} in time",
+                    epochs - 1
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        // Yuma runs at the next tempo boundary.
+        let tempo = chain.hyperparams(netuid).await?.tempo;
+        let now = chain.best_block_number().await?;
+        chain
+            .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
+            .await?;
+        anyhow::Ok(weights_set)
+    };
+    // A second Ctrl-C gives up on the validators (and the report).
+    let weights_set = tokio::select! {
+        r = settle => r?,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted while waiting for the validators: no report"),
+    };
+    let meta = chain.metagraph(netuid).await?;
+
+    let mut scores: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (_, store) in stores {
+        let rows: Vec<(String, f64)> =
+            sqlx::query_as("SELECT hotkey, sum(score) FROM scores GROUP BY hotkey")
+                .fetch_all(store.pool())
+                .await?;
+        for (h, s) in rows {
+            scores.entry(h).or_default().push(s);
+        }
+    }
+    let mut neurons = Vec::new();
+    for m in members {
+        let ss58 = m.key.ss58();
+        let n = meta.neurons.iter().find(|n| n.hotkey.ss58() == ss58);
+        let score = scores
+            .get(&ss58)
+            .map(|v| v.iter().sum::<f64>() / v.len() as f64);
+        neurons.push(serde_json::json!({
+            "uid": n.map(|n| n.uid),
+            "hotkey": ss58,
+            "name": m.name,
+            "role": m.role,
+            "adversary": m.adversary.map(|a| a.as_str()),
+            "score": score,
+            "incentive": n.map(|n| f64::from(n.incentive) / f64::from(u16::MAX)),
+            "emission": n.map(|n| n.emission),
+        }));
+    }
+    let report = serde_json::json!({
+        "epochs": epochs,
+        "initial_loss": initial,
+        "loss_per_epoch": losses,
+        "entropy_floor": floor,
+        "partitions": {"total": total, "merged": merged, "agreeing": agreeing},
+        "tokens": tokens,
+        "wire_bytes_per_token": if tokens > 0 { wire as f64 / tokens as f64 } else { 0.0 },
+        "fp32_bytes_per_token": fp32_per_token,
+        "weights_set": weights_set,
+        "neurons": neurons,
+    });
+    let path = args
+        .report
+        .clone()
+        .unwrap_or_else(|| dir.join("report.json"));
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+
+    println!("\nsummary after {epochs} epochs:");
+    println!(
+        "  held-out loss {initial:.3} -> {} (entropy floor {floor:.3})",
+        losses
+            .iter()
+            .map(|l| format!("{l:.3}"))
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    );
+    println!("  partitions: {total} total, {merged} merged, {agreeing} by agreement");
+    println!(
+        "  {tokens} tokens, {:.1} wire bytes/token vs {fp32_per_token} in f32",
+        if tokens > 0 {
+            wire as f64 / tokens as f64
+        } else {
+            0.0
+        }
+    );
+    for n in &neurons {
+        println!(
+            "  {:<22} uid {:>3} score {:>10} incentive {:.4}",
+            n["name"].as_str().unwrap_or(""),
+            n["uid"],
+            n["score"]
+                .as_f64()
+                .map(|s| format!("{s:.1}"))
+                .unwrap_or("-".into()),
+            n["incentive"].as_f64().unwrap_or(0.0)
+        );
+    }
+    println!("report: {}", path.display());
+    Ok(report)
+}
