@@ -47,7 +47,7 @@ pub fn tiny_run(name: &str, samples_per_epoch: u64) -> RunConfig {
         outer_lr: 0.7,
         // IOTA ramps the momentum from 0.5; tiny epochs of a few inner steps overshoot at 0.9.
         outer_momentum: 0.5,
-        inner_lr: 1e-2,
+        inner_lr: 5e-3,
         inner_steps_every: 2,
     }
 }
