@@ -407,17 +407,7 @@ pub async fn run_with_password(
             let w = wallet.wallet()?;
             let hotkey = w.hotkeypub()?;
             if chain.uid_of(*netuid, &hotkey).await?.is_none() {
-                let burn = chain.hyperparams(*netuid).await?.burn;
-                if let Some(max) = max_burn {
-                    let max_rao = calls::tao_to_rao(*max)?;
-                    if burn > max_rao {
-                        return Err(ChainError::InvalidArgument(format!(
-                            "registering on netuid {netuid} burns {} TAO, more than --max-burn {}",
-                            calls::format_tao(burn),
-                            calls::format_tao(max_rao)
-                        )));
-                    }
-                }
+                let burn = chain.registration_burn(*netuid, *max_burn).await?;
                 confirm(
                     args,
                     &format!(

@@ -197,6 +197,30 @@ fn at_index<T: Copy + Default>(v: &[T], i: usize) -> T {
 }
 
 impl Subtensor {
+    /// The TAO (in rao) that registering on `netuid` burns now, refused when above `max_tao`.
+    ///
+    /// # Errors
+    ///
+    /// [`ChainError::InvalidArgument`] when the burn exceeds `max_tao`; transport errors.
+    pub async fn registration_burn(
+        &self,
+        netuid: u16,
+        max_tao: Option<f64>,
+    ) -> Result<u64, ChainError> {
+        let burn = self.hyperparams(netuid).await?.burn;
+        if let Some(max) = max_tao {
+            let max_rao = crate::calls::tao_to_rao(max)?;
+            if burn > max_rao {
+                return Err(ChainError::InvalidArgument(format!(
+                    "registering on netuid {netuid} burns {} TAO, more than --max-burn {}",
+                    crate::calls::format_tao(burn),
+                    crate::calls::format_tao(max_rao)
+                )));
+            }
+        }
+        Ok(burn)
+    }
+
     /// The subnet's hyperparameters at the best block.
     ///
     /// # Errors

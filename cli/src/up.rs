@@ -12,12 +12,10 @@ use iota_chain::wallet::{Keypair, Wallet};
 use iota_chain::{ConnectOptions, Subtensor, TxOptions};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
-use iota_model::merge::load_range;
-use iota_model::{Device, ModelConfig, Pipeline, Stage, StageOptions, make_batch};
+use iota_model::ModelConfig;
 use iota_protocol::api::{PartitionState, RunConfig, ThroughputPoint};
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::{RequestSigner, SkewWindow};
-use iota_protocol::tensor::{WireEncoding, decode_merged};
 use iota_validator::{Store, Validator, ValidatorConfig};
 
 /// Flags of `iota localnet up`.
@@ -152,75 +150,8 @@ fn tx() -> TxOptions {
     }
 }
 
-/// The `tiny` run: 3 stages, 2 partitions each.
-fn tiny_run(samples_per_epoch: u64) -> anyhow::Result<RunConfig> {
-    let model = ModelConfig::tiny();
-    let stage_params = (0..model.num_stages())
-        .map(|k| model.stage_param_count(k).map(|n| n as u64))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(RunConfig {
-        name: "localnet-up".into(),
-        model: "tiny".into(),
-        stages: u32::try_from(model.num_stages())?,
-        stage_params,
-        partitions: 2,
-        micro_batch: 4,
-        seq_len: 32,
-        boundary_dim: u32::try_from(model.boundary_dim())?,
-        wire: WireEncoding::Int8,
-        samples_per_epoch,
-        max_in_flight: 4,
-        training_s: 90,
-        uploading_s: 30,
-        merging_s: 30,
-        merge_round_s: 10,
-        lease_s: 10,
-        heartbeat_timeout_s: 6,
-        retention_epochs: 100,
-        init_seed: 7,
-        outer_lr: 0.7,
-        // As main's tests: tiny epochs of a few inner steps overshoot at 0.9.
-        outer_momentum: 0.5,
-        inner_lr: 1e-2,
-        inner_steps_every: 2,
-    })
-}
-
-/// Mean loss, on held-out sequences, of the weights the run starts `epoch` with (every
-/// partition's latest accepted merge before `epoch`; initial weights where none).
 async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> anyhow::Result<f32> {
-    let mut model = ModelConfig::load(&run.model)?;
-    model.init_seed = run.init_seed;
-    let mut latest = BTreeMap::new();
-    for e in 0..epoch {
-        for p in client.merge_status(e).await? {
-            if p.state == PartitionState::Accepted
-                && let Some(blob) = p.accepted
-            {
-                latest.insert((p.stage, p.partition), blob);
-            }
-        }
-    }
-    let mut stages = Vec::new();
-    for k in 0..run.stages {
-        let stage = Stage::new(&model, k as usize, StageOptions::cpu())?;
-        for j in 0..run.partitions {
-            let Some(blob) = latest.get(&(k, j)) else {
-                continue;
-            };
-            let range = run
-                .partition_range(k, j)
-                .context("partition out of range")?;
-            let bytes = client.download(blob).await?;
-            let (values, _) = decode_merged(&bytes, range.end - range.start)?;
-            load_range(&stage, range.start as usize..range.end as usize, &values)?;
-        }
-        stages.push(stage);
-    }
-    let ds = iota_miner::trainer::run_dataset(run, &model)?;
-    let pipe = Pipeline::from_stages(stages)?;
-    let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu)?;
-    Ok(pipe.eval_loss(&batch.inputs, &batch.targets)?)
+    Ok(iota_miner::eval::held_out_loss(client, run, epoch).await?)
 }
 
 /// One neuron of the subnet as this command set it up.
@@ -348,7 +279,7 @@ async fn with_chain(
     );
     let orch_db = create_db(db_base, &format!("{tag}_orchestrator")).await?;
 
-    let run = tiny_run(args.samples_per_epoch)?;
+    let run = iota_miner::eval::local_tiny_run("localnet-up", args.samples_per_epoch)?;
     let config = iota_orchestrator::Config {
         database_url: orch_db,
         db_max_connections: 16,

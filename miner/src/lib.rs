@@ -18,6 +18,7 @@ pub mod adversary;
 pub mod capacity;
 pub mod config;
 mod error;
+pub mod eval;
 pub mod merge;
 mod node;
 pub mod progress;

@@ -12,7 +12,7 @@ use iota_protocol::signing::RequestSigner;
 use crate::config::MinerArgs;
 use crate::error::MinerError;
 
-/// A wallet hotkey as a request signer.
+/// A wallet hotkey as a request signer (miners and validators sign with it).
 pub struct HotkeySigner(pub Keypair);
 
 impl RequestSigner for HotkeySigner {
@@ -77,17 +77,7 @@ pub async fn prepare(args: &MinerArgs, password: &PasswordSource) -> Result<Read
     let uid = match chain.uid_of(netuid, &hotkey.public()).await? {
         Some(uid) => uid,
         None if args.register => {
-            let burn = chain.hyperparams(netuid).await?.burn;
-            if let Some(max) = args.max_burn {
-                let max_rao = calls::tao_to_rao(max)?;
-                if burn > max_rao {
-                    return Err(MinerError::Config(format!(
-                        "registering on netuid {netuid} burns {} TAO, more than --max-burn {}",
-                        calls::format_tao(burn),
-                        calls::format_tao(max_rao)
-                    )));
-                }
-            }
+            let burn = chain.registration_burn(netuid, args.max_burn).await?;
             confirm(
                 args,
                 &format!(

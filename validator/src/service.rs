@@ -21,6 +21,8 @@ use iota_protocol::tensor::{decode_merged, decode_partition};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
+use iota_miner::startup::HotkeySigner;
+
 use crate::clasp::{ClaspConfig, fit_samples};
 use crate::error::ValidatorError;
 use crate::merges::recompute_merge;
@@ -71,18 +73,6 @@ impl ValidatorConfig {
             set_weights: true,
             tx: TxOptions::default(),
         }
-    }
-}
-
-/// A wallet hotkey as a request signer.
-struct HotkeySigner(Keypair);
-
-impl RequestSigner for HotkeySigner {
-    fn ss58(&self) -> String {
-        self.0.ss58()
-    }
-    fn sign(&self, message: &[u8]) -> [u8; 64] {
-        self.0.sign(message)
     }
 }
 

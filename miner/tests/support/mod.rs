@@ -10,46 +10,15 @@ pub mod common;
 use std::time::Duration;
 
 use iota_miner::MinerConfig;
-use iota_model::merge::{digest_f32, flatten_params, load_range};
-use iota_model::{Device, ModelConfig, Pipeline, Stage, StageOptions, make_batch};
+use iota_model::Stage;
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
-use iota_protocol::tensor::{WireEncoding, decode_merged};
 
 pub use common::*;
 
 /// A real run of the `tiny` model: 3 stages, 2 partitions each, small epochs.
 pub fn tiny_run(name: &str, samples_per_epoch: u64) -> RunConfig {
-    let model = ModelConfig::tiny();
-    let stage_params = (0..model.num_stages())
-        .map(|k| model.stage_param_count(k).expect("stage") as u64)
-        .collect();
-    RunConfig {
-        name: name.into(),
-        model: "tiny".into(),
-        stages: model.num_stages() as u32,
-        stage_params,
-        partitions: 2,
-        micro_batch: 4,
-        seq_len: 32,
-        boundary_dim: model.boundary_dim() as u32,
-        wire: WireEncoding::Int8,
-        samples_per_epoch,
-        max_in_flight: 4,
-        training_s: 90,
-        uploading_s: 30,
-        merging_s: 30,
-        merge_round_s: 10,
-        lease_s: 10,
-        heartbeat_timeout_s: 6,
-        retention_epochs: 100,
-        init_seed: 7,
-        outer_lr: 0.7,
-        // IOTA ramps the momentum from 0.5; tiny epochs of a few inner steps overshoot at 0.9.
-        outer_momentum: 0.5,
-        inner_lr: 5e-3,
-        inner_steps_every: 2,
-    }
+    iota_miner::eval::local_tiny_run(name, samples_per_epoch).expect("tiny run")
 }
 
 /// Miner settings for tests: fast polls, quick retries.
@@ -73,57 +42,22 @@ pub async fn explorer(base: &str, seed: u8) -> ApiClient {
         .expect("client")
 }
 
-/// The start weights of `epoch` rebuilt from the merge records (each partition's latest
-/// accepted merge before `epoch`, initial weights where none): the stages and their digests.
-/// Needs every merged blob kept (`retention_epochs` above the epochs of the test).
+/// The stages `epoch` starts with, rebuilt from the merge records, and their digests.
 pub async fn epoch_start_stages(
     client: &ApiClient,
     run: &RunConfig,
     epoch: u64,
 ) -> (Vec<Stage>, Vec<String>) {
-    let mut model = ModelConfig::load(&run.model).expect("model");
-    model.init_seed = run.init_seed;
-    let mut latest = std::collections::BTreeMap::new();
-    for e in 0..epoch {
-        for p in client.merge_status(e).await.expect("merge status") {
-            if p.state == PartitionState::Accepted
-                && let Some(blob) = p.accepted
-            {
-                latest.insert((p.stage, p.partition), blob);
-            }
-        }
-    }
-    let mut stages = Vec::new();
-    let mut digests = Vec::new();
-    for k in 0..run.stages {
-        let stage = Stage::new(&model, k as usize, StageOptions::cpu()).expect("stage");
-        for j in 0..run.partitions {
-            let Some(blob) = latest.get(&(k, j)) else {
-                continue;
-            };
-            let range = run.partition_range(k, j).expect("range");
-            let bytes = client.download(blob).await.expect("download");
-            let (values, _) = decode_merged(&bytes, range.end - range.start).expect("merged");
-            load_range(&stage, range.start as usize..range.end as usize, &values).expect("load");
-        }
-        digests.push(
-            digest_f32(&flatten_params(&stage).expect("flat"))
-                .to_hex()
-                .to_string(),
-        );
-        stages.push(stage);
-    }
-    (stages, digests)
+    iota_miner::eval::epoch_start_stages(client, run, epoch)
+        .await
+        .expect("epoch-start weights")
 }
 
-/// Mean loss of the merged model on held-out sequences of the run's corpus.
+/// Mean loss of `epoch`'s start weights on held-out sequences of the run's corpus.
 pub async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> f32 {
-    let (stages, _) = epoch_start_stages(client, run, epoch).await;
-    let model = stages[0].config().clone();
-    let ds = iota_miner::trainer::run_dataset(run, &model).expect("dataset");
-    let pipe = Pipeline::from_stages(stages).expect("pipeline");
-    let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu).expect("batch");
-    pipe.eval_loss(&batch.inputs, &batch.targets).expect("eval")
+    iota_miner::eval::held_out_loss(client, run, epoch)
+        .await
+        .expect("held-out loss")
 }
 
 /// Waits until the run is in epoch `epoch` (all earlier epochs merged).
