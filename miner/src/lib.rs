@@ -30,5 +30,5 @@ pub use adversary::Adversary;
 pub use config::{DeviceSpec, MinerArgs, MinerConfig, ProgressMode};
 pub use error::MinerError;
 pub use node::{MinerHandle, run, spawn};
-pub use status::MinerStatus;
+pub use status::{AllReduceBytes, MinerStatus};
 pub use trainer::{HopOutput, StageTrainer};

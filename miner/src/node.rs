@@ -23,7 +23,7 @@ use tokio::sync::{oneshot, watch};
 use crate::capacity;
 use crate::config::MinerConfig;
 use crate::error::MinerError;
-use crate::status::MinerStatus;
+use crate::status::{AllReduceBytes, MinerStatus};
 use crate::trainer::{HopOutput, StageTrainer, initial_range, run_model};
 
 /// A miner running on the tokio runtime (see [`spawn`]).
@@ -276,6 +276,7 @@ impl Node {
                         .map(|r| r.end - r.start)
                         .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
                     let bytes = self.client.download(b).await?;
+                    self.received(bytes.len(), |r| &mut r.weights_received);
                     let (values, _momentum) = decode_merged(&bytes, len)
                         .map_err(|e| MinerError::BadInput(format!("merged partition {j}: {e}")))?;
                     Some(values)
@@ -579,6 +580,7 @@ impl Node {
                     self.status.send_modify(|s| {
                         s.pseudo_gradients += 1;
                         s.bytes_uploaded += size;
+                        s.all_reduce.pseudo_gradients_sent += size;
                     });
                     metrics::counter!("iota_miner_pseudo_gradients_total").increment(1);
                 }
@@ -618,6 +620,7 @@ impl Node {
                 }
                 Err(e) => return Err(e),
             };
+            let size = bytes.len() as u64;
             match self
                 .client
                 .upload_merge(a.epoch, a.stage, a.partition, Bytes::from(bytes))
@@ -625,7 +628,11 @@ impl Node {
             {
                 Ok(r) => {
                     tracing::info!(epoch = a.epoch, stage = a.stage, partition = a.partition, blake3 = %r.blob.blake3, "merged");
-                    self.status.send_modify(|s| s.merges += 1);
+                    self.status.send_modify(|s| {
+                        s.merges += 1;
+                        s.bytes_uploaded += size;
+                        s.all_reduce.merged_sent += size;
+                    });
                     metrics::counter!("iota_miner_merges_total").increment(1);
                 }
                 Err(e) if e.code() == Some(ErrorCode::WrongPhase) => {}
@@ -640,11 +647,19 @@ impl Node {
     /// The merged partition: the contributions' weighted average in the given order, then the
     /// outer Nesterov step from the partition's base weights and momentum. One partition's
     /// contributions are in memory at a time.
+    /// Counts bytes the all-reduce downloaded.
+    fn received(&self, size: usize, kind: fn(&mut AllReduceBytes) -> &mut u64) {
+        self.status
+            .send_modify(|s| *kind(&mut s.all_reduce) += size as u64);
+        metrics::counter!("iota_miner_reduce_download_bytes_total").increment(size as u64);
+    }
+
     async fn merge_one(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
         let len = a.end.saturating_sub(a.start);
         let mut parts = Vec::with_capacity(a.contributions.len());
         for c in &a.contributions {
             let bytes = self.client.download(&c.blob).await?;
+            self.received(bytes.len(), |r| &mut r.contributions_received);
             match decode_partition(&bytes, len) {
                 Ok(v) => parts.push((c.weight, v)),
                 Err(e) => {
@@ -662,6 +677,7 @@ impl Node {
         let (weights, momentum) = match &a.base {
             Some(b) => {
                 let bytes = self.client.download(b).await?;
+                self.received(bytes.len(), |r| &mut r.bases_received);
                 decode_merged(&bytes, len)
                     .map_err(|e| MinerError::BadInput(format!("merge base: {e}")))?
             }

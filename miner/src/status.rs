@@ -53,6 +53,8 @@ pub struct MinerStatus {
     pub pseudo_gradients: u64,
     /// Merged partitions uploaded.
     pub merges: u64,
+    /// Bytes moved by the weight all-reduce.
+    pub all_reduce: AllReduceBytes,
     /// Hops dropped because their lease lapsed.
     pub leases_lost: u64,
     /// Non-finite results rolled back.
@@ -61,6 +63,33 @@ pub struct MinerStatus {
     pub errors: u64,
     /// The configured dishonest behaviour, if any.
     pub adversary: Option<Adversary>,
+}
+
+/// Bytes a miner moved in the weight all-reduce, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AllReduceBytes {
+    /// Pseudo-gradient partitions uploaded.
+    pub pseudo_gradients_sent: u64,
+    /// Contributions downloaded for the partitions this miner merged.
+    pub contributions_received: u64,
+    /// Merge bases (previous merged weights and momentum) downloaded for those partitions.
+    pub bases_received: u64,
+    /// Merged partitions uploaded.
+    pub merged_sent: u64,
+    /// The stage's merged partitions downloaded at each epoch start.
+    pub weights_received: u64,
+}
+
+impl AllReduceBytes {
+    /// Everything uploaded.
+    pub fn sent(&self) -> u64 {
+        self.pseudo_gradients_sent + self.merged_sent
+    }
+
+    /// Everything downloaded.
+    pub fn received(&self) -> u64 {
+        self.contributions_received + self.bases_received + self.weights_received
+    }
 }
 
 impl MinerStatus {

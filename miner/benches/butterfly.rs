@@ -1,0 +1,185 @@
+//! The weight all-reduce at 2, 4, 8 and 16 miners per stage: bytes each miner sends and
+//! receives for one epoch's merge, as a multiple of its stage's fp32 size, and the time from the
+//! start of the upload phase until every miner has loaded the merged weights.
+//!
+//! `cargo bench -p iota-miner --bench butterfly` with `DATABASE_URL` set (`scripts/pg.sh start`).
+//! Real miners (`tiny` model, 3 stages) against a real orchestrator, PostgreSQL and localnet;
+//! partitions = miners per stage, two owners per partition. The second epoch is measured (the
+//! first has no merge base to download). `BUTTERFLY_SIZES=2,4` picks the sizes.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use iota_miner::{AllReduceBytes, MinerHandle, spawn};
+use iota_protocol::api::{Phase, RunConfig};
+use support::*;
+
+/// Per miner, in multiples of its stage's fp32 size.
+#[derive(Default)]
+struct Figures {
+    per_stage: usize,
+    contributors: usize,
+    pseudo_gradients_sent: f64,
+    contributions_received: f64,
+    bases_received: f64,
+    merged_sent: f64,
+    weights_received: f64,
+    mean: f64,
+    max: f64,
+    seconds: f64,
+}
+
+fn run_config(per_stage: usize) -> RunConfig {
+    let mut run = tiny_run("butterfly", 4 * per_stage as u64);
+    run.partitions = per_stage as u32;
+    run.max_in_flight = 2 * per_stage as u32;
+    run.lease_s = 60;
+    run.heartbeat_timeout_s = 60;
+    run
+}
+
+/// Each miner's all-reduce counters and pseudo-gradient partitions uploaded.
+fn counters(miners: &[MinerHandle]) -> Vec<(AllReduceBytes, u64)> {
+    miners
+        .iter()
+        .map(|m| {
+            let s = m.status();
+            (s.all_reduce, s.pseudo_gradients)
+        })
+        .collect()
+}
+
+async fn all_loaded(miners: &[MinerHandle], epoch: u64, what: &str) {
+    eventually(what, Duration::from_secs(600), || async {
+        miners
+            .iter()
+            .all(|m| m.status().weights_epoch == Some(epoch))
+            .then_some(())
+    })
+    .await;
+}
+
+async fn measure(per_stage: usize) -> Figures {
+    let run = run_config(per_stage);
+    let seeds: Vec<u8> = (0..(3 * per_stage) as u8).map(|i| 10 + i).collect();
+    let chain = chain_with(&seeds, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let client = explorer(&orch.base, seeds[0]).await;
+    let mut miners = Vec::new();
+    for s in &seeds {
+        let mut cfg = miner_config(&orch.base);
+        cfg.tokens_per_s = Some(1000.0);
+        miners.push(spawn(cfg, signer(*s)));
+        // One at a time, so the stage choice (least loaded) spreads them evenly.
+        let n = miners.len();
+        eventually("joined", Duration::from_secs(120), || async {
+            miners[..n]
+                .iter()
+                .all(|m| m.status().stage.is_some())
+                .then_some(())
+        })
+        .await;
+    }
+    all_loaded(&miners, 1, "epoch 1").await;
+    let before = counters(&miners);
+    let upload_started = eventually("epoch 1 uploading", Duration::from_secs(600), || async {
+        let st = client.status().await.ok()?;
+        (st.epoch > 1 || st.phase != Phase::Training).then(Instant::now)
+    })
+    .await;
+    all_loaded(&miners, 2, "epoch 2").await;
+    let seconds = upload_started.elapsed().as_secs_f64();
+    let after = counters(&miners);
+    let mut f = Figures {
+        per_stage,
+        seconds,
+        ..Figures::default()
+    };
+    let mut totals = Vec::new();
+    for ((m, (b, bp)), (a, ap)) in miners.iter().zip(&before).zip(&after) {
+        let stage = m.status().stage.expect("stage") as usize;
+        let size = 4.0 * run.stage_params[stage] as f64;
+        let d = |get: fn(&AllReduceBytes) -> u64| (get(a) - get(b)) as f64 / size;
+        f.pseudo_gradients_sent += d(|r| r.pseudo_gradients_sent);
+        f.contributions_received += d(|r| r.contributions_received);
+        f.bases_received += d(|r| r.bases_received);
+        f.merged_sent += d(|r| r.merged_sent);
+        f.weights_received += d(|r| r.weights_received);
+        totals.push(d(|r| r.sent() + r.received()));
+        if ap > bp {
+            f.contributors += 1;
+        }
+    }
+    let n = totals.len() as f64;
+    for x in [
+        &mut f.pseudo_gradients_sent,
+        &mut f.contributions_received,
+        &mut f.bases_received,
+        &mut f.merged_sent,
+        &mut f.weights_received,
+    ] {
+        *x /= n;
+    }
+    f.mean = totals.iter().sum::<f64>() / n;
+    f.max = totals.iter().cloned().fold(0.0, f64::max);
+    for m in miners {
+        let _ = m.stop().await;
+    }
+    orch.stop().await;
+    f
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    init_tracing();
+    let sizes: Vec<usize> = std::env::var("BUTTERFLY_SIZES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![2, 4, 8, 16]);
+    let mut rows = Vec::new();
+    for n in sizes {
+        let f = measure(n).await;
+        eprintln!("{n} per stage: {:.2}x mean, {:.1} s", f.mean, f.seconds);
+        rows.push(f);
+    }
+    println!("weight all-reduce, `tiny` (3 stages), partitions = miners per stage, 2 owners each");
+    println!(
+        "bytes per miner for one epoch's merge (the second epoch), in multiples of its stage's fp32 size; means over the miners"
+    );
+    println!();
+    println!(
+        "| miners/stage | contributors | pseudo-gradient up | contributions down | bases down | merged up | weights down | reduce (pg up + contributions down) | total (mean) | total (max) | time (s) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for f in &rows {
+        println!(
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            f.per_stage,
+            f.contributors,
+            f.pseudo_gradients_sent,
+            f.contributions_received,
+            f.bases_received,
+            f.merged_sent,
+            f.weights_received,
+            f.pseudo_gradients_sent + f.contributions_received,
+            f.mean,
+            f.max,
+            f.seconds
+        );
+    }
+    let spread = |get: fn(&Figures) -> f64| {
+        let lo = rows.iter().map(get).fold(f64::INFINITY, f64::min);
+        let hi = rows.iter().map(get).fold(0.0, f64::max);
+        hi / lo
+    };
+    println!();
+    println!(
+        "max/min across sizes: reduce {:.3}, total {:.3}",
+        spread(|f| f.pseudo_gradients_sent + f.contributions_received),
+        spread(|f| f.mean)
+    );
+}

@@ -1,0 +1,161 @@
+//! The pipeline against monolithic training: end-to-end tokens/s of one epoch of the `small`
+//! model trained by three miners (one per stage) through the whole protocol, next to the same
+//! model trained in one process as one autograd graph (same micro-batches, same inner-step
+//! cadence), measured before and after the pipeline run on the same machine.
+//!
+//! `cargo bench -p iota-miner --bench pipeline` with `DATABASE_URL` set (`scripts/pg.sh start`).
+//! `PIPELINE_SAMPLES` (default 24) sets the epoch's samples, `PIPELINE_IN_FLIGHT` (default 3)
+//! how many samples may be in the pipeline at once. The pipeline's time runs from the moment
+//! every miner has joined to the end of the training phase.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use iota_miner::spawn;
+use iota_miner::trainer::{run_dataset, run_model};
+use iota_model::data::make_batch;
+use iota_model::{AdamW, AdamWConfig, Device, LrSchedule, ModelConfig, Pipeline, StageOptions};
+use iota_protocol::api::{Phase, RunConfig};
+use support::*;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn run_config(samples: u64, in_flight: u32) -> RunConfig {
+    let model = ModelConfig::small();
+    RunConfig {
+        name: "pipeline".into(),
+        model: "small".into(),
+        stages: 3,
+        stage_params: (0..3)
+            .map(|k| model.stage_param_count(k).expect("stage") as u64)
+            .collect(),
+        partitions: 4,
+        micro_batch: 4,
+        seq_len: 128,
+        boundary_dim: model.boundary_dim() as u32,
+        samples_per_epoch: samples,
+        max_in_flight: in_flight,
+        training_s: 1800,
+        uploading_s: 120,
+        merging_s: 120,
+        merge_round_s: 60,
+        lease_s: 300,
+        heartbeat_timeout_s: 120,
+        ..tiny_run("pipeline", samples)
+    }
+}
+
+/// Monolithic training of the run's model on the run's samples: forward and backward through
+/// all stages as one graph, an AdamW step on every stage at the run's cadence. Tokens/s.
+fn monolithic_tokens_per_s(run: &RunConfig) -> f64 {
+    let model = run_model(run).expect("model");
+    let data = run_dataset(run, &model).expect("corpus");
+    let mut pipe = Pipeline::new(&model, &StageOptions::cpu()).expect("pipeline");
+    let mut opts: Vec<AdamW> = pipe
+        .stages_mut()
+        .iter()
+        .enumerate()
+        .map(|(k, stage)| {
+            let cfg = AdamWConfig {
+                lr: run.inner_lr,
+                ..AdamWConfig::default()
+            }
+            .for_stage(&model, k)
+            .expect("adamw");
+            AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
+        })
+        .collect();
+    let batch =
+        |sample: i64| make_batch(&data, &run.sequence_ids(sample), &Device::Cpu).expect("batch");
+    // Warm-up, not timed.
+    let b = batch(0);
+    pipe.forward_backward_monolithic(&b.inputs, &b.targets)
+        .expect("warm-up");
+    pipe.zero_grad();
+    let started = Instant::now();
+    for i in 0..run.samples_per_epoch {
+        let b = batch(i as i64);
+        pipe.forward_backward_monolithic(&b.inputs, &b.targets)
+            .expect("train");
+        if (i + 1).is_multiple_of(u64::from(run.inner_steps_every)) {
+            for (stage, opt) in pipe.stages_mut().iter_mut().zip(&mut opts) {
+                opt.step_with(stage, run.inner_lr).expect("step");
+            }
+        }
+    }
+    let tokens = run.samples_per_epoch * u64::from(run.micro_batch * run.seq_len);
+    tokens as f64 / started.elapsed().as_secs_f64()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    init_tracing();
+    let samples = env_or("PIPELINE_SAMPLES", 24);
+    let in_flight = env_or("PIPELINE_IN_FLIGHT", 3) as u32;
+    let run = run_config(samples, in_flight);
+    let mono = |run: &RunConfig| {
+        let run = run.clone();
+        tokio::task::spawn_blocking(move || monolithic_tokens_per_s(&run))
+    };
+    let before = mono(&run).await.expect("monolithic");
+
+    let seeds = [81u8, 82, 83];
+    let chain = chain_with(&seeds, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let client = explorer(&orch.base, seeds[0]).await;
+    let miners: Vec<_> = seeds
+        .iter()
+        .map(|s| {
+            let mut cfg = miner_config(&orch.base);
+            cfg.tokens_per_s = Some(1000.0);
+            spawn(cfg, signer(*s))
+        })
+        .collect();
+    let joined = eventually("joined", Duration::from_secs(300), || async {
+        miners
+            .iter()
+            .all(|m| m.status().weights_epoch == Some(0))
+            .then(Instant::now)
+    })
+    .await;
+    let done = eventually("training done", Duration::from_secs(1800), || async {
+        let st = client.status().await.ok()?;
+        (st.epoch > 0 || st.phase != Phase::Training).then(Instant::now)
+    })
+    .await;
+    let seconds = done.duration_since(joined).as_secs_f64();
+    let wire: u64 = miners.iter().map(|m| m.status().boundary_bytes).sum();
+    for m in miners {
+        let _ = m.stop().await;
+    }
+    orch.stop().await;
+    let after = mono(&run).await.expect("monolithic");
+
+    let tokens = samples * u64::from(run.micro_batch * run.seq_len);
+    let pipeline = tokens as f64 / seconds;
+    let monolithic = (before + after) / 2.0;
+    println!(
+        "pipeline against monolithic, `small` on the CPU, {samples} samples of {}x{}, {in_flight} in flight, int8 wire",
+        run.micro_batch, run.seq_len
+    );
+    println!(
+        "  monolithic (one graph, same samples and inner steps): {before:.0} tokens/s before, {after:.0} after"
+    );
+    println!(
+        "  pipeline (3 miners, orchestrator, PostgreSQL, object store): {pipeline:.0} tokens/s ({tokens} tokens in {seconds:.1} s, {:.1} MB on the wire)",
+        wire as f64 / 1e6
+    );
+    println!(
+        "  ratio pipeline / monolithic: {:.3}",
+        pipeline / monolithic
+    );
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Runs every benchmark of the project, one after another on this machine, and writes
+# BENCHMARKS.md: which machine, which commit, and each benchmark's own output. Every ratio in it
+# is measured side by side within one benchmark (both sides in the same process, interleaved or
+# before-and-after), never across separate runs.
+#
+#   scripts/bench.sh                       # all of them (about 30-60 minutes on 2 cores)
+#   scripts/bench.sh clasp butterfly       # a subset, by name (see BENCHES below)
+#   BENCH_OUT=/tmp/b.md scripts/bench.sh   # write elsewhere
+#
+# Each benchmark's section is kept under target/bench/ and stamped with its own commit and date;
+# BENCHMARKS.md is assembled from all kept sections, so a subset run replaces only its own.
+#
+# Starts a throwaway PostgreSQL (scripts/pg.sh) unless DATABASE_URL is set. Benchmarks build in
+# release mode into the usual target directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# name | command | what it measures
+BENCHES=(
+  "model|cargo bench -p iota-model --bench model|Training core: per-stage and monolithic forward+backward tokens/s of \`small\`, and the bottleneck compression table"
+  "overhead|cargo bench -p iota-miner --bench overhead|Miner overhead: a miner's tokens/s through the whole protocol against the training core alone"
+  "pipeline|cargo bench -p iota-miner --bench pipeline|Pipeline against monolithic: end-to-end tokens/s of three miners against one process training the same model"
+  "butterfly|cargo bench -p iota-miner --bench butterfly|Weight all-reduce: bytes per miner and time at 2, 4, 8 and 16 miners per stage"
+  "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second and latency against an unsigned no-op"
+  "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
+  "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
+  "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync and set_weights round trip"
+  "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
+)
+
+out="${BENCH_OUT:-BENCHMARKS.md}"
+wanted=" $* "
+
+cleanup=()
+on_exit() { for c in "${cleanup[@]}"; do eval "$c" || true; done; }
+trap on_exit EXIT
+if [ -z "${DATABASE_URL:-}" ]; then
+    eval "$(scripts/pg.sh start)"
+    cleanup+=("scripts/pg.sh stop '$IOTA_PG_DIR'")
+fi
+export DATABASE_URL
+
+sections=target/bench
+mkdir -p "$sections"
+# Sections measured earlier and only found in the committed file (e.g. in a fresh clone) are kept.
+if [ -f "$out" ]; then
+    awk -v dir="$sections" '
+        /^## / { file = dir "/" $2 ".md"; keep = (system("test -f " file) != 0); if (keep) printf "" > file }
+        file != "" && keep { print >> file }
+    ' "$out"
+fi
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+uncommitted')"
+failed=0
+for entry in "${BENCHES[@]}"; do
+    IFS='|' read -r name cmd what <<<"$entry"
+    if [ -n "${*:-}" ] && [[ "$wanted" != *" $name "* ]]; then
+        continue
+    fi
+    bench="${cmd##* }"
+    crate_dir="$(echo "$cmd" | sed -E 's/.*-p iota-([a-z]+).*/\1/')"
+    if [ ! -f "$crate_dir/benches/$bench.rs" ]; then
+        echo "== $name: no $crate_dir/benches/$bench.rs, skipped" >&2
+        continue
+    fi
+    echo "== $name: $cmd" >&2
+    log="$(mktemp)"
+    load="$(cut -d' ' -f1-3 /proc/loadavg)"
+    started=$(date +%s)
+    status=ok
+    if ! $cmd >"$log" 2>"$log.err"; then
+        status="FAILED (exit code $?; last lines of its error output below)"
+        failed=1
+        tail -n 20 "$log.err" >>"$log"
+    fi
+    took=$(( $(date +%s) - started ))
+    {
+        echo "## $name"
+        echo
+        echo "$what. \`$cmd\` at \`$commit\`, $(date -u +'%Y-%m-%d %H:%M UTC'), $took s including the build; load average before: $load. Status: $status."
+        echo
+        echo '```text'
+        cat "$log"
+        echo '```'
+        echo
+    } >"$sections/$name.md"
+    rm -f "$log" "$log.err"
+done
+
+{
+    echo "# Benchmarks"
+    echo
+    echo "Written by \`scripts/bench.sh\`; each section names the commit and time it was measured at."
+    echo
+    echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) logical cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo) memory, $(uname -sr), $(rustc --version)."
+    echo "Benchmarks run one after another; ratios are taken within one benchmark (both sides in the same run)."
+    echo "Figures from a shared or loaded machine move; compare ratios, not absolute rates, across machines."
+    echo
+    for entry in "${BENCHES[@]}"; do
+        name="${entry%%|*}"
+        if [ -f "$sections/$name.md" ]; then cat "$sections/$name.md"; fi
+    done
+} >"$out"
+echo "wrote $out" >&2
+exit "$failed"
