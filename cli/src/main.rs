@@ -363,3 +363,42 @@ async fn run() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn flags_are_consistent_and_audit_parses() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "iota",
+            "validator",
+            "audit",
+            "--epoch",
+            "41",
+            "--netuid",
+            "3",
+            "--database.url",
+            "postgres://v@db/v",
+        ])
+        .expect("audit parses");
+        match cli.command {
+            Command::Validator {
+                command: ValidatorCommand::Audit(a),
+            } => {
+                assert_eq!((a.epoch, a.json, a.validator.netuid), (41, false, 3));
+                assert_eq!(
+                    a.validator.database_url.as_deref(),
+                    Some("postgres://v@db/v")
+                );
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(
+            Cli::try_parse_from(["iota", "validator", "audit"]).is_err(),
+            "--epoch is required"
+        );
+    }
+}

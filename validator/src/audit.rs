@@ -11,14 +11,14 @@
 //!   been pruned by the orchestrator). Penalties are re-derived from them
 //!   ([`crate::score::failures`]).
 //! * The weights are rebuilt with [`crate::score::weights_by_uid`] and converted for the chain
-//!   with the chain client's own conversion, then compared with the `Weights` row of this
+//!   with the chain client's own conversion, chosen as the service's submission chooses it,
+//!   then compared with the `Weights` row of this
 //!   validator's uid at the block they landed in (set or revealed), or, for a commit not yet
 //!   revealed, by recomputing the commit hash with the salt kept in `pending_commits` and looking
 //!   it up in the chain's `WeightCommits`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use iota_chain::set_weights::convert_as_given;
 use iota_chain::weights::commit_hash;
 use iota_chain::{ChainError, Metagraph};
 use iota_protocol::api::{EpochRecord, SampleRecord};
@@ -27,7 +27,7 @@ use serde::Serialize;
 use crate::clasp::HotkeyEffects;
 use crate::error::ValidatorError;
 use crate::onchain::{at_number, commit_hashes, weights_row};
-use crate::score::{EpochScore, chain_scores, epoch_scores, failures, weights_by_uid};
+use crate::score::{EpochScore, epoch_scores, failures, weights_by_uid};
 use crate::service::{Validator, fit_epoch};
 use crate::store::{EffectRow, SubmissionRow};
 
@@ -482,7 +482,7 @@ impl Validator {
         let expected: BTreeMap<u16, u16> = if uids.is_empty() {
             BTreeMap::new()
         } else {
-            let (u, v) = convert_as_given(&meta.hyperparams, &uids, &chain_scores(&values))?;
+            let (u, v) = self.chain_values(&meta.hyperparams, &uids, &values)?;
             u.into_iter().zip(v).collect()
         };
         let mine: BTreeMap<u16, f64> = uids.iter().copied().zip(values.iter().copied()).collect();

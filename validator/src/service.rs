@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use iota_chain::set_weights::{WeightOptions, WeightsOutcome};
+use iota_chain::set_weights::{WeightOptions, WeightsOutcome, convert_as_given, weights_for_chain};
 use iota_chain::wallet::Keypair;
 use iota_chain::{Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
@@ -615,6 +615,32 @@ impl Validator {
         .map(Some)
     }
 
+    /// How weights are sent.
+    fn weight_options(&self) -> WeightOptions {
+        WeightOptions {
+            tx: self.cfg.tx.clone(),
+            wait_for_rate_limit: false,
+            ..WeightOptions::default()
+        }
+    }
+
+    /// The `(uids, values)` the chain client turns `weights` into when this validator sends
+    /// them: its own conversion, chosen as `set_weights` chooses it (the audit compares the
+    /// chain with this).
+    pub(crate) fn chain_values(
+        &self,
+        hyperparams: &iota_chain::Hyperparams,
+        uids: &[u16],
+        weights: &[f64],
+    ) -> Result<(Vec<u16>, Vec<u16>), iota_chain::ChainError> {
+        let scores = chain_scores(weights);
+        if self.weight_options().process_weights {
+            weights_for_chain(hyperparams, uids, &scores)
+        } else {
+            convert_as_given(hyperparams, uids, &scores)
+        }
+    }
+
     /// Records, sends and records the outcome of one weight submission.
     async fn send_weights(
         &self,
@@ -628,11 +654,7 @@ impl Validator {
             .store
             .begin_submission(run_id, epoch, self.cfg.netuid, uids, values, source)
             .await?;
-        let opts = WeightOptions {
-            tx: self.cfg.tx.clone(),
-            wait_for_rate_limit: false,
-            ..WeightOptions::default()
-        };
+        let opts = self.weight_options();
         match self
             .chain
             .set_weights(
