@@ -848,3 +848,42 @@ pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iota_protocol::{ApiError, ClientError, ErrorCode};
+
+    #[test]
+    fn only_a_silent_or_gatewayed_orchestrator_is_unreachable() {
+        let api = |status| {
+            ValidatorError::Api(ClientError::Api {
+                status,
+                error: ApiError::new(ErrorCode::BadRequest, "x"),
+            })
+        };
+        assert!(orchestrator_unreachable(&ValidatorError::Api(
+            ClientError::Network("refused".into())
+        )));
+        assert!(orchestrator_unreachable(&api(502)));
+        assert!(orchestrator_unreachable(&api(504)));
+        // An orchestrator that answers is reachable, even when it refuses.
+        assert!(!orchestrator_unreachable(&api(500)));
+        assert!(!orchestrator_unreachable(&api(403)));
+        assert!(!orchestrator_unreachable(&ValidatorError::Api(
+            ClientError::Decode("?".into())
+        )));
+        assert!(!orchestrator_unreachable(&ValidatorError::Config(
+            "x".into()
+        )));
+    }
+
+    #[test]
+    fn draws_differ_by_secret_block_and_epoch() {
+        let s = draw_seed(&[1; 32], b"block", 3);
+        assert_eq!(s, draw_seed(&[1; 32], b"block", 3));
+        assert_ne!(s, draw_seed(&[2; 32], b"block", 3));
+        assert_ne!(s, draw_seed(&[1; 32], b"other", 3));
+        assert_ne!(s, draw_seed(&[1; 32], b"block", 4));
+    }
+}
