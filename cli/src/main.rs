@@ -133,20 +133,33 @@ enum ValidatorCommand {
     Run(iota_validator::ValidatorArgs),
     /// Print the latest scores and weight submissions from the validator's database.
     Scores(iota_validator::ValidatorArgs),
+    /// Recompute a scored epoch's CLASP fit, scores and weights from the orchestrator's records
+    /// and compare them with the database and the chain (exit status 1 on any difference).
+    Audit(AuditArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct AuditArgs {
+    /// The epoch to audit (one this validator scored).
+    #[arg(long)]
+    epoch: u64,
+    /// Print the report as JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    validator: iota_validator::ValidatorArgs,
 }
 
 async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
-    let (args, run_loop) = match command {
-        ValidatorCommand::Run(a) => (a, true),
-        ValidatorCommand::Scores(a) => (a, false),
+    let (args, audit) = match command {
+        ValidatorCommand::Run(a) => (a, None),
+        ValidatorCommand::Scores(a) => {
+            let store = iota_validator::Store::connect(&database_url(&a)?).await?;
+            return print_scores(&store).await;
+        }
+        ValidatorCommand::Audit(a) => (a.validator, Some((a.epoch, a.json))),
     };
-    let url = args.database_url.clone().ok_or_else(|| {
-        anyhow::anyhow!("no database: pass --database.url or set IOTA_VALIDATOR_DATABASE_URL")
-    })?;
-    let store = iota_validator::Store::connect(&url).await?;
-    if !run_loop {
-        return print_scores(&store).await;
-    }
+    let store = iota_validator::Store::connect(&database_url(&args)?).await?;
     let password = iota_chain::wallet::PasswordSource::EnvOrPrompt;
     let hotkey = args.wallet.wallet()?.hotkey(&password)?;
     let chain = iota_chain::Subtensor::connect(args.subtensor.connect_options()?).await?;
@@ -160,12 +173,33 @@ async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
     }
     let v =
         iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
+    if let Some((epoch, json)) = audit {
+        let report = v.audit(epoch).await?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        if !report.matches {
+            anyhow::bail!(
+                "audit of epoch {epoch}: {} difference(s)",
+                report.mismatches.len().max(1)
+            );
+        }
+        return Ok(());
+    }
     println!(
         "validator for {} on netuid {}",
         args.orchestrator_url, args.netuid
     );
     iota_validator::run(v, shutdown_signal()).await;
     Ok(())
+}
+
+fn database_url(args: &iota_validator::ValidatorArgs) -> anyhow::Result<String> {
+    args.database_url.clone().ok_or_else(|| {
+        anyhow::anyhow!("no database: pass --database.url or set IOTA_VALIDATOR_DATABASE_URL")
+    })
 }
 
 async fn print_scores(store: &iota_validator::Store) -> anyhow::Result<()> {
@@ -189,9 +223,12 @@ async fn print_scores(store: &iota_validator::Store) -> anyhow::Result<()> {
             .map(|(u, w)| format!("{u}:{w:.3}"))
             .collect();
         println!(
-            "  #{} epoch {} {} block {} [{}]",
+            "  #{} {} {} {} block {} [{}]",
             s.id,
-            s.epoch,
+            s.epoch
+                .map(|e| format!("epoch {e}"))
+                .unwrap_or_else(|| "no epoch".into()),
+            s.source,
             s.state,
             s.block.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
             pairs.join(" ")
@@ -325,4 +362,43 @@ async fn run() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn flags_are_consistent_and_audit_parses() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "iota",
+            "validator",
+            "audit",
+            "--epoch",
+            "41",
+            "--netuid",
+            "3",
+            "--database.url",
+            "postgres://v@db/v",
+        ])
+        .expect("audit parses");
+        match cli.command {
+            Command::Validator {
+                command: ValidatorCommand::Audit(a),
+            } => {
+                assert_eq!((a.epoch, a.json, a.validator.netuid), (41, false, 3));
+                assert_eq!(
+                    a.validator.database_url.as_deref(),
+                    Some("postgres://v@db/v")
+                );
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(
+            Cli::try_parse_from(["iota", "validator", "audit"]).is_err(),
+            "--epoch is required"
+        );
+    }
 }

@@ -581,7 +581,7 @@ async fn finish(
                 let landed = subs.iter().find(|s| {
                     (s.state == "set" || s.state == "revealed")
                         && s.block.is_some()
-                        && s.epoch + 1 >= epochs
+                        && s.epoch.is_some_and(|e| e + 1 >= epochs)
                 });
                 if let Some(s) = landed {
                     weights_set.push(serde_json::json!({

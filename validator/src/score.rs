@@ -17,7 +17,12 @@
 //! higher loss than through an average peer of its stage) and `scale` the loss difference that
 //! halves a miner's quality.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+
+use iota_protocol::api::EpochRecord;
+
+use crate::clasp::HotkeyEffects;
+use crate::store::CheckRow;
 
 /// Scoring settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -109,6 +114,123 @@ pub fn weights(totals: &BTreeMap<String, f64>, burn: Option<(&str, f64)>) -> BTr
     out
 }
 
+/// Why each miner fails this epoch, from its checks: the first failed check of a miner, in the
+/// order the checks ran, gives the penalty text. The service and the audit both derive penalties
+/// here, the audit from the checks the database recorded.
+pub fn failures(checks: &[CheckRow]) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for c in checks.iter().filter(|c| !c.passed) {
+        let text = |key: &str| {
+            c.detail
+                .get(key)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let why = match c.kind.as_str() {
+            "replay" => format!("replay: {}", text("reason")),
+            "merge" => format!("merge {} is not the average", c.target),
+            "pseudo_gradient" => format!("bad pseudo-gradient: {}", text("error")),
+            other => format!("{other} check failed"),
+        };
+        out.entry(c.hotkey.clone()).or_insert(why);
+    }
+    out
+}
+
+/// Every miner's score for one finished epoch: work from the epoch record, quality from the
+/// CLASP fit (`None`: no fit) and the failed checks.
+pub fn epoch_scores(
+    record: &EpochRecord,
+    stages: u32,
+    fit: Option<&HotkeyEffects>,
+    failed: &HashMap<String, String>,
+    cfg: &ScoreConfig,
+) -> Vec<EpochScore> {
+    let last = stages.saturating_sub(1);
+    let effects: HashMap<&str, (f64, bool)> = fit
+        .map(|f| {
+            f.fit
+                .effects
+                .iter()
+                .filter_map(|e| {
+                    f.hotkeys
+                        .get(e.miner as usize)
+                        .map(|h| (h.as_str(), (e.effect, e.flagged)))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    record
+        .miners
+        .iter()
+        .map(|m| {
+            let work = m.backward_done as f64
+                + if m.stage == last {
+                    m.forward_done as f64
+                } else {
+                    0.0
+                };
+            let (effect, flagged) = effects
+                .get(m.hotkey.as_str())
+                .map(|(e, f)| (Some(*e), *f))
+                .unwrap_or((None, false));
+            let (q, penalty) = quality(
+                effect,
+                flagged,
+                failed.get(&m.hotkey).map(String::as_str),
+                cfg,
+            );
+            EpochScore {
+                hotkey: m.hotkey.clone(),
+                epoch: record.epoch,
+                work,
+                quality: q,
+                score: work * q,
+                penalty,
+            }
+        })
+        .collect()
+}
+
+/// The weights a validator sets from `scores` (the stored scores of the window ending at the
+/// latest epoch among them), by uid: decayed totals, normalised, the burn share to `burn`'s uid,
+/// hotkeys not in `uid_of` dropped. `None` when nothing maps to a uid.
+pub fn weights_by_uid(
+    scores: &[EpochScore],
+    cfg: &ScoreConfig,
+    burn: Option<(u16, f64)>,
+    uid_of: &BTreeMap<String, u16>,
+) -> Option<(Vec<u16>, Vec<f64>)> {
+    let totals = decayed_totals(scores, cfg);
+    let burn_key = burn.map(|(uid, _)| format!("uid:{uid}"));
+    let w = weights(
+        &totals,
+        burn.as_ref()
+            .zip(burn_key.as_deref())
+            .map(|((_, b), k)| (k, *b)),
+    );
+    let mut by_uid: BTreeMap<u16, f64> = BTreeMap::new();
+    for (k, v) in w {
+        let uid = match k.strip_prefix("uid:") {
+            Some(u) => u.parse().ok(),
+            None => uid_of.get(&k).copied(),
+        };
+        if let Some(uid) = uid {
+            *by_uid.entry(uid).or_insert(0.0) += v;
+        }
+    }
+    if by_uid.is_empty() {
+        return None;
+    }
+    Some(by_uid.into_iter().unzip())
+}
+
+/// Weights as the chain client takes them (`f32` scores).
+pub fn chain_scores(weights: &[f64]) -> Vec<f32> {
+    weights.iter().map(|v| *v as f32).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +273,57 @@ mod tests {
         );
         assert_eq!(t["a"], 15.0);
         assert_eq!(t["b"], 10.0);
+    }
+
+    #[test]
+    fn the_first_failed_check_gives_the_penalty() {
+        let row = |h: &str, kind: &str, passed: bool, detail: serde_json::Value| CheckRow {
+            hotkey: h.into(),
+            kind: kind.into(),
+            target: "1/0".into(),
+            passed,
+            detail,
+        };
+        let checks = vec![
+            row("a", "replay", true, serde_json::json!({"reason": null})),
+            row(
+                "b",
+                "pseudo_gradient",
+                false,
+                serde_json::json!({"error": "short"}),
+            ),
+            row(
+                "b",
+                "replay",
+                false,
+                serde_json::json!({"reason": "task 3"}),
+            ),
+            row(
+                "c",
+                "replay",
+                false,
+                serde_json::json!({"reason": "task 9"}),
+            ),
+            row("d", "merge", false, serde_json::json!({})),
+        ];
+        let f = failures(&checks);
+        assert_eq!(f.len(), 3, "{f:?}");
+        assert_eq!(f["b"], "bad pseudo-gradient: short");
+        assert_eq!(f["c"], "replay: task 9");
+        assert_eq!(f["d"], "merge 1/0 is not the average");
+    }
+
+    #[test]
+    fn weights_map_to_uids_with_the_burn_uid() {
+        let cfg = ScoreConfig::default();
+        let uid_of: BTreeMap<String, u16> = [("a".to_string(), 3), ("b".to_string(), 1)].into();
+        let scores = [s("a", 2, 3.0), s("b", 2, 1.0), s("gone", 2, 4.0)];
+        let (uids, w) = weights_by_uid(&scores, &cfg, Some((0, 0.5)), &uid_of).expect("weights");
+        assert_eq!(uids, vec![0, 1, 3]);
+        // "gone" has no uid: its share is dropped, not handed to others.
+        assert!((w[0] - 0.5).abs() < 1e-12);
+        assert!((w[1] - 0.0625).abs() < 1e-12 && (w[2] - 0.1875).abs() < 1e-12);
+        assert_eq!(weights_by_uid(&scores, &cfg, None, &BTreeMap::new()), None);
     }
 
     #[test]

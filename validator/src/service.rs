@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use iota_chain::set_weights::{WeightOptions, WeightsOutcome};
+use iota_chain::set_weights::{WeightOptions, WeightsOutcome, convert_as_given, weights_for_chain};
 use iota_chain::wallet::Keypair;
 use iota_chain::{Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
@@ -23,12 +23,14 @@ use rand::seq::SliceRandom;
 
 use iota_miner::startup::HotkeySigner;
 
-use crate::clasp::{ClaspConfig, fit_samples};
+use crate::clasp::{ClaspConfig, HotkeyEffects, fit_samples};
 use crate::error::ValidatorError;
+use crate::fallback::{consensus_weights, stake_weighted_mean};
 use crate::merges::recompute_merge;
+use crate::onchain::weight_rows;
 use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
-use crate::score::{EpochScore, ScoreConfig, decayed_totals, quality, weights};
-use crate::store::{CheckRow, Store};
+use crate::score::{EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid};
+use crate::store::{CheckRow, Store, WeightSource};
 
 /// Settings of a validator.
 #[derive(Clone, Debug)]
@@ -55,6 +57,9 @@ pub struct ValidatorConfig {
     pub set_weights: bool,
     /// Chain transaction options.
     pub tx: TxOptions,
+    /// Retries of orchestrator requests; once they are spent the orchestrator counts as
+    /// unreachable and the validator copies the chain's consensus weights instead.
+    pub retry: RetryPolicy,
 }
 
 impl ValidatorConfig {
@@ -72,6 +77,7 @@ impl ValidatorConfig {
             burn: None,
             set_weights: true,
             tx: TxOptions::default(),
+            retry: RetryPolicy::default(),
         }
     }
 }
@@ -91,15 +97,33 @@ pub struct EpochOutcome {
     pub scores: Vec<EpochScore>,
 }
 
+/// The orchestrator side of a validator, known once the orchestrator has answered.
+struct Online {
+    client: ApiClient,
+    run_id: i64,
+    run: RunConfig,
+}
+
 /// A validator with its clients and database.
 pub struct Validator {
     cfg: ValidatorConfig,
-    client: ApiClient,
     chain: Subtensor,
     hotkey: Keypair,
     store: Store,
-    run_id: i64,
-    run: RunConfig,
+    online: tokio::sync::OnceCell<Online>,
+}
+
+/// Whether `e` means the orchestrator cannot be reached (the network failed on every retry, or a
+/// gateway in front of it answers that it is down), as opposed to an answer the validator must
+/// act on.
+pub fn orchestrator_unreachable(e: &ValidatorError) -> bool {
+    match e {
+        ValidatorError::Api(iota_protocol::ClientError::Network(_)) => true,
+        ValidatorError::Api(iota_protocol::ClientError::Api { status, .. }) => {
+            matches!(status, 502..=504)
+        }
+        _ => false,
+    }
 }
 
 /// The seed of an epoch's draw: BLAKE3 keyed by the validator's secret over the hash of a block
@@ -111,6 +135,23 @@ pub fn draw_seed(secret: &[u8; 32], block_hash: &[u8], epoch: u64) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
+/// CLASP over every finished sample of an epoch; `None` (logged) when nothing can be fitted. The
+/// service and the audit both fit here.
+pub(crate) fn fit_epoch(
+    epoch: u64,
+    stages: u32,
+    samples: &[SampleRecord],
+    cfg: &ClaspConfig,
+) -> Option<HotkeyEffects> {
+    match fit_samples(stages as usize, samples, cfg) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!(epoch, error = %e, "no CLASP fit this epoch");
+            None
+        }
+    }
+}
+
 fn pick<T: Clone>(items: &[T], n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T> {
     if n == 0 || n >= items.len() {
         return items.to_vec();
@@ -119,26 +160,48 @@ fn pick<T: Clone>(items: &[T], n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T>
 }
 
 impl Validator {
-    /// Connects to the orchestrator, the chain and the database.
+    /// Connects to the orchestrator, the chain and the database. An unreachable orchestrator is
+    /// not an error: the validator starts without it (and copies consensus weights, see
+    /// [`Validator::step`]) and connects once it answers.
     pub async fn connect(
         cfg: ValidatorConfig,
         hotkey: Keypair,
         chain: Subtensor,
         store: Store,
     ) -> Result<Self, ValidatorError> {
-        let signer: Arc<dyn RequestSigner> = Arc::new(HotkeySigner(hotkey.clone()));
-        let client =
-            ApiClient::connect(&cfg.orchestrator_url, signer, RetryPolicy::default()).await?;
-        let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
-        Ok(Self {
+        let v = Self {
             cfg,
-            client,
             chain,
             hotkey,
             store,
-            run_id: info.id,
-            run: info.config,
-        })
+            online: tokio::sync::OnceCell::new(),
+        };
+        match v.online().await {
+            Ok(_) => {}
+            Err(e) if orchestrator_unreachable(&e) => {
+                tracing::warn!(url = %v.cfg.orchestrator_url, error = %e,
+                    "orchestrator unreachable; starting without it");
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(v)
+    }
+
+    /// The orchestrator's client and run, connecting on first use.
+    async fn online(&self) -> Result<&Online, ValidatorError> {
+        self.online
+            .get_or_try_init(|| async {
+                let signer: Arc<dyn RequestSigner> = Arc::new(HotkeySigner(self.hotkey.clone()));
+                let client =
+                    ApiClient::connect(&self.cfg.orchestrator_url, signer, self.cfg.retry).await?;
+                let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
+                Ok(Online {
+                    client,
+                    run_id: info.id,
+                    run: info.config,
+                })
+            })
+            .await
     }
 
     /// The database.
@@ -146,18 +209,40 @@ impl Validator {
         &self.store
     }
 
-    /// The orchestrator client.
-    pub fn client(&self) -> &ApiClient {
-        &self.client
+    /// The chain client.
+    pub fn chain(&self) -> &Subtensor {
+        &self.chain
+    }
+
+    /// The validator's hotkey.
+    pub fn hotkey(&self) -> &Keypair {
+        &self.hotkey
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ValidatorConfig {
+        &self.cfg
+    }
+
+    /// The orchestrator client (connecting if not yet connected).
+    pub async fn client(&self) -> Result<&ApiClient, ValidatorError> {
+        Ok(&self.online().await?.client)
+    }
+
+    /// The run's id and settings (connecting if not yet connected).
+    pub async fn run_info(&self) -> Result<(i64, &RunConfig), ValidatorError> {
+        let o = self.online().await?;
+        Ok((o.run_id, &o.run))
     }
 
     async fn download_all<T>(
         &self,
         blobs: impl IntoIterator<Item = (T, BlobDescriptor)>,
     ) -> Result<Vec<(T, Vec<u8>)>, ValidatorError> {
+        let o = self.online().await?;
         let mut out = Vec::new();
         for (k, b) in blobs {
-            out.push((k, self.client.download(&b).await?.to_vec()));
+            out.push((k, o.client.download(&b).await?.to_vec()));
         }
         Ok(out)
     }
@@ -167,7 +252,8 @@ impl Validator {
         record: &EpochRecord,
         stage: u32,
     ) -> Result<Vec<Option<(Vec<f32>, Vec<f32>)>>, ValidatorError> {
-        let mut out = vec![None; self.run.partitions as usize];
+        let o = self.online().await?;
+        let mut out = vec![None; o.run.partitions as usize];
         let Some(sw) = record.start_weights.iter().find(|w| w.stage == stage) else {
             return Ok(out);
         };
@@ -175,12 +261,12 @@ impl Validator {
             let (Some(blob), Some(slot)) = (blob, out.get_mut(j)) else {
                 continue;
             };
-            let len = self
+            let len = o
                 .run
                 .partition_range(stage, j as u32)
                 .map(|r| r.end - r.start)
                 .unwrap_or(0);
-            let bytes = self.client.download(blob).await?;
+            let bytes = o.client.download(blob).await?;
             *slot = Some(
                 decode_merged(&bytes, len).map_err(|e| ValidatorError::BadObject(e.to_string()))?,
             );
@@ -189,10 +275,11 @@ impl Validator {
     }
 
     async fn all_hops(&self, epoch: u64) -> Result<HashMap<i64, HopRecord>, ValidatorError> {
+        let o = self.online().await?;
         let mut out = HashMap::new();
         let mut after = 0;
         loop {
-            let page = self.client.hops(epoch, after, 500).await?;
+            let page = o.client.hops(epoch, after, 500).await?;
             for h in page.hops {
                 out.insert(h.task_id, h);
             }
@@ -203,11 +290,15 @@ impl Validator {
         }
     }
 
-    async fn all_samples(&self, epoch: u64) -> Result<Vec<SampleRecord>, ValidatorError> {
+    pub(crate) async fn all_samples(
+        &self,
+        epoch: u64,
+    ) -> Result<Vec<SampleRecord>, ValidatorError> {
+        let o = self.online().await?;
         let mut out = Vec::new();
         let mut after = 0;
         loop {
-            let page = self.client.samples(epoch, after, 1000).await?;
+            let page = o.client.samples(epoch, after, 1000).await?;
             out.extend(page.samples);
             match page.next_after {
                 Some(a) => after = a,
@@ -238,7 +329,8 @@ impl Validator {
 
     /// Verifies and scores a finished epoch, and stores the result (once per epoch).
     pub async fn score_epoch(&self, epoch: u64) -> Result<EpochOutcome, ValidatorError> {
-        let record = self.client.epoch_record(epoch).await?;
+        let o = self.online().await?;
+        let record = o.client.epoch_record(epoch).await?;
         if record.phase.is_some() {
             return Err(ValidatorError::Config(format!(
                 "epoch {epoch} has not finished"
@@ -250,11 +342,10 @@ impl Validator {
         let seed_hex = hex::encode(seed);
         tracing::info!(epoch, seed = %seed_hex, seed_block, "spot-check draw");
         let mut rng = rand::rngs::StdRng::from_seed(seed);
-        let mut checks = Vec::new();
-        let mut failed: HashMap<String, String> = HashMap::new();
+        let mut checks: Vec<SpotCheckResult> = Vec::new();
 
         // Replays.
-        let tasks = self.client.spot_checks(epoch).await?;
+        let tasks = o.client.spot_checks(epoch).await?;
         let chosen = pick(&tasks.miners, self.cfg.replays_per_epoch, &mut rng);
         let (hops, samples) = if chosen.is_empty() {
             (HashMap::new(), self.all_samples(epoch).await?)
@@ -265,7 +356,7 @@ impl Validator {
             .iter()
             .filter_map(|s| s.sequence_losses.clone().map(|l| (s.sample_id, l)))
             .collect();
-        let last = self.run.stages - 1;
+        let last = o.run.stages.saturating_sub(1);
         for cand in &chosen {
             let start: Vec<Option<Vec<f32>>> = self
                 .start_weights(&record, cand.stage)
@@ -279,11 +370,11 @@ impl Validator {
                 let Some(h) = hops.get(id) else { continue };
                 miner_compute_ms += h.compute_ms.unwrap_or(0);
                 let input = match &h.input {
-                    Some(b) => Some(self.client.download(b).await?.to_vec()),
+                    Some(b) => Some(o.client.download(b).await?.to_vec()),
                     None => None,
                 };
                 let output = match &h.output {
-                    Some(b) => Some(self.client.download(b).await?.to_vec()),
+                    Some(b) => Some(o.client.download(b).await?.to_vec()),
                     None => None,
                 };
                 let last_forward = h.stage == last && h.direction == Direction::Forward;
@@ -307,19 +398,25 @@ impl Validator {
                 .map(|p| (p.partition, p.blob.clone()));
             let mut claimed_pg = Vec::new();
             for (j, bytes) in self.download_all(pg_blobs).await? {
-                let len = self
+                let len = o
                     .run
                     .partition_range(cand.stage, j)
                     .map(|r| r.end - r.start)
                     .unwrap_or(0);
                 match decode_partition(&bytes, len) {
                     Ok(v) => claimed_pg.push((j, v)),
-                    Err(e) => {
-                        failed.insert(cand.hotkey.clone(), format!("bad pseudo-gradient: {e}"));
-                    }
+                    // Recorded as a check of its own, so the penalty can be re-derived from the
+                    // database (the audit does).
+                    Err(e) => checks.push(SpotCheckResult {
+                        hotkey: cand.hotkey.clone(),
+                        kind: "pseudo_gradient".into(),
+                        target: format!("{}/{j}", cand.stage),
+                        passed: false,
+                        detail: serde_json::json!({ "error": e.to_string() }).to_string(),
+                    }),
                 }
             }
-            let (run, stage, t) = (self.run.clone(), cand.stage, self.cfg.thresholds);
+            let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
             let report = tokio::task::spawn_blocking(move || {
                 replay_miner(&run, stage, epoch, &start, &recorded, &claimed_pg, &t)
             })
@@ -331,11 +428,6 @@ impl Validator {
                 replay_s = report.compute_s, miner_compute_s = miner_compute_ms as f64 / 1e3, cost_ratio,
                 worst_cosine = report.worst_cosine, worst_relative_error = report.worst_relative_error,
                 pg_cosine = report.pseudo_gradient_cosine, "replay");
-            if !report.passed {
-                failed.entry(cand.hotkey.clone()).or_insert_with(|| {
-                    format!("replay: {}", report.reason.clone().unwrap_or_default())
-                });
-            }
             checks.push(SpotCheckResult {
                 hotkey: cand.hotkey.clone(),
                 kind: "replay".into(),
@@ -356,11 +448,6 @@ impl Validator {
             let hash = self.recompute(&record, p.stage, p.partition).await?;
             for r in &p.results {
                 let passed = r.blake3 == hash;
-                if !passed {
-                    failed.entry(r.hotkey.clone()).or_insert_with(|| {
-                        format!("merge {}/{} is not the average", p.stage, p.partition)
-                    });
-                }
                 checks.push(SpotCheckResult {
                     hotkey: r.hotkey.clone(),
                     kind: "merge".into(),
@@ -373,57 +460,7 @@ impl Validator {
         }
 
         // CLASP over every finished sample.
-        let fit = match fit_samples(self.run.stages as usize, &samples, &self.cfg.clasp) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                tracing::warn!(epoch, error = %e, "no CLASP fit this epoch");
-                None
-            }
-        };
-        let effects: HashMap<&str, (f64, bool)> = fit
-            .as_ref()
-            .map(|f| {
-                f.fit
-                    .effects
-                    .iter()
-                    .filter_map(|e| {
-                        f.hotkeys
-                            .get(e.miner as usize)
-                            .map(|h| (h.as_str(), (e.effect, e.flagged)))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let scores: Vec<EpochScore> = record
-            .miners
-            .iter()
-            .map(|m| {
-                let work = m.backward_done as f64
-                    + if m.stage == last {
-                        m.forward_done as f64
-                    } else {
-                        0.0
-                    };
-                let (effect, flagged) = effects
-                    .get(m.hotkey.as_str())
-                    .map(|(e, f)| (Some(*e), *f))
-                    .unwrap_or((None, false));
-                let (q, penalty) = quality(
-                    effect,
-                    flagged,
-                    failed.get(&m.hotkey).map(String::as_str),
-                    &self.cfg.score,
-                );
-                EpochScore {
-                    hotkey: m.hotkey.clone(),
-                    epoch,
-                    work,
-                    quality: q,
-                    score: work * q,
-                    penalty,
-                }
-            })
-            .collect();
+        let fit = fit_epoch(epoch, o.run.stages, &samples, &self.cfg.clasp);
         let rows: Vec<CheckRow> = checks
             .iter()
             .map(|c| CheckRow {
@@ -434,9 +471,17 @@ impl Validator {
                 detail: serde_json::from_str(&c.detail).unwrap_or(serde_json::Value::Null),
             })
             .collect();
+        // Penalties come from the check rows as stored, the same derivation the audit redoes.
+        let scores: Vec<EpochScore> = epoch_scores(
+            &record,
+            o.run.stages,
+            fit.as_ref(),
+            &failures(&rows),
+            &self.cfg.score,
+        );
         self.store
             .record_epoch(
-                self.run_id,
+                o.run_id,
                 epoch,
                 &seed_hex,
                 seed_block,
@@ -452,7 +497,7 @@ impl Validator {
             seed_block,
             checks: checks.clone(),
         };
-        if let Err(e) = self.client.report_spot_checks(epoch, &report).await {
+        if let Err(e) = o.client.report_spot_checks(epoch, &report).await {
             tracing::warn!(epoch, error = %e, "could not publish the spot checks");
         }
         Ok(EpochOutcome {
@@ -471,7 +516,8 @@ impl Validator {
         stage: u32,
         partition: u32,
     ) -> Result<String, ValidatorError> {
-        let len = self
+        let o = self.online().await?;
+        let len = o
             .run
             .partition_range(stage, partition)
             .map(|r| r.end - r.start)
@@ -482,7 +528,7 @@ impl Validator {
             .iter()
             .filter(|p| p.stage == stage && p.partition == partition)
         {
-            let bytes = self.client.download(&pg.blob).await?;
+            let bytes = o.client.download(&pg.blob).await?;
             let values = decode_partition(&bytes, len)
                 .map_err(|e| ValidatorError::BadObject(e.to_string()))?;
             contributions.push((pg.hotkey.clone(), pg.weight, values));
@@ -493,7 +539,7 @@ impl Validator {
             .into_iter()
             .nth(partition as usize)
             .flatten();
-        let run = self.run.clone();
+        let run = o.run.clone();
         let (_, hash) = tokio::task::spawn_blocking(move || {
             recompute_merge(&run, stage, partition, contributions, base)
         })
@@ -504,17 +550,18 @@ impl Validator {
 
     /// Settles the orchestrator's open disputes with recomputed hashes.
     pub async fn settle_disputes(&self) -> Result<usize, ValidatorError> {
+        let o = self.online().await?;
         let mut settled = 0;
-        for d in self.client.disputes().await? {
+        for d in o.client.disputes().await? {
             if d.state != "open" {
                 continue;
             }
             let epoch = d.partition.epoch;
-            let record = self.client.epoch_record(epoch).await?;
+            let record = o.client.epoch_record(epoch).await?;
             let hash = self
                 .recompute(&record, d.partition.stage, d.partition.partition)
                 .await?;
-            match self.client.settle(d.id, &hash).await {
+            match o.client.settle(d.id, &hash).await {
                 Ok(_) => {
                     settled += 1;
                     tracing::info!(dispute = d.id, epoch, blake3 = %hash, "dispute settled");
@@ -525,73 +572,96 @@ impl Validator {
         Ok(settled)
     }
 
-    /// The weights the stored scores give, by uid (hotkeys not on the subnet are dropped).
+    /// The weights the stored scores give, by uid (hotkeys not on the subnet are dropped), with
+    /// the latest scored epoch they come from.
     pub async fn weights_from_db(
         &self,
     ) -> Result<Option<(u64, Vec<u16>, Vec<f64>)>, ValidatorError> {
-        let Some(latest) = self.store.latest_scored(self.run_id).await? else {
+        let o = self.online().await?;
+        let Some(latest) = self.store.latest_scored(o.run_id).await? else {
             return Ok(None);
         };
         let scores = self
             .store
-            .recent_scores(self.run_id, self.cfg.score.window)
+            .recent_scores(o.run_id, self.cfg.score.window)
             .await?;
-        let totals = decayed_totals(&scores, &self.cfg.score);
         let meta = self.chain.metagraph(self.cfg.netuid).await?;
         let uid_of: BTreeMap<String, u16> = meta
             .neurons
             .iter()
             .map(|n| (n.hotkey.ss58(), n.uid))
             .collect();
-        let burn_key = self.cfg.burn.map(|(uid, _)| format!("uid:{uid}"));
-        let w = weights(
-            &totals,
-            self.cfg
-                .burn
-                .as_ref()
-                .zip(burn_key.as_deref())
-                .map(|((_, b), k)| (k, *b)),
-        );
-        let mut by_uid: BTreeMap<u16, f64> = BTreeMap::new();
-        for (k, v) in w {
-            let uid = match k.strip_prefix("uid:") {
-                Some(u) => u.parse().ok(),
-                None => uid_of.get(&k).copied(),
-            };
-            if let Some(uid) = uid {
-                *by_uid.entry(uid).or_insert(0.0) += v;
-            }
-        }
-        if by_uid.is_empty() {
-            return Ok(None);
-        }
-        let (uids, values): (Vec<u16>, Vec<f64>) = by_uid.into_iter().unzip();
-        Ok(Some((latest, uids, values)))
+        Ok(
+            weights_by_uid(&scores, &self.cfg.score, self.cfg.burn, &uid_of)
+                .map(|(uids, values)| (latest, uids, values)),
+        )
     }
 
     /// Sets weights from the database: the submission is recorded before it is sent and its
     /// outcome after.
     pub async fn submit_weights(&self) -> Result<Option<WeightsOutcome>, ValidatorError> {
+        let o = self.online().await?;
         let Some((epoch, uids, values)) = self.weights_from_db().await? else {
             return Ok(None);
         };
-        let id = self
-            .store
-            .begin_submission(self.run_id, epoch, self.cfg.netuid, &uids, &values)
-            .await?;
-        let scores: Vec<f32> = values.iter().map(|v| *v as f32).collect();
-        let opts = WeightOptions {
+        self.send_weights(
+            WeightSource::Scores,
+            Some(o.run_id),
+            Some(epoch),
+            &uids,
+            &values,
+        )
+        .await
+        .map(Some)
+    }
+
+    /// How weights are sent.
+    fn weight_options(&self) -> WeightOptions {
+        WeightOptions {
             tx: self.cfg.tx.clone(),
             wait_for_rate_limit: false,
             ..WeightOptions::default()
-        };
+        }
+    }
+
+    /// The `(uids, values)` the chain client turns `weights` into when this validator sends
+    /// them: its own conversion, chosen as `set_weights` chooses it (the audit compares the
+    /// chain with this).
+    pub(crate) fn chain_values(
+        &self,
+        hyperparams: &iota_chain::Hyperparams,
+        uids: &[u16],
+        weights: &[f64],
+    ) -> Result<(Vec<u16>, Vec<u16>), iota_chain::ChainError> {
+        let scores = chain_scores(weights);
+        if self.weight_options().process_weights {
+            weights_for_chain(hyperparams, uids, &scores)
+        } else {
+            convert_as_given(hyperparams, uids, &scores)
+        }
+    }
+
+    /// Records, sends and records the outcome of one weight submission.
+    async fn send_weights(
+        &self,
+        source: WeightSource,
+        run_id: Option<i64>,
+        epoch: Option<u64>,
+        uids: &[u16],
+        values: &[f64],
+    ) -> Result<WeightsOutcome, ValidatorError> {
+        let id = self
+            .store
+            .begin_submission(run_id, epoch, self.cfg.netuid, uids, values, source)
+            .await?;
+        let opts = self.weight_options();
         match self
             .chain
             .set_weights(
                 &self.hotkey,
                 self.cfg.netuid,
-                &uids,
-                &scores,
+                uids,
+                &chain_scores(values),
                 &self.store,
                 &opts,
             )
@@ -621,8 +691,9 @@ impl Validator {
                 self.store
                     .finish_submission(id, state, block, version, hash, &json)
                     .await?;
-                tracing::info!(epoch, ?block, state, uids = ?uids, "weights submitted");
-                Ok(Some(outcome))
+                tracing::info!(?epoch, ?block, state, source = source.as_str(), uids = ?uids,
+                    "weights submitted");
+                Ok(outcome)
             }
             Err(e) => {
                 self.store
@@ -640,6 +711,53 @@ impl Validator {
         }
     }
 
+    /// The fallback while the orchestrator cannot be reached: once per cadence (the subnet's
+    /// tempo, or its weights rate limit if longer) since this validator last set weights, set
+    /// the chain's stake-weighted consensus weights ([`crate::fallback`]). Returns `None` when
+    /// it is not time yet or there is nothing to copy.
+    pub async fn copy_consensus_weights(&self) -> Result<Option<WeightsOutcome>, ValidatorError> {
+        let meta = self.chain.metagraph(self.cfg.netuid).await?;
+        let public = self.hotkey.public();
+        let me = meta.neuron_by_hotkey(&public).ok_or_else(|| {
+            iota_chain::ChainError::NotRegistered {
+                hotkey: public.ss58(),
+                netuid: self.cfg.netuid,
+            }
+        })?;
+        let hp = &meta.hyperparams;
+        let cadence = (u64::from(hp.tempo) + 1).max(hp.weights_rate_limit);
+        // A commit only moves LastUpdate when revealed: count our own recorded sends too.
+        let last = me
+            .last_update
+            .max(self.store.last_submission_block().await?.unwrap_or(0));
+        if last > 0 && meta.block < last + cadence {
+            tracing::debug!(
+                block = meta.block,
+                last,
+                cadence,
+                "consensus weights: not due yet"
+            );
+            return Ok(None);
+        }
+        let copied = match consensus_weights(&meta, me.uid) {
+            Some(w) => Some((w, "consensus")),
+            None => {
+                let rows = weight_rows(&self.chain, &meta).await?;
+                stake_weighted_mean(&meta, &rows, me.uid).map(|w| (w, "stake-weighted mean"))
+            }
+        };
+        let Some(((uids, values), how)) = copied else {
+            tracing::warn!(block = meta.block, "no consensus weights on chain to copy");
+            return Ok(None);
+        };
+        let run_id = self.online.get().map(|o| o.run_id);
+        tracing::warn!(block = meta.block, how, uids = ?uids,
+            "orchestrator unreachable: copying the chain's consensus weights");
+        self.send_weights(WeightSource::Consensus, run_id, None, &uids, &values)
+            .await
+            .map(Some)
+    }
+
     /// Reveals pending commits whose window opened (also those made before a restart).
     pub async fn reveal(&self) -> Result<usize, ValidatorError> {
         let report = self
@@ -652,27 +770,50 @@ impl Validator {
         Ok(report.revealed.len())
     }
 
-    /// One pass: disputes, reveals, every finished epoch not scored yet, then weights if a new
-    /// epoch was scored. Returns the epochs scored.
+    /// One pass: reveals, disputes, every finished epoch not scored yet, then weights if a new
+    /// epoch was scored. Returns the epochs scored. When the orchestrator cannot be reached,
+    /// the pass copies the chain's consensus weights at the subnet's cadence instead
+    /// ([`Validator::copy_consensus_weights`]).
     pub async fn step(&self) -> Result<Vec<u64>, ValidatorError> {
-        if let Err(e) = self.settle_disputes().await {
-            tracing::warn!(error = %e, "disputes");
-        }
         if self.cfg.set_weights
             && let Err(e) = self.reveal().await
         {
             tracing::warn!(error = %e, "reveal");
         }
-        let status = self.client.status().await?;
+        let status = match self.online().await {
+            Ok(o) => o.client.status().await.map_err(ValidatorError::from),
+            Err(e) => Err(e),
+        };
+        let status = match status {
+            Ok(s) => s,
+            Err(e) if orchestrator_unreachable(&e) => {
+                tracing::warn!(error = %e, "orchestrator unreachable");
+                if self.cfg.set_weights {
+                    match self.copy_consensus_weights().await {
+                        Ok(_) => {}
+                        Err(ValidatorError::Chain(e)) => {
+                            tracing::warn!(error = %e, "consensus weights not set");
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(e),
+        };
+        let o = self.online().await?;
+        if let Err(e) = self.settle_disputes().await {
+            tracing::warn!(error = %e, "disputes");
+        }
         let mut scored = Vec::new();
         let from = self
             .store
-            .latest_scored(self.run_id)
+            .latest_scored(o.run_id)
             .await?
             .map(|e| e + 1)
             .unwrap_or(0);
         for epoch in from..status.epoch {
-            if self.store.is_scored(self.run_id, epoch).await? {
+            if self.store.is_scored(o.run_id, epoch).await? {
                 continue;
             }
             self.score_epoch(epoch).await?;
@@ -705,5 +846,44 @@ pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send
             _ = &mut shutdown => break,
             _ = tokio::time::sleep(validator.cfg.poll_interval) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iota_protocol::{ApiError, ClientError, ErrorCode};
+
+    #[test]
+    fn only_a_silent_or_gatewayed_orchestrator_is_unreachable() {
+        let api = |status| {
+            ValidatorError::Api(ClientError::Api {
+                status,
+                error: ApiError::new(ErrorCode::BadRequest, "x"),
+            })
+        };
+        assert!(orchestrator_unreachable(&ValidatorError::Api(
+            ClientError::Network("refused".into())
+        )));
+        assert!(orchestrator_unreachable(&api(502)));
+        assert!(orchestrator_unreachable(&api(504)));
+        // An orchestrator that answers is reachable, even when it refuses.
+        assert!(!orchestrator_unreachable(&api(500)));
+        assert!(!orchestrator_unreachable(&api(403)));
+        assert!(!orchestrator_unreachable(&ValidatorError::Api(
+            ClientError::Decode("?".into())
+        )));
+        assert!(!orchestrator_unreachable(&ValidatorError::Config(
+            "x".into()
+        )));
+    }
+
+    #[test]
+    fn draws_differ_by_secret_block_and_epoch() {
+        let s = draw_seed(&[1; 32], b"block", 3);
+        assert_eq!(s, draw_seed(&[1; 32], b"block", 3));
+        assert_ne!(s, draw_seed(&[2; 32], b"block", 3));
+        assert_ne!(s, draw_seed(&[1; 32], b"other", 3));
+        assert_ne!(s, draw_seed(&[1; 32], b"block", 4));
     }
 }

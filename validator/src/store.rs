@@ -24,21 +24,91 @@ pub struct CheckRow {
     pub detail: serde_json::Value,
 }
 
+/// Where a weight submission came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightSource {
+    /// The validator's own stored scores.
+    Scores,
+    /// The chain's consensus weights, copied while the orchestrator was unreachable.
+    Consensus,
+}
+
+impl WeightSource {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Scores => "scores",
+            Self::Consensus => "consensus",
+        }
+    }
+}
+
 /// A weight submission as stored.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SubmissionRow {
     /// Row id.
     pub id: i64,
-    /// Latest scored epoch.
-    pub epoch: u64,
+    /// Run the scores came from (none for consensus copies made before any connection).
+    pub run_id: Option<i64>,
+    /// Latest scored epoch the weights come from (none for consensus copies).
+    pub epoch: Option<u64>,
+    /// `scores` or `consensus`.
+    pub source: String,
     /// Uids.
     pub uids: Vec<u16>,
     /// Normalised weights.
     pub weights: Vec<f64>,
     /// `pending`, `set`, `committed`, `revealed`, `failed`.
     pub state: String,
-    /// Block it landed in.
+    /// Block it landed in (the reveal's block once revealed).
     pub block: Option<u64>,
+    /// Version key sent.
+    pub version_key: Option<u64>,
+    /// The commit hash (`0x…`), when committed.
+    pub commit_hash: Option<String>,
+}
+
+/// A CLASP effect as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EffectRow {
+    /// Miner.
+    pub hotkey: String,
+    /// Stage.
+    pub stage: u32,
+    /// Effect on the loss.
+    pub effect: f64,
+    /// Standard error.
+    pub std_error: f64,
+    /// z-score (0 when not finite).
+    pub z: f64,
+    /// Samples through the miner.
+    pub samples: u64,
+    /// Flagged as harmful.
+    pub flagged: bool,
+}
+
+const SUBMISSION_COLUMNS: &str =
+    "id, run_id, epoch, source, uids, weights, state, block, version_key, commit_hash";
+
+fn submission_row(r: &sqlx::postgres::PgRow) -> Result<SubmissionRow, sqlx::Error> {
+    Ok(SubmissionRow {
+        id: r.try_get("id")?,
+        run_id: r.try_get("run_id")?,
+        epoch: r.try_get::<Option<i64>, _>("epoch")?.map(|e| e as u64),
+        source: r.try_get("source")?,
+        uids: r
+            .try_get::<Vec<i32>, _>("uids")?
+            .into_iter()
+            .map(|u| u as u16)
+            .collect(),
+        weights: r.try_get("weights")?,
+        state: r.try_get("state")?,
+        block: r.try_get::<Option<i64>, _>("block")?.map(|b| b as u64),
+        version_key: r
+            .try_get::<Option<i64>, _>("version_key")?
+            .map(|v| v as u64),
+        commit_hash: r.try_get("commit_hash")?,
+    })
 }
 
 /// The database.
@@ -185,18 +255,7 @@ impl Store {
         .bind(window as i64)
         .fetch_all(&self.db)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(EpochScore {
-                    epoch: r.try_get::<i64, _>("epoch")? as u64,
-                    hotkey: r.try_get("hotkey")?,
-                    work: r.try_get("work")?,
-                    quality: r.try_get("quality")?,
-                    score: r.try_get("score")?,
-                    penalty: r.try_get("penalty")?,
-                })
-            })
-            .collect()
+        rows.iter().map(score_row).collect()
     }
 
     /// The latest scored epoch's scores (any run): `(epoch, hotkey, work, quality, score,
@@ -227,24 +286,161 @@ impl Store {
     /// Records a submission about to be sent; returns its id.
     pub async fn begin_submission(
         &self,
-        run_id: i64,
-        epoch: u64,
+        run_id: Option<i64>,
+        epoch: Option<u64>,
         netuid: u16,
         uids: &[u16],
         weights: &[f64],
+        source: WeightSource,
     ) -> Result<i64, ValidatorError> {
         let uids: Vec<i32> = uids.iter().map(|u| i32::from(*u)).collect();
         Ok(sqlx::query_scalar(
-            "INSERT INTO weight_submissions (run_id, epoch, netuid, uids, weights, state)
-             VALUES ($1, $2, $3, $4, $5, 'pending') RETURNING id",
+            "INSERT INTO weight_submissions (run_id, epoch, netuid, uids, weights, state, source)
+             VALUES ($1, $2, $3, $4, $5, 'pending', $6) RETURNING id",
         )
         .bind(run_id)
-        .bind(epoch as i64)
+        .bind(epoch.map(|e| e as i64))
         .bind(i32::from(netuid))
         .bind(uids)
         .bind(weights)
+        .bind(source.as_str())
         .fetch_one(&self.db)
         .await?)
+    }
+
+    /// The block of the latest submission that reached the chain (set, committed or revealed),
+    /// whatever its source.
+    pub async fn last_submission_block(&self) -> Result<Option<u64>, ValidatorError> {
+        let b: Option<i64> = sqlx::query_scalar(
+            "SELECT max(block) FROM weight_submissions
+             WHERE state IN ('set', 'committed', 'revealed')",
+        )
+        .fetch_one(&self.db)
+        .await?;
+        Ok(b.map(|b| b as u64))
+    }
+
+    /// The latest submission made from the scores of `run_id` whose latest scored epoch is
+    /// `epoch` and that reached the chain (or was a dry run).
+    pub async fn submission_for_epoch(
+        &self,
+        run_id: i64,
+        epoch: u64,
+    ) -> Result<Option<SubmissionRow>, ValidatorError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {SUBMISSION_COLUMNS} FROM weight_submissions
+             WHERE run_id = $1 AND epoch = $2 AND source = 'scores'
+               AND state IN ('set', 'committed', 'revealed', 'dry_run')
+             ORDER BY id DESC LIMIT 1"
+        )))
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_optional(&self.db)
+        .await?;
+        Ok(row.as_ref().map(submission_row).transpose()?)
+    }
+
+    /// Scores of `run_id` for epochs `from..=to`.
+    pub async fn scores_between(
+        &self,
+        run_id: i64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<EpochScore>, ValidatorError> {
+        let rows = sqlx::query(
+            "SELECT epoch, hotkey, work, quality, score, penalty FROM scores
+             WHERE run_id = $1 AND epoch BETWEEN $2 AND $3 ORDER BY epoch, hotkey",
+        )
+        .bind(run_id)
+        .bind(from as i64)
+        .bind(to as i64)
+        .fetch_all(&self.db)
+        .await?;
+        rows.iter().map(score_row).collect()
+    }
+
+    /// Epochs of `run_id` scored within `from..=to`, ascending.
+    pub async fn scored_between(
+        &self,
+        run_id: i64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<u64>, ValidatorError> {
+        let e: Vec<i64> = sqlx::query_scalar(
+            "SELECT epoch FROM scored_epochs WHERE run_id = $1 AND epoch BETWEEN $2 AND $3
+             ORDER BY epoch",
+        )
+        .bind(run_id)
+        .bind(from as i64)
+        .bind(to as i64)
+        .fetch_all(&self.db)
+        .await?;
+        Ok(e.into_iter().map(|e| e as u64).collect())
+    }
+
+    /// The checks of `run_id`'s `epoch`, in the order they ran.
+    pub async fn checks(&self, run_id: i64, epoch: u64) -> Result<Vec<CheckRow>, ValidatorError> {
+        let rows = sqlx::query(
+            "SELECT hotkey, kind, target, passed, detail FROM spot_checks
+             WHERE run_id = $1 AND epoch = $2 ORDER BY id",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_all(&self.db)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(CheckRow {
+                    hotkey: r.try_get("hotkey")?,
+                    kind: r.try_get("kind")?,
+                    target: r.try_get("target")?,
+                    passed: r.try_get("passed")?,
+                    detail: r.try_get("detail")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The CLASP effects of `run_id`'s `epoch`, by hotkey.
+    pub async fn effects(&self, run_id: i64, epoch: u64) -> Result<Vec<EffectRow>, ValidatorError> {
+        let rows = sqlx::query(
+            "SELECT hotkey, stage, effect, std_error, z, samples, flagged FROM clasp_effects
+             WHERE run_id = $1 AND epoch = $2 ORDER BY hotkey",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_all(&self.db)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(EffectRow {
+                    hotkey: r.try_get("hotkey")?,
+                    stage: r.try_get::<i32, _>("stage")? as u32,
+                    effect: r.try_get("effect")?,
+                    std_error: r.try_get("std_error")?,
+                    z: r.try_get("z")?,
+                    samples: r.try_get::<i64, _>("samples")? as u64,
+                    flagged: r.try_get("flagged")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The saved reveal data of the commit with `hash` (`0x…`), while it is unrevealed.
+    pub async fn pending_commit(
+        &self,
+        hash: &str,
+    ) -> Result<Option<PendingCommit>, ValidatorError> {
+        let v: Option<serde_json::Value> =
+            sqlx::query_scalar("SELECT commit FROM pending_commits WHERE hash = $1")
+                .bind(hash)
+                .fetch_optional(&self.db)
+                .await?;
+        v.map(|v| {
+            serde_json::from_value(v)
+                .map_err(|e| ValidatorError::BadObject(format!("stored commit {hash}: {e}")))
+        })
+        .transpose()
     }
 
     /// Records what became of submission `id`.
@@ -288,30 +484,25 @@ impl Store {
 
     /// The latest submissions, newest first.
     pub async fn submissions(&self, limit: i64) -> Result<Vec<SubmissionRow>, ValidatorError> {
-        let rows = sqlx::query(
-            "SELECT id, epoch, uids, weights, state, block FROM weight_submissions
-             ORDER BY id DESC LIMIT $1",
-        )
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {SUBMISSION_COLUMNS} FROM weight_submissions ORDER BY id DESC LIMIT $1"
+        )))
         .bind(limit)
         .fetch_all(&self.db)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(SubmissionRow {
-                    id: r.try_get("id")?,
-                    epoch: r.try_get::<i64, _>("epoch")? as u64,
-                    uids: r
-                        .try_get::<Vec<i32>, _>("uids")?
-                        .into_iter()
-                        .map(|u| u as u16)
-                        .collect(),
-                    weights: r.try_get("weights")?,
-                    state: r.try_get("state")?,
-                    block: r.try_get::<Option<i64>, _>("block")?.map(|b| b as u64),
-                })
-            })
-            .collect()
+        Ok(rows.iter().map(submission_row).collect::<Result<_, _>>()?)
     }
+}
+
+fn score_row(r: &sqlx::postgres::PgRow) -> Result<EpochScore, ValidatorError> {
+    Ok(EpochScore {
+        epoch: r.try_get::<i64, _>("epoch")? as u64,
+        hotkey: r.try_get("hotkey")?,
+        work: r.try_get("work")?,
+        quality: r.try_get("quality")?,
+        score: r.try_get("score")?,
+        penalty: r.try_get("penalty")?,
+    })
 }
 
 fn db_err(e: sqlx::Error) -> ChainError {

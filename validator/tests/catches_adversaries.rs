@@ -1,19 +1,23 @@
 //! A real run with one miner of each adversarial kind among honest ones: localnet, PostgreSQL,
 //! orchestrator, 12 miners on the CPU (`tiny`) and a validator. Each cheater is caught by a
 //! replay, a merge check or CLASP; the weights the validator sets give every cheater less than
-//! every honest miner; after a tempo the chain's Yuma epoch pays honest miners more. Needs
-//! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+//! every honest miner; after a tempo the chain's Yuma epoch pays honest miners more. The audit
+//! of the epoch the weights came from reproduces them, both while committed and once revealed,
+//! and reports tampered scores or another epoch's records. Needs `DATABASE_URL`
+//! (scripts/test.sh starts PostgreSQL).
 
 #[path = "../../miner/tests/support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor};
 use iota_miner::{Adversary, MinerHandle, spawn};
-use iota_validator::{Store, Validator, ValidatorConfig};
+use iota_validator::audit::ChainCheck;
+use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
 
 const HONEST: [u8; 6] = [81, 82, 83, 84, 85, 86];
@@ -52,10 +56,14 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         .chain(CHEATERS.iter().map(|c| c.0))
         .collect();
     let chain = chain_with(&miners_seeds, &[VALIDATOR]).await;
+    // Held while the test audits a commit: the reveal window is a single short tempo here.
+    let paused = AtomicBool::new(false);
     let ticking = async {
         // The localnet seals blocks on demand: keep the chain moving as a real one would.
         loop {
-            chain.net.produce_blocks(1);
+            if !paused.load(Ordering::SeqCst) {
+                chain.net.produce_blocks(1);
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
@@ -103,6 +111,8 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             .await
             .expect("validator");
         let scored = v.step().await.expect("validator step");
+        // Stop the chain until the commit has been audited, so its reveal window cannot pass.
+        paused.store(true, Ordering::SeqCst);
         assert!(scored.len() as u64 >= EPOCHS, "scored {scored:?}");
 
         // Every cheater lost its score in at least one epoch, for the reason its cheat gives.
@@ -167,25 +177,40 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             "weights: honest min {min_honest}, cheater max {max_cheat}"
         );
 
+        // The audit of the epoch the weights came from recomputes them from the orchestrator's
+        // records: while committed, the commit hash with the stored salt is the one on chain.
+        let audited = sent.epoch.expect("weights from scores have an epoch");
+        let report = v.audit(audited).await.expect("audit");
+        eprintln!("{report}");
+        assert_audit_matches(&report, &sent.weights);
+        if sent.state == "committed" {
+            assert!(
+                matches!(report.chain, ChainCheck::Commit { matches: true, .. }),
+                "{:?}",
+                report.chain
+            );
+        }
+
         // Restart the validator between commit and reveal: the new process reveals from the
         // database.
         drop(v);
+        let store = Store::connect(&vdb).await.expect("validator db again");
+        let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+            .await
+            .expect("chain");
+        let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
+        cfg.tx = tx();
+        let v = Validator::connect(
+            cfg,
+            Keypair::from_seed([VALIDATOR; 32]),
+            vchain,
+            store.clone(),
+        )
+        .await
+        .expect("validator restarted");
+        paused.store(false, Ordering::SeqCst);
         let mut revealed_at = sent.block;
         if sent.state == "committed" {
-            let store = Store::connect(&vdb).await.expect("validator db again");
-            let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
-                .await
-                .expect("chain");
-            let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
-            cfg.tx = tx();
-            let v = Validator::connect(
-                cfg,
-                Keypair::from_seed([VALIDATOR; 32]),
-                vchain,
-                store.clone(),
-            )
-            .await
-            .expect("validator restarted");
             revealed_at = eventually("the reveal", Duration::from_secs(120), || async {
                 v.reveal().await.expect("reveal");
                 let subs = store.submissions(10).await.ok()?;
@@ -196,6 +221,61 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             .await
             .into();
         }
+
+        // Once on chain, the audit reproduces the chain's Weights row of the validator's uid.
+        let report = v.audit(audited).await.expect("audit after the reveal");
+        eprintln!("{report}");
+        assert_audit_matches(&report, &sent.weights);
+        assert!(
+            matches!(report.chain, ChainCheck::Weights { matches: true, block, .. } if Some(block) == revealed_at),
+            "{:?}",
+            report.chain
+        );
+        for w in &report.weights {
+            assert_eq!(w.on_chain, w.chain_expected, "{w:?}");
+        }
+        assert!(report.weights.iter().any(|w| w.on_chain == Some(u16::MAX)));
+
+        // Tampering: another epoch's records passed off as this epoch's are caught…
+        let earlier = v.fetch_evidence(audited - 1).await.expect("records");
+        let mut forged = v.fetch_evidence(audited).await.expect("records");
+        forged.samples = earlier.samples;
+        forged.record.miners = earlier.record.miners;
+        let report = v
+            .audit_with(audited, [(audited, forged)].into())
+            .await
+            .expect("audit of forged records");
+        eprintln!("{report}");
+        assert!(!report.matches && !report.db_matches, "{report}");
+        assert!(
+            report.mismatches.iter().any(|m| m.contains("score of")),
+            "{:?}",
+            report.mismatches
+        );
+        // …and so is a stored score row altered after the fact.
+        let honest = ss58(HONEST[0]);
+        let altered =
+            sqlx::query("UPDATE scores SET score = score * 2 + 1 WHERE epoch = $1 AND hotkey = $2")
+                .bind(audited as i64)
+                .bind(&honest)
+                .execute(store.pool())
+                .await
+                .expect("tamper");
+        assert_eq!(altered.rows_affected(), 1);
+        let report = v.audit(audited).await.expect("audit of a tampered db");
+        eprintln!("{report}");
+        assert!(!report.matches && !report.db_matches, "{report}");
+        let row = report
+            .miners
+            .iter()
+            .find(|m| m.hotkey == honest)
+            .expect("the tampered miner");
+        assert!(!row.matches, "{row:?}");
+        assert_eq!(
+            report.miners.iter().filter(|m| !m.matches).count(),
+            1,
+            "only the altered row differs"
+        );
 
         // After a tempo, Yuma pays honest miners more incentive than any cheater.
         let tempo = chain
@@ -242,5 +322,24 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
     tokio::select! {
         _ = ticking => unreachable!("the ticker never ends"),
         _ = body => {}
+    }
+}
+
+/// The audit matches the database and the chain, and rebuilds exactly the recorded weights.
+fn assert_audit_matches(report: &AuditReport, recorded: &[f64]) {
+    assert!(report.matches, "{report}");
+    assert!(
+        report.db_matches && report.mismatches.is_empty(),
+        "{report}"
+    );
+    assert!(report.miners.iter().all(|m| m.matches), "{report}");
+    assert!(report.window.len() as u64 >= EPOCHS, "{report}");
+    let mut rebuilt: Vec<f64> = report.weights.iter().map(|w| w.recomputed).collect();
+    let mut recorded = recorded.to_vec();
+    rebuilt.sort_by(f64::total_cmp);
+    recorded.sort_by(f64::total_cmp);
+    assert_eq!(rebuilt.len(), recorded.len(), "{report}");
+    for (a, b) in rebuilt.iter().zip(&recorded) {
+        assert!((a - b).abs() < 1e-9, "{report}");
     }
 }
