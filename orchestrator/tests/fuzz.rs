@@ -29,13 +29,22 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+const HEADERS: [&str; 6] = [
+    HEADER_VERSION,
+    HEADER_TIMESTAMP,
+    HEADER_UUID,
+    HEADER_SIGNED_BY,
+    HEADER_SIGNED_FOR,
+    HEADER_SIGNATURE,
+];
+
 const MINER: u8 = 1;
 const VALIDATOR: u8 = 10;
 const STRANGER: u8 = 99;
 const ORCHESTRATOR: u8 = 200;
 
 const DEFAULT_SEED: u64 = 0x10_7a_f0_22;
-const DEFAULT_PER_OP: usize = 200;
+const DEFAULT_PER_OP: usize = 150;
 /// Requests in flight at once.
 const CONCURRENCY: usize = 8;
 
@@ -547,7 +556,7 @@ struct Planned {
     op: usize,
     method: reqwest::Method,
     url: String,
-    headers: Vec<(String, String)>,
+    headers: Vec<(String, Vec<u8>)>,
     body: Vec<u8>,
     auth: Auth,
 }
@@ -655,7 +664,7 @@ fn plan(
         path_and_query = format!("{path_and_query}?{q}");
     }
 
-    let mut headers: Vec<(String, String)> = Vec::new();
+    let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
     let content_type = match op.body {
         BodyKind::Json(_) => "application/json",
         BodyKind::Octet => "application/octet-stream",
@@ -697,7 +706,13 @@ fn plan(
     } else {
         Auth::None
     };
-    let method = op.method.as_str().to_owned();
+    // Sometimes a method the route does not serve (signed for that method, so only the route
+    // can refuse it).
+    let method = if g.chance(0.03) {
+        (*g.pick(&["DELETE", "PATCH", "OPTIONS", "HEAD", "FUZZ"])).to_owned()
+    } else {
+        op.method.as_str().to_owned()
+    };
     let sign = |seed: u8, ts: u64| {
         sign_request(
             signers[&seed].as_ref(),
@@ -766,15 +781,30 @@ fn plan(
         Auth::Miner => sign(MINER, now_ms()),
         Auth::Validator => sign(VALIDATOR, now_ms()),
     };
-    headers.extend(signed.into_iter().map(|(k, v)| (k.to_owned(), v)));
+    headers.extend(
+        signed
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.into_bytes())),
+    );
+    if auth == Auth::Garbage && g.chance(0.2) {
+        // Bytes that are no UTF-8 (obs-text): a header the server cannot read as a string.
+        let name = *g.pick(&HEADERS);
+        headers.retain(|(k, _)| k != name);
+        headers.push((name.to_owned(), vec![0xff, 0xfe, b'2', 0x80]));
+    }
     Planned {
         op: op_index,
-        method: op.method.clone(),
+        method: method.parse().expect("method token"),
         url: url.to_string(),
         headers,
         body,
         auth,
     }
+}
+
+/// At most 300 characters of `text`, for the log.
+fn short(text: &str) -> String {
+    text.chars().take(300).collect()
 }
 
 /// What came back.
@@ -787,13 +817,14 @@ enum Outcome {
 async fn send(http: &reqwest::Client, p: &Planned) -> Outcome {
     let mut req = http.request(p.method.clone(), &p.url);
     for (k, v) in &p.headers {
-        req = req.header(k, v);
+        let value = reqwest::header::HeaderValue::from_bytes(v).expect("header value");
+        req = req.header(k, value);
     }
     match req.body(p.body.clone()).send().await {
         Ok(resp) => {
             let status = resp.status().as_u16();
             let text = resp.text().await.unwrap_or_default();
-            Outcome::Status(status, text.chars().take(300).collect())
+            Outcome::Status(status, text)
         }
         Err(e) => Outcome::Transport(format!("{e:?}")),
     }
@@ -980,6 +1011,9 @@ async fn bad_input_never_gets_a_5xx() {
     // than what went on the wire would produce these.
     let mut refused_signed = Vec::new();
     let mut by_code: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut by_status: BTreeMap<u16, u64> = BTreeMap::new();
+    // Refusals without the API's JSON error body (the router's own 405, for one).
+    let mut bare = Vec::new();
     for (p, o) in &results {
         let class = match o {
             Outcome::Status(s, _) => format!("{}xx", s / 100),
@@ -997,10 +1031,17 @@ async fn bad_input_never_gets_a_5xx() {
             .or_default()
             .entry(class)
             .or_default() += 1;
-        if let Outcome::Status(_, text) = o
-            && let Ok(e) = serde_json::from_str::<iota_protocol::ApiError>(text)
-        {
-            *by_code.entry(e.code.as_str()).or_default() += 1;
+        if let Outcome::Status(status, _) = o {
+            *by_status.entry(*status).or_default() += 1;
+        }
+        if let Outcome::Status(status, text) = o {
+            match serde_json::from_str::<iota_protocol::ApiError>(text) {
+                Ok(e) => *by_code.entry(e.code.as_str()).or_default() += 1,
+                Err(_) if *status >= 400 && p.method != reqwest::Method::HEAD => {
+                    bare.push((p, *status, text.clone()))
+                }
+                Err(_) => {}
+            }
         }
         if matches!(p.auth, Auth::Miner | Auth::Validator)
             && let Outcome::Status(401, text) = o
@@ -1020,13 +1061,23 @@ async fn bad_input_never_gets_a_5xx() {
         results.len(),
         elapsed.as_secs_f64()
     );
+    eprintln!("fuzz: by status: {by_status:?}");
     eprintln!("fuzz: error codes: {by_code:?}");
+    eprintln!("fuzz: refusals without an error body: {}", bare.len());
+    for (p, status, text) in bare.iter().filter(|b| b.1 != 405).take(5) {
+        eprintln!(
+            "fuzz:   {status} for {} {}: {:?}",
+            p.method,
+            short(&p.url),
+            short(text)
+        );
+    }
     eprintln!(
         "fuzz: correctly signed requests refused with 401: {}",
         refused_signed.len()
     );
     for (p, text) in refused_signed.iter().take(5) {
-        eprintln!("fuzz:   401 for {} {}: {text}", p.method, p.url);
+        eprintln!("fuzz:   401 for {} {}: {text}", p.method, short(&p.url));
     }
     for (auth, classes) in &by_auth {
         eprintln!("fuzz:   auth {auth}: {classes:?}");
@@ -1045,15 +1096,18 @@ async fn bad_input_never_gets_a_5xx() {
 
     for (p, o) in failures.iter().take(20) {
         let answer = match o {
-            Outcome::Status(s, body) => format!("{s} {body}"),
+            Outcome::Status(s, body) => format!("{s} {}", short(body)),
             Outcome::Transport(e) => format!("transport error: {e}"),
         };
         eprintln!(
             "FAIL {} {} auth={:?} headers={:?} body={:?} -> {answer}",
             p.method,
-            p.url,
+            short(&p.url),
             p.auth,
-            p.headers,
+            p.headers
+                .iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(v)))
+                .collect::<Vec<_>>(),
             String::from_utf8_lossy(&p.body[..p.body.len().min(200)])
         );
     }
