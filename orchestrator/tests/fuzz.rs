@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
+use iota_orchestrator::StoreConfig;
 use iota_protocol::api::{Capacity, RegisterRequest, WorkRequest, WorkResponse};
 use iota_protocol::blob::blake3_hex;
 use iota_protocol::signing::{
@@ -896,6 +897,19 @@ async fn bad_input_never_gets_a_5xx() {
     run.heartbeat_timeout_s = 600;
     run.training_s = 600;
     let mut cfg = config(&chain, &db, store.path(), run.clone());
+    // With the S3-protocol server scripts/test.sh starts, the presign and commit routes are live
+    // (a local directory store refuses them up front).
+    if let Ok(endpoint) = std::env::var("IOTA_TEST_S3_ENDPOINT") {
+        cfg.store = StoreConfig::S3 {
+            bucket: std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into()),
+            endpoint: Some(endpoint),
+            region: Some(std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())),
+        };
+    }
+    let store_kind = match cfg.store {
+        StoreConfig::S3 { .. } => "s3",
+        StoreConfig::Local(_) => "local directory",
+    };
     // Rate limits are tested elsewhere; here they would only turn requests into 429s.
     cfg.limits.per_hotkey_rps = 1_000_000;
     cfg.limits.per_hotkey_burst = 1_000_000;
@@ -962,7 +976,8 @@ async fn bad_input_never_gets_a_5xx() {
         ],
     };
     eprintln!(
-        "fuzz: seed {seed:#x}, {per_op} requests per operation, {} operations, {} leased tasks",
+        "fuzz: seed {seed:#x}, {per_op} requests per operation, {} operations, {} leased tasks, \
+         {store_kind} store",
         ops.len(),
         known.task_ids.len()
     );
