@@ -386,10 +386,52 @@ pub async fn prune_replay_cache(db: &PgPool, window: SkewWindow) -> Result<u64, 
     Ok(r.rows_affected())
 }
 
-/// `axum::Json` whose rejections are the API's error body.
-#[derive(axum::extract::FromRequest)]
-#[from_request(via(axum::Json), rejection(AppError))]
+/// `axum::Json` whose rejections are the API's error body, and which refuses strings holding
+/// U+0000: PostgreSQL stores that character in neither `text` nor `jsonb`, so such a body would
+/// otherwise fail inside the handler as a database error (a 500) instead of a 400.
 pub struct ApiJson<T>(pub T);
+
+impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let bytes = Bytes::from_request(Request::from_parts(parts.clone(), body), state)
+            .await
+            .map_err(|e| AppError::new(ErrorCode::BadRequest, e.body_text()))?;
+        if has_nul_escape(&bytes) {
+            return Err(AppError::new(
+                ErrorCode::BadRequest,
+                "JSON strings may not contain U+0000",
+            ));
+        }
+        let req = Request::from_parts(parts, Body::from(bytes));
+        let axum::Json(value) = axum::Json::<T>::from_request(req, state).await?;
+        Ok(Self(value))
+    }
+}
+
+/// Whether JSON text spells U+0000 in a string. Valid JSON can only write it as the escape
+/// `\u0000` (a raw control byte is a syntax error); an escaped backslash before `u0000` is
+/// skipped, so `"\\u0000"` (a backslash, then the letters) is not a match.
+fn has_nul_escape(json: &[u8]) -> bool {
+    let mut i = 0;
+    while i < json.len() {
+        if json[i] == b'\\' {
+            if json.get(i + 1..i + 6) == Some(&b"u0000"[..]) {
+                return true;
+            }
+            i += 2;
+        } else {
+            i += 1;
+        }
+    }
+    false
+}
 
 /// `axum::extract::Path` whose rejections are the API's error body.
 #[derive(axum::extract::FromRequestParts)]
@@ -416,5 +458,21 @@ impl From<axum::extract::rejection::PathRejection> for AppError {
 impl From<axum::extract::rejection::QueryRejection> for AppError {
     fn from(e: axum::extract::rejection::QueryRejection) -> Self {
         Self::new(ErrorCode::BadRequest, e.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_nul_escape;
+
+    #[test]
+    fn nul_escapes_are_found_and_escaped_backslashes_are_not() {
+        assert!(has_nul_escape(br#"{"device":"\u0000"}"#));
+        assert!(has_nul_escape(br#"["a\u0000b"]"#));
+        assert!(has_nul_escape(br#"["\\\u0000"]"#));
+        assert!(!has_nul_escape(br#"["\\u0000"]"#));
+        assert!(!has_nul_escape(br#"{"a":"\u0001","b":"u0000"}"#));
+        assert!(!has_nul_escape(b""));
+        assert!(!has_nul_escape(b"\\"));
     }
 }

@@ -567,6 +567,7 @@ async fn start_samples(
 
 /// Query of a direct upload.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct UploadQuery {
     /// The lease (task outputs only).
     #[serde(default)]

@@ -367,6 +367,7 @@ pub async fn health(State(app): State<App>) -> Json<Health> {
 
 /// Paging query.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PageQuery {
     /// Return records after this id.
     #[serde(default)]

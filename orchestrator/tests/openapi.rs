@@ -209,13 +209,23 @@ fn referenced_schemas_exist_and_operations_are_complete() {
                         .collect()
                 })
                 .unwrap_or_default();
-            for seg in path.split('/') {
-                if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
-                    assert!(
-                        declared.contains(name),
-                        "{method} {path}: path parameter {name} is not declared"
-                    );
-                }
+            let in_template: BTreeSet<&str> = path
+                .split('/')
+                .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+                .collect();
+            for name in &in_template {
+                assert!(
+                    declared.contains(name),
+                    "{method} {path}: path parameter {name} is not declared"
+                );
+            }
+            // And nothing else is declared "in: path" (a query struct needs
+            // `#[into_params(parameter_in = Query)]`, or generated clients put it in the path).
+            for name in &declared {
+                assert!(
+                    in_template.contains(name),
+                    "{method} {path}: {name} is declared in: path but is not in the path"
+                );
             }
             // Signed routes name a security scheme the document defines.
             if let Some(reqs) = op["security"].as_array() {

@@ -64,22 +64,23 @@ pub enum TensorSpec {
 }
 
 impl TensorSpec {
-    /// An upper bound on the encoded size: payload plus a generous header allowance.
+    /// An upper bound on the encoded size: payload plus a generous header allowance. Saturates
+    /// rather than overflows, so an absurd spec yields a limit no real body reaches.
     pub fn max_bytes(&self) -> u64 {
         const HEADER_ALLOWANCE: u64 = 4096;
         let payload = match self {
             Self::Boundary { shape, encoding } => {
-                let n = shape.iter().product::<u64>();
-                let rows = shape[0] * shape[1];
+                let n = shape.iter().fold(1u64, |a, d| a.saturating_mul(*d));
+                let rows = shape[0].saturating_mul(shape[1]);
                 match encoding {
-                    WireEncoding::F32 => 4 * n,
-                    WireEncoding::Int8 => n + 4 * rows,
+                    WireEncoding::F32 => n.saturating_mul(4),
+                    WireEncoding::Int8 => n.saturating_add(rows.saturating_mul(4)),
                 }
             }
-            Self::Partition { len } => 4 * len,
-            Self::Merged { len } => 8 * len,
+            Self::Partition { len } => len.saturating_mul(4),
+            Self::Merged { len } => len.saturating_mul(8),
         };
-        payload + HEADER_ALLOWANCE
+        payload.saturating_add(HEADER_ALLOWANCE)
     }
 
     /// The dtype and shape a descriptor of a valid tensor reports.
@@ -216,7 +217,7 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
                         .tensor("scales")
                         .map_err(|_| TensorError::Layout("no tensor named \"scales\"".into()))?;
                     expect_dtype(scales.dtype(), Dtype::F32)?;
-                    let rows = want[0] * want[1];
+                    let rows = want[0].saturating_mul(want[1]);
                     let scale_shape: Vec<u64> = scales.shape().iter().map(|d| *d as u64).collect();
                     expect_shape(&scale_shape, &[rows])?;
                     check_f32_finite(scales.data(), "scales")?;
@@ -498,6 +499,18 @@ mod tests {
             check_tensor(b"not a tensor", &spec),
             Err(TensorError::Unreadable(_))
         ));
+        // An absurd slot saturates its limit instead of overflowing (found by tests/tensor_props.rs).
+        for absurd in [
+            TensorSpec::Partition { len: u64::MAX / 2 },
+            TensorSpec::Merged { len: u64::MAX },
+            TensorSpec::Boundary {
+                shape: [u64::MAX, u64::MAX, 2],
+                encoding: WireEncoding::Int8,
+            },
+        ] {
+            assert_eq!(absurd.max_bytes(), u64::MAX);
+            assert!(check_tensor(b"", &absurd).is_err());
+        }
         let huge = vec![0u8; spec.max_bytes() as usize + 1];
         assert!(matches!(
             check_tensor(&huge, &spec),

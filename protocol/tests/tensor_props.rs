@@ -1,0 +1,399 @@
+//! Property tests of the tensor wire format: whatever the bytes, `check_tensor` and the decoders
+//! answer `Ok` or `Err` and never panic; valid encodings pass and round-trip; damaged ones
+//! (truncated, flipped, re-declared with wrong or huge sizes) are refused or still decode to
+//! exactly the slot's length.
+//!
+//! Cases per property: `PROPTEST_CASES`, default [`DEFAULT_CASES`]. Run with `--nocapture` to see
+//! the count each property ran.
+
+use iota_protocol::tensor::{
+    TensorSpec, WireEncoding, check_tensor, decode_merged, decode_partition, encode_boundary_f32,
+    encode_boundary_i8, encode_merged, encode_partition,
+};
+use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+use proptest::test_runner::TestCaseError;
+
+const DEFAULT_CASES: u32 = 1024;
+
+fn config(name: &str) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_CASES);
+    eprintln!("{name}: {cases} cases");
+    ProptestConfig {
+        cases,
+        // Shrunk failures are saved beside this file, to be committed as regressions.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("regressions"))),
+        ..ProptestConfig::default()
+    }
+}
+
+/// A valid encoding and the slot it was made for.
+#[derive(Clone, Debug)]
+struct Valid {
+    spec: TensorSpec,
+    bytes: Vec<u8>,
+}
+
+fn finite() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        -1e6f32..1e6f32,
+        Just(0.0f32),
+        Just(-0.0f32),
+        Just(f32::MAX),
+        Just(f32::MIN),
+        Just(f32::MIN_POSITIVE),
+    ]
+}
+
+fn shape3() -> impl Strategy<Value = [u64; 3]> {
+    (1u64..4, 1u64..4, 1u64..5).prop_map(|(a, b, c)| [a, b, c])
+}
+
+fn partition() -> impl Strategy<Value = (Vec<f32>, Valid)> {
+    prop::collection::vec(finite(), 0..40).prop_map(|v| {
+        let bytes = encode_partition(&v);
+        let spec = TensorSpec::Partition {
+            len: v.len() as u64,
+        };
+        (v, Valid { spec, bytes })
+    })
+}
+
+fn merged() -> impl Strategy<Value = (Vec<f32>, Vec<f32>, Valid)> {
+    (0usize..40)
+        .prop_flat_map(|n| {
+            (
+                prop::collection::vec(finite(), n),
+                prop::collection::vec(finite(), n),
+            )
+        })
+        .prop_map(|(v, m)| {
+            let bytes = encode_merged(&v, &m);
+            let spec = TensorSpec::Merged {
+                len: v.len() as u64,
+            };
+            (v, m, Valid { spec, bytes })
+        })
+}
+
+fn boundary_f32() -> impl Strategy<Value = Valid> {
+    shape3().prop_flat_map(|shape| {
+        let n = shape.iter().product::<u64>() as usize;
+        prop::collection::vec(finite(), n).prop_map(move |v| Valid {
+            spec: TensorSpec::Boundary {
+                shape,
+                encoding: WireEncoding::F32,
+            },
+            bytes: encode_boundary_f32(shape, &v),
+        })
+    })
+}
+
+fn boundary_i8() -> impl Strategy<Value = Valid> {
+    shape3().prop_flat_map(|shape| {
+        let n = shape.iter().product::<u64>() as usize;
+        let rows = (shape[0] * shape[1]) as usize;
+        (
+            prop::collection::vec(-127i8..=127, n),
+            prop::collection::vec(0f32..1e3, rows),
+        )
+            .prop_map(move |(v, s)| Valid {
+                spec: TensorSpec::Boundary {
+                    shape,
+                    encoding: WireEncoding::Int8,
+                },
+                bytes: encode_boundary_i8(shape, &v, &s),
+            })
+    })
+}
+
+fn any_valid() -> impl Strategy<Value = Valid> {
+    prop_oneof![
+        partition().prop_map(|(_, v)| v),
+        merged().prop_map(|(_, _, v)| v),
+        boundary_f32(),
+        boundary_i8(),
+    ]
+}
+
+/// Every slot kind, with dimensions from tiny to absurd (the arithmetic on them must not
+/// overflow into a panic).
+fn any_spec() -> impl Strategy<Value = TensorSpec> {
+    let dim = prop_oneof![
+        0u64..8,
+        Just(u64::from(u32::MAX)),
+        Just(u64::MAX / 2),
+        Just(u64::MAX),
+        any::<u64>(),
+    ];
+    prop_oneof![
+        dim.clone().prop_map(|len| TensorSpec::Partition { len }),
+        dim.clone().prop_map(|len| TensorSpec::Merged { len }),
+        (
+            [dim.clone(), dim.clone(), dim],
+            prop_oneof![Just(WireEncoding::F32), Just(WireEncoding::Int8)]
+        )
+            .prop_map(|(shape, encoding)| TensorSpec::Boundary { shape, encoding }),
+    ]
+}
+
+/// One way to damage an encoding.
+#[derive(Clone, Debug)]
+enum Damage {
+    /// Keep only the first `at` bytes (scaled to the length).
+    Truncate(prop::sample::Index),
+    /// XOR one byte with a non-zero mask.
+    Flip(prop::sample::Index, u8),
+    /// Overwrite the 8-byte header length.
+    HeaderLen(u64),
+    /// Insert bytes somewhere.
+    Insert(prop::sample::Index, Vec<u8>),
+    /// Append bytes (the payload is then longer than the header declares).
+    Append(Vec<u8>),
+    /// Rewrite one number in the JSON header (a shape dimension or a data offset).
+    Number(prop::sample::Index, u64),
+}
+
+fn damage() -> impl Strategy<Value = Damage> {
+    let big = prop_oneof![
+        0u64..64,
+        Just(u64::from(u32::MAX)),
+        Just(i64::MAX as u64),
+        Just(u64::MAX),
+        any::<u64>(),
+    ];
+    prop_oneof![
+        any::<prop::sample::Index>().prop_map(Damage::Truncate),
+        (any::<prop::sample::Index>(), 1u8..=255).prop_map(|(i, m)| Damage::Flip(i, m)),
+        big.clone().prop_map(Damage::HeaderLen),
+        (
+            any::<prop::sample::Index>(),
+            prop::collection::vec(any::<u8>(), 1..16)
+        )
+            .prop_map(|(i, b)| Damage::Insert(i, b)),
+        prop::collection::vec(any::<u8>(), 1..16).prop_map(Damage::Append),
+        (any::<prop::sample::Index>(), big).prop_map(|(i, n)| Damage::Number(i, n)),
+    ]
+}
+
+fn apply(bytes: &[u8], d: &Damage) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    match d {
+        Damage::Truncate(i) => out.truncate(i.index(bytes.len().max(1))),
+        Damage::Flip(i, m) => {
+            if !out.is_empty() {
+                let at = i.index(out.len());
+                out[at] ^= m;
+            }
+        }
+        Damage::HeaderLen(n) => {
+            if out.len() >= 8 {
+                out[..8].copy_from_slice(&n.to_le_bytes());
+            }
+        }
+        Damage::Insert(i, b) => {
+            let at = i.index(out.len() + 1);
+            out.splice(at..at, b.iter().copied());
+        }
+        Damage::Append(b) => out.extend_from_slice(b),
+        Damage::Number(i, n) => {
+            // The header is ASCII JSON after the 8-byte length: replace the i-th run of digits.
+            if out.len() < 8 {
+                return out;
+            }
+            let header_len = out
+                .get(..8)
+                .map(|h| u64::from_le_bytes(h.try_into().unwrap_or([0; 8])) as usize)
+                .unwrap_or(0)
+                .min(out.len().saturating_sub(8));
+            let header = &out[8..8 + header_len];
+            let mut runs = Vec::new();
+            let mut start = None;
+            for (k, c) in header.iter().enumerate() {
+                match (c.is_ascii_digit(), start) {
+                    (true, None) => start = Some(k),
+                    (false, Some(s)) => {
+                        runs.push(s..k);
+                        start = None;
+                    }
+                    _ => {}
+                }
+            }
+            if !runs.is_empty() {
+                let r = runs[i.index(runs.len())].clone();
+                let text = n.to_string();
+                let mut h = header.to_vec();
+                h.splice(r, text.bytes());
+                let mut rebuilt = (h.len() as u64).to_le_bytes().to_vec();
+                rebuilt.extend_from_slice(&h);
+                rebuilt.extend_from_slice(&out[8 + header_len..]);
+                out = rebuilt;
+            }
+        }
+    }
+    out
+}
+
+/// What any checked tensor promises: every decoder either refuses it or returns exactly the
+/// slot's number of values.
+fn decoders_agree(bytes: &[u8], spec: &TensorSpec) -> Result<(), TestCaseError> {
+    let checked = check_tensor(bytes, spec);
+    match spec {
+        TensorSpec::Partition { len } => {
+            let d = decode_partition(bytes, *len);
+            prop_assert_eq!(d.is_ok(), checked.is_ok());
+            if let Ok(v) = d {
+                prop_assert_eq!(v.len() as u64, *len);
+                prop_assert!(v.iter().all(|x| x.is_finite()));
+            }
+        }
+        TensorSpec::Merged { len } => {
+            let d = decode_merged(bytes, *len);
+            prop_assert_eq!(d.is_ok(), checked.is_ok());
+            if let Ok((v, m)) = d {
+                prop_assert_eq!(v.len() as u64, *len);
+                prop_assert_eq!(m.len() as u64, *len);
+            }
+        }
+        TensorSpec::Boundary { .. } => {}
+    }
+    Ok(())
+}
+
+#[test]
+fn arbitrary_bytes_never_panic() {
+    proptest!(config("arbitrary_bytes_never_panic"), |(
+        bytes in prop::collection::vec(any::<u8>(), 0..512),
+        spec in any_spec(),
+    )| {
+        let _ = check_tensor(&bytes, &spec);
+        let _ = spec.max_bytes();
+        let _ = spec.dtype_and_shape();
+        if let TensorSpec::Partition { len } | TensorSpec::Merged { len } = spec {
+            let _ = decode_partition(&bytes, len);
+            let _ = decode_merged(&bytes, len);
+        }
+    });
+}
+
+#[test]
+fn header_prefixed_garbage_is_refused() {
+    // A plausible 8-byte length followed by random bytes gets past the first check into the JSON
+    // parser and the offset validation.
+    proptest!(config("header_prefixed_garbage_is_refused"), |(
+        declared in prop_oneof![0u64..600, any::<u64>()],
+        rest in prop::collection::vec(any::<u8>(), 0..600),
+        spec in any_spec(),
+    )| {
+        let mut bytes = declared.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&rest);
+        let _ = check_tensor(&bytes, &spec);
+    });
+}
+
+#[test]
+fn crafted_headers_with_huge_sizes_are_refused() {
+    // Syntactically valid headers that lie: shapes whose element count overflows, offsets past the
+    // end, dtypes and names that do not belong. None may pass, none may panic.
+    let dim = prop_oneof![
+        0u64..5,
+        Just(u64::from(u32::MAX)),
+        Just(i64::MAX as u64),
+        Just(u64::MAX),
+    ];
+    let dtype = prop_oneof![
+        Just("F32"),
+        Just("I8"),
+        Just("F64"),
+        Just("BOOL"),
+        Just("U8"),
+        Just("F4"),
+        Just("nope")
+    ];
+    let name = prop_oneof![Just("values"), Just("scales"), Just("momentum"), Just("x")];
+    let entry = (
+        name,
+        dtype,
+        prop::collection::vec(dim.clone(), 0..4),
+        (dim.clone(), dim),
+    );
+    proptest!(config("crafted_headers_with_huge_sizes_are_refused"), |(
+        entries in prop::collection::vec(entry, 0..4),
+        format in prop_oneof![
+            Just("iota-partition/v1"),
+            Just("iota-merged/v1"),
+            Just("iota-boundary/v1"),
+            Just("other"),
+        ],
+        payload in prop::collection::vec(any::<u8>(), 0..64),
+        spec in any_spec(),
+    )| {
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "__metadata__".into(),
+            serde_json::json!({ "iota": serde_json::json!({ "format": format }).to_string() }),
+        );
+        for (name, dtype, shape, (s, e)) in &entries {
+            header.insert(
+                (*name).into(),
+                serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [s, e] }),
+            );
+        }
+        let text = serde_json::Value::Object(header).to_string();
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.extend_from_slice(&payload);
+        let verdict = check_tensor(&bytes, &spec);
+        // Anything that passes must be a real, consistent tensor: its decode has the slot's length.
+        if verdict.is_ok() {
+            decoders_agree(&bytes, &spec)?;
+        }
+    });
+}
+
+#[test]
+fn valid_encodings_pass_and_round_trip() {
+    proptest!(config("valid_encodings_pass_and_round_trip"), |(
+        (pv, p) in partition(),
+        (mv, mm, m) in merged(),
+        b in boundary_f32(),
+        q in boundary_i8(),
+    )| {
+        prop_assert_eq!(check_tensor(&p.bytes, &p.spec), Ok(()));
+        let len = pv.len() as u64;
+        prop_assert_eq!(decode_partition(&p.bytes, len), Ok(pv.clone()));
+        prop_assert_eq!(encode_partition(&pv), p.bytes.clone(), "deterministic");
+        prop_assert_eq!(check_tensor(&m.bytes, &m.spec), Ok(()));
+        prop_assert_eq!(decode_merged(&m.bytes, mv.len() as u64), Ok((mv, mm)));
+        prop_assert_eq!(check_tensor(&b.bytes, &b.spec), Ok(()));
+        prop_assert_eq!(check_tensor(&q.bytes, &q.spec), Ok(()));
+        // A valid tensor of one kind is not accepted for a slot of another length.
+        let longer = TensorSpec::Partition { len: len + 1 };
+        prop_assert!(check_tensor(&p.bytes, &longer).is_err());
+    });
+}
+
+#[test]
+fn damaged_encodings_never_panic_and_never_decode_wrong() {
+    proptest!(config("damaged_encodings_never_panic_and_never_decode_wrong"), |(
+        v in any_valid(),
+        damages in prop::collection::vec(damage(), 1..4),
+    )| {
+        let mut bytes = v.bytes.clone();
+        for d in &damages {
+            bytes = apply(&bytes, d);
+        }
+        // Against its own slot and against every other kind of slot of a similar size.
+        decoders_agree(&bytes, &v.spec)?;
+        for len in [0u64, 1, 3, 24] {
+            decoders_agree(&bytes, &TensorSpec::Partition { len })?;
+            decoders_agree(&bytes, &TensorSpec::Merged { len })?;
+        }
+        for encoding in [WireEncoding::F32, WireEncoding::Int8] {
+            let _ = check_tensor(&bytes, &TensorSpec::Boundary { shape: [2, 3, 4], encoding });
+        }
+    });
+}
