@@ -46,7 +46,8 @@ mkdir -p "$sections"
 # Sections measured earlier and only found in the committed file (e.g. in a fresh clone) are kept.
 if [ -f "$out" ]; then
     awk -v dir="$sections" '
-        /^## / { file = dir "/" $2 ".md"; keep = (system("test -f " file) != 0); if (keep) printf "" > file }
+        /^```/ { fenced = !fenced }
+        /^## / && !fenced { file = dir "/" $2 ".md"; keep = (system("test -f " file) != 0); if (keep) printf "" > file }
         file != "" && keep { print >> file }
     ' "$out"
 fi
