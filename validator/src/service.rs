@@ -130,6 +130,14 @@ impl Validator {
         let client =
             ApiClient::connect(&cfg.orchestrator_url, signer, RetryPolicy::default()).await?;
         let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
+        // A previous run of this validator may have stopped in the middle of a submission.
+        let settled = store.recover_interrupted().await?;
+        if settled > 0 {
+            tracing::warn!(
+                settled,
+                "weight submissions interrupted by a stop were settled"
+            );
+        }
         Ok(Self {
             cfg,
             client,
@@ -648,6 +656,9 @@ impl Validator {
             .await?;
         for (hash, block) in &report.revealed {
             self.store.mark_revealed(hash, *block).await?;
+        }
+        for (hash, why) in &report.dropped {
+            self.store.mark_dropped(hash, why).await?;
         }
         Ok(report.revealed.len())
     }
