@@ -159,8 +159,32 @@ async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
             args.netuid
         );
     }
-    let v =
-        iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
+    // An orchestrator that is down (restarting) is waited for, as the loop does once running.
+    let mut attempt = 0u32;
+    let v = loop {
+        let connecting = iota_validator::Validator::connect(
+            args.validator_config(),
+            hotkey.clone(),
+            chain.clone(),
+            store.clone(),
+        );
+        let err = tokio::select! {
+            r = connecting => match r {
+                Ok(v) => break v,
+                Err(iota_validator::ValidatorError::Api(iota_protocol::ClientError::Network(e))) => e,
+                Err(e) => return Err(e.into()),
+            },
+            _ = shutdown_signal() => return Ok(()),
+        };
+        attempt += 1;
+        tracing::warn!(url = %args.orchestrator_url, error = %err, attempt, "orchestrator unreachable; retrying");
+        let wait = iota_protocol::client::RetryPolicy::default()
+            .backoff(attempt.min(6), &mut rand::thread_rng());
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown_signal() => return Ok(()),
+        }
+    };
     println!(
         "validator for {} on netuid {}",
         args.orchestrator_url, args.netuid

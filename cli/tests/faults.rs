@@ -1127,3 +1127,72 @@ async fn validator_invariants(db: &PgPool, head: u64, seed: u64) {
         );
     }
 }
+
+/// Regression: `iota validator run` started while its orchestrator was down (restarting) exited
+/// with a network error instead of waiting for it, as the miner does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validator_waits_for_an_orchestrator_that_is_down() {
+    let (net, _chain, netuid) = subnet().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let wallets = dir.path().join("wallets");
+    wallet(&wallets, "validator", VALIDATOR_SEED);
+    let db = fresh_db().await;
+    // Nothing listens there.
+    let base = format!("http://127.0.0.1:{}", free_port());
+    let mut validator = Service::new(
+        "validator",
+        [
+            "validator",
+            "run",
+            "--wallet.path",
+            wallets.to_str().expect("utf-8 path"),
+            "--wallet.name",
+            "validator",
+            "--wallet.hotkey",
+            "default",
+            "--subtensor.chain_endpoint",
+            &net.ws_url(),
+            "--netuid",
+            &netuid.to_string(),
+            "--orchestrator.url",
+            &base,
+            "--database.url",
+            &db,
+        ]
+        .map(s)
+        .to_vec(),
+        dir.path(),
+    );
+    validator.start();
+    let log = dir.path().join("validator.0.log");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("orchestrator unreachable; retrying")
+    {
+        validator.assert_running(0);
+        assert!(Instant::now() < deadline, "{}", validator.log_tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    validator.assert_running(0);
+    // SIGTERM while waiting: a clean exit.
+    let mut child = validator.child.take().expect("running");
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let mut exit = None;
+    for _ in 0..100 {
+        if let Ok(Some(e)) = child.try_wait() {
+            exit = Some(e);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let exit = exit.unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("no exit after SIGTERM")
+    });
+    assert!(exit.success(), "exit status {exit}");
+    net.stop().await;
+}
