@@ -42,7 +42,7 @@ pub struct UpArgs {
     /// Samples per epoch.
     #[arg(long, default_value_t = 48)]
     pub samples_per_epoch: u64,
-    /// Model: `tiny`, `small` or a model config JSON file (`iota model` shapes).
+    /// Model: `tiny`, `small` or a model config JSON file (the fields of `ModelConfig`).
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Pipeline stages: the model's blocks re-split into N stages (default: the model's own).
@@ -74,12 +74,14 @@ pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<
     let own_stages = config.num_stages();
     if let Some(n) = stages {
         let n = n as usize;
-        if n == 0 {
-            anyhow::bail!("--stages must be at least 1");
+        // A pipeline: activations cross at least one stage boundary.
+        if n < 2 {
+            anyhow::bail!("--stages {n}: the pipeline needs at least 2 stages");
         }
         if n > blocks {
             anyhow::bail!(
-                "--stages {n}: model {:?} has {blocks} blocks and every stage needs at least one                  (at most --stages {blocks})",
+                "--stages {n}: model {:?} has {blocks} blocks and every stage needs at least one \
+                 (at most --stages {blocks})",
                 config.name
             );
         }
@@ -852,7 +854,8 @@ mod tests {
             }
         );
         // Errors that say what to change.
-        assert!(err("tiny", Some(0), d).contains("at least 1"));
+        assert!(err("tiny", Some(0), d).contains("at least 2 stages"));
+        assert!(err("tiny", Some(1), d).contains("at least 2 stages"));
         let e = err("tiny", Some(4), d);
         assert!(
             e.contains("3 blocks") && e.contains("at most --stages 3"),
@@ -870,8 +873,12 @@ mod tests {
         std::fs::write(&file, cfg.to_json().expect("json")).expect("write");
         let m = up_model(file.to_str().expect("utf-8"), None, d).expect("file");
         assert_eq!(m.config.stages, vec![1, 1]);
-        let m = up_model(file.to_str().expect("utf-8"), Some(1), d).expect("file/1");
-        assert_eq!(m.config.stages, vec![2]);
+        let three = d.join("three.json");
+        let mut cfg = ModelConfig::tiny().with_stages(vec![1, 1, 1, 1]);
+        cfg.name = "four-blocks".into();
+        std::fs::write(&three, cfg.to_json().expect("json")).expect("write");
+        let m = up_model(three.to_str().expect("utf-8"), Some(3), d).expect("file/3");
+        assert_eq!(m.config.stages, vec![2, 1, 1]);
         // The corpus must fit the vocabulary.
         let small_vocab = d.join("v.json");
         std::fs::write(

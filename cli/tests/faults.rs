@@ -202,10 +202,12 @@ fn schedule(seed: u64) -> Vec<Fault> {
     ]
     .into_iter()
     .map(|victim| Fault {
-        // The validator has work only once an epoch has ended; the others are killed
-        // early enough that the run must recover before its last epoch ends.
+        // The validator has work only once an epoch has ended, and must have an epoch left
+        // to score after its restart; the others are killed early enough that the run must
+        // recover before its last epoch ends. (Late phases can be short: a kill lands up to an
+        // epoch later than its moment, still inside the target epochs.)
         epoch: match victim {
-            Victim::Validator => rng.gen_range(1..EPOCHS),
+            Victim::Validator => rng.gen_range(1..EPOCHS - 1),
             _ => rng.gen_range(0..EPOCHS - 1),
         },
         phase: rng.gen_range(0..3),
