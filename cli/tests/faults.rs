@@ -612,6 +612,7 @@ async fn seeded_sigkills_lose_no_epoch_and_no_sample() {
         .await
         .expect("json");
     orchestrator_invariants(&db, &store, &throughput, seed).await;
+    checks_catch_corruption(&db).await;
     // The miners' work is done: their clean exit leaves the cores to the validator.
     for m in &mut miners {
         m.stop();
@@ -694,6 +695,19 @@ async fn seeded_sigkills_lose_no_epoch_and_no_sample() {
     );
 }
 
+// Invariants the self-check below also runs against a corrupted copy of the state.
+const HOPS_TWICE: &str = "SELECT count(*) FROM (SELECT 1 FROM tasks WHERE status = 'done'
+           GROUP BY sample_id, stage, direction HAVING count(*) > 1) d";
+const COMPLETED_MISMATCH: &str = "SELECT count(*) FROM epochs e WHERE e.samples_completed <>
+           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
+              AND s.status = 'done')";
+const WIRE_MISMATCH: &str = "SELECT count(*) FROM epochs e WHERE e.wire_bytes <>
+           (SELECT coalesce(sum((t.output->>'size')::bigint), 0) FROM tasks t
+             WHERE t.run_id = e.run_id AND t.epoch = e.epoch AND t.status = 'done'
+               AND t.output IS NOT NULL)";
+const LAPSED_LEASES: &str = "SELECT count(*) FROM tasks WHERE status = 'leased'
+           AND leased_until < now() - interval '3 seconds'";
+
 /// Checks a blob descriptor (`{key, size, blake3, …}`) against the file in the local store.
 fn check_blob(store: &Path, blob: &serde_json::Value, what: &str, seed: u64) {
     let key = blob["key"]
@@ -711,6 +725,45 @@ fn check_blob(store: &Path, blob: &serde_json::Value, what: &str, seed: u64) {
         blob["blake3"].as_str(),
         "{what}: BLAKE3 of {key}; seed {seed}"
     );
+}
+
+/// Each check must see the fault it guards against: inside a transaction that is rolled back,
+/// corrupt the final state the way the bug would and expect a violation.
+async fn checks_catch_corruption(db: &PgPool) {
+    let cases = [
+        (
+            HOPS_TWICE,
+            "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status)
+             SELECT run_id, epoch, sample_id, stage, direction, attempt + 1000, miner, 'done'
+             FROM tasks WHERE status = 'done' ORDER BY id LIMIT 1",
+        ),
+        (
+            COMPLETED_MISMATCH,
+            "UPDATE epochs SET samples_completed = samples_completed + 1 WHERE epoch = 0",
+        ),
+        (
+            WIRE_MISMATCH,
+            "UPDATE epochs SET wire_bytes = wire_bytes + 1 WHERE epoch = 0",
+        ),
+        (
+            LAPSED_LEASES,
+            "UPDATE tasks SET status = 'leased', leased_until = now() - interval '1 minute'
+             WHERE id = (SELECT max(id) FROM tasks WHERE status = 'done')",
+        ),
+    ];
+    for (check, corruption) in cases {
+        let mut tx = db.begin().await.expect("transaction");
+        sqlx::query(sqlx::AssertSqlSafe(corruption))
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{corruption}: {e}"));
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(check))
+            .fetch_one(&mut *tx)
+            .await
+            .expect("check");
+        assert!(n > 0, "{check}\nmissed the corruption\n{corruption}");
+        tx.rollback().await.expect("rollback");
+    }
 }
 
 async fn count(db: &PgPool, sql: &str) -> i64 {
@@ -805,14 +858,7 @@ async fn orchestrator_invariants(
     // direction) of its pathway (K forward, K-1 backward), a loss, and the counters equal the
     // distinct done samples.
     let k = i64::from(STAGES);
-    none(
-        db,
-        "hops done twice",
-        "SELECT count(*) FROM (SELECT 1 FROM tasks WHERE status = 'done'
-           GROUP BY sample_id, stage, direction HAVING count(*) > 1) d",
-        seed,
-    )
-    .await;
+    none(db, "hops done twice", HOPS_TWICE, seed).await;
     none(
         db,
         "done samples without their full pathway",
@@ -830,9 +876,7 @@ async fn orchestrator_invariants(
     none(
         db,
         "epochs whose samples_completed differs from their done samples",
-        "SELECT count(*) FROM epochs e WHERE e.samples_completed <>
-           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
-              AND s.status = 'done')",
+        COMPLETED_MISMATCH,
         seed,
     )
     .await;
@@ -851,10 +895,7 @@ async fn orchestrator_invariants(
     none(
         db,
         "epochs whose wire_bytes differ from their done hops' outputs",
-        "SELECT count(*) FROM epochs e WHERE e.wire_bytes <>
-           (SELECT coalesce(sum((t.output->>'size')::bigint), 0) FROM tasks t
-             WHERE t.run_id = e.run_id AND t.epoch = e.epoch AND t.status = 'done'
-               AND t.output IS NOT NULL)",
+        WIRE_MISMATCH,
         seed,
     )
     .await;
@@ -1012,14 +1053,7 @@ async fn orchestrator_invariants(
         seed,
     )
     .await;
-    soon_none(
-        db,
-        "leases past their end",
-        "SELECT count(*) FROM tasks WHERE status = 'leased'
-           AND leased_until < now() - interval '3 seconds'",
-        seed,
-    )
-    .await;
+    soon_none(db, "leases past their end", LAPSED_LEASES, seed).await;
     soon_none(
         db,
         "open hops of released miners",
