@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod plot;
 mod up;
 
 #[derive(Debug, Parser)]

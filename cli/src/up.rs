@@ -42,6 +42,96 @@ pub struct UpArgs {
     /// Samples per epoch.
     #[arg(long, default_value_t = 48)]
     pub samples_per_epoch: u64,
+    /// Model: `tiny`, `small` or a model config JSON file (the fields of `ModelConfig`).
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Pipeline stages: the model's blocks re-split into N stages (default: the model's own).
+    #[arg(long)]
+    pub stages: Option<u32>,
+}
+
+/// The model `localnet up` trains: `--model` re-split by `--stages`, and the name every party
+/// loads it by (a preset's name, or a JSON file in the run directory).
+pub struct UpModel {
+    pub config: ModelConfig,
+    pub name: String,
+}
+
+/// Sequence length of the local run; the model must accept it.
+const SEQ_LEN: usize = 32;
+
+/// Checks `--model` and `--stages`; writes the effective config to `dir/model.json` when it is
+/// not a preset as is.
+pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<UpModel> {
+    let preset = matches!(model, "tiny" | "small");
+    if !preset && !Path::new(model).is_file() {
+        anyhow::bail!(
+            "--model {model:?}: expected `tiny`, `small` or a model config JSON file (no such file)"
+        );
+    }
+    let mut config = ModelConfig::load(model).with_context(|| format!("--model {model}"))?;
+    let blocks = config.n_layers();
+    let own_stages = config.num_stages();
+    if let Some(n) = stages {
+        let n = n as usize;
+        // A pipeline: activations cross at least one stage boundary.
+        if n < 2 {
+            anyhow::bail!("--stages {n}: the pipeline needs at least 2 stages");
+        }
+        if n > blocks {
+            anyhow::bail!(
+                "--stages {n}: model {:?} has {blocks} blocks and every stage needs at least one \
+                 (at most --stages {blocks})",
+                config.name
+            );
+        }
+        // The model's own split when the count matches; otherwise blocks spread as evenly as
+        // they go, the earlier stages taking the remainder.
+        if n != own_stages {
+            let split = (0..n)
+                .map(|k| blocks / n + usize::from(k < blocks % n))
+                .collect();
+            config = config.with_stages(split);
+        }
+    }
+    config
+        .validate()
+        .with_context(|| format!("--model {model} with --stages {stages:?}"))?;
+    if config.max_seq_len < SEQ_LEN {
+        anyhow::bail!(
+            "--model {model}: max_seq_len {} is below the local run's {SEQ_LEN} tokens",
+            config.max_seq_len
+        );
+    }
+    if preset && config.num_stages() == own_stages {
+        return Ok(UpModel {
+            config,
+            name: model.to_owned(),
+        });
+    }
+    let path = dir.join("model.json");
+    std::fs::write(&path, config.to_json()?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(UpModel {
+        config,
+        name: path.to_string_lossy().into_owned(),
+    })
+}
+
+/// The local run of `model`: the tiny run's phases and optimiser, the model's shapes.
+fn local_run(model: &UpModel, samples_per_epoch: u64) -> anyhow::Result<RunConfig> {
+    let mut run = iota_miner::eval::local_tiny_run("localnet-up", samples_per_epoch)?;
+    let m = &model.config;
+    run.model = model.name.clone();
+    run.stages = m.num_stages() as u32;
+    run.stage_params = (0..m.num_stages())
+        .map(|k| m.stage_param_count(k).map(|n| n as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    run.boundary_dim = u32::try_from(m.boundary_dim())?;
+    run.seq_len = SEQ_LEN as u32;
+    // The corpus must fit the vocabulary; say so now rather than in every miner.
+    iota_miner::trainer::run_dataset(&run, m).with_context(|| format!("--model {}", m.name))?;
+    Ok(run)
 }
 
 /// A wallet key as a request signer.
@@ -170,6 +260,11 @@ pub async fn up(
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir)?;
+    if args.miners_per_stage == 0 {
+        anyhow::bail!("--miners-per-stage must be at least 1");
+    }
+    let model = up_model(&args.model, args.stages, &dir)?;
+    let run = local_run(&model, args.samples_per_epoch)?;
     let (db_base, _pg) = database()?;
 
     println!("starting the localnet chain");
@@ -178,7 +273,7 @@ pub async fn up(
     // commit inside the one-epoch window.
     config.chain.new_subnet_tempo = 20;
     let net = Localnet::spawn(config).await?;
-    let result = with_chain(&args, &dir, &db_base, &net, shutdown).await;
+    let result = with_chain(&args, &dir, &db_base, &net, &run, shutdown).await;
     net.stop().await;
     result
 }
@@ -188,6 +283,7 @@ async fn with_chain(
     dir: &Path,
     db_base: &str,
     net: &Localnet,
+    run: &RunConfig,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<serde_json::Value> {
     let mut opts = ConnectOptions::new(net.ws_url());
@@ -212,7 +308,7 @@ async fn with_chain(
             adversary: None,
         });
     }
-    let stages = ModelConfig::tiny().num_stages() as u32;
+    let stages = run.stages;
     for m in 0..stages * args.miners_per_stage {
         members.push(Member {
             name: format!("miner{m}"),
@@ -279,7 +375,6 @@ async fn with_chain(
     );
     let orch_db = create_db(db_base, &format!("{tag}_orchestrator")).await?;
 
-    let run = iota_miner::eval::local_tiny_run("localnet-up", args.samples_per_epoch)?;
     let config = iota_orchestrator::Config {
         database_url: orch_db,
         db_max_connections: 16,
@@ -315,7 +410,7 @@ async fn with_chain(
         &net.ws_url(),
         netuid,
         &base,
-        &run,
+        run,
         &members,
         shutdown,
     )
@@ -474,7 +569,8 @@ async fn train(
     miners: &[(&Member, MinerHandle)],
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<Option<(Vec<f32>, f32)>> {
-    let floor = iota_miner::trainer::run_dataset(run, &ModelConfig::tiny())?.entropy_floor();
+    let floor = iota_miner::trainer::run_dataset(run, &iota_miner::trainer::run_model(run)?)?
+        .entropy_floor();
     let initial = held_out_loss(client, run, 0).await?;
     let mut losses: Vec<f32> = Vec::new();
     // Throughput over the last poll interval.
@@ -544,7 +640,8 @@ async fn finish(
     initial: f32,
 ) -> anyhow::Result<serde_json::Value> {
     let epochs = losses.len() as u64;
-    let floor = iota_miner::trainer::run_dataset(run, &ModelConfig::tiny())?.entropy_floor();
+    let floor = iota_miner::trainer::run_dataset(run, &iota_miner::trainer::run_model(run)?)?
+        .entropy_floor();
 
     // Partitions of the trained epochs.
     let (mut total, mut merged, mut agreeing) = (0u64, 0u64, 0u64);
@@ -640,7 +737,9 @@ async fn finish(
             "emission": n.map(|n| n.emission),
         }));
     }
-    let report = serde_json::json!({
+    let mut report = serde_json::json!({
+        "model": run.model,
+        "stages": run.stages,
         "epochs": epochs,
         "initial_loss": initial,
         "loss_per_epoch": losses,
@@ -656,6 +755,17 @@ async fn finish(
         .report
         .clone()
         .unwrap_or_else(|| dir.join("report.json"));
+    // The loss curve beside the report: `report.json` -> `report.png`.
+    let plot = if path.extension().is_some_and(|e| e == "png") {
+        path.with_extension("loss.png")
+    } else {
+        path.with_extension("png")
+    };
+    let curve: Vec<f32> = std::iter::once(initial)
+        .chain(losses.iter().copied())
+        .collect();
+    crate::plot::write_loss_png(&plot, &curve, floor as f32)?;
+    report["plot"] = serde_json::json!(plot.to_string_lossy());
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
         .with_context(|| format!("writing {}", path.display()))?;
 
@@ -690,5 +800,96 @@ async fn finish(
         );
     }
     println!("report: {}", path.display());
+    println!("loss plot: {}", plot.display());
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(model: &str, stages: Option<u32>, dir: &Path) -> String {
+        match up_model(model, stages, dir) {
+            Ok(m) => panic!("{model} {stages:?} accepted: {:?}", m.config.stages),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn model_and_stages_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        // Presets as they are keep their names.
+        let m = up_model("tiny", None, d).expect("tiny");
+        assert_eq!(
+            (m.name.as_str(), m.config.stages.clone()),
+            ("tiny", vec![1, 1, 1])
+        );
+        let m = up_model("tiny", Some(3), d).expect("tiny/3");
+        assert_eq!(m.name, "tiny");
+        let m = up_model("small", None, d).expect("small");
+        assert_eq!(m.name, "small");
+        // A re-split goes to a file every party loads.
+        let m = up_model("tiny", Some(2), d).expect("tiny/2");
+        assert_eq!(m.config.stages, vec![2, 1]);
+        assert_eq!(
+            ModelConfig::load(&m.name).expect("written config"),
+            m.config
+        );
+        let m = up_model("small", Some(3), d).expect("small/3");
+        assert_eq!(
+            (m.name.as_str(), m.config.stages.clone()),
+            ("small", vec![2, 4, 2])
+        );
+        let m5 = up_model("small", Some(5), d).expect("small/5");
+        assert_eq!(m5.config.stages, vec![2, 2, 2, 1, 1]);
+        let run = local_run(&m5, 8).expect("run");
+        assert_eq!(run.stages, 5);
+        assert_eq!(
+            iota_miner::trainer::run_model(&run).expect("miners load it"),
+            {
+                let mut c = m5.config.clone();
+                c.init_seed = run.init_seed;
+                c
+            }
+        );
+        // Errors that say what to change.
+        assert!(err("tiny", Some(0), d).contains("at least 2 stages"));
+        assert!(err("tiny", Some(1), d).contains("at least 2 stages"));
+        let e = err("tiny", Some(4), d);
+        assert!(
+            e.contains("3 blocks") && e.contains("at most --stages 3"),
+            "{e}"
+        );
+        let e = err("huge", None, d);
+        assert!(e.contains("tiny") && e.contains("no such file"), "{e}");
+        let bad = d.join("bad.json");
+        std::fs::write(&bad, "{\"name\": 1}").expect("write");
+        assert!(err(bad.to_str().expect("utf-8"), None, d).contains("--model"));
+        // A model file works, re-split or not.
+        let file = d.join("mine.json");
+        let mut cfg = ModelConfig::tiny().with_stages(vec![1, 1]);
+        cfg.name = "mine".into();
+        std::fs::write(&file, cfg.to_json().expect("json")).expect("write");
+        let m = up_model(file.to_str().expect("utf-8"), None, d).expect("file");
+        assert_eq!(m.config.stages, vec![1, 1]);
+        let three = d.join("three.json");
+        let mut cfg = ModelConfig::tiny().with_stages(vec![1, 1, 1, 1]);
+        cfg.name = "four-blocks".into();
+        std::fs::write(&three, cfg.to_json().expect("json")).expect("write");
+        let m = up_model(three.to_str().expect("utf-8"), Some(3), d).expect("file/3");
+        assert_eq!(m.config.stages, vec![2, 1, 1]);
+        // The corpus must fit the vocabulary.
+        let small_vocab = d.join("v.json");
+        std::fs::write(
+            &small_vocab,
+            ModelConfig::tiny()
+                .with_vocab_size(8)
+                .to_json()
+                .expect("json"),
+        )
+        .expect("write");
+        let m = up_model(small_vocab.to_str().expect("utf-8"), None, d).expect("valid shape");
+        assert!(local_run(&m, 8).is_err());
+    }
 }

@@ -49,10 +49,19 @@ fn localnet_up_trains_merges_and_pays_honest_miners_more() {
         "fp32_bytes_per_token",
         "weights_set",
         "neurons",
+        "plot",
     ] {
         assert!(report.get(key).is_some(), "report lacks {key}: {report:#}");
     }
     assert_eq!(report["epochs"], 2);
+
+    // The loss curve beside the report: a PNG of the default 640 x 400.
+    let plot = std::path::PathBuf::from(report["plot"].as_str().expect("plot path"));
+    assert_eq!(plot, dir.path().join("out.png"));
+    let png = std::fs::read(&plot).expect("plot written");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
+    assert_eq!(&png[12..16], b"IHDR");
+    assert_eq!(&png[16..24], &[0, 0, 2, 128, 0, 0, 1, 144], "PNG size");
 
     // Training: the held-out loss falls after every epoch.
     let mut prev = report["initial_loss"].as_f64().expect("initial loss");

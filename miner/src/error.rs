@@ -42,6 +42,18 @@ pub enum MinerError {
     Internal(String),
 }
 
+impl MinerError {
+    /// Whether waiting may cure it: the orchestrator unreachable, overloaded or failing (a
+    /// restart), as opposed to an answer that this miner cannot take part.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Api(ClientError::Network(_)) => true,
+            Self::Api(ClientError::Api { status, .. }) => *status == 429 || *status >= 500,
+            _ => false,
+        }
+    }
+}
+
 impl From<candle_core::Error> for MinerError {
     fn from(e: candle_core::Error) -> Self {
         Self::Model(e.into())

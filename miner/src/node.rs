@@ -92,9 +92,26 @@ pub async fn run(
     let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stopping.clone();
     let body = async move {
-        let mut node = match Node::join(config, signer, status, &flag).await? {
-            Some(n) => n,
-            None => return Ok(MinerStatus::default()),
+        // An orchestrator that goes away while this miner joins (a restart) is waited for, as
+        // in the loop: only an answer that the run cannot be trained here ends the miner.
+        let mut attempt = 0u32;
+        let mut node = loop {
+            match Node::join(config.clone(), signer.clone(), status.clone(), &flag).await {
+                Ok(Some(n)) => break n,
+                Ok(None) => return Ok(MinerStatus::default()),
+                Err(e) if e.is_transient() => {
+                    attempt += 1;
+                    tracing::warn!(error = %e, attempt, "joining failed; retrying");
+                    let wait = config
+                        .retry
+                        .backoff(attempt.min(6), &mut rand::thread_rng());
+                    pause(wait, &flag).await;
+                    if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                        return Ok(MinerStatus::default());
+                    }
+                }
+                Err(e) => return Err(e),
+            }
         };
         node.run(&flag).await?;
         Ok(node.status.borrow().clone())

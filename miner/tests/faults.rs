@@ -125,3 +125,103 @@ async fn crashed_miner_does_not_stall_the_run_and_catches_up() {
     }
     orch.stop().await;
 }
+
+/// A TCP proxy to `upstream` that plays an orchestrator restart at the worst moment for a
+/// joining miner: the first time a request to `/v1/miner/register` passes, it cuts every
+/// connection and refuses new ones for `outage`, then forwards again.
+async fn outage_on_register(upstream: String, outage: Duration) -> String {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("proxy");
+    let addr = listener.local_addr().expect("addr");
+    let down = Arc::new(AtomicBool::new(false));
+    let tripped = Arc::new(AtomicBool::new(false));
+    // Bumped at the outage: every connection opened before it ends.
+    let (cut, _) = tokio::sync::broadcast::channel::<()>(1);
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            if down.load(Ordering::SeqCst) {
+                drop(client);
+                continue;
+            }
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (down, tripped, cut, mut cut_rx) =
+                (down.clone(), tripped.clone(), cut.clone(), cut.subscribe());
+            tokio::spawn(async move {
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = async {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let text = String::from_utf8_lossy(&buf[..n]);
+                        if text.contains("/v1/miner/register")
+                            && !tripped.swap(true, Ordering::SeqCst)
+                        {
+                            down.store(true, Ordering::SeqCst);
+                            let _ = cut.send(());
+                            let down = down.clone();
+                            tokio::spawn(async move {
+                                tokio::time::sleep(outage).await;
+                                down.store(false, Ordering::SeqCst);
+                            });
+                            return;
+                        }
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                let back = tokio::io::copy(&mut sr, &mut cw);
+                tokio::select! {
+                    _ = up => {}
+                    _ = back => {}
+                    _ = cut_rx.recv() => {}
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// Regression: a miner whose orchestrator went away between its first request and its
+/// registration (a restart) ended with a network error instead of waiting, as it does once
+/// joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn miner_waits_out_an_orchestrator_outage_while_joining() {
+    init_tracing();
+    let seeds = [47u8];
+    let chain = chain_with(&seeds, &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let run = tiny_run("join-outage", 8);
+    let orch = start(config(&chain, &db_url, store.path(), run)).await;
+    let upstream = orch.base.trim_start_matches("http://").to_owned();
+    let proxy = outage_on_register(upstream, Duration::from_secs(3)).await;
+    let mut cfg = miner_config(&proxy);
+    cfg.tokens_per_s = Some(1000.0);
+    let h = spawn(cfg, signer(47));
+    let stage = eventually("the miner joined", Duration::from_secs(60), || async {
+        assert!(
+            !h.is_finished(),
+            "the miner ended during the outage: {:?}",
+            h.status()
+        );
+        h.status().stage
+    })
+    .await;
+    assert_eq!(stage, 0);
+    h.stop().await.expect("clean stop");
+    orch.stop().await;
+}

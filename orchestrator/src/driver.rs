@@ -103,12 +103,40 @@ async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
         .ok()?;
     if got {
         tracing::info!("this process now drives the epoch phases");
+        if let Err(e) = forgive_gap(app, Utc::now()).await {
+            tracing::warn!(error = %e, "could not renew heartbeats and leases after the gap");
+        }
         app.leader.store(true, Ordering::Relaxed);
         // Keep this connection out of the pool for as long as we lead.
         Some(conn)
     } else {
         None
     }
+}
+
+/// Before a process takes the lead, nobody drove the run (the last leader died or restarted):
+/// miners could not reach it, so their silence and the leases they could not finish in that gap
+/// are not held against them. Active miners and open leases get a fresh window from `now`;
+/// a miner that really died is released one heartbeat timeout later.
+async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Error> {
+    let mut tx = app.db.begin().await?;
+    sqlx::query(
+        "UPDATE miners SET last_seen = greatest(last_seen, $2)
+         WHERE run_id = $1 AND status = 'active'",
+    )
+    .bind(app.run.id)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
+         WHERE run_id = $1 AND status = 'leased'",
+    )
+    .bind(app.run.id)
+    .bind(now + secs(app.config().lease_s))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
 }
 
 async fn housekeeping(app: &App) {

@@ -541,3 +541,76 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::NotValidator));
     orch.stop().await;
 }
+
+/// Regression: an orchestrator restarted after an outage longer than the heartbeat timeout
+/// released every miner at its first tick (they could not be heard while it was down) and
+/// abandoned their samples, so the epoch could end with none completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
+    init_tracing();
+    let seeds = [71u8, 72, 73, 74, 75, 76];
+    let chain = chain_with(&seeds, &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let run = run_config("outage");
+    let cfg = config(&chain, &db_url, store.path(), run.clone());
+    let orch = start(cfg.clone()).await;
+    let addr = orch.base.trim_start_matches("http://").to_owned();
+    let db = PgPool::connect(&db_url).await.expect("db");
+    let mut miners = join(&orch.base, &seeds).await;
+    // Work in flight: leased hops and started samples.
+    let leased = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE status = 'leased'")
+            .fetch_one(&db)
+            .await
+            .expect("leased");
+        n
+    };
+    let mut rounds = 0;
+    while leased().await == 0 {
+        for m in &mut miners {
+            m.client().work(4).await.expect("poll");
+        }
+        rounds += 1;
+        assert!(rounds < 500, "no work was leased");
+    }
+    let before = leased().await;
+    orch.stop().await;
+    // Down for longer than both the heartbeat timeout and the lease.
+    tokio::time::sleep(Duration::from_secs(
+        run.heartbeat_timeout_s.max(run.lease_s) + 2,
+    ))
+    .await;
+    let orch = start_on(cfg, &addr).await;
+    // Several driver ticks with the miners still silent (they have not noticed the restart).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (released, expired, abandoned): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM miners WHERE status = 'released'),
+                (SELECT count(*) FROM tasks WHERE status = 'expired'),
+                (SELECT count(*) FROM samples WHERE status = 'abandoned')",
+    )
+    .fetch_one(&db)
+    .await
+    .expect("counts");
+    assert_eq!(
+        (released, expired, abandoned),
+        (0, 0, 0),
+        "the outage was held against the miners"
+    );
+    assert_eq!(leased().await, before, "leases kept");
+    // And they are released as usual when they stay silent for a timeout after the restart.
+    eventually(
+        "silent miners released after the restart",
+        Duration::from_secs(run.heartbeat_timeout_s + run.lease_s + 5),
+        || async {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'released'")
+                    .fetch_one(&db)
+                    .await
+                    .ok()?;
+            (n == seeds.len() as i64).then_some(())
+        },
+    )
+    .await;
+    orch.stop().await;
+}

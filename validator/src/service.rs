@@ -169,6 +169,14 @@ impl Validator {
         chain: Subtensor,
         store: Store,
     ) -> Result<Self, ValidatorError> {
+        // A previous run of this validator may have stopped in the middle of a submission.
+        let settled = store.recover_interrupted().await?;
+        if settled > 0 {
+            tracing::warn!(
+                settled,
+                "weight submissions interrupted by a stop were settled"
+            );
+        }
         let v = Self {
             cfg,
             chain,
@@ -766,6 +774,9 @@ impl Validator {
             .await?;
         for (hash, block) in &report.revealed {
             self.store.mark_revealed(hash, *block).await?;
+        }
+        for (hash, why) in &report.dropped {
+            self.store.mark_dropped(hash, why).await?;
         }
         Ok(report.revealed.len())
     }

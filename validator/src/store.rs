@@ -469,6 +469,39 @@ impl Store {
         Ok(())
     }
 
+    /// A commit the chain would not reveal (its window passed): its submission failed.
+    pub async fn mark_dropped(&self, hash: &str, why: &str) -> Result<(), ValidatorError> {
+        sqlx::query(
+            "UPDATE weight_submissions SET state = 'failed',
+                 outcome = jsonb_build_object('error', $2::text), updated_at = now()
+             WHERE commit_hash = $1 AND state = 'committed'",
+        )
+        .bind(hash)
+        .bind(why)
+        .execute(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// Settles the submissions a stopped validator left `pending`: one whose commit is still in
+    /// the commit store becomes `committed` (its reveal follows); the others `failed`, their
+    /// outcome unknown. Returns how many were settled. Call before this validator submits.
+    pub async fn recover_interrupted(&self) -> Result<u64, ValidatorError> {
+        Ok(sqlx::query(
+            "UPDATE weight_submissions w SET
+                 state = CASE WHEN c.hash IS NULL THEN 'failed' ELSE 'committed' END,
+                 outcome = CASE WHEN c.hash IS NULL THEN jsonb_build_object('error',
+                     'interrupted: the validator stopped before the outcome was recorded')
+                     ELSE w.outcome END,
+                 updated_at = now()
+             FROM weight_submissions p LEFT JOIN pending_commits c ON c.hash = p.commit_hash
+             WHERE p.id = w.id AND w.state = 'pending'",
+        )
+        .execute(&self.db)
+        .await?
+        .rows_affected())
+    }
+
     /// Marks the committed submission with `hash` revealed at `block`.
     pub async fn mark_revealed(&self, hash: &str, block: u64) -> Result<(), ValidatorError> {
         sqlx::query(
@@ -513,13 +546,29 @@ impl CommitStore for Store {
     async fn save(&self, commit: &PendingCommit) -> Result<(), ChainError> {
         let json = serde_json::to_value(commit)
             .map_err(|e| ChainError::InvalidArgument(format!("commit store: {e}")))?;
-        sqlx::query(
+        // `xmax = 0`: the row is new (an update of a known commit returns false).
+        let new: bool = sqlx::query_scalar(
             "INSERT INTO pending_commits (hash, hotkey, commit) VALUES ($1, $2, $3)
-             ON CONFLICT (hash) DO UPDATE SET commit = EXCLUDED.commit",
+             ON CONFLICT (hash) DO UPDATE SET commit = EXCLUDED.commit
+             RETURNING (xmax = 0)",
         )
         .bind(commit.hash_hex())
         .bind(commit.hotkey.ss58())
         .bind(json)
+        .fetch_one(&self.db)
+        .await
+        .map_err(db_err)?;
+        if !new {
+            return Ok(());
+        }
+        // A new commit belongs to the submission in flight (the newest, still pending): linking
+        // them now lets a restart tell a commit that was sent from one that never left.
+        sqlx::query(
+            "UPDATE weight_submissions SET commit_hash = $1
+             WHERE id = (SELECT max(id) FROM weight_submissions)
+               AND state = 'pending' AND commit_hash IS NULL",
+        )
+        .bind(commit.hash_hex())
         .execute(&self.db)
         .await
         .map_err(db_err)?;

@@ -1,0 +1,122 @@
+//! A validator stopped in the middle of a weight submission, or whose commit expired, leaves no
+//! submission `pending` or `committed` for ever. Needs `DATABASE_URL` (scripts/test.sh).
+
+use iota_chain::commit::{CommitStore, PendingCommit};
+use iota_chain::wallet::PublicKey;
+use iota_validator::{Store, WeightSource};
+
+async fn fresh_store() -> Store {
+    let base = std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
+    );
+    let name = format!("iota_test_{}", uuid::Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect(&base).await.expect("connect");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .expect("create database");
+    admin.close().await;
+    let (prefix, _) = base.rsplit_once('/').expect("database name");
+    Store::connect(&format!("{prefix}/{name}"))
+        .await
+        .expect("store")
+}
+
+fn commit(n: u8) -> PendingCommit {
+    PendingCommit {
+        hotkey: PublicKey::from_bytes([7; 32]),
+        netuid: 9,
+        uids: vec![1, 2],
+        values: vec![65535, 30000],
+        salt: vec![u16::from(n); 8],
+        version_key: 0,
+        hash: [n; 32],
+        submitted_block: 10,
+        commit_block: None,
+        reveal_epoch: 3,
+    }
+}
+
+async fn state(store: &Store, id: i64) -> (String, Option<String>) {
+    sqlx::query_as("SELECT state, commit_hash FROM weight_submissions WHERE id = $1")
+        .bind(id)
+        .fetch_one(store.pool())
+        .await
+        .expect("submission")
+}
+
+#[tokio::test]
+async fn interrupted_and_dropped_submissions_are_settled() {
+    let store = fresh_store().await;
+    // Stopped after its commit was sent (the salt is saved first) but before the outcome.
+    let sent = store
+        .begin_submission(
+            Some(1),
+            Some(0),
+            9,
+            &[1, 2],
+            &[1.0, 0.5],
+            WeightSource::Scores,
+        )
+        .await
+        .expect("begin");
+    store.save(&commit(1)).await.expect("save");
+    let hash = commit(1).hash_hex();
+    assert_eq!(state(&store, sent).await.1.as_deref(), Some(hash.as_str()));
+    // Stopped before anything was sent.
+    let unsent = store
+        .begin_submission(Some(1), Some(1), 9, &[1], &[1.0], WeightSource::Scores)
+        .await
+        .expect("begin");
+
+    // The restart settles both: the sent commit waits for its reveal, the other failed.
+    assert_eq!(store.recover_interrupted().await.expect("recover"), 2);
+    assert_eq!(
+        state(&store, sent).await,
+        ("committed".into(), Some(hash.clone()))
+    );
+    assert_eq!(state(&store, unsent).await.0, "failed");
+    store.mark_revealed(&hash, 40).await.expect("revealed");
+    assert_eq!(state(&store, sent).await.0, "revealed");
+    assert_eq!(store.recover_interrupted().await.expect("again"), 0);
+
+    // A commit whose reveal the chain refused (the window passed) fails its submission; a
+    // later save of the same commit does not attach it to another submission.
+    let late = store
+        .begin_submission(
+            Some(1),
+            Some(2),
+            9,
+            &[1, 2],
+            &[1.0, 1.0],
+            WeightSource::Scores,
+        )
+        .await
+        .expect("begin");
+    store.save(&commit(2)).await.expect("save");
+    let hash2 = commit(2).hash_hex();
+    store
+        .finish_submission(
+            late,
+            "committed",
+            Some(50),
+            Some(0),
+            Some(&hash2),
+            &serde_json::json!({}),
+        )
+        .await
+        .expect("finish");
+    let next = store
+        .begin_submission(Some(1), Some(3), 9, &[1], &[1.0], WeightSource::Scores)
+        .await
+        .expect("begin");
+    let mut known = commit(2);
+    known.commit_block = Some(51);
+    store.save(&known).await.expect("save again");
+    assert_eq!(state(&store, next).await, ("pending".into(), None));
+    store
+        .mark_dropped(&hash2, "ExpiredWeightCommit")
+        .await
+        .expect("dropped");
+    assert_eq!(state(&store, late).await.0, "failed");
+}
