@@ -184,21 +184,6 @@ fn same_score(a: &EpochScore, b: &EpochScore) -> bool {
         && a.penalty == b.penalty
 }
 
-fn effects_by_hotkey(fit: Option<&HotkeyEffects>) -> BTreeMap<String, (f64, bool)> {
-    fit.map(|f| {
-        f.fit
-            .effects
-            .iter()
-            .filter_map(|e| {
-                f.hotkeys
-                    .get(e.miner as usize)
-                    .map(|h| (h.clone(), (e.effect, e.flagged)))
-            })
-            .collect()
-    })
-    .unwrap_or_default()
-}
-
 /// Compares a recomputed fit with the stored effects; differences go to `out`.
 fn compare_effects(
     epoch: u64,
@@ -361,7 +346,10 @@ impl Validator {
         let db_scores_match = mismatches.is_empty();
 
         // Per-miner rows of the audited epoch.
-        let effects = effects_by_hotkey(audited_fit.as_ref());
+        let effects = audited_fit
+            .as_ref()
+            .map(HotkeyEffects::by_hotkey)
+            .unwrap_or_default();
         let stored_effects: BTreeMap<String, (f64, bool)> = self
             .store()
             .effects(run_id, epoch)
@@ -377,7 +365,7 @@ impl Validator {
             .iter()
             .map(|s| {
                 let stored = stored_by.get(s.hotkey.as_str()).map(|x| (*x).clone());
-                let effect = effects.get(&s.hotkey).copied();
+                let effect = effects.get(s.hotkey.as_str()).copied();
                 let stored_effect = stored_effects.get(&s.hotkey).copied();
                 let effect_ok = match (effect, stored_effect) {
                     (Some(a), Some(b)) => close(a.0, b.0) && a.1 == b.1,

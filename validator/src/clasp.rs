@@ -446,6 +446,21 @@ pub struct HotkeyEffects {
     pub hotkeys: Vec<String>,
 }
 
+impl HotkeyEffects {
+    /// Each miner's effect and flag, by hotkey.
+    pub fn by_hotkey(&self) -> std::collections::BTreeMap<&str, (f64, bool)> {
+        self.fit
+            .effects
+            .iter()
+            .filter_map(|e| {
+                self.hotkeys
+                    .get(e.miner as usize)
+                    .map(|h| (h.as_str(), (e.effect, e.flagged)))
+            })
+            .collect()
+    }
+}
+
 /// Fits CLASP on finished samples (status `done`, a full pathway and a loss); others are skipped.
 /// A miner is placed at the stage where it appears; one hotkey on two stages is refused.
 pub fn fit_samples(

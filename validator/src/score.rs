@@ -148,19 +148,7 @@ pub fn epoch_scores(
     cfg: &ScoreConfig,
 ) -> Vec<EpochScore> {
     let last = stages.saturating_sub(1);
-    let effects: HashMap<&str, (f64, bool)> = fit
-        .map(|f| {
-            f.fit
-                .effects
-                .iter()
-                .filter_map(|e| {
-                    f.hotkeys
-                        .get(e.miner as usize)
-                        .map(|h| (h.as_str(), (e.effect, e.flagged)))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    let effects = fit.map(HotkeyEffects::by_hotkey).unwrap_or_default();
     record
         .miners
         .iter()
