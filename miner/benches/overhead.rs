@@ -14,7 +14,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use iota_miner::spawn;
 use iota_model::{
     AdamW, AdamWConfig, DType, Device, LrSchedule, ModelConfig, Stage, StageOptions, Tensor,
 };
@@ -94,22 +93,9 @@ async fn main() {
     .await
     .expect("core");
 
-    let seeds = [71u8, 72, 73];
-    let chain = chain_with(&seeds, &[]).await;
-    let db = fresh_db().await;
-    let store = tempfile::tempdir().expect("store");
-    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
-    let client = explorer(&orch.base, seeds[0]).await;
-    // All join at once with equal reported throughput (one per stage), so no sample starts
-    // while a stage is still empty.
-    let miners: Vec<_> = seeds
-        .iter()
-        .map(|s| {
-            let mut cfg = miner_config(&orch.base);
-            cfg.tokens_per_s = Some(1000.0);
-            spawn(cfg, signer(*s))
-        })
-        .collect();
+    // Partial moves: the chain and store stay alive with `serving` until the end.
+    let serving = swarm(&[71u8, 72, 73], run.clone()).await;
+    let (orch, client, miners) = (serving.orch, serving.client, serving.miners);
     eventually("training done", Duration::from_secs(900), || async {
         let st = client.status().await.ok()?;
         (st.epoch > 0 || st.phase != Phase::Training).then_some(())

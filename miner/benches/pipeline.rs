@@ -14,7 +14,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use iota_miner::spawn;
 use iota_miner::trainer::{run_dataset, run_model};
 use iota_model::data::make_batch;
 use iota_model::{AdamW, AdamWConfig, Device, LrSchedule, ModelConfig, Pipeline, StageOptions};
@@ -107,20 +106,9 @@ async fn main() {
     };
     let before = mono(&run).await.expect("monolithic");
 
-    let seeds = [81u8, 82, 83];
-    let chain = chain_with(&seeds, &[]).await;
-    let db = fresh_db().await;
-    let store = tempfile::tempdir().expect("store");
-    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
-    let client = explorer(&orch.base, seeds[0]).await;
-    let miners: Vec<_> = seeds
-        .iter()
-        .map(|s| {
-            let mut cfg = miner_config(&orch.base);
-            cfg.tokens_per_s = Some(1000.0);
-            spawn(cfg, signer(*s))
-        })
-        .collect();
+    // Partial moves: the chain and store stay alive with `serving` until the end.
+    let serving = swarm(&[81u8, 82, 83], run.clone()).await;
+    let (orch, client, miners) = (serving.orch, serving.client, serving.miners);
     let joined = eventually("joined", Duration::from_secs(300), || async {
         miners
             .iter()

@@ -85,3 +85,38 @@ pub async fn assert_all_agreed(client: &ApiClient, run: &RunConfig, epoch: u64) 
         assert_eq!(hashes.len(), 1, "owners disagree: {p:?}");
     }
 }
+
+/// A run being served: a fresh subnet, database, store and orchestrator, and its miners.
+pub struct Swarm {
+    pub orch: Running,
+    /// An explorer client signing as the first miner's hotkey.
+    pub client: ApiClient,
+    pub miners: Vec<iota_miner::MinerHandle>,
+    _chain: Chain,
+    _store: tempfile::TempDir,
+}
+
+/// Serves `run` and spawns one miner per seed at once, all reporting the same throughput so
+/// the stage choice spreads them evenly.
+pub async fn swarm(seeds: &[u8], run: RunConfig) -> Swarm {
+    let chain = chain_with(seeds, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let orch = start(config(&chain, &db, store.path(), run)).await;
+    let client = explorer(&orch.base, seeds[0]).await;
+    let miners = seeds
+        .iter()
+        .map(|s| {
+            let mut cfg = miner_config(&orch.base);
+            cfg.tokens_per_s = Some(1000.0);
+            iota_miner::spawn(cfg, signer(*s))
+        })
+        .collect();
+    Swarm {
+        orch,
+        client,
+        miners,
+        _chain: chain,
+        _store: store,
+    }
+}
