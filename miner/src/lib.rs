@@ -15,6 +15,7 @@
 //! The orchestrator's API is described in `orchestrator/API.md`.
 
 pub mod adversary;
+mod blobs;
 pub mod capacity;
 pub mod config;
 mod error;

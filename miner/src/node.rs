@@ -20,6 +20,7 @@ use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition, encode_partition};
 use tokio::sync::{oneshot, watch};
 
+use crate::blobs::MergedBlobs;
 use crate::capacity;
 use crate::config::MinerConfig;
 use crate::error::MinerError;
@@ -145,6 +146,8 @@ struct Node {
     epoch: u64,
     uploaded: Option<u64>,
     merged: HashSet<(u64, u32, u32)>,
+    /// The stage's latest merged partitions and this miner's own merge results.
+    merged_blobs: MergedBlobs,
     pending: HashMap<i64, Pending>,
     status: watch::Sender<MinerStatus>,
     last_heartbeat: Instant,
@@ -268,6 +271,7 @@ impl Node {
             epoch: joined.status.epoch,
             uploaded: None,
             merged: HashSet::new(),
+            merged_blobs: MergedBlobs::default(),
             pending: HashMap::new(),
             status,
             last_heartbeat: Instant::now(),
@@ -283,6 +287,7 @@ impl Node {
     /// from them, one partition at a time.
     async fn load_weights(&mut self, epoch: u64) -> Result<(), MinerError> {
         let weights = self.client.stage_weights(self.stage).await?;
+        let mut loaded = Vec::with_capacity(weights.partitions.len());
         for (j, blob) in weights.partitions.iter().enumerate() {
             let j = j as u32;
             let values = match blob {
@@ -292,10 +297,17 @@ impl Node {
                         .partition_range(self.stage, j)
                         .map(|r| r.end - r.start)
                         .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
-                    let bytes = self.client.download(b).await?;
-                    self.received(bytes.len(), |r| &mut r.weights_received);
+                    let bytes = match self.merged_blobs.get(b) {
+                        Some(held) => held,
+                        None => {
+                            let bytes = self.client.download(b).await?;
+                            self.received(bytes.len(), |r| &mut r.weights_received);
+                            bytes
+                        }
+                    };
                     let (values, _momentum) = decode_merged(&bytes, len)
                         .map_err(|e| MinerError::BadInput(format!("merged partition {j}: {e}")))?;
+                    loaded.push(bytes);
                     Some(values)
                 }
                 None => None,
@@ -305,6 +317,8 @@ impl Node {
             })
             .await?;
         }
+        // What was just loaded is the next merge's bases; nothing older is needed.
+        self.merged_blobs.retain(&loaded);
         let digest = blocking(&self.trainer, move |t| {
             t.begin_epoch(epoch)?;
             t.weights_digest()
@@ -312,7 +326,7 @@ impl Node {
         .await?;
         self.epoch = epoch;
         self.pending.clear();
-        tracing::info!(epoch, stage = self.stage, weights = %digest, "epoch-start weights loaded");
+        tracing::info!(epoch, stage = self.stage, weights = %digest, merged_bytes_held = self.merged_blobs.bytes(), "epoch-start weights loaded");
         self.status.send_modify(|s| {
             s.weights_epoch = Some(epoch);
             s.weights_digest = Some(digest.clone());
@@ -584,8 +598,11 @@ impl Node {
             return Ok(false);
         }
         blocking(&self.trainer, |t| t.finish_training()).await?;
+        let inner_steps = blocking(&self.trainer, |t| Ok(t.inner_steps())).await?;
+        let mut sum_sq = 0.0f64;
         for j in 0..self.run.partitions {
             let values = blocking(&self.trainer, move |t| t.pseudo_gradient(j)).await?;
+            sum_sq += values.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>();
             let bytes = encode_partition(&values);
             let size = bytes.len() as u64;
             match self
@@ -609,7 +626,14 @@ impl Node {
             }
         }
         self.uploaded = Some(epoch);
-        tracing::info!(epoch, stage = self.stage, hops, "pseudo-gradient uploaded");
+        tracing::info!(
+            epoch,
+            stage = self.stage,
+            hops,
+            inner_steps,
+            norm = sum_sq.sqrt(),
+            "pseudo-gradient uploaded"
+        );
         Ok(true)
     }
 
@@ -638,9 +662,14 @@ impl Node {
                 Err(e) => return Err(e),
             };
             let size = bytes.len() as u64;
+            let bytes = Bytes::from(bytes);
+            if a.stage == self.stage {
+                // If the partition's accepted result is this one, the epoch start loads it from here.
+                self.merged_blobs.insert(bytes.clone());
+            }
             match self
                 .client
-                .upload_merge(a.epoch, a.stage, a.partition, Bytes::from(bytes))
+                .upload_merge(a.epoch, a.stage, a.partition, bytes)
                 .await
             {
                 Ok(r) => {
@@ -693,8 +722,14 @@ impl Node {
         }
         let (weights, momentum) = match &a.base {
             Some(b) => {
-                let bytes = self.client.download(b).await?;
-                self.received(bytes.len(), |r| &mut r.bases_received);
+                let bytes = match self.merged_blobs.get(b) {
+                    Some(held) => held,
+                    None => {
+                        let bytes = self.client.download(b).await?;
+                        self.received(bytes.len(), |r| &mut r.bases_received);
+                        bytes
+                    }
+                };
                 decode_merged(&bytes, len)
                     .map_err(|e| MinerError::BadInput(format!("merge base: {e}")))?
             }

@@ -16,6 +16,8 @@ async fn start_miners(base: &str, seeds: &[u8]) -> Vec<MinerHandle> {
         .map(|s| {
             let mut cfg = miner_config(base);
             cfg.seed = u64::from(*s);
+            // One throughput for all, so the stage choice gives each stage two miners.
+            cfg.tokens_per_s = Some(1000.0);
             spawn(cfg, signer(*s))
         })
         .collect()
@@ -84,6 +86,16 @@ async fn miners_train_merge_and_agree() {
         let s = m.stop().await.expect("clean stop");
         assert!(s.hops > 0, "{} did no work", s.hotkey);
         assert_eq!(s.nonfinite_events, 0);
+        // Two miners a stage own every partition of it, and their results agreed: every merge
+        // base and every epoch's weights are ones the miner computed itself, so none is
+        // downloaded.
+        assert_eq!(
+            (s.all_reduce.bases_received, s.all_reduce.weights_received),
+            (0, 0),
+            "{} downloaded merged partitions it held",
+            s.hotkey
+        );
+        assert!(s.all_reduce.contributions_received > 0);
     }
     orch.stop().await;
 }
