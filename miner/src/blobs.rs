@@ -34,10 +34,10 @@ impl MergedBlobs {
         self.by_hash.insert(blake3_hex(&bytes), bytes);
     }
 
-    /// Drops everything but `keep`: after an epoch's start, the partitions just loaded.
-    pub(crate) fn retain(&mut self, keep: &[Bytes]) {
-        let keep: std::collections::HashSet<String> = keep.iter().map(|b| blake3_hex(b)).collect();
-        self.by_hash.retain(|hash, _| keep.contains(hash));
+    /// Holds exactly `blobs` from now on: at an epoch's start, the partitions just loaded, by
+    /// the BLAKE3 their download was checked against (or the key they were held under).
+    pub(crate) fn hold_only(&mut self, blobs: Vec<(String, Bytes)>) {
+        self.by_hash = blobs.into_iter().collect();
     }
 
     /// Bytes held.
@@ -74,8 +74,8 @@ mod tests {
         let mut wrong = descriptor(&a);
         wrong.size = 8;
         assert_eq!(held.get(&wrong), None);
-        held.insert(b.clone());
-        held.retain(std::slice::from_ref(&b));
+        // The epoch start holds what it loaded, downloaded or not, and nothing else.
+        held.hold_only(vec![(blake3_hex(&b), b.clone())]);
         assert_eq!(held.get(&descriptor(&a)), None);
         assert_eq!(held.get(&descriptor(&b)), Some(b));
         assert_eq!(held.bytes(), 4);

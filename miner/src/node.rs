@@ -307,7 +307,7 @@ impl Node {
                     };
                     let (values, _momentum) = decode_merged(&bytes, len)
                         .map_err(|e| MinerError::BadInput(format!("merged partition {j}: {e}")))?;
-                    loaded.push(bytes);
+                    loaded.push((b.blake3.clone(), bytes));
                     Some(values)
                 }
                 None => None,
@@ -318,7 +318,7 @@ impl Node {
             .await?;
         }
         // What was just loaded is the next merge's bases; nothing older is needed.
-        self.merged_blobs.retain(&loaded);
+        self.merged_blobs.hold_only(loaded);
         let digest = blocking(&self.trainer, move |t| {
             t.begin_epoch(epoch)?;
             t.weights_digest()

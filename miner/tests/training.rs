@@ -99,3 +99,34 @@ async fn miners_train_merge_and_agree() {
     }
     orch.stop().await;
 }
+
+/// Three miners a stage and three partitions: each miner owns two partitions an epoch, and the
+/// owners change from epoch to epoch. Every merge base is a partition the owner loaded at the
+/// epoch's start, so none is downloaded; at each start a miner downloads only the partitions it
+/// did not merge itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn owners_merge_from_the_partitions_they_loaded() {
+    init_tracing();
+    let seeds: Vec<u8> = (21..30).collect();
+    let mut run = tiny_run("reuse", 18);
+    run.partitions = 3;
+    let swarm = swarm(&seeds, run.clone()).await;
+    wait_epoch(&swarm.client, 3, Duration::from_secs(240)).await;
+    for epoch in 0..3 {
+        assert_all_agreed(&swarm.client, &run, epoch).await;
+    }
+    let mut downloaded_weights = 0;
+    for m in swarm.miners {
+        let s = m.stop().await.expect("clean stop");
+        assert!(s.merges > 0, "{} merged nothing", s.hotkey);
+        assert_eq!(
+            s.all_reduce.bases_received, 0,
+            "{} downloaded a merge base it had loaded",
+            s.hotkey
+        );
+        downloaded_weights += s.all_reduce.weights_received;
+    }
+    // Partitions owned by others were downloaded (the owners do change).
+    assert!(downloaded_weights > 0);
+    swarm.orch.stop().await;
+}
