@@ -5,7 +5,7 @@
 //! `cargo bench -p iota-miner --bench butterfly` with `DATABASE_URL` set (`scripts/pg.sh start`).
 //! Real miners (`tiny` model, 3 stages) against a real orchestrator, PostgreSQL and localnet;
 //! partitions = miners per stage, two owners per partition. The second epoch is measured (the
-//! first has no merge base to download). `BUTTERFLY_SIZES=2,4` picks the sizes.
+//! first merges onto the initial weights). `BUTTERFLY_SIZES=2,4` picks the sizes.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
