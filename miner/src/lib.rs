@@ -23,6 +23,7 @@ pub mod eval;
 pub mod merge;
 mod node;
 pub mod progress;
+mod pulse;
 pub mod startup;
 mod status;
 pub mod trainer;

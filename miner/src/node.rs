@@ -24,6 +24,7 @@ use crate::blobs::MergedBlobs;
 use crate::capacity;
 use crate::config::MinerConfig;
 use crate::error::MinerError;
+use crate::pulse::{LastContact, pulse};
 use crate::status::{AllReduceBytes, MinerStatus};
 use crate::trainer::{HopOutput, StageTrainer, initial_range, run_model};
 
@@ -114,7 +115,29 @@ pub async fn run(
                 Err(e) => return Err(e),
             }
         };
-        node.run(&flag).await?;
+        // Heartbeats while a long round holds the loop; stopped with the loop.
+        let pulse = {
+            let (client, status) = (node.client.clone(), node.status.subscribe());
+            tokio::spawn(pulse(
+                node.heartbeat_every,
+                node.last_contact.clone(),
+                move || {
+                    let (client, tokens_per_s) = (client.clone(), status.borrow().tokens_per_s);
+                    async move {
+                        match client.heartbeat(Some(tokens_per_s)).await {
+                            Ok(_) => true,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "heartbeat failed");
+                                false
+                            }
+                        }
+                    }
+                },
+            ))
+        };
+        let result = node.run(&flag).await;
+        pulse.abort();
+        result?;
         Ok(node.status.borrow().clone())
     };
     tokio::pin!(body);
@@ -150,7 +173,7 @@ struct Node {
     merged_blobs: MergedBlobs,
     pending: HashMap<i64, Pending>,
     status: watch::Sender<MinerStatus>,
-    last_heartbeat: Instant,
+    last_contact: LastContact,
     heartbeat_every: Duration,
     tokens_per_s: f64,
 }
@@ -274,7 +297,7 @@ impl Node {
             merged_blobs: MergedBlobs::default(),
             pending: HashMap::new(),
             status,
-            last_heartbeat: Instant::now(),
+            last_contact: LastContact::now(),
             heartbeat_every,
             tokens_per_s: measured,
         };
@@ -398,13 +421,8 @@ impl Node {
 
     /// One poll and what follows from it; whether anything was done.
     async fn round(&mut self, flag: &std::sync::atomic::AtomicBool) -> Result<bool, MinerError> {
-        if self.last_heartbeat.elapsed() >= self.heartbeat_every {
-            let beat = self.client.heartbeat(Some(self.tokens_per_s)).await?;
-            self.last_heartbeat = Instant::now();
-            self.observe(&beat.status);
-        }
         let work = self.client.work(self.cfg.max_items).await?;
-        self.last_heartbeat = Instant::now();
+        self.last_contact.touch();
         let st = work.status.clone();
         self.observe(&st);
         if st.epoch > self.epoch {
