@@ -24,7 +24,7 @@ use crate::blobs::MergedBlobs;
 use crate::capacity;
 use crate::config::MinerConfig;
 use crate::error::MinerError;
-use crate::pulse::{LastContact, pulse};
+use crate::pulse::{LastContact, Pulse};
 use crate::status::{AllReduceBytes, MinerStatus};
 use crate::trainer::{HopOutput, StageTrainer, initial_range, run_model};
 
@@ -115,29 +115,7 @@ pub async fn run(
                 Err(e) => return Err(e),
             }
         };
-        // Heartbeats while a long round holds the loop; stopped with the loop.
-        let pulse = {
-            let (client, status) = (node.client.clone(), node.status.subscribe());
-            tokio::spawn(pulse(
-                node.heartbeat_every,
-                node.last_contact.clone(),
-                move || {
-                    let (client, tokens_per_s) = (client.clone(), status.borrow().tokens_per_s);
-                    async move {
-                        match client.heartbeat(Some(tokens_per_s)).await {
-                            Ok(_) => true,
-                            Err(e) => {
-                                tracing::warn!(error = %e, "heartbeat failed");
-                                false
-                            }
-                        }
-                    }
-                },
-            ))
-        };
-        let result = node.run(&flag).await;
-        pulse.abort();
-        result?;
+        node.run(&flag).await?;
         Ok(node.status.borrow().clone())
     };
     tokio::pin!(body);
@@ -174,7 +152,8 @@ struct Node {
     pending: HashMap<i64, Pending>,
     status: watch::Sender<MinerStatus>,
     last_contact: LastContact,
-    heartbeat_every: Duration,
+    /// Heartbeats while the loop is busy; stops when the node is dropped.
+    _pulse: Pulse,
     tokens_per_s: f64,
 }
 
@@ -258,6 +237,16 @@ impl Node {
         tracing::info!(device = %capacity.device, memory_gb = capacity.memory_bytes as f64 / 1e9, tokens_per_s = measured, "capacity");
         let joined = client.register(capacity).await?;
         let stage = joined.stage;
+        // From here on the orchestrator expects heartbeats, also while the trainer is built and
+        // the weights load.
+        let heartbeat_every = Duration::from_millis((run.heartbeat_timeout_s * 1000 / 3).max(200));
+        let last_contact = LastContact::now();
+        let pulse = Pulse::spawn(
+            client.clone(),
+            status.subscribe(),
+            heartbeat_every,
+            last_contact.clone(),
+        );
         tracing::info!(
             stage,
             uid = joined.uid,
@@ -284,7 +273,6 @@ impl Node {
             s.adversary = cfg.adversary;
             s.tokens_per_s = measured;
         });
-        let heartbeat_every = Duration::from_millis((run.heartbeat_timeout_s * 1000 / 3).max(200));
         let mut node = Self {
             cfg,
             client,
@@ -297,8 +285,8 @@ impl Node {
             merged_blobs: MergedBlobs::default(),
             pending: HashMap::new(),
             status,
-            last_contact: LastContact::now(),
-            heartbeat_every,
+            last_contact,
+            _pulse: pulse,
             tokens_per_s: measured,
         };
         node.load_weights(joined.status.epoch).await?;

@@ -9,7 +9,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use iota_protocol::client::ApiClient;
+use tokio::sync::watch;
 use tokio::time::Instant;
+
+use crate::status::MinerStatus;
 
 /// When the orchestrator last heard from this miner; shared by the loop and the pulse.
 #[derive(Clone)]
@@ -29,6 +33,41 @@ impl LastContact {
 
     fn elapsed(&self) -> Duration {
         self.0.lock().map(|t| t.elapsed()).unwrap_or(Duration::ZERO)
+    }
+}
+
+/// The heartbeat task of a joined miner; aborted when dropped.
+pub(crate) struct Pulse(tokio::task::JoinHandle<()>);
+
+impl Pulse {
+    /// Heartbeats through `client` (with the throughput `status` reports) whenever `last` is
+    /// `every` old.
+    pub(crate) fn spawn(
+        client: ApiClient,
+        status: watch::Receiver<MinerStatus>,
+        every: Duration,
+        last: LastContact,
+    ) -> Self {
+        Self(tokio::spawn(pulse(every, last, move || {
+            let (client, tokens_per_s) = (client.clone(), status.borrow().tokens_per_s);
+            async move {
+                // No figure yet (still joining) is no news, not a throughput of zero.
+                let tokens_per_s = (tokens_per_s > 0.0).then_some(tokens_per_s);
+                match client.heartbeat(tokens_per_s).await {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "heartbeat failed");
+                        false
+                    }
+                }
+            }
+        })))
+    }
+}
+
+impl Drop for Pulse {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
