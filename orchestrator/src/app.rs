@@ -18,12 +18,13 @@ use governor::{Quota, RateLimiter};
 use iota_chain::MetagraphIndex;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::api::RunConfig;
-use iota_protocol::signing::{HEADER_SIGNED_BY, SkewWindow, verify_request};
+use iota_protocol::signing::{HEADER_SIGNED_BY, SkewWindow, check_request};
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 use sqlx::PgPool;
 use tokio::sync::watch;
 
 use crate::replay::{ReplayCache, ReplayError};
+use crate::signatures::{SignatureVerifier, VerifyError};
 use crate::store::{BlobStore, StoreError};
 
 /// Request rate and size limits.
@@ -93,6 +94,8 @@ pub struct AppState {
     pub max_merge_rounds: u32,
     /// Signed-request uuids seen (group-committed to the database).
     pub replay: ReplayCache,
+    /// Batched verification of request signatures.
+    pub signatures: SignatureVerifier,
     /// Work polls' first look, shared by polls that arrive together.
     pub glances: crate::miner::Glances,
     per_hotkey: KeyedLimiter<[u8; 32]>,
@@ -120,6 +123,7 @@ impl AppState {
     ) -> Self {
         Self {
             replay: ReplayCache::new(db.clone()),
+            signatures: SignatureVerifier::default(),
             glances: crate::miner::Glances::new(db.clone(), run.id),
             db,
             store,
@@ -203,6 +207,15 @@ impl From<StoreError> for AppError {
 impl From<ReplayError> for AppError {
     fn from(e: ReplayError) -> Self {
         Self::new(ErrorCode::Internal, e.to_string())
+    }
+}
+
+impl From<VerifyError> for AppError {
+    fn from(e: VerifyError) -> Self {
+        match e {
+            VerifyError::Auth(e) => e.into(),
+            VerifyError::Stopped => Self::new(ErrorCode::Internal, e.to_string()),
+        }
     }
 }
 
@@ -303,7 +316,7 @@ async fn check_signed(
     {
         member(app, &claimed.0, claimed.1)?;
     }
-    let verified = verify_request(
+    let signed = check_request(
         |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
         parts.method.as_str(),
         path_and_query,
@@ -312,6 +325,7 @@ async fn check_signed(
         now_ms(),
         app.skew,
     )?;
+    let verified = app.signatures.verify(signed).await?;
     let key = PublicKey::from_bytes(verified.signer);
     let (uid, permit) = member(app, &key, &verified.signer_ss58)?;
     if gate == Gate::Validator && !permit {

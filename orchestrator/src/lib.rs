@@ -5,7 +5,8 @@
 //! * [`run`] serves one training run on a listener until shutdown; several processes on one
 //!   database serve the same run (the phase driver runs in the one holding an advisory lock).
 //! * [`app`]: state, errors, the request-signing gate; [`replay`]: its group-committed replay
-//!   cache. [`miner`], [`validator`], [`views`]: routes.
+//!   cache; [`signatures`]: its batched signature verification. [`miner`], [`validator`],
+//!   [`views`]: routes.
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
 //! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
@@ -20,6 +21,7 @@ pub mod driver;
 pub mod miner;
 pub mod replay;
 pub mod routing;
+pub mod signatures;
 pub mod sim;
 pub mod store;
 pub mod validator;

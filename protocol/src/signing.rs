@@ -201,6 +201,37 @@ pub struct VerifiedRequest {
     pub timestamp_ms: u64,
 }
 
+/// A request whose headers checked out, with what its signature must sign: everything
+/// [`verify_request`] does except the signature verification itself, so a server can verify
+/// many requests' signatures at once (see [`SignedMessage::verify`] for one).
+#[derive(Clone, Debug)]
+pub struct SignedMessage {
+    /// The signer's public key.
+    pub public: [u8; 32],
+    /// The signature as sent.
+    pub signature: [u8; 64],
+    /// The message it must sign (see the module documentation).
+    pub message: String,
+    /// The request, once the signature verifies.
+    pub request: VerifiedRequest,
+}
+
+impl SignedMessage {
+    /// Verifies the signature on its own.
+    pub fn verify(self) -> Result<VerifiedRequest, AuthError> {
+        let ok = sr25519::Pair::verify(
+            &sr25519::Signature::from_raw(self.signature),
+            self.message.as_bytes(),
+            &sr25519::Public::from_raw(self.public),
+        );
+        if ok {
+            Ok(self.request)
+        } else {
+            Err(AuthError::BadSignature)
+        }
+    }
+}
+
 /// Verifies the Epistula headers of a request against its method, target and raw body.
 ///
 /// `header` looks a header up by lowercase name. The order of checks puts the cheap ones first so
@@ -214,6 +245,29 @@ pub fn verify_request<'a>(
     now_ms: u64,
     window: SkewWindow,
 ) -> Result<VerifiedRequest, AuthError> {
+    check_request(
+        header,
+        method,
+        path_and_query,
+        body,
+        receiver_ss58,
+        now_ms,
+        window,
+    )?
+    .verify()
+}
+
+/// Checks everything about a request's Epistula headers but the signature: version, clock
+/// window, uuid, receiver, signer address and signature format. Returns what remains to verify.
+pub fn check_request<'a>(
+    header: impl Fn(&'static str) -> Option<&'a str>,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    receiver_ss58: &str,
+    now_ms: u64,
+    window: SkewWindow,
+) -> Result<SignedMessage, AuthError> {
     let get = |name: &'static str| header(name).ok_or(AuthError::MissingHeader(name));
     let version = get(HEADER_VERSION)?;
     if version.trim() != "2" {
@@ -276,14 +330,16 @@ pub fn verify_request<'a>(
         method,
         path_and_query,
     );
-    if !sr25519::Pair::verify(&signature, message.as_bytes(), &public) {
-        return Err(AuthError::BadSignature);
-    }
-    Ok(VerifiedRequest {
-        signer: public.0,
-        signer_ss58: signed_by.to_owned(),
-        uuid,
-        timestamp_ms,
+    Ok(SignedMessage {
+        public: public.0,
+        signature: signature.0,
+        message,
+        request: VerifiedRequest {
+            signer: public.0,
+            signer_ss58: signed_by.to_owned(),
+            uuid,
+            timestamp_ms,
+        },
     })
 }
 
