@@ -5,7 +5,8 @@
 //!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
 //!   the same client concurrency (one closed loop per miner, or each miner polling once per
 //!   `IOTA_BENCH_POLL_INTERVAL_MS` as idle miners do), alternating in one run;
-//! * activation upload and download MB/s through the orchestrator (local directory store).
+//! * activation upload and download MB/s through the orchestrator (local directory store);
+//! * microseconds per signature verified one by one and through the batched verifier.
 //!
 //! `cargo bench -p iota-orchestrator --bench load`. Client and server share this machine, so both
 //! figures include the client's own HTTP cost. What a signed poll's figure includes: the server's
@@ -32,9 +33,12 @@ use futures::StreamExt;
 use iota_chain::calls::Hyperparam;
 use iota_chain::{ConnectOptions, Subtensor};
 use iota_localnet::{Localnet, LocalnetConfig};
+use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
-use iota_protocol::signing::{RequestSigner, SkewWindow, sign_request};
+use iota_protocol::signing::{
+    RequestSigner, SignedMessage, SkewWindow, check_request, sign_request,
+};
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
 use rand::{Rng, SeedableRng};
@@ -351,6 +355,54 @@ async fn closed_loops(
     w
 }
 
+/// Microseconds per signature: verified one by one, and through the orchestrator's batched
+/// verifier with all requests waiting at once (as under load).
+async fn signature_costs(orchestrator: &str, pairs: &[Arc<sr25519::Pair>]) -> (f64, f64) {
+    let now = now_ms();
+    let body = work_body();
+    let checked: Vec<SignedMessage> = pairs
+        .iter()
+        .flat_map(|p| (0..4).map(move |_| p))
+        .map(|p| {
+            let headers = sign_poll(p, orchestrator, &body, now);
+            check_request(
+                |name| {
+                    headers
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, v)| v.as_str())
+                },
+                "POST",
+                WORK_PATH,
+                &body,
+                orchestrator,
+                now,
+                SkewWindow::default(),
+            )
+        })
+        .collect::<Result<_, _>>()
+        .unwrap_or_default();
+    let n = checked.len().max(1) as f64;
+    let started = Instant::now();
+    let alone = checked
+        .iter()
+        .filter(|m| (*m).clone().verify().is_ok())
+        .count();
+    let alone_us = started.elapsed().as_secs_f64() * 1e6 / n;
+    let verifier = SignatureVerifier::default();
+    let started = Instant::now();
+    let batched = futures::future::join_all(checked.into_iter().map(|m| verifier.verify(m)))
+        .await
+        .into_iter()
+        .filter(Result::is_ok)
+        .count();
+    let batched_us = started.elapsed().as_secs_f64() * 1e6 / n;
+    if alone != batched || alone as f64 != n {
+        eprintln!("signature check: {alone} verified alone, {batched} batched, of {n}");
+    }
+    (alone_us, batched_us)
+}
+
 fn boundary(run: &RunConfig) -> Bytes {
     let shape = run.boundary_shape();
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
@@ -430,6 +482,7 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     // Every miner joins (the metagraph watcher sees the registrations at start-up).
     let started = Instant::now();
     let pairs: Vec<Arc<sr25519::Pair>> = pairs.into_iter().map(Arc::new).collect();
+    let (alone_us, batched_us) = signature_costs(&orchestrator_key, &pairs).await;
     let joined: Vec<(usize, u32)> = futures::stream::iter(pairs.iter().enumerate())
         .map(|(i, pair)| {
             let base = base.clone();
@@ -616,6 +669,11 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         "signed poll / no-op ceiling: {:.1}% (target >= 50%); worst signed p99 {:.2} ms (target < 50 ms)",
         100.0 * mean(&signed) / mean(&noop),
         worst_p99
+    );
+    println!(
+        "signature verification: {alone_us:.1} us per request one by one, {batched_us:.1} us batched ({:.2}x), {} requests",
+        alone_us / batched_us,
+        4 * MINERS
     );
     println!(
         "activation upload:   {n_up} x {mb:.1} MB in {upload_s:.2} s = {:.0} MB/s ({MOVERS} miners at once, through the orchestrator)",
