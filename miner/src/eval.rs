@@ -71,19 +71,33 @@ pub async fn epoch_start_stages(
             }
         }
     }
+    let mut merged = Vec::with_capacity(latest.len());
+    for ((k, j), blob) in latest {
+        merged.push((k, j, client.download(&blob).await?));
+    }
+    // Building and loading the stages is seconds of CPU for a larger model: off the runtime.
+    let run = run.clone();
+    tokio::task::spawn_blocking(move || build_stages(&run, &model, &merged))
+        .await
+        .map_err(|e| MinerError::Internal(e.to_string()))?
+}
+
+/// Every stage at its initial weights, with the `(stage, partition, merged bytes)` loaded over
+/// them, and the BLAKE3 of each stage's flat weights.
+fn build_stages(
+    run: &RunConfig,
+    model: &ModelConfig,
+    merged: &[(u32, u32, bytes::Bytes)],
+) -> Result<(Vec<Stage>, Vec<String>), MinerError> {
     let mut stages = Vec::new();
     let mut digests = Vec::new();
     for k in 0..run.stages {
-        let stage = Stage::new(&model, k as usize, StageOptions::cpu())?;
-        for j in 0..run.partitions {
-            let Some(blob) = latest.get(&(k, j)) else {
-                continue;
-            };
+        let stage = Stage::new(model, k as usize, StageOptions::cpu())?;
+        for (_, j, bytes) in merged.iter().filter(|(s, _, _)| *s == k) {
             let range = run
-                .partition_range(k, j)
+                .partition_range(k, *j)
                 .ok_or_else(|| MinerError::RunMismatch(format!("no partition {k}/{j}")))?;
-            let bytes = client.download(blob).await?;
-            let (values, _) = decode_merged(&bytes, range.end - range.start)
+            let (values, _) = decode_merged(bytes, range.end - range.start)
                 .map_err(|e| MinerError::BadInput(format!("merged partition {k}/{j}: {e}")))?;
             load_range(&stage, range.start as usize..range.end as usize, &values)?;
         }
@@ -104,8 +118,13 @@ pub async fn held_out_loss(
         .first()
         .map(|s| s.config().clone())
         .ok_or_else(|| MinerError::RunMismatch("a run without stages".into()))?;
-    let ds = run_dataset(run, &model)?;
-    let pipe = Pipeline::from_stages(stages)?;
-    let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu)?;
-    Ok(pipe.eval_loss(&batch.inputs, &batch.targets)?)
+    let run = run.clone();
+    tokio::task::spawn_blocking(move || {
+        let ds = run_dataset(&run, &model)?;
+        let pipe = Pipeline::from_stages(stages)?;
+        let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu)?;
+        Ok(pipe.eval_loss(&batch.inputs, &batch.targets)?)
+    })
+    .await
+    .map_err(|e| MinerError::Internal(e.to_string()))?
 }
