@@ -45,7 +45,7 @@ pub fn local_tiny_run(name: &str, samples_per_epoch: u64) -> Result<RunConfig, M
         // The inner AdamW starts afresh each epoch (so a validator can replay an epoch alone),
         // and its first steps move every weight by about the learning rate. With the outer
         // momentum on top, 5e-3 made the held-out loss rise in the third epoch of 2 miners per
-        // stage and 24 samples in about one run in six (3 of 19); 3e-3 did not in 20.
+        // stage and 24 samples in 2 of 16 runs; 3e-3 did not in 20.
         inner_lr: 3e-3,
         inner_steps_every: 2,
     })
