@@ -308,14 +308,7 @@ impl Node {
                         .partition_range(self.stage, j)
                         .map(|r| r.end - r.start)
                         .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
-                    let bytes = match self.merged_blobs.get(b) {
-                        Some(held) => held,
-                        None => {
-                            let bytes = self.client.download(b).await?;
-                            self.received(bytes.len(), |r| &mut r.weights_received);
-                            bytes
-                        }
-                    };
+                    let bytes = self.merged(b, |r| &mut r.weights_received).await?;
                     let (values, _momentum) = decode_merged(&bytes, len)
                         .map_err(|e| MinerError::BadInput(format!("merged partition {j}: {e}")))?;
                     loaded.push((b.blake3.clone(), bytes));
@@ -706,6 +699,20 @@ impl Node {
         metrics::counter!("iota_miner_reduce_download_bytes_total").increment(size as u64);
     }
 
+    /// A merged partition: held already, or downloaded (and counted under `kind`).
+    async fn merged(
+        &self,
+        blob: &BlobDescriptor,
+        kind: fn(&mut AllReduceBytes) -> &mut u64,
+    ) -> Result<Bytes, MinerError> {
+        if let Some(held) = self.merged_blobs.get(blob) {
+            return Ok(held);
+        }
+        let bytes = self.client.download(blob).await?;
+        self.received(bytes.len(), kind);
+        Ok(bytes)
+    }
+
     async fn merge_one(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
         let len = a.end.saturating_sub(a.start);
         let mut parts = Vec::with_capacity(a.contributions.len());
@@ -728,14 +735,7 @@ impl Node {
         }
         let (weights, momentum) = match &a.base {
             Some(b) => {
-                let bytes = match self.merged_blobs.get(b) {
-                    Some(held) => held,
-                    None => {
-                        let bytes = self.client.download(b).await?;
-                        self.received(bytes.len(), |r| &mut r.bases_received);
-                        bytes
-                    }
-                };
+                let bytes = self.merged(b, |r| &mut r.bases_received).await?;
                 decode_merged(&bytes, len)
                     .map_err(|e| MinerError::BadInput(format!("merge base: {e}")))?
             }

@@ -37,7 +37,7 @@ use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
 use iota_protocol::signing::{
-    RequestSigner, SignedMessage, SkewWindow, check_request, sign_request,
+    RequestSigner, SignedMessage, SkewWindow, check_request, find_header, sign_request,
 };
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
@@ -366,12 +366,7 @@ async fn signature_costs(orchestrator: &str, pairs: &[Arc<sr25519::Pair>]) -> (f
         .map(|p| {
             let headers = sign_poll(p, orchestrator, &body, now);
             check_request(
-                |name| {
-                    headers
-                        .iter()
-                        .find(|(n, _)| *n == name)
-                        .map(|(_, v)| v.as_str())
-                },
+                |name| find_header(&headers, name),
                 "POST",
                 WORK_PATH,
                 &body,

@@ -148,7 +148,7 @@ impl SignatureVerifier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use iota_protocol::signing::{SkewWindow, check_request, sign_request};
+    use iota_protocol::signing::{SkewWindow, check_request, find_header, sign_request};
     use sp_core::{Pair as _, sr25519};
 
     fn signed(seed: u8, body: &[u8]) -> SignedMessage {
@@ -165,12 +165,7 @@ mod tests {
         )
         .headers;
         check_request(
-            |name| {
-                headers
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, v)| v.as_str())
-            },
+            |name| find_header(&headers, name),
             "POST",
             "/v1/miner/work",
             body,

@@ -64,6 +64,15 @@ pub struct SignedHeaders {
     pub uuid: Uuid,
 }
 
+/// The value of header `name` (lowercase) among `(name, value)` pairs, as [`SignedHeaders`]
+/// holds them; the lookup [`verify_request`] needs for headers kept that way.
+pub fn find_header<'a>(headers: &'a [(&'static str, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v.as_str())
+}
+
 /// The exact byte string that is signed. See the module docs.
 pub fn signing_message(
     body: &[u8],
@@ -400,12 +409,7 @@ mod tests {
         now: u64,
     ) -> Result<VerifiedRequest, AuthError> {
         verify_request(
-            |name| {
-                r.headers
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, v)| v.as_str())
-            },
+            |name| find_header(&r.headers, name),
             method,
             path,
             body,

@@ -8,7 +8,8 @@
 use iota_protocol::AuthError;
 use iota_protocol::signing::{
     HEADER_SIGNATURE, HEADER_SIGNED_BY, HEADER_SIGNED_FOR, HEADER_TIMESTAMP, HEADER_UUID,
-    HEADER_VERSION, RequestSigner, SkewWindow, VerifiedRequest, sign_request, verify_request,
+    HEADER_VERSION, RequestSigner, SkewWindow, VerifiedRequest, find_header, sign_request,
+    verify_request,
 };
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -59,12 +60,7 @@ fn verify(
     body: &[u8],
 ) -> Result<VerifiedRequest, AuthError> {
     verify_request(
-        |name| {
-            headers
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.as_str())
-        },
+        |name| find_header(headers, name),
         method,
         path,
         body,
