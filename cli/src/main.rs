@@ -9,6 +9,12 @@ mod up;
 #[derive(Debug, Parser)]
 #[command(name = "iota", version, about = "IOTA (Bittensor subnet 9) in Rust")]
 struct Cli {
+    /// Threads one tensor operation may use on the CPU. Default: the physical cores, or for
+    /// `localnet up` (many models in one process) the cores shared out between its models with
+    /// one thread per element-wise operation. `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS`, if
+    /// set, win over the `localnet up` default.
+    #[arg(long, global = true, env = "IOTA_CPU_THREADS")]
+    cpu_threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
 }
@@ -304,17 +310,54 @@ async fn miner(args: iota_miner::MinerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     // One line that says what to fix, not a backtrace: the errors carry their context.
-    if let Err(e) = run().await {
+    if let Err(e) = start() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-async fn run() -> anyhow::Result<()> {
+/// Parses the command line and sets the CPU thread counts while this is the only thread (the
+/// tensor library reads them from the environment), then starts the runtime.
+fn start() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args_with_config_file()?);
+    if let Some(threads) = cpu_threads(&cli) {
+        set_cpu_threads(threads);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(cli))
+}
+
+/// The thread counts to set, if any: `--cpu-threads`, else `localnet up`'s share per model
+/// unless the environment already chooses.
+fn cpu_threads(cli: &Cli) -> Option<iota_model::CpuThreads> {
+    if let Some(n) = cli.cpu_threads {
+        return Some(iota_model::CpuThreads::uniform(n));
+    }
+    match &cli.command {
+        Command::Localnet {
+            command: LocalnetCommand::Up(args),
+        } if !iota_model::CpuThreads::set_in_env() => Some(iota_model::CpuThreads::shared(
+            args.models_at_once(),
+            iota_model::threads::available_cores(),
+        )),
+        _ => None,
+    }
+}
+
+#[allow(unsafe_code)]
+fn set_cpu_threads(threads: iota_model::CpuThreads) {
+    for (name, value) in threads.env() {
+        // SAFETY: called from `start` before the runtime exists, while this is the process's
+        // only thread, so nothing reads the environment concurrently.
+        unsafe { std::env::set_var(name, value) };
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let default_level = match &cli.command {
         Command::Miner(m) if m.debug => "debug",
         Command::Validator {
@@ -369,6 +412,42 @@ async fn run() -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn cpu_threads_flag_and_the_localnet_up_default() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args).expect("parses");
+        let flag = parse(&["iota", "validator", "scores", "--cpu-threads", "3"]);
+        assert_eq!(cpu_threads(&flag), Some(iota_model::CpuThreads::uniform(3)));
+        // A dedicated miner keeps candle's defaults.
+        assert_eq!(cpu_threads(&parse(&["iota", "miner"])), None);
+        // `localnet up` shares the cores out between its 3 x 2 miners, one adversary and two
+        // validators, unless the environment already chooses.
+        let up = parse(&["iota", "localnet", "up", "--adversary", "zeros"]);
+        let Command::Localnet {
+            command: LocalnetCommand::Up(args),
+        } = &up.command
+        else {
+            panic!("parsed as {:?}", up.command);
+        };
+        assert_eq!(args.models_at_once(), 9);
+        let stages4 = parse(&["iota", "localnet", "up", "--stages", "4"]);
+        let Command::Localnet {
+            command: LocalnetCommand::Up(args4),
+        } = &stages4.command
+        else {
+            panic!("parsed as {:?}", stages4.command);
+        };
+        assert_eq!(args4.models_at_once(), 10);
+        if !iota_model::CpuThreads::set_in_env() {
+            assert_eq!(
+                cpu_threads(&up),
+                Some(iota_model::CpuThreads::shared(
+                    9,
+                    iota_model::threads::available_cores()
+                ))
+            );
+        }
+    }
 
     #[test]
     fn flags_are_consistent_and_audit_parses() {

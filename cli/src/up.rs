@@ -50,6 +50,19 @@ pub struct UpArgs {
     pub stages: Option<u32>,
 }
 
+impl UpArgs {
+    /// Models that train or replay at once in this process: every miner (the adversary
+    /// included) and the two validators. An unreadable `--model` counts three stages here; it is
+    /// reported properly when the run starts.
+    pub fn models_at_once(&self) -> usize {
+        let stages = self
+            .stages
+            .map(|n| n as usize)
+            .unwrap_or_else(|| ModelConfig::load(&self.model).map_or(3, |m| m.num_stages()));
+        stages * self.miners_per_stage as usize + usize::from(self.adversary.is_some()) + 2
+    }
+}
+
 /// The model `localnet up` trains: `--model` re-split by `--stages`, and the name every party
 /// loads it by (a preset's name, or a JSON file in the run directory).
 pub struct UpModel {

@@ -80,6 +80,7 @@ pub mod replay;
 pub mod rng;
 mod st;
 pub mod stage;
+pub mod threads;
 pub mod train;
 
 pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
@@ -96,6 +97,7 @@ pub use optim::{
 pub use pipeline::{Pipeline, StepStats, WireConfig};
 pub use replay::{Comparison, Hop, HopResult, Replay, StageRunner, Thresholds, compare, replay};
 pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
+pub use threads::CpuThreads;
 pub use train::{TrainStep, Trainer};
 
 /// What runs the CPU matrix products: OpenBLAS (with its kernel family and thread count) when
