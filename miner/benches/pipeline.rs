@@ -13,7 +13,7 @@
 //! in a child process: the pipeline with the setting `iota localnet up` picks for three models
 //! on this machine ([`CpuThreads::shared`]), monolithic training under each of three settings
 //! (candle's defaults among them) before and after the pipeline, and the best monolithic mean is
-//! the baseline.
+//! the baseline. The pipeline also runs once more with candle's defaults, for reference.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -209,6 +209,8 @@ fn main() {
     let pipeline_threads = CpuThreads::shared(3, cores);
     let p = child("pipeline", Some(pipeline_threads));
     let (pipeline, seconds, wire) = (p[0], p[1], p[2]);
+    // For reference: the same pipeline with candle's defaults in every miner.
+    let p_default = child("pipeline", None);
     let after: Vec<f64> = settings
         .iter()
         .map(|(_, t)| child("monolithic", *t)[0])
@@ -233,6 +235,11 @@ fn main() {
         pipeline_threads.matmul,
         pipeline_threads.elementwise,
         wire / 1e6
+    );
+    println!(
+        "  the same pipeline with candle's defaults: {:.0} tokens/s ({:.2}x slower)",
+        p_default[0],
+        pipeline / p_default[0]
     );
     println!(
         "  ratio pipeline / best monolithic ({}): {:.3}",
