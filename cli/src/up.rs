@@ -22,31 +22,31 @@ use iota_validator::{Store, Validator, ValidatorConfig};
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
     /// Miners per pipeline stage.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "IOTA_UP_MINERS_PER_STAGE", default_value_t = 2)]
     pub miners_per_stage: u32,
     /// Epochs to train (Ctrl-C stops earlier).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "IOTA_UP_EPOCHS", default_value_t = 3)]
     pub epochs: u64,
     /// Add one cheating miner of this kind.
-    #[arg(long, value_enum)]
+    #[arg(long, env = "IOTA_UP_ADVERSARY", value_enum)]
     pub adversary: Option<Adversary>,
     /// Miners' device: `cpu` or `cuda:N`.
-    #[arg(long, default_value = "cpu", value_parser = DeviceSpec::parse)]
+    #[arg(long, env = "IOTA_UP_DEVICE", default_value = "cpu", value_parser = DeviceSpec::parse)]
     pub device: DeviceSpec,
     /// Where to write the report (default: `report.json` in the run directory).
-    #[arg(long)]
+    #[arg(long, env = "IOTA_UP_REPORT")]
     pub report: Option<PathBuf>,
     /// Run directory: wallets, blobs, report.
-    #[arg(long, default_value = "iota-localnet-run")]
+    #[arg(long, env = "IOTA_UP_DIR", default_value = "iota-localnet-run")]
     pub dir: PathBuf,
     /// Samples per epoch.
-    #[arg(long, default_value_t = 48)]
+    #[arg(long, env = "IOTA_UP_SAMPLES_PER_EPOCH", default_value_t = 48)]
     pub samples_per_epoch: u64,
     /// Model: `tiny`, `small` or a model config JSON file (the fields of `ModelConfig`).
-    #[arg(long, default_value = "tiny")]
+    #[arg(long, env = "IOTA_UP_MODEL", default_value = "tiny")]
     pub model: String,
     /// Pipeline stages: the model's blocks re-split into N stages (default: the model's own).
-    #[arg(long)]
+    #[arg(long, env = "IOTA_UP_STAGES")]
     pub stages: Option<u32>,
 }
 
