@@ -280,6 +280,14 @@ pub async fn up(
     let run = local_run(&model, args.samples_per_epoch)?;
     let (db_base, _pg) = database()?;
 
+    if args.device == DeviceSpec::Cpu {
+        let var = |name| std::env::var(name).unwrap_or_else(|_| "candle's default".into());
+        println!(
+            "CPU threads per tensor operation: {} per matrix product, {} per element-wise op (--cpu-threads)",
+            var(iota_model::threads::MATMUL_VAR),
+            var(iota_model::threads::ELEMENTWISE_VAR)
+        );
+    }
     println!("starting the localnet chain");
     let mut config = LocalnetConfig::with_block_time(Duration::from_millis(250));
     // 5 s chain epochs: a validator busy replaying on a small machine still reveals its
