@@ -422,22 +422,18 @@ mod tests {
         assert_eq!(cpu_threads(&parse(&["iota", "miner"])), None);
         // `localnet up` shares the cores out between its 3 x 2 miners, one adversary and two
         // validators, unless the environment already chooses.
+        fn up_args(cli: &Cli) -> &up::UpArgs {
+            match &cli.command {
+                Command::Localnet {
+                    command: LocalnetCommand::Up(args),
+                } => args,
+                other => panic!("parsed as {other:?}"),
+            }
+        }
         let up = parse(&["iota", "localnet", "up", "--adversary", "zeros"]);
-        let Command::Localnet {
-            command: LocalnetCommand::Up(args),
-        } = &up.command
-        else {
-            panic!("parsed as {:?}", up.command);
-        };
-        assert_eq!(args.models_at_once(), 9);
+        assert_eq!(up_args(&up).models_at_once(), 9);
         let stages4 = parse(&["iota", "localnet", "up", "--stages", "4"]);
-        let Command::Localnet {
-            command: LocalnetCommand::Up(args4),
-        } = &stages4.command
-        else {
-            panic!("parsed as {:?}", stages4.command);
-        };
-        assert_eq!(args4.models_at_once(), 10);
+        assert_eq!(up_args(&stages4).models_at_once(), 10);
         if !iota_model::CpuThreads::set_in_env() {
             assert_eq!(
                 cpu_threads(&up),
