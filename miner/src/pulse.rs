@@ -92,18 +92,25 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// A pulse every 2 s over `last` whose heartbeats succeed when `answer(tries before)` says
+    /// so; the tries are counted.
+    fn counting_pulse(
+        last: &LastContact,
+        answer: fn(usize) -> bool,
+    ) -> (tokio::task::JoinHandle<()>, Arc<AtomicUsize>) {
+        let tries = Arc::new(AtomicUsize::new(0));
+        let counted = tries.clone();
+        let task = tokio::spawn(pulse(Duration::from_secs(2), last.clone(), move || {
+            let counted = counted.clone();
+            async move { answer(counted.fetch_add(1, Ordering::SeqCst)) }
+        }));
+        (task, tries)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn beats_only_while_the_loop_is_silent() {
         let last = LastContact::now();
-        let beats = Arc::new(AtomicUsize::new(0));
-        let counted = beats.clone();
-        let task = tokio::spawn(pulse(Duration::from_secs(2), last.clone(), move || {
-            let counted = counted.clone();
-            async move {
-                counted.fetch_add(1, Ordering::SeqCst);
-                true
-            }
-        }));
+        let (task, beats) = counting_pulse(&last, |_| true);
         // The loop talks to the orchestrator every second: no heartbeat is needed.
         for _ in 0..10 {
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -120,12 +127,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_heartbeat_is_retried_at_the_next_check() {
         let last = LastContact::now();
-        let tries = Arc::new(AtomicUsize::new(0));
-        let counted = tries.clone();
-        let task = tokio::spawn(pulse(Duration::from_secs(2), last.clone(), move || {
-            let counted = counted.clone();
-            async move { counted.fetch_add(1, Ordering::SeqCst) > 0 }
-        }));
+        // The first try fails, every later one succeeds.
+        let (task, tries) = counting_pulse(&last, |before| before > 0);
         // Silent from t=0: the first try (t=2 s) fails, the second (t=3 s) succeeds, and the
         // next is due 2 s later (t=5 s).
         tokio::time::sleep(Duration::from_millis(4_500)).await;

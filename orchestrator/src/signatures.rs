@@ -65,7 +65,7 @@ fn batch_holds(batch: &[SignedMessage]) -> bool {
     let mut signatures = Vec::with_capacity(batch.len());
     for m in batch {
         match (
-            schnorrkel::PublicKey::from_bytes(&m.public),
+            schnorrkel::PublicKey::from_bytes(&m.request.signer),
             schnorrkel::Signature::from_bytes(&m.signature),
         ) {
             (Ok(p), Ok(s)) => {
@@ -185,7 +185,7 @@ mod tests {
             let mut batch = good.clone();
             match spoil {
                 0 => batch[3].message.push('x'),
-                1 => batch[3].public = good[4].public,
+                1 => batch[3].request.signer = good[4].request.signer,
                 _ => batch[3].signature = good[4].signature,
             }
             assert!(!batch_holds(&batch), "spoiled member {spoil} passed");

@@ -215,9 +215,7 @@ pub struct VerifiedRequest {
 /// many requests' signatures at once (see [`SignedMessage::verify`] for one).
 #[derive(Clone, Debug)]
 pub struct SignedMessage {
-    /// The signer's public key.
-    pub public: [u8; 32],
-    /// The signature as sent.
+    /// The signature as sent, by `request.signer`.
     pub signature: [u8; 64],
     /// The message it must sign (see the module documentation).
     pub message: String,
@@ -231,7 +229,7 @@ impl SignedMessage {
         let ok = sr25519::Pair::verify(
             &sr25519::Signature::from_raw(self.signature),
             self.message.as_bytes(),
-            &sr25519::Public::from_raw(self.public),
+            &sr25519::Public::from_raw(self.request.signer),
         );
         if ok {
             Ok(self.request)
@@ -340,7 +338,6 @@ pub fn check_request<'a>(
         path_and_query,
     );
     Ok(SignedMessage {
-        public: public.0,
         signature: signature.0,
         message,
         request: VerifiedRequest {
