@@ -37,7 +37,7 @@ use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
 use iota_protocol::signing::{
-    RequestSigner, SignedMessage, SkewWindow, check_request, find_header, sign_request,
+    RequestSigner, SignedMessage, SkewWindow, check_request, sign_request,
 };
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
@@ -168,8 +168,8 @@ enum Kind {
     SignedPoll,
 }
 
-/// Headers of one signed work poll.
-type Headers = Vec<(&'static str, String)>;
+/// Headers of one signed work poll, parsed once when signed (as a miner's own machine would).
+type Headers = reqwest::header::HeaderMap;
 
 const WORK_PATH: &str = "/v1/miner/work";
 
@@ -178,7 +178,7 @@ fn work_body() -> Vec<u8> {
 }
 
 fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) -> Headers {
-    sign_request(
+    let signed = sign_request(
         pair,
         orchestrator,
         "POST",
@@ -186,8 +186,18 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
         body,
         timestamp_ms,
         uuid::Uuid::new_v4(),
-    )
-    .headers
+    );
+    let mut headers = Headers::with_capacity(signed.headers.len() + 1);
+    headers.insert(
+        reqwest::header::CONTENT_TYPE,
+        reqwest::header::HeaderValue::from_static("application/json"),
+    );
+    for (name, value) in signed.headers {
+        if let Ok(value) = reqwest::header::HeaderValue::from_str(&value) {
+            headers.insert(name, value);
+        }
+    }
+    headers
 }
 
 /// How far ahead of the signing clock pre-signed polls are stamped. The server takes timestamps
@@ -264,7 +274,7 @@ async fn closed_loops(
     let start = Instant::now();
     let measure_from = start + WARMUP;
     let end = measure_from + WINDOW;
-    let body = work_body();
+    let body = Bytes::from(work_body());
     let mut presigned = presigned.into_iter();
     let loops = pairs.iter().map(|pair| {
         let http = http.clone();
@@ -298,14 +308,7 @@ async fn closed_loops(
                             signed_in_loop += 1;
                             sign_poll(pair.as_ref(), orchestrator, &body, now_ms())
                         });
-                        let mut req = http
-                            .post(&work_url)
-                            .header("content-type", "application/json")
-                            .body(body.clone());
-                        for (k, v) in headers {
-                            req = req.header(k, v);
-                        }
-                        req
+                        http.post(&work_url).headers(headers).body(body.clone())
                     }
                 };
                 sent += 1;
@@ -366,7 +369,7 @@ async fn signature_costs(orchestrator: &str, pairs: &[Arc<sr25519::Pair>]) -> (f
         .map(|p| {
             let headers = sign_poll(p, orchestrator, &body, now);
             check_request(
-                |name| find_header(&headers, name),
+                |name| headers.get(name).and_then(|v| v.to_str().ok()),
                 "POST",
                 WORK_PATH,
                 &body,

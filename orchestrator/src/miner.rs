@@ -402,7 +402,8 @@ impl Glances {
     /// Glances over `db` for `run`.
     pub fn new(db: PgPool, run: i64) -> Self {
         Self {
-            batcher: Batcher::new(GlanceFlush { db, run }, 1024, 4),
+            // Two statements in flight, as for the replay cache: bigger batches, fewer statements.
+            batcher: Batcher::new(GlanceFlush { db, run }, 1024, 2),
         }
     }
 

@@ -18,8 +18,9 @@ use crate::batch::{Batcher, Flush};
 
 /// Most uuids in one statement.
 const MAX_BATCH: usize = 1024;
-/// Statements in flight at once.
-const MAX_FLUSHES: usize = 4;
+/// Statements in flight at once. Two, not more: with four, batches under load averaged 19
+/// uuids and PostgreSQL spent its time on statements; fewer statements carry more each.
+const MAX_FLUSHES: usize = 2;
 
 /// Why a uuid could not be recorded (the request must not proceed).
 #[derive(Clone, Debug, thiserror::Error)]
