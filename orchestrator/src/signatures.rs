@@ -11,7 +11,9 @@
 //! failed batch: under such an attack the cost is one verification per request, as without
 //! batching, plus one wasted batch per pause.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use iota_protocol::AuthError;
@@ -25,6 +27,9 @@ const MAX_BATCH: usize = 64;
 const MAX_FLUSHES: usize = 4;
 /// How long batching stays off after a batch failed.
 const BATCH_PAUSE: Duration = Duration::from_secs(1);
+/// Most decompressed keys kept (the cache is emptied when full, so a flood of new keys costs at
+/// most this much memory); a subnet has far fewer hotkeys.
+const MAX_KEYS: usize = 4096;
 
 /// Why a signature could not be verified (the request must not proceed).
 #[derive(Clone, Debug, thiserror::Error)]
@@ -41,6 +46,40 @@ struct Verify {
     started: Instant,
     /// Milliseconds after `started` until which batching is off (0: on).
     paused_until_ms: AtomicU64,
+    /// Public keys decompressed once: decompression was about a fifth of a batch's cost per
+    /// signature, and the same few hotkeys sign every request. A pure function of the bytes, so
+    /// a cached key answers exactly what decompressing again would.
+    keys: Arc<KeyCache>,
+}
+
+/// Decompressed sr25519 public keys by their bytes, bounded by [`MAX_KEYS`].
+#[derive(Default)]
+struct KeyCache(Mutex<HashMap<[u8; 32], schnorrkel::PublicKey>>);
+
+impl KeyCache {
+    /// The keys of `signers` in order, or `None` if one is not a valid point.
+    fn get_all<'a>(
+        &self,
+        signers: impl ExactSizeIterator<Item = &'a [u8; 32]>,
+    ) -> Option<Vec<schnorrkel::PublicKey>> {
+        let mut keys = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(signers.len());
+        for bytes in signers {
+            let key = match keys.get(bytes) {
+                Some(key) => *key,
+                None => {
+                    let key = schnorrkel::PublicKey::from_bytes(bytes).ok()?;
+                    if keys.len() >= MAX_KEYS {
+                        keys.clear();
+                    }
+                    keys.insert(*bytes, key);
+                    key
+                }
+            };
+            out.push(key);
+        }
+        Some(out)
+    }
 }
 
 impl Verify {
@@ -60,19 +99,15 @@ impl Verify {
 
 /// Whether every signature of `batch` verifies, by one batch equation. Malformed keys or
 /// signatures fail the batch.
-fn batch_holds(batch: &[SignedMessage]) -> bool {
-    let mut publics = Vec::with_capacity(batch.len());
+fn batch_holds(batch: &[SignedMessage], keys: &KeyCache) -> bool {
+    let Some(publics) = keys.get_all(batch.iter().map(|m| &m.request.signer)) else {
+        return false;
+    };
     let mut signatures = Vec::with_capacity(batch.len());
     for m in batch {
-        match (
-            schnorrkel::PublicKey::from_bytes(&m.request.signer),
-            schnorrkel::Signature::from_bytes(&m.signature),
-        ) {
-            (Ok(p), Ok(s)) => {
-                publics.push(p);
-                signatures.push(s);
-            }
-            _ => return false,
+        match schnorrkel::Signature::from_bytes(&m.signature) {
+            Ok(s) => signatures.push(s),
+            Err(_) => return false,
         }
     }
     let context = schnorrkel::signing_context(b"substrate");
@@ -88,8 +123,9 @@ impl Flush for Verify {
     async fn flush(&self, batch: Vec<SignedMessage>) -> Vec<Self::Output> {
         metrics::histogram!("iota_signature_batch_size").record(batch.len() as f64);
         let batching = batch.len() > 1 && self.batching();
+        let keys = self.keys.clone();
         let verified = tokio::task::spawn_blocking(move || {
-            if batching && batch_holds(&batch) {
+            if batching && batch_holds(&batch, &keys) {
                 return (batch.into_iter().map(|m| Ok(m.request)).collect(), false);
             }
             (
@@ -127,6 +163,7 @@ impl Default for SignatureVerifier {
                 Verify {
                     started: Instant::now(),
                     paused_until_ms: AtomicU64::new(0),
+                    keys: Arc::default(),
                 },
                 MAX_BATCH,
                 MAX_FLUSHES,
@@ -179,7 +216,13 @@ mod tests {
     #[test]
     fn a_batch_holds_only_if_every_signature_does() {
         let good: Vec<SignedMessage> = (1..=8).map(|i| signed(i, b"{}")).collect();
-        assert!(batch_holds(&good));
+        // One cache throughout: the spoiled batches are judged with keys already decompressed.
+        let keys = KeyCache::default();
+        assert!(batch_holds(&good, &keys));
+        assert!(
+            batch_holds(&good, &keys),
+            "cached keys refused a good batch"
+        );
         // Each way of spoiling one member: another message, another key, another signature.
         for spoil in 0..3 {
             let mut batch = good.clone();
@@ -188,8 +231,29 @@ mod tests {
                 1 => batch[3].request.signer = good[4].request.signer,
                 _ => batch[3].signature = good[4].signature,
             }
-            assert!(!batch_holds(&batch), "spoiled member {spoil} passed");
+            assert!(!batch_holds(&batch, &keys), "spoiled member {spoil} passed");
         }
+    }
+
+    #[test]
+    fn the_key_cache_is_bounded_and_refuses_invalid_points() {
+        let keys = KeyCache::default();
+        let signers: Vec<[u8; 32]> = (0..MAX_KEYS + 10)
+            .map(|i| {
+                let mut seed = [7u8; 32];
+                seed[..8].copy_from_slice(&(i as u64).to_le_bytes());
+                sr25519::Pair::from_seed(&seed).public().0
+            })
+            .collect();
+        let got = keys.get_all(signers.iter()).expect("valid keys");
+        assert_eq!(got.len(), signers.len());
+        assert_eq!(got[MAX_KEYS + 9].to_bytes(), signers[MAX_KEYS + 9]);
+        let held = keys.0.lock().expect("lock").len();
+        assert!(held <= MAX_KEYS, "{held} keys held");
+        // Not a point's encoding: refused, cached or not.
+        let invalid = [0xffu8; 32];
+        assert!(keys.get_all([&signers[0], &invalid].into_iter()).is_none());
+        assert!(keys.get_all([&invalid].into_iter()).is_none());
     }
 
     #[tokio::test]
