@@ -411,6 +411,8 @@ pub fn router(app: App) -> Router {
         .merge(validator_upload)
         .merge(public)
         .fallback(not_found)
+        // After every route is merged: it applies to the routes present when it is called.
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(upload_limit.max(json_limit)))
         .layer(middleware::from_fn(track))
         .layer(TraceLayer::new_for_http())
@@ -419,6 +421,15 @@ pub fn router(app: App) -> Router {
 
 async fn not_found(State(_): State<App>) -> Response {
     app::AppError::new(iota_protocol::ErrorCode::NotFound, "no such route").into_response()
+}
+
+/// The error body for a known path with the wrong method (axum adds the `Allow` header).
+async fn method_not_allowed(method: http::Method) -> Response {
+    app::AppError::new(
+        iota_protocol::ErrorCode::MethodNotAllowed,
+        format!("this route does not take {method}"),
+    )
+    .into_response()
 }
 
 /// Serves the run until `shutdown` resolves: migrations, run row, metagraph watcher, phase

@@ -25,6 +25,8 @@ pub enum ErrorCode {
     Forbidden,
     /// No such resource.
     NotFound,
+    /// The route exists but not for this method (the `Allow` header lists those it takes).
+    MethodNotAllowed,
     /// The lease is not (or no longer) held by the caller; the work was re-routed.
     LeaseExpired,
     /// The epoch phase does not accept this request now.
@@ -52,6 +54,7 @@ impl ErrorCode {
             Self::Unauthenticated | Self::Replayed | Self::ClockSkew => 401,
             Self::NotRegistered | Self::NotValidator | Self::NotAMiner | Self::Forbidden => 403,
             Self::NotFound => 404,
+            Self::MethodNotAllowed => 405,
             Self::LeaseExpired | Self::WrongPhase | Self::Conflict => 409,
             Self::PayloadTooLarge => 413,
             Self::RateLimited => 429,
@@ -72,6 +75,7 @@ impl ErrorCode {
             Self::NotAMiner => "not_a_miner",
             Self::Forbidden => "forbidden",
             Self::NotFound => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
             Self::LeaseExpired => "lease_expired",
             Self::WrongPhase => "wrong_phase",
             Self::Conflict => "conflict",
@@ -115,6 +119,7 @@ mod tests {
             ErrorCode::LeaseExpired,
             ErrorCode::InvalidTensor,
             ErrorCode::NotValidator,
+            ErrorCode::MethodNotAllowed,
         ] {
             let json = serde_json::to_string(&code).expect("serialise");
             assert_eq!(json, format!("\"{}\"", code.as_str()));
