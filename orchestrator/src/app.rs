@@ -96,8 +96,8 @@ pub struct AppState {
     pub replay: ReplayCache,
     /// Batched verification of request signatures.
     pub signatures: SignatureVerifier,
-    /// Work polls' first look, shared by polls that arrive together.
-    pub glances: crate::miner::Glances,
+    /// Work polls' first look, from memory.
+    pub poll_view: crate::poll_view::PollView,
     per_hotkey: KeyedLimiter<[u8; 32]>,
     per_ip: KeyedLimiter<IpAddr>,
 }
@@ -124,7 +124,7 @@ impl AppState {
         Self {
             replay: ReplayCache::new(db.clone()),
             signatures: SignatureVerifier::default(),
-            glances: crate::miner::Glances::new(db.clone(), run.id),
+            poll_view: crate::poll_view::PollView::new(db.clone(), run.id),
             db,
             store,
             run,

@@ -19,6 +19,7 @@ pub mod config;
 pub mod dashboard;
 pub mod driver;
 pub mod miner;
+pub mod poll_view;
 pub mod replay;
 pub mod routing;
 pub mod signatures;
@@ -477,6 +478,7 @@ pub async fn run(
         config.max_merge_rounds,
     ));
     metrics_handle();
+    state.poll_view.start();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let driver = tokio::spawn(driver::run_driver(state.clone(), config.tick, stop_rx));
     let addr = listener.local_addr()?;

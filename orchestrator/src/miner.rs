@@ -8,15 +8,12 @@ use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
 use iota_protocol::tensor::{TensorSpec, check_tensor};
-use std::collections::HashMap;
 
 use serde::Deserialize;
-use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Postgres, Row, Transaction};
+use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
-use crate::batch::{Batcher, Flush};
 use crate::routing::{StageLoad, choose_stage, weighted_pick};
 use crate::views;
 
@@ -263,18 +260,20 @@ pub async fn work(
 ) -> ApiResult<Json<WorkResponse>> {
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
-    // The hot path of every miner, and most polls find nothing to do: a glance shared with the
-    // polls that arrive at the same time answers those.
-    let glance = app.glances.look(caller.ss58.clone()).await?;
-    if let Some(stage) = glance.stage
+    // The hot path of every miner, and most polls find nothing to do: the poll view answers
+    // those from memory (see `poll_view` for why a view a little behind is safe).
+    if let Some(glance) = app.poll_view.glance(&caller.ss58)
         && !glance.open_tasks
-        && !may_start_samples(cfg, stage, &glance.status)
+        && !may_start_samples(cfg, glance.stage, &glance.status)
     {
+        app.poll_view.seen(&caller.ss58);
+        metrics::counter!("iota_work_polls_total", "answered_from" => "view").increment(1);
         return Ok(Json(WorkResponse {
             items: Vec::new(),
             status: glance.status,
         }));
     }
+    metrics::counter!("iota_work_polls_total", "answered_from" => "database").increment(1);
     // Otherwise one statement (see POLL_SQL), no transaction. Only a stage-0 miner that may
     // still start samples needs a transaction after it.
     let (stage, mut items, mut status) = poll(&app, &caller, max).await?;
@@ -299,120 +298,6 @@ pub async fn work(
 /// Whether a miner of `stage` may be given new samples now.
 fn may_start_samples(cfg: &RunConfig, stage: u32, status: &EpochStatus) -> bool {
     stage == 0 && status.phase == Phase::Training && status.samples_started < cfg.samples_per_epoch
-}
-
-/// What a work poll needs to know first: the caller's stage (if it is an active miner), whether
-/// it has any open task (pending, or leased and unexpired), and the epoch status.
-pub(crate) struct Glance {
-    stage: Option<u32>,
-    open_tasks: bool,
-    status: EpochStatus,
-}
-
-/// The glances of many polls in one statement, which also marks their miners seen (at most
-/// once a second each, as the full poll does). Rows another statement has locked are not
-/// waited for: their touch waits for the next poll. A glance only reads, so a poll that finds
-/// work (or no active miner) runs the full statement, which decides alone.
-struct GlanceFlush {
-    db: PgPool,
-    run: i64,
-}
-
-// Every lookup is by primary key or row id, one per asked hotkey: joined on the array, the
-// planner scans all the run's miners, which costs more than a small batch saves (`OFFSET 0`
-// keeps the lateral lookup from being flattened into such a join).
-const GLANCE_SQL: &str = "
-WITH asked AS (
-    SELECT DISTINCT unnest($2::text[]) AS hotkey
-), touched AS (
-    UPDATE miners SET last_seen = now()
-    WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM miners
-        WHERE run_id = $1 AND hotkey = ANY($2) AND status = 'active'
-          AND last_seen < now() - interval '1 second'
-        ORDER BY hotkey
-        FOR UPDATE SKIP LOCKED))
-)
-SELECT a.hotkey, m.stage AS miner_stage, m.status = 'active' AS miner_active,
-       EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = $1 AND t.miner = a.hotkey
-               AND t.status IN ('pending', 'leased')
-               AND (t.status = 'pending' OR t.leased_until > now())) AS open_tasks,
-       r.epoch AS status_epoch, r.phase AS status_phase,
-       r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
-       r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
-       e.samples_completed AS status_samples_completed
-FROM asked a
-LEFT JOIN LATERAL (
-    SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = a.hotkey OFFSET 0
-) m ON true
-CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
-WHERE r.id = $1";
-
-impl Flush for GlanceFlush {
-    type Item = String;
-    type Output = ApiResult<Glance>;
-
-    async fn flush(&self, hotkeys: Vec<String>) -> Vec<Self::Output> {
-        metrics::histogram!("iota_poll_glance_batch_size").record(hotkeys.len() as f64);
-        let rows = match sqlx::query(GLANCE_SQL)
-            .bind(self.run)
-            .bind(&hotkeys)
-            .fetch_all(&self.db)
-            .await
-        {
-            Ok(rows) => rows,
-            Err(e) => {
-                let message = format!("database: {e}");
-                return hotkeys
-                    .iter()
-                    .map(|_| Err(AppError::new(ErrorCode::Internal, message.clone())))
-                    .collect();
-            }
-        };
-        let mut by_key: HashMap<String, &PgRow> = HashMap::with_capacity(rows.len());
-        for row in &rows {
-            if let Ok(key) = row.try_get::<String, _>("hotkey") {
-                by_key.insert(key, row);
-            }
-        }
-        hotkeys
-            .iter()
-            .map(|key| {
-                let row = by_key.get(key).ok_or_else(|| {
-                    AppError::new(ErrorCode::Internal, "no glance row for a polling miner")
-                })?;
-                let active = row.try_get::<Option<bool>, _>("miner_active")? == Some(true);
-                let stage = row.try_get::<Option<i32>, _>("miner_stage")?;
-                Ok(Glance {
-                    stage: stage.filter(|_| active).map(|s| s as u32),
-                    open_tasks: row.try_get("open_tasks")?,
-                    status: views::status_from_row(row)?,
-                })
-            })
-            .collect()
-    }
-}
-
-/// Batched glances of work polls.
-pub struct Glances {
-    batcher: Batcher<GlanceFlush>,
-}
-
-impl Glances {
-    /// Glances over `db` for `run`.
-    pub fn new(db: PgPool, run: i64) -> Self {
-        Self {
-            // Two statements in flight, as for the replay cache: bigger batches, fewer statements.
-            batcher: Batcher::new(GlanceFlush { db, run }, 1024, 2),
-        }
-    }
-
-    pub(crate) async fn look(&self, hotkey: String) -> ApiResult<Glance> {
-        self.batcher
-            .submit(hotkey)
-            .await
-            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?
-    }
 }
 
 /// The poll statement for `caller`: its stage, its items (held leases first, then new ones) and

@@ -29,6 +29,11 @@ pub fn run_info(app: &App) -> RunInfo {
 
 /// Where the run is now.
 pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
+    read_epoch_status(&app.db, app.run.id).await
+}
+
+/// Where `run` is now, read from `db`.
+pub(crate) async fn read_epoch_status(db: &sqlx::PgPool, run: i64) -> ApiResult<EpochStatus> {
     // One round trip: every heartbeat answers with this (work polls read it in their statement).
     let row = sqlx::query(
         "SELECT r.epoch AS status_epoch, r.phase AS status_phase,
@@ -37,8 +42,8 @@ pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
                 e.samples_completed AS status_samples_completed
          FROM runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch WHERE r.id = $1",
     )
-    .bind(app.run.id)
-    .fetch_one(&app.db)
+    .bind(run)
+    .fetch_one(db)
     .await?;
     status_from_row(&row)
 }
