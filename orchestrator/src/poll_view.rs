@@ -88,6 +88,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    fn new(db: PgPool, run: i64) -> Self {
+        Self {
+            db,
+            run,
+            view: RwLock::default(),
+            dirty: Mutex::default(),
+            wake: Notify::new(),
+            listening: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
+            seen: Mutex::default(),
+        }
+    }
+
     fn view(&self) -> std::sync::RwLockReadGuard<'_, Snapshot> {
         self.view.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -148,16 +161,7 @@ impl PollView {
     /// A view of `run` over `db`; it starts on [`PollView::start`] or on the first glance.
     pub fn new(db: PgPool, run: i64) -> Self {
         Self {
-            shared: Arc::new(Shared {
-                db,
-                run,
-                view: RwLock::default(),
-                dirty: Mutex::default(),
-                wake: Notify::new(),
-                listening: AtomicBool::new(false),
-                connections: AtomicU64::new(0),
-                seen: Mutex::default(),
-            }),
+            shared: Arc::new(Shared::new(db, run)),
             stop: OnceLock::new(),
         }
     }
@@ -365,18 +369,10 @@ mod tests {
     use super::*;
 
     fn shared() -> Shared {
-        Shared {
-            db: sqlx::postgres::PgPoolOptions::new()
-                .connect_lazy("postgres://nobody@127.0.0.1:1/none")
-                .expect("lazy pool"),
-            run: 7,
-            view: RwLock::default(),
-            dirty: Mutex::default(),
-            wake: Notify::new(),
-            listening: AtomicBool::new(false),
-            connections: AtomicU64::new(0),
-            seen: Mutex::default(),
-        }
+        let db = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("lazy pool");
+        Shared::new(db, 7)
     }
 
     #[tokio::test]

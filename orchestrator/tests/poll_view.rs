@@ -7,8 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use iota_protocol::api::Capacity;
-use iota_protocol::{ApiClient, RetryPolicy};
+use iota_protocol::ApiClient;
 use sqlx::PgPool;
 
 const MINERS: [u8; 3] = [1, 2, 3];
@@ -88,17 +87,7 @@ async fn the_poll_view_answers_idle_polls_and_follows_the_database() {
     // A miner of a later stage: its idle polls never start samples, so the view may answer them.
     let mut later = None;
     for seed in MINERS {
-        let client = ApiClient::connect(&orch.base, signer(seed), RetryPolicy::default())
-            .await
-            .expect("client");
-        let joined = client
-            .register(Capacity {
-                device: "cpu".into(),
-                memory_bytes: 1 << 30,
-                tokens_per_s: 100.0,
-            })
-            .await
-            .expect("register");
+        let (client, joined) = registered_miner(&orch.base, seed).await;
         if joined.stage > 0 {
             later = Some((client, joined.stage, public(&pair(seed)).ss58()));
         }

@@ -16,7 +16,7 @@ use iota_orchestrator::{BlobStore, StoreConfig};
 use iota_protocol::api::*;
 use iota_protocol::blob::blake3_hex;
 use iota_protocol::tensor::encode_boundary_f32;
-use iota_protocol::{ApiClient, ClientError, ErrorCode, RetryPolicy};
+use iota_protocol::{ApiClient, ClientError, ErrorCode};
 use reqwest::Method;
 
 const MINERS: [u8; 3] = [1, 2, 3];
@@ -99,17 +99,7 @@ async fn upload_download_scenario(store: StoreConfig) {
 
     let mut by_stage: Vec<Option<ApiClient>> = vec![None, None, None];
     for seed in MINERS {
-        let client = ApiClient::connect(orch.base.clone(), signer(seed), RetryPolicy::default())
-            .await
-            .expect("connect");
-        let joined = client
-            .register(Capacity {
-                device: "cpu".into(),
-                memory_bytes: 1 << 30,
-                tokens_per_s: 100.0,
-            })
-            .await
-            .expect("register");
+        let (client, joined) = registered_miner(&orch.base, seed).await;
         by_stage[joined.stage as usize] = Some(client);
     }
     let stages: [Option<ApiClient>; 3] = by_stage.try_into().unwrap_or_else(|_| unreachable!());

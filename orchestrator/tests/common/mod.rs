@@ -12,9 +12,10 @@ use iota_chain::wallet::{Keypair, PublicKey};
 use iota_chain::{ConnectOptions, Subtensor, TxOptions};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_orchestrator::{Config, Limits, StoreConfig};
-use iota_protocol::api::RunConfig;
+use iota_protocol::api::{Capacity, RegisterResponse, RunConfig};
 use iota_protocol::signing::{RequestSigner, SkewWindow};
 use iota_protocol::tensor::WireEncoding;
+use iota_protocol::{ApiClient, RetryPolicy};
 use sp_core::Pair as _;
 use sp_core::sr25519;
 
@@ -284,4 +285,20 @@ pub fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+/// A client for the miner of `seed`, registered with 1 GiB and 100 tokens/s.
+pub async fn registered_miner(base: &str, seed: u8) -> (ApiClient, RegisterResponse) {
+    let client = ApiClient::connect(base, signer(seed), RetryPolicy::default())
+        .await
+        .expect("connect");
+    let joined = client
+        .register(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 100.0,
+        })
+        .await
+        .expect("register");
+    (client, joined)
 }
