@@ -204,8 +204,8 @@ fn schedule(seed: u64) -> Vec<Fault> {
     .map(|victim| Fault {
         // The validator has work only once an epoch has ended, and must have an epoch left
         // to score after its restart; the others are killed early enough that the run must
-        // recover before its last epoch ends. (Late phases can be short: a kill lands up to an
-        // epoch later than its moment, still inside the target epochs.)
+        // recover before its last epoch ends. (A kill lands `delay` into its phase, or at the
+        // phase's end if that is sooner, so always inside the target epochs.)
         epoch: match victim {
             Victim::Validator => rng.gen_range(1..EPOCHS - 1),
             _ => rng.gen_range(0..EPOCHS - 1),
@@ -507,7 +507,10 @@ async fn seeded_sigkills_lose_no_epoch_and_no_sample() {
     #[derive(Clone, Copy)]
     enum State {
         Waiting,
-        Armed(Instant),
+        /// Due at the instant, or as soon as the run leaves the phase it was armed in, if that
+        /// comes first: phases can be shorter than the delay, and a kill must land in (or at
+        /// the end of) its phase, not epochs later.
+        Armed(Instant, (u64, u8)),
         Down(Instant),
         Done,
     }
@@ -542,10 +545,15 @@ async fn seeded_sigkills_lose_no_epoch_and_no_sample() {
                     if let Some(st) = &st
                         && (st.epoch, phase_index(st.phase)) >= (f.epoch, f.phase)
                     {
-                        *state = State::Armed(now + f.delay);
+                        *state = State::Armed(now + f.delay, (st.epoch, phase_index(st.phase)));
                     }
                 }
-                State::Armed(at) if now >= at => {
+                State::Armed(at, armed_in)
+                    if now >= at
+                        || st
+                            .as_ref()
+                            .is_some_and(|s| (s.epoch, phase_index(s.phase)) > armed_in) =>
+                {
                     println!(
                         "{:>6.1}s SIGKILL {:?} at {}",
                         started.elapsed().as_secs_f64(),
