@@ -275,6 +275,45 @@ pub fn check_request<'a>(
     now_ms: u64,
     window: SkewWindow,
 ) -> Result<SignedMessage, AuthError> {
+    let headers = check_headers(header, receiver_ss58, now_ms, window)?;
+    let signer = decode_signer(headers.signed_by)?;
+    Ok(headers.message(signer, method, path_and_query, body))
+}
+
+/// The public key an `Epistula-Signed-By` address names.
+pub fn decode_signer(signed_by: &str) -> Result<[u8; 32], AuthError> {
+    sr25519::Public::from_ss58check(signed_by)
+        .map(|p| p.0)
+        .map_err(|e| AuthError::MalformedHeader {
+            header: HEADER_SIGNED_BY,
+            reason: format!("not an SS58 address: {e:?}"),
+        })
+}
+
+/// A request's Epistula headers once [`check_headers`] passed them: all but the signer's address
+/// (`signed_by`, still text) and the signature itself are checked.
+#[derive(Clone, Debug)]
+pub struct CheckedHeaders<'a> {
+    /// `Epistula-Timestamp`, inside the clock window.
+    pub timestamp_ms: u64,
+    /// `Epistula-Uuid`.
+    pub uuid: Uuid,
+    /// `Epistula-Signed-For`, equal to the receiver's address.
+    pub signed_for: &'a str,
+    /// `Epistula-Signed-By` as sent.
+    pub signed_by: &'a str,
+    /// `Epistula-Request-Signature`, decoded.
+    pub signature: [u8; 64],
+}
+
+/// The cheap checks of [`check_request`], without decoding the signer's address (a server that
+/// sees the same few signers may look them up instead) or hashing the body.
+pub fn check_headers<'a>(
+    header: impl Fn(&'static str) -> Option<&'a str>,
+    receiver_ss58: &str,
+    now_ms: u64,
+    window: SkewWindow,
+) -> Result<CheckedHeaders<'a>, AuthError> {
     let get = |name: &'static str| header(name).ok_or(AuthError::MissingHeader(name));
     let version = get(HEADER_VERSION)?;
     if version.trim() != "2" {
@@ -323,30 +362,45 @@ pub fn check_request<'a>(
         });
     }
     let signed_by = get(HEADER_SIGNED_BY)?;
-    let public =
-        sr25519::Public::from_ss58check(signed_by).map_err(|e| AuthError::MalformedHeader {
-            header: HEADER_SIGNED_BY,
-            reason: format!("not an SS58 address: {e:?}"),
-        })?;
     let signature = parse_signature(get(HEADER_SIGNATURE)?)?;
-    let message = signing_message(
-        body,
-        &uuid,
+    Ok(CheckedHeaders {
         timestamp_ms,
+        uuid,
         signed_for,
-        method,
-        path_and_query,
-    );
-    Ok(SignedMessage {
+        signed_by,
         signature: signature.0,
-        message,
-        request: VerifiedRequest {
-            signer: public.0,
-            signer_ss58: signed_by.to_owned(),
-            uuid,
-            timestamp_ms,
-        },
     })
+}
+
+impl CheckedHeaders<'_> {
+    /// What the signature must sign, with `signer` the public key `signed_by` names (the caller
+    /// decoded it, or looked it up by the address's text).
+    pub fn message(
+        self,
+        signer: [u8; 32],
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+    ) -> SignedMessage {
+        let message = signing_message(
+            body,
+            &self.uuid,
+            self.timestamp_ms,
+            self.signed_for,
+            method,
+            path_and_query,
+        );
+        SignedMessage {
+            signature: self.signature,
+            message,
+            request: VerifiedRequest {
+                signer,
+                signer_ss58: self.signed_by.to_owned(),
+                uuid: self.uuid,
+                timestamp_ms: self.timestamp_ms,
+            },
+        }
+    }
 }
 
 fn parse_signature(text: &str) -> Result<sr25519::Signature, AuthError> {
