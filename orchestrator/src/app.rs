@@ -18,13 +18,13 @@ use governor::{Quota, RateLimiter};
 use iota_chain::MetagraphIndex;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::api::RunConfig;
-use iota_protocol::signing::{HEADER_SIGNED_BY, SkewWindow, check_request};
+use iota_protocol::signing::{SkewWindow, check_headers};
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 use sqlx::PgPool;
 use tokio::sync::watch;
 
-use crate::replay::{ReplayCache, ReplayError};
-use crate::signatures::{SignatureVerifier, VerifyError};
+use crate::replay::{Local, ReplayCache, ReplayError};
+use crate::signatures::{SignatureVerifier, Signers, VerifyError};
 use crate::store::{BlobStore, StoreError};
 
 /// Request rate and size limits.
@@ -92,10 +92,12 @@ pub struct AppState {
     pub leader: AtomicBool,
     /// Merge reassignment rounds before the last deadline.
     pub max_merge_rounds: u32,
-    /// Signed-request uuids seen (group-committed to the database).
+    /// Signed-request uuids seen (in memory, and group-committed to the database).
     pub replay: ReplayCache,
     /// Batched verification of request signatures.
     pub signatures: SignatureVerifier,
+    /// Signers' keys by their address as sent.
+    pub signers: Signers,
     /// Work polls' first look, from memory.
     pub poll_view: crate::poll_view::PollView,
     per_hotkey: KeyedLimiter<[u8; 32]>,
@@ -122,8 +124,9 @@ impl AppState {
         max_merge_rounds: u32,
     ) -> Self {
         Self {
-            replay: ReplayCache::new(db.clone()),
+            replay: ReplayCache::new(db.clone(), skew),
             signatures: SignatureVerifier::default(),
+            signers: Signers::default(),
             poll_view: crate::poll_view::PollView::new(db.clone(), run.id),
             db,
             store,
@@ -260,98 +263,196 @@ pub fn now_ms() -> u64 {
     Utc::now().timestamp_millis().max(0) as u64
 }
 
-/// Signed-route middleware: buffers the body (bounded), verifies the Epistula signature against
-/// method, path, query and body, checks the caller against the metagraph, rate-limits per
-/// hotkey, and records the uuid in the shared replay cache. Cheap checks run first, so garbage
-/// costs neither a signature check nor a database write.
+/// When a signed route group records request uuids in the shared replay cache (PostgreSQL).
+/// Every signed request is first admitted by this process's memory, which refuses a uuid it has
+/// seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedReplay {
+    /// Before the handler runs.
+    Before,
+    /// Left to the handler ([`PendingUuid`]), which records it before it changes run state: for
+    /// the work poll, whose answer from the poll view changes nothing (see [`crate::replay`]).
+    ByHandler,
+}
+
+/// How a signed route group checks its callers.
+#[derive(Clone, Copy, Debug)]
+pub struct SignedRoutes {
+    /// Who may call.
+    pub gate: Gate,
+    /// Largest body.
+    pub body_limit: usize,
+    /// When the uuid reaches the shared replay cache.
+    pub shared_replay: SharedReplay,
+}
+
+/// A request's uuid that the gate left for its handler to record in the shared replay cache
+/// ([`SharedReplay::ByHandler`]); `None` when the gate recorded it already.
+#[derive(Clone, Copy, Debug)]
+pub struct PendingUuid(pub Option<uuid::Uuid>);
+
+impl PendingUuid {
+    /// Records the uuid in the shared cache (once per request): from then on every process
+    /// refuses it. A uuid that another process recorded first is a replay.
+    pub async fn record(&mut self, app: &AppState) -> Result<(), AppError> {
+        if let Some(uuid) = self.0.take()
+            && !app.replay.record(uuid).await?
+        {
+            return Err(AuthError::Replayed(uuid).into());
+        }
+        Ok(())
+    }
+}
+
+/// Signed-route middleware: buffers the body (bounded), checks the Epistula headers, checks the
+/// claimed signer against the metagraph, verifies the signature against method, path, query and
+/// body, rate-limits per hotkey, and admits the uuid (this process's memory, then the shared
+/// replay cache or the handler's [`PendingUuid`]). Cheap checks run first, so garbage costs
+/// neither a signature check nor a database write.
 pub async fn signed_gate(
-    State((app, gate, body_limit)): State<(App, Gate, usize)>,
+    State((app, routes)): State<(App, SignedRoutes)>,
     req: Request,
     next: Next,
 ) -> Response {
-    match check_signed(&app, gate, body_limit, req).await {
+    match check_signed(&app, routes, req).await {
         Ok(req) => next.run(req).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn check_signed(
-    app: &App,
-    gate: Gate,
-    body_limit: usize,
-    req: Request,
-) -> Result<Request, AppError> {
+async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<Request, AppError> {
     let (mut parts, body) = req.into_parts();
+    let bytes = read_body(&parts, body, routes.body_limit).await?;
+    let (caller, pending) = authenticate(app, &parts, &bytes)?
+        .finish(app, routes)
+        .await?;
+    parts.extensions.insert(pending);
+    parts.extensions.insert(caller);
+    Ok(Request::from_parts(parts, Body::from(bytes)))
+}
+
+/// A signed request's body, at most `limit` bytes.
+pub async fn read_body(
+    parts: &axum::http::request::Parts,
+    body: Body,
+    limit: usize,
+) -> Result<Bytes, AppError> {
     if let Some(len) = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-        && len > body_limit as u64
+        && len > limit as u64
     {
         return Err(AppError::new(
             ErrorCode::PayloadTooLarge,
-            format!("body of {len} bytes, this route takes at most {body_limit}"),
+            format!("body of {len} bytes, this route takes at most {limit}"),
         ));
     }
-    let bytes: Bytes = axum::body::to_bytes(body, body_limit).await.map_err(|_| {
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
         AppError::new(
             ErrorCode::PayloadTooLarge,
-            format!("body larger than {body_limit} bytes"),
+            format!("body larger than {limit} bytes"),
         )
-    })?;
+    })
+}
+
+/// The checks of a signed request that need no waiting: the Epistula headers, and the claimed
+/// signer's membership before the body is hashed and the signature verified (a request in the
+/// name of a hotkey that is not on the subnet costs neither). [`Authenticating::finish`] does
+/// the rest.
+pub fn authenticate(
+    app: &App,
+    parts: &axum::http::request::Parts,
+    body: &[u8],
+) -> Result<Authenticating, AppError> {
+    let now = now_ms();
+    let headers = check_headers(
+        |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
+        &app.hotkey,
+        now,
+        app.skew,
+    )?;
+    let signer = app.signers.resolve(headers.signed_by)?;
+    let (uid, permit) = member(app, &signer.key, headers.signed_by)?;
     let path_and_query = parts
         .uri
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
-    // Membership first (an O(1) lookup): a request in the name of a hotkey that is not on the
-    // subnet costs no signature verification. The rate limit waits for the signature, so that
-    // nobody can spend another hotkey's quota.
-    if let Some(claimed) = parts
-        .headers
-        .get(HEADER_SIGNED_BY)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| PublicKey::from_ss58(v).ok().map(|k| (k, v)))
-    {
-        member(app, &claimed.0, claimed.1)?;
-    }
-    let signed = check_request(
-        |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
+    let signed = headers.message(
+        signer.key.to_bytes(),
         parts.method.as_str(),
         path_and_query,
-        &bytes,
-        &app.hotkey,
-        now_ms(),
-        app.skew,
-    )?;
-    let verified = app.signatures.verify(signed).await?;
-    let key = PublicKey::from_bytes(verified.signer);
-    let (uid, permit) = member(app, &key, &verified.signer_ss58)?;
-    if gate == Gate::Validator && !permit {
-        return Err(AppError::new(
-            ErrorCode::NotValidator,
-            format!("{} has no validator permit", verified.signer_ss58),
-        ));
-    }
-    if app.per_hotkey.check_key(&verified.signer).is_err() {
-        metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);
-        return Err(AppError::new(
-            ErrorCode::RateLimited,
-            "too many requests from this hotkey",
-        ));
-    }
-    // Committed before the request acts, so every process refuses the uuid from now on.
-    if !app.replay.record(verified.uuid).await? {
-        return Err(AuthError::Replayed(verified.uuid).into());
-    }
-    parts.extensions.insert(Caller {
-        key,
-        ss58: key.ss58(),
+        body,
+    );
+    Ok(Authenticating {
+        signed,
+        signer,
         uid,
         permit,
-    });
-    Ok(Request::from_parts(parts, Body::from(bytes)))
+        now,
+    })
+}
+
+/// A signed request between [`authenticate`] and [`Authenticating::finish`].
+pub struct Authenticating {
+    signed: iota_protocol::signing::SignedMessage,
+    signer: crate::signatures::Signer,
+    uid: u16,
+    permit: bool,
+    now: u64,
+}
+
+impl Authenticating {
+    /// The signer's canonical address (not yet proven: the signature is checked by `finish`).
+    pub fn claimed_ss58(&self) -> &str {
+        &self.signer.ss58
+    }
+
+    /// Verifies the signature (batched with whatever else is waiting), then the validator
+    /// permit, the per-hotkey rate limit (after the signature, so that nobody can spend another
+    /// hotkey's quota) and the uuid.
+    pub async fn finish(
+        self,
+        app: &App,
+        routes: SignedRoutes,
+    ) -> Result<(Caller, PendingUuid), AppError> {
+        let verified = app.signatures.verify(self.signed).await?;
+        if routes.gate == Gate::Validator && !self.permit {
+            return Err(AppError::new(
+                ErrorCode::NotValidator,
+                format!("{} has no validator permit", verified.signer_ss58),
+            ));
+        }
+        if app.per_hotkey.check_key(&verified.signer).is_err() {
+            metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);
+            return Err(AppError::new(
+                ErrorCode::RateLimited,
+                "too many requests from this hotkey",
+            ));
+        }
+        let uuid = verified.uuid;
+        let in_memory = app
+            .replay
+            .local
+            .admit(uuid, verified.timestamp_ms, self.now);
+        if in_memory == Local::Replayed {
+            return Err(AuthError::Replayed(uuid).into());
+        }
+        let mut pending = PendingUuid(Some(uuid));
+        // With memory full, only the shared cache can tell: record now whatever the route.
+        if routes.shared_replay == SharedReplay::Before || in_memory == Local::Full {
+            pending.record(app).await?;
+        }
+        let caller = Caller {
+            key: self.signer.key,
+            ss58: self.signer.ss58.as_ref().to_owned(),
+            uid: self.uid,
+            permit: self.permit,
+        };
+        Ok((caller, pending))
+    }
 }
 
 /// The uid and validator permit of `key` in the latest metagraph, or `not_registered`.
@@ -413,20 +514,63 @@ where
     type Rejection = AppError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let (parts, body) = req.into_parts();
-        let bytes = Bytes::from_request(Request::from_parts(parts.clone(), body), state)
+        if !json_content_type(req.headers()) {
+            return Err(not_json());
+        }
+        let bytes = Bytes::from_request(req, state)
             .await
             .map_err(|e| AppError::new(ErrorCode::BadRequest, e.body_text()))?;
-        if has_nul_escape(&bytes) {
-            return Err(AppError::new(
-                ErrorCode::BadRequest,
-                "JSON strings may not contain U+0000",
-            ));
-        }
-        let req = Request::from_parts(parts, Body::from(bytes));
-        let axum::Json(value) = axum::Json::<T>::from_request(req, state).await?;
-        Ok(Self(value))
+        parse_json(&bytes).map(Self)
     }
+}
+
+fn not_json() -> AppError {
+    AppError::new(
+        ErrorCode::BadRequest,
+        "Expected request with `Content-Type: application/json`",
+    )
+}
+
+/// A JSON body as [`ApiJson`] reads it, from a request's headers and its buffered body.
+pub fn json_body<T: serde::de::DeserializeOwned>(
+    headers: &axum::http::HeaderMap,
+    body: &[u8],
+) -> Result<T, AppError> {
+    if !json_content_type(headers) {
+        return Err(not_json());
+    }
+    parse_json(body)
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
+    if has_nul_escape(body) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "JSON strings may not contain U+0000",
+        ));
+    }
+    let axum::Json(value) = axum::Json::<T>::from_bytes(body)?;
+    Ok(value)
+}
+
+/// Whether the request says its body is JSON (`application/json` or `application/…+json`), as
+/// `axum::Json` requires.
+fn json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value.split(';').next().unwrap_or("").trim();
+    let Some((kind, subtype)) = essence.split_once('/') else {
+        return false;
+    };
+    kind.eq_ignore_ascii_case("application")
+        && (subtype.eq_ignore_ascii_case("json")
+            || subtype
+                .rsplit_once('+')
+                .is_some_and(|(_, suffix)| suffix.eq_ignore_ascii_case("json")))
 }
 
 /// Whether JSON text spells U+0000 in a string. Valid JSON can only write it as the escape
@@ -477,7 +621,34 @@ impl From<axum::extract::rejection::QueryRejection> for AppError {
 
 #[cfg(test)]
 mod tests {
-    use super::has_nul_escape;
+    use super::*;
+
+    #[test]
+    fn json_content_types_are_recognised() {
+        let with = |v: &'static str| {
+            let mut h = axum::http::HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(v));
+            json_content_type(&h)
+        };
+        for yes in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/problem+json",
+        ] {
+            assert!(with(yes), "{yes} refused");
+        }
+        for no in [
+            "text/plain",
+            "application/jsonx",
+            "json",
+            "application/",
+            "text/json",
+        ] {
+            assert!(!with(no), "{no} accepted");
+        }
+        assert!(!json_content_type(&axum::http::HeaderMap::new()));
+    }
 
     #[test]
     fn nul_escapes_are_found_and_escaped_backslashes_are_not() {

@@ -49,7 +49,7 @@ use tower::limit::GlobalConcurrencyLimitLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
-pub use app::{App, AppState, Gate, Limits, RunRow};
+pub use app::{App, AppState, Gate, Limits, RunRow, SharedReplay, SignedRoutes};
 pub use config::{Config, OrchestratorArgs};
 pub use store::{BlobStore, StoreConfig};
 
@@ -291,10 +291,22 @@ pub fn router(app: App) -> Router {
     let uploads = Arc::new(tokio::sync::Semaphore::new(
         app.limits.concurrent_uploads.max(1),
     ));
+    let signed = |gate, body_limit, shared_replay| {
+        (
+            app.clone(),
+            app::SignedRoutes {
+                gate,
+                body_limit,
+                shared_replay,
+            },
+        )
+    };
+    // The work poll runs the gate's steps itself (see `miner::work`), and records its uuid in
+    // the shared replay cache only when it goes past the poll view (see `replay`).
+    let miner_poll = Router::new().route("/v1/miner/work", post(miner::work));
     let miner_json = Router::new()
         .route("/v1/miner/register", post(miner::register))
         .route("/v1/miner/heartbeat", post(miner::heartbeat))
-        .route("/v1/miner/work", post(miner::work))
         .route("/v1/miner/tasks/{task_id}/complete", post(miner::complete))
         .route(
             "/v1/miner/tasks/{task_id}/output/presign",
@@ -327,7 +339,7 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/blobs/{*key}", get(miner::blob))
         .route_layer(middleware::from_fn_with_state(
-            (app.clone(), Gate::Registered, json_limit),
+            signed(Gate::Registered, json_limit, SharedReplay::Before),
             app::signed_gate,
         ));
     let miner_upload = Router::new()
@@ -344,7 +356,7 @@ pub fn router(app: App) -> Router {
             put(miner::upload_merge),
         )
         .route_layer(middleware::from_fn_with_state(
-            (app.clone(), Gate::Registered, upload_limit),
+            signed(Gate::Registered, upload_limit, SharedReplay::Before),
             app::signed_gate,
         ))
         // The gate buffers a body before it can check the signature over it: bound how many
@@ -371,7 +383,7 @@ pub fn router(app: App) -> Router {
             get(validator::spot_checks).post(validator::report_spot_checks),
         )
         .route_layer(middleware::from_fn_with_state(
-            (app.clone(), Gate::Validator, json_limit),
+            signed(Gate::Validator, json_limit, SharedReplay::Before),
             app::signed_gate,
         ));
     let validator_upload = Router::new()
@@ -380,7 +392,7 @@ pub fn router(app: App) -> Router {
             put(validator::upload_merge),
         )
         .route_layer(middleware::from_fn_with_state(
-            (app.clone(), Gate::Validator, upload_limit),
+            signed(Gate::Validator, upload_limit, SharedReplay::Before),
             app::signed_gate,
         ))
         .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads));
@@ -406,6 +418,7 @@ pub fn router(app: App) -> Router {
             app::public_gate,
         ));
     Router::new()
+        .merge(miner_poll)
         .merge(miner_json)
         .merge(miner_upload)
         .merge(validator_json)

@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::{Extension, State};
+use axum::extract::{Extension, Request, State};
 use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -13,7 +13,10 @@ use serde::Deserialize;
 use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
+use crate::app::{
+    self, ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller, Gate, SharedReplay,
+    SignedRoutes,
+};
 use crate::routing::{StageLoad, choose_stage, weighted_pick};
 use crate::views;
 
@@ -253,16 +256,33 @@ fn expects_output(direction: Direction, stage: u32) -> bool {
     request_body = WorkRequest,
     responses((status = 200, body = WorkResponse), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
-pub async fn work(
-    State(app): State<App>,
-    Extension(caller): Extension<Caller>,
-    ApiJson(req): ApiJson<WorkRequest>,
-) -> ApiResult<Json<WorkResponse>> {
+pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
+    // The signed gate's steps, inline: this is the request every miner sends in a loop.
+    let (parts, body) = request.into_parts();
+    let bytes = app::read_body(&parts, body, app.limits.json_body_bytes).await?;
+    let auth = app::authenticate(&app, &parts, &bytes)?;
+    // Read while the request is still in this core's cache (the signature check waits for a
+    // batch, and after it everything here would be read cold). Nothing acts on them until the
+    // signature holds, and a bad body is reported only then, as behind the gate. The glance may
+    // be the length of a batch old: the view may always be a little behind (see `poll_view`).
+    let parsed: ApiResult<WorkRequest> = app::json_body(&parts.headers, &bytes);
+    let glance = app.poll_view.glance(auth.claimed_ss58());
+    let (caller, mut uuid) = auth
+        .finish(
+            &app,
+            SignedRoutes {
+                gate: Gate::Registered,
+                body_limit: app.limits.json_body_bytes,
+                shared_replay: SharedReplay::ByHandler,
+            },
+        )
+        .await?;
+    let req = parsed?;
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
-    // The hot path of every miner, and most polls find nothing to do: the poll view answers
-    // those from memory (see `poll_view` for why a view a little behind is safe).
-    if let Some(glance) = app.poll_view.glance(&caller.ss58)
+    // Most polls find nothing to do: the poll view answers those from memory (see `poll_view`
+    // for why a view a little behind is safe).
+    if let Some(glance) = glance
         && !glance.open_tasks
         && !may_start_samples(cfg, glance.stage, &glance.status)
     {
@@ -274,6 +294,8 @@ pub async fn work(
         }));
     }
     metrics::counter!("iota_work_polls_total", "answered_from" => "database").increment(1);
+    // Before anything is leased: a replay of this poll is refused by every process from now on.
+    uuid.record(&app).await?;
     // Otherwise one statement (see POLL_SQL), no transaction. Only a stage-0 miner that may
     // still start samples needs a transaction after it.
     let (stage, mut items, mut status) = poll(&app, &caller, max).await?;

@@ -1,16 +1,26 @@
-//! The replay cache of signed-request uuids, group-committed.
+//! The replay caches of signed-request uuids: one in this process's memory, one in PostgreSQL.
 //!
-//! Every signed request's uuid must be recorded in PostgreSQL (`request_uuids`, shared by every
-//! orchestrator process on the database) before the request acts, and a uuid seen before must be
-//! refused. One `INSERT` per request was the largest share of a work poll's cost, so requests
-//! that arrive together are recorded with one statement ([`crate::batch`]), and each is told
-//! whether its uuid was new.
+//! * [`SeenUuids`] (memory): every uuid this process admitted, kept until its timestamp leaves
+//!   the clock window. A replay to the same process is refused here, with no database work.
+//! * The shared cache (`request_uuids`, group-committed): every orchestrator process on the
+//!   database refuses a uuid recorded there, before and after restarts. A request is recorded
+//!   before it may change run state. One `INSERT` per request was the largest share of a work
+//!   poll's cost, so requests that arrive together are recorded with one statement
+//!   ([`crate::batch`]), and each is told whether its uuid was new. A request proceeds only after
+//!   the statement that inserted its uuid has committed, and the table's primary key decides
+//!   between processes.
 //!
-//! The guarantees are the single insert's: a request proceeds only after the statement that
-//! inserted its uuid has committed, and the table's primary key decides between processes.
+//! Every signed route records in both, except the work poll: most polls find nothing to do and
+//! are answered from the poll view, which changes nothing but the caller's last-seen mark and
+//! returns the epoch status that `GET /v1/status` gives anyone. Such a poll replayed to another
+//! process (or after a restart) within the clock window can do no more than the signer's own poll
+//! did, so its uuid stays in memory; a poll that goes on to the database records its uuid in the
+//! shared cache before its statement runs (see `miner::work`).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
 
+use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -21,7 +31,9 @@ const MAX_BATCH: usize = 1024;
 /// Statements in flight at once. Two, not more: with four, batches under load averaged 19
 /// uuids and PostgreSQL spent its time on statements; fewer statements carry more each.
 const MAX_FLUSHES: usize = 2;
-
+/// Most uuids held in memory. Beyond it every request is recorded in the shared cache (as
+/// correct, only slower); the rate limits keep a subnet's traffic far below it.
+const MAX_LOCAL: usize = 2_000_000;
 /// Why a uuid could not be recorded (the request must not proceed).
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -72,25 +84,138 @@ impl Flush for Insert {
     }
 }
 
-/// The shared replay cache; [`ReplayCache::record`] is all a request needs.
+/// What this process's memory says of a uuid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Local {
+    /// First seen here (now remembered).
+    Fresh,
+    /// Admitted here before: a replay.
+    Replayed,
+    /// Memory is full: only the shared cache can tell.
+    Full,
+}
+
+/// The uuids this process admitted, by their request's timestamp (whole seconds): a replay
+/// carries the signed timestamp of the original, so one second's set is all a lookup reads, and
+/// a second is forgotten once every timestamp in it is older than the clock window accepts.
+pub struct SeenUuids {
+    max_age_ms: u64,
+    max_held: usize,
+    seconds: Mutex<(BTreeMap<u64, HashSet<Uuid>>, usize)>,
+}
+
+impl SeenUuids {
+    /// Remembers uuids as long as `window` accepts their timestamps, at most [`MAX_LOCAL`].
+    pub fn new(window: SkewWindow) -> Self {
+        Self::with_limit(window, MAX_LOCAL)
+    }
+
+    /// [`SeenUuids::new`] holding at most `max_held` uuids.
+    pub fn with_limit(window: SkewWindow, max_held: usize) -> Self {
+        Self {
+            max_age_ms: window.max_age_ms,
+            max_held,
+            seconds: Mutex::default(),
+        }
+    }
+
+    /// Admits `uuid` of a request stamped `timestamp_ms` (already inside the window at `now_ms`).
+    pub fn admit(&self, uuid: Uuid, timestamp_ms: u64, now_ms: u64) -> Local {
+        let mut guard = self.seconds.lock().unwrap_or_else(|e| e.into_inner());
+        let (seconds, held) = &mut *guard;
+        // Seconds whose last millisecond is older than the window: nothing stamped then passes
+        // the clock check any more.
+        while let Some(entry) = seconds.first_entry() {
+            if (entry.key() + 1) * 1000 + self.max_age_ms >= now_ms {
+                break;
+            }
+            *held -= entry.remove().len();
+        }
+        let second = seconds.entry(timestamp_ms / 1000).or_default();
+        if second.contains(&uuid) {
+            return Local::Replayed;
+        }
+        if *held >= self.max_held {
+            return Local::Full;
+        }
+        second.insert(uuid);
+        *held += 1;
+        Local::Fresh
+    }
+
+    /// How many uuids are held.
+    pub fn len(&self) -> usize {
+        self.seconds.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Both replay caches.
 pub struct ReplayCache {
+    /// This process's memory.
+    pub local: SeenUuids,
     batcher: Batcher<Insert>,
 }
 
 impl ReplayCache {
-    /// A cache over `db`'s `request_uuids` table.
-    pub fn new(db: PgPool) -> Self {
+    /// A cache over `db`'s `request_uuids` table, and this process's memory for `window`.
+    pub fn new(db: PgPool, window: SkewWindow) -> Self {
         Self {
+            local: SeenUuids::new(window),
             batcher: Batcher::new(Insert { db }, MAX_BATCH, MAX_FLUSHES),
         }
     }
 
-    /// Records `uuid`: `Ok(true)` if it was new (committed, so every process now refuses it),
-    /// `Ok(false)` if it was seen before (by any process, or earlier in the same batch).
+    /// Records `uuid` in the shared cache: `Ok(true)` if it was new (committed, so every process
+    /// now refuses it), `Ok(false)` if it was seen before (by any process, or earlier in the same
+    /// batch).
     pub async fn record(&self, uuid: Uuid) -> Result<bool, ReplayError> {
         self.batcher
             .submit(uuid)
             .await
             .map_err(|_| ReplayError::Stopped)?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_uuid_is_admitted_once_and_forgotten_after_the_window() {
+        let window = SkewWindow {
+            max_age_ms: 10_000,
+            max_future_ms: 5_000,
+        };
+        let seen = SeenUuids::new(window);
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let ts = 1_000_000_500;
+        assert_eq!(seen.admit(a, ts, ts), Local::Fresh);
+        assert_eq!(seen.admit(a, ts, ts + 1), Local::Replayed);
+        // Still refused at the last moment the clock check would let it through.
+        assert_eq!(seen.admit(a, ts, ts + window.max_age_ms), Local::Replayed);
+        assert_eq!(seen.admit(b, ts + 3_000, ts + 1), Local::Fresh);
+        assert_eq!(seen.len(), 2);
+        // Once no timestamp of its second can pass the clock check, the second is dropped.
+        let later = (ts / 1000 + 1) * 1000 + window.max_age_ms + 1;
+        assert_eq!(seen.admit(Uuid::new_v4(), later, later), Local::Fresh);
+        assert_eq!(seen.len(), 2, "a's second was not forgotten");
+        assert_eq!(seen.admit(b, ts + 3_000, later), Local::Replayed);
+    }
+
+    #[test]
+    fn a_full_memory_says_so_and_still_refuses_what_it_holds() {
+        let seen = SeenUuids::with_limit(SkewWindow::default(), 2);
+        let held = [Uuid::new_v4(), Uuid::new_v4()];
+        for u in held {
+            assert_eq!(seen.admit(u, 5_000, 5_000), Local::Fresh);
+        }
+        assert_eq!(seen.admit(Uuid::new_v4(), 5_000, 5_000), Local::Full);
+        assert_eq!(seen.admit(held[1], 5_000, 5_000), Local::Replayed);
+        assert_eq!(seen.len(), 2);
     }
 }

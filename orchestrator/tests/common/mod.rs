@@ -15,7 +15,7 @@ use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RegisterResponse, RunConfig};
 use iota_protocol::signing::{RequestSigner, SkewWindow};
 use iota_protocol::tensor::WireEncoding;
-use iota_protocol::{ApiClient, RetryPolicy};
+use iota_protocol::{ApiClient, ApiError, ErrorCode, RetryPolicy};
 use sp_core::Pair as _;
 use sp_core::sr25519;
 
@@ -301,4 +301,120 @@ pub async fn registered_miner(base: &str, seed: u8) -> (ApiClient, RegisterRespo
         .await
         .expect("register");
     (client, joined)
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+}
+
+/// Signed requests built by hand, to send what no well-behaved client would.
+pub struct Raw {
+    pub http: reqwest::Client,
+    pub base: String,
+    pub receiver: String,
+}
+
+impl Raw {
+    /// A sender to the orchestrator at `base` (hotkey `pair(200)`, as [`config`] sets).
+    pub fn to(base: &str) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: base.into(),
+            receiver: pair(200).ss58(),
+        }
+    }
+
+    /// Sends `method path` with `body`, signed by `signer` for `signed_method signed_path` at
+    /// `ts`, with `uuid`; the status and the answer's bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_bytes(
+        &self,
+        signer: &dyn RequestSigner,
+        method: reqwest::Method,
+        path: &str,
+        signed_method: &str,
+        signed_path: &str,
+        body: Vec<u8>,
+        ts: u64,
+        uuid: uuid::Uuid,
+    ) -> (u16, Vec<u8>) {
+        let headers = iota_protocol::signing::sign_request(
+            signer,
+            &self.receiver,
+            signed_method,
+            signed_path,
+            &body,
+            ts,
+            uuid,
+        );
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        for (k, v) in headers.headers {
+            req = req.header(k, v);
+        }
+        let resp = req
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("request");
+        let status = resp.status().as_u16();
+        (status, resp.bytes().await.expect("body").to_vec())
+    }
+
+    /// [`Raw::send_bytes`], with the answer read as the API's error body (if it is one).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send(
+        &self,
+        signer: &dyn RequestSigner,
+        method: reqwest::Method,
+        path: &str,
+        signed_method: &str,
+        signed_path: &str,
+        body: Vec<u8>,
+        ts: u64,
+        uuid: uuid::Uuid,
+    ) -> (u16, Option<ApiError>) {
+        let (status, bytes) = self
+            .send_bytes(
+                signer,
+                method,
+                path,
+                signed_method,
+                signed_path,
+                body,
+                ts,
+                uuid,
+            )
+            .await;
+        (status, serde_json::from_slice(&bytes).ok())
+    }
+
+    /// A well-signed request (now, a fresh uuid).
+    pub async fn signed(
+        &self,
+        signer: &dyn RequestSigner,
+        method: reqwest::Method,
+        path: &str,
+        body: Vec<u8>,
+    ) -> (u16, Option<ApiError>) {
+        let m = method.as_str().to_owned();
+        self.send(
+            signer,
+            method,
+            path,
+            &m,
+            path,
+            body,
+            now_ms(),
+            uuid::Uuid::new_v4(),
+        )
+        .await
+    }
+}
+
+pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
+    r.1.as_ref().map(|e| e.code)
 }
