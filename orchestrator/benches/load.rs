@@ -5,21 +5,26 @@
 //!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
 //!   the same client concurrency (one closed loop per miner, or each miner polling once per
 //!   `IOTA_BENCH_POLL_INTERVAL_MS` as idle miners do), alternating in one run;
+//! * CPU time per request of each route: the orchestrator's threads, the client's and
+//!   PostgreSQL's (from Linux's `schedstat`), which a shared machine's other load moves less than
+//!   the request rates;
 //! * activation upload and download MB/s through the orchestrator (local directory store);
 //! * microseconds per signature verified one by one and through the batched verifier.
 //!
 //! `cargo bench -p iota-orchestrator --bench load`. Client and server share this machine, so both
 //! figures include the client's own HTTP cost. What a signed poll's figure includes: the server's
-//! whole work (body buffering, sr25519 verification, metagraph and rate-limit checks, the shared
-//! replay cache in PostgreSQL, the poll's SQL, the JSON answer) and the client's HTTP request and
+//! whole work (body buffering, sr25519 verification, metagraph and rate-limit checks, the replay
+//! caches, the poll view or the poll's SQL, the JSON answer) and the client's HTTP request and
 //! answer. It leaves out the client's signing: each miner's polls are signed before the window
 //! (all stamped a few seconds ahead, inside the server's accepted clock window, each with its own
 //! uuid), since a real miner signs on its own machine. The run prints how many were pre-signed
 //! and how many had to be signed inside the window (when a miner's pool ran out).
 //! `IOTA_BENCH_SIGN_IN_LOOP=1` signs every poll inside the loop, as the client's cost was counted
-//! before. In closed loops a route's latency is about miners / throughput (Little's law), the
-//! no-op's included; latency targets are for paced runs (`IOTA_BENCH_POLL_INTERVAL_MS=1000`).
-//! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default).
+//! before. A miner whose poll is leased work stops polling for the rest of the window (a real
+//! miner computes its hops instead); the run prints how many did. In closed loops a route's
+//! latency is about miners / throughput (Little's law), the no-op's included; latency targets are
+//! for paced runs (`IOTA_BENCH_POLL_INTERVAL_MS=1000`). `IOTA_BENCH_DB_CONNECTIONS` sets the
+//! orchestrator's pool (32, the CLI's default). The process uses the `iota` binary's allocator.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -42,8 +47,13 @@ use iota_protocol::signing::{
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
 use rand::{Rng, SeedableRng};
+use reqwest::Method;
 use sp_core::Pair as _;
 use sp_core::sr25519;
+
+// The allocator of the `iota` binary, which serves the orchestrator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const MINERS: usize = 1000;
 /// Miners on stage 0 that move activations in the transfer part.
@@ -145,7 +155,11 @@ struct Window {
     error_statuses: std::collections::BTreeMap<u16, usize>,
     /// Most requests one miner sent, warm-up included.
     busiest_miner: usize,
+    /// Miners that were leased work (and stopped polling).
+    got_work: usize,
     latencies_us: Vec<u32>,
+    /// CPU spent over the measured window, by side.
+    cpu: Option<CpuSplit>,
 }
 
 impl Window {
@@ -168,7 +182,7 @@ enum Kind {
     SignedPoll,
 }
 
-/// Headers of one signed work poll, parsed once when signed (as a miner's own machine would).
+/// Headers of one signed work poll.
 type Headers = reqwest::header::HeaderMap;
 
 const WORK_PATH: &str = "/v1/miner/work";
@@ -200,6 +214,83 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
     headers
 }
 
+/// Each header of one poll: its name and the span of its value in the pool's buffer.
+type Spans = Vec<(&'static str, usize, usize)>;
+
+/// One miner's polls signed ahead, as a miner's own machine would have them: every header value
+/// of every poll in one buffer, so that a request's headers are slices of it. Nothing is
+/// allocated per value in the loop, and nothing is freed there that a signing thread allocated
+/// (glibc frees across threads slowly, and that cost was the client's, not the server's).
+#[derive(Default)]
+struct Presigned {
+    values: Bytes,
+    polls: Vec<Spans>,
+    next: usize,
+}
+
+/// A [`Presigned`] being filled.
+#[derive(Default)]
+struct Signing {
+    values: Vec<u8>,
+    polls: Vec<Spans>,
+}
+
+impl Signing {
+    fn sign(&mut self, pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) {
+        let signed = sign_request(
+            pair,
+            orchestrator,
+            "POST",
+            WORK_PATH,
+            body,
+            timestamp_ms,
+            uuid::Uuid::new_v4(),
+        );
+        let spans = signed
+            .headers
+            .iter()
+            .map(|(name, value)| {
+                let start = self.values.len();
+                self.values.extend_from_slice(value.as_bytes());
+                (*name, start, self.values.len())
+            })
+            .collect();
+        self.polls.push(spans);
+    }
+
+    fn done(self) -> Presigned {
+        Presigned {
+            values: Bytes::from(self.values),
+            polls: self.polls,
+            next: 0,
+        }
+    }
+}
+
+impl Presigned {
+    fn len(&self) -> usize {
+        self.polls.len()
+    }
+
+    /// The next poll's headers, or `None` when all are used.
+    fn next_headers(&mut self) -> Option<Headers> {
+        let spans = self.polls.get(self.next)?;
+        self.next += 1;
+        let mut headers = Headers::with_capacity(spans.len() + 1);
+        headers.insert(
+            reqwest::header::CONTENT_TYPE,
+            reqwest::header::HeaderValue::from_static("application/json"),
+        );
+        for &(name, start, end) in spans {
+            let value =
+                reqwest::header::HeaderValue::from_maybe_shared(self.values.slice(start..end))
+                    .ok()?;
+            headers.insert(reqwest::header::HeaderName::from_static(name), value);
+        }
+        Some(headers)
+    }
+}
+
 /// How far ahead of the signing clock pre-signed polls are stamped. The server takes timestamps
 /// up to 5 s ahead and 10 s old, so one stamp covers a 2 s warm-up and an 8 s window as long as
 /// signing ends within this lead.
@@ -208,36 +299,41 @@ const PRESIGN_LEAD_MS: u64 = 4_500;
 const PRESIGN_BUDGET: Duration = Duration::from_millis(3_500);
 
 /// Signs up to `per_miner` polls for every miner, on every client thread, all stamped
-/// `PRESIGN_LEAD_MS` ahead of now, one poll per miner in turn so that the pools stay even when
-/// `PRESIGN_BUDGET` ends the signing early. Returns the pools, the fewest polls one miner got
-/// and the seconds it took.
+/// `PRESIGN_LEAD_MS` ahead of now, stopping at `PRESIGN_BUDGET`. Returns the pools, the fewest
+/// polls one miner got and the seconds it took.
 fn presign(
     pairs: &[Arc<sr25519::Pair>],
     orchestrator: &str,
     per_miner: usize,
-) -> (Vec<Vec<Headers>>, usize, f64) {
+) -> (Vec<Presigned>, usize, f64) {
     let started = Instant::now();
     let deadline = started + PRESIGN_BUDGET;
     let stamp = now_ms() + PRESIGN_LEAD_MS;
     let body = work_body();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let chunk = pairs.len().div_ceil(threads).max(1);
+    // Each thread signs its miners in rounds of a few polls each, so that the pools stay even
+    // when the budget ends the signing early.
+    const ROUND: usize = 16;
     let pools = std::thread::scope(|scope| {
         let workers: Vec<_> = pairs
             .chunks(chunk)
             .map(|chunk| {
                 let body = &body;
                 scope.spawn(move || {
-                    let mut pools: Vec<Vec<Headers>> = vec![Vec::new(); chunk.len()];
-                    for _ in 0..per_miner {
-                        if Instant::now() >= deadline {
-                            break;
-                        }
+                    let mut pools: Vec<Signing> =
+                        chunk.iter().map(|_| Signing::default()).collect();
+                    let mut signed = 0;
+                    while signed < per_miner && Instant::now() < deadline {
+                        let n = ROUND.min(per_miner - signed);
                         for (pool, pair) in pools.iter_mut().zip(chunk) {
-                            pool.push(sign_poll(pair, orchestrator, body, stamp));
+                            for _ in 0..n {
+                                pool.sign(pair, orchestrator, body, stamp);
+                            }
                         }
+                        signed += n;
                     }
-                    pools
+                    pools.into_iter().map(Signing::done).collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -246,7 +342,7 @@ fn presign(
             .flat_map(|w| w.join().unwrap_or_default())
             .collect::<Vec<_>>()
     });
-    let fewest = pools.iter().map(Vec::len).min().unwrap_or(0);
+    let fewest = pools.iter().map(Presigned::len).min().unwrap_or(0);
     (pools, fewest, started.elapsed().as_secs_f64())
 }
 
@@ -262,7 +358,7 @@ async fn closed_loops(
     base: &str,
     orchestrator: &str,
     pairs: &[Arc<sr25519::Pair>],
-    presigned: Vec<Vec<Headers>>,
+    presigned: Vec<Presigned>,
 ) -> Window {
     eprintln!(
         "{} window",
@@ -276,17 +372,21 @@ async fn closed_loops(
     let end = measure_from + WINDOW;
     let body = Bytes::from(work_body());
     let mut presigned = presigned.into_iter();
+    // Parsed once: both routes build their requests the same way.
+    let work_url = reqwest::Url::parse(&format!("{base}{WORK_PATH}")).expect("work URL");
+    let noop_url = reqwest::Url::parse(&format!("{base}/v1/noop")).expect("no-op URL");
     let loops = pairs.iter().map(|pair| {
         let http = http.clone();
         let body = body.clone();
         let pair = pair.clone();
-        let mut pool = presigned.next().unwrap_or_default().into_iter();
-        let work_url = format!("{base}{WORK_PATH}");
-        let noop_url = format!("{base}/v1/noop");
+        let orchestrator = orchestrator.to_owned();
+        let mut pool = presigned.next().unwrap_or_default();
+        let (work_url, noop_url) = (work_url.clone(), noop_url.clone());
         async move {
             let mut ok = 0usize;
             let mut errors = std::collections::BTreeMap::new();
             let mut signed_in_loop = 0usize;
+            let mut got_work = false;
             let mut sent = 0usize;
             let mut latencies = Vec::new();
             // Paced miners start spread over one interval, then poll once per interval.
@@ -302,25 +402,32 @@ async fn closed_loops(
                     break;
                 }
                 let req = match kind {
-                    Kind::Noop => http.get(&noop_url),
+                    Kind::Noop => reqwest::Request::new(Method::GET, noop_url.clone()),
                     Kind::SignedPoll => {
-                        let headers = pool.next().unwrap_or_else(|| {
+                        let headers = pool.next_headers().unwrap_or_else(|| {
                             signed_in_loop += 1;
-                            sign_poll(pair.as_ref(), orchestrator, &body, now_ms())
+                            sign_poll(pair.as_ref(), &orchestrator, &body, now_ms())
                         });
-                        http.post(&work_url).headers(headers).body(body.clone())
+                        let mut req = reqwest::Request::new(Method::POST, work_url.clone());
+                        *req.headers_mut() = headers;
+                        *req.body_mut() = Some(body.clone().into());
+                        req
                     }
                 };
                 sent += 1;
-                let (good, status) = match req.send().await {
+                let (good, status, leased) = match http.execute(req).await {
                     Ok(resp) => {
                         let status = resp.status();
-                        (
-                            resp.bytes().await.is_ok() && status.is_success(),
-                            status.as_u16(),
-                        )
+                        let body = resp.bytes().await;
+                        // `WorkResponse` serialises `items` first: anything but an empty list
+                        // is work leased to this miner.
+                        let leased = kind == Kind::SignedPoll
+                            && body
+                                .as_ref()
+                                .is_ok_and(|b| !b.starts_with(br#"{"items":[]"#));
+                        (body.is_ok() && status.is_success(), status.as_u16(), leased)
                     }
-                    Err(_) => (false, 0),
+                    Err(_) => (false, 0, false),
                 };
                 let t1 = Instant::now();
                 if t0 >= measure_from && t1 <= end {
@@ -331,21 +438,46 @@ async fn closed_loops(
                         *errors.entry(status).or_insert(0usize) += 1;
                     }
                 }
+                // A miner given work computes it (seconds of a real stage's forward or backward)
+                // instead of polling again; these do nothing with it for the rest of the window.
+                // Polling on in a closed loop while holding a lease would be a client no real
+                // miner is: every such poll re-reads its leases from the database.
+                if good && leased {
+                    got_work = true;
+                    break;
+                }
             }
-            (ok, errors, signed_in_loop, sent, latencies)
+            (ok, errors, signed_in_loop, sent, latencies, got_work)
         }
     });
-    let results = futures::future::join_all(loops).await;
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let before = CpuSplit::now();
+        tokio::time::sleep_until(end.into()).await;
+        CpuSplit::now()
+            .zip(before)
+            .map(|(after, before)| after.since(before))
+    });
+    // Each loop is a task of the client runtime, beside its connection's task (a loop polled by
+    // the bench's own thread handed every request and answer across threads).
+    let results: Vec<_> = futures::future::join_all(loops.map(tokio::spawn))
+        .await
+        .into_iter()
+        .filter_map(Result::ok)
+        .collect();
     let mut w = Window {
         requests: 0,
         errors: 0,
         signed_in_loop: 0,
         error_statuses: Default::default(),
         busiest_miner: 0,
+        got_work: 0,
         latencies_us: Vec::new(),
+        cpu: cpu.await.ok().flatten(),
     };
-    for (ok, errors, signed_in_loop, sent, lat) in results {
+    for (ok, errors, signed_in_loop, sent, lat, got_work) in results {
         w.requests += ok;
+        w.got_work += usize::from(got_work);
         w.errors += errors.values().sum::<usize>();
         for (status, n) in errors {
             *w.error_statuses.entry(status).or_insert(0) += n;
@@ -356,6 +488,63 @@ async fn closed_loops(
     }
     w.latencies_us.sort_unstable();
     w
+}
+
+/// CPU time so far, in nanoseconds (Linux's `schedstat`): the orchestrator's threads (its
+/// runtime is named `orchestrator`, blocking threads included), the client's (every other thread
+/// of this process) and PostgreSQL's processes.
+#[derive(Clone, Copy, Default)]
+struct CpuSplit {
+    server_ns: u64,
+    client_ns: u64,
+    postgres_ns: u64,
+}
+
+impl CpuSplit {
+    fn now() -> Option<Self> {
+        let mut split = Self::default();
+        for task in std::fs::read_dir("/proc/self/task").ok()? {
+            let path = task.ok()?.path();
+            let ns = schedstat_ns(&path)?;
+            let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+            if name.trim_end() == "orchestrator" {
+                split.server_ns += ns;
+            } else {
+                split.client_ns += ns;
+            }
+        }
+        for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+            let path = proc.path();
+            let is_pid = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
+            if is_pid
+                && std::fs::read_to_string(path.join("comm"))
+                    .is_ok_and(|c| c.trim_end() == "postgres")
+            {
+                split.postgres_ns += schedstat_ns(&path).unwrap_or(0);
+            }
+        }
+        Some(split)
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            server_ns: self.server_ns.saturating_sub(before.server_ns),
+            client_ns: self.client_ns.saturating_sub(before.client_ns),
+            postgres_ns: self.postgres_ns.saturating_sub(before.postgres_ns),
+        }
+    }
+}
+
+fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(path.join("schedstat"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// CPU time of every thread of this process so far, in nanoseconds (Linux's per-thread
@@ -720,9 +909,36 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     }
     for (r, ((fewest, secs), s)) in presigning.iter().zip(&signed).enumerate() {
         println!(
-            "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it",
+            "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling",
             r + 1,
-            s.signed_in_loop
+            s.signed_in_loop,
+            s.got_work
+        );
+    }
+    // CPU per request over all windows of a route: less moved by other load on a shared
+    // machine than the request rates are.
+    let cpu_per_request = |ws: &[Window]| -> Option<(f64, f64, f64)> {
+        let requests: usize = ws.iter().map(|w| w.requests).sum();
+        let mut sum = CpuSplit::default();
+        for w in ws {
+            let c = w.cpu?;
+            sum.server_ns += c.server_ns;
+            sum.client_ns += c.client_ns;
+            sum.postgres_ns += c.postgres_ns;
+        }
+        let per = |ns: u64| ns as f64 / 1e3 / requests.max(1) as f64;
+        Some((per(sum.server_ns), per(sum.client_ns), per(sum.postgres_ns)))
+    };
+    if let (Some(n), Some(s)) = (cpu_per_request(&noop), cpu_per_request(&signed)) {
+        for (name, (server, client, pg)) in [("no-op", n), ("signed poll", s)] {
+            println!(
+                "CPU per request, {name}: {:.1} us (server {server:.1}, client {client:.1}, PostgreSQL {pg:.1})",
+                server + client + pg
+            );
+        }
+        println!(
+            "no-op / signed poll CPU per request: {:.1}%",
+            100.0 * (n.0 + n.1 + n.2) / (s.0 + s.1 + s.2)
         );
     }
     let mean = |ws: &[Window]| ws.iter().map(Window::rps).sum::<f64>() / ws.len() as f64;
@@ -748,6 +964,28 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         n_down as f64 * mb / download_s
     );
 
+    // How the server batched its work over the whole run (the orchestrator's own metrics).
+    if let Ok(text) = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await
+    {
+        for name in ["iota_signature_batch_size", "iota_replay_batch_size"] {
+            let value = |suffix: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&format!("{name}_{suffix} ")))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            };
+            if let (Some(sum), Some(count)) = (value("sum"), value("count")) {
+                println!(
+                    "{name}: {count:.0} batches, {:.1} per batch on average",
+                    sum / count.max(1.0)
+                );
+            }
+        }
+    }
     let _ = stop_tx.send(());
     served.await??;
     net.stop().await;
