@@ -217,14 +217,14 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
 /// Each header of one poll: its name and the span of its value in the pool's buffer.
 type Spans = Vec<(&'static str, usize, usize)>;
 
-/// One miner's polls signed ahead, as a miner's own machine would have them: every header value
-/// of every poll in one buffer, so that a request's headers are slices of it. Nothing is
-/// allocated per value in the loop, and nothing is freed there that a signing thread allocated
-/// (glibc frees across threads slowly, and that cost was the client's, not the server's).
+/// One poll's signed headers, parsed when signed (as a miner's own machine would).
+type SignedHeaders = Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>;
+
+/// One miner's polls signed ahead: every header value of every poll is a slice of one buffer,
+/// so that nothing is allocated per value and nothing validated again in the loop.
 #[derive(Default)]
 struct Presigned {
-    values: Bytes,
-    polls: Vec<Spans>,
+    polls: Vec<SignedHeaders>,
     next: usize,
 }
 
@@ -259,11 +259,24 @@ impl Signing {
     }
 
     fn done(self) -> Presigned {
-        Presigned {
-            values: Bytes::from(self.values),
-            polls: self.polls,
-            next: 0,
-        }
+        let values = Bytes::from(self.values);
+        let polls = self
+            .polls
+            .into_iter()
+            .map(|spans| {
+                spans
+                    .into_iter()
+                    .filter_map(|(name, start, end)| {
+                        let value = reqwest::header::HeaderValue::from_maybe_shared(
+                            values.slice(start..end),
+                        )
+                        .ok()?;
+                        Some((reqwest::header::HeaderName::from_static(name), value))
+                    })
+                    .collect()
+            })
+            .collect();
+        Presigned { polls, next: 0 }
     }
 }
 
@@ -274,18 +287,15 @@ impl Presigned {
 
     /// The next poll's headers, or `None` when all are used.
     fn next_headers(&mut self) -> Option<Headers> {
-        let spans = self.polls.get(self.next)?;
+        let signed = std::mem::take(self.polls.get_mut(self.next)?);
         self.next += 1;
-        let mut headers = Headers::with_capacity(spans.len() + 1);
+        let mut headers = Headers::with_capacity(signed.len() + 1);
         headers.insert(
             reqwest::header::CONTENT_TYPE,
             reqwest::header::HeaderValue::from_static("application/json"),
         );
-        for &(name, start, end) in spans {
-            let value =
-                reqwest::header::HeaderValue::from_maybe_shared(self.values.slice(start..end))
-                    .ok()?;
-            headers.insert(reqwest::header::HeaderName::from_static(name), value);
+        for (name, value) in signed {
+            headers.insert(name, value);
         }
         Some(headers)
     }

@@ -102,6 +102,16 @@ pub struct AppState {
     pub poll_view: crate::poll_view::PollView,
     per_hotkey: KeyedLimiter<[u8; 32]>,
     per_ip: KeyedLimiter<IpAddr>,
+    counters: std::sync::OnceLock<Counters>,
+}
+
+/// Counters of the hottest paths, registered once (`metrics::counter!` builds and looks up its
+/// key on every call).
+pub struct Counters {
+    /// Work polls answered from the poll view.
+    pub polls_from_view: metrics::Counter,
+    /// Work polls that went on to the database.
+    pub polls_from_database: metrics::Counter,
 }
 
 fn quota(rps: u32, burst: u32) -> Quota {
@@ -139,12 +149,24 @@ impl AppState {
             max_merge_rounds,
             per_hotkey: RateLimiter::keyed(quota(limits.per_hotkey_rps, limits.per_hotkey_burst)),
             per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
+            counters: std::sync::OnceLock::new(),
         }
     }
 
     /// The run's config.
     pub fn config(&self) -> &RunConfig {
         &self.run.config
+    }
+
+    /// The hot paths' counters (registered on first use, so after the recorder is installed).
+    pub fn counters(&self) -> &Counters {
+        self.counters.get_or_init(|| Counters {
+            polls_from_view: metrics::counter!("iota_work_polls_total", "answered_from" => "view"),
+            polls_from_database: metrics::counter!(
+                "iota_work_polls_total",
+                "answered_from" => "database"
+            ),
+        })
     }
 
     /// Whether this process is the phase driver.
@@ -405,11 +427,6 @@ pub struct Authenticating {
 }
 
 impl Authenticating {
-    /// The signer's canonical address (not yet proven: the signature is checked by `finish`).
-    pub fn claimed_ss58(&self) -> &str {
-        &self.signer.ss58
-    }
-
     /// Verifies the signature (batched with whatever else is waiting), then the validator
     /// permit, the per-hotkey rate limit (after the signature, so that nobody can spend another
     /// hotkey's quota) and the uuid.

@@ -261,13 +261,11 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     let (parts, body) = request.into_parts();
     let bytes = app::read_body(&parts, body, app.limits.json_body_bytes).await?;
     let auth = app::authenticate(&app, &parts, &bytes)?;
-    // Read while the request is still in this core's cache (the signature check waits for a
-    // batch, and after it everything here would be read cold). Nothing acts on them until the
-    // signature holds, and a bad body is reported only then, as behind the gate. The glance may
-    // be the length of a batch old: the view may always be a little behind (see `poll_view`).
+    // Parsed while the request is still in this core's cache (the signature check waits for a
+    // batch, and after it everything here would be read cold). Nothing acts on it until the
+    // signature holds, and a bad body is reported only then, as behind the gate.
     let parsed: ApiResult<WorkRequest> = app::json_body(&parts.headers, &bytes);
-    let glance = app.poll_view.glance(auth.claimed_ss58());
-    let (caller, mut uuid) = auth
+    let (caller, uuid) = auth
         .finish(
             &app,
             SignedRoutes {
@@ -281,40 +279,53 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
     // Most polls find nothing to do: the poll view answers those from memory (see `poll_view`
-    // for why a view a little behind is safe).
-    if let Some(glance) = glance
+    // for why a view a little behind is safe). Read after the signature check, not before: a
+    // hop routed to this miner while its poll waited for the batch is then seen in this answer.
+    if let Some(glance) = app.poll_view.glance(&caller.ss58)
         && !glance.open_tasks
         && !may_start_samples(cfg, glance.stage, &glance.status)
     {
         app.poll_view.seen(&caller.ss58);
-        metrics::counter!("iota_work_polls_total", "answered_from" => "view").increment(1);
+        app.counters().polls_from_view.increment(1);
         return Ok(Json(WorkResponse {
             items: Vec::new(),
             status: glance.status,
         }));
     }
-    metrics::counter!("iota_work_polls_total", "answered_from" => "database").increment(1);
+    app.counters().polls_from_database.increment(1);
+    // Boxed: the poll's own future stays small (it is moved about on every idle poll).
+    Box::pin(lease(&app, &caller, uuid, max)).await.map(Json)
+}
+
+/// A work poll past the poll view: held leases, pending hops and new samples, from the database.
+async fn lease(
+    app: &App,
+    caller: &Caller,
+    mut uuid: app::PendingUuid,
+    max: i64,
+) -> ApiResult<WorkResponse> {
+    let cfg = app.config();
     // Before anything is leased: a replay of this poll is refused by every process from now on.
-    uuid.record(&app).await?;
+    uuid.record(app).await?;
     // Otherwise one statement (see POLL_SQL), no transaction. Only a stage-0 miner that may
     // still start samples needs a transaction after it.
-    let (stage, mut items, mut status) = poll(&app, &caller, max).await?;
+    let (stage, mut items, mut status) = poll(app, caller, max).await?;
     let room = max - items.len() as i64;
     // Once the epoch's sample budget is spent, stage 0 polls skip the locking budget update.
     if room > 0 && may_start_samples(cfg, stage, &status) {
         let mut tx = app.db.begin().await?;
-        let started = start_samples(&mut tx, &app, &caller, status.epoch, room).await?;
+        let started = start_samples(&mut tx, app, caller, status.epoch, room).await?;
         tx.commit().await?;
         if !started.is_empty() {
-            status = views::epoch_status(&app).await?;
+            status = views::epoch_status(app).await?;
         }
         items.extend(started);
     }
     for item in &mut items {
-        presign_input(&app, item).await?;
+        presign_input(app, item).await?;
     }
     metrics::counter!("iota_work_items_leased_total").increment(items.len() as u64);
-    Ok(Json(WorkResponse { items, status }))
+    Ok(WorkResponse { items, status })
 }
 
 /// Whether a miner of `stage` may be given new samples now.

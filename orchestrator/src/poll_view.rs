@@ -38,6 +38,8 @@ pub const RELOAD_EVERY: Duration = Duration::from_secs(10);
 pub const TOUCH_EVERY: Duration = Duration::from_secs(1);
 /// Wait after a failed read or a lost listener before trying again.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Shards of the set of miners seen.
+const SEEN_SHARDS: usize = 8;
 /// More changed miners than this between two reads are read all at once.
 const MAX_DIRTY: usize = 10_000;
 
@@ -80,7 +82,9 @@ struct Shared {
     /// Counts the listener's connections: a full read makes the view ready only if no
     /// connection was lost or made while it ran.
     connections: AtomicU64,
-    seen: Mutex<HashSet<String>>,
+    /// Miners seen since the last write, by a hash of the hotkey (so that polls on different
+    /// threads rarely wait for each other).
+    seen: [Mutex<HashSet<String>>; SEEN_SHARDS],
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -97,7 +101,7 @@ impl Shared {
             wake: Notify::new(),
             listening: AtomicBool::new(false),
             connections: AtomicU64::new(0),
-            seen: Mutex::default(),
+            seen: std::array::from_fn(|_| Mutex::default()),
         }
     }
 
@@ -200,7 +204,10 @@ impl PollView {
 
     /// Marks `hotkey` (an active miner the view knows) seen, written within [`TOUCH_EVERY`].
     pub(crate) fn seen(&self, hotkey: &str) {
-        let mut seen = lock(&self.shared.seen);
+        let shard = hotkey
+            .bytes()
+            .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b.into()));
+        let mut seen = lock(&self.shared.seen[shard % SEEN_SHARDS]);
         if !seen.contains(hotkey) {
             seen.insert(hotkey.to_owned());
         }
@@ -342,7 +349,11 @@ async fn read_status(shared: &Shared) -> Result<EpochStatus, String> {
 /// Marks the miners seen by polls answered here (rows another statement holds are skipped:
 /// their miners poll again within a second).
 async fn touch_seen(shared: &Shared) {
-    let hotkeys: Vec<String> = lock(&shared.seen).drain().collect();
+    let hotkeys: Vec<String> = shared
+        .seen
+        .iter()
+        .flat_map(|shard| lock(shard).drain().collect::<Vec<_>>())
+        .collect();
     if hotkeys.is_empty() {
         return;
     }

@@ -100,9 +100,17 @@ pub enum Local {
 /// a second is forgotten once every timestamp in it is older than the clock window accepts.
 pub struct SeenUuids {
     max_age_ms: u64,
+    /// Most uuids per shard.
     max_held: usize,
-    seconds: Mutex<(BTreeMap<u64, HashSet<Uuid>>, usize)>,
+    /// By the uuid's first byte: requests on different threads rarely wait for each other (a
+    /// thread preempted while holding the one lock held up every other request).
+    shards: [Mutex<Shard>; SHARDS],
 }
+
+const SHARDS: usize = 16;
+
+/// Uuids by their timestamp's second, and how many.
+type Shard = (BTreeMap<u64, HashSet<Uuid>>, usize);
 
 impl SeenUuids {
     /// Remembers uuids as long as `window` accepts their timestamps, at most [`MAX_LOCAL`].
@@ -110,18 +118,25 @@ impl SeenUuids {
         Self::with_limit(window, MAX_LOCAL)
     }
 
-    /// [`SeenUuids::new`] holding at most `max_held` uuids.
+    /// [`SeenUuids::new`] holding at most about `max_held` uuids (the limit is per shard, so a
+    /// shard can be full a little before all are).
     pub fn with_limit(window: SkewWindow, max_held: usize) -> Self {
         Self {
             max_age_ms: window.max_age_ms,
-            max_held,
-            seconds: Mutex::default(),
+            max_held: max_held.div_ceil(SHARDS),
+            shards: std::array::from_fn(|_| Mutex::default()),
         }
+    }
+
+    fn shard(&self, uuid: &Uuid) -> std::sync::MutexGuard<'_, Shard> {
+        self.shards[usize::from(uuid.as_bytes()[0]) % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Admits `uuid` of a request stamped `timestamp_ms` (already inside the window at `now_ms`).
     pub fn admit(&self, uuid: Uuid, timestamp_ms: u64, now_ms: u64) -> Local {
-        let mut guard = self.seconds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.shard(&uuid);
         let (seconds, held) = &mut *guard;
         // Seconds whose last millisecond is older than the window: nothing stamped then passes
         // the clock check any more.
@@ -145,7 +160,10 @@ impl SeenUuids {
 
     /// How many uuids are held.
     pub fn len(&self) -> usize {
-        self.seconds.lock().unwrap_or_else(|e| e.into_inner()).1
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).1)
+            .sum()
     }
 
     /// Whether none is held.
@@ -200,22 +218,41 @@ mod tests {
         assert_eq!(seen.admit(a, ts, ts + window.max_age_ms), Local::Replayed);
         assert_eq!(seen.admit(b, ts + 3_000, ts + 1), Local::Fresh);
         assert_eq!(seen.len(), 2);
-        // Once no timestamp of its second can pass the clock check, the second is dropped.
+        // Once no timestamp of its second can pass the clock check, the second is dropped (by
+        // the next admission to its shard).
         let later = (ts / 1000 + 1) * 1000 + window.max_age_ms + 1;
-        assert_eq!(seen.admit(Uuid::new_v4(), later, later), Local::Fresh);
+        let mut same_shard = *Uuid::new_v4().as_bytes();
+        same_shard[0] = a.as_bytes()[0];
+        assert_eq!(
+            seen.admit(Uuid::from_bytes(same_shard), later, later),
+            Local::Fresh
+        );
         assert_eq!(seen.len(), 2, "a's second was not forgotten");
         assert_eq!(seen.admit(b, ts + 3_000, later), Local::Replayed);
+        assert_eq!(
+            seen.admit(a, ts, later),
+            Local::Fresh,
+            "a forgotten second still held a"
+        );
     }
 
     #[test]
     fn a_full_memory_says_so_and_still_refuses_what_it_holds() {
-        let seen = SeenUuids::with_limit(SkewWindow::default(), 2);
-        let held = [Uuid::new_v4(), Uuid::new_v4()];
+        // Two per shard: three uuids of one shard fill it.
+        let seen = SeenUuids::with_limit(SkewWindow::default(), 2 * SHARDS);
+        let in_shard = |first: u8| {
+            let mut bytes = *Uuid::new_v4().as_bytes();
+            bytes[0] = first;
+            Uuid::from_bytes(bytes)
+        };
+        let held = [in_shard(3), in_shard(3 + SHARDS as u8)];
         for u in held {
             assert_eq!(seen.admit(u, 5_000, 5_000), Local::Fresh);
         }
-        assert_eq!(seen.admit(Uuid::new_v4(), 5_000, 5_000), Local::Full);
+        assert_eq!(seen.admit(in_shard(3), 5_000, 5_000), Local::Full);
         assert_eq!(seen.admit(held[1], 5_000, 5_000), Local::Replayed);
-        assert_eq!(seen.len(), 2);
+        // Another shard still has room.
+        assert_eq!(seen.admit(in_shard(4), 5_000, 5_000), Local::Fresh);
+        assert_eq!(seen.len(), 3);
     }
 }

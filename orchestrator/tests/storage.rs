@@ -336,13 +336,7 @@ async fn upload_download_scenario(store: StoreConfig) {
 
     // Stage 1 downloads it: straight from the store through a presigned URL, or from the
     // orchestrator. A descriptor that does not match the bytes is caught on download.
-    let hop1 = s1
-        .work(1)
-        .await
-        .expect("work")
-        .items
-        .pop()
-        .expect("the hop at stage 1");
+    let hop1 = next_hop(&s1, "the hop at stage 1").await;
     let input = hop1.input.clone().expect("stage 1 has an input");
     assert_eq!(
         (input.key.as_str(), input.size),
@@ -389,13 +383,7 @@ async fn upload_download_scenario(store: StoreConfig) {
             .await
             .expect("complete");
         if let Some(next) = next_stage {
-            hop = next
-                .work(1)
-                .await
-                .expect("work")
-                .items
-                .pop()
-                .expect("next hop");
+            hop = next_hop(next, "the next hop").await;
             let input = hop.input.clone().expect("input");
             assert_eq!(input.url.is_some(), presigned);
             assert_eq!(next.download(&input).await.expect("download"), &bytes[..]);
@@ -457,4 +445,13 @@ async fn upload_download_scenario(store: StoreConfig) {
         }
     }
     orch.stop().await;
+}
+
+/// The next item a poll gives `miner`. A hop just routed to it can take a poll or two to show:
+/// idle polls are answered from a view that trails the database by a few milliseconds.
+async fn next_hop(miner: &ApiClient, what: &str) -> WorkItem {
+    eventually(what, Duration::from_secs(5), || async {
+        miner.work(1).await.expect("work").items.pop()
+    })
+    .await
 }
