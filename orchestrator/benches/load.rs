@@ -60,7 +60,7 @@ const MINERS: usize = 1000;
 const MOVERS: usize = 4;
 const WARMUP: Duration = Duration::from_secs(2);
 const WINDOW: Duration = Duration::from_secs(8);
-const ROUNDS: usize = 2;
+const ROUNDS: usize = 3;
 
 fn miner_pair(i: usize) -> sr25519::Pair {
     let mut seed = [0xb5u8; 32];
@@ -304,9 +304,11 @@ impl Presigned {
 /// How far ahead of the signing clock pre-signed polls are stamped. The server takes timestamps
 /// up to 5 s ahead and 10 s old, so one stamp covers a 2 s warm-up and an 8 s window as long as
 /// signing ends within this lead.
-const PRESIGN_LEAD_MS: u64 = 4_500;
-/// Longest the pre-signing may take (inside the lead, with room to spare).
-const PRESIGN_BUDGET: Duration = Duration::from_millis(3_500);
+const PRESIGN_LEAD_MS: u64 = 4_900;
+/// Longest the pre-signing may take (inside the lead, with room for the last round and for
+/// parsing the headers). At 3.5 s the pools fell short once the signed window passed about
+/// 35,000 polls a second.
+const PRESIGN_BUDGET: Duration = Duration::from_millis(4_000);
 
 /// Signs up to `per_miner` polls for every miner, on every client thread, all stamped
 /// `PRESIGN_LEAD_MS` ahead of now, stopping at `PRESIGN_BUDGET`. Returns the pools, the fewest
@@ -324,7 +326,7 @@ fn presign(
     let chunk = pairs.len().div_ceil(threads).max(1);
     // Each thread signs its miners in rounds of a few polls each, so that the pools stay even
     // when the budget ends the signing early.
-    const ROUND: usize = 16;
+    const ROUND: usize = 4;
     let pools = std::thread::scope(|scope| {
         let workers: Vec<_> = pairs
             .chunks(chunk)
@@ -462,11 +464,11 @@ async fn closed_loops(
     });
     let cpu = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
-        let before = CpuSplit::now();
+        let before = CpuSnapshot::now();
         tokio::time::sleep_until(end.into()).await;
-        CpuSplit::now()
+        CpuSnapshot::now()
             .zip(before)
-            .map(|(after, before)| after.since(before))
+            .map(|(after, before)| after.since(&before))
     });
     // Each loop is a task of the client runtime, beside its connection's task (a loop polled by
     // the bench's own thread handed every request and answer across threads).
@@ -500,7 +502,7 @@ async fn closed_loops(
     w
 }
 
-/// CPU time so far, in nanoseconds (Linux's `schedstat`): the orchestrator's threads (its
+/// CPU time in nanoseconds (Linux's `schedstat`) of the orchestrator's threads (its
 /// runtime is named `orchestrator`, blocking threads included), the client's (every other thread
 /// of this process) and PostgreSQL's processes.
 #[derive(Clone, Copy, Default)]
@@ -510,41 +512,58 @@ struct CpuSplit {
     postgres_ns: u64,
 }
 
-impl CpuSplit {
+/// CPU time of each thread of this process (by thread id, with whether it is the server's) and
+/// of each PostgreSQL process (by pid): threads come and go (idle blocking threads exit), so a
+/// window's CPU is summed per thread.
+#[derive(Default)]
+struct CpuSnapshot {
+    threads: std::collections::HashMap<String, (bool, u64)>,
+    postgres: std::collections::HashMap<String, u64>,
+}
+
+impl CpuSnapshot {
     fn now() -> Option<Self> {
-        let mut split = Self::default();
-        for task in std::fs::read_dir("/proc/self/task").ok()? {
-            let path = task.ok()?.path();
-            let ns = schedstat_ns(&path)?;
+        let mut snap = Self::default();
+        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+            let path = task.path();
+            let Some(ns) = schedstat_ns(&path) else {
+                continue; // exited meanwhile
+            };
             let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-            if name.trim_end() == "orchestrator" {
-                split.server_ns += ns;
-            } else {
-                split.client_ns += ns;
-            }
+            let id = task.file_name().to_string_lossy().into_owned();
+            snap.threads
+                .insert(id, (name.trim_end() == "orchestrator", ns));
         }
         for proc in std::fs::read_dir("/proc").ok()?.flatten() {
             let path = proc.path();
-            let is_pid = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
-            if is_pid
+            let id = proc.file_name().to_string_lossy().into_owned();
+            if id.bytes().all(|b| b.is_ascii_digit())
                 && std::fs::read_to_string(path.join("comm"))
                     .is_ok_and(|c| c.trim_end() == "postgres")
+                && let Some(ns) = schedstat_ns(&path)
             {
-                split.postgres_ns += schedstat_ns(&path).unwrap_or(0);
+                snap.postgres.insert(id, ns);
             }
         }
-        Some(split)
+        Some(snap)
     }
 
-    fn since(self, before: Self) -> Self {
-        Self {
-            server_ns: self.server_ns.saturating_sub(before.server_ns),
-            client_ns: self.client_ns.saturating_sub(before.client_ns),
-            postgres_ns: self.postgres_ns.saturating_sub(before.postgres_ns),
+    /// CPU spent between `before` and this snapshot (threads and processes that ended meanwhile
+    /// are missing, with what they spent since `before`).
+    fn since(&self, before: &Self) -> CpuSplit {
+        let mut split = CpuSplit::default();
+        for (id, (server, ns)) in &self.threads {
+            let spent = ns.saturating_sub(before.threads.get(id).map_or(0, |t| t.1));
+            if *server {
+                split.server_ns += spent;
+            } else {
+                split.client_ns += spent;
+            }
         }
+        for (id, ns) in &self.postgres {
+            split.postgres_ns += ns.saturating_sub(before.postgres.get(id).copied().unwrap_or(0));
+        }
+        split
     }
 }
 
