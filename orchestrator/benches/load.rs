@@ -191,8 +191,14 @@ fn work_body() -> Vec<u8> {
     serde_json::to_vec(&WorkRequest { max_items: 1 }).unwrap_or_default()
 }
 
-fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) -> Headers {
-    let signed = sign_request(
+/// A work poll's Epistula headers, with a fresh uuid.
+fn signed_poll(
+    pair: &sr25519::Pair,
+    orchestrator: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+) -> iota_protocol::signing::SignedHeaders {
+    sign_request(
         pair,
         orchestrator,
         "POST",
@@ -200,7 +206,11 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
         body,
         timestamp_ms,
         uuid::Uuid::new_v4(),
-    );
+    )
+}
+
+fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) -> Headers {
+    let signed = signed_poll(pair, orchestrator, body, timestamp_ms);
     let mut headers = Headers::with_capacity(signed.headers.len() + 1);
     headers.insert(
         reqwest::header::CONTENT_TYPE,
@@ -237,15 +247,7 @@ struct Signing {
 
 impl Signing {
     fn sign(&mut self, pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) {
-        let signed = sign_request(
-            pair,
-            orchestrator,
-            "POST",
-            WORK_PATH,
-            body,
-            timestamp_ms,
-            uuid::Uuid::new_v4(),
-        );
+        let signed = signed_poll(pair, orchestrator, body, timestamp_ms);
         let spans = signed
             .headers
             .iter()

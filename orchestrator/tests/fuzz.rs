@@ -49,13 +49,6 @@ const DEFAULT_PER_OP: usize = 150;
 /// Requests in flight at once.
 const CONCURRENCY: usize = 8;
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_millis() as u64
-}
-
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -839,27 +832,24 @@ async fn post_signed(
     path: &str,
     body: Vec<u8>,
 ) -> (u16, String) {
-    let headers = sign_request(
-        signer,
-        &pair(ORCHESTRATOR).ss58(),
-        "POST",
-        path,
-        &body,
-        now_ms(),
-        Uuid::new_v4(),
-    );
-    let mut req = http.post(format!("{base}{path}"));
-    for (k, v) in headers.headers {
-        req = req.header(k, v);
-    }
-    let resp = req
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status().as_u16();
-    (status, resp.text().await.expect("body"))
+    let raw = Raw {
+        http: http.clone(),
+        base: base.to_owned(),
+        receiver: pair(ORCHESTRATOR).ss58(),
+    };
+    let (status, bytes) = raw
+        .send_bytes(
+            signer,
+            reqwest::Method::POST,
+            path,
+            "POST",
+            path,
+            body,
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .await;
+    (status, String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// A signed request that must succeed (set-up, not fuzzing).
