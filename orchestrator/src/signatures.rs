@@ -1,10 +1,10 @@
 //! Signature verification of signed requests, in batches.
 //!
 //! sr25519 verification was the largest single cost of a signed request. Requests that arrive
-//! together are verified with one batch equation ([`schnorrkel::verify_batch_rng`], random
-//! coefficients from the operating system's generator), which costs about half as much per
-//! signature as verifying each. A batch holds iff every signature in it does, so the answer is
-//! the same as one verification each.
+//! together are verified with one batch equation (see `batch_holds`: random 128-bit
+//! coefficients from the thread's CSPRNG), which costs about a third as much per signature as
+//! verifying each. A batch holds iff every signature in it does (but for a chance of about
+//! 2^-128), so the answer is the same as one verification each.
 //!
 //! A failed batch says only that some signature in it is bad; each is then verified alone. So that
 //! forged signatures cannot make every batch pay twice, batching pauses for [`BATCH_PAUSE`] after a
