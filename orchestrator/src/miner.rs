@@ -265,6 +265,9 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     // batch, and after it everything here would be read cold). Nothing acts on it until the
     // signature holds, and a bad body is reported only then, as behind the gate.
     let parsed: ApiResult<WorkRequest> = app::json_body(&parts.headers, &bytes);
+    // Freed now, while in this core's cache, rather than after the batch wait (cold, and
+    // perhaps on another thread).
+    drop((parts, bytes));
     let (caller, uuid) = auth
         .finish(
             &app,
