@@ -371,7 +371,7 @@ fn presign(
 /// does; a paced poll's latency runs from when it was due, not from when the loop got to send
 /// it, so a client that falls behind shows as latency. A signed loop takes its headers from `presigned[miner]` while it lasts and signs in
 /// the loop after that (counted in `signed_in_loop`).
-async fn closed_loops(
+async fn miner_loops(
     kind: Kind,
     interval: Duration,
     http: &reqwest::Client,
@@ -875,20 +875,14 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     // IOTA_BENCH_SIGN_IN_LOOP=1 signs every poll inside the loop instead.
     let sign_in_loop = std::env::var("IOTA_BENCH_SIGN_IN_LOOP").is_ok_and(|v| v == "1");
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let run_loops = |kind, every, pools| {
+        miner_loops(kind, every, &http, &base, &orchestrator_key, &pairs, pools)
+    };
     let mut noop = Vec::new();
     let mut signed = Vec::new();
     let mut presigning = Vec::new();
     for _ in 0..ROUNDS {
-        let n = closed_loops(
-            Kind::Noop,
-            interval,
-            &http,
-            &base,
-            &orchestrator_key,
-            &pairs,
-            Vec::new(),
-        )
-        .await;
+        let n = run_loops(Kind::Noop, interval, Vec::new()).await;
         let per_miner = if sign_in_loop {
             0
         } else {
@@ -897,18 +891,7 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         noop.push(n);
         let (pools, fewest, secs) = presign(&pairs, &orchestrator_key, per_miner);
         presigning.push((fewest, secs));
-        signed.push(
-            closed_loops(
-                Kind::SignedPoll,
-                interval,
-                &http,
-                &base,
-                &orchestrator_key,
-                &pairs,
-                pools,
-            )
-            .await,
-        );
+        signed.push(run_loops(Kind::SignedPoll, interval, pools).await);
     }
 
     let mean = |ws: &[Window]| ws.iter().map(Window::rps).sum::<f64>() / ws.len() as f64;
@@ -923,27 +906,9 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         let half_interval = Duration::from_secs_f64(polling as f64 / half_rate);
         let per_miner =
             ((WARMUP + WINDOW).as_secs_f64() / half_interval.as_secs_f64()).ceil() as usize + 2;
-        let n = closed_loops(
-            Kind::Noop,
-            half_interval,
-            &http,
-            &base,
-            &orchestrator_key,
-            &pairs,
-            Vec::new(),
-        )
-        .await;
+        let n = run_loops(Kind::Noop, half_interval, Vec::new()).await;
         let (pools, fewest, _) = presign(&pairs, &orchestrator_key, per_miner);
-        let s = closed_loops(
-            Kind::SignedPoll,
-            half_interval,
-            &http,
-            &base,
-            &orchestrator_key,
-            &pairs,
-            pools,
-        )
-        .await;
+        let s = run_loops(Kind::SignedPoll, half_interval, pools).await;
         at_half.push((half_interval, fewest, n, s));
     }
 
