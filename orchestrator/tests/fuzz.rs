@@ -838,16 +838,7 @@ async fn post_signed(
         receiver: pair(ORCHESTRATOR).ss58(),
     };
     let (status, bytes) = raw
-        .send_bytes(
-            signer,
-            reqwest::Method::POST,
-            path,
-            "POST",
-            path,
-            body,
-            now_ms(),
-            Uuid::new_v4(),
-        )
+        .send_bytes(Call::new(signer, reqwest::Method::POST, path, body))
         .await;
     (status, String::from_utf8_lossy(&bytes).into_owned())
 }

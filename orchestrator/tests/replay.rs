@@ -37,16 +37,11 @@ async fn replays_are_refused_wherever_they_could_act() {
         let raw = Raw::to(&raw.base);
         let body = poll_body.clone();
         async move {
-            raw.send_bytes(
-                &pair(seed),
-                reqwest::Method::POST,
-                "/v1/miner/work",
-                "POST",
-                "/v1/miner/work",
-                body,
+            raw.send_bytes(Call {
                 ts,
                 uuid,
-            )
+                ..Call::new(&pair(seed), reqwest::Method::POST, "/v1/miner/work", body)
+            })
             .await
         }
     };
@@ -99,16 +94,16 @@ async fn replays_are_refused_wherever_they_could_act() {
     let heartbeat = |raw: &Raw| {
         let raw = Raw::to(&raw.base);
         async move {
-            raw.send(
-                &pair(by_stage[1]),
-                reqwest::Method::POST,
-                "/v1/miner/heartbeat",
-                "POST",
-                "/v1/miner/heartbeat",
-                b"{}".to_vec(),
+            raw.send(Call {
                 ts,
                 uuid,
-            )
+                ..Call::new(
+                    &pair(by_stage[1]),
+                    reqwest::Method::POST,
+                    "/v1/miner/heartbeat",
+                    b"{}".to_vec(),
+                )
+            })
             .await
         }
     };

@@ -104,29 +104,27 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     // Stale and future timestamps.
     let hb = b"{}".to_vec();
     let stale = raw
-        .send(
-            &pair(MINER),
-            post.clone(),
-            "/v1/miner/heartbeat",
-            "POST",
-            "/v1/miner/heartbeat",
-            hb.clone(),
-            now_ms() - 60_000,
-            Uuid::new_v4(),
-        )
+        .send(Call {
+            ts: now_ms() - 60_000,
+            ..Call::new(
+                &pair(MINER),
+                post.clone(),
+                "/v1/miner/heartbeat",
+                hb.clone(),
+            )
+        })
         .await;
     assert_eq!((stale.0, code(&stale)), (401, Some(ErrorCode::ClockSkew)));
     let future = raw
-        .send(
-            &pair(MINER),
-            post.clone(),
-            "/v1/miner/heartbeat",
-            "POST",
-            "/v1/miner/heartbeat",
-            hb.clone(),
-            now_ms() + 60_000,
-            Uuid::new_v4(),
-        )
+        .send(Call {
+            ts: now_ms() + 60_000,
+            ..Call::new(
+                &pair(MINER),
+                post.clone(),
+                "/v1/miner/heartbeat",
+                hb.clone(),
+            )
+        })
         .await;
     assert_eq!((future.0, code(&future)), (401, Some(ErrorCode::ClockSkew)));
 
@@ -134,60 +132,53 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     let uuid = Uuid::new_v4();
     let ts = now_ms();
     let first = raw
-        .send(
-            &pair(MINER),
-            post.clone(),
-            "/v1/miner/heartbeat",
-            "POST",
-            "/v1/miner/heartbeat",
-            hb.clone(),
+        .send(Call {
             ts,
             uuid,
-        )
+            ..Call::new(
+                &pair(MINER),
+                post.clone(),
+                "/v1/miner/heartbeat",
+                hb.clone(),
+            )
+        })
         .await;
     assert_eq!(first.0, 200, "{first:?}");
     let replay = raw
-        .send(
-            &pair(MINER),
-            post.clone(),
-            "/v1/miner/heartbeat",
-            "POST",
-            "/v1/miner/heartbeat",
-            hb.clone(),
+        .send(Call {
             ts,
             uuid,
-        )
+            ..Call::new(
+                &pair(MINER),
+                post.clone(),
+                "/v1/miner/heartbeat",
+                hb.clone(),
+            )
+        })
         .await;
     assert_eq!((replay.0, code(&replay)), (401, Some(ErrorCode::Replayed)));
 
     // A signature for another path, and for another method.
     let other_path = raw
-        .send(
-            &pair(MINER),
-            post.clone(),
-            "/v1/miner/work",
-            "POST",
-            "/v1/miner/heartbeat",
-            hb.clone(),
-            now_ms(),
-            Uuid::new_v4(),
-        )
+        .send(Call {
+            signed_as: Some(("POST", "/v1/miner/heartbeat")),
+            ..Call::new(&pair(MINER), post.clone(), "/v1/miner/work", hb.clone())
+        })
         .await;
     assert_eq!(
         (other_path.0, code(&other_path)),
         (401, Some(ErrorCode::Unauthenticated))
     );
     let other_method = raw
-        .send(
-            &pair(MINER),
-            reqwest::Method::GET,
-            "/v1/miner/merges",
-            "POST",
-            "/v1/miner/merges",
-            Vec::new(),
-            now_ms(),
-            Uuid::new_v4(),
-        )
+        .send(Call {
+            signed_as: Some(("POST", "/v1/miner/merges")),
+            ..Call::new(
+                &pair(MINER),
+                reqwest::Method::GET,
+                "/v1/miner/merges",
+                Vec::new(),
+            )
+        })
         .await;
     assert_eq!(
         (other_method.0, code(&other_method)),

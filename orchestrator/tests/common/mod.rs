@@ -327,36 +327,28 @@ impl Raw {
         }
     }
 
-    /// Sends `method path` with `body`, signed by `signer` for `signed_method signed_path` at
-    /// `ts`, with `uuid`; the status and the answer's bytes.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn send_bytes(
-        &self,
-        signer: &dyn RequestSigner,
-        method: reqwest::Method,
-        path: &str,
-        signed_method: &str,
-        signed_path: &str,
-        body: Vec<u8>,
-        ts: u64,
-        uuid: uuid::Uuid,
-    ) -> (u16, Vec<u8>) {
+    /// Sends `call`; the status and the answer's bytes.
+    pub async fn send_bytes(&self, call: Call<'_>) -> (u16, Vec<u8>) {
+        let (signed_method, signed_path) =
+            call.signed_as.unwrap_or((call.method.as_str(), call.path));
         let headers = iota_protocol::signing::sign_request(
-            signer,
+            call.signer,
             &self.receiver,
             signed_method,
             signed_path,
-            &body,
-            ts,
-            uuid,
+            &call.body,
+            call.ts,
+            call.uuid,
         );
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        let mut req = self
+            .http
+            .request(call.method.clone(), format!("{}{}", self.base, call.path));
         for (k, v) in headers.headers {
             req = req.header(k, v);
         }
         let resp = req
             .header("content-type", "application/json")
-            .body(body)
+            .body(call.body)
             .send()
             .await
             .expect("request");
@@ -365,30 +357,8 @@ impl Raw {
     }
 
     /// [`Raw::send_bytes`], with the answer read as the API's error body (if it is one).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn send(
-        &self,
-        signer: &dyn RequestSigner,
-        method: reqwest::Method,
-        path: &str,
-        signed_method: &str,
-        signed_path: &str,
-        body: Vec<u8>,
-        ts: u64,
-        uuid: uuid::Uuid,
-    ) -> (u16, Option<ApiError>) {
-        let (status, bytes) = self
-            .send_bytes(
-                signer,
-                method,
-                path,
-                signed_method,
-                signed_path,
-                body,
-                ts,
-                uuid,
-            )
-            .await;
+    pub async fn send(&self, call: Call<'_>) -> (u16, Option<ApiError>) {
+        let (status, bytes) = self.send_bytes(call).await;
         (status, serde_json::from_slice(&bytes).ok())
     }
 
@@ -400,18 +370,39 @@ impl Raw {
         path: &str,
         body: Vec<u8>,
     ) -> (u16, Option<ApiError>) {
-        let m = method.as_str().to_owned();
-        self.send(
+        self.send(Call::new(signer, method, path, body)).await
+    }
+}
+
+/// One request for [`Raw`]: by default signed for its own method and path, now, with a fresh
+/// uuid; each field can be set to something a well-behaved client would not send.
+pub struct Call<'a> {
+    pub signer: &'a dyn RequestSigner,
+    pub method: reqwest::Method,
+    pub path: &'a str,
+    pub body: Vec<u8>,
+    /// The method and path the signature covers, if not the request's own.
+    pub signed_as: Option<(&'a str, &'a str)>,
+    pub ts: u64,
+    pub uuid: uuid::Uuid,
+}
+
+impl<'a> Call<'a> {
+    pub fn new(
+        signer: &'a dyn RequestSigner,
+        method: reqwest::Method,
+        path: &'a str,
+        body: Vec<u8>,
+    ) -> Self {
+        Self {
             signer,
             method,
             path,
-            &m,
-            path,
             body,
-            now_ms(),
-            uuid::Uuid::new_v4(),
-        )
-        .await
+            signed_as: None,
+            ts: now_ms(),
+            uuid: uuid::Uuid::new_v4(),
+        }
     }
 }
 
