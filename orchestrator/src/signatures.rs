@@ -170,14 +170,15 @@ fn batch_holds(batch: &[SignedMessage], keys: &KeyCache) -> bool {
     let mut points = Vec::with_capacity(2 * batch.len() + 1);
     let mut basepoint = Scalar::ZERO;
     for (m, public) in batch.iter().zip(&publics) {
-        // schnorrkel's parse: the sr25519 marker bit, and `s` reduced.
-        if schnorrkel::Signature::from_bytes(&m.signature).is_err() {
-            return false;
-        }
+        // What schnorrkel's parse accepts: the sr25519 marker bit set, and `s` (without it)
+        // fully reduced.
         let mut r = [0u8; 32];
         let mut s = [0u8; 32];
         r.copy_from_slice(&m.signature[..32]);
         s.copy_from_slice(&m.signature[32..]);
+        if s[31] & 0x80 == 0 {
+            return false;
+        }
         s[31] &= 0x7f;
         let r = CompressedRistretto(r);
         let (Some(r_point), Some(s)) = (
