@@ -369,8 +369,9 @@ fn presign(
 /// end inside the window. With a zero `interval` each loop is closed (the next request as soon
 /// as the last answer came); otherwise each miner polls once per `interval`, as an idle miner
 /// does; a paced poll's latency runs from when it was due, not from when the loop got to send
-/// it, so a client that falls behind shows as latency. A signed loop takes its headers from `presigned[miner]` while it lasts and signs in
-/// the loop after that (counted in `signed_in_loop`).
+/// it, so a client that falls behind shows as latency. A signed loop takes its headers from
+/// `presigned[miner]` while it lasts and signs in the loop after that (counted in
+/// `signed_in_loop`).
 async fn miner_loops(
     kind: Kind,
     interval: Duration,
@@ -899,7 +900,7 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     // poll serve all of it, and how fast? Both routes, no-op first, at that same rate. The few
     // miners leased work in the closed windows stop polling here too, so the others' interval
     // is set for the rate to hold without them.
-    let mut at_half = Vec::new();
+    let mut at_half = None;
     let half_rate = mean(&noop) / 2.0;
     let polling = MINERS - signed.iter().map(|w| w.got_work).max().unwrap_or(0);
     if interval.is_zero() && half_rate > 0.0 {
@@ -909,7 +910,7 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         let n = run_loops(Kind::Noop, half_interval, Vec::new()).await;
         let (pools, fewest, _) = presign(&pairs, &orchestrator_key, per_miner);
         let s = run_loops(Kind::SignedPoll, half_interval, pools).await;
-        at_half.push((half_interval, fewest, n, s));
+        at_half = Some((half_interval, fewest, n, s));
     }
 
     println!();
@@ -995,7 +996,7 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
             " (target < 50 ms)"
         }
     );
-    for (every, fewest, n, s) in &at_half {
+    if let Some((every, fewest, n, s)) = &at_half {
         println!();
         println!(
             "at half the no-op ceiling: {polling} miners each polling every {:.1} ms (offered {:.0} req/s), latency from when each poll was due, one window of {} s each",
