@@ -587,6 +587,20 @@ fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
         .ok()
 }
 
+/// Whether curve25519-dalek can pick its AVX-512 IFMA backend on this processor (what it checks
+/// by CPUID when `.cargo/config.toml` compiled that backend in).
+fn has_ifma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512ifma")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// CPU time of every thread of this process so far, in nanoseconds (Linux's per-thread
 /// `schedstat`), or `None` where that cannot be read.
 fn process_cpu_ns() -> Option<u64> {
@@ -665,11 +679,27 @@ async fn signature_costs(orchestrator: &str, pairs: &[Arc<sr25519::Pair>]) -> Si
     }
     let known_keys = batched.pop().unwrap_or_default();
     let new_keys = batched.pop().unwrap_or_default();
+    // Through the verifier one at a time, as at an idle fleet's pace (each a batch of one, with
+    // its hand-off to a blocking thread), keys known.
+    let (lone_ok, lone) = measured(n, async {
+        let mut ok = 0;
+        for m in sign_all() {
+            ok += usize::from(verifier.verify(m).await.is_ok());
+        }
+        ok
+    })
+    .await;
+    if lone_ok != alone {
+        eprintln!(
+            "signature check: {alone} verified alone, {lone_ok} through the verifier one at a time"
+        );
+    }
     SignatureCosts {
         requests: n as usize,
         alone: alone_cost,
         new_keys,
         known_keys,
+        lone,
     }
 }
 
@@ -695,6 +725,7 @@ struct SignatureCosts {
     alone: Cost,
     new_keys: Cost,
     known_keys: Cost,
+    lone: Cost,
 }
 
 fn boundary(run: &RunConfig) -> Bytes {
@@ -1032,8 +1063,13 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         );
     }
     println!(
-        "signature verification per request ({} requests): one by one {}; batched, every key new {}; batched, known keys {}",
-        sigs.requests, sigs.alone, sigs.new_keys, sigs.known_keys
+        "signature verification per request ({} requests): one by one (schnorrkel) {}; through the verifier one at a time {}; batched, every key new {}; batched, known keys {}; processor has AVX-512 IFMA (the verifier's fastest backend): {}",
+        sigs.requests,
+        sigs.alone,
+        sigs.lone,
+        sigs.new_keys,
+        sigs.known_keys,
+        if has_ifma() { "yes" } else { "no" }
     );
     println!(
         "activation upload:   {n_up} x {mb:.1} MB in {upload_s:.2} s = {:.0} MB/s ({MOVERS} miners at once, through the orchestrator)",

@@ -49,6 +49,12 @@ impl<F: Flush> Batcher<F> {
         }
     }
 
+    /// Whether anything was ever queued (the writer task has started).
+    #[cfg(test)]
+    pub(crate) fn started(&self) -> bool {
+        self.queue.get().is_some()
+    }
+
     /// Queues `item` and waits for its answer.
     pub(crate) async fn submit(&self, item: F::Item) -> Result<F::Output, Stopped> {
         let queue = self.queue.get_or_init(|| {

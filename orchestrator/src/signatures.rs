@@ -1,7 +1,7 @@
 //! Signature verification of signed requests, in batches.
 //!
 //! sr25519 verification was the largest single cost of a signed request. Requests that arrive
-//! together are verified with one batch equation (see `batch_holds`: random 128-bit
+//! together are verified with one batch equation (see `batch_holds`: random 128-bit odd
 //! coefficients from the thread's CSPRNG), which costs about a third as much per signature as
 //! verifying each. A batch holds iff every signature in it does (but for a chance of about
 //! 2^-128), so the answer is the same as one verification each.
@@ -10,21 +10,28 @@
 //! forged signatures cannot make every batch pay twice, batching pauses for [`BATCH_PAUSE`] after a
 //! failed batch: under such an attack the cost is one verification per request, as without
 //! batching, plus one wasted batch per pause.
+//!
+//! A request that arrives alone (a fleet polling at an idle pace) is checked at once in its own
+//! task; see [`SignatureVerifier::verify`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use curve25519_dalek::RistrettoPoint;
+use curve25519_dalek::Scalar;
+use curve25519_dalek::ristretto::CompressedRistretto;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::AuthError;
 use iota_protocol::signing::{SignedMessage, VerifiedRequest, decode_signer};
 
 use crate::batch::{Batcher, Flush};
 
-/// Most signatures in one batch. Per signature (one thread of this project's 2-core machine):
-/// alone 36 us, batches of 16-64 15-16 us, 128 12.9 us, 256 12.1 us, 1,024 11.5 us (the
-/// multiscalar product switches to Pippenger's method above about 95 signatures).
+/// Most signatures in one batch. Per signature (one thread of this project's 2-core machine,
+/// measured with curve25519-dalek 4's AVX2 backend): alone 36 us, batches of 16-64 15-16 us, 128
+/// 12.9 us, 256 12.1 us, 1,024 11.5 us (the multiscalar product switches to Pippenger's method
+/// above about 95 signatures).
 const MAX_BATCH: usize = 1024;
 /// Batches being verified at once (each on a blocking thread). Two: with one, the load benchmark
 /// served about 5% fewer signed polls although its batches were twice as large (three alternating
@@ -60,21 +67,23 @@ struct Verify {
 
 /// Decompressed sr25519 public keys by their bytes, bounded by [`MAX_KEYS`].
 #[derive(Default)]
-struct KeyCache(Mutex<HashMap<[u8; 32], schnorrkel::PublicKey>>);
+struct KeyCache(Mutex<HashMap<[u8; 32], RistrettoPoint>>);
 
 impl KeyCache {
     /// The keys of `signers` in order, or `None` if one is not a valid point.
     fn get_all<'a>(
         &self,
         signers: impl ExactSizeIterator<Item = &'a [u8; 32]>,
-    ) -> Option<Vec<schnorrkel::PublicKey>> {
+    ) -> Option<Vec<RistrettoPoint>> {
         let mut keys = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::with_capacity(signers.len());
         for bytes in signers {
             let key = match keys.get(bytes) {
                 Some(key) => *key,
                 None => {
-                    let key = schnorrkel::PublicKey::from_bytes(bytes).ok()?;
+                    // What schnorrkel's `PublicKey::from_bytes` accepts: a canonical Ristretto
+                    // encoding.
+                    let key = CompressedRistretto(*bytes).decompress()?;
                     if keys.len() >= MAX_KEYS {
                         keys.clear();
                     }
@@ -153,11 +162,14 @@ impl Verify {
 ///
 /// schnorrkel's own batch check derives the `z` from a second transcript over every key,
 /// signature and message (a third of its cost per signature here); these come from the thread's
-/// CSPRNG, which is what the equation needs: coefficients the sender cannot predict.
+/// CSPRNG, which is what the equation needs: coefficients the sender cannot predict. The
+/// transcript is schnorrkel's; the group arithmetic is curve25519-dalek 5's, whose multiscalar
+/// product has an AVX-512 IFMA backend, chosen at run time where the processor has it (see
+/// `.cargo/config.toml`): on this project's machine it took the product from about 8 to 3.4 us
+/// per signature.
 fn batch_holds(batch: &[SignedMessage], keys: &KeyCache) -> bool {
-    use curve25519_dalek::ristretto::CompressedRistretto;
+    use curve25519_dalek::constants::RISTRETTO_BASEPOINT_POINT;
     use curve25519_dalek::traits::{IsIdentity, VartimeMultiscalarMul};
-    use curve25519_dalek::{RistrettoPoint, Scalar, constants::RISTRETTO_BASEPOINT_POINT};
     use rand::Rng;
     use schnorrkel::context::SigningTranscript;
 
@@ -180,28 +192,42 @@ fn batch_holds(batch: &[SignedMessage], keys: &KeyCache) -> bool {
             return false;
         }
         s[31] &= 0x7f;
-        let r = CompressedRistretto(r);
         let (Some(r_point), Some(s)) = (
-            r.decompress(),
+            CompressedRistretto(r).decompress(),
             Option::<Scalar>::from(Scalar::from_canonical_bytes(s)),
         ) else {
             return false;
         };
+        // schnorrkel's verification transcript: `commit_point` commits the compressed bytes,
+        // `challenge_scalar` reduces 64 challenge bytes.
         let mut t = context.bytes(m.message.as_bytes());
         t.proto_name(b"Schnorr-sig");
-        t.commit_point(b"sign:pk", public.as_compressed());
-        t.commit_point(b"sign:R", &r);
-        let k = t.challenge_scalar(b"sign:c");
-        let z = Scalar::from(rng.r#gen::<u128>());
+        SigningTranscript::commit_bytes(&mut t, b"sign:pk", &m.request.signer);
+        SigningTranscript::commit_bytes(&mut t, b"sign:R", &r);
+        let mut challenge = [0u8; 64];
+        SigningTranscript::challenge_bytes(&mut t, b"sign:c", &mut challenge);
+        let k = Scalar::from_bytes_mod_order_wide(&challenge);
+        // Odd, so never zero: a zero coefficient would drop its signature from the equation.
+        let z = Scalar::from(rng.r#gen::<u128>() | 1);
         basepoint -= z * s;
         scalars.push(z);
         points.push(r_point);
         scalars.push(z * k);
-        points.push(*public.as_point());
+        points.push(*public);
     }
     scalars.push(basepoint);
     points.push(RISTRETTO_BASEPOINT_POINT);
     RistrettoPoint::vartime_multiscalar_mul(scalars, points).is_identity()
+}
+
+/// One signature's verdict: the equation with one term is its verification (what schnorrkel
+/// checks, with the faster arithmetic), so the verdict is final.
+fn alone(m: SignedMessage, keys: &KeyCache) -> Result<VerifiedRequest, VerifyError> {
+    if batch_holds(std::slice::from_ref(&m), keys) {
+        Ok(m.request)
+    } else {
+        Err(VerifyError::Auth(AuthError::BadSignature))
+    }
 }
 
 impl Flush for Verify {
@@ -210,6 +236,9 @@ impl Flush for Verify {
 
     async fn flush(&self, batch: Vec<SignedMessage>) -> Vec<Self::Output> {
         metrics::histogram!("iota_signature_batch_size").record(batch.len() as f64);
+        // On a blocking thread even when the batch is one request: a batch checked at once on
+        // the runtime's thread frees its slot so soon that the next batches stay small (the
+        // load benchmark's batches averaged 3.7 signatures that way, 30.7 without it).
         let batching = batch.len() > 1 && self.batching();
         let keys = self.keys.clone();
         let verified = tokio::task::spawn_blocking(move || {
@@ -219,7 +248,7 @@ impl Flush for Verify {
             (
                 batch
                     .into_iter()
-                    .map(|m| m.verify().map_err(VerifyError::from))
+                    .map(|m| alone(m, &keys))
                     .collect::<Vec<_>>(),
                 batching,
             )
@@ -242,27 +271,57 @@ impl Flush for Verify {
 /// The signature verifier of every signed request.
 pub struct SignatureVerifier {
     batcher: Batcher<Verify>,
+    /// The verifier's keys (shared with the batches).
+    keys: Arc<KeyCache>,
+    /// Requests being verified now, alone or in the batcher.
+    active: AtomicUsize,
 }
 
 impl Default for SignatureVerifier {
     fn default() -> Self {
+        let keys = Arc::<KeyCache>::default();
         Self {
             batcher: Batcher::new(
                 Verify {
                     started: Instant::now(),
                     paused_until_ms: AtomicU64::new(0),
-                    keys: Arc::default(),
+                    keys: keys.clone(),
                 },
                 MAX_BATCH,
                 MAX_FLUSHES,
             ),
+            keys,
+            active: AtomicUsize::new(0),
         }
+    }
+}
+
+/// Counts a request in [`SignatureVerifier::active`] until it is answered or dropped.
+struct Active<'a>(&'a AtomicUsize);
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl SignatureVerifier {
     /// Verifies `signed`'s signature (with whatever else is waiting).
+    ///
+    /// A request that finds no other being verified, and still none after letting the tasks
+    /// that are ready run (they may carry requests too), has nothing to be batched with: it is
+    /// checked in the caller's task, without the hand-offs to the batch writer, a blocking
+    /// thread and back, which on this project's machine cost several times the check itself.
+    /// Otherwise it goes to the batcher, so requests that arrive together are batched as before.
     pub async fn verify(&self, signed: SignedMessage) -> Result<VerifiedRequest, VerifyError> {
+        let first = self.active.fetch_add(1, Ordering::Relaxed) == 0;
+        let _active = Active(&self.active);
+        if first {
+            tokio::task::yield_now().await;
+            if self.active.load(Ordering::Relaxed) == 1 {
+                return alone(signed, &self.keys);
+            }
+        }
         self.batcher
             .submit(signed)
             .await
@@ -311,6 +370,12 @@ mod tests {
             batch_holds(&good, &keys),
             "cached keys refused a good batch"
         );
+        for m in &good {
+            assert!(
+                batch_holds(std::slice::from_ref(m), &keys),
+                "a good signature failed as a batch of one"
+            );
+        }
         // Each way of spoiling one member: another message, another key, another signature, the
         // sr25519 marker bit cleared (an ed25519-style signature), `s` not reduced (`s + l`
         // would pass an equation that reduces it), `R` not a point.
@@ -341,10 +406,15 @@ mod tests {
                 _ => batch[3].signature[..32].fill(0xff),
             }
             assert!(!batch_holds(&batch, &keys), "spoiled member {spoil} passed");
-            // Each spoiled signature also fails on its own, so batching changes no verdict.
+            // Each spoiled signature also fails on its own, by schnorrkel and by the equation
+            // with one term, so batching changes no verdict.
             assert!(
                 batch[3].clone().verify().is_err(),
                 "spoil {spoil} verifies alone"
+            );
+            assert!(
+                !batch_holds(std::slice::from_ref(&batch[3]), &keys),
+                "spoil {spoil} holds as a batch of one"
             );
         }
     }
@@ -361,7 +431,10 @@ mod tests {
             .collect();
         let got = keys.get_all(signers.iter()).expect("valid keys");
         assert_eq!(got.len(), signers.len());
-        assert_eq!(got[MAX_KEYS + 9].to_bytes(), signers[MAX_KEYS + 9]);
+        assert_eq!(
+            got[MAX_KEYS + 9].compress().to_bytes(),
+            signers[MAX_KEYS + 9]
+        );
         let held = keys.0.lock().expect("lock").len();
         assert!(held <= MAX_KEYS, "{held} keys held");
         // Not a point's encoding: refused, cached or not.
@@ -405,6 +478,63 @@ mod tests {
             signers.resolve(&address).expect("valid");
         }
         assert!(signers.0.read().expect("lock").len() <= MAX_KEYS);
+    }
+
+    #[tokio::test]
+    async fn a_lone_signature_gets_a_final_verdict_and_leaves_batching_on() {
+        let verify = Verify {
+            started: Instant::now(),
+            paused_until_ms: AtomicU64::new(0),
+            keys: Arc::default(),
+        };
+        let good = signed(1, b"{}");
+        let mut forged = signed(2, b"{}");
+        forged.signature[10] ^= 1;
+        let mut wrong_key = signed(3, b"{}");
+        wrong_key.request.signer = good.request.signer;
+        for bad in [forged, wrong_key] {
+            let verdict = verify.flush(vec![bad]).await;
+            assert!(
+                matches!(
+                    verdict.as_slice(),
+                    [Err(VerifyError::Auth(AuthError::BadSignature))]
+                ),
+                "a bad lone signature was not refused"
+            );
+        }
+        assert!(verify.batching(), "a lone bad signature paused batching");
+        let verdict = verify.flush(vec![good.clone()]).await;
+        assert!(
+            matches!(verdict.as_slice(), [Ok(r)] if r.signer == good.request.signer),
+            "a good lone signature was refused"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_alone_skips_the_batcher_and_requests_together_use_it() {
+        let verifier = SignatureVerifier::default();
+        for i in 1..=3 {
+            assert!(verifier.verify(signed(i, b"{}")).await.is_ok());
+        }
+        let mut forged = signed(4, b"{}");
+        forged.signature[10] ^= 1;
+        assert!(matches!(
+            verifier.verify(forged).await,
+            Err(VerifyError::Auth(AuthError::BadSignature))
+        ));
+        assert!(
+            !verifier.batcher.started(),
+            "a request alone went through the batcher"
+        );
+        // Requests polled together on one thread: they see each other and are batched.
+        let together = (1..=8).map(|i| verifier.verify(signed(i, b"{}")));
+        let verdicts = futures::future::join_all(together).await;
+        assert!(verdicts.iter().all(Result::is_ok));
+        assert!(
+            verifier.batcher.started(),
+            "requests that arrived together were not batched"
+        );
+        assert_eq!(verifier.active.load(Ordering::Relaxed), 0);
     }
 
     #[tokio::test]
