@@ -6,6 +6,10 @@
 # non-free component (root or sudo, network access to the Debian mirror and crates.io). No GPU
 # is needed: the target compute capability defaults to 8.0 (CUDA_COMPUTE_CAP=80) when
 # nvidia-smi cannot report one. Not part of CI.
+#
+# This checks compilation only. Debian bookworm's toolkit is CUDA 11.8, so binaries built with it
+# look for CUDA 11 libraries that a CUDA 13 machine lacks; model/README.md ("Half precision")
+# describes building binaries for a GPU machine from PyPI's CUDA wheels instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
