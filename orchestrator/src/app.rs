@@ -566,6 +566,11 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, AppError
             "JSON strings may not contain U+0000",
         ));
     }
+    // serde_json alone first: axum's parse records the path of every key as it goes (an
+    // allocation per key), which only an error message needs.
+    if let Ok(value) = serde_json::from_slice(body) {
+        return Ok(value);
+    }
     let axum::Json(value) = axum::Json::<T>::from_bytes(body)?;
     Ok(value)
 }

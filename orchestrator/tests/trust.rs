@@ -493,6 +493,56 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     assert_eq!(unknown.status().as_u16(), 404);
     let body: ApiError = unknown.json().await.expect("error body");
     assert_eq!(body.code, ErrorCode::NotFound);
+
+    // Requests are counted by route, method and status, each series once it exists; made-up
+    // methods share one label, so they cannot add series without bound.
+    let status_requests = |text: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with("iota_http_requests_total{"))
+            .filter(|l| {
+                l.contains(r#"route="/v1/status""#)
+                    && l.contains(r#"method="GET""#)
+                    && l.contains(r#"status="200""#)
+            })
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let metrics_text = || async {
+        http.get(format!("{}/metrics", orch.base))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
+    };
+    let before = status_requests(&metrics_text().await);
+    for _ in 0..3 {
+        let ok = http
+            .get(format!("{}/v1/status", orch.base))
+            .send()
+            .await
+            .expect("status");
+        assert!(ok.status().is_success());
+    }
+    for i in 0..20 {
+        let method = reqwest::Method::from_bytes(format!("FROB{i}").as_bytes()).expect("method");
+        let resp = http
+            .request(method, format!("{}/v1/status", orch.base))
+            .send()
+            .await
+            .expect("made-up method");
+        assert!(resp.status().is_client_error(), "{}", resp.status());
+    }
+    let after = metrics_text().await;
+    assert!(
+        status_requests(&after) >= before + 3,
+        "GET /v1/status counted {} then {}",
+        before,
+        status_requests(&after)
+    );
+    assert!(!after.contains("FROB"), "a made-up method became a label");
+    assert!(after.contains(r#"method="other""#), "{after}");
     tokio::time::sleep(Duration::from_millis(10)).await;
     orch.stop().await;
 }
