@@ -290,7 +290,11 @@ impl HttpMetrics {
 
 fn http_metrics() -> &'static HttpMetrics {
     static METRICS: OnceLock<HttpMetrics> = OnceLock::new();
-    METRICS.get_or_init(HttpMetrics::default)
+    METRICS.get_or_init(|| {
+        // Handles are bound to the recorder installed when they are made: install ours first.
+        metrics_handle();
+        HttpMetrics::default()
+    })
 }
 
 /// The OpenAPI document.
