@@ -1062,6 +1062,24 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
             s.percentile_ms(0.99),
             s.signed_in_loop
         );
+        // How busy the machine was: near all of its cores, queueing alone makes the latency.
+        let busy = |w: &Window| {
+            w.cpu.map_or("CPU time unavailable".to_owned(), |c| {
+                let ns = c.server_ns + c.client_ns + c.postgres_ns;
+                format!(
+                    "{:.2} of {threads} cores (orchestrator {:.2}, client {:.2}, PostgreSQL {:.2})",
+                    ns as f64 / WINDOW.as_secs_f64() / 1e9,
+                    c.server_ns as f64 / WINDOW.as_secs_f64() / 1e9,
+                    c.client_ns as f64 / WINDOW.as_secs_f64() / 1e9,
+                    c.postgres_ns as f64 / WINDOW.as_secs_f64() / 1e9,
+                )
+            })
+        };
+        println!(
+            "CPU busy at half the ceiling: no-op {}; signed poll {}",
+            busy(n),
+            busy(s)
+        );
     }
     println!(
         "signature verification per request ({} requests): one by one (schnorrkel) {}; through the verifier one at a time {}; batched, every key new {}; batched, known keys {}; processor has AVX-512 IFMA (the verifier's fastest backend): {}",
