@@ -225,9 +225,9 @@ fn method_label(method: &axum::http::Method) -> &'static str {
     }
 }
 
-/// The per-request HTTP metrics, with each series' handle looked up once. Naming a series by
-/// owned labels on every request cost several allocations per request (a measurable share of a
-/// work poll's cost under load); a lookup here allocates nothing once the series exists.
+/// The per-request HTTP metrics, with each series' handle looked up once: naming a series by
+/// owned labels allocated several times per request; a lookup here allocates nothing once the
+/// series exists.
 #[derive(Default)]
 struct HttpMetrics(std::sync::RwLock<std::collections::HashMap<String, RouteSeries>>);
 
@@ -239,20 +239,30 @@ struct RouteSeries {
 }
 
 impl RouteSeries {
-    fn record(&self, method: &'static str, status: u16, elapsed: Duration) -> bool {
-        let counter = self
-            .requests
+    fn counter(&self, method: &'static str, status: u16) -> Option<&metrics::Counter> {
+        self.requests
             .iter()
-            .find(|(m, s, _)| *m == method && *s == status);
-        let histogram = self.seconds.iter().find(|(m, _)| *m == method);
-        match (counter, histogram) {
-            (Some((_, _, counter)), Some((_, histogram))) => {
-                counter.increment(1);
-                histogram.record(elapsed.as_secs_f64());
-                true
-            }
-            _ => false,
-        }
+            .find(|(m, s, _)| *m == method && *s == status)
+            .map(|(_, _, c)| c)
+    }
+
+    fn histogram(&self, method: &'static str) -> Option<&metrics::Histogram> {
+        self.seconds
+            .iter()
+            .find(|(m, _)| *m == method)
+            .map(|(_, h)| h)
+    }
+
+    /// Records one request, or says that a series is missing.
+    fn record(&self, method: &'static str, status: u16, elapsed: Duration) -> bool {
+        let (Some(counter), Some(histogram)) =
+            (self.counter(method, status), self.histogram(method))
+        else {
+            return false;
+        };
+        counter.increment(1);
+        histogram.record(elapsed.as_secs_f64());
+        true
     }
 }
 
@@ -270,16 +280,12 @@ impl HttpMetrics {
         }
         let mut routes = self.0.write().unwrap_or_else(|e| e.into_inner());
         let series = routes.entry(route.to_owned()).or_default();
-        if !series
-            .requests
-            .iter()
-            .any(|(m, s, _)| *m == method && *s == status)
-        {
+        if series.counter(method, status).is_none() {
             let counter = metrics::counter!("iota_http_requests_total",
                 "route" => route.to_owned(), "method" => method, "status" => status.to_string());
             series.requests.push((method, status, counter));
         }
-        if !series.seconds.iter().any(|(m, _)| *m == method) {
+        if series.histogram(method).is_none() {
             let histogram = metrics::histogram!("iota_http_request_seconds",
                 "route" => route.to_owned(), "method" => method);
             series.seconds.push((method, histogram));

@@ -476,14 +476,16 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         .await
         .expect("json");
     assert_eq!(status.phase, Phase::Training);
-    let metrics = http
-        .get(format!("{}/metrics", orch.base))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics_text = || async {
+        http.get(format!("{}/metrics", orch.base))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
+    };
+    let metrics = metrics_text().await;
     assert!(metrics.contains("iota_http_requests_total"), "{metrics}");
     let unknown = http
         .get(format!("{}/v1/nope", orch.base))
@@ -506,15 +508,6 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             })
             .find_map(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or(0)
-    };
-    let metrics_text = || async {
-        http.get(format!("{}/metrics", orch.base))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text")
     };
     let before = status_requests(&metrics_text().await);
     for _ in 0..3 {
