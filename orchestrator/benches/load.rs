@@ -28,8 +28,9 @@
 //! miner computes its hops instead); the run prints how many did. In closed loops a route's
 //! latency is about miners / throughput (Little's law), the no-op's included: the latency target
 //! is read at half the ceiling, and at a fleet's idle pace (`IOTA_BENCH_POLL_INTERVAL_MS=1000`).
-//! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default). The process
-//! uses the `iota` binary's allocator.
+//! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default).
+//! `IOTA_BENCH_TIMELINE=1` prints each paced window's p99 and worst latency per quarter second.
+//! The process uses the `iota` binary's allocator.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -47,7 +48,8 @@ use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
 use iota_protocol::signing::{
-    RequestSigner, SignedMessage, SkewWindow, check_request, sign_request,
+    HEADER_SIGNATURE, HEADER_UUID, RequestSigner, SignedMessage, SkewWindow, check_request,
+    sign_request,
 };
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
@@ -181,7 +183,7 @@ impl Window {
     }
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {
     Noop,
     SignedPoll,
@@ -229,61 +231,87 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
     headers
 }
 
-/// Each header of one poll: its name and the span of its value in the pool's buffer.
-type Spans = Vec<(&'static str, usize, usize)>;
+/// A header value that lives as long as the process: handing it to a request copies a pointer,
+/// with no reference count to touch.
+fn static_value(value: &[u8]) -> Option<reqwest::header::HeaderValue> {
+    let value: &'static [u8] = Box::leak(value.to_vec().into_boxed_slice());
+    reqwest::header::HeaderValue::from_maybe_shared(Bytes::from_static(value)).ok()
+}
 
-/// One poll's signed headers, parsed when signed (as a miner's own machine would).
-type SignedHeaders = Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>;
-
-/// One miner's polls signed ahead: every header value of every poll is a slice of one buffer,
-/// so that nothing is allocated per value and nothing validated again in the loop.
+/// One miner's polls signed ahead, parsed when signed (as a miner's own machine would). Only a
+/// poll's uuid and signature differ from its neighbours' (one timestamp covers the window): those
+/// two are kept per poll, slices of one buffer; the rest once per miner, in memory that lives as
+/// long as the process (a few hundred bytes a miner each window). The loop builds each request's
+/// headers from values already parsed. Kept whole, each poll held six values and their
+/// bookkeeping (about 750 bytes, a window's pools about 300 MB, each read once, cold), and in a
+/// profile taking them apart was the largest item of the client's extra cost for a signed poll.
 #[derive(Default)]
 struct Presigned {
-    polls: Vec<SignedHeaders>,
+    /// Content type, version, timestamp, signer and receiver.
+    fixed: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
+    /// Each poll's uuid and signature.
+    polls: Vec<Option<[reqwest::header::HeaderValue; 2]>>,
     next: usize,
 }
 
 /// A [`Presigned`] being filled.
 #[derive(Default)]
 struct Signing {
+    fixed: Vec<(&'static str, String)>,
     values: Vec<u8>,
-    polls: Vec<Spans>,
+    /// Each poll's uuid and signature: their spans in `values`.
+    polls: Vec<[(usize, usize); 2]>,
 }
 
 impl Signing {
     fn sign(&mut self, pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) {
         let signed = signed_poll(pair, orchestrator, body, timestamp_ms);
-        let spans = signed
-            .headers
-            .iter()
-            .map(|(name, value)| {
-                let start = self.values.len();
-                self.values.extend_from_slice(value.as_bytes());
-                (*name, start, self.values.len())
-            })
-            .collect();
+        let mut spans = [(0, 0); 2];
+        let mut fixed = Vec::new();
+        for (name, value) in signed.headers {
+            let slot = match name {
+                HEADER_UUID => 0,
+                HEADER_SIGNATURE => 1,
+                _ => {
+                    fixed.push((name, value));
+                    continue;
+                }
+            };
+            let start = self.values.len();
+            self.values.extend_from_slice(value.as_bytes());
+            spans[slot] = (start, self.values.len());
+        }
+        // Every poll of a pool shares these; a pool signed across two stamps would not.
+        debug_assert!(self.fixed.is_empty() || self.fixed == fixed);
+        self.fixed = fixed;
         self.polls.push(spans);
     }
 
     fn done(self) -> Presigned {
         let values = Bytes::from(self.values);
+        let mut fixed = vec![(
+            reqwest::header::CONTENT_TYPE,
+            reqwest::header::HeaderValue::from_static("application/json"),
+        )];
+        fixed.extend(self.fixed.iter().filter_map(|(name, value)| {
+            Some((
+                reqwest::header::HeaderName::from_static(name),
+                static_value(value.as_bytes())?,
+            ))
+        }));
+        let value = |(start, end): (usize, usize)| {
+            reqwest::header::HeaderValue::from_maybe_shared(values.slice(start..end)).ok()
+        };
         let polls = self
             .polls
             .into_iter()
-            .map(|spans| {
-                spans
-                    .into_iter()
-                    .filter_map(|(name, start, end)| {
-                        let value = reqwest::header::HeaderValue::from_maybe_shared(
-                            values.slice(start..end),
-                        )
-                        .ok()?;
-                        Some((reqwest::header::HeaderName::from_static(name), value))
-                    })
-                    .collect()
-            })
+            .map(|[uuid, signature]| Some([value(uuid)?, value(signature)?]))
             .collect();
-        Presigned { polls, next: 0 }
+        Presigned {
+            fixed,
+            polls,
+            next: 0,
+        }
     }
 }
 
@@ -294,16 +322,17 @@ impl Presigned {
 
     /// The next poll's headers, or `None` when all are used.
     fn next_headers(&mut self) -> Option<Headers> {
-        let signed = std::mem::take(self.polls.get_mut(self.next)?);
+        let [uuid, signature] = self.polls.get_mut(self.next)?.take()?;
         self.next += 1;
-        let mut headers = Headers::with_capacity(signed.len() + 1);
-        headers.insert(
-            reqwest::header::CONTENT_TYPE,
-            reqwest::header::HeaderValue::from_static("application/json"),
-        );
-        for (name, value) in signed {
-            headers.insert(name, value);
+        let mut headers = Headers::with_capacity(self.fixed.len() + 2);
+        for (name, value) in &self.fixed {
+            headers.insert(name.clone(), value.clone());
         }
+        headers.insert(reqwest::header::HeaderName::from_static(HEADER_UUID), uuid);
+        headers.insert(
+            reqwest::header::HeaderName::from_static(HEADER_SIGNATURE),
+            signature,
+        );
         Some(headers)
     }
 }
@@ -391,7 +420,10 @@ async fn miner_loops(
     let start = Instant::now();
     let measure_from = start + WARMUP;
     let end = measure_from + WINDOW;
-    let body = Bytes::from(work_body());
+    // Static: a shared body's reference count is one cache line that every request of both
+    // client threads would write twice.
+    let body: &'static [u8] = Box::leak(work_body().into_boxed_slice());
+    let body = Bytes::from_static(body);
     let mut presigned = presigned.into_iter();
     // Parsed once: both routes build their requests the same way.
     let work_url = reqwest::Url::parse(&format!("{base}{WORK_PATH}")).expect("work URL");
@@ -409,6 +441,7 @@ async fn miner_loops(
             let mut signed_in_loop = 0usize;
             let mut got_work = false;
             let mut sent = 0usize;
+            // (milliseconds into the window when the poll was due or sent, latency in us)
             let mut latencies = Vec::new();
             // Paced miners start spread over one interval, then poll once per interval.
             let mut next =
@@ -456,7 +489,8 @@ async fn miner_loops(
                 if t0 >= measure_from && t1 <= end {
                     if good {
                         ok += 1;
-                        latencies.push((t1 - t0).as_micros().min(u128::from(u32::MAX)) as u32);
+                        let us = (t1 - t0).as_micros().min(u128::from(u32::MAX)) as u32;
+                        latencies.push(((t0 - measure_from).as_millis() as u32, us));
                     } else {
                         *errors.entry(status).or_insert(0usize) += 1;
                     }
@@ -498,6 +532,7 @@ async fn miner_loops(
         latencies_us: Vec::new(),
         cpu: cpu.await.ok().flatten(),
     };
+    let mut timeline = Vec::new();
     for (ok, errors, signed_in_loop, sent, lat, got_work) in results {
         w.requests += ok;
         w.got_work += usize::from(got_work);
@@ -507,10 +542,30 @@ async fn miner_loops(
         }
         w.signed_in_loop += signed_in_loop;
         w.busiest_miner = w.busiest_miner.max(sent);
-        w.latencies_us.extend(lat);
+        w.latencies_us.extend(lat.iter().map(|&(_, us)| us));
+        timeline.extend(lat);
     }
     w.latencies_us.sort_unstable();
+    if std::env::var("IOTA_BENCH_TIMELINE").is_ok_and(|v| v == "1") && !interval.is_zero() {
+        print_timeline(kind, &mut timeline);
+    }
     w
+}
+
+/// Prints a paced window's latency per quarter second (p99 and worst, from when each poll was
+/// due): a tail made of a few stalls looks different from a machine that is short of CPU
+/// throughout.
+fn print_timeline(kind: Kind, timeline: &mut [(u32, u32)]) {
+    timeline.sort_unstable();
+    let mut line = String::new();
+    for bucket in timeline.chunk_by(|a, b| a.0 / 250 == b.0 / 250) {
+        let mut us: Vec<u32> = bucket.iter().map(|&(_, us)| us).collect();
+        us.sort_unstable();
+        let p99 = us[(us.len() - 1) * 99 / 100];
+        let worst = us[us.len() - 1];
+        line += &format!(" {}:{}/{}", bucket[0].0 / 250, p99 / 1000, worst / 1000);
+    }
+    eprintln!("{kind:?} window, p99/worst ms per 250 ms:{line}");
 }
 
 /// CPU time in nanoseconds (Linux's `schedstat`) of the orchestrator's threads (its
