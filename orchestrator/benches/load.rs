@@ -167,9 +167,23 @@ struct Window {
     latencies_us: Vec<u32>,
     /// CPU spent over the measured window, by side.
     cpu: Option<CpuSplit>,
+    /// Signature batches the orchestrator verified over the measured window: how many, and how
+    /// many signatures in all.
+    batches: Option<(f64, f64)>,
 }
 
 impl Window {
+    /// How the window's signatures were batched.
+    fn batching(&self) -> String {
+        match self.batches {
+            Some((count, signatures)) if count > 0.0 => format!(
+                "{count:.0} signature batches, {:.1} signatures each on average",
+                signatures / count
+            ),
+            _ => "signature batches unknown".to_owned(),
+        }
+    }
+
     fn rps(&self) -> f64 {
         self.requests as f64 / WINDOW.as_secs_f64()
     }
@@ -507,13 +521,20 @@ async fn miner_loops(
             (ok, errors, signed_in_loop, sent, latencies, got_work)
         }
     });
+    let (scrape, metrics_url) = (http.clone(), format!("{base}/metrics"));
     let cpu = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
         let before = CpuSnapshot::now();
+        let batches_before = signature_batches(&scrape, &metrics_url).await;
         tokio::time::sleep_until(end.into()).await;
-        CpuSnapshot::now()
+        let cpu = CpuSnapshot::now()
             .zip(before)
-            .map(|(after, before)| after.since(&before))
+            .map(|(after, before)| after.since(&before));
+        let batches = signature_batches(&scrape, &metrics_url)
+            .await
+            .zip(batches_before)
+            .map(|(after, before)| (after.0 - before.0, after.1 - before.1));
+        (cpu, batches)
     });
     // Each loop is a task of the client runtime, beside its connection's task (a loop polled by
     // the bench's own thread handed every request and answer across threads).
@@ -530,8 +551,12 @@ async fn miner_loops(
         busiest_miner: 0,
         got_work: 0,
         latencies_us: Vec::new(),
-        cpu: cpu.await.ok().flatten(),
+        cpu: None,
+        batches: None,
     };
+    if let Ok((cpu, batches)) = cpu.await {
+        (w.cpu, w.batches) = (cpu, batches);
+    }
     let mut timeline = Vec::new();
     for (ok, errors, signed_in_loop, sent, lat, got_work) in results {
         w.requests += ok;
@@ -550,6 +575,18 @@ async fn miner_loops(
         print_timeline(kind, &mut timeline);
     }
     w
+}
+
+/// The orchestrator's signature batches so far (how many, and their signatures in all), from
+/// its own metrics.
+async fn signature_batches(http: &reqwest::Client, url: &str) -> Option<(f64, f64)> {
+    let text = http.get(url).send().await.ok()?.text().await.ok()?;
+    let value = |suffix: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("iota_signature_batch_size_{suffix} ")))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    Some((value("count").unwrap_or(0.0), value("sum").unwrap_or(0.0)))
 }
 
 /// Prints a paced window's latency per quarter second (p99 and worst, from when each poll was
@@ -1037,10 +1074,11 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     }
     for (r, ((fewest, secs), s)) in presigning.iter().zip(&signed).enumerate() {
         println!(
-            "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling",
+            "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling; {}",
             r + 1,
             s.signed_in_loop,
-            s.got_work
+            s.got_work,
+            s.batching()
         );
     }
     // CPU per request over all windows of a route: less moved by other load on a shared
@@ -1111,11 +1149,12 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         // Polls due in the window's last moments finish after it and are not counted: served
         // trails offered by about the latency over the window even when nothing falls behind.
         println!(
-            "signed at half the ceiling: offered {half_rate:.0} req/s (50% of the no-op ceiling), served {:.0} ({:.1}% of offered) with p99 {:.2} ms (target < 50 ms); {fewest} polls per miner pre-signed, {} signed inside the window",
+            "signed at half the ceiling: offered {half_rate:.0} req/s (50% of the no-op ceiling), served {:.0} ({:.1}% of offered) with p99 {:.2} ms (target < 50 ms); {fewest} polls per miner pre-signed, {} signed inside the window; {}",
             s.rps(),
             100.0 * s.rps() / half_rate,
             s.percentile_ms(0.99),
-            s.signed_in_loop
+            s.signed_in_loop,
+            s.batching()
         );
         // How busy the machine was: near all of its cores, queueing alone makes the latency.
         let busy = |w: &Window| {

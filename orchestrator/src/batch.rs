@@ -5,11 +5,15 @@
 //! is no timer: under light load a batch is one item and costs what a single statement did; under
 //! load a batch grows while the previous statements run, so a round trip to the database and its
 //! executor start-up are paid once per batch instead of once per request.
+//!
+//! With several statements allowed in flight, one that would start beside another can be held
+//! back until a backlog of items waits ([`Batcher::parallel_from`]): otherwise a steady trickle of
+//! requests is split into many tiny batches that each pay the fixed cost.
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 /// Runs one statement for a batch.
 pub(crate) trait Flush: Send + Sync + 'static {
@@ -33,6 +37,8 @@ pub(crate) struct Batcher<F: Flush> {
     flusher: Arc<F>,
     max_batch: usize,
     max_flushes: usize,
+    /// Items that must be waiting before a statement starts beside one in flight.
+    parallel_from: usize,
     // Started on first use, so the state can be built outside a runtime.
     queue: OnceLock<mpsc::Sender<Pending<F>>>,
 }
@@ -45,8 +51,16 @@ impl<F: Flush> Batcher<F> {
             flusher: Arc::new(flusher),
             max_batch: max_batch.max(1),
             max_flushes: max_flushes.max(1),
+            parallel_from: 1,
             queue: OnceLock::new(),
         }
+    }
+
+    /// A statement beside others in flight starts only once `items` wait (at most a full batch);
+    /// with none in flight, whatever waits goes at once.
+    pub(crate) fn parallel_from(mut self, items: usize) -> Self {
+        self.parallel_from = items.clamp(1, self.max_batch);
+        self
     }
 
     /// Whether anything was ever queued (the writer task has started).
@@ -62,8 +76,11 @@ impl<F: Flush> Batcher<F> {
             tokio::spawn(writer(
                 self.flusher.clone(),
                 rx,
-                self.max_batch,
-                self.max_flushes,
+                Limits {
+                    max_batch: self.max_batch,
+                    max_flushes: self.max_flushes,
+                    parallel_from: self.parallel_from,
+                },
             ));
             tx
         });
@@ -73,30 +90,177 @@ impl<F: Flush> Batcher<F> {
     }
 }
 
-/// Ends when the batcher is dropped (after the statements in flight).
-async fn writer<F: Flush>(
-    flusher: Arc<F>,
-    mut rx: mpsc::Receiver<Pending<F>>,
+#[derive(Clone, Copy)]
+struct Limits {
     max_batch: usize,
     max_flushes: usize,
-) {
-    let slots = Arc::new(Semaphore::new(max_flushes));
+    parallel_from: usize,
+}
+
+/// A statement's slot: freed, and the writer told, when the statement ends (panics included).
+struct InFlight {
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ended: Arc<Notify>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Freed first, so that the writer sees the slot free when it wakes.
+        drop(self.slot.take());
+        self.ended.notify_one();
+    }
+}
+
+/// Ends when the batcher is dropped (after the statements in flight).
+async fn writer<F: Flush>(flusher: Arc<F>, mut rx: mpsc::Receiver<Pending<F>>, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.max_flushes));
+    // Told when a statement ends: items held back for a backlog then go at once.
+    let ended = Arc::new(Notify::new());
+    let mut batch = Vec::new();
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let mut batch = Vec::new();
-        if rx.recv_many(&mut batch, max_batch).await == 0 {
-            return;
+        loop {
+            // This slot is held, so the others in flight are the permits missing besides it.
+            let others_in_flight = slots.available_permits() + 1 < limits.max_flushes;
+            let ready =
+                !batch.is_empty() && (!others_in_flight || batch.len() >= limits.parallel_from);
+            if ready || batch.len() >= limits.max_batch {
+                break;
+            }
+            let room = limits.max_batch - batch.len();
+            tokio::select! {
+                received = rx.recv_many(&mut batch, room) => {
+                    if received == 0 {
+                        // The batcher is gone: answer what is held, then stop.
+                        if batch.is_empty() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+                () = ended.notified(), if others_in_flight => {}
+            }
         }
         let flusher = flusher.clone();
+        let in_flight = InFlight {
+            slot: Some(slot),
+            ended: ended.clone(),
+        };
+        let items = std::mem::take(&mut batch);
         tokio::spawn(async move {
-            let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+            let (items, replies): (Vec<_>, Vec<_>) = items.into_iter().unzip();
             let outputs = flusher.flush(items).await;
             for (reply, output) in replies.into_iter().zip(outputs) {
                 let _ = reply.send(output);
             }
-            drop(slot);
+            drop(in_flight);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// Records each batch and holds it until told to finish.
+    #[derive(Default)]
+    struct Held {
+        batches: Mutex<Vec<Vec<u32>>>,
+        release: Notify,
+    }
+
+    impl Flush for Held {
+        type Item = u32;
+        type Output = u32;
+
+        async fn flush(&self, items: Vec<u32>) -> Vec<u32> {
+            self.batches.lock().expect("lock").push(items.clone());
+            self.release.notified().await;
+            items
+        }
+    }
+
+    async fn batches_become(held: &Held, want: &[Vec<u32>]) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            if *held.batches.lock().expect("lock") == want {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "batches {:?}, wanted {want:?}",
+                held.batches.lock().expect("lock")
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_second_statement_waits_for_a_backlog_or_the_first_to_end() {
+        let batcher = Arc::new(Batcher::new(Held::default(), 8, 2).parallel_from(3));
+        let held = batcher.flusher.clone();
+        let submit = |item: u32| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(item).await.ok() })
+        };
+        // Nothing in flight: one item goes alone.
+        let first = submit(1);
+        batches_become(&held, &[vec![1]]).await;
+        // Beside it, two items are held back: fewer than three wait.
+        let (a, b) = (submit(2), submit(3));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        batches_become(&held, &[vec![1]]).await;
+        // A third makes the backlog: the second statement starts beside the first.
+        let c = submit(4);
+        batches_become(&held, &[vec![1], vec![2, 3, 4]]).await;
+        // Both slots busy: the next item waits for a slot.
+        let d = submit(5);
+        held.release.notify_one();
+        let done = [first, a, b, c];
+        let mut answered = 0;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while answered < 1 {
+            answered = done.iter().filter(|t| t.is_finished()).count();
+            assert!(tokio::time::Instant::now() < deadline, "no statement ended");
+            tokio::task::yield_now().await;
+        }
+        // One statement still in flight and one item waiting: held until the other ends.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(held.batches.lock().expect("lock").len(), 2);
+        held.release.notify_one();
+        batches_become(&held, &[vec![1], vec![2, 3, 4], vec![5]]).await;
+        held.release.notify_one();
+        assert_eq!(d.await.expect("task"), Some(5));
+        for t in done {
+            assert!(t.await.expect("task").is_some());
+        }
+    }
+
+    #[tokio::test]
+    async fn without_a_backlog_rule_a_second_statement_starts_at_once() {
+        let batcher = Arc::new(Batcher::new(Held::default(), 8, 2));
+        let held = batcher.flusher.clone();
+        let submit = |item: u32| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(item).await.ok() })
+        };
+        let tasks = [submit(1)];
+        batches_become(&held, &[vec![1]]).await;
+        let second = submit(2);
+        batches_become(&held, &[vec![1], vec![2]]).await;
+        held.release.notify_one();
+        held.release.notify_one();
+        assert_eq!(second.await.expect("task"), Some(2));
+        for t in tasks {
+            assert_eq!(t.await.expect("task"), Some(1));
+        }
     }
 }
