@@ -245,6 +245,12 @@ fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms
     headers
 }
 
+// Built at compile time: the loop inserts them into every signed request.
+const UUID_HEADER: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static(HEADER_UUID);
+const SIGNATURE_HEADER: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static(HEADER_SIGNATURE);
+
 /// A header value that lives as long as the process: handing it to a request copies a pointer,
 /// with no reference count to touch.
 fn static_value(value: &[u8]) -> Option<reqwest::header::HeaderValue> {
@@ -342,11 +348,8 @@ impl Presigned {
         for (name, value) in &self.fixed {
             headers.insert(name.clone(), value.clone());
         }
-        headers.insert(reqwest::header::HeaderName::from_static(HEADER_UUID), uuid);
-        headers.insert(
-            reqwest::header::HeaderName::from_static(HEADER_SIGNATURE),
-            signature,
-        );
+        headers.insert(UUID_HEADER, uuid);
+        headers.insert(SIGNATURE_HEADER, signature);
         Some(headers)
     }
 }
@@ -524,8 +527,9 @@ async fn miner_loops(
     let (scrape, metrics_url) = (http.clone(), format!("{base}/metrics"));
     let cpu = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
-        let before = CpuSnapshot::now();
+        // Scraped before the CPU snapshot, so that rendering the metrics is not counted.
         let batches_before = signature_batches(&scrape, &metrics_url).await;
+        let before = CpuSnapshot::now();
         tokio::time::sleep_until(end.into()).await;
         let cpu = CpuSnapshot::now()
             .zip(before)
