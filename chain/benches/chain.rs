@@ -1,7 +1,8 @@
 //! Chain client benchmarks against an in-process localnet (instant blocks: a block per
 //! transaction, so timings are client + RPC + localnet, not block time):
 //!
-//! * metagraph sync of a full 256-UID subnet (every uid with an axon and some stake);
+//! * metagraph sync of a full 256-UID subnet (every uid with an axon and some stake), and what
+//!   building its storage keys costs with the address checked per key or per entry;
 //! * `set_weights` round trip, submission to inclusion in a block, for 256 uids.
 //!
 //! Run with `cargo bench -p iota-chain --bench chain`.
@@ -9,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use iota_chain::calls::{self, AxonEndpoint, Hyperparam, RAO_PER_TAO};
+use iota_chain::client::StorageBatch;
 use iota_chain::commit::MemoryCommitStore;
 use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor, TxOptions, WeightOptions};
@@ -109,6 +111,39 @@ async fn run() -> BenchResult<()> {
         "metagraph sync, 256 UIDs (3 batched queries)",
         samples.len(),
         &stats(samples),
+    );
+
+    // Building a batch's storage keys: each address checked against the node's metadata once
+    // per key (`add` in a loop, as the metagraph read did) or once per entry (`add_all`).
+    let at = chain.at_finalized().await?;
+    let st = || iota_chain::api::storage().subtensor_module();
+    let uids = || (0..256u16).map(|uid| (netuid, uid));
+    let (mut per_key, mut per_entry) = (Vec::new(), Vec::new());
+    for _ in 0..30 {
+        let t = Instant::now();
+        let mut batch = StorageBatch::new(&at);
+        for parts in uids() {
+            batch.add(st().keys(), parts)?;
+            batch.add(st().block_at_registration(), parts)?;
+        }
+        per_key.push(t.elapsed());
+        assert_eq!(batch.len(), 512);
+        let t = Instant::now();
+        let mut batch = StorageBatch::new(&at);
+        batch.add_all(st().keys(), uids())?;
+        batch.add_all(st().block_at_registration(), uids())?;
+        per_entry.push(t.elapsed());
+        assert_eq!(batch.len(), 512);
+    }
+    show(
+        "512 storage keys, address checked per key",
+        per_key.len(),
+        &stats(per_key),
+    );
+    show(
+        "512 storage keys, address checked per entry",
+        per_entry.len(),
+        &stats(per_entry),
     );
 
     // For comparison: the per-neuron items read one RPC per value through plain subxt.

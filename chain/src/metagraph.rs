@@ -278,12 +278,9 @@ impl Subtensor {
 
         // Round 2: who holds each uid, and since when.
         let mut batch = StorageBatch::new(at);
-        let mut key_slots = Vec::with_capacity(n);
-        let mut reg_slots = Vec::with_capacity(n);
-        for uid in 0..hyperparams.n {
-            key_slots.push(batch.add(st().keys(), (netuid, uid))?);
-            reg_slots.push(batch.add(st().block_at_registration(), (netuid, uid))?);
-        }
+        let uids = || (0..hyperparams.n).map(|uid| (netuid, uid));
+        let key_slots = batch.add_all(st().keys(), uids())?;
+        let reg_slots = batch.add_all(st().block_at_registration(), uids())?;
         let fetched = batch.fetch(self).await?;
         let mut hotkeys: Vec<AccountId32> = Vec::with_capacity(n);
         let mut registered = Vec::with_capacity(n);
@@ -294,18 +291,17 @@ impl Subtensor {
 
         // Round 3: per-hotkey coldkey, stake and axon.
         let mut batch = StorageBatch::new(at);
-        let mut per_hotkey = Vec::with_capacity(n);
-        for hotkey in &hotkeys {
-            per_hotkey.push((
-                batch.add(st().owner(), (*hotkey,))?,
-                batch.add(st().total_hotkey_alpha(), (*hotkey, netuid))?,
-                batch.add(st().axons(), (netuid, *hotkey))?,
-            ));
-        }
+        let owners = batch.add_all(st().owner(), hotkeys.iter().map(|h| (*h,)))?;
+        let stakes = batch.add_all(
+            st().total_hotkey_alpha(),
+            hotkeys.iter().map(|h| (*h, netuid)),
+        )?;
+        let axons = batch.add_all(st().axons(), hotkeys.iter().map(|h| (netuid, *h)))?;
         let fetched = batch.fetch(self).await?;
 
         let mut neurons = Vec::with_capacity(n);
-        for (uid, (hotkey, (owner, stake, axon))) in hotkeys.iter().zip(&per_hotkey).enumerate() {
+        let per_hotkey = owners.iter().zip(&stakes).zip(&axons);
+        for (uid, (hotkey, ((owner, stake), axon))) in hotkeys.iter().zip(per_hotkey).enumerate() {
             let owner: AccountId32 = fetched.value(owner)?;
             let axon = fetched.optional(axon)?;
             neurons.push(Neuron {

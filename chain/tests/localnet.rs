@@ -977,3 +977,63 @@ async fn weight_vector_and_registration_slot_errors_come_from_real_transactions(
     );
     net.stop().await;
 }
+
+/// The watcher reads the metagraph again only when the finalized block is new: between blocks
+/// each refresh asks for the head's hash, confirms the index it has and publishes nothing; a new
+/// block (here, a registration) is read and published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watcher_reads_only_new_blocks() {
+    init_tracing();
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("spawn");
+    let chain = connect(&net).await;
+    let netuid = subnet(&chain, &key(1).public(), false, 20).await;
+    let every = Duration::from_millis(50);
+    let watcher = iota_chain::MetagraphWatcher::spawn(
+        chain.clone(),
+        netuid,
+        iota_chain::WatchOptions {
+            every,
+            ..iota_chain::WatchOptions::default()
+        },
+    )
+    .await
+    .expect("first read");
+    let mut rx = watcher.subscribe();
+    let first = rx.borrow_and_update().clone();
+    assert_eq!(first.metagraph().neurons.len(), 1);
+    let spawned = std::time::Instant::now();
+
+    // Refreshes that found the same block: the index's age restarts, nothing is published.
+    let deadline = spawned + Duration::from_secs(10);
+    while first.age() + 4 * every > spawned.elapsed() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no refresh confirmed the index"
+        );
+        tokio::time::sleep(every / 2).await;
+    }
+    assert!(
+        !rx.has_changed().expect("watcher alive"),
+        "an unchanged block was read and published again"
+    );
+    assert!(std::sync::Arc::ptr_eq(&first, &watcher.latest()));
+
+    chain
+        .register(&dev("Alice"), netuid, &key(2).public(), &tx())
+        .await
+        .expect("register");
+    let fresh = tokio::time::timeout(
+        Duration::from_secs(10),
+        rx.wait_for(|m| m.metagraph().neurons.len() == 2),
+    )
+    .await
+    .expect("the new block is read")
+    .expect("watcher alive")
+    .clone();
+    assert!(fresh.block() > first.block());
+    assert_eq!(fresh.uid_of(&key(2).public()), Some(1));
+    drop(watcher);
+    net.stop().await;
+}

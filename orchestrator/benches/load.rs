@@ -1,5 +1,7 @@
 //! Load benchmark of the orchestrator on loopback, against a real PostgreSQL (`DATABASE_URL`,
-//! e.g. from `scripts/pg.sh start`) and a localnet subnet with 1,000 registered miners:
+//! e.g. from `scripts/pg.sh start`) and a localnet subnet with 1,000 registered miners (on its
+//! own runtime, as a node is its own process, making a block every 12 s as finney does, so the
+//! orchestrator reads the metagraph again at that pace):
 //!
 //! * signed work polls (`POST /v1/miner/work`, the request every miner sends in a loop) per
 //!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
@@ -9,9 +11,9 @@
 //!   each miner polling on a fixed schedule, with the rate served and the latency counted from
 //!   when each poll was due (so a client or server that falls behind shows as latency, and so
 //!   does the up to a millisecond by which tokio's timer wakes a paced loop late);
-//! * CPU time per request of each route: the orchestrator's threads, the client's and
-//!   PostgreSQL's (from Linux's `schedstat`), which a shared machine's other load moves less than
-//!   the request rates;
+//! * CPU time per request of each route: the orchestrator's threads, the client's, the
+//!   localnet's and PostgreSQL's (from Linux's `schedstat`), which a shared machine's other load
+//!   moves less than the request rates;
 //! * activation upload and download MB/s through the orchestrator (local directory store);
 //! * microseconds per signature verified one by one and through the batched verifier.
 //!
@@ -113,8 +115,17 @@ fn run_config() -> RunConfig {
 }
 
 /// A localnet subnet with every miner's hotkey registered by Alice.
-async fn chain(pairs: &[sr25519::Pair]) -> anyhow::Result<(Localnet, u16)> {
-    let net = Localnet::spawn(LocalnetConfig::instant()).await?;
+async fn chain(
+    runtime: &tokio::runtime::Handle,
+    pairs: &[sr25519::Pair],
+) -> anyhow::Result<(Localnet, u16)> {
+    // On its own runtime, as a chain node is its own process: its RPC answers (a metagraph read
+    // of 1,000 uids is milliseconds of work) must not hold up the client's miner loops.
+    // A block for each registration, then one every 12 s as on finney: the orchestrator reads
+    // the metagraph again at each new block.
+    let mut config = LocalnetConfig::instant();
+    config.chain.block_time = Some(Duration::from_secs(12));
+    let net = runtime.spawn(Localnet::spawn(config)).await??;
     let mut opts = ConnectOptions::new(net.ws_url());
     opts.connect_timeout = Duration::from_secs(20);
     let chain = Subtensor::connect(opts).await?;
@@ -610,13 +621,27 @@ fn print_timeline(kind: Kind, timeline: &mut [(u32, u32)]) {
 }
 
 /// CPU time in nanoseconds (Linux's `schedstat`) of the orchestrator's threads (its
-/// runtime is named `orchestrator`, blocking threads included), the client's (every other thread
-/// of this process) and PostgreSQL's processes.
+/// runtime is named `orchestrator`, blocking threads included), the localnet chain's (runtime
+/// `localnet`), the client's (every other thread of this process) and PostgreSQL's processes.
 #[derive(Clone, Copy, Default)]
 struct CpuSplit {
     server_ns: u64,
     client_ns: u64,
+    chain_ns: u64,
     postgres_ns: u64,
+}
+
+impl CpuSplit {
+    fn total_ns(&self) -> u64 {
+        self.server_ns + self.client_ns + self.chain_ns + self.postgres_ns
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Server,
+    Chain,
+    Client,
 }
 
 /// CPU time of each thread of this process (by thread id, with whether it is the server's) and
@@ -624,7 +649,7 @@ struct CpuSplit {
 /// window's CPU is summed per thread.
 #[derive(Default)]
 struct CpuSnapshot {
-    threads: std::collections::HashMap<String, (bool, u64)>,
+    threads: std::collections::HashMap<String, (Side, u64)>,
     postgres: std::collections::HashMap<String, u64>,
 }
 
@@ -638,8 +663,12 @@ impl CpuSnapshot {
             };
             let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
             let id = task.file_name().to_string_lossy().into_owned();
-            snap.threads
-                .insert(id, (name.trim_end() == "orchestrator", ns));
+            let side = match name.trim_end() {
+                "orchestrator" => Side::Server,
+                "localnet" => Side::Chain,
+                _ => Side::Client,
+            };
+            snap.threads.insert(id, (side, ns));
         }
         for proc in std::fs::read_dir("/proc").ok()?.flatten() {
             let path = proc.path();
@@ -659,13 +688,13 @@ impl CpuSnapshot {
     /// are missing, with what they spent since `before`).
     fn since(&self, before: &Self) -> CpuSplit {
         let mut split = CpuSplit::default();
-        for (id, (server, ns)) in &self.threads {
+        for (id, (side, ns)) in &self.threads {
             let spent = ns.saturating_sub(before.threads.get(id).map_or(0, |t| t.1));
-            if *server {
-                split.server_ns += spent;
-            } else {
-                split.client_ns += spent;
-            }
+            *match side {
+                Side::Server => &mut split.server_ns,
+                Side::Chain => &mut split.chain_ns,
+                Side::Client => &mut split.client_ns,
+            } += spent;
         }
         for (id, ns) in &self.postgres {
             split.postgres_ns += ns.saturating_sub(before.postgres.get(id).copied().unwrap_or(0));
@@ -837,12 +866,15 @@ fn boundary(run: &RunConfig) -> Bytes {
     Bytes::from(encode_boundary_i8(shape, &values, &scales))
 }
 
-async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
+async fn bench(
+    server: tokio::runtime::Handle,
+    localnet: tokio::runtime::Handle,
+) -> anyhow::Result<()> {
     let Ok(_) = std::env::var("DATABASE_URL") else {
         bail!("DATABASE_URL is not set: eval \"$(scripts/pg.sh start)\" first");
     };
     let pairs: Vec<sr25519::Pair> = (0..MINERS).map(miner_pair).collect();
-    let (net, netuid) = chain(&pairs).await?;
+    let (net, netuid) = chain(&localnet, &pairs).await?;
     let db = common::fresh_db().await;
     let store = tempfile::tempdir()?;
     let run = run_config();
@@ -1087,28 +1119,34 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
     }
     // CPU per request over all windows of a route: less moved by other load on a shared
     // machine than the request rates are.
-    let cpu_per_request = |ws: &[Window]| -> Option<(f64, f64, f64)> {
+    let cpu_per_request = |ws: &[Window]| -> Option<[f64; 5]> {
         let requests: usize = ws.iter().map(|w| w.requests).sum();
         let mut sum = CpuSplit::default();
         for w in ws {
             let c = w.cpu?;
             sum.server_ns += c.server_ns;
             sum.client_ns += c.client_ns;
+            sum.chain_ns += c.chain_ns;
             sum.postgres_ns += c.postgres_ns;
         }
         let per = |ns: u64| ns as f64 / 1e3 / requests.max(1) as f64;
-        Some((per(sum.server_ns), per(sum.client_ns), per(sum.postgres_ns)))
+        Some([
+            per(sum.total_ns()),
+            per(sum.server_ns),
+            per(sum.client_ns),
+            per(sum.chain_ns),
+            per(sum.postgres_ns),
+        ])
     };
     if let (Some(n), Some(s)) = (cpu_per_request(&noop), cpu_per_request(&signed)) {
-        for (name, (server, client, pg)) in [("no-op", n), ("signed poll", s)] {
+        for (name, [total, server, client, chain, pg]) in [("no-op", n), ("signed poll", s)] {
             println!(
-                "CPU per request, {name}: {:.1} us (server {server:.1}, client {client:.1}, PostgreSQL {pg:.1})",
-                server + client + pg
+                "CPU per request, {name}: {total:.1} us (server {server:.1}, client {client:.1}, chain {chain:.1}, PostgreSQL {pg:.1})"
             );
         }
         println!(
             "no-op / signed poll CPU per request: {:.1}%",
-            100.0 * (n.0 + n.1 + n.2) / (s.0 + s.1 + s.2)
+            100.0 * n[0] / s[0]
         );
     }
     let worst_p99 = signed
@@ -1163,13 +1201,14 @@ async fn bench(server: tokio::runtime::Handle) -> anyhow::Result<()> {
         // How busy the machine was: near all of its cores, queueing alone makes the latency.
         let busy = |w: &Window| {
             w.cpu.map_or("CPU time unavailable".to_owned(), |c| {
-                let ns = c.server_ns + c.client_ns + c.postgres_ns;
+                let cores = |ns: u64| ns as f64 / WINDOW.as_secs_f64() / 1e9;
                 format!(
-                    "{:.2} of {threads} cores (orchestrator {:.2}, client {:.2}, PostgreSQL {:.2})",
-                    ns as f64 / WINDOW.as_secs_f64() / 1e9,
-                    c.server_ns as f64 / WINDOW.as_secs_f64() / 1e9,
-                    c.client_ns as f64 / WINDOW.as_secs_f64() / 1e9,
-                    c.postgres_ns as f64 / WINDOW.as_secs_f64() / 1e9,
+                    "{:.2} of {threads} cores (orchestrator {:.2}, client {:.2}, chain {:.2}, PostgreSQL {:.2})",
+                    cores(c.total_ns()),
+                    cores(c.server_ns),
+                    cores(c.client_ns),
+                    cores(c.chain_ns),
+                    cores(c.postgres_ns),
                 )
             })
         };
@@ -1236,5 +1275,10 @@ fn main() -> anyhow::Result<()> {
         .thread_name("miners")
         .enable_all()
         .build()?;
-    clients.block_on(bench(server.handle().clone()))
+    let localnet = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("localnet")
+        .enable_all()
+        .build()?;
+    clients.block_on(bench(server.handle().clone(), localnet.handle().clone()))
 }

@@ -170,11 +170,12 @@ pub struct OrchestratorArgs {
         default_value_t = 2
     )]
     pub inner_steps_every: u32,
-    /// Seconds between metagraph reads.
+    /// Seconds between checks of the chain's finalized block; the metagraph is read again when
+    /// that block is new (a newly registered miner is accepted within about this long).
     #[arg(
         long = "metagraph-refresh-s",
         env = "IOTA_METAGRAPH_REFRESH_S",
-        default_value_t = 36
+        default_value_t = 12
     )]
     pub metagraph_refresh_s: u64,
     /// Oldest accepted request, in milliseconds.

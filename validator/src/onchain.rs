@@ -48,13 +48,10 @@ pub async fn weight_rows(
         .map(|n| n.uid)
         .collect();
     let mut b = StorageBatch::new(&at);
-    let mut slots = Vec::with_capacity(validators.len());
-    for uid in &validators {
-        slots.push(b.add(
-            api::storage().subtensor_module().weights(),
-            (meta.netuid, *uid),
-        )?);
-    }
+    let slots = b.add_all(
+        api::storage().subtensor_module().weights(),
+        validators.iter().map(|uid| (meta.netuid, *uid)),
+    )?;
     let f = b.fetch(chain).await?;
     validators
         .iter()
