@@ -26,7 +26,7 @@ BENCHES=(
   "load-paced|env IOTA_BENCH_POLL_INTERVAL_MS=1000 cargo bench -p iota-orchestrator --bench load|Orchestrator load, paced: 1,000 miners each polling once a second (latency)"
   "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
   "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
-  "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync and set_weights round trip"
+  "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync, building its storage keys (address checked per key or per entry), and set_weights round trip"
   "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
 )
 
