@@ -103,18 +103,23 @@ impl MetagraphIndex {
     }
 }
 
-/// The metagraph at the finalized block, or `None` when that block is still `last`.
+/// The metagraph at the block with `hash`.
+async fn read_at(chain: &Subtensor, netuid: u16, hash: H256) -> Result<Metagraph, ChainError> {
+    let at = chain.at_hash(hash).await?;
+    chain.metagraph_at(&at, netuid).await
+}
+
+/// The finalized block's hash and metagraph, or `None` when that block is still `last`.
 async fn read_if_new(
     chain: &Subtensor,
     netuid: u16,
-    last: Option<H256>,
+    last: H256,
 ) -> Result<Option<(H256, Metagraph)>, ChainError> {
     let head = chain.finalized_hash().await?;
-    if Some(head) == last {
+    if head == last {
         return Ok(None);
     }
-    let at = chain.at_hash(head).await?;
-    Ok(Some((head, chain.metagraph_at(&at, netuid).await?)))
+    Ok(Some((head, read_at(chain, netuid, head).await?)))
 }
 
 /// Refresh schedule.
@@ -153,9 +158,8 @@ impl MetagraphWatcher {
         netuid: u16,
         opts: WatchOptions,
     ) -> Result<Self, ChainError> {
-        let (mut last, first) = read_if_new(&chain, netuid, None)
-            .await?
-            .ok_or_else(|| ChainError::Other("no first metagraph".into()))?;
+        let mut last = chain.finalized_hash().await?;
+        let first = read_at(&chain, netuid, last).await?;
         let (tx, rx) = watch::channel(Arc::new(MetagraphIndex::new(first)));
         let task = tokio::spawn(async move {
             let mut failures = 0u32;
@@ -168,7 +172,7 @@ impl MetagraphWatcher {
                         .min(opts.max_backoff)
                 };
                 tokio::time::sleep(wait).await;
-                match read_if_new(&chain, netuid, Some(last)).await {
+                match read_if_new(&chain, netuid, last).await {
                     Ok(Some((head, m))) => {
                         failures = 0;
                         last = head;

@@ -29,7 +29,8 @@ pub struct Config {
     pub hotkey: String,
     /// The run.
     pub run: RunConfig,
-    /// Time between metagraph reads.
+    /// Time between checks of the chain's finalized block (the metagraph is read when it is
+    /// new).
     pub metagraph_refresh: Duration,
     /// Accepted clock skew of signed requests.
     pub skew: SkewWindow,
