@@ -22,7 +22,7 @@ BENCHES=(
   "overhead|cargo bench -p iota-miner --bench overhead|Miner overhead: a miner's tokens/s through the whole protocol against the training core alone"
   "pipeline|cargo bench -p iota-miner --bench pipeline|Pipeline against monolithic: end-to-end tokens/s of three miners against one process training the same model"
   "butterfly|cargo bench -p iota-miner --bench butterfly|Weight all-reduce: bytes per miner and time at 2, 4, 8 and 16 miners per stage"
-  "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second against an unsigned no-op, 1,000 miners in closed loops (throughput; latency there is miners / throughput), then both routes offered half the no-op's rate on a fixed schedule (latency from when each poll was due)"
+  "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second against an unsigned no-op, 1,000 miners in closed loops (throughput; latency there is miners / throughput), then three rounds of the signed poll offered half the no-op's rate (the median of every closed-loop no-op window so far, the last run just before the round) on a fixed schedule (latency from when each poll was due), and the no-op at that pace for reference"
   "load-paced|env IOTA_BENCH_POLL_INTERVAL_MS=1000 cargo bench -p iota-orchestrator --bench load|Orchestrator load, paced: 1,000 miners each polling once a second (latency)"
   "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
   "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
