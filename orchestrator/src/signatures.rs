@@ -11,8 +11,9 @@
 //! failed batch: under such an attack the cost is one verification per request, as without
 //! batching, plus one wasted batch per pause.
 //!
-//! A request that arrives alone (a fleet polling at an idle pace) is checked at once in its own
-//! task; see [`SignatureVerifier::verify`].
+//! Batches are checked in the batcher's own tasks, on the runtime's threads (see `Verify::flush`
+//! for why not on blocking threads). A request that arrives alone (a fleet polling at an idle
+//! pace) is checked at once in its own task; see [`SignatureVerifier::verify`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -28,25 +29,23 @@ use iota_protocol::signing::{SignedMessage, VerifiedRequest, decode_signer};
 
 use crate::batch::{Batcher, Flush};
 
-/// Most signatures in one batch. Per signature (one thread of this project's 2-core machine,
-/// measured with curve25519-dalek 4's AVX2 backend): alone 36 us, batches of 16-64 15-16 us, 128
-/// 12.9 us, 256 12.1 us, 1,024 11.5 us (the multiscalar product switches to Pippenger's method
-/// above about 95 signatures).
-const MAX_BATCH: usize = 1024;
-/// Batches being verified at once (each on a blocking thread). Two: with one, the load benchmark
+/// Most signatures in one batch. A batch is checked on one of the runtime's threads, which
+/// serves nothing else meanwhile: 128 holds it for about 1.3 ms (about 3 ms when a failed batch
+/// is checked one by one). Larger batches gained little per signature (curve25519-dalek 4's
+/// AVX2 backend, one thread of this project's 2-core machine: alone 36 us, batches of 16-64
+/// 15-16 us, 128 12.9 us, 256 12.1 us, 1,024 11.5 us), and checked at once as they are, the load
+/// benchmark's batches averaged 3-20 signatures, under closed loops too.
+const MAX_BATCH: usize = 128;
+/// Batches being verified at once, each in its own task. Two: with one, the load benchmark
 /// served about 5% fewer signed polls although its batches were twice as large (three alternating
-/// pairs: 44.0, 44.1 and 43.8% of the no-op against 46.1, 45.0 and 47.4%); with four, batches
-/// shrank to about 35 and the share fell to 45.7%. With the IFMA backend, one was tried again (two
-/// alternating pairs): batches of about 68 against 25-40, the orchestrator's CPU per signed poll
-/// 36.0 and 33.8 us against 38.0 and 35.4, the share 57.8 and 58.4% against 61.4 and 57.7%; no
-/// difference that the noise lets through.
+/// pairs: 44.0, 44.1 and 43.8% of the no-op against 46.1, 45.0 and 47.4%, batches then on
+/// blocking threads); with four, batches shrank to about 35 and the share fell to 45.7%.
 const MAX_FLUSHES: usize = 2;
 /// Signatures that must be waiting before a second batch starts beside one being verified. At a
 /// steady pace (half the ceiling, polls spread evenly) the two slots otherwise split the arrivals
-/// into batches of 6-10, each paying a thread hand-off and a product of a few points; one slot
-/// alone gave batches of 15-35 there. A backlog this size (about 0.3 ms of work) still brings in
-/// the second core when requests pile up, under load or when forged signatures are each checked
-/// alone.
+/// into smaller batches, each paying a product of a few points. A backlog this size (about
+/// 0.3 ms of work) still brings in the second core when requests pile up, under load or when
+/// forged signatures are each checked alone.
 const PARALLEL_FROM: usize = 32;
 /// How long batching stays off after a batch failed.
 const BATCH_PAUSE: Duration = Duration::from_secs(1);
@@ -246,35 +245,23 @@ impl Flush for Verify {
 
     async fn flush(&self, batch: Vec<SignedMessage>) -> Vec<Self::Output> {
         metrics::histogram!("iota_signature_batch_size").record(batch.len() as f64);
-        // On a blocking thread even when the batch is one request: a batch checked at once on
-        // the runtime's thread frees its slot so soon that the next batches stay small (the
-        // load benchmark's batches averaged 3.7 signatures that way, 30.7 without it).
+        // Checked here, in the flush's task, not on a blocking thread. A blocking thread put two
+        // more thread hand-offs on every request's path, and with every core busy each could
+        // wait for a scheduler time slice. In the load benchmark at half the no-op ceiling
+        // (rounds alternating in one process, 13 each), the signed poll's p99 stayed under 50 ms
+        // in 12 rounds checked here against 6 on a blocking thread (medians 19.3 and 51.3 ms),
+        // with the machine as busy (1.64 and 1.62 of 2 cores on average) although batches were
+        // 3-4 signatures against 12-20.
         let batching = batch.len() > 1 && self.batching();
-        let keys = self.keys.clone();
-        let verified = tokio::task::spawn_blocking(move || {
-            if batching && batch_holds(&batch, &keys) {
-                return (batch.into_iter().map(|m| Ok(m.request)).collect(), false);
-            }
-            (
-                batch
-                    .into_iter()
-                    .map(|m| alone(m, &keys))
-                    .collect::<Vec<_>>(),
-                batching,
-            )
-        })
-        .await;
-        match verified {
-            Ok((outputs, batch_failed)) => {
-                if batch_failed {
-                    metrics::counter!("iota_signature_batches_failed_total").increment(1);
-                    self.pause_batching();
-                }
-                outputs
-            }
-            // The blocking pool is gone: shutting down.
-            Err(_) => Vec::new(),
+        if batching && batch_holds(&batch, &self.keys) {
+            return batch.into_iter().map(|m| Ok(m.request)).collect();
         }
+        let verdicts = batch.into_iter().map(|m| alone(m, &self.keys)).collect();
+        if batching {
+            metrics::counter!("iota_signature_batches_failed_total").increment(1);
+            self.pause_batching();
+        }
+        verdicts
     }
 }
 
@@ -321,8 +308,7 @@ impl SignatureVerifier {
     ///
     /// A request that finds no other being verified, and still none after letting the tasks
     /// that are ready run (they may carry requests too), has nothing to be batched with: it is
-    /// checked in the caller's task, without the hand-offs to the batch writer, a blocking
-    /// thread and back, which on this project's machine cost several times the check itself.
+    /// checked in the caller's task, without the hand-offs to the batch writer and back.
     /// Otherwise it goes to the batcher, so requests that arrive together are batched as before.
     pub async fn verify(&self, signed: SignedMessage) -> Result<VerifiedRequest, VerifyError> {
         let first = self.active.fetch_add(1, Ordering::Relaxed) == 0;
