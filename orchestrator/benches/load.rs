@@ -239,6 +239,13 @@ struct Half {
     signed: Window,
 }
 
+impl Half {
+    /// What the signed poll served, as a percentage of what it was offered.
+    fn served_pct(&self) -> f64 {
+        100.0 * self.signed.rps() / self.offered
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {
     Noop,
@@ -1251,7 +1258,7 @@ async fn bench(
                 h.ceiling,
                 h.offered,
                 h.signed.rps(),
-                100.0 * h.signed.rps() / h.offered,
+                h.served_pct(),
                 h.every.as_secs_f64() * 1e3,
                 h.signed.percentile_ms(0.50),
                 h.signed.percentile_ms(0.99),
@@ -1269,27 +1276,20 @@ async fn bench(
         }
         // Polls due in the window's last moments finish after it and are not counted: served
         // trails offered by about the latency over the window even when nothing falls behind.
-        let held = halves
-            .iter()
-            .filter(|h| h.signed.percentile_ms(0.99) < 50.0)
-            .count();
-        let worst = halves
+        let p99s: Vec<f64> = halves
             .iter()
             .map(|h| h.signed.percentile_ms(0.99))
-            .fold(0.0f64, f64::max);
+            .collect();
+        let held = p99s.iter().filter(|&&p99| p99 < 50.0).count();
+        let worst = p99s.iter().copied().fold(0.0f64, f64::max);
+        let served: Vec<f64> = halves.iter().map(Half::served_pct).collect();
         let fewest = halves.iter().map(|h| h.fewest).min().unwrap_or(0);
         let signed_in_loop: usize = halves.iter().map(|h| h.signed.signed_in_loop).sum();
         println!(
             "signed at half the ceiling: p99 < 50 ms in {held} of {} rounds (worst p99 {worst:.2} ms; target < 50 ms); served {:.1}-{:.1}% of offered; at least {fewest} polls per miner pre-signed, {signed_in_loop} signed inside the windows",
             halves.len(),
-            halves
-                .iter()
-                .map(|h| 100.0 * h.signed.rps() / h.offered)
-                .fold(f64::INFINITY, f64::min),
-            halves
-                .iter()
-                .map(|h| 100.0 * h.signed.rps() / h.offered)
-                .fold(0.0f64, f64::max),
+            served.iter().copied().fold(f64::INFINITY, f64::min),
+            served.iter().copied().fold(0.0f64, f64::max),
         );
         // How busy the machine was: near all of its cores, queueing alone makes the latency.
         let busy = |w: &Window| {
