@@ -6,6 +6,15 @@
 //! load a batch grows while the previous statements run, so a round trip to the database and its
 //! executor start-up are paid once per batch instead of once per request.
 //!
+//! Before it takes a batch, the writer yields once, so that the tasks already runnable (requests
+//! read from the same readiness events as the first item) queue theirs first. The first item's
+//! sender wakes the writer, and the runtime runs a task its running task woke next; without the
+//! yield, the writer took one to four signatures at a time even at half the no-op ceiling of the
+//! load benchmark, and each small batch paid a multiscalar product's 253 doublings alone. With
+//! it, batches there grew to 15-30 and the orchestrator spent about 2-4 us less per signed poll
+//! (rounds paired in one process). A yield costs no timer and no thread hand-off: when nothing
+//! else is runnable the writer goes on at once.
+//!
 //! With several statements allowed in flight, one that would start beside another can be held
 //! back until a backlog of items waits ([`Batcher::parallel_from`]): otherwise a steady trickle of
 //! requests is split into many tiny batches that each pay the fixed cost.
@@ -143,6 +152,13 @@ async fn writer<F: Flush>(flusher: Arc<F>, mut rx: mpsc::Receiver<Pending<F>>, l
                 () = ended.notified(), if others_in_flight => {}
             }
         }
+        if batch.len() < limits.max_batch {
+            tokio::task::yield_now().await;
+            while batch.len() < limits.max_batch {
+                let Ok(item) = rx.try_recv() else { break };
+                batch.push(item);
+            }
+        }
         let flusher = flusher.clone();
         let in_flight = InFlight {
             slot: Some(slot),
@@ -242,6 +258,41 @@ mod tests {
         for t in done {
             assert!(t.await.expect("task").is_some());
         }
+    }
+
+    /// Records each batch and answers at once.
+    #[derive(Default)]
+    struct Recorded(Mutex<Vec<Vec<u32>>>);
+
+    impl Flush for Recorded {
+        type Item = u32;
+        type Output = u32;
+
+        async fn flush(&self, items: Vec<u32>) -> Vec<u32> {
+            self.0.lock().expect("lock").push(items.clone());
+            items
+        }
+    }
+
+    #[tokio::test]
+    async fn an_item_from_a_task_woken_with_the_writer_joins_its_batch() {
+        // The first submit wakes the writer; the second submitter is woken just after it, so it
+        // runs after the writer in the queue. The writer's yield lets it queue first.
+        let batcher = Arc::new(Batcher::new(Recorded::default(), 8, 1));
+        let go = Arc::new(Notify::new());
+        let second = {
+            let (batcher, go) = (batcher.clone(), go.clone());
+            tokio::spawn(async move {
+                go.notified().await;
+                batcher.submit(2).await.ok()
+            })
+        };
+        // Parked on `go` before the first submit.
+        tokio::task::yield_now().await;
+        let (first, ()) = tokio::join!(batcher.submit(1), async { go.notify_one() });
+        assert_eq!(first.ok(), Some(1));
+        assert_eq!(second.await.expect("task"), Some(2));
+        assert_eq!(*batcher.flusher.0.lock().expect("lock"), [vec![1, 2]]);
     }
 
     #[tokio::test]

@@ -33,8 +33,9 @@ use crate::batch::{Batcher, Flush};
 /// serves nothing else meanwhile: 128 holds it for about 1.3 ms (about 3 ms when a failed batch
 /// is checked one by one). Larger batches gained little per signature (curve25519-dalek 4's
 /// AVX2 backend, one thread of this project's 2-core machine: alone 36 us, batches of 16-64
-/// 15-16 us, 128 12.9 us, 256 12.1 us, 1,024 11.5 us), and checked at once as they are, the load
-/// benchmark's batches averaged 3-20 signatures, under closed loops too.
+/// 15-16 us, 128 12.9 us, 256 12.1 us, 1,024 11.5 us), and checked at once as they are (after the
+/// batcher's one yield, see `batch`), the load benchmark's batches at half the no-op ceiling
+/// averaged 15-48 signatures.
 const MAX_BATCH: usize = 128;
 /// Batches being verified at once, each in its own task. Two: with one, the load benchmark
 /// served about 5% fewer signed polls although its batches were twice as large (three alternating
