@@ -228,6 +228,8 @@ impl Window {
 struct Half {
     /// The no-op's closed-loop rate in the window just before, requests per second.
     just_before: f64,
+    /// The no-op's closed-loop rate in the window just after (the next round's window before).
+    after: f64,
     /// The median of every closed-loop no-op window so far, that one included.
     ceiling: f64,
     /// Half of it: the rate the signed poll was offered.
@@ -243,6 +245,13 @@ impl Half {
     /// What the signed poll served, as a percentage of what it was offered.
     fn served_pct(&self) -> f64 {
         100.0 * self.signed.rps() / self.offered
+    }
+
+    /// What the signed poll was offered, as a percentage of the no-op's rate around the round
+    /// (the mean of the windows just before and just after): above 50 when the machine slowed
+    /// between the windows that set the rate and the round.
+    fn offered_of_around_pct(&self) -> f64 {
+        200.0 * self.offered / (self.just_before + self.after)
     }
 }
 
@@ -1121,14 +1130,24 @@ async fn bench(
                 ((WARMUP + WINDOW).as_secs_f64() / every.as_secs_f64()).ceil() as usize + 2;
             let (pools, fewest, _) = presign(&pairs, &orchestrator_key, per_miner);
             let signed = run_loops(Kind::SignedPoll, every, pools).await;
+            if let Some(previous) = halves.last_mut() {
+                previous.after = just_before;
+            }
             halves.push(Half {
                 just_before,
+                after: f64::NAN,
                 ceiling,
                 offered,
                 every,
                 fewest,
                 signed,
             });
+        }
+        // The last round's window after: one more closed-loop no-op window.
+        if let Some(last) = halves.last_mut() {
+            last.after = run_loops(Kind::Noop, Duration::ZERO, Vec::new())
+                .await
+                .rps();
         }
     }
     // The no-op at the rounds' mean pace, for reference: the HTTP path's own latency there.
@@ -1233,16 +1252,18 @@ async fn bench(
     if !halves.is_empty() {
         println!();
         println!(
-            "at half the no-op ceiling, {} rounds: each a closed-loop no-op window, then {polling} miners offered half the median of every no-op window so far as signed polls on a fixed schedule (latency from when each poll was due), windows of {} s",
+            "at half the no-op ceiling, {} rounds: each a closed-loop no-op window, then {polling} miners offered half the median of every no-op window so far as signed polls on a fixed schedule (latency from when each poll was due), windows of {} s; \"of around\": offered as a share of the mean of the no-op windows just before and just after the round",
             halves.len(),
             WINDOW.as_secs()
         );
         println!(
-            "{:<6} {:>11} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7}",
+            "{:<6} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7}",
             "round",
             "no-op just",
             "median",
             "offered",
+            "no-op after",
+            "of around",
             "served",
             "served",
             "every",
@@ -1252,11 +1273,13 @@ async fn bench(
         );
         for (r, h) in halves.iter().enumerate() {
             println!(
-                "{:<6} {:>11.0} {:>9.0} {:>9.0} {:>9.0} {:>7.1}% {:>5.1} ms {:>9.2} {:>9.2} {:>7}",
+                "{:<6} {:>11.0} {:>9.0} {:>9.0} {:>11.0} {:>8.1}% {:>9.0} {:>7.1}% {:>5.1} ms {:>9.2} {:>9.2} {:>7}",
                 r + 1,
                 h.just_before,
                 h.ceiling,
                 h.offered,
+                h.after,
+                h.offered_of_around_pct(),
                 h.signed.rps(),
                 h.served_pct(),
                 h.every.as_secs_f64() * 1e3,
