@@ -35,7 +35,7 @@ use crate::batch::{Batcher, Flush};
 /// AVX2 backend, one thread of this project's 2-core machine: alone 36 us, batches of 16-64
 /// 15-16 us, 128 12.9 us, 256 12.1 us, 1,024 11.5 us), and checked at once as they are (after the
 /// batcher's one yield, see `batch`), the load benchmark's batches at half the no-op ceiling
-/// averaged 15-48 signatures.
+/// averaged 14-48 signatures.
 const MAX_BATCH: usize = 128;
 /// Batches being verified at once, each in its own task. Two: with one, the load benchmark
 /// served about 5% fewer signed polls although its batches were twice as large (three alternating
