@@ -667,9 +667,10 @@ fn print_timeline(kind: Kind, timeline: &mut [(u32, u32)]) {
     eprintln!("{kind:?} window, p99/worst ms per 250 ms:{line}");
 }
 
-/// CPU time in nanoseconds (Linux's `schedstat`) of the orchestrator's threads (its
-/// runtime is named `orchestrator`, blocking threads included), the localnet chain's (runtime
-/// `localnet`), the client's (every other thread of this process) and PostgreSQL's processes.
+/// CPU time in nanoseconds (Linux's `schedstat`) of the orchestrator's threads (its runtime is
+/// named `orchestrator`, blocking threads included, and its metrics upkeep thread), the localnet
+/// chain's (runtime `localnet`), the client's (every other thread of this process) and
+/// PostgreSQL's processes.
 #[derive(Clone, Copy, Default)]
 struct CpuSplit {
     server_ns: u64,
@@ -711,7 +712,7 @@ impl CpuSnapshot {
             let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
             let id = task.file_name().to_string_lossy().into_owned();
             let side = match name.trim_end() {
-                "orchestrator" => Side::Server,
+                "orchestrator" | "metrics-upkeep" => Side::Server,
                 "localnet" => Side::Chain,
                 _ => Side::Client,
             };
