@@ -39,7 +39,7 @@ fn histogram_samples_are_folded_without_a_scrape() {
     };
     let recorded = retained();
     assert!(
-        recorded > 4 << 20,
+        recorded > KEPT_AT_MOST,
         "recording {SAMPLES} samples kept only {recorded} bytes: this test measures nothing"
     );
     let wait = iota_orchestrator::METRICS_UPKEEP_EVERY * 3 + Duration::from_secs(2);
