@@ -1,8 +1,10 @@
 //! Chain client benchmarks against an in-process localnet (instant blocks: a block per
 //! transaction, so timings are client + RPC + localnet, not block time):
 //!
-//! * metagraph sync of a full 256-UID subnet (every uid with an axon and some stake), and what
-//!   building its storage keys costs with the address checked per key or per entry;
+//! * metagraph sync of a full 256-UID subnet (every uid with an axon and some stake), next to
+//!   reading only its members (uid, hotkey, validator permit: what a metagraph watcher reads at
+//!   each block), and what building its storage keys costs with the address checked per key or
+//!   per entry;
 //! * `set_weights` round trip, submission to inclusion in a block, for 256 uids.
 //!
 //! Run with `cargo bench -p iota-chain --bench chain`.
@@ -96,21 +98,32 @@ async fn run() -> BenchResult<()> {
         net.best_number()
     );
 
-    // Metagraph sync.
-    let mg = chain.metagraph(netuid).await?;
+    // Metagraph sync, alternating with the members read (what a metagraph watcher reads at each
+    // new block), both at one block.
+    let at = chain.at_finalized().await?;
+    let mg = chain.metagraph_at(&at, netuid).await?;
     assert_eq!(mg.neurons.len(), 256);
     assert!(mg.neurons.iter().all(|n| n.axon.is_some()));
-    let mut samples = Vec::new();
+    let (mut samples, mut member_samples) = (Vec::new(), Vec::new());
     for _ in 0..30 {
         let t = Instant::now();
-        let mg = chain.metagraph(netuid).await?;
+        let mg = chain.metagraph_at(&at, netuid).await?;
         samples.push(t.elapsed());
         assert_eq!(mg.neurons.len(), 256);
+        let t = Instant::now();
+        let members = chain.members_at(&at, netuid).await?;
+        member_samples.push(t.elapsed());
+        assert_eq!(members, iota_chain::Members::from(&mg));
     }
     show(
         "metagraph sync, 256 UIDs (3 batched queries)",
         samples.len(),
         &stats(samples),
+    );
+    show(
+        "members (uid, hotkey, permit), 256 UIDs (2 queries)",
+        member_samples.len(),
+        &stats(member_samples),
     );
 
     // Building a batch's storage keys: each address checked against the node's metadata once

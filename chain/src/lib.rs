@@ -33,7 +33,7 @@ pub mod weights;
 
 pub use client::{Receipt, Subtensor, TxOptions, TxOutcome, WaitFor};
 pub use error::{ChainError, InvalidTransaction};
-pub use metagraph::{Axon, Hyperparams, Metagraph, Neuron};
+pub use metagraph::{Axon, Hyperparams, Member, Members, Metagraph, Neuron};
 pub use network::{ConnectOptions, ShapeCheck};
 pub use ops::{Outcome, Registration};
 pub use set_weights::{VersionKey, WeightOptions, WeightsOutcome};

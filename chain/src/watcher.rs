@@ -1,11 +1,14 @@
-//! A metagraph kept fresh in the background, for services that check callers on every request.
+//! A subnet's members kept fresh in the background, for services that check callers on every
+//! request.
 //!
-//! [`MetagraphWatcher::spawn`] reads the subnet's metagraph every few blocks and publishes it
-//! through a `tokio::sync::watch` channel as a [`MetagraphIndex`]: hotkey → neuron in O(1). Each
-//! refresh first asks for the finalized block's hash and reads the metagraph only when that block
-//! is new: a full read of 1,000 uids is thousands of storage values to fetch and decode, tens of
-//! milliseconds of CPU on the serving threads of the process that watches. A read that fails
-//! keeps the last good index (callers keep working through a node hiccup) and retries with
+//! [`MetagraphWatcher::spawn`] reads who holds each uid and which hold a validator permit
+//! ([`Subtensor::members_at`], the part of the metagraph a caller check needs) and publishes it
+//! through a `tokio::sync::watch` channel as a [`MetagraphIndex`]: hotkey → member in O(1). Each
+//! refresh first asks for the finalized block's hash and reads only when that block is new. The
+//! read runs on the watching process's serving threads, so it is kept small: with 1,000 uids a
+//! full metagraph was 5,000 storage values, about 12 ms of CPU per block, and a signed-request
+//! load benchmark showed a latency spike at each read; the members are 1,000 values. A read that
+//! fails keeps the last good index (callers keep working through a node hiccup) and retries with
 //! exponential backoff; [`MetagraphIndex::age`] tells how stale it is.
 
 use std::collections::HashMap;
@@ -20,13 +23,13 @@ use tokio::task::JoinHandle;
 
 use crate::client::Subtensor;
 use crate::error::ChainError;
-use crate::metagraph::{Metagraph, Neuron};
+use crate::metagraph::{Member, Members};
 use crate::wallet::PublicKey;
 
-/// A metagraph with a hotkey index.
+/// A subnet's members with a hotkey index.
 #[derive(Debug)]
 pub struct MetagraphIndex {
-    metagraph: Metagraph,
+    members: Members,
     by_hotkey: HashMap<PublicKey, usize>,
     read_at: Instant,
     /// Milliseconds after `read_at` when the chain was last seen at the same finalized block.
@@ -36,7 +39,7 @@ pub struct MetagraphIndex {
 impl Clone for MetagraphIndex {
     fn clone(&self) -> Self {
         Self {
-            metagraph: self.metagraph.clone(),
+            members: self.members.clone(),
             by_hotkey: self.by_hotkey.clone(),
             read_at: self.read_at,
             confirmed_ms: AtomicU64::new(self.confirmed_ms.load(Ordering::Relaxed)),
@@ -45,47 +48,47 @@ impl Clone for MetagraphIndex {
 }
 
 impl MetagraphIndex {
-    /// Indexes `metagraph`.
-    pub fn new(metagraph: Metagraph) -> Self {
-        let by_hotkey = metagraph
-            .neurons
+    /// Indexes `members`.
+    pub fn new(members: Members) -> Self {
+        let by_hotkey = members
+            .members
             .iter()
             .enumerate()
             .map(|(i, n)| (n.hotkey, i))
             .collect();
         Self {
-            metagraph,
+            members,
             by_hotkey,
             read_at: Instant::now(),
             confirmed_ms: AtomicU64::new(0),
         }
     }
 
-    /// The neuron registered with `hotkey`.
-    pub fn neuron(&self, hotkey: &PublicKey) -> Option<&Neuron> {
+    /// The member registered with `hotkey`.
+    pub fn member(&self, hotkey: &PublicKey) -> Option<&Member> {
         self.by_hotkey
             .get(hotkey)
-            .and_then(|i| self.metagraph.neurons.get(*i))
+            .and_then(|i| self.members.members.get(*i))
     }
 
     /// The uid of `hotkey`.
     pub fn uid_of(&self, hotkey: &PublicKey) -> Option<u16> {
-        self.neuron(hotkey).map(|n| n.uid)
+        self.member(hotkey).map(|n| n.uid)
     }
 
     /// Whether `hotkey` holds a validator permit.
     pub fn has_permit(&self, hotkey: &PublicKey) -> bool {
-        self.neuron(hotkey).is_some_and(|n| n.validator_permit)
+        self.member(hotkey).is_some_and(|n| n.validator_permit)
     }
 
-    /// The metagraph.
-    pub fn metagraph(&self) -> &Metagraph {
-        &self.metagraph
+    /// Every member, by uid.
+    pub fn members(&self) -> &[Member] {
+        &self.members.members
     }
 
-    /// Block the metagraph was read at.
+    /// Block the members were read at.
     pub fn block(&self) -> u64 {
-        self.metagraph.block
+        self.members.block
     }
 
     /// Time since the chain was last seen at this index's block (read then, or found unchanged
@@ -103,18 +106,18 @@ impl MetagraphIndex {
     }
 }
 
-/// The metagraph at the block with `hash`.
-async fn read_at(chain: &Subtensor, netuid: u16, hash: H256) -> Result<Metagraph, ChainError> {
+/// The members at the block with `hash`.
+async fn read_at(chain: &Subtensor, netuid: u16, hash: H256) -> Result<Members, ChainError> {
     let at = chain.at_hash(hash).await?;
-    chain.metagraph_at(&at, netuid).await
+    chain.members_at(&at, netuid).await
 }
 
-/// The finalized block's hash and metagraph, or `None` when that block is still `last`.
+/// The finalized block's hash and members, or `None` when that block is still `last`.
 async fn read_if_new(
     chain: &Subtensor,
     netuid: u16,
     last: H256,
-) -> Result<Option<(H256, Metagraph)>, ChainError> {
+) -> Result<Option<(H256, Members)>, ChainError> {
     let head = chain.finalized_hash().await?;
     if head == last {
         return Ok(None);
@@ -125,8 +128,8 @@ async fn read_if_new(
 /// Refresh schedule.
 #[derive(Clone, Copy, Debug)]
 pub struct WatchOptions {
-    /// Time between checks of the finalized block's hash (one small request); the metagraph
-    /// is read when that block is new. Finney makes a block every 12 s.
+    /// Time between checks of the finalized block's hash (one small request); the members
+    /// are read when that block is new. Finney makes a block every 12 s.
     pub every: Duration,
     /// Longest backoff after failures.
     pub max_backoff: Duration,
@@ -234,60 +237,21 @@ impl Drop for MetagraphWatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metagraph::Hyperparams;
-
-    fn neuron(uid: u16, key: u8, permit: bool) -> Neuron {
-        Neuron {
-            uid,
-            hotkey: PublicKey::from_bytes([key; 32]),
-            coldkey: None,
-            stake: 0,
-            validator_permit: permit,
-            incentive: 0,
-            dividends: 0,
-            emission: 0,
-            consensus: 0,
-            validator_trust: 0,
-            active: true,
-            last_update: 0,
-            registered_at: 0,
-            axon: None,
-        }
-    }
 
     #[test]
-    fn index_finds_every_neuron_and_nothing_else() {
-        let neurons: Vec<Neuron> = (0..200u16)
-            .map(|u| neuron(u, u as u8, u % 7 == 0))
-            .collect();
-        let m = Metagraph {
+    fn index_finds_every_member_and_nothing_else() {
+        let members = Members {
             netuid: 1,
             block: 5,
-            block_hash: String::new(),
-            hyperparams: Hyperparams {
-                netuid: 1,
-                block: 5,
-                tempo: 10,
-                weights_rate_limit: 0,
-                weights_version_key: 0,
-                commit_reveal_enabled: false,
-                reveal_period_epochs: 1,
-                burn: 0,
-                max_uids: 256,
-                n: 200,
-                max_weights_limit: u16::MAX,
-                min_allowed_weights: 0,
-                immunity_period: 0,
-                max_validators: 64,
-                registration_allowed: true,
-                serving_rate_limit: 0,
-                owner_coldkey: PublicKey::from_bytes([0; 32]),
-                owner_hotkey: PublicKey::from_bytes([0; 32]),
-                first_emission_block: None,
-            },
-            neurons,
+            members: (0..200u16)
+                .map(|uid| Member {
+                    uid,
+                    hotkey: PublicKey::from_bytes([uid as u8; 32]),
+                    validator_permit: uid % 7 == 0,
+                })
+                .collect(),
         };
-        let idx = MetagraphIndex::new(m);
+        let idx = MetagraphIndex::new(members);
         for u in 0..200u16 {
             let k = PublicKey::from_bytes([u as u8; 32]);
             assert_eq!(idx.uid_of(&k), Some(u));
@@ -295,5 +259,7 @@ mod tests {
         }
         assert_eq!(idx.uid_of(&PublicKey::from_bytes([250; 32])), None);
         assert!(!idx.has_permit(&PublicKey::from_bytes([250; 32])));
+        assert_eq!(idx.block(), 5);
+        assert_eq!(idx.members().len(), 200);
     }
 }

@@ -237,8 +237,16 @@ async fn wallets_to_emission_on_a_timed_chain() {
         .wait_for_block(mg.block + 12, epoch_wait)
         .await
         .expect("an epoch passes");
-    let mg = chain.metagraph(netuid).await.expect("metagraph");
+    let at = chain.at_finalized().await.expect("finalized block");
+    let mg = chain.metagraph_at(&at, netuid).await.expect("metagraph");
     assert!(mg.neurons[2].validator_permit, "validator has a permit");
+    // The members (what a caller check reads at each block) are the metagraph's uids, hotkeys
+    // and permits at the same block.
+    let members = chain.members_at(&at, netuid).await.expect("members");
+    assert_eq!(members, iota_chain::Members::from(&mg));
+    assert_eq!(members.members.len(), 3);
+    assert!(members.members[2].validator_permit);
+    assert_eq!(members.members[1].hotkey, miner_hot.public());
 
     // Weights from float scores: the version key comes from chain and the rate limit (20
     // blocks from registration) is waited out rather than failing.
@@ -1002,7 +1010,7 @@ async fn watcher_reads_only_new_blocks() {
     .expect("first read");
     let mut rx = watcher.subscribe();
     let first = rx.borrow_and_update().clone();
-    assert_eq!(first.metagraph().neurons.len(), 1);
+    assert_eq!(first.members().len(), 1);
     let spawned = std::time::Instant::now();
 
     // Refreshes that found the same block: the index's age restarts, nothing is published.
@@ -1026,7 +1034,7 @@ async fn watcher_reads_only_new_blocks() {
         .expect("register");
     let fresh = tokio::time::timeout(
         Duration::from_secs(10),
-        rx.wait_for(|m| m.metagraph().neurons.len() == 2),
+        rx.wait_for(|m| m.members().len() == 2),
     )
     .await
     .expect("the new block is read")

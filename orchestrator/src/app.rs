@@ -475,7 +475,7 @@ impl Authenticating {
 /// The uid and validator permit of `key` in the latest metagraph, or `not_registered`.
 fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppError> {
     let index = app.metagraph.borrow();
-    let neuron = index.neuron(key).ok_or_else(|| {
+    let neuron = index.member(key).ok_or_else(|| {
         AppError::new(
             ErrorCode::NotRegistered,
             format!(

@@ -10,65 +10,25 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Duration, Utc};
 use common::*;
-use iota_chain::MetagraphIndex;
-use iota_chain::metagraph::{Hyperparams, Metagraph, Neuron};
-use iota_chain::wallet::PublicKey;
+use iota_chain::{Member, Members, MetagraphIndex};
 use iota_orchestrator::sim::SimMiner;
 use iota_orchestrator::{App, AppState, BlobStore, Limits, StoreConfig, driver};
 use iota_protocol::api::*;
 use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
 
-fn neuron(uid: u16, key: PublicKey) -> Neuron {
-    Neuron {
-        uid,
-        hotkey: key,
-        coldkey: None,
-        stake: 0,
-        validator_permit: false,
-        incentive: 0,
-        dividends: 0,
-        emission: 0,
-        consensus: 0,
-        validator_trust: 0,
-        active: true,
-        last_update: 0,
-        registered_at: 0,
-        axon: None,
-    }
-}
-
 fn metagraph(seeds: &[u8]) -> MetagraphIndex {
-    let key = PublicKey::from_bytes([0; 32]);
-    MetagraphIndex::new(Metagraph {
+    MetagraphIndex::new(Members {
         netuid: 7,
         block: 1,
-        block_hash: String::new(),
-        hyperparams: Hyperparams {
-            netuid: 7,
-            block: 1,
-            tempo: 10,
-            weights_rate_limit: 0,
-            weights_version_key: 0,
-            commit_reveal_enabled: false,
-            reveal_period_epochs: 1,
-            burn: 0,
-            max_uids: 256,
-            n: seeds.len() as u16,
-            max_weights_limit: u16::MAX,
-            min_allowed_weights: 0,
-            immunity_period: 0,
-            max_validators: 64,
-            registration_allowed: true,
-            serving_rate_limit: 0,
-            owner_coldkey: key,
-            owner_hotkey: key,
-            first_emission_block: None,
-        },
-        neurons: seeds
+        members: seeds
             .iter()
             .enumerate()
-            .map(|(i, s)| neuron(i as u16, public(&pair(*s))))
+            .map(|(i, s)| Member {
+                uid: i as u16,
+                hotkey: public(&pair(*s)),
+                validator_permit: false,
+            })
             .collect(),
     })
 }
