@@ -16,8 +16,13 @@
 //! * CPU time per request of each route: the orchestrator's threads, the client's, the
 //!   localnet's and PostgreSQL's (from Linux's `schedstat`), which a shared machine's other load
 //!   moves less than the request rates;
+//! * what else the machine did in each half-ceiling round: cores busy in all (`/proc/stat`),
+//!   steal, this process's and PostgreSQL's threads waiting for a core, and how late a thread
+//!   that sleeps a millisecond at a time woke (a pause of the whole machine shows there);
 //! * activation upload and download MB/s through the orchestrator (local directory store);
-//! * microseconds per signature verified one by one and through the batched verifier.
+//! * microseconds per signature verified one by one and through the batched verifier;
+//! * the CPU of the orchestrator's metagraph refresh at a new block (the subnet's members), next
+//!   to a full metagraph read.
 //!
 //! `cargo bench -p iota-orchestrator --bench load`. Client and server share this machine, so both
 //! figures include the client's own HTTP cost. What a signed poll's figure includes: the server's
@@ -33,13 +38,20 @@
 //! latency is about miners / throughput (Little's law), the no-op's included: the latency target
 //! is read at half the ceiling, and at a fleet's idle pace (`IOTA_BENCH_POLL_INTERVAL_MS=1000`).
 //! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default).
-//! `IOTA_BENCH_TIMELINE=1` prints each paced window's p99 and worst latency per quarter second.
+//! `IOTA_BENCH_TIMELINE=1` prints each paced window's p99 and worst latency per quarter second,
+//! with the worst lateness over 3 ms of the sleeping thread (`os`) and of a task sleeping a
+//! millisecond at a time on the orchestrator's runtime (`srv`) and on the client's (`cli`).
+//! `IOTA_BENCH_LOG` takes a tracing filter (`iota_chain=debug` logs each metagraph read, with the
+//! seconds since start that the timeline prints too). `IOTA_BENCH_BLOCK_MS` (12,000) and
+//! `IOTA_BENCH_REFRESH_S` (5) set the chain's block time and how often the orchestrator checks
+//! for a new block: a read at every second shows what a refresh costs the rounds.
 //! The process uses the `iota` binary's allocator.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -100,6 +112,65 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// `name`'s value, or `default` when it is unset or not a number.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Medians over alternating reads of what the orchestrator's metagraph watcher reads at each new
+/// block (the subnet's members) and of the full metagraph: (orchestrator CPU, node CPU, wall),
+/// in milliseconds. Run on the server's runtime, so the client's decoding counts as the
+/// orchestrator's.
+struct RefreshCosts {
+    reads: usize,
+    uids: usize,
+    members: (f64, f64, f64),
+    metagraph: (f64, f64, f64),
+}
+
+async fn refresh_costs(url: String, netuid: u16) -> anyhow::Result<RefreshCosts> {
+    const READS: usize = 10;
+    let chain = Subtensor::connect(ConnectOptions::new(url)).await?;
+    let at = chain.at_finalized().await?;
+    // Warm: the first read of a block fetches and decodes its runtime's metadata.
+    let uids = chain.metagraph_at(&at, netuid).await?.neurons.len();
+    let mut members = Vec::new();
+    let mut metagraph = Vec::new();
+    for _ in 0..READS {
+        for full in [false, true] {
+            let (before, started) = (CpuSnapshot::now(), Instant::now());
+            if full {
+                chain.metagraph_at(&at, netuid).await?;
+            } else {
+                chain.members_at(&at, netuid).await?;
+            }
+            let wall = started.elapsed().as_secs_f64() * 1e3;
+            let Some(cpu) = CpuSnapshot::now().zip(before).map(|(a, b)| a.since(&b)) else {
+                bail!("thread CPU times cannot be read");
+            };
+            let ms = |ns: u64| ns as f64 / 1e6;
+            let sample = (ms(cpu.server_ns), ms(cpu.chain_ns), wall);
+            if full { &mut metagraph } else { &mut members }.push(sample);
+        }
+    }
+    let medians = |v: &[(f64, f64, f64)]| {
+        (
+            median(&v.iter().map(|s| s.0).collect::<Vec<_>>()),
+            median(&v.iter().map(|s| s.1).collect::<Vec<_>>()),
+            median(&v.iter().map(|s| s.2).collect::<Vec<_>>()),
+        )
+    };
+    Ok(RefreshCosts {
+        reads: READS,
+        uids,
+        members: medians(&members),
+        metagraph: medians(&metagraph),
+    })
+}
+
 /// Boundary tensors of a small real model's size: 8 sequences of 1,024 tokens of width 2,048,
 /// int8 on the wire (16 MiB plus per-row scales).
 fn run_config() -> RunConfig {
@@ -140,7 +211,7 @@ async fn chain(
     // A block for each registration, then one every 12 s as on finney: the orchestrator reads
     // the metagraph again at each new block.
     let mut config = LocalnetConfig::instant();
-    config.chain.block_time = Some(Duration::from_secs(12));
+    config.chain.block_time = Some(Duration::from_millis(env_or("IOTA_BENCH_BLOCK_MS", 12_000)));
     let net = runtime.spawn(Localnet::spawn(config)).await??;
     let mut opts = ConnectOptions::new(net.ws_url());
     opts.connect_timeout = Duration::from_secs(20);
@@ -194,6 +265,8 @@ struct Window {
     latencies_us: Vec<u32>,
     /// CPU spent over the measured window, by side.
     cpu: Option<CpuSplit>,
+    /// What else the machine did over the measured window.
+    machine: Option<Interference>,
     /// Signature batches the orchestrator verified over the measured window: how many, and how
     /// many signatures in all.
     batches: Option<(f64, f64)>,
@@ -588,7 +661,11 @@ async fn miner_loops(
         // Scraped before the CPU snapshot, so that rendering the metrics is not counted.
         let batches_before = signature_batches(&scrape, &metrics_url).await;
         let before = CpuSnapshot::now();
+        let machine_before = MachineSnapshot::now();
         tokio::time::sleep_until(end.into()).await;
+        let machine = MachineSnapshot::now()
+            .zip(machine_before)
+            .map(|(after, before)| after.since(&before));
         let cpu = CpuSnapshot::now()
             .zip(before)
             .map(|(after, before)| after.since(&before));
@@ -596,7 +673,7 @@ async fn miner_loops(
             .await
             .zip(batches_before)
             .map(|(after, before)| (after.0 - before.0, after.1 - before.1));
-        (cpu, batches)
+        (cpu, machine, batches)
     });
     // Each loop is a task of the client runtime, beside its connection's task (a loop polled by
     // the bench's own thread handed every request and answer across threads).
@@ -614,10 +691,11 @@ async fn miner_loops(
         got_work: 0,
         latencies_us: Vec::new(),
         cpu: None,
+        machine: None,
         batches: None,
     };
-    if let Ok((cpu, batches)) = cpu.await {
-        (w.cpu, w.batches) = (cpu, batches);
+    if let Ok((cpu, machine, batches)) = cpu.await {
+        (w.cpu, w.machine, w.batches) = (cpu, machine, batches);
     }
     let mut timeline = Vec::new();
     for (ok, errors, signed_in_loop, sent, lat, got_work) in results {
@@ -633,8 +711,8 @@ async fn miner_loops(
         timeline.extend(lat);
     }
     w.latencies_us.sort_unstable();
-    if std::env::var("IOTA_BENCH_TIMELINE").is_ok_and(|v| v == "1") && !interval.is_zero() {
-        print_timeline(kind, &mut timeline);
+    if *TIMELINE && !interval.is_zero() {
+        print_timeline(kind, &mut timeline, measure_from);
     }
     w
 }
@@ -654,15 +732,27 @@ async fn signature_batches(http: &reqwest::Client, url: &str) -> Option<(f64, f6
 /// Prints a paced window's latency per quarter second (p99 and worst, from when each poll was
 /// due): a tail made of a few stalls looks different from a machine that is short of CPU
 /// throughout.
-fn print_timeline(kind: Kind, timeline: &mut [(u32, u32)]) {
+fn print_timeline(kind: Kind, timeline: &mut [(u32, u32)], measure_from: Instant) {
     timeline.sort_unstable();
-    let mut line = String::new();
+    let late = std::mem::take(&mut *LATE_WAKES.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut line = format!(" (from {:.1} s)", (measure_from - *STARTED).as_secs_f64());
     for bucket in timeline.chunk_by(|a, b| a.0 / 250 == b.0 / 250) {
         let mut us: Vec<u32> = bucket.iter().map(|&(_, us)| us).collect();
         us.sort_unstable();
         let p99 = us[(us.len() - 1) * 99 / 100];
         let worst = us[us.len() - 1];
         line += &format!(" {}:{}/{}", bucket[0].0 / 250, p99 / 1000, worst / 1000);
+        let from = measure_from + Duration::from_millis(u64::from(bucket[0].0 / 250 * 250));
+        for (name, source) in [("os", 0u8), ("srv", 1), ("cli", 2)] {
+            let worst = late
+                .iter()
+                .filter(|w| w.0 == source && w.1 >= from && w.1 < from + Duration::from_millis(250))
+                .map(|w| w.2)
+                .max();
+            if let Some(worst) = worst {
+                line += &format!("[{name}{}]", worst / 1000);
+            }
+        }
     }
     eprintln!("{kind:?} window, p99/worst ms per 250 ms:{line}");
 }
@@ -712,6 +802,8 @@ impl CpuSnapshot {
             let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
             let id = task.file_name().to_string_lossy().into_owned();
             let side = match name.trim_end() {
+                // Neither side's: it measures the machine.
+                "stall-probe" => continue,
                 "orchestrator" | "metrics-upkeep" => Side::Server,
                 "localnet" => Side::Chain,
                 _ => Side::Client,
@@ -751,13 +843,172 @@ impl CpuSnapshot {
     }
 }
 
-fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
+/// Worst lateness, in microseconds, of [`stall_probe`]'s wake-ups since it was last read.
+static PROBE_WORST_US: AtomicU64 = AtomicU64::new(0);
+/// Wake-ups of [`stall_probe`] more than [`PROBE_LATE`] late since last read.
+static PROBE_LATE_WAKES: AtomicU64 = AtomicU64::new(0);
+const PROBE_LATE: Duration = Duration::from_millis(10);
+
+/// A thread that sleeps a millisecond at a time and records how late it wakes. It is runnable
+/// for a few microseconds per wake-up, so the scheduler lets it in soon even with every core
+/// busy; waking tens of milliseconds late means nothing of this machine ran (a hypervisor
+/// pause) or something outside this benchmark held the cores.
+fn stall_probe() {
+    const NAP: Duration = Duration::from_millis(1);
+    loop {
+        let slept = Instant::now();
+        std::thread::sleep(NAP);
+        let late = slept.elapsed().saturating_sub(NAP);
+        note_late(0, late);
+        PROBE_WORST_US.fetch_max(late.as_micros() as u64, Ordering::Relaxed);
+        if late > PROBE_LATE {
+            PROBE_LATE_WAKES.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+static STARTED: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+/// Wake-ups more than 3 ms late: (0 OS thread, 1 server runtime, 2 client runtime; when; us).
+static LATE_WAKES: std::sync::Mutex<Vec<(u8, Instant, u32)>> = std::sync::Mutex::new(Vec::new());
+
+/// Whether `IOTA_BENCH_TIMELINE=1`.
+static TIMELINE: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var("IOTA_BENCH_TIMELINE").is_ok_and(|v| v == "1"));
+
+fn note_late(source: u8, late: Duration) {
+    if *TIMELINE && late > Duration::from_millis(3) {
+        LATE_WAKES.lock().unwrap_or_else(|e| e.into_inner()).push((
+            source,
+            Instant::now(),
+            late.as_micros() as u32,
+        ));
+    }
+}
+
+/// A task that sleeps a millisecond at a time on a runtime and notes how late it wakes.
+async fn runtime_probe(source: u8) {
+    const NAP: Duration = Duration::from_millis(1);
+    loop {
+        let slept = Instant::now();
+        tokio::time::sleep(NAP).await;
+        // Tokio's timer rounds up to the next millisecond.
+        note_late(source, slept.elapsed().saturating_sub(2 * NAP));
+    }
+}
+
+/// What the machine did besides this benchmark's own work, over a window.
+#[derive(Clone, Copy)]
+struct Interference {
+    /// Cores busy, all processes (from `/proc/stat`, steal excluded).
+    busy_cores: f64,
+    /// Cores the hypervisor gave to other guests while this one wanted them (`steal`).
+    steal_cores: f64,
+    /// This process's and PostgreSQL's threads waiting on a run queue, on average (`schedstat`'s
+    /// second field): above zero when a thread was ready and no core ran it.
+    waiting_threads: f64,
+    /// The probe's worst wake-up lateness, and how many wake-ups were late by over
+    /// [`PROBE_LATE`].
+    probe_worst: Duration,
+    probe_late_wakes: u64,
+}
+
+/// `/proc/stat`'s machine totals, the run-queue wait of this process's threads and
+/// PostgreSQL's processes, and the probe's record since the last snapshot (which it resets).
+struct MachineSnapshot {
+    at: Instant,
+    /// (busy, steal, all) ticks.
+    ticks: (u64, u64, u64),
+    waits: std::collections::HashMap<String, u64>,
+    probe_worst_us: u64,
+    probe_late_wakes: u64,
+}
+
+impl MachineSnapshot {
+    fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        // cpu  user nice system idle iowait irq softirq steal guest guest_nice
+        let fields: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .map(|f| f.parse().ok())
+            .collect::<Option<_>>()?;
+        let all: u64 = fields.iter().take(8).sum();
+        let (idle, steal) = (fields[3] + fields[4], *fields.get(7)?);
+        let mut waits = std::collections::HashMap::new();
+        let mut add = |id: String, path: &std::path::Path| {
+            if let Some(wait) = schedstat_field(path, 1) {
+                waits.insert(id, wait);
+            }
+        };
+        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+            add(
+                format!("t{}", task.file_name().to_string_lossy()),
+                &task.path(),
+            );
+        }
+        for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+            let path = proc.path();
+            if std::fs::read_to_string(path.join("comm")).is_ok_and(|c| c.trim_end() == "postgres")
+            {
+                add(format!("p{}", proc.file_name().to_string_lossy()), &path);
+            }
+        }
+        Some(Self {
+            at: Instant::now(),
+            ticks: (all - idle - steal, steal, all),
+            waits,
+            probe_worst_us: PROBE_WORST_US.swap(0, Ordering::Relaxed),
+            probe_late_wakes: PROBE_LATE_WAKES.swap(0, Ordering::Relaxed),
+        })
+    }
+
+    fn since(&self, before: &Self) -> Interference {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let all = self.ticks.2.saturating_sub(before.ticks.2).max(1) as f64;
+        let share = |now: u64, then: u64| now.saturating_sub(then) as f64 / all * cores;
+        let waited_ns: u64 = self
+            .waits
+            .iter()
+            .map(|(id, ns)| ns.saturating_sub(before.waits.get(id).copied().unwrap_or(0)))
+            .sum();
+        Interference {
+            busy_cores: share(self.ticks.0, before.ticks.0),
+            steal_cores: share(self.ticks.1, before.ticks.1),
+            waiting_threads: waited_ns as f64 / (self.at - before.at).as_nanos().max(1) as f64,
+            probe_worst: Duration::from_micros(self.probe_worst_us),
+            probe_late_wakes: self.probe_late_wakes,
+        }
+    }
+}
+
+impl std::fmt::Display for Interference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "machine busy {:.2} cores, steal {:.2}; threads waiting for a core {:.2} on average; probe woke at worst {:.1} ms late, {} times over {} ms",
+            self.busy_cores,
+            self.steal_cores,
+            self.waiting_threads,
+            self.probe_worst.as_secs_f64() * 1e3,
+            self.probe_late_wakes,
+            PROBE_LATE.as_millis()
+        )
+    }
+}
+
+fn schedstat_field(path: &std::path::Path, field: usize) -> Option<u64> {
     std::fs::read_to_string(path.join("schedstat"))
         .ok()?
         .split_whitespace()
-        .next()?
+        .nth(field)?
         .parse()
         .ok()
+}
+
+fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
+    schedstat_field(path, 0)
 }
 
 /// Whether curve25519-dalek can pick its AVX-512 IFMA backend on this processor (what it checks
@@ -923,6 +1174,7 @@ async fn bench(
     };
     let pairs: Vec<sr25519::Pair> = (0..MINERS).map(miner_pair).collect();
     let (net, netuid) = chain(&localnet, &pairs).await?;
+    let refresh = server.spawn(refresh_costs(net.ws_url(), netuid)).await??;
     let db = common::fresh_db().await;
     let store = tempfile::tempdir()?;
     let run = run_config();
@@ -939,7 +1191,8 @@ async fn bench(
         netuid,
         hotkey: orchestrator_key.clone(),
         run: run.clone(),
-        metagraph_refresh: Duration::from_secs(5),
+        // IOTA_BENCH_REFRESH_S and IOTA_BENCH_BLOCK_MS make the reads more frequent.
+        metagraph_refresh: Duration::from_secs(env_or("IOTA_BENCH_REFRESH_S", 5)),
         skew: SkewWindow::default(),
         limits: Limits {
             per_hotkey_rps: 10_000,
@@ -1336,6 +1589,9 @@ async fn bench(
                 busy(&h.signed),
                 h.signed.batching()
             );
+            if let Some(machine) = h.signed.machine {
+                println!("round {}: {machine}", r + 1);
+            }
         }
         if let Some((_, n)) = &noop_at_half {
             println!("no-op at half the ceiling: CPU busy {}", busy(n));
@@ -1349,6 +1605,17 @@ async fn bench(
         sigs.new_keys,
         sigs.known_keys,
         if has_ifma() { "yes" } else { "no" }
+    );
+    println!(
+        "caller-check refresh at a new block, {} uids (medians of {} reads each, alternating, before the windows): the members the watcher reads {:.1} ms of orchestrator CPU, {:.1} ms of the node's, {:.1} ms wall; the full metagraph {:.1}, {:.1} and {:.1} ms",
+        refresh.uids,
+        refresh.reads,
+        refresh.members.0,
+        refresh.members.1,
+        refresh.members.2,
+        refresh.metagraph.0,
+        refresh.metagraph.1,
+        refresh.metagraph.2,
     );
     println!(
         "activation upload:   {n_up} x {mb:.1} MB in {upload_s:.2} s = {:.0} MB/s ({MOVERS} miners at once, through the orchestrator)",
@@ -1388,6 +1655,17 @@ async fn bench(
 }
 
 fn main() -> anyhow::Result<()> {
+    let _ = *STARTED;
+    if let Ok(filter) = std::env::var("IOTA_BENCH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_timer(tracing_subscriber::fmt::time::uptime())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    std::thread::Builder::new()
+        .name("stall-probe".into())
+        .spawn(stall_probe)?;
     let server = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("orchestrator")
@@ -1403,5 +1681,9 @@ fn main() -> anyhow::Result<()> {
         .thread_name("localnet")
         .enable_all()
         .build()?;
+    if *TIMELINE {
+        server.spawn(runtime_probe(1));
+        clients.spawn(runtime_probe(2));
+    }
     clients.block_on(bench(server.handle().clone(), localnet.handle().clone()))
 }
