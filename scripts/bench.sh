@@ -22,11 +22,11 @@ BENCHES=(
   "overhead|cargo bench -p iota-miner --bench overhead|Miner overhead: a miner's tokens/s through the whole protocol against the training core alone"
   "pipeline|cargo bench -p iota-miner --bench pipeline|Pipeline against monolithic: end-to-end tokens/s of three miners against one process training the same model"
   "butterfly|cargo bench -p iota-miner --bench butterfly|Weight all-reduce: bytes per miner and time at 2, 4, 8 and 16 miners per stage"
-  "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second against an unsigned no-op, 1,000 miners in closed loops (throughput; latency there is miners / throughput), then three rounds of the signed poll offered half the no-op's rate (the median of every closed-loop no-op window so far, the last run just before the round) on a fixed schedule (latency from when each poll was due; each round also shows what it was offered as a share of the no-op windows just before and just after it), and the no-op at that pace for reference"
+  "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second against an unsigned no-op, 1,000 miners in closed loops (throughput; latency there is miners / throughput), then three rounds of the signed poll offered half the no-op's rate (the median of every closed-loop no-op window so far, the last run just before the round) on a fixed schedule (latency from when each poll was due; each round also shows what it was offered as a share of the no-op windows just before and just after it, and what else the machine did meanwhile), the no-op at that pace for reference, and the CPU of the orchestrator's metagraph refresh at a new block"
   "load-paced|env IOTA_BENCH_POLL_INTERVAL_MS=1000 cargo bench -p iota-orchestrator --bench load|Orchestrator load, paced: 1,000 miners each polling once a second (latency)"
   "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
   "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
-  "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync, building its storage keys (address checked per key or per entry), and set_weights round trip"
+  "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync next to the members read (uid, hotkey, permit) that a metagraph watcher makes at each block, building its storage keys (address checked per key or per entry), and set_weights round trip"
   "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
 )
 
