@@ -660,15 +660,15 @@ async fn miner_loops(
         tokio::time::sleep_until(measure_from.into()).await;
         // Scraped before the CPU snapshot, so that rendering the metrics is not counted.
         let batches_before = signature_batches(&scrape, &metrics_url).await;
-        let before = CpuSnapshot::now();
-        let machine_before = MachineSnapshot::now();
+        let (before, machine_before) = (CpuSnapshot::now(), MachineSnapshot::now());
         tokio::time::sleep_until(end.into()).await;
-        let machine = MachineSnapshot::now()
-            .zip(machine_before)
-            .map(|(after, before)| after.since(&before));
         let cpu = CpuSnapshot::now()
             .zip(before)
             .map(|(after, before)| after.since(&before));
+        let machine = MachineSnapshot::now()
+            .zip(machine_before)
+            .zip(cpu)
+            .map(|((after, before), cpu)| after.since(&before, &cpu, WINDOW));
         let batches = signature_batches(&scrape, &metrics_url)
             .await
             .zip(batches_before)
@@ -767,6 +767,9 @@ struct CpuSplit {
     client_ns: u64,
     chain_ns: u64,
     postgres_ns: u64,
+    /// Time all these threads spent ready to run with no core to run them (`schedstat`'s
+    /// second field).
+    waiting_ns: u64,
 }
 
 impl CpuSplit {
@@ -782,13 +785,16 @@ enum Side {
     Client,
 }
 
+/// Nanoseconds on a core and waiting for one, from `schedstat`.
+type Times = (u64, u64);
+
 /// CPU time of each thread of this process (by thread id, with whether it is the server's) and
-/// of each PostgreSQL process (by pid): threads come and go (idle blocking threads exit), so a
-/// window's CPU is summed per thread.
+/// of each PostgreSQL process (by pid), and their time waiting for a core: threads come and go
+/// (idle blocking threads exit), so a window's CPU is summed per thread.
 #[derive(Default)]
 struct CpuSnapshot {
-    threads: std::collections::HashMap<String, (Side, u64)>,
-    postgres: std::collections::HashMap<String, u64>,
+    threads: std::collections::HashMap<String, (Side, Times)>,
+    postgres: std::collections::HashMap<String, Times>,
 }
 
 impl CpuSnapshot {
@@ -796,7 +802,7 @@ impl CpuSnapshot {
         let mut snap = Self::default();
         for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
             let path = task.path();
-            let Some(ns) = schedstat_ns(&path) else {
+            let Some(times) = schedstat(&path) else {
                 continue; // exited meanwhile
             };
             let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
@@ -808,7 +814,7 @@ impl CpuSnapshot {
                 "localnet" => Side::Chain,
                 _ => Side::Client,
             };
-            snap.threads.insert(id, (side, ns));
+            snap.threads.insert(id, (side, times));
         }
         for proc in std::fs::read_dir("/proc").ok()?.flatten() {
             let path = proc.path();
@@ -816,9 +822,9 @@ impl CpuSnapshot {
             if id.bytes().all(|b| b.is_ascii_digit())
                 && std::fs::read_to_string(path.join("comm"))
                     .is_ok_and(|c| c.trim_end() == "postgres")
-                && let Some(ns) = schedstat_ns(&path)
+                && let Some(times) = schedstat(&path)
             {
-                snap.postgres.insert(id, ns);
+                snap.postgres.insert(id, times);
             }
         }
         Some(snap)
@@ -828,16 +834,23 @@ impl CpuSnapshot {
     /// are missing, with what they spent since `before`).
     fn since(&self, before: &Self) -> CpuSplit {
         let mut split = CpuSplit::default();
-        for (id, (side, ns)) in &self.threads {
-            let spent = ns.saturating_sub(before.threads.get(id).map_or(0, |t| t.1));
+        let since = |now: Times, then: Option<Times>| {
+            let then = then.unwrap_or_default();
+            (now.0.saturating_sub(then.0), now.1.saturating_sub(then.1))
+        };
+        for (id, (side, times)) in &self.threads {
+            let (ran, waited) = since(*times, before.threads.get(id).map(|t| t.1));
             *match side {
                 Side::Server => &mut split.server_ns,
                 Side::Chain => &mut split.chain_ns,
                 Side::Client => &mut split.client_ns,
-            } += spent;
+            } += ran;
+            split.waiting_ns += waited;
         }
-        for (id, ns) in &self.postgres {
-            split.postgres_ns += ns.saturating_sub(before.postgres.get(id).copied().unwrap_or(0));
+        for (id, times) in &self.postgres {
+            let (ran, waited) = since(*times, before.postgres.get(id).copied());
+            split.postgres_ns += ran;
+            split.waiting_ns += waited;
         }
         split
     }
@@ -903,8 +916,8 @@ struct Interference {
     busy_cores: f64,
     /// Cores the hypervisor gave to other guests while this one wanted them (`steal`).
     steal_cores: f64,
-    /// This process's and PostgreSQL's threads waiting on a run queue, on average (`schedstat`'s
-    /// second field): above zero when a thread was ready and no core ran it.
+    /// This process's and PostgreSQL's threads (the probe's not) waiting on a run queue, on
+    /// average: above zero when a thread was ready and no core ran it.
     waiting_threads: f64,
     /// The probe's worst wake-up lateness, and how many wake-ups were late by over
     /// [`PROBE_LATE`].
@@ -912,13 +925,11 @@ struct Interference {
     probe_late_wakes: u64,
 }
 
-/// `/proc/stat`'s machine totals, the run-queue wait of this process's threads and
-/// PostgreSQL's processes, and the probe's record since the last snapshot (which it resets).
+/// `/proc/stat`'s machine totals and the probe's record since the last snapshot (which it
+/// resets).
 struct MachineSnapshot {
-    at: Instant,
     /// (busy, steal, all) ticks.
     ticks: (u64, u64, u64),
-    waits: std::collections::HashMap<String, u64>,
     probe_worst_us: u64,
     probe_late_wakes: u64,
 }
@@ -936,47 +947,23 @@ impl MachineSnapshot {
             .collect::<Option<_>>()?;
         let all: u64 = fields.iter().take(8).sum();
         let (idle, steal) = (fields[3] + fields[4], *fields.get(7)?);
-        let mut waits = std::collections::HashMap::new();
-        let mut add = |id: String, path: &std::path::Path| {
-            if let Some(wait) = schedstat_field(path, 1) {
-                waits.insert(id, wait);
-            }
-        };
-        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
-            add(
-                format!("t{}", task.file_name().to_string_lossy()),
-                &task.path(),
-            );
-        }
-        for proc in std::fs::read_dir("/proc").ok()?.flatten() {
-            let path = proc.path();
-            if std::fs::read_to_string(path.join("comm")).is_ok_and(|c| c.trim_end() == "postgres")
-            {
-                add(format!("p{}", proc.file_name().to_string_lossy()), &path);
-            }
-        }
         Some(Self {
-            at: Instant::now(),
             ticks: (all - idle - steal, steal, all),
-            waits,
             probe_worst_us: PROBE_WORST_US.swap(0, Ordering::Relaxed),
             probe_late_wakes: PROBE_LATE_WAKES.swap(0, Ordering::Relaxed),
         })
     }
 
-    fn since(&self, before: &Self) -> Interference {
+    /// What happened since `before`, over a window of `window` in which this process's and
+    /// PostgreSQL's threads waited `cpu.waiting_ns` for a core.
+    fn since(&self, before: &Self, cpu: &CpuSplit, window: Duration) -> Interference {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         let all = self.ticks.2.saturating_sub(before.ticks.2).max(1) as f64;
         let share = |now: u64, then: u64| now.saturating_sub(then) as f64 / all * cores;
-        let waited_ns: u64 = self
-            .waits
-            .iter()
-            .map(|(id, ns)| ns.saturating_sub(before.waits.get(id).copied().unwrap_or(0)))
-            .sum();
         Interference {
             busy_cores: share(self.ticks.0, before.ticks.0),
             steal_cores: share(self.ticks.1, before.ticks.1),
-            waiting_threads: waited_ns as f64 / (self.at - before.at).as_nanos().max(1) as f64,
+            waiting_threads: cpu.waiting_ns as f64 / window.as_nanos().max(1) as f64,
             probe_worst: Duration::from_micros(self.probe_worst_us),
             probe_late_wakes: self.probe_late_wakes,
         }
@@ -998,17 +985,11 @@ impl std::fmt::Display for Interference {
     }
 }
 
-fn schedstat_field(path: &std::path::Path, field: usize) -> Option<u64> {
-    std::fs::read_to_string(path.join("schedstat"))
-        .ok()?
-        .split_whitespace()
-        .nth(field)?
-        .parse()
-        .ok()
-}
-
-fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
-    schedstat_field(path, 0)
+/// A thread's or process's time on a core and waiting for one (`schedstat`'s first two fields).
+fn schedstat(path: &std::path::Path) -> Option<Times> {
+    let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
+    let mut fields = stat.split_whitespace().map(|f| f.parse::<u64>().ok());
+    Some((fields.next()??, fields.next()??))
 }
 
 /// Whether curve25519-dalek can pick its AVX-512 IFMA backend on this processor (what it checks
