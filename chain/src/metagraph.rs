@@ -378,8 +378,8 @@ impl Subtensor {
     /// Who holds each uid of `netuid` at `at`, and which hold a validator permit: the part of
     /// [`Subtensor::metagraph_at`] that a caller check needs, in two batched queries (the
     /// subnet's size and permits, then `Keys` for uids `0..n`). A metagraph watcher reads this
-    /// at every block: for 1,000 uids the orchestrator's load benchmark measured 3-4 ms of the
-    /// reader's CPU and 1.2-1.5 ms of the node's, against 12-18 ms and 7-11 ms for the full
+    /// at every block: for 1,000 uids the orchestrator's load benchmark measured 3-5 ms of the
+    /// reader's CPU and 1.2-1.8 ms of the node's, against 12-18 ms and 7-11 ms for the full
     /// metagraph.
     ///
     /// # Errors

@@ -7,9 +7,9 @@
 //! refresh first asks for the finalized block's hash and reads only when that block is new. The
 //! read runs on the watching process's serving threads, so it is kept small: with 1,000 uids a
 //! full metagraph is 5,026 storage values, 12-18 ms of CPU per read in the orchestrator's load
-//! benchmark, and the members 1,003 values, 3-4 ms. A read that
-//! fails keeps the last good index (callers keep working through a node hiccup) and retries with
-//! exponential backoff; [`MetagraphIndex::age`] tells how stale it is.
+//! benchmark, and the members 1,003 values, 3-5 ms. A read that fails keeps the last good index
+//! (callers keep working through a node hiccup) and retries with exponential backoff;
+//! [`MetagraphIndex::age`] tells how stale it is.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -472,10 +472,10 @@ impl Authenticating {
     }
 }
 
-/// The uid and validator permit of `key` in the latest metagraph, or `not_registered`.
+/// The uid and validator permit of `key` among the subnet's latest members, or `not_registered`.
 fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppError> {
     let index = app.metagraph.borrow();
-    let neuron = index.member(key).ok_or_else(|| {
+    let member = index.member(key).ok_or_else(|| {
         AppError::new(
             ErrorCode::NotRegistered,
             format!(
@@ -485,7 +485,7 @@ fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppErro
             ),
         )
     })?;
-    Ok((neuron.uid, neuron.validator_permit))
+    Ok((member.uid, member.validator_permit))
 }
 
 /// Public-route middleware: per-IP rate limit.
