@@ -6,6 +6,9 @@
 #   scripts/bench-model.sh throughput     # one of them
 #   BENCH_STEPS=300 scripts/bench-model.sh compression
 #
+# On a GPU (not run by this script): `cargo bench -p iota-model --features cuda --bench model --
+# device` times each stage of `iota-1.5b` alone in bf16 and f32 (model/README.md).
+#
 # Threads: candle's default (all cores) unless CANDLE_NUM_THREADS is set. On an idle 2-vCPU
 # machine 2 threads measured 7-23% faster than 1; on an oversubscribed one, 1 thread was 2x
 # faster (model/README.md, "CPU speed and thread count").

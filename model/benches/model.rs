@@ -5,15 +5,22 @@
 //! 2. Compression: bytes per token crossing a stage boundary and held-out loss after a fixed
 //!    number of steps on the grammar corpus, for d/b = 1, 8, 32, 64 and 64 with int8 wire.
 //!
+//! 3. Device (`-- device`, not part of the default run): forward+backward tokens/s of each stage
+//!    of a model on a GPU (built with `--features cuda`), in bf16 and f32 compute, with the
+//!    model FLOPs achieved next to candle's own matrix-product rate on the same device, measured
+//!    in the same run.
+//!
 //! `BENCH_STEPS` (default 500) sets the training steps of the compression runs and
-//! `BENCH_ITERS` (default 5) the timed iterations of the throughput runs.
+//! `BENCH_ITERS` (default 5) the timed iterations of the throughput and device runs. The device
+//! run reads `BENCH_DEVICE` (default `cuda:0`), `BENCH_MODEL` (default `iota-1.5b`),
+//! `BENCH_BATCH` (4) and `BENCH_SEQ` (1024).
 
 use std::time::{Duration, Instant};
 
 use iota_model::data::{Batch, Dataset, GrammarCorpus, make_batch};
 use iota_model::{
-    AdamWConfig, BoundaryTensor, Device, LrSchedule, ModelConfig, Pipeline, Result, Stage,
-    StageOptions, Trainer, WireConfig, WireEncoding,
+    AdamWConfig, BoundaryTensor, DType, Device, LrSchedule, ModelConfig, ModelError, Pipeline,
+    Result, Stage, StageOptions, Tensor, Trainer, WireConfig, WireEncoding,
 };
 
 fn env_or(key: &str, default: u64) -> u64 {
@@ -279,11 +286,175 @@ fn compression() -> Result<()> {
     Ok(())
 }
 
+/// Matrix-multiply FLOPs of one token's forward+backward through stage `s`: 2 per weight of
+/// every linear map (the embedding is a lookup, not a product) and 2 x 2 x seq x d per block
+/// for the attention scores and their weighted sum (causal masking not discounted), times 3
+/// for the backward.
+fn stage_flops_per_token(stage: &Stage, seq: usize) -> f64 {
+    let linear: usize = stage
+        .params()
+        .iter()
+        .filter(|p| p.var().as_tensor().rank() == 2 && p.name() != "embed.weight")
+        .map(|p| p.var().as_tensor().elem_count())
+        .sum();
+    let blocks = stage.config().stages[stage.index()];
+    let attention = 4 * seq * stage.config().d_model * blocks;
+    3.0 * (2 * linear + attention) as f64
+}
+
+/// TFLOP/s of candle's own `n x n x n` matrix product on `device` in `dtype`: the ceiling the
+/// stage figures are read against. Median of 10 after 3 warm-ups, over random operands.
+fn matmul_tflops(device: &Device, dtype: DType, n: usize) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
+    let mut times = Vec::new();
+    for i in 0..13 {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let c = a.matmul(&b)?;
+        device.synchronize()?;
+        if i >= 3 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        drop(c);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2] / 1e12)
+}
+
+/// Forward+backward of one micro-batch through `stage` alone, as a miner holding it runs it:
+/// token ids or a boundary activation in, the loss or a boundary gradient back, each crossing
+/// the wire format. The device is synchronised before the clock is read.
+fn pass_on(stage: &mut Stage, b: &Batch, batch: usize, seq: usize, seed: u64) -> Result<()> {
+    let device = stage.options().device.clone();
+    let wire = |t: &Tensor| -> Result<Tensor> {
+        let bytes = BoundaryTensor::from_tensor(t, WireEncoding::F32)?.to_bytes()?;
+        BoundaryTensor::from_bytes(&bytes, Some(t.dims()))?.to_tensor(&device)
+    };
+    let input = if stage.is_first() {
+        b.inputs.clone()
+    } else {
+        wire(&Tensor::randn(
+            0f32,
+            1.0,
+            stage.input_dims(batch, seq),
+            &device,
+        )?)?
+    };
+    let targets = stage.is_last().then_some(&b.targets);
+    let (out, cache) = stage.forward(&input, targets)?;
+    let grad = if stage.is_last() {
+        if !out.loss()?.is_finite() {
+            return Err(ModelError::InvalidInput(format!(
+                "seed {seed}: loss {} is not finite",
+                out.loss()?
+            )));
+        }
+        None
+    } else {
+        Some(wire(
+            &(Tensor::randn(0f32, 1.0, stage.output_dims(batch, seq), &device)? * 1e-3)?,
+        )?)
+    };
+    if let Some(g) = stage.backward(cache, grad.as_ref())? {
+        wire(&g)?;
+    }
+    device.synchronize()?;
+    Ok(())
+}
+
+fn device_throughput() -> Result<()> {
+    let spec = std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cuda:0".into());
+    let device = match spec.as_str() {
+        "cpu" => Device::Cpu,
+        other => {
+            let n = other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| {
+                    ModelError::Config(format!("BENCH_DEVICE {other:?}: use cpu or cuda:N"))
+                })?;
+            Device::new_cuda(n)?
+        }
+    };
+    let model = std::env::var("BENCH_MODEL").unwrap_or_else(|_| "iota-1.5b".into());
+    let cfg = ModelConfig::by_name(&model)?;
+    let batch = env_or("BENCH_BATCH", 4) as usize;
+    let seq = env_or("BENCH_SEQ", 1024) as usize;
+    let iters = env_or("BENCH_ITERS", 5) as u32;
+    let g = GrammarCorpus::new(0, seq)?;
+    let batches: Vec<Batch> = (0..=u64::from(iters))
+        .map(|i| {
+            let ids: Vec<u64> = (i * batch as u64..(i + 1) * batch as u64).collect();
+            make_batch(&g, &ids, &device)
+        })
+        .collect::<Result<_>>()?;
+    let tokens = (batch * seq) as f64 * f64::from(iters);
+    let dtypes: &[DType] = if device.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::BF16, DType::F32]
+    };
+    println!(
+        "## Device throughput: each stage of `{model}` ({:.2}B parameters, d={}, stages {:?}, b={}) alone on {spec}, as one miner holds it; micro-batch {batch}x{seq} tokens, {iters} timed passes after one warm-up; f32 master weights and gradients",
+        cfg.param_count()? as f64 / 1e9,
+        cfg.d_model,
+        cfg.stages,
+        cfg.bottleneck_dim,
+    );
+    println!();
+    println!(
+        "| compute | part | fwd+bwd ms / micro-batch | tokens/s | model TFLOP/s | of candle's {0}x{0}x{0} product |",
+        4096
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    for &dtype in dtypes {
+        let ceiling = matmul_tflops(&device, dtype, 4096)?;
+        let opts = StageOptions {
+            device: device.clone(),
+            compute_dtype: dtype,
+            ..StageOptions::cpu()
+        };
+        let name = format!("{dtype:?}").to_lowercase();
+        for k in 0..cfg.num_stages() {
+            let mut stage = Stage::new(&cfg, k, opts.clone())?;
+            pass_on(&mut stage, &batches[0], batch, seq, 0)?;
+            let mut secs = 0.0;
+            for (i, b) in batches[1..].iter().enumerate() {
+                stage.zero_grad();
+                device.synchronize()?;
+                let t0 = Instant::now();
+                pass_on(&mut stage, b, batch, seq, i as u64 + 1)?;
+                secs += t0.elapsed().as_secs_f64();
+            }
+            let tflops = stage_flops_per_token(&stage, seq) * tokens / secs / 1e12;
+            println!(
+                "| {name} | stage {k} ({:.0}M params) | {:.1} | {:.0} | {tflops:.1} | {:.0}% |",
+                stage.num_parameters() as f64 / 1e6,
+                secs * 1e3 / f64::from(iters),
+                tokens / secs,
+                100.0 * tflops / ceiling
+            );
+        }
+        println!(
+            "| {name} | candle {0}x{0}x{0} product | - | - | {ceiling:.1} | 100% |",
+            4096
+        );
+    }
+    println!();
+    println!(
+        "Model FLOPs per token: 3 x (2 per linear weight + 4 x seq x d per block), causal masking not discounted; the timed pass includes the boundary tensors' wire encoding."
+    );
+    println!();
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let which = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     match which.as_deref() {
         Some("throughput") => throughput(),
         Some("compression") => compression(),
+        Some("device") => device_throughput(),
         _ => {
             throughput()?;
             compression()

@@ -377,8 +377,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn gpu_matches_cpu() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("gpu_matches_cpu: no CUDA device, skipped");
+        let Some(gpu) = crate::test_gpu() else {
             return;
         };
         let cfg = ModelConfig::tiny();
