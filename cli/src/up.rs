@@ -30,7 +30,7 @@ pub struct UpArgs {
     /// Add one cheating miner of this kind.
     #[arg(long, env = "IOTA_UP_ADVERSARY", value_enum)]
     pub adversary: Option<Adversary>,
-    /// Miners' device: `cpu` or `cuda:N`.
+    /// Miners' device: `cpu`, `cuda:N` (f32 compute) or `cuda:N:bf16`.
     #[arg(long, env = "IOTA_UP_DEVICE", default_value = "cpu", value_parser = DeviceSpec::parse)]
     pub device: DeviceSpec,
     /// Where to write the report (default: `report.json` in the run directory).

@@ -17,54 +17,90 @@ use iota_protocol::client::RetryPolicy;
 use crate::adversary::Adversary;
 use crate::error::MinerError;
 
-/// Where the stage trains.
+/// Where the stage trains. The CUDA default computes in f32: an epoch replayed by a validator
+/// on the CPU then matches it within the default spot-check thresholds, while bf16 compute, about
+/// 1.4x faster on an H100, drifts past them (model/README.md, "Half precision").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
     /// The CPU, f32.
     Cpu,
-    /// CUDA device `n` (bf16 compute, f32 master weights); needs the `cuda` feature.
+    /// CUDA device `n`, f32 compute; needs the `cuda` feature.
     Cuda(usize),
+    /// CUDA device `n`, bf16 compute with f32 master weights; needs the `cuda` feature. Only for
+    /// runs whose validators replay in bf16 on a GPU.
+    CudaBf16(usize),
 }
 
 impl DeviceSpec {
-    /// Parses `cpu` or `cuda:N` (`cuda` alone is device 0).
+    /// Parses `cpu`, `cuda:N` or `cuda:N:bf16` (`cuda` alone is device 0).
     pub fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda(0)),
-            other => other
-                .strip_prefix("cuda:")
+        let bad = || format!("device {s:?}: use cpu, cuda:N or cuda:N:bf16");
+        let Some(rest) = s.strip_prefix("cuda") else {
+            return if s == "cpu" {
+                Ok(Self::Cpu)
+            } else {
+                Err(bad())
+            };
+        };
+        let (ordinal, bf16) = match rest.strip_suffix(":bf16") {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
+        let n = match ordinal {
+            "" => 0,
+            o => o
+                .strip_prefix(':')
                 .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| format!("device {other:?}: use cpu or cuda:N")),
-        }
+                .ok_or_else(bad)?,
+        };
+        Ok(if bf16 {
+            Self::CudaBf16(n)
+        } else {
+            Self::Cuda(n)
+        })
     }
 
-    /// `cpu` or `cuda:N`.
+    /// `cpu`, `cuda:N` or `cuda:N:bf16`.
     pub fn name(&self) -> String {
         match self {
             Self::Cpu => "cpu".into(),
             Self::Cuda(n) => format!("cuda:{n}"),
+            Self::CudaBf16(n) => format!("cuda:{n}:bf16"),
+        }
+    }
+
+    /// The CUDA ordinal, if any.
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda(n) | Self::CudaBf16(n) => Some(*n),
+        }
+    }
+
+    /// The dtype of the stage's arithmetic on this device.
+    pub fn compute_dtype(&self) -> DType {
+        match self {
+            Self::CudaBf16(_) => DType::BF16,
+            Self::Cpu | Self::Cuda(_) => DType::F32,
         }
     }
 
     /// The stage options for this device.
     pub fn stage_options(&self) -> Result<StageOptions, MinerError> {
-        match self {
-            Self::Cpu => Ok(StageOptions::cpu()),
-            Self::Cuda(n) => {
-                let device = Device::new_cuda(*n).map_err(|e| {
-                    MinerError::Config(format!(
-                        "cuda:{n}: {e} (build with `--features cuda` on a machine with a GPU)"
-                    ))
-                })?;
-                Ok(StageOptions {
-                    device,
-                    compute_dtype: DType::BF16,
-                    ..StageOptions::cpu()
-                })
-            }
-        }
+        let Some(n) = self.cuda_ordinal() else {
+            return Ok(StageOptions::cpu());
+        };
+        let device = Device::new_cuda(n).map_err(|e| {
+            MinerError::Config(format!(
+                "{}: {e} (build with `--features cuda` on a machine with a GPU)",
+                self.name()
+            ))
+        })?;
+        Ok(StageOptions {
+            device,
+            compute_dtype: self.compute_dtype(),
+            ..StageOptions::cpu()
+        })
     }
 }
 
@@ -152,7 +188,7 @@ pub struct MinerArgs {
         default_value = "http://127.0.0.1:8700"
     )]
     pub orchestrator_url: String,
-    /// Training device: cpu or cuda:N.
+    /// Training device: cpu, cuda:N (f32 compute) or cuda:N:bf16.
     #[arg(long, env = "IOTA_DEVICE", default_value = "cpu", value_parser = DeviceSpec::parse)]
     pub device: DeviceSpec,
     /// Debug logging.
@@ -269,9 +305,36 @@ mod tests {
     #[test]
     fn devices_parse() {
         assert_eq!(DeviceSpec::parse("cpu"), Ok(DeviceSpec::Cpu));
+        assert_eq!(DeviceSpec::parse("cuda"), Ok(DeviceSpec::Cuda(0)));
         assert_eq!(DeviceSpec::parse("cuda:1"), Ok(DeviceSpec::Cuda(1)));
-        assert!(DeviceSpec::parse("gpu").is_err());
-        assert!(DeviceSpec::parse("cuda:x").is_err());
+        assert_eq!(DeviceSpec::parse("cuda:bf16"), Ok(DeviceSpec::CudaBf16(0)));
+        assert_eq!(
+            DeviceSpec::parse("cuda:2:bf16"),
+            Ok(DeviceSpec::CudaBf16(2))
+        );
+        for bad in [
+            "gpu",
+            "cuda:x",
+            "cuda:",
+            "cuda1",
+            "cuda:1:f16",
+            "cuda:1:bf16:2",
+            "cpu:bf16",
+        ] {
+            assert!(DeviceSpec::parse(bad).is_err(), "{bad}");
+        }
+        for spec in ["cpu", "cuda:0", "cuda:3:bf16"] {
+            assert_eq!(DeviceSpec::parse(spec).unwrap().name(), spec);
+        }
+    }
+
+    /// A GPU miner computes in f32 unless bf16 is asked for: an f32 replay on a validator's CPU
+    /// does not match bf16 work within the default thresholds.
+    #[test]
+    fn cuda_computes_in_f32_unless_bf16_is_asked_for() {
+        assert_eq!(DeviceSpec::Cpu.compute_dtype(), DType::F32);
+        assert_eq!(DeviceSpec::Cuda(0).compute_dtype(), DType::F32);
+        assert_eq!(DeviceSpec::CudaBf16(0).compute_dtype(), DType::BF16);
     }
 
     #[test]

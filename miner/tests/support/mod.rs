@@ -9,7 +9,7 @@ pub mod common;
 
 use std::time::Duration;
 
-use iota_miner::MinerConfig;
+use iota_miner::{DeviceSpec, MinerConfig};
 use iota_model::Stage;
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
@@ -21,9 +21,13 @@ pub fn tiny_run(name: &str, samples_per_epoch: u64) -> RunConfig {
     iota_miner::eval::local_tiny_run(name, samples_per_epoch).expect("tiny run")
 }
 
-/// Miner settings for tests: fast polls, quick retries.
+/// Miner settings for tests: fast polls, quick retries; the CPU unless `IOTA_TEST_DEVICE` names
+/// another device (`cuda:0` in a `--features cuda` build on a GPU machine).
 pub fn miner_config(base: &str) -> MinerConfig {
     let mut c = MinerConfig::new(base);
+    if let Ok(device) = std::env::var("IOTA_TEST_DEVICE") {
+        c.device = DeviceSpec::parse(&device).expect("IOTA_TEST_DEVICE: cpu or cuda:N");
+    }
     c.poll_interval = Duration::from_millis(50);
     c.memory_bytes = Some(8 << 30);
     c.retry = RetryPolicy {
