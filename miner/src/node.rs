@@ -235,6 +235,13 @@ impl Node {
             tokens_per_s: measured,
         };
         tracing::info!(device = %capacity.device, memory_gb = capacity.memory_bytes as f64 / 1e9, tokens_per_s = measured, "capacity");
+        if cfg.device.compute_dtype() == iota_model::DType::BF16 {
+            tracing::warn!(
+                device = %capacity.device,
+                "bf16 compute: a validator that replays this stage in f32 (on a CPU) will find \
+                 its work outside the default spot-check thresholds; use cuda:N for f32"
+            );
+        }
         let joined = client.register(capacity).await?;
         let stage = joined.stage;
         // From here on the orchestrator expects heartbeats, also while the trainer is built and
