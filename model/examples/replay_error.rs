@@ -161,20 +161,14 @@ fn main() -> Res<()> {
         runs.truncate(1);
         runs[0].0 = 8;
     }
-    match Device::new_cuda(0) {
-        Ok(_) => {
-            for (label, compute) in [
-                ("CUDA f32", "f32"),
-                ("CUDA bf16, run a", "bf16"),
-                ("CUDA bf16, run b", "bf16"),
-            ] {
-                runs.push((1, label.into(), vec![], vec!["--compute", compute]));
-            }
+    if iota_model::cuda_for_checks(0)?.is_some() {
+        for (label, compute) in [
+            ("CUDA f32", "f32"),
+            ("CUDA bf16, run a", "bf16"),
+            ("CUDA bf16, run b", "bf16"),
+        ] {
+            runs.push((1, label.into(), vec![], vec!["--compute", compute]));
         }
-        Err(e) if std::env::var_os("IOTA_REQUIRE_CUDA").is_some() => {
-            return Err(format!("IOTA_REQUIRE_CUDA is set but CUDA device 0 failed: {e}").into());
-        }
-        Err(_) => {}
     }
     let backend = iota_model::matmul_backend();
     eprintln!("matmul: {backend}");

@@ -116,19 +116,18 @@ pub fn matmul_backend() -> String {
 /// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.
 pub use candle_core::{DType, Device, Tensor};
 
-/// CUDA device 0 for the GPU tests, or `None` (the test is skipped) on a machine without one.
-/// With `IOTA_REQUIRE_CUDA` set a missing device fails the test instead, so that a check run
-/// on a GPU machine cannot pass by skipping.
-#[cfg(all(test, feature = "cuda"))]
-pub(crate) fn test_gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(gpu) => Some(gpu),
-        Err(e) if std::env::var_os("IOTA_REQUIRE_CUDA").is_some() => {
-            panic!("IOTA_REQUIRE_CUDA is set but CUDA device 0 failed: {e}")
-        }
+/// CUDA device `ordinal` for a GPU check (a test, an example), or `None` when there is none and
+/// the check should be skipped. With `IOTA_REQUIRE_CUDA` set a missing device is an error
+/// instead, so that a check run on a GPU machine cannot pass by skipping.
+pub fn cuda_for_checks(ordinal: usize) -> Result<Option<Device>> {
+    match Device::new_cuda(ordinal) {
+        Ok(gpu) => Ok(Some(gpu)),
+        Err(e) if std::env::var_os("IOTA_REQUIRE_CUDA").is_some() => Err(ModelError::Config(
+            format!("IOTA_REQUIRE_CUDA is set but CUDA device {ordinal} failed: {e}"),
+        )),
         Err(e) => {
-            eprintln!("no CUDA device ({e}): skipped");
-            None
+            eprintln!("no CUDA device {ordinal} ({e}): skipped");
+            Ok(None)
         }
     }
 }

@@ -377,7 +377,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn gpu_matches_cpu() {
-        let Some(gpu) = crate::test_gpu() else {
+        let Some(gpu) = crate::cuda_for_checks(0).unwrap() else {
             return;
         };
         let cfg = ModelConfig::tiny();

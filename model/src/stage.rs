@@ -1502,7 +1502,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn stale_cache_backward_equals_from_scratch_bf16_cuda() {
-        let Some(gpu) = crate::test_gpu() else {
+        let Some(gpu) = crate::cuda_for_checks(0).unwrap() else {
             return;
         };
         let opts = StageOptions {
