@@ -225,6 +225,7 @@ impl From<StoreError> for AppError {
             StoreError::NotFound(k) => Self::new(ErrorCode::NotFound, format!("no object {k}")),
             StoreError::BadKey(k) => Self::new(ErrorCode::BadRequest, format!("bad key {k:?}")),
             StoreError::Backend(m) => Self::new(ErrorCode::Internal, format!("store: {m}")),
+            e @ StoreError::TooLarge { .. } => Self::new(ErrorCode::InvalidTensor, e.to_string()),
         }
     }
 }
@@ -344,8 +345,13 @@ pub async fn signed_gate(
 
 async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<Request, AppError> {
     let (mut parts, body) = req.into_parts();
+    // The header and membership checks first: a caller that fails them never gets a body
+    // buffered (up to the route's limit) on its behalf.
+    check_content_length(&parts, routes.body_limit)?;
+    let checked = check_caller(app, &parts)?;
     let bytes = read_body(&parts, body, routes.body_limit).await?;
-    let (caller, pending) = authenticate(app, &parts, &bytes)?
+    let (caller, pending) = checked
+        .with_body(&parts, &bytes)
         .finish(app, routes)
         .await?;
     parts.extensions.insert(pending);
@@ -359,6 +365,20 @@ pub async fn read_body(
     body: Body,
     limit: usize,
 ) -> Result<Bytes, AppError> {
+    check_content_length(parts, limit)?;
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("body larger than {limit} bytes"),
+        )
+    })
+}
+
+/// Refuses a request whose declared body is larger than `limit`: the cheapest check of all.
+pub fn check_content_length(
+    parts: &axum::http::request::Parts,
+    limit: usize,
+) -> Result<(), AppError> {
     if let Some(len) = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -371,23 +391,17 @@ pub async fn read_body(
             format!("body of {len} bytes, this route takes at most {limit}"),
         ));
     }
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        AppError::new(
-            ErrorCode::PayloadTooLarge,
-            format!("body larger than {limit} bytes"),
-        )
-    })
+    Ok(())
 }
 
-/// The checks of a signed request that need no waiting: the Epistula headers, and the claimed
-/// signer's membership before the body is hashed and the signature verified (a request in the
-/// name of a hotkey that is not on the subnet costs neither). [`Authenticating::finish`] does
-/// the rest.
-pub fn authenticate(
+/// The checks of a signed request that need no waiting and no body: the Epistula headers, and
+/// the claimed signer's membership before the body is read and hashed and the signature
+/// verified (a request in the name of a hotkey that is not on the subnet costs none of these).
+/// [`CheckedCaller::with_body`] and [`Authenticating::finish`] do the rest.
+pub fn check_caller<'a>(
     app: &App,
-    parts: &axum::http::request::Parts,
-    body: &[u8],
-) -> Result<Authenticating, AppError> {
+    parts: &'a axum::http::request::Parts,
+) -> Result<CheckedCaller<'a>, AppError> {
     let now = now_ms();
     let headers = check_headers(
         |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
@@ -397,19 +411,8 @@ pub fn authenticate(
     )?;
     let signer = app.signers.resolve(headers.signed_by)?;
     let (uid, permit) = member(app, &signer.key, headers.signed_by)?;
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let signed = headers.message(
-        signer.key.to_bytes(),
-        parts.method.as_str(),
-        path_and_query,
-        body,
-    );
-    Ok(Authenticating {
-        signed,
+    Ok(CheckedCaller {
+        headers,
         signer,
         uid,
         permit,
@@ -417,7 +420,40 @@ pub fn authenticate(
     })
 }
 
-/// A signed request between [`authenticate`] and [`Authenticating::finish`].
+/// A signed request whose headers and signer passed [`check_caller`], before its body is read.
+pub struct CheckedCaller<'a> {
+    headers: iota_protocol::signing::CheckedHeaders<'a>,
+    signer: crate::signatures::Signer,
+    uid: u16,
+    permit: bool,
+    now: u64,
+}
+
+impl CheckedCaller<'_> {
+    /// The message the signature must cover, with the body.
+    pub fn with_body(self, parts: &axum::http::request::Parts, body: &[u8]) -> Authenticating {
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        let signed = self.headers.message(
+            self.signer.key.to_bytes(),
+            parts.method.as_str(),
+            path_and_query,
+            body,
+        );
+        Authenticating {
+            signed,
+            signer: self.signer,
+            uid: self.uid,
+            permit: self.permit,
+            now: self.now,
+        }
+    }
+}
+
+/// A signed request between [`CheckedCaller::with_body`] and [`Authenticating::finish`].
 pub struct Authenticating {
     signed: iota_protocol::signing::SignedMessage,
     signer: crate::signatures::Signer,

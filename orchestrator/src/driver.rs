@@ -743,7 +743,8 @@ pub async fn record_merge_result(
     let cur = run_now(&mut *tx, app.run.id).await?;
     if cur.epoch != epoch || cur.phase != Phase::Merging {
         drop(tx);
-        app.store.delete(&blob.key).await?;
+        crate::miner::delete_unless_recorded(app, crate::miner::SealedIn::MergeResults, &blob.key)
+            .await?;
         return Err(AppError::new(
             ErrorCode::WrongPhase,
             "the merging phase ended while this result was in flight",
@@ -778,6 +779,9 @@ pub async fn record_merge_result(
     .fetch_one(&mut *tx)
     .await?;
     if stored != blob.blake3 {
+        drop(tx);
+        // Sealed under its own hash, so not the recorded result's key.
+        app.store.delete(&blob.key).await?;
         return Err(AppError::new(
             ErrorCode::Conflict,
             "you already submitted a different result for this partition",

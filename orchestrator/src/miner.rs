@@ -3,6 +3,7 @@
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, Request, State};
+use axum::response::IntoResponse;
 use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -18,6 +19,7 @@ use crate::app::{
     SignedRoutes,
 };
 use crate::routing::{StageLoad, choose_stage, weighted_pick};
+use crate::store::StoreError;
 use crate::views;
 
 /// The current epoch row of the run.
@@ -58,10 +60,13 @@ pub async fn register(
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> ApiResult<Json<RegisterResponse>> {
     let cap = &req.capacity;
-    if !(cap.tokens_per_s.is_finite() && cap.tokens_per_s >= 0.0) || cap.device.len() > 64 {
+    if !throughput_in_range(cap.tokens_per_s) || cap.device.len() > 64 {
         return Err(AppError::new(
             ErrorCode::BadRequest,
-            "capacity needs a finite, non-negative tokens_per_s and a short device name",
+            format!(
+                "capacity needs tokens_per_s from 0 to {MAX_TOKENS_PER_S:e} and a device name of \
+                 at most 64 bytes"
+            ),
         ));
     }
     let run = app.run.id;
@@ -202,8 +207,16 @@ pub async fn heartbeat(
     Extension(caller): Extension<Caller>,
     ApiJson(req): ApiJson<HeartbeatRequest>,
 ) -> ApiResult<Json<HeartbeatResponse>> {
+    if let Some(tps) = req.tokens_per_s
+        && !throughput_in_range(tps)
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("tokens_per_s must be from 0 to {MAX_TOKENS_PER_S:e}, not {tps}"),
+        ));
+    }
     let stage = miner_stage(&app.db, &app, &caller).await?;
-    let tps = req.tokens_per_s.filter(|t| t.is_finite() && *t >= 0.0);
+    let tps = req.tokens_per_s;
     sqlx::query(
         "UPDATE miners SET last_seen = now(), tokens_per_s = coalesce($3, tokens_per_s)
          WHERE run_id = $1 AND hotkey = $2",
@@ -259,8 +272,10 @@ fn expects_output(direction: Direction, stage: u32) -> bool {
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
     // The signed gate's steps, inline: this is the request every miner sends in a loop.
     let (parts, body) = request.into_parts();
+    app::check_content_length(&parts, app.limits.json_body_bytes)?;
+    let checked = app::check_caller(&app, &parts)?;
     let bytes = app::read_body(&parts, body, app.limits.json_body_bytes).await?;
-    let auth = app::authenticate(&app, &parts, &bytes)?;
+    let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the
     // signature holds, and a bad body is reported only then, as behind the gate.
@@ -597,6 +612,26 @@ pub(crate) fn boundary_spec(cfg: &RunConfig) -> TensorSpec {
     }
 }
 
+/// Where an accepted object is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// At its slot's key. For hop outputs: a producer that replaces its own output after the
+    /// commit only fails its own hop (the consumer reports the object).
+    Slot,
+    /// At a key named by its hash ([`sealed_key`]), which no presigned URL names. For merged
+    /// partitions and pseudo-gradients, which others build on: once accepted, their bytes
+    /// cannot be replaced by the uploader.
+    Sealed,
+}
+
+/// The key of an accepted object of `slot_key` with this hash (see [`Placement::Sealed`]).
+pub(crate) fn sealed_key(slot_key: &str, blake3: &str) -> String {
+    match slot_key.strip_suffix(".safetensors") {
+        Some(stem) => format!("{stem}.{blake3}.safetensors"),
+        None => format!("{slot_key}.{blake3}"),
+    }
+}
+
 /// Checks an upload's bytes against its slot and declared hash, then stores it. Nothing is
 /// written unless every check passes.
 pub(crate) async fn accept_upload(
@@ -605,6 +640,7 @@ pub(crate) async fn accept_upload(
     spec: &TensorSpec,
     bytes: Bytes,
     declared_blake3: &str,
+    placement: Placement,
 ) -> ApiResult<BlobDescriptor> {
     if !is_blake3_hex(declared_blake3) {
         return Err(AppError::new(
@@ -612,7 +648,10 @@ pub(crate) async fn accept_upload(
             "blake3 must be 64 lowercase hex digits",
         ));
     }
-    let blob = check_bytes(spec, key, &bytes, declared_blake3)?;
+    let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
+    if placement == Placement::Sealed {
+        blob.key = sealed_key(&blob.key, &blob.blake3);
+    }
     app.store.put(&blob.key, bytes).await?;
     metrics::counter!("iota_upload_bytes_total").increment(blob.size);
     Ok(blob)
@@ -692,7 +731,15 @@ pub async fn upload_output(
         ));
     }
     let key = task_output_key(&app, task_id, &task);
-    let blob = accept_upload(&app, key, &boundary_spec(app.config()), body, &q.blake3).await?;
+    let blob = accept_upload(
+        &app,
+        key,
+        &boundary_spec(app.config()),
+        body,
+        &q.blake3,
+        Placement::Slot,
+    )
+    .await?;
     stage_output(&app, task_id, lease, blob).await
 }
 
@@ -769,12 +816,16 @@ pub(crate) async fn presign(app: &App, key: String) -> ApiResult<Json<PresignRes
     }))
 }
 
-/// Reads a presigned upload back, checks it in full, and deletes it if it fails.
+/// Reads a presigned upload back, checks it in full, and deletes it if it fails. With
+/// [`Placement::Sealed`], the object is first moved to a key no presigned URL names and checked
+/// there, so a PUT that lands after the check cannot change what is accepted; it is then kept at
+/// its [`sealed_key`].
 pub(crate) async fn accept_committed(
     app: &App,
     expected_key: &str,
     spec: &TensorSpec,
     commit: &CommitRequest,
+    placement: Placement,
 ) -> ApiResult<BlobDescriptor> {
     if commit.key != expected_key {
         return Err(AppError::new(
@@ -782,16 +833,58 @@ pub(crate) async fn accept_committed(
             format!("key {} is not this slot's {expected_key}", commit.key),
         ));
     }
+    if placement == Placement::Sealed {
+        let pending = format!("{expected_key}.pending-{}", Uuid::new_v4());
+        match app.store.rename(expected_key, &pending).await {
+            Ok(()) => {}
+            Err(StoreError::NotFound(_)) => {
+                return Err(AppError::new(
+                    ErrorCode::InvalidTensor,
+                    format!("nothing was uploaded to {expected_key}"),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let mut sealed_commit = commit.clone();
+        sealed_commit.key = pending.clone();
+        let checked = Box::pin(accept_committed(
+            app,
+            &pending,
+            spec,
+            &sealed_commit,
+            Placement::Slot,
+        ))
+        .await;
+        let mut blob = match checked {
+            Ok(blob) => blob,
+            Err(e) => {
+                // Bad bytes were deleted by the check; anything else is put back for a retry.
+                if app.store.rename(&pending, expected_key).await.is_err() {
+                    app.store.delete(&pending).await?;
+                }
+                return Err(e);
+            }
+        };
+        blob.key = sealed_key(expected_key, &blob.blake3);
+        app.store.rename(&pending, &blob.key).await?;
+        return Ok(blob);
+    }
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
     let bytes = match app.store.get_bounded(expected_key, spec.max_bytes()).await {
         Ok(bytes) => bytes,
-        Err(e) => {
-            if !matches!(e, crate::store::StoreError::NotFound(_)) {
-                app.store.delete(expected_key).await?;
-            }
-            return Err(AppError::new(ErrorCode::InvalidTensor, e.to_string()));
+        Err(e @ StoreError::TooLarge { .. }) => {
+            app.store.delete(expected_key).await?;
+            return Err(e.into());
         }
+        Err(StoreError::NotFound(_)) => {
+            return Err(AppError::new(
+                ErrorCode::InvalidTensor,
+                format!("nothing was uploaded to {expected_key}"),
+            ));
+        }
+        // The store failed, not the upload: the object stays for a retried commit.
+        Err(e) => return Err(e.into()),
     };
     if bytes.len() as u64 != commit.size {
         app.store.delete(expected_key).await?;
@@ -854,7 +947,14 @@ pub async fn commit_output(
             format!("task {task_id} is {}: the hop was re-routed", task.status),
         ));
     }
-    let blob = accept_committed(&app, &key, &boundary_spec(app.config()), &req).await?;
+    let blob = accept_committed(
+        &app,
+        &key,
+        &boundary_spec(app.config()),
+        &req,
+        Placement::Slot,
+    )
+    .await?;
     stage_output(&app, task_id, lease, blob).await
 }
 
@@ -1291,7 +1391,7 @@ async fn record_pg(
     let now = run_now(&mut *tx, app.run.id).await?;
     if now.epoch != epoch || now.phase != Phase::Uploading {
         drop(tx);
-        app.store.delete(&blob.key).await?;
+        delete_unless_recorded(app, SealedIn::PseudoGradients, &blob.key).await?;
         return Err(AppError::new(
             ErrorCode::WrongPhase,
             "the uploading phase ended while this partition was in flight",
@@ -1316,6 +1416,9 @@ async fn record_pg(
     .fetch_optional(&mut *tx)
     .await?;
     if existing.as_deref() != Some(blob.blake3.as_str()) {
+        drop(tx);
+        // Sealed under its own hash, so not the accepted object's key.
+        app.store.delete(&blob.key).await?;
         return Err(AppError::new(
             ErrorCode::Conflict,
             "a different pseudo-gradient was already accepted for this partition",
@@ -1344,7 +1447,7 @@ pub async fn upload_pg(
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
-    let blob = accept_upload(&app, key, &spec, body, &q.blake3).await?;
+    let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
     record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
 }
 
@@ -1412,7 +1515,7 @@ pub async fn commit_pg(
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
-    let blob = accept_committed(&app, &key, &spec, &req).await?;
+    let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
     record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
 }
 
@@ -1502,6 +1605,35 @@ pub(crate) async fn merge_base(
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
     Ok(Some(blob))
+}
+
+/// Which table records a sealed object.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SealedIn {
+    PseudoGradients,
+    MergeResults,
+}
+
+/// Deletes a sealed object that lost its race to be recorded, unless a row records that very
+/// key: a retry of an accepted submission seals to the same key as the accepted one.
+pub(crate) async fn delete_unless_recorded(app: &App, table: SealedIn, key: &str) -> ApiResult<()> {
+    let sql = match table {
+        SealedIn::PseudoGradients => {
+            "SELECT 1 FROM pseudo_gradients WHERE run_id = $1 AND blob->>'key' = $2 LIMIT 1"
+        }
+        SealedIn::MergeResults => {
+            "SELECT 1 FROM merge_results WHERE run_id = $1 AND blob->>'key' = $2 LIMIT 1"
+        }
+    };
+    let recorded: Option<i32> = sqlx::query_scalar(sql)
+        .bind(app.run.id)
+        .bind(key)
+        .fetch_optional(&app.db)
+        .await?;
+    if recorded.is_none() {
+        app.store.delete(key).await?;
+    }
+    Ok(())
 }
 
 fn merged_key(app: &App, epoch: u64, stage: u32, partition: u32, who: &str) -> String {
@@ -1603,8 +1735,42 @@ pub(crate) async fn upload_merge_as(
     blake3: &str,
 ) -> ApiResult<Json<UploadResponse>> {
     let (key, spec) = merge_slot(app, who, as_validator, epoch, stage, partition).await?;
-    let blob = accept_upload(app, key, &spec, body, blake3).await?;
+    if let Some(same) = already_merged(app, who, (epoch, stage, partition), blake3).await? {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let blob = accept_upload(app, key, &spec, body, blake3, Placement::Sealed).await?;
     crate::driver::record_merge_result(app, who, epoch, stage, partition, blob).await
+}
+
+/// `who`'s recorded result for this partition if it has this hash (a retried submission), or a
+/// conflict if it has another; `None` if there is none yet. Checked before the store is touched.
+async fn already_merged(
+    app: &App,
+    who: &str,
+    (epoch, stage, partition): (u64, u32, u32),
+    blake3: &str,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let row: Option<(serde_json::Value, String)> = sqlx::query_as(
+        "SELECT blob, blake3 FROM merge_results
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(who)
+    .fetch_optional(&app.db)
+    .await?;
+    match row {
+        None => Ok(None),
+        Some((blob, hash)) if hash == blake3 => serde_json::from_value(blob)
+            .map(Some)
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string())),
+        Some(_) => Err(AppError::new(
+            ErrorCode::Conflict,
+            "you already submitted a different result for this partition",
+        )),
+    }
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign`.
@@ -1622,7 +1788,34 @@ pub async fn presign_merge(
 ) -> ApiResult<Json<PresignResponse>> {
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
     check_presign_size(&req, &spec)?;
+    refuse_if_merged(&app, &caller.ss58, (epoch, stage, partition)).await?;
     presign(&app, key).await
+}
+
+/// A conflict once `who` has a recorded result for the partition: nothing more is taken.
+async fn refuse_if_merged(
+    app: &App,
+    who: &str,
+    (epoch, stage, partition): (u64, u32, u32),
+) -> ApiResult<()> {
+    let recorded: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM merge_results
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(who)
+    .fetch_optional(&app.db)
+    .await?;
+    match recorded {
+        Some(_) => Err(AppError::new(
+            ErrorCode::Conflict,
+            "your result for this partition is already recorded",
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit`.
@@ -1639,7 +1832,12 @@ pub async fn commit_merge(
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
-    let blob = accept_committed(&app, &key, &spec, &req).await?;
+    if let Some(same) =
+        already_merged(&app, &caller.ss58, (epoch, stage, partition), &req.blake3).await?
+    {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
     crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
 }
 
@@ -1652,7 +1850,7 @@ pub async fn blob(
     State(app): State<App>,
     Extension(_caller): Extension<Caller>,
     ApiPath(key): ApiPath<String>,
-) -> ApiResult<Bytes> {
+) -> ApiResult<axum::response::Response> {
     let prefix = format!("runs/{}/", app.run.id);
     if !key.starts_with(&prefix) {
         return Err(AppError::new(
@@ -1660,9 +1858,21 @@ pub async fn blob(
             format!("no object {key}"),
         ));
     }
-    let bytes = app.store.get(&key).await?;
-    metrics::counter!("iota_download_bytes_total").increment(bytes.len() as u64);
-    Ok(bytes)
+    // Streamed: a presigned PUT is not bounded by the store, so an object here may be larger
+    // than any slot, and must not be read into memory whole.
+    let (size, chunks) = app.store.get_stream(&key).await?;
+    metrics::counter!("iota_download_bytes_total").increment(size);
+    Ok((
+        [
+            (
+                http::header::CONTENT_TYPE,
+                "application/octet-stream".to_owned(),
+            ),
+            (http::header::CONTENT_LENGTH, size.to_string()),
+        ],
+        axum::body::Body::from_stream(chunks),
+    )
+        .into_response())
 }
 
 /// `POST /v1/miner/reports/bad-object`: a consumer says an object failed its checks. The
@@ -1694,8 +1904,18 @@ pub async fn report_bad_object(
     let blob: BlobDescriptor = serde_json::from_value(row.try_get("output")?)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let spec = boundary_spec(app.config());
+    // Only the object's own faults confirm a report. A missing object was collected with its
+    // epoch (no presigned URL deletes), and a failing store is nobody's hop's fault: neither may
+    // let a reporter fail another miner's hop.
     let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
-        Err(e) => Some(e.to_string()),
+        Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
+        Err(StoreError::NotFound(_)) => {
+            return Ok(Json(BadObjectVerdict {
+                confirmed: false,
+                detail: "the object is gone (its epoch was collected); nothing to check".into(),
+            }));
+        }
+        Err(e) => return Err(e.into()),
         Ok(bytes) => blob
             .check_bytes(&bytes)
             .err()

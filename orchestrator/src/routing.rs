@@ -2,7 +2,7 @@
 //! partition, and when a phase ends. No I/O; time and randomness are passed in.
 
 use chrono::{DateTime, Utc};
-use iota_protocol::api::Phase;
+use iota_protocol::api::{MAX_TOKENS_PER_S, Phase};
 use rand::Rng;
 
 /// Bytes of memory a miner needs per stage parameter: f32 weights, gradients, two AdamW moments,
@@ -48,15 +48,17 @@ pub fn weighted_pick<'a, R: Rng + ?Sized>(
     candidates: &'a [(String, f64)],
     rng: &mut R,
 ) -> Option<&'a str> {
+    // Bounded, so the total stays finite whatever the table holds: `gen_range` panics on an
+    // infinite range.
     let weight = |t: f64| {
         if t.is_finite() {
-            t.max(MIN_ROUTING_WEIGHT)
+            t.clamp(MIN_ROUTING_WEIGHT, MAX_TOKENS_PER_S)
         } else {
             MIN_ROUTING_WEIGHT
         }
     };
     let total: f64 = candidates.iter().map(|(_, t)| weight(*t)).sum();
-    if candidates.is_empty() || total <= 0.0 {
+    if candidates.is_empty() || !(total > 0.0 && total.is_finite()) {
         return None;
     }
     let mut x = rng.gen_range(0.0..total);
@@ -252,6 +254,14 @@ mod tests {
         // Expect 3000 ± a few sigma (sigma ≈ 27).
         assert!((2850..3150).contains(&a), "{a}");
         assert_eq!(weighted_pick(&[], &mut rng), None);
+        // Throughputs whose sum overflows (the table predates the bound, or a bug let one in):
+        // still a random pick, not a panic.
+        let huge = vec![("a".to_owned(), f64::MAX), ("b".to_owned(), f64::MAX)];
+        let picks: Vec<&str> = (0..200)
+            .filter_map(|_| weighted_pick(&huge, &mut rng))
+            .collect();
+        assert_eq!(picks.len(), 200);
+        assert!(picks.contains(&"a") && picks.contains(&"b"));
         // Zero or broken throughput still gets picked sometimes.
         let z = vec![("x".to_owned(), 0.0), ("y".to_owned(), f64::NAN)];
         let picks: std::collections::HashSet<_> = (0..100)

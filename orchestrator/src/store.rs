@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::signer::Signer;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload};
 
 /// Where blobs live.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,6 +71,16 @@ pub enum StoreError {
     /// The key is not a valid object path.
     #[error("invalid object key {0:?}")]
     BadKey(String),
+    /// The object is larger than the reader takes.
+    #[error("{key} is {size} bytes, more than {max}")]
+    TooLarge {
+        /// The object.
+        key: String,
+        /// Its size.
+        size: u64,
+        /// The most the reader takes.
+        max: u64,
+    },
     /// The store failed.
     #[error("object store: {0}")]
     Backend(String),
@@ -157,17 +168,58 @@ impl BlobStore {
         Ok(self.inner.get(&Self::path(key)?).await?.bytes().await?)
     }
 
-    /// Reads at most `max` bytes of an object; a larger one is an error before it is read.
+    /// Reads an object as a stream of chunks, with its size: memory stays a chunk's, whatever
+    /// the object's size.
+    pub async fn get_stream(
+        &self,
+        key: &str,
+    ) -> Result<(u64, BoxStream<'static, Result<Bytes, StoreError>>), StoreError> {
+        let result = self.inner.get(&Self::path(key)?).await?;
+        let size = result.meta.size;
+        Ok((size, result.into_stream().map_err(StoreError::from).boxed()))
+    }
+
+    /// Reads at most `max` bytes of an object; a larger one is [`StoreError::TooLarge`]. The
+    /// read itself asks for at most `max + 1` bytes, so an object replaced by a larger one
+    /// between the size check and the read (a presigned PUT can land at any time) is still
+    /// refused without being read whole.
     pub async fn get_bounded(&self, key: &str, max: u64) -> Result<Bytes, StoreError> {
         let path = Self::path(key)?;
+        let too_large = |size| StoreError::TooLarge {
+            key: key.to_owned(),
+            size,
+            max,
+        };
         let meta = self.inner.head(&path).await?;
         if meta.size > max {
-            return Err(StoreError::Backend(format!(
-                "{key} is {} bytes, more than {max}",
-                meta.size
-            )));
+            return Err(too_large(meta.size));
         }
-        Ok(self.inner.get(&path).await?.bytes().await?)
+        if meta.size == 0 {
+            return Ok(Bytes::new());
+        }
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(0..max.saturating_add(1))),
+            ..GetOptions::default()
+        };
+        let result = self.inner.get_opts(&path, options).await?;
+        let size = result.meta.size;
+        if size > max {
+            return Err(too_large(size));
+        }
+        let bytes = result.bytes().await?;
+        if bytes.len() as u64 > max {
+            return Err(too_large(bytes.len() as u64));
+        }
+        Ok(bytes)
+    }
+
+    /// Moves an object to another key, replacing what is there (on S3: a copy in the store,
+    /// then a delete; no bytes pass through here).
+    pub async fn rename(&self, from: &str, to: &str) -> Result<(), StoreError> {
+        self.inner
+            .rename(&Self::path(from)?, &Self::path(to)?)
+            .await?;
+        Ok(())
     }
 
     /// Deletes an object; a missing one is fine.
@@ -269,7 +321,21 @@ mod tests {
             .await
             .expect("put");
         assert_eq!(store.get("runs/1/a.bin").await.expect("get"), &b"abc"[..]);
-        assert!(store.get_bounded("runs/1/a.bin", 2).await.is_err());
+        assert!(matches!(
+            store.get_bounded("runs/1/a.bin", 2).await,
+            Err(StoreError::TooLarge {
+                size: 3,
+                max: 2,
+                ..
+            })
+        ));
+        assert_eq!(
+            store.get_bounded("runs/1/a.bin", 3).await.expect("fits"),
+            &b"abc"[..]
+        );
+        let (size, chunks) = store.get_stream("runs/1/a.bin").await.expect("stream");
+        let streamed: Vec<Bytes> = chunks.try_collect().await.expect("chunks");
+        assert_eq!((size, streamed.concat()), (3, b"abc".to_vec()));
         assert!(matches!(
             store.get("runs/1/missing").await,
             Err(StoreError::NotFound(_))

@@ -387,6 +387,14 @@ pub async fn report_spot_checks(
             "at most 10000 checks and a seed of at most 256 characters",
         ));
     }
+    // Only epochs that exist: each report is kept, so any u64 would grow the table without end.
+    let cur = run_now(&app.db, app.run.id).await?;
+    if epoch > cur.epoch {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("epoch {epoch} has not started"),
+        ));
+    }
     report.validator = v.ss58.clone();
     sqlx::query(
         "INSERT INTO spot_checks (run_id, epoch, validator, seed, seed_block, checks)

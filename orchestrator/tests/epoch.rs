@@ -534,6 +534,12 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     let tasks = v.spot_checks(0).await.expect("spot-check tasks");
     assert_eq!(tasks.reported.len(), 1);
     assert_eq!(tasks.reported[0].validator, v.hotkey());
+    // Reports are kept per epoch: one for an epoch that has not started is refused.
+    let future = v
+        .report_spot_checks(1 << 40, &report)
+        .await
+        .expect_err("a report for a future epoch");
+    assert_eq!(future.code(), Some(iota_protocol::ErrorCode::BadRequest));
     // Miners may not use validator routes.
     let refused = miners[0]
         .client()

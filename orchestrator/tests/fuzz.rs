@@ -1103,6 +1103,21 @@ async fn bad_input_never_gets_a_5xx() {
         "{} refusals came without the JSON error body (first ones above)",
         bare.len()
     );
+    // Signed requests must reach the handlers, or the fuzzing of their bodies tests only the
+    // gate: none refused as unauthenticated, and some of each signer's answered with success.
+    assert!(
+        refused_signed.is_empty(),
+        "{} correctly signed requests were refused with 401 (first ones above)",
+        refused_signed.len()
+    );
+    for auth in ["Miner", "Validator"] {
+        let succeeded = by_auth
+            .get(auth)
+            .and_then(|classes| classes.get("2xx"))
+            .copied()
+            .unwrap_or(0);
+        assert!(succeeded > 0, "no {auth}-signed request succeeded");
+    }
 
     // Still serving.
     let health = http

@@ -442,6 +442,18 @@ async fn upload_download_scenario(store: StoreConfig) {
             s0.download(blob)
                 .await
                 .expect("current weights survive retention");
+            // Accepted merges are sealed under their hash, away from the slot that uploads
+            // (and presigned PUTs, valid for minutes) write to: a late write to the slot leaves
+            // the accepted bytes as they were.
+            let slot = blob.key.replace(&format!(".{}", blob.blake3), "");
+            assert_ne!(slot, blob.key, "not sealed: {}", blob.key);
+            blobs
+                .put(&slot, Bytes::from_static(b"not the accepted weights"))
+                .await
+                .expect("write to the slot");
+            s0.download(blob)
+                .await
+                .expect("accepted weights unchanged by a write to their slot");
         }
     }
     orch.stop().await;

@@ -237,6 +237,17 @@ pub struct Capacity {
     pub tokens_per_s: f64,
 }
 
+/// The largest throughput a miner may report, in tokens per second: far above what any accelerator
+/// trains at, and small enough that a sum over every miner of a run stays finite (routing draws
+/// from such sums).
+pub const MAX_TOKENS_PER_S: f64 = 1e9;
+
+/// Whether `tokens_per_s` is a throughput the orchestrator accepts: finite, from 0 to
+/// [`MAX_TOKENS_PER_S`].
+pub fn throughput_in_range(tokens_per_s: f64) -> bool {
+    (0.0..=MAX_TOKENS_PER_S).contains(&tokens_per_s)
+}
+
 /// `POST /v1/miner/register`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RegisterRequest {
