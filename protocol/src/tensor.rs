@@ -4,8 +4,10 @@
 //! whose `format` names the layout:
 //!
 //! * `iota-boundary/v1` (activations and activation gradients between stages, written by
-//!   `iota-model`): tensor `values` of shape `[batch, seq, width]`, F32, or I8 with a second
-//!   tensor `scales` (F32, one per row, `batch·seq` of them) and `"encoding": "int8"`.
+//!   `iota-model`): tensor `values` of shape `[batch, seq, width]` (no dimension 0) with
+//!   `"encoding": "f32"`, F32; or with `"encoding": "int8"`, I8 and a second tensor `scales`
+//!   (F32, one per row, `batch·seq` of them). The encoding is required: `iota-model`'s decoder
+//!   refuses a tensor without it, and the check accepts nothing that decoder refuses.
 //! * `iota-partition/v1` (pseudo-gradient partitions): one F32 tensor `values` of shape `[len]`.
 //! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
 //!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
@@ -139,7 +141,8 @@ pub enum TensorError {
 #[derive(Deserialize)]
 struct Meta {
     format: String,
-    #[serde(default)]
+    /// Required for boundary tensors (`iota-model`'s decoder refuses them without it, so the
+    /// orchestrator must not store one); ignored by the other formats.
     encoding: Option<WireEncoding>,
 }
 
@@ -194,7 +197,20 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
             encoding,
         } => {
             expect_format(&meta, BOUNDARY_FORMAT)?;
-            let got_encoding = meta.encoding.unwrap_or(WireEncoding::F32);
+            // What `iota_model::BoundaryTensor::from_bytes` accepts, no more: every consumer
+            // decodes with it, so a tensor this passes and it refuses would fail every hop
+            // downstream (and a validator's replay) instead of the upload.
+            let Some(got_encoding) = meta.encoding else {
+                return Err(TensorError::Layout(
+                    "boundary metadata names no \"encoding\"".into(),
+                ));
+            };
+            if want.contains(&0) {
+                return Err(TensorError::Shape {
+                    got: shape,
+                    expected: want.to_vec(),
+                });
+            }
             if got_encoding != *encoding {
                 return Err(TensorError::Layout(format!(
                     "encoding {got_encoding:?}, this run uses {encoding:?}"
@@ -494,6 +510,18 @@ mod tests {
         assert!(check_tensor(&bad_q, &spec8).is_err());
         let bad_scale = encode_boundary_i8([2, 3, 4], &[1; 24], &[-0.1; 6]);
         assert!(check_tensor(&bad_scale, &spec8).is_err());
+        // `iota-model` refuses a boundary tensor that names no encoding, and an empty one, so
+        // the check does too.
+        let unnamed = encode_f32(BOUNDARY_FORMAT, None, &[2, 3, 4], &[0.5; 24]);
+        assert!(matches!(
+            check_tensor(&unnamed, &spec),
+            Err(TensorError::Layout(_))
+        ));
+        let empty = TensorSpec::Boundary {
+            shape: [2, 0, 4],
+            encoding: WireEncoding::F32,
+        };
+        assert!(check_tensor(&encode_boundary_f32([2, 0, 4], &[]), &empty).is_err());
         // Garbage and oversize.
         assert!(matches!(
             check_tensor(b"not a tensor", &spec),

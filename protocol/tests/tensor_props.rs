@@ -7,12 +7,15 @@
 //! the count each property ran.
 
 use iota_protocol::tensor::{
-    TensorSpec, WireEncoding, check_tensor, decode_merged, decode_partition, encode_boundary_f32,
-    encode_boundary_i8, encode_merged, encode_partition,
+    TensorError, TensorSpec, WireEncoding, check_tensor, decode_merged, decode_partition,
+    encode_boundary_f32, encode_boundary_i8, encode_merged, encode_partition,
 };
+use std::collections::BTreeMap;
+
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use proptest::test_runner::TestCaseError;
+use safetensors::{Dtype, SafeTensors};
 
 const DEFAULT_CASES: u32 = 1024;
 
@@ -237,30 +240,261 @@ fn apply(bytes: &[u8], d: &Damage) -> Vec<u8> {
     out
 }
 
-/// What any checked tensor promises: every decoder either refuses it or returns exactly the
-/// slot's number of values.
+/// An independent reading of a safetensors buffer, straight from the `safetensors` crate: the
+/// `iota` metadata as JSON and every tensor's dtype, shape and bytes. The oracle the checks and
+/// decoders are compared with.
+struct Raw {
+    meta: serde_json::Value,
+    tensors: BTreeMap<String, (Dtype, Vec<u64>, Vec<u8>)>,
+}
+
+fn raw(bytes: &[u8]) -> Option<Raw> {
+    let st = SafeTensors::deserialize(bytes).ok()?;
+    let (_, header) = SafeTensors::read_metadata(bytes).ok()?;
+    let meta = header.metadata().as_ref()?.get("iota")?;
+    let meta = serde_json::from_str(meta).ok()?;
+    let tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let shape = t.shape().iter().map(|d| *d as u64).collect();
+            (name, (t.dtype(), shape, t.data().to_vec()))
+        })
+        .collect();
+    Some(Raw { meta, tensors })
+}
+
+fn f32s(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The `[len]` F32 tensor `name` of `r`, finite, as values; `None` if it is anything else.
+fn flat(r: &Raw, name: &str, len: u64) -> Option<Vec<f32>> {
+    let (dtype, shape, data) = r.tensors.get(name)?;
+    let v = f32s(data);
+    (*dtype == Dtype::F32 && shape == &[len] && v.iter().all(|x| x.is_finite())).then_some(v)
+}
+
+/// Whether `r` is a valid boundary tensor for a slot of `shape` and `encoding`, judged from the
+/// format's description (module docs of `iota_protocol::tensor`) rather than its code.
+fn valid_boundary(r: &Raw, shape: [u64; 3], encoding: WireEncoding) -> bool {
+    let named = match encoding {
+        WireEncoding::F32 => "f32",
+        WireEncoding::Int8 => "int8",
+    };
+    if r.meta.get("format").and_then(|f| f.as_str()) != Some("iota-boundary/v1")
+        || r.meta.get("encoding").and_then(|e| e.as_str()) != Some(named)
+        || shape.contains(&0)
+    {
+        return false;
+    }
+    let names: Vec<&str> = r.tensors.keys().map(String::as_str).collect();
+    let Some((dtype, got, data)) = r.tensors.get("values") else {
+        return false;
+    };
+    if got != &shape {
+        return false;
+    }
+    match encoding {
+        WireEncoding::F32 => {
+            names == ["values"] && *dtype == Dtype::F32 && f32s(data).iter().all(|x| x.is_finite())
+        }
+        WireEncoding::Int8 => {
+            names == ["scales", "values"]
+                && *dtype == Dtype::I8
+                && !data.contains(&0x80)
+                && flat(r, "scales", shape[0].saturating_mul(shape[1]))
+                    .is_some_and(|s| s.iter().all(|x| *x >= 0.0))
+        }
+    }
+}
+
+/// Whether a decoder refused for the reason the check gives. The kind, not the message:
+/// `safetensors` names whichever bad tensor its hash map visits first.
+fn same_refusal(e: &TensorError, checked: &Result<(), TensorError>) -> bool {
+    checked
+        .as_ref()
+        .err()
+        .is_some_and(|c| std::mem::discriminant(c) == std::mem::discriminant(e))
+}
+
+/// What any checked tensor promises, against the independent reading: `check_tensor` accepts
+/// exactly what the format allows, a decoder refuses with the check's own error or returns
+/// exactly the values the bytes hold.
 fn decoders_agree(bytes: &[u8], spec: &TensorSpec) -> Result<(), TestCaseError> {
     let checked = check_tensor(bytes, spec);
+    let r = raw(bytes);
+    let fits = bytes.len() as u64 <= spec.max_bytes();
+    // Every format's metadata is an object with a `format` string and, if any, a known encoding.
+    let format = |want: &str| {
+        r.as_ref().is_some_and(|r| {
+            r.meta.get("format").and_then(|f| f.as_str()) == Some(want)
+                && match r.meta.get("encoding") {
+                    None | Some(serde_json::Value::Null) => true,
+                    Some(e) => matches!(e.as_str(), Some("f32" | "int8")),
+                }
+        })
+    };
     match spec {
         TensorSpec::Partition { len } => {
-            let d = decode_partition(bytes, *len);
-            prop_assert_eq!(d.is_ok(), checked.is_ok());
-            if let Ok(v) = d {
-                prop_assert_eq!(v.len() as u64, *len);
-                prop_assert!(v.iter().all(|x| x.is_finite()));
+            let want = r
+                .as_ref()
+                .filter(|r| fits && format("iota-partition/v1") && r.tensors.len() == 1)
+                .and_then(|r| flat(r, "values", *len));
+            prop_assert_eq!(checked.is_ok(), want.is_some(), "{:?}", checked);
+            match decode_partition(bytes, *len) {
+                Ok(v) => prop_assert_eq!(Some(v), want),
+                Err(e) => prop_assert!(same_refusal(&e, &checked), "{e:?} / {checked:?}"),
             }
         }
         TensorSpec::Merged { len } => {
-            let d = decode_merged(bytes, *len);
-            prop_assert_eq!(d.is_ok(), checked.is_ok());
-            if let Ok((v, m)) = d {
-                prop_assert_eq!(v.len() as u64, *len);
-                prop_assert_eq!(m.len() as u64, *len);
+            let want = r
+                .as_ref()
+                .filter(|r| fits && format("iota-merged/v1") && r.tensors.len() == 2)
+                .and_then(|r| Some((flat(r, "values", *len)?, flat(r, "momentum", *len)?)));
+            prop_assert_eq!(checked.is_ok(), want.is_some(), "{:?}", checked);
+            match decode_merged(bytes, *len) {
+                Ok(d) => prop_assert_eq!(Some(d), want),
+                Err(e) => prop_assert!(same_refusal(&e, &checked), "{e:?} / {checked:?}"),
             }
         }
-        TensorSpec::Boundary { .. } => {}
+        TensorSpec::Boundary { shape, encoding } => {
+            let want = fits
+                && format("iota-boundary/v1")
+                && r.as_ref()
+                    .is_some_and(|r| valid_boundary(r, *shape, *encoding));
+            prop_assert_eq!(checked.is_ok(), want, "{:?}", checked);
+        }
     }
     Ok(())
+}
+
+/// How the `iota` metadata of a generated boundary tensor is written.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum BoundaryMeta {
+    /// As `iota-model` and the encoders write it.
+    Proper,
+    /// No `encoding` key (an old or hand-made writer).
+    NoEncoding,
+    /// `"encoding": null`.
+    NullEncoding,
+    /// The other encoding than the payload has.
+    OtherEncoding,
+    /// An unknown encoding name.
+    UnknownEncoding,
+    /// Upper case (`"F32"`).
+    UpperCase,
+    /// An extra key beside the proper ones.
+    ExtraKey,
+    /// Another format's name.
+    OtherFormat,
+    /// The entry is not JSON.
+    NotJson,
+    /// No `iota` entry at all.
+    Missing,
+}
+
+fn boundary_meta() -> impl Strategy<Value = BoundaryMeta> {
+    use BoundaryMeta::*;
+    prop_oneof![
+        Just(Proper),
+        Just(NoEncoding),
+        Just(NullEncoding),
+        Just(OtherEncoding),
+        Just(UnknownEncoding),
+        Just(UpperCase),
+        Just(ExtraKey),
+        Just(OtherFormat),
+        Just(NotJson),
+        Just(Missing),
+    ]
+}
+
+/// A boundary tensor of `shape` with an `encoding` payload and metadata written as `how`.
+fn odd_boundary(
+    shape: [u64; 3],
+    encoding: WireEncoding,
+    values: &[f32],
+    how: BoundaryMeta,
+) -> Vec<u8> {
+    use BoundaryMeta::*;
+    let name = |e: WireEncoding| match e {
+        WireEncoding::F32 => "f32",
+        WireEncoding::Int8 => "int8",
+    };
+    let other = match encoding {
+        WireEncoding::F32 => WireEncoding::Int8,
+        WireEncoding::Int8 => WireEncoding::F32,
+    };
+    let fmt = "iota-boundary/v1";
+    let meta = match how {
+        Proper => Some(serde_json::json!({"format": fmt, "encoding": name(encoding)}).to_string()),
+        NoEncoding => Some(serde_json::json!({"format": fmt}).to_string()),
+        NullEncoding => Some(serde_json::json!({"format": fmt, "encoding": null}).to_string()),
+        OtherEncoding => {
+            Some(serde_json::json!({"format": fmt, "encoding": name(other)}).to_string())
+        }
+        UnknownEncoding => Some(serde_json::json!({"format": fmt, "encoding": "bf16"}).to_string()),
+        UpperCase => Some(
+            serde_json::json!({"format": fmt, "encoding": name(encoding).to_uppercase()})
+                .to_string(),
+        ),
+        ExtraKey => Some(
+            serde_json::json!({"format": fmt, "encoding": name(encoding), "note": 1}).to_string(),
+        ),
+        OtherFormat => Some(
+            serde_json::json!({"format": "iota-partition/v1", "encoding": name(encoding)})
+                .to_string(),
+        ),
+        NotJson => Some("{format: iota-boundary/v1".to_owned()),
+        Missing => None,
+    };
+    let proper = match encoding {
+        WireEncoding::F32 => encode_boundary_f32(shape, values),
+        WireEncoding::Int8 => {
+            let q: Vec<i8> = values
+                .iter()
+                .map(|v| v.clamp(-127.0, 127.0) as i8)
+                .collect();
+            let rows = (shape[0] * shape[1]) as usize;
+            encode_boundary_i8(shape, &q, &vec![0.5; rows])
+        }
+    };
+    // Same tensors, metadata replaced.
+    let st = SafeTensors::deserialize(&proper).expect("own encoding");
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    let info = meta.map(|m| std::collections::HashMap::from([("iota".to_owned(), m)]));
+    safetensors::serialize(tensors, info).expect("serialise")
+}
+
+#[test]
+fn boundary_metadata_is_checked_as_the_format_says() {
+    // A boundary tensor without `encoding` passed the check as f32 while `iota-model`'s decoder
+    // refused it, so every consumer (and a validator's replay) failed on a stored upload.
+    proptest!(config("boundary_metadata_is_checked_as_the_format_says"), |(
+        shape in shape3(),
+        int8 in any::<bool>(),
+        how in boundary_meta(),
+        seed in any::<u64>(),
+    )| {
+        let encoding = if int8 { WireEncoding::Int8 } else { WireEncoding::F32 };
+        let n = shape.iter().product::<u64>() as usize;
+        let values: Vec<f32> = (0..n).map(|i| ((seed as f32) + i as f32).sin() * 100.0).collect();
+        let bytes = odd_boundary(shape, encoding, &values, how);
+        let spec = TensorSpec::Boundary { shape, encoding };
+        prop_assert_eq!(
+            check_tensor(&bytes, &spec).is_ok(),
+            how == BoundaryMeta::Proper || how == BoundaryMeta::ExtraKey,
+            "{:?}", how
+        );
+        for e in [WireEncoding::F32, WireEncoding::Int8] {
+            decoders_agree(&bytes, &TensorSpec::Boundary { shape, encoding: e })?;
+            decoders_agree(&bytes, &TensorSpec::Boundary { shape: [shape[0], 0, shape[2]], encoding: e })?;
+        }
+        decoders_agree(&bytes, &TensorSpec::Partition { len: n as u64 })?;
+    });
 }
 
 #[test]
@@ -346,11 +580,9 @@ fn crafted_headers_with_huge_sizes_are_refused() {
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(text.as_bytes());
         bytes.extend_from_slice(&payload);
-        let verdict = check_tensor(&bytes, &spec);
-        // Anything that passes must be a real, consistent tensor: its decode has the slot's length.
-        if verdict.is_ok() {
-            decoders_agree(&bytes, &spec)?;
-        }
+        // Anything that passes must be a real, consistent tensor, and whatever is refused is
+        // refused for a reason the format gives.
+        decoders_agree(&bytes, &spec)?;
     });
 }
 
@@ -393,7 +625,7 @@ fn damaged_encodings_never_panic_and_never_decode_wrong() {
             decoders_agree(&bytes, &TensorSpec::Merged { len })?;
         }
         for encoding in [WireEncoding::F32, WireEncoding::Int8] {
-            let _ = check_tensor(&bytes, &TensorSpec::Boundary { shape: [2, 3, 4], encoding });
+            decoders_agree(&bytes, &TensorSpec::Boundary { shape: [2, 3, 4], encoding })?;
         }
     });
 }
