@@ -15,7 +15,7 @@ use iota_protocol::ErrorCode;
 use iota_protocol::api::{
     Capacity, CompleteRequest, Direction, EpochStatus, MergeAssignment, Phase, RunConfig, WorkItem,
 };
-use iota_protocol::client::ApiClient;
+use iota_protocol::client::{ApiClient, ClientError};
 use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition, encode_partition};
 use tokio::sync::{oneshot, watch};
@@ -185,6 +185,12 @@ where
     .map_err(|e| MinerError::Internal(format!("compute task: {e}")))?
 }
 
+/// How often to say the miner is alive: three times per timeout, at most five times a second.
+/// Saturating: the timeout comes from the orchestrator.
+fn heartbeat_interval(timeout_s: u64) -> Duration {
+    (Duration::from_secs(timeout_s) / 3).max(Duration::from_millis(200))
+}
+
 fn is(e: &MinerError, code: ErrorCode) -> bool {
     matches!(e, MinerError::Api(c) if c.code() == Some(code))
 }
@@ -202,6 +208,8 @@ impl Node {
         let client = loop {
             match ApiClient::connect(&cfg.orchestrator_url, signer.clone(), cfg.retry).await {
                 Ok(c) => break c,
+                // Asking again gets the same run: not something to wait out.
+                Err(e @ ClientError::InvalidRun(_)) => return Err(e.into()),
                 Err(e) => {
                     attempt += 1;
                     tracing::warn!(url = %cfg.orchestrator_url, error = %e, attempt, "orchestrator unreachable; retrying");
@@ -213,8 +221,8 @@ impl Node {
                 }
             }
         };
-        let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
-        let run = info.config;
+        // Checked against the protocol's bounds: the run sizes what this miner allocates.
+        let run = client.run_info().await?.config;
         let model = run_model(&run)?;
         let device = cfg.device.clone();
         let measured = if let Some(t) = cfg.tokens_per_s {
@@ -246,7 +254,7 @@ impl Node {
         let stage = joined.stage;
         // From here on the orchestrator expects heartbeats, also while the trainer is built and
         // the weights load.
-        let heartbeat_every = Duration::from_millis((run.heartbeat_timeout_s * 1000 / 3).max(200));
+        let heartbeat_every = heartbeat_interval(run.heartbeat_timeout_s);
         let last_contact = LastContact::now();
         let pulse = Pulse::spawn(
             client.clone(),
@@ -769,5 +777,18 @@ impl Node {
             }
         };
         crate::merge::merged_partition(&self.run, &parts, weights, momentum, self.cfg.adversary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeats_follow_the_timeout_without_overflow() {
+        assert_eq!(heartbeat_interval(90), Duration::from_secs(30));
+        assert_eq!(heartbeat_interval(0), Duration::from_millis(200));
+        // `timeout * 1000` overflowed here before: a run saying u64::MAX must not panic.
+        assert!(heartbeat_interval(u64::MAX) > Duration::from_secs(u64::MAX / 4));
     }
 }

@@ -10,6 +10,9 @@ use crate::error::{ModelError, Result};
 /// Upper bound on `max_seq_len` accepted by [`ModelConfig::validate`].
 pub const MAX_SEQ_LEN: usize = 1 << 20;
 
+/// The largest model config file read (a config is a few hundred bytes of JSON).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 /// Llama-3.1 style RoPE frequency rescaling for long contexts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -183,9 +186,30 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// Read, parse and validate a JSON config file.
+    /// Read, parse and validate a JSON config file: a regular file of at most
+    /// [`MAX_CONFIG_BYTES`]. The name comes from a run the orchestrator serves unsigned, so
+    /// neither a device (`/dev/zero` never ends) nor a huge file is read.
     pub fn from_json_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        use std::io::Read as _;
+        let refuse = |why: String| ModelError::Config(format!("{}: {why}", path.display()));
+        // Checked before opening as well: opening a FIFO for reading blocks until a writer comes.
+        let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
+        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let meta = file.metadata().map_err(|e| ModelError::io(path, e))?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
+        // A file may grow after the size was read: never read past the bound either way.
+        let mut text = String::new();
+        file.take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| ModelError::io(path, e))?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(refuse(format!("larger than {MAX_CONFIG_BYTES} bytes")));
+        }
         Self::from_json_str(&text)
     }
 
@@ -438,6 +462,35 @@ mod tests {
         assert!(long.validate().is_err());
         let no_stage = c.clone().with_stages(vec![1, 0]).to_json().unwrap();
         assert!(ModelConfig::from_json_str(&no_stage).is_err());
+    }
+
+    #[test]
+    fn config_files_are_read_bounded() {
+        let dir = std::env::temp_dir().join(format!("iota-model-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("tiny.json");
+        std::fs::write(&good, ModelConfig::tiny().to_json().unwrap()).unwrap();
+        assert_eq!(
+            ModelConfig::load(good.to_str().unwrap()).unwrap(),
+            ModelConfig::tiny()
+        );
+        // A run may name any path: an endless device is refused without being read, …
+        #[cfg(unix)]
+        assert!(matches!(
+            ModelConfig::load("/dev/zero"),
+            Err(ModelError::Config(m)) if m.contains("not a regular file")
+        ));
+        // … a directory too, and a file over the bound whatever it holds.
+        assert!(ModelConfig::load(dir.to_str().unwrap()).is_err());
+        let big = dir.join("big.json");
+        let mut text = ModelConfig::tiny().to_json().unwrap();
+        text.push_str(&" ".repeat(MAX_CONFIG_BYTES as usize));
+        std::fs::write(&big, text).unwrap();
+        assert!(matches!(
+            ModelConfig::load(big.to_str().unwrap()),
+            Err(ModelError::Config(m)) if m.contains("larger than")
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -75,6 +75,33 @@ fn default_inner_steps_every() -> u32 {
     2
 }
 
+/// Upper bounds of a [`RunConfig`] that [`RunConfig::validate`] enforces. A run is served
+/// unsigned and sizes what every miner and validator allocates (a vector per partition, a
+/// boundary tensor per hop, a sample record per sample), so each bound is far above any real run
+/// and low enough that what a client sizes from it fits a machine.
+pub mod limits {
+    /// Pipeline stages (a subnet has at most a few thousand uids, one miner per stage at least).
+    pub const MAX_STAGES: u32 = 1024;
+    /// Parameters of one stage (2^40: a trillion).
+    pub const MAX_STAGE_PARAMS: u64 = 1 << 40;
+    /// Partitions per stage.
+    pub const MAX_PARTITIONS: u32 = 1 << 16;
+    /// Tokens per sample, `micro_batch · seq_len`.
+    pub const MAX_SAMPLE_TOKENS: u64 = 1 << 24;
+    /// Values of one boundary tensor, `micro_batch · seq_len · boundary_dim` (1 GiB as f32).
+    pub const MAX_BOUNDARY_VALUES: u64 = 1 << 28;
+    /// Samples per epoch (a validator reads a record of each).
+    pub const MAX_SAMPLES_PER_EPOCH: u64 = 1 << 20;
+    /// Samples one miner holds in flight (each holds a forward cache).
+    pub const MAX_IN_FLIGHT: u32 = 1 << 12;
+    /// Any duration of the run, in seconds (30 days): phases, leases, the heartbeat timeout.
+    pub const MAX_DURATION_S: u64 = 30 * 24 * 3600;
+    /// Gradient hops per inner step.
+    pub const MAX_INNER_STEPS_EVERY: u32 = 1 << 20;
+    /// Bytes of the run's and the model's names.
+    pub const MAX_NAME_BYTES: usize = 4096;
+}
+
 /// Held-out sequence ids start here: training samples never reach it (see
 /// [`RunConfig::sequence_ids`]).
 pub const HELD_OUT_BASE: u64 = 1 << 62;
@@ -155,6 +182,85 @@ impl RunConfig {
         }
         if self.inner_steps_every == 0 {
             return Err("inner_steps_every must be at least 1".into());
+        }
+        self.validate_bounds()
+    }
+
+    /// The upper bounds of [`limits`].
+    fn validate_bounds(&self) -> Result<(), String> {
+        use limits::*;
+        for (what, len) in [("name", self.name.len()), ("model", self.model.len())] {
+            if len > MAX_NAME_BYTES {
+                return Err(format!("{what} is {len} bytes, more than {MAX_NAME_BYTES}"));
+            }
+        }
+        if self.stages > MAX_STAGES {
+            return Err(format!("{} stages, more than {MAX_STAGES}", self.stages));
+        }
+        if let Some(big) = self.stage_params.iter().find(|p| **p > MAX_STAGE_PARAMS) {
+            return Err(format!(
+                "a stage of {big} parameters, more than {MAX_STAGE_PARAMS}"
+            ));
+        }
+        if self.partitions > MAX_PARTITIONS {
+            return Err(format!(
+                "{} partitions, more than {MAX_PARTITIONS}",
+                self.partitions
+            ));
+        }
+        let tokens = u64::from(self.micro_batch) * u64::from(self.seq_len);
+        if tokens > MAX_SAMPLE_TOKENS {
+            return Err(format!(
+                "micro_batch x seq_len is {tokens} tokens, more than {MAX_SAMPLE_TOKENS}"
+            ));
+        }
+        let values = tokens.saturating_mul(u64::from(self.boundary_dim));
+        if values > MAX_BOUNDARY_VALUES {
+            return Err(format!(
+                "a boundary tensor of {values} values, more than {MAX_BOUNDARY_VALUES}"
+            ));
+        }
+        if self.samples_per_epoch > MAX_SAMPLES_PER_EPOCH {
+            return Err(format!(
+                "{} samples per epoch, more than {MAX_SAMPLES_PER_EPOCH}",
+                self.samples_per_epoch
+            ));
+        }
+        if self.max_in_flight > MAX_IN_FLIGHT {
+            return Err(format!(
+                "max_in_flight {}, more than {MAX_IN_FLIGHT}",
+                self.max_in_flight
+            ));
+        }
+        for (what, s) in [
+            ("training_s", self.training_s),
+            ("uploading_s", self.uploading_s),
+            ("merging_s", self.merging_s),
+            ("merge_round_s", self.merge_round_s),
+            ("lease_s", self.lease_s),
+            ("heartbeat_timeout_s", self.heartbeat_timeout_s),
+        ] {
+            if s > MAX_DURATION_S {
+                return Err(format!("{what} {s}, more than {MAX_DURATION_S} seconds"));
+            }
+        }
+        if self.inner_steps_every > MAX_INNER_STEPS_EVERY {
+            return Err(format!(
+                "inner_steps_every {}, more than {MAX_INNER_STEPS_EVERY}",
+                self.inner_steps_every
+            ));
+        }
+        if !(self.outer_lr.is_finite() && self.outer_lr >= 0.0) {
+            return Err(format!(
+                "outer_lr {} must be finite and non-negative",
+                self.outer_lr
+            ));
+        }
+        if !(0.0..1.0).contains(&self.outer_momentum) {
+            return Err(format!(
+                "outer_momentum {} must be in [0, 1)",
+                self.outer_momentum
+            ));
         }
         Ok(())
     }
@@ -893,4 +999,96 @@ pub struct Health {
     pub status: String,
     /// Whether this process currently drives the epoch phases.
     pub leader: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> RunConfig {
+        RunConfig {
+            name: "t".into(),
+            model: "tiny".into(),
+            stages: 3,
+            stage_params: vec![1000, 1000, 1000],
+            partitions: 4,
+            micro_batch: 4,
+            seq_len: 64,
+            boundary_dim: 8,
+            wire: WireEncoding::Int8,
+            samples_per_epoch: 256,
+            max_in_flight: 8,
+            training_s: 600,
+            uploading_s: 120,
+            merging_s: 120,
+            merge_round_s: 60,
+            lease_s: 60,
+            heartbeat_timeout_s: 90,
+            retention_epochs: 3,
+            init_seed: 0,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            inner_lr: 3e-3,
+            inner_steps_every: 2,
+        }
+    }
+
+    /// Each change gives a run `validate` refuses, with a message naming `field`.
+    #[test]
+    fn validate_refuses_runs_a_client_cannot_size() {
+        assert_eq!(run().validate(), Ok(()));
+        type Change = Box<dyn Fn(&mut RunConfig)>;
+        let cases: Vec<(&str, Change)> = vec![
+            ("partitions", Box::new(|r| r.partitions = u32::MAX)),
+            (
+                "stages",
+                Box::new(|r| {
+                    r.stages = limits::MAX_STAGES + 1;
+                    r.stage_params = vec![1000; r.stages as usize];
+                }),
+            ),
+            ("parameters", Box::new(|r| r.stage_params[1] = u64::MAX)),
+            (
+                "seq_len",
+                Box::new(|r| {
+                    r.micro_batch = u32::MAX;
+                    r.seq_len = u32::MAX;
+                }),
+            ),
+            ("boundary tensor", Box::new(|r| r.boundary_dim = u32::MAX)),
+            (
+                "samples per epoch",
+                Box::new(|r| r.samples_per_epoch = u64::MAX),
+            ),
+            ("max_in_flight", Box::new(|r| r.max_in_flight = u32::MAX)),
+            (
+                "heartbeat_timeout_s",
+                Box::new(|r| r.heartbeat_timeout_s = u64::MAX),
+            ),
+            ("lease_s", Box::new(|r| r.lease_s = u64::MAX / 1000)),
+            ("training_s", Box::new(|r| r.training_s = u64::MAX)),
+            ("merge_round_s", Box::new(|r| r.merge_round_s = u64::MAX)),
+            (
+                "inner_steps_every",
+                Box::new(|r| r.inner_steps_every = u32::MAX),
+            ),
+            ("outer_lr", Box::new(|r| r.outer_lr = f64::NAN)),
+            ("outer_momentum", Box::new(|r| r.outer_momentum = 1.5)),
+            ("model", Box::new(|r| r.model = "x".repeat(1 << 20))),
+        ];
+        for (field, change) in cases {
+            let mut r = run();
+            change(&mut r);
+            let err = r.validate().expect_err(field);
+            assert!(err.contains(field), "{field}: {err}");
+        }
+        // The bounds themselves are valid: a run at every limit passes.
+        let mut r = run();
+        r.partitions = limits::MAX_PARTITIONS;
+        r.stage_params = vec![limits::MAX_STAGE_PARAMS; 3];
+        r.samples_per_epoch = limits::MAX_SAMPLES_PER_EPOCH;
+        r.heartbeat_timeout_s = limits::MAX_DURATION_S;
+        r.max_in_flight = limits::MAX_IN_FLIGHT;
+        assert_eq!(r.validate(), Ok(()));
+    }
 }

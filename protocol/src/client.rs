@@ -76,6 +76,10 @@ pub enum ClientError {
     /// A downloaded object failed its size or hash check.
     #[error("bad object: {0}")]
     BadObject(String),
+    /// The orchestrator describes a run no client should take part in (see
+    /// [`RunConfig::validate`]).
+    #[error("the orchestrator's run is invalid: {0}")]
+    InvalidRun(String),
 }
 
 impl ClientError {
@@ -109,6 +113,89 @@ fn is_retryable_status(status: StatusCode) -> bool {
     status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
 }
 
+/// The largest JSON answer read from the orchestrator. Its biggest answers are pages of hop
+/// records (a few hundred bytes each, 500 to a page) and an epoch record (a blob descriptor per
+/// pseudo-gradient and partition); 64 MiB is orders of magnitude above them and still a bound a
+/// misbehaving server cannot push a client's memory past.
+pub const MAX_RESPONSE_BYTES: u64 = 64 << 20;
+
+/// The most of an error body read: only its start is shown.
+const MAX_ERROR_BODY_BYTES: u64 = 64 << 10;
+
+/// How much of a response body may be read.
+#[derive(Clone, Copy, Debug)]
+enum BodyLimit {
+    /// A JSON answer: at most [`MAX_RESPONSE_BYTES`].
+    Json,
+    /// An error answer: at most [`MAX_ERROR_BODY_BYTES`].
+    ErrorBody,
+    /// An object whose descriptor gives its size: exactly this many bytes.
+    Exact(u64),
+}
+
+impl BodyLimit {
+    fn max(self) -> u64 {
+        match self {
+            Self::Json => MAX_RESPONSE_BYTES,
+            Self::ErrorBody => MAX_ERROR_BODY_BYTES,
+            Self::Exact(n) => n,
+        }
+    }
+
+    /// The error for a body over the limit (`declared`: its Content-Length, if that said so).
+    fn refusal(self, what: &str, declared: Option<u64>) -> ClientError {
+        let got = match declared {
+            Some(n) => format!("Content-Length {n}"),
+            None => "a longer body".to_owned(),
+        };
+        match self {
+            Self::Json | Self::ErrorBody => ClientError::Decode(format!(
+                "{what}: {got}, more than the {} bytes an answer may have",
+                self.max()
+            )),
+            Self::Exact(n) => {
+                ClientError::BadObject(format!("{what}: {got}, the descriptor says {n} bytes"))
+            }
+        }
+    }
+}
+
+/// Why a body was not read.
+enum BodyError {
+    /// Over the limit (or, for an exact one, announced at another length): refused without
+    /// reading the rest. The Content-Length, when that is what refused it.
+    Refused(Option<u64>),
+    /// The connection failed while reading.
+    Network(String),
+}
+
+/// Reads `resp`'s body as a stream, refusing it as soon as it would exceed `limit` (and before
+/// reading anything when its Content-Length says it will, or for an exact limit, that it will
+/// not be exactly that long): a server or store cannot make the client hold more than the limit.
+async fn read_body(resp: &mut reqwest::Response, limit: BodyLimit) -> Result<Bytes, BodyError> {
+    let max = limit.max();
+    let declared = resp.content_length();
+    match (declared, limit) {
+        (Some(n), BodyLimit::Exact(want)) if n != want => return Err(BodyError::Refused(Some(n))),
+        (Some(n), _) if n > max => return Err(BodyError::Refused(Some(n))),
+        _ => {}
+    }
+    // Never reserve more than a modest amount up front on a peer's say-so; the buffer grows.
+    let reserve = declared.unwrap_or(0).min(max).min(16 << 20) as usize;
+    let mut buf = bytes::BytesMut::with_capacity(reserve);
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| BodyError::Network(e.to_string()))?
+    {
+        if (buf.len() as u64).saturating_add(chunk.len() as u64) > max {
+            return Err(BodyError::Refused(None));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
 impl ApiClient {
     /// A client for the orchestrator at `base` (`http://host:port`) whose hotkey is
     /// `orchestrator_ss58`.
@@ -139,9 +226,18 @@ impl ApiClient {
         retry: RetryPolicy,
     ) -> Result<Self, ClientError> {
         let mut client = Self::new(base, signer, String::new(), retry)?;
-        let run: RunInfo = client.public_get("/v1/run").await?;
+        let run = client.run_info().await?;
         client.orchestrator = run.orchestrator_hotkey;
         Ok(client)
+    }
+
+    /// `GET /v1/run`, checked with [`RunConfig::validate`]: the run is unsigned and sizes what
+    /// miners and validators allocate, so one outside the protocol's bounds is refused here,
+    /// before anything is built from it.
+    pub async fn run_info(&self) -> Result<RunInfo, ClientError> {
+        let run: RunInfo = self.public_get("/v1/run").await?;
+        run.config.validate().map_err(ClientError::InvalidRun)?;
+        Ok(run)
     }
 
     /// The signer's address.
@@ -186,6 +282,7 @@ impl ApiClient {
                 body,
                 true,
                 "application/octet-stream",
+                BodyLimit::Json,
             )
             .await?;
         serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
@@ -199,7 +296,14 @@ impl ApiClient {
         signed: bool,
     ) -> Result<T, ClientError> {
         let bytes = self
-            .request_bytes(method, path_and_query, body, signed, "application/json")
+            .request_bytes(
+                method,
+                path_and_query,
+                body,
+                signed,
+                "application/json",
+                BodyLimit::Json,
+            )
             .await?;
         serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
     }
@@ -211,6 +315,7 @@ impl ApiClient {
         body: Option<Bytes>,
         signed: bool,
         content_type: &'static str,
+        limit: BodyLimit,
     ) -> Result<Bytes, ClientError> {
         let url = format!("{}{}", self.base, path_and_query);
         let mut last_error = ClientError::Network("no attempt made".into());
@@ -241,18 +346,31 @@ impl ApiClient {
                     .body(raw);
             }
             match req.send().await {
-                Ok(resp) => {
+                Ok(mut resp) => {
                     let status = resp.status();
                     let retry_after = resp
                         .headers()
                         .get(reqwest::header::RETRY_AFTER)
                         .and_then(|v| v.to_str().ok())
                         .and_then(|v| v.parse::<u64>().ok());
-                    let bytes = match resp.bytes().await {
+                    let limit = if status.is_success() {
+                        limit
+                    } else {
+                        BodyLimit::ErrorBody
+                    };
+                    let bytes = match read_body(&mut resp, limit).await {
                         Ok(b) => b,
-                        Err(e) => {
-                            last_error = ClientError::Network(e.to_string());
+                        Err(BodyError::Network(e)) => {
+                            last_error = ClientError::Network(e);
                             continue;
+                        }
+                        // Only its start is shown, so an error body's size does not matter.
+                        Err(BodyError::Refused(_)) if !status.is_success() => Bytes::from(format!(
+                            "(an error body over {MAX_ERROR_BODY_BYTES} bytes)"
+                        )),
+                        // Not a transient failure: the same answer would come again.
+                        Err(BodyError::Refused(declared)) => {
+                            return Err(limit.refusal(path_and_query, declared));
                         }
                     };
                     if status.is_success() {
@@ -386,26 +504,45 @@ impl ApiClient {
         .await
     }
 
-    /// Downloads a blob (presigned URL or the orchestrator) and checks its size and hash.
+    /// Downloads a blob (presigned URL or the orchestrator) and checks its size and hash. The
+    /// body is read as a stream and refused as soon as it is longer than the descriptor's size
+    /// (or its Content-Length says it is not that size): whoever can write the object cannot
+    /// make a consumer hold more than the descriptor promised. An object the store does not
+    /// have is [`ClientError::Api`] with status 404 and [`ErrorCode::NotFound`], however it is
+    /// served.
     pub async fn download(&self, blob: &BlobDescriptor) -> Result<Bytes, ClientError> {
+        let limit = BodyLimit::Exact(blob.size);
         let bytes = match &blob.url {
             Some(url) => {
-                let resp = self
+                let mut resp = self
                     .http
                     .get(url)
                     .send()
                     .await
                     .map_err(|e| ClientError::Network(e.to_string()))?;
-                if !resp.status().is_success() {
+                let status = resp.status();
+                if status == StatusCode::NOT_FOUND {
+                    return Err(ClientError::Api {
+                        status: status.as_u16(),
+                        error: ApiError::new(
+                            ErrorCode::NotFound,
+                            format!("the store has no object {}", blob.key),
+                        ),
+                    });
+                }
+                if !status.is_success() {
                     return Err(ClientError::Network(format!(
-                        "store answered {} for {}",
-                        resp.status(),
+                        "store answered {status} for {}",
                         blob.key
                     )));
                 }
-                resp.bytes()
-                    .await
-                    .map_err(|e| ClientError::Network(e.to_string()))?
+                match read_body(&mut resp, limit).await {
+                    Ok(b) => b,
+                    Err(BodyError::Network(e)) => return Err(ClientError::Network(e)),
+                    Err(BodyError::Refused(declared)) => {
+                        return Err(limit.refusal(&blob.key, declared));
+                    }
+                }
             }
             None => {
                 self.request_bytes(
@@ -414,6 +551,7 @@ impl ApiClient {
                     None,
                     true,
                     "application/octet-stream",
+                    limit,
                 )
                 .await?
             }

@@ -1,0 +1,297 @@
+//! What the client reads from a server it does not control: a blob is never read past the size
+//! its descriptor gives, a JSON answer never past `MAX_RESPONSE_BYTES`, and a run outside the
+//! protocol's bounds is refused before anyone sizes anything from it.
+//!
+//! The servers are hand-written on a `TcpListener`, so a test controls every header and byte: the
+//! endless bodies below would make a client that reads the whole body first hang until its
+//! timeout (and then fail with a network error, not the refusal these tests expect).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use iota_protocol::api::{RunConfig, RunInfo};
+use iota_protocol::blob::blake3_hex;
+use iota_protocol::client::MAX_RESPONSE_BYTES;
+use iota_protocol::{ApiClient, BlobDescriptor, BlobDtype, ClientError, ErrorCode, RetryPolicy};
+use iota_protocol::{RequestSigner, WireEncoding};
+use sp_core::Pair as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the server sends after the status line and headers.
+#[derive(Clone)]
+enum Body {
+    /// These bytes, then the connection closes.
+    Bytes(Vec<u8>),
+    /// Zeros until the client hangs up.
+    Endless,
+}
+
+/// One canned answer: status, extra headers, body.
+#[derive(Clone)]
+struct Answer {
+    status: &'static str,
+    headers: Vec<String>,
+    body: Body,
+}
+
+impl Answer {
+    fn ok(headers: Vec<String>, body: Body) -> Self {
+        Self {
+            status: "200 OK",
+            headers,
+            body,
+        }
+    }
+}
+
+/// Serves `answer(path)` to every request on a fresh port; returns `http://127.0.0.1:port`.
+async fn serve(answer: impl Fn(&str) -> Answer + Send + Sync + 'static) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let answer = Arc::new(answer);
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let _ = respond(conn, answer.as_ref()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+async fn respond(
+    mut conn: TcpStream,
+    answer: &(dyn Fn(&str) -> Answer + Send + Sync),
+) -> std::io::Result<()> {
+    // The request head, up to the blank line (no request here has a body).
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if conn.read(&mut byte).await? == 0 {
+            return Ok(());
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+    let a = answer(&path);
+    let mut out = format!("HTTP/1.1 {}\r\nConnection: close\r\n", a.status);
+    for h in &a.headers {
+        out.push_str(h);
+        out.push_str("\r\n");
+    }
+    out.push_str("\r\n");
+    conn.write_all(out.as_bytes()).await?;
+    match a.body {
+        Body::Bytes(b) => conn.write_all(&b).await?,
+        Body::Endless => {
+            let chunk = vec![0u8; 64 << 10];
+            loop {
+                conn.write_all(&chunk).await?;
+            }
+        }
+    }
+    conn.shutdown().await
+}
+
+fn signer() -> Arc<dyn RequestSigner> {
+    Arc::new(sp_core::sr25519::Pair::from_seed(&[7; 32]))
+}
+
+/// One attempt, and a timeout far above what a refusal takes: a client that kept reading an
+/// endless body would fail with a network error instead.
+fn retry() -> RetryPolicy {
+    RetryPolicy {
+        attempts: 1,
+        base: Duration::from_millis(10),
+        max: Duration::from_millis(10),
+        timeout: Duration::from_secs(30),
+    }
+}
+
+fn client(base: &str) -> ApiClient {
+    ApiClient::new(base, signer(), "orchestrator", retry()).expect("client")
+}
+
+/// A descriptor of `content`, served at `url` (presigned) or by the orchestrator (`None`).
+fn blob(content: &[u8], url: Option<String>) -> BlobDescriptor {
+    BlobDescriptor {
+        key: "runs/1/epoch-0/samples/1/out".into(),
+        size: content.len() as u64,
+        dtype: BlobDtype::F32,
+        shape: vec![content.len() as u64 / 4],
+        blake3: blake3_hex(content),
+        url,
+    }
+}
+
+fn assert_bad_object(r: Result<bytes::Bytes, ClientError>, what: &str) {
+    match r {
+        Err(ClientError::BadObject(m)) => assert!(m.contains("descriptor says"), "{what}: {m}"),
+        other => panic!("{what}: expected a bad-object refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_blob_is_never_read_past_its_descriptor() {
+    let content = vec![1u8; 64];
+    let good = content.clone();
+    let base = serve(move |path| match path {
+        // Honest, with and without Content-Length.
+        "/good" => Answer::ok(
+            vec![format!("Content-Length: {}", good.len())],
+            Body::Bytes(good.clone()),
+        ),
+        "/good-unsized" => Answer::ok(vec![], Body::Bytes(good.clone())),
+        // Overwritten with an endless object, its length not announced.
+        "/endless" => Answer::ok(vec![], Body::Endless),
+        // Announces far more than the descriptor (and would send it).
+        "/huge" => Answer::ok(
+            vec![format!("Content-Length: {}", 1u64 << 40)],
+            Body::Endless,
+        ),
+        // Announces less than the descriptor.
+        "/short" => Answer::ok(vec!["Content-Length: 8".into()], Body::Bytes(vec![1u8; 8])),
+        // More bytes than announced and described: a chunked body of twice the size.
+        "/chunked" => {
+            let mut body = format!("{:x}\r\n", 2 * 64).into_bytes();
+            body.extend_from_slice(&[1u8; 128]);
+            body.extend_from_slice(b"\r\n0\r\n\r\n");
+            Answer::ok(vec!["Transfer-Encoding: chunked".into()], Body::Bytes(body))
+        }
+        "/gone" => Answer {
+            status: "404 Not Found",
+            headers: vec!["Content-Length: 0".into()],
+            body: Body::Bytes(Vec::new()),
+        },
+        // The orchestrator's own blob route, endless.
+        p if p.starts_with("/v1/blobs/") => Answer::ok(vec![], Body::Endless),
+        _ => Answer {
+            status: "500 Internal Server Error",
+            headers: vec![],
+            body: Body::Bytes(Vec::new()),
+        },
+    })
+    .await;
+    let c = client(&base);
+    let at = |p: &str| Some(format!("{base}{p}"));
+
+    for p in ["/good", "/good-unsized"] {
+        let got = c.download(&blob(&content, at(p))).await.expect(p);
+        assert_eq!(&got[..], &content[..], "{p}");
+    }
+    for p in ["/endless", "/huge", "/short", "/chunked"] {
+        assert_bad_object(c.download(&blob(&content, at(p))).await, p);
+    }
+    // Through the orchestrator (no presigned URL), the same bound.
+    assert_bad_object(c.download(&blob(&content, None)).await, "orchestrator");
+    // An object the store does not have reads as the orchestrator's 404 does.
+    match c.download(&blob(&content, at("/gone"))).await {
+        Err(e @ ClientError::Api { status: 404, .. }) => {
+            assert_eq!(e.code(), Some(ErrorCode::NotFound))
+        }
+        other => panic!("missing object: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_json_answer_is_never_read_past_the_limit() {
+    let base = serve(|path| match path {
+        "/v1/status" => Answer::ok(vec![], Body::Endless),
+        _ => Answer::ok(
+            vec![
+                format!("Content-Length: {}", MAX_RESPONSE_BYTES + 1),
+                "Content-Type: application/json".into(),
+            ],
+            Body::Endless,
+        ),
+    })
+    .await;
+    let c = client(&base);
+    for (what, r) in [
+        ("unannounced", c.status().await.map(|_| ())),
+        ("announced", c.merges().await.map(|_| ())),
+    ] {
+        match r {
+            Err(ClientError::Decode(m)) => {
+                assert!(m.contains(&MAX_RESPONSE_BYTES.to_string()), "{what}: {m}")
+            }
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        }
+    }
+}
+
+fn run() -> RunConfig {
+    RunConfig {
+        name: "t".into(),
+        model: "tiny".into(),
+        stages: 3,
+        stage_params: vec![1000, 1000, 1000],
+        partitions: 2,
+        micro_batch: 4,
+        seq_len: 64,
+        boundary_dim: 8,
+        wire: WireEncoding::Int8,
+        samples_per_epoch: 48,
+        max_in_flight: 4,
+        training_s: 90,
+        uploading_s: 30,
+        merging_s: 30,
+        merge_round_s: 10,
+        lease_s: 10,
+        heartbeat_timeout_s: 6,
+        retention_epochs: 3,
+        init_seed: 0,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+        inner_lr: 3e-3,
+        inner_steps_every: 2,
+    }
+}
+
+#[tokio::test]
+async fn a_run_outside_the_bounds_is_refused_on_connect() {
+    let serve_run = |config: RunConfig| {
+        let body = serde_json::to_vec(&RunInfo {
+            id: 1,
+            config,
+            orchestrator_hotkey: "orchestrator".into(),
+            netuid: 9,
+            created_ms: 0,
+        })
+        .expect("json");
+        serve(move |_| {
+            Answer::ok(
+                vec![
+                    format!("Content-Length: {}", body.len()),
+                    "Content-Type: application/json".into(),
+                ],
+                Body::Bytes(body.clone()),
+            )
+        })
+    };
+    let base = serve_run(run()).await;
+    ApiClient::connect(&base, signer(), retry())
+        .await
+        .expect("a valid run");
+    let mut huge = run();
+    huge.partitions = u32::MAX;
+    huge.stage_params = vec![u64::from(u32::MAX); 3];
+    let mut overflowing = run();
+    overflowing.heartbeat_timeout_s = u64::MAX;
+    for (what, bad) in [("partitions", huge), ("heartbeat_timeout_s", overflowing)] {
+        let base = serve_run(bad).await;
+        match ApiClient::connect(&base, signer(), retry()).await {
+            Err(ClientError::InvalidRun(m)) => assert!(m.contains(what), "{m}"),
+            Err(e) => panic!("{what}: {e}"),
+            Ok(_) => panic!("{what}: accepted"),
+        }
+        let c = client(&base);
+        assert!(matches!(
+            c.run_info().await,
+            Err(ClientError::InvalidRun(_))
+        ));
+    }
+}
