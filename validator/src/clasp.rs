@@ -118,7 +118,16 @@ pub enum ClaspError {
     /// The system could not be solved (a non-positive ridge with unidentifiable effects).
     #[error("the normal equations are singular; use a positive ridge")]
     Singular,
+    /// More distinct miners than a fit takes ([`MAX_MINERS`]).
+    #[error("more than {0} distinct miners on the pathways")]
+    TooManyMiners(usize),
 }
+
+/// The most distinct miners one fit takes. The fit holds a `(1 + M)²` Gram matrix of f64 and
+/// the solver a few copies of it; a subnet has at most a few thousand uids (256 by default), so
+/// 4096 miners (a 134 MB matrix) bounds what a sample list from the orchestrator can make the
+/// validator allocate without refusing any real subnet.
+pub const MAX_MINERS: usize = 4096;
 
 /// Accumulates samples, then fits.
 pub struct Clasp {
@@ -135,7 +144,8 @@ pub struct Clasp {
 
 impl Clasp {
     /// A fit over miners `0..miner_stage.len()`, miner `i` serving stage `miner_stage[i]` of
-    /// `stages`.
+    /// `stages`. Memory is quadratic in the miners: callers with untrusted input bound them
+    /// first ([`fit_samples`] refuses more than [`MAX_MINERS`]).
     pub fn new(stages: usize, miner_stage: Vec<u32>) -> Self {
         let dim = 1 + miner_stage.len();
         Self {
@@ -468,6 +478,16 @@ pub fn fit_samples(
     samples: &[iota_protocol::api::SampleRecord],
     cfg: &ClaspConfig,
 ) -> Result<HotkeyEffects, ClaspError> {
+    fit_samples_of_at_most(stages, samples, cfg, MAX_MINERS)
+}
+
+/// [`fit_samples`], refusing more than `max_miners` distinct hotkeys.
+fn fit_samples_of_at_most(
+    stages: usize,
+    samples: &[iota_protocol::api::SampleRecord],
+    cfg: &ClaspConfig,
+    max_miners: usize,
+) -> Result<HotkeyEffects, ClaspError> {
     let usable = || {
         samples
             .iter()
@@ -487,6 +507,10 @@ pub fn fit_samples(
                     });
                 }
                 Some(_) => {}
+                // Counted before anything is sized from them.
+                None if hotkeys.len() >= max_miners => {
+                    return Err(ClaspError::TooManyMiners(max_miners));
+                }
                 None => {
                     index.insert(h, hotkeys.len() as u32);
                     hotkeys.push(h.clone());
@@ -559,5 +583,34 @@ mod record_tests {
         // A hotkey at two stages is refused rather than silently merged.
         samples[0].pathway = vec!["a0".into(), "a0".into()];
         assert!(fit_samples(2, &samples, &ClaspConfig::default()).is_err());
+    }
+
+    #[test]
+    fn too_many_distinct_miners_are_refused_before_the_fit_is_sized() {
+        // Two stages of three miners, every pairing once (a fit needs a few samples each).
+        let mut samples: Vec<SampleRecord> = (0..60)
+            .map(|i| SampleRecord {
+                sample_id: i,
+                epoch: 0,
+                status: "done".into(),
+                pathway: vec![format!("a{}", i % 3), format!("b{}", (i / 3) % 3)],
+                loss: Some(3.0 + (i % 7) as f64 * 0.01),
+                sequence_losses: None,
+            })
+            .collect();
+        let cfg = ClaspConfig::default();
+        let fitted = fit_samples_of_at_most(2, &samples, &cfg, 6).expect("at the bound");
+        assert_eq!(fitted.hotkeys.len(), 6);
+        // One more distinct hotkey: refused (100k of them asked for an 80 GB Gram matrix).
+        samples[5].pathway[1] = "b-new".into();
+        assert_eq!(
+            fit_samples_of_at_most(2, &samples, &cfg, 6),
+            Err(ClaspError::TooManyMiners(6))
+        );
+        // The service's bound is the documented one.
+        assert_eq!(
+            fit_samples(2, &samples, &cfg).map(|f| f.hotkeys.len()),
+            Ok(7)
+        );
     }
 }

@@ -27,6 +27,19 @@ pub enum ValidatorError {
     /// An object from the orchestrator is malformed.
     #[error("bad object: {0}")]
     BadObject(String),
+    /// The orchestrator answered outside the protocol (a page cursor that does not advance,
+    /// more records than an epoch can have).
+    #[error("orchestrator answer refused: {0}")]
+    BadAnswer(String),
+    /// The epoch can no longer be checked: its objects (or records) are gone, collected while
+    /// this validator lagged behind the run. The service skips it.
+    #[error("epoch {epoch} cannot be scored any more: {reason}")]
+    EpochGone {
+        /// The epoch.
+        epoch: u64,
+        /// What is gone.
+        reason: String,
+    },
     /// Bad configuration.
     #[error("configuration: {0}")]
     Config(String),

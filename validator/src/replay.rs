@@ -145,7 +145,31 @@ pub fn replay_miner(
         let mut ok = true;
         match (&out.bytes, &hop.output) {
             (Some(mine), Some(theirs)) => {
-                let c = compare(&boundary(theirs)?, &boundary(mine)?)?;
+                // The miner's claim is the miner's problem: one that does not decode fails this
+                // hop (and so the replay), it does not stop the epoch's scoring.
+                let theirs = match boundary(theirs) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        report.failed_hops.push(hop.task_id);
+                        report.reason.get_or_insert(format!(
+                            "task {}: claimed output unreadable: {e}",
+                            hop.task_id
+                        ));
+                        continue;
+                    }
+                };
+                let c = match compare(&theirs, &boundary(mine)?) {
+                    Ok(c) => c,
+                    // Another shape than the replay's output.
+                    Err(e) => {
+                        report.failed_hops.push(hop.task_id);
+                        report.reason.get_or_insert(format!(
+                            "task {}: claimed output does not match the replay's: {e}",
+                            hop.task_id
+                        ));
+                        continue;
+                    }
+                };
                 note(&mut report, &c);
                 ok &= c.cosine >= t.min_cosine && c.relative_error <= t.max_relative_error;
             }
@@ -176,7 +200,17 @@ pub fn replay_miner(
     trainer.finish_training()?;
     for (j, claimed) in claimed_pg {
         let mine = trainer.pseudo_gradient(*j)?;
-        let c = compare(claimed, &mine)?;
+        let c = match compare(claimed, &mine) {
+            Ok(c) => c,
+            // A claim of another length than the partition fails the miner, not the epoch.
+            Err(e) => {
+                report.passed = false;
+                report
+                    .reason
+                    .get_or_insert(format!("pseudo-gradient partition {j}: {e}"));
+                continue;
+            }
+        };
         report.pseudo_gradient_partitions += 1;
         report.pseudo_gradient_cosine = report.pseudo_gradient_cosine.min(c.cosine);
         report.pseudo_gradient_relative_error =
@@ -191,4 +225,68 @@ pub fn replay_miner(
     report.passed &= report.failed_hops.is_empty();
     report.compute_s = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iota_protocol::tensor::{WireEncoding, encode_boundary_f32};
+
+    /// Two stage-0 forward hops of an honest miner, as recorded.
+    fn honest_hops(run: &RunConfig) -> Vec<RecordedHop> {
+        let mut miner = StageTrainer::new(run.clone(), 0, StageOptions::cpu(), usize::MAX, None, 0)
+            .expect("trainer");
+        miner.begin_epoch(0).expect("epoch");
+        (0..2)
+            .map(|i| {
+                let out = miner.forward(i, None).expect("forward");
+                RecordedHop {
+                    task_id: 10 + i,
+                    sample_id: i,
+                    direction: Direction::Forward,
+                    input: None,
+                    output: out.bytes,
+                    sequence_losses: None,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_unreadable_claim_fails_the_hop_not_the_replay() {
+        let mut run = iota_miner::eval::local_tiny_run("replay-test", 4).expect("run");
+        run.wire = WireEncoding::F32;
+        let start = vec![None; run.partitions as usize];
+        let t = ReplayThresholds::default();
+        let honest = honest_hops(&run);
+        let report = replay_miner(&run, 0, 0, &start, &honest, &[], &t).expect("replay");
+        assert!(report.passed, "{report:?}");
+
+        let shape = run.boundary_shape();
+        let n = shape.iter().product::<u64>() as usize;
+        let other_shape = [shape[0], shape[1], shape[2] + 1];
+        for (what, claim) in [
+            ("garbage", b"not a tensor".to_vec()),
+            ("truncated", {
+                let mut good = encode_boundary_f32(shape, &vec![0.5; n]);
+                good.truncate(good.len() - 1);
+                good
+            }),
+            (
+                "wrong shape",
+                encode_boundary_f32(other_shape, &vec![0.5; n + n / shape[2] as usize]),
+            ),
+        ] {
+            let mut hops = honest.clone();
+            hops[1].output = Some(claim);
+            let report = replay_miner(&run, 0, 0, &start, &hops, &[], &t)
+                .unwrap_or_else(|e| panic!("{what}: the replay failed as a whole: {e}"));
+            assert!(!report.passed, "{what}: {report:?}");
+            assert_eq!(report.failed_hops, vec![11], "{what}");
+        }
+        // A pseudo-gradient claim of another length fails the miner too.
+        let report =
+            replay_miner(&run, 0, 0, &start, &honest, &[(0, vec![1.0; 3])], &t).expect("replay");
+        assert!(!report.passed);
+    }
 }

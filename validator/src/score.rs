@@ -131,6 +131,7 @@ pub fn failures(checks: &[CheckRow]) -> HashMap<String, String> {
             "replay" => format!("replay: {}", text("reason")),
             "merge" => format!("merge {} is not the average", c.target),
             "pseudo_gradient" => format!("bad pseudo-gradient: {}", text("error")),
+            "object" => format!("bad object ({}): {}", c.target, text("error")),
             other => format!("{other} check failed"),
         };
         out.entry(c.hotkey.clone()).or_insert(why);

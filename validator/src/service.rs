@@ -2,7 +2,7 @@
 //! the work was done, replay and re-derive it, fit CLASP on every sample, store the scores, then
 //! set weights on chain from the database; settle the orchestrator's merge disputes as they come.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use iota_chain::set_weights::{WeightOptions, WeightsOutcome, convert_as_given, w
 use iota_chain::wallet::Keypair;
 use iota_chain::{Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
+use iota_protocol::api::limits::MAX_SAMPLES_PER_EPOCH;
 use iota_protocol::api::{
     Direction, EpochRecord, HopRecord, PartitionState, RunConfig, SampleRecord, SpotCheckReport,
     SpotCheckResult,
@@ -18,6 +19,7 @@ use iota_protocol::api::{
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition};
+use iota_protocol::{ClientError, ErrorCode};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
@@ -159,6 +161,118 @@ fn pick<T: Clone>(items: &[T], n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T>
     items.choose_multiple(rng, n).cloned().collect()
 }
 
+/// The most sample records read for one epoch: an epoch starts at most the run's
+/// `samples_per_epoch`, which a valid run keeps at or below this.
+pub const MAX_SAMPLE_RECORDS: usize = MAX_SAMPLES_PER_EPOCH as usize;
+
+/// The most hop records scanned for one epoch (only those of the miners replayed are kept): a
+/// sample makes two hops per stage and a few more when leases lapse, so this is far above any
+/// real epoch, and it bounds how long an orchestrator can keep a validator paging.
+pub const MAX_HOP_RECORDS: usize = 1 << 24;
+
+/// Reads the pages `fetch(after)` returns (records, next cursor) into `keep`, starting after 0.
+/// A page that names a next cursor must hold records and move the cursor strictly forward, and
+/// at most `max_records` records are read in all: an orchestrator cannot keep the validator
+/// paging (or growing what it keeps) for ever.
+pub(crate) async fn read_pages<T, F, Fut>(
+    what: &str,
+    max_records: usize,
+    mut fetch: F,
+    mut keep: impl FnMut(T),
+) -> Result<(), ValidatorError>
+where
+    F: FnMut(i64) -> Fut,
+    Fut: Future<Output = Result<(Vec<T>, Option<i64>), ValidatorError>>,
+{
+    let mut after = 0i64;
+    let mut read = 0usize;
+    loop {
+        let (records, next) = fetch(after).await?;
+        read = read.saturating_add(records.len());
+        if read > max_records {
+            return Err(ValidatorError::BadAnswer(format!(
+                "{what}: more than {max_records} records"
+            )));
+        }
+        let empty = records.is_empty();
+        records.into_iter().for_each(&mut keep);
+        match next {
+            None => return Ok(()),
+            Some(n) if n > after && !empty => after = n,
+            Some(n) => {
+                return Err(ValidatorError::BadAnswer(format!(
+                    "{what}: the page after {after} names {n} as the next (records: {})",
+                    if empty { "none" } else { "some" }
+                )));
+            }
+        }
+    }
+}
+
+/// Whether the orchestrator may have collected objects that checking `epoch` needs by the time
+/// the run is in `current`. It deletes the objects of epochs before `current -
+/// retention_epochs` (at least one epoch is kept), merged weights too unless they are still a
+/// partition's latest; a replay of `epoch` needs its objects and the weights merged at the end
+/// of the epoch before.
+pub fn objects_collected(epoch: u64, current: u64, retention_epochs: u64) -> bool {
+    epoch
+        .saturating_sub(1)
+        .saturating_add(retention_epochs.max(1))
+        < current
+}
+
+/// Why an object could not be used.
+#[derive(Clone, Debug)]
+enum Fault {
+    /// The store does not have it (deleted by its producer, or collected).
+    Missing(String),
+    /// Not the bytes its descriptor names, or they do not decode.
+    Bad(String),
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Missing(m) | Self::Bad(m) => f.write_str(m),
+        }
+    }
+}
+
+/// What one scoring pass learned about objects it could not use: the failed checks against
+/// their producers (each object blamed once) and whether any was missing from the store.
+#[derive(Default)]
+struct Objects {
+    checks: Vec<SpotCheckResult>,
+    blamed: HashSet<String>,
+    missing: bool,
+}
+
+impl Objects {
+    /// Notes `fault` of `blob`, and fails `producer`'s check `kind` on `target` for it.
+    fn blame(
+        &mut self,
+        producer: Option<&str>,
+        kind: &str,
+        target: String,
+        blob: &BlobDescriptor,
+        fault: &Fault,
+    ) {
+        self.missing |= matches!(fault, Fault::Missing(_));
+        tracing::warn!(key = %blob.key, producer, error = %fault, "object unusable");
+        let Some(producer) = producer else { return };
+        if !self.blamed.insert(blob.key.clone()) {
+            return;
+        }
+        self.checks.push(SpotCheckResult {
+            hotkey: producer.to_owned(),
+            kind: kind.to_owned(),
+            target,
+            passed: false,
+            detail: serde_json::json!({ "key": blob.key, "error": fault.to_string() }).to_string(),
+        });
+    }
+}
+
 impl Validator {
     /// Connects to the orchestrator, the chain and the database. An unreachable orchestrator is
     /// not an error: the validator starts without it (and copies consensus weights, see
@@ -202,7 +316,8 @@ impl Validator {
                 let signer: Arc<dyn RequestSigner> = Arc::new(HotkeySigner(self.hotkey.clone()));
                 let client =
                     ApiClient::connect(&self.cfg.orchestrator_url, signer, self.cfg.retry).await?;
-                let info: iota_protocol::api::RunInfo = client.public_get("/v1/run").await?;
+                // Checked: the run sizes what the validator allocates.
+                let info = client.run_info().await?;
                 Ok(Online {
                     client,
                     run_id: info.id,
@@ -243,27 +358,35 @@ impl Validator {
         Ok((o.run_id, &o.run))
     }
 
-    async fn download_all<T>(
-        &self,
-        blobs: impl IntoIterator<Item = (T, BlobDescriptor)>,
-    ) -> Result<Vec<(T, Vec<u8>)>, ValidatorError> {
+    /// An object's bytes; `Ok(Err(fault))` when its producer is to blame for not having them
+    /// (other failures, such as an unreachable orchestrator, are errors: the epoch is retried).
+    async fn fetch(&self, blob: &BlobDescriptor) -> Result<Result<Vec<u8>, Fault>, ValidatorError> {
         let o = self.online().await?;
-        let mut out = Vec::new();
-        for (k, b) in blobs {
-            out.push((k, o.client.download(&b).await?.to_vec()));
+        match o.client.download(blob).await {
+            Ok(b) => Ok(Ok(b.to_vec())),
+            Err(e @ ClientError::BadObject(_)) => Ok(Err(Fault::Bad(e.to_string()))),
+            Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                Ok(Err(Fault::Missing(e.to_string())))
+            }
+            Err(e) => Err(e.into()),
         }
-        Ok(out)
     }
 
+    /// The weights and momentum `stage` started `record`'s epoch with, per partition (`None`:
+    /// never merged). `None` when one of them cannot be used: nothing that depends on them can
+    /// be checked (merged objects are not blamed on anyone, since both owners of a merge
+    /// submit the same bytes).
     async fn start_weights(
         &self,
         record: &EpochRecord,
         stage: u32,
-    ) -> Result<Vec<Option<(Vec<f32>, Vec<f32>)>>, ValidatorError> {
+        objects: &mut Objects,
+    ) -> Result<Option<Vec<Option<(Vec<f32>, Vec<f32>)>>>, ValidatorError> {
         let o = self.online().await?;
+        // A valid run bounds the partitions (`RunConfig::validate`).
         let mut out = vec![None; o.run.partitions as usize];
         let Some(sw) = record.start_weights.iter().find(|w| w.stage == stage) else {
-            return Ok(out);
+            return Ok(Some(out));
         };
         for (j, blob) in sw.partitions.iter().enumerate() {
             let (Some(blob), Some(slot)) = (blob, out.get_mut(j)) else {
@@ -274,28 +397,65 @@ impl Validator {
                 .partition_range(stage, j as u32)
                 .map(|r| r.end - r.start)
                 .unwrap_or(0);
-            let bytes = o.client.download(blob).await?;
-            *slot = Some(
-                decode_merged(&bytes, len).map_err(|e| ValidatorError::BadObject(e.to_string()))?,
-            );
+            let decoded = match self.fetch(blob).await? {
+                Ok(bytes) => decode_merged(&bytes, len).map_err(|e| Fault::Bad(e.to_string())),
+                Err(f) => Err(f),
+            };
+            match decoded {
+                Ok(v) => *slot = Some(v),
+                Err(f) => {
+                    objects.blame(None, "object", format!("{stage}/{j}"), blob, &f);
+                    return Ok(None);
+                }
+            }
         }
+        Ok(Some(out))
+    }
+
+    /// The hop records of `epoch` whose task ids are in `wanted`.
+    async fn all_hops(
+        &self,
+        epoch: u64,
+        wanted: &HashSet<i64>,
+    ) -> Result<HashMap<i64, HopRecord>, ValidatorError> {
+        let o = self.online().await?;
+        let mut out = HashMap::new();
+        read_pages(
+            "hop records",
+            MAX_HOP_RECORDS,
+            |after| async move {
+                let page = o.client.hops(epoch, after, 500).await?;
+                Ok((page.hops, page.next_after))
+            },
+            |h: HopRecord| {
+                if wanted.contains(&h.task_id) {
+                    out.insert(h.task_id, h);
+                }
+            },
+        )
+        .await?;
         Ok(out)
     }
 
-    async fn all_hops(&self, epoch: u64) -> Result<HashMap<i64, HopRecord>, ValidatorError> {
+    /// The miner whose hop of `epoch` produced the object `key`.
+    async fn producer_of(&self, epoch: u64, key: &str) -> Result<Option<String>, ValidatorError> {
         let o = self.online().await?;
-        let mut out = HashMap::new();
-        let mut after = 0;
-        loop {
-            let page = o.client.hops(epoch, after, 500).await?;
-            for h in page.hops {
-                out.insert(h.task_id, h);
-            }
-            match page.next_after {
-                Some(a) => after = a,
-                None => return Ok(out),
-            }
-        }
+        let mut found = None;
+        read_pages(
+            "hop records",
+            MAX_HOP_RECORDS,
+            |after| async move {
+                let page = o.client.hops(epoch, after, 500).await?;
+                Ok((page.hops, page.next_after))
+            },
+            |h: HopRecord| {
+                if h.output.as_ref().is_some_and(|b| b.key == key) {
+                    found = Some(h.miner);
+                }
+            },
+        )
+        .await?;
+        Ok(found)
     }
 
     pub(crate) async fn all_samples(
@@ -304,15 +464,17 @@ impl Validator {
     ) -> Result<Vec<SampleRecord>, ValidatorError> {
         let o = self.online().await?;
         let mut out = Vec::new();
-        let mut after = 0;
-        loop {
-            let page = o.client.samples(epoch, after, 1000).await?;
-            out.extend(page.samples);
-            match page.next_after {
-                Some(a) => after = a,
-                None => return Ok(out),
-            }
-        }
+        read_pages(
+            "sample records",
+            MAX_SAMPLE_RECORDS,
+            |after| async move {
+                let page = o.client.samples(epoch, after, 1000).await?;
+                Ok((page.samples, page.next_after))
+            },
+            |s| out.push(s),
+        )
+        .await?;
+        Ok(out)
     }
 
     /// A block produced after the epoch's uploads closed: the next block from now (called once
@@ -338,7 +500,19 @@ impl Validator {
     /// Verifies and scores a finished epoch, and stores the result (once per epoch).
     pub async fn score_epoch(&self, epoch: u64) -> Result<EpochOutcome, ValidatorError> {
         let o = self.online().await?;
-        let record = o.client.epoch_record(epoch).await?;
+        let gone = |reason: String| ValidatorError::EpochGone { epoch, reason };
+        let current = o.client.status().await?.epoch;
+        if objects_collected(epoch, current, o.run.retention_epochs) {
+            return Err(gone(format!(
+                "the run is in epoch {current} and keeps {} epochs of objects",
+                o.run.retention_epochs
+            )));
+        }
+        let record = match o.client.epoch_record(epoch).await {
+            Ok(r) => r,
+            Err(e) if e.code() == Some(ErrorCode::NotFound) => return Err(gone(e.to_string())),
+            Err(e) => return Err(e.into()),
+        };
         if record.phase.is_some() {
             return Err(ValidatorError::Config(format!(
                 "epoch {epoch} has not finished"
@@ -351,38 +525,102 @@ impl Validator {
         tracing::info!(epoch, seed = %seed_hex, seed_block, "spot-check draw");
         let mut rng = rand::rngs::StdRng::from_seed(seed);
         let mut checks: Vec<SpotCheckResult> = Vec::new();
+        // Objects that cannot be used fail their producer's check; they never stop the epoch.
+        let mut objects = Objects::default();
 
         // Replays.
         let tasks = o.client.spot_checks(epoch).await?;
         let chosen = pick(&tasks.miners, self.cfg.replays_per_epoch, &mut rng);
-        let (hops, samples) = if chosen.is_empty() {
-            (HashMap::new(), self.all_samples(epoch).await?)
+        let wanted: HashSet<i64> = chosen
+            .iter()
+            .flat_map(|c| c.hop_task_ids.iter().copied())
+            .collect();
+        let hops = if chosen.is_empty() {
+            HashMap::new()
         } else {
-            (self.all_hops(epoch).await?, self.all_samples(epoch).await?)
+            self.all_hops(epoch, &wanted).await?
         };
+        let samples = self.all_samples(epoch).await?;
         let losses: HashMap<i64, Vec<f64>> = samples
             .iter()
             .filter_map(|s| s.sequence_losses.clone().map(|l| (s.sample_id, l)))
             .collect();
         let last = o.run.stages.saturating_sub(1);
         for cand in &chosen {
-            let start: Vec<Option<Vec<f32>>> = self
-                .start_weights(&record, cand.stage)
-                .await?
-                .into_iter()
-                .map(|p| p.map(|(v, _)| v))
-                .collect();
+            // Its pseudo-gradient first: what it uploaded is checked even when the replay
+            // cannot run.
+            let mut claimed_pg = Vec::new();
+            for pg in record
+                .pseudo_gradients
+                .iter()
+                .filter(|p| p.hotkey == cand.hotkey)
+            {
+                let j = pg.partition;
+                let len = o
+                    .run
+                    .partition_range(cand.stage, j)
+                    .map(|r| r.end - r.start)
+                    .unwrap_or(0);
+                let decoded = match self.fetch(&pg.blob).await? {
+                    Ok(bytes) => {
+                        decode_partition(&bytes, len).map_err(|e| Fault::Bad(e.to_string()))
+                    }
+                    Err(f) => Err(f),
+                };
+                match decoded {
+                    Ok(v) => claimed_pg.push((j, v)),
+                    // Recorded as a check of its own, so the penalty can be re-derived from the
+                    // database (the audit does).
+                    Err(f) => objects.blame(
+                        Some(&cand.hotkey),
+                        "pseudo_gradient",
+                        format!("{}/{j}", cand.stage),
+                        &pg.blob,
+                        &f,
+                    ),
+                }
+            }
             let mut recorded = Vec::new();
             let mut miner_compute_ms = 0u64;
+            // An input nobody can read leaves the replay without what the miner computed from:
+            // its producer is blamed and this miner's replay is inconclusive.
+            let mut replayable = true;
             for id in &cand.hop_task_ids {
                 let Some(h) = hops.get(id) else { continue };
                 miner_compute_ms += h.compute_ms.unwrap_or(0);
                 let input = match &h.input {
-                    Some(b) => Some(o.client.download(b).await?.to_vec()),
+                    Some(b) => match self.fetch(b).await? {
+                        Ok(bytes) => Some(bytes),
+                        Err(f) => {
+                            let producer = self.producer_of(epoch, &b.key).await?;
+                            objects.blame(
+                                producer.as_deref(),
+                                "object",
+                                format!("input of task {}", h.task_id),
+                                b,
+                                &f,
+                            );
+                            replayable = false;
+                            break;
+                        }
+                    },
                     None => None,
                 };
+                // A claimed output nobody can read fails its hop in the replay, and the miner.
                 let output = match &h.output {
-                    Some(b) => Some(o.client.download(b).await?.to_vec()),
+                    Some(b) => match self.fetch(b).await? {
+                        Ok(bytes) => Some(bytes),
+                        Err(f) => {
+                            objects.blame(
+                                Some(&h.miner),
+                                "object",
+                                format!("output of task {}", h.task_id),
+                                b,
+                                &f,
+                            );
+                            None
+                        }
+                    },
                     None => None,
                 };
                 let last_forward = h.stage == last && h.direction == Direction::Forward;
@@ -399,31 +637,19 @@ impl Validator {
                     },
                 });
             }
-            let pg_blobs = record
-                .pseudo_gradients
-                .iter()
-                .filter(|p| p.hotkey == cand.hotkey)
-                .map(|p| (p.partition, p.blob.clone()));
-            let mut claimed_pg = Vec::new();
-            for (j, bytes) in self.download_all(pg_blobs).await? {
-                let len = o
-                    .run
-                    .partition_range(cand.stage, j)
-                    .map(|r| r.end - r.start)
-                    .unwrap_or(0);
-                match decode_partition(&bytes, len) {
-                    Ok(v) => claimed_pg.push((j, v)),
-                    // Recorded as a check of its own, so the penalty can be re-derived from the
-                    // database (the audit does).
-                    Err(e) => checks.push(SpotCheckResult {
-                        hotkey: cand.hotkey.clone(),
-                        kind: "pseudo_gradient".into(),
-                        target: format!("{}/{j}", cand.stage),
-                        passed: false,
-                        detail: serde_json::json!({ "error": e.to_string() }).to_string(),
-                    }),
+            let start = match self
+                .start_weights(&record, cand.stage, &mut objects)
+                .await?
+            {
+                Some(s) if replayable => s,
+                _ => {
+                    tracing::warn!(epoch, miner = %cand.hotkey,
+                        "replay skipped: an object it needs cannot be used");
+                    continue;
                 }
-            }
+            };
+            let start: Vec<Option<Vec<f32>>> =
+                start.into_iter().map(|p| p.map(|(v, _)| v)).collect();
             let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
             let report = tokio::task::spawn_blocking(move || {
                 replay_miner(&run, stage, epoch, &start, &recorded, &claimed_pg, &t)
@@ -445,7 +671,8 @@ impl Validator {
             });
         }
 
-        // Merges: every owner's submitted hash against the recomputation.
+        // Merges: every owner's submitted hash against the recomputation (none when an object
+        // the recomputation needs cannot be used: its producer is blamed instead).
         let accepted: Vec<_> = record
             .partitions
             .iter()
@@ -453,7 +680,12 @@ impl Validator {
             .cloned()
             .collect();
         for p in pick(&accepted, self.cfg.merges_per_epoch, &mut rng) {
-            let hash = self.recompute(&record, p.stage, p.partition).await?;
+            let Some(hash) = self
+                .recompute(&record, p.stage, p.partition, &mut objects)
+                .await?
+            else {
+                continue;
+            };
             for r in &p.results {
                 let passed = r.blake3 == hash;
                 checks.push(SpotCheckResult {
@@ -466,6 +698,16 @@ impl Validator {
                 });
             }
         }
+        // An object missing because the epoch was collected meanwhile is nobody's fault.
+        if objects.missing {
+            let current = o.client.status().await?.epoch;
+            if objects_collected(epoch, current, o.run.retention_epochs) {
+                return Err(gone(format!(
+                    "its objects were collected while it was scored (the run is in epoch {current})"
+                )));
+            }
+        }
+        checks.append(&mut objects.checks);
 
         // CLASP over every finished sample.
         let fit = fit_epoch(epoch, o.run.stages, &samples, &self.cfg.clasp);
@@ -517,13 +759,15 @@ impl Validator {
         })
     }
 
-    /// The honest merge hash of a partition of a finished or merging epoch.
+    /// The honest merge hash of a partition of a finished or merging epoch; `None` when an
+    /// object it needs cannot be used (noted in `objects`, a contribution blamed on its miner).
     async fn recompute(
         &self,
         record: &EpochRecord,
         stage: u32,
         partition: u32,
-    ) -> Result<String, ValidatorError> {
+        objects: &mut Objects,
+    ) -> Result<Option<String>, ValidatorError> {
         let o = self.online().await?;
         let len = o
             .run
@@ -531,29 +775,44 @@ impl Validator {
             .map(|r| r.end - r.start)
             .unwrap_or(0);
         let mut contributions = Vec::new();
+        let mut complete = true;
         for pg in record
             .pseudo_gradients
             .iter()
             .filter(|p| p.stage == stage && p.partition == partition)
         {
-            let bytes = o.client.download(&pg.blob).await?;
-            let values = decode_partition(&bytes, len)
-                .map_err(|e| ValidatorError::BadObject(e.to_string()))?;
-            contributions.push((pg.hotkey.clone(), pg.weight, values));
+            let decoded = match self.fetch(&pg.blob).await? {
+                Ok(bytes) => decode_partition(&bytes, len).map_err(|e| Fault::Bad(e.to_string())),
+                Err(f) => Err(f),
+            };
+            match decoded {
+                Ok(values) => contributions.push((pg.hotkey.clone(), pg.weight, values)),
+                Err(f) => {
+                    objects.blame(
+                        Some(&pg.hotkey),
+                        "pseudo_gradient",
+                        format!("{stage}/{partition}"),
+                        &pg.blob,
+                        &f,
+                    );
+                    complete = false;
+                }
+            }
         }
-        let base = self
-            .start_weights(record, stage)
-            .await?
-            .into_iter()
-            .nth(partition as usize)
-            .flatten();
+        let Some(start) = self.start_weights(record, stage, objects).await? else {
+            return Ok(None);
+        };
+        if !complete {
+            return Ok(None);
+        }
+        let base = start.into_iter().nth(partition as usize).flatten();
         let run = o.run.clone();
         let (_, hash) = tokio::task::spawn_blocking(move || {
             recompute_merge(&run, stage, partition, contributions, base)
         })
         .await
         .map_err(|e| ValidatorError::Config(format!("merge task: {e}")))??;
-        Ok(hash)
+        Ok(Some(hash))
     }
 
     /// Settles the orchestrator's open disputes with recomputed hashes.
@@ -566,9 +825,22 @@ impl Validator {
             }
             let epoch = d.partition.epoch;
             let record = o.client.epoch_record(epoch).await?;
-            let hash = self
-                .recompute(&record, d.partition.stage, d.partition.partition)
-                .await?;
+            let Some(hash) = self
+                .recompute(
+                    &record,
+                    d.partition.stage,
+                    d.partition.partition,
+                    &mut Objects::default(),
+                )
+                .await?
+            else {
+                tracing::warn!(
+                    dispute = d.id,
+                    epoch,
+                    "cannot recompute: an object it needs cannot be used"
+                );
+                continue;
+            };
             match o.client.settle(d.id, &hash).await {
                 Ok(_) => {
                     settled += 1;
@@ -827,8 +1099,15 @@ impl Validator {
             if self.store.is_scored(o.run_id, epoch).await? {
                 continue;
             }
-            self.score_epoch(epoch).await?;
-            scored.push(epoch);
+            // An epoch that can no longer be checked is passed over, not retried for ever: the
+            // epochs after it are scored (and weights set) as usual.
+            match self.score_epoch(epoch).await {
+                Ok(_) => scored.push(epoch),
+                Err(e @ ValidatorError::EpochGone { .. }) => {
+                    tracing::warn!(epoch, error = %e, "epoch skipped");
+                }
+                Err(e) => return Err(e),
+            }
         }
         if self.cfg.set_weights && !scored.is_empty() {
             match self.submit_weights().await {
@@ -887,6 +1166,77 @@ mod tests {
         assert!(!orchestrator_unreachable(&ValidatorError::Config(
             "x".into()
         )));
+    }
+
+    /// Reads pages from `next(after)` (records, next cursor) with a bound of `max` records;
+    /// returns what was kept and how many pages were asked for.
+    async fn pages(
+        max: usize,
+        next: impl Fn(i64) -> (Vec<i64>, Option<i64>),
+    ) -> (Result<(), ValidatorError>, Vec<i64>, usize) {
+        let mut kept = Vec::new();
+        let asked = std::cell::Cell::new(0usize);
+        let r = read_pages(
+            "test records",
+            max,
+            |after| {
+                asked.set(asked.get() + 1);
+                let page = next(after);
+                async move { Ok(page) }
+            },
+            |x| kept.push(x),
+        )
+        .await;
+        (r, kept, asked.get())
+    }
+
+    #[tokio::test]
+    async fn paging_follows_only_advancing_cursors_and_stops_at_the_bound() {
+        // Honest: pages of two until the end.
+        let (r, kept, _) = pages(100, |after| {
+            let recs: Vec<i64> = (after + 1..=(after + 2).min(7)).collect();
+            let next = (after + 2 < 7).then(|| after + 2);
+            (recs, next)
+        })
+        .await;
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(kept, (1..=7).collect::<Vec<_>>());
+        // A cursor that stays or goes back, and a page without records that names a next one,
+        // are refused at once instead of looping for ever.
+        for (what, step) in [("same", 0), ("back", -1)] {
+            let (r, _, asked) =
+                pages(100, move |after| (vec![after + 1], Some(after + step))).await;
+            assert!(
+                matches!(r, Err(ValidatorError::BadAnswer(_))),
+                "{what}: {r:?}"
+            );
+            assert!(asked <= 2, "{what}: {asked} pages");
+        }
+        let (r, _, asked) = pages(100, |after| (Vec::new(), Some(after + 1))).await;
+        assert!(matches!(r, Err(ValidatorError::BadAnswer(_))), "{r:?}");
+        assert_eq!(asked, 1);
+        // An endless but advancing sequence stops at the record bound.
+        let (r, kept, _) = pages(50, |after| (vec![after + 1; 10], Some(after + 10))).await;
+        assert!(matches!(r, Err(ValidatorError::BadAnswer(m)) if m.contains("more than 50")));
+        assert!(kept.len() <= 50);
+    }
+
+    #[test]
+    fn collected_epochs_follow_the_retention() {
+        // In epoch 6 with 3 kept, the orchestrator has deleted epochs 0 to 2: epoch 3 started
+        // from weights merged in epoch 2, so 4 and 5 can be checked and 3 no longer.
+        assert!(!objects_collected(5, 6, 3));
+        assert!(!objects_collected(4, 6, 3));
+        assert!(objects_collected(3, 6, 3));
+        // With one epoch kept, an epoch's start weights go as soon as it ends.
+        assert!(objects_collected(5, 6, 1));
+        assert!(!objects_collected(5, 5, 1));
+        // Epoch 0 starts from the seed: only its own objects count. A retention of 0 keeps
+        // one epoch, as the orchestrator does.
+        assert!(!objects_collected(0, 1, 1));
+        assert!(objects_collected(0, 2, 1));
+        assert!(objects_collected(0, 2, 0));
+        assert!(!objects_collected(u64::MAX - 1, u64::MAX, u64::MAX));
     }
 
     #[test]

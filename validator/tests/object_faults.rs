@@ -1,0 +1,189 @@
+//! One object of one miner that no longer checks out (overwritten in the store) or is gone
+//! (deleted) must not stop a validator: the epoch is scored, the producer of the object is the
+//! one that fails, the others are scored as usual. And epochs whose objects the orchestrator
+//! has collected while the validator was away are passed over, not retried for ever.
+//!
+//! A real run: localnet, PostgreSQL, orchestrator with a local store, one `tiny` miner per
+//! stage, then a validator that joins late. Needs `DATABASE_URL` (scripts/test.sh starts
+//! PostgreSQL).
+
+#[path = "../../miner/tests/support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use iota_chain::wallet::Keypair;
+use iota_chain::{ConnectOptions, Subtensor};
+use iota_protocol::api::{Direction, Phase};
+use iota_protocol::{ApiClient, RetryPolicy};
+use iota_validator::service::objects_collected;
+use iota_validator::store::CheckRow;
+use iota_validator::{Store, Validator, ValidatorConfig};
+use support::*;
+
+const MINERS: [u8; 3] = [61, 62, 63];
+const VALIDATOR: u8 = 69;
+/// Epochs of objects the orchestrator keeps.
+const RETENTION: u64 = 3;
+/// The run is at least here before the validator starts, so that epoch 0 is collected.
+const EPOCHS: u64 = RETENTION + 1;
+const SAMPLES: u64 = 8;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let ticking = async {
+        // The localnet seals blocks on demand: the validator's draw waits for a new one.
+        loop {
+            chain.net.produce_blocks(1);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let body = async {
+        let db = fresh_db().await;
+        let store_dir = tempfile::tempdir().expect("store");
+        let mut run = tiny_run("object-faults", SAMPLES);
+        run.retention_epochs = RETENTION;
+        // Once the miners stop, an epoch whose samples have not all started stays in training
+        // far longer than the validator takes.
+        run.training_s = 1800;
+        let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
+        let client = explorer(&orch.base, MINERS[0]).await;
+        let mut miners = Vec::new();
+        for s in MINERS {
+            let mut cfg = miner_config(&orch.base);
+            cfg.tokens_per_s = Some(1000.0);
+            cfg.seed = u64::from(s);
+            miners.push(iota_miner::spawn(cfg, signer(s)));
+        }
+        wait_epoch(&client, EPOCHS, Duration::from_secs(600)).await;
+        for m in miners {
+            let _ = m.stop().await;
+        }
+        // Wait for the run to stall: in training, with samples nobody will start.
+        let current = eventually("the run to stall", Duration::from_secs(300), || async {
+            let st = client.status().await.ok()?;
+            (st.phase == Phase::Training && st.samples_started < SAMPLES).then_some(st.epoch)
+        })
+        .await;
+
+        // The latest finished epoch the miners completed: a stage-1 forward output and a
+        // stage-2 pseudo-gradient to spoil.
+        let reader = ApiClient::connect(&orch.base, signer(VALIDATOR), RetryPolicy::default())
+            .await
+            .expect("validator client");
+        let mut target = None;
+        for epoch in (0..current).rev() {
+            if objects_collected(epoch, current, RETENTION) {
+                break;
+            }
+            let record = reader.epoch_record(epoch).await.expect("record");
+            let hops = reader.hops(epoch, 0, 500).await.expect("hops").hops;
+            let output = hops.iter().find(|h| {
+                h.stage == 1
+                    && h.direction == Direction::Forward
+                    && h.status == "done"
+                    && h.output.is_some()
+            });
+            let pg = record.pseudo_gradients.iter().find(|p| p.stage == 2);
+            if let (Some(h), Some(pg)) = (output, pg)
+                && record.miners.iter().any(|m| m.stage == 0)
+            {
+                target = Some((epoch, record.clone(), h.clone(), pg.clone()));
+                break;
+            }
+        }
+        let (epoch, record, hop, pg) = target.expect("a complete epoch to spoil");
+        let output = hop.output.clone().expect("output");
+        std::fs::write(store_dir.path().join(&output.key), b"overwritten").expect("overwrite");
+        std::fs::remove_file(store_dir.path().join(&pg.blob.key)).expect("delete");
+        let stage0 = record
+            .miners
+            .iter()
+            .find(|m| m.stage == 0)
+            .expect("stage 0")
+            .hotkey
+            .clone();
+        eprintln!(
+            "epoch {epoch} (run in {current}): {} overwritten ({}), {} deleted ({})",
+            output.key, hop.miner, pg.blob.key, pg.hotkey
+        );
+
+        let vdb = fresh_db().await;
+        let store = Store::connect(&vdb).await.expect("validator db");
+        let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+            .await
+            .expect("chain");
+        let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
+        cfg.replays_per_epoch = 0;
+        cfg.merges_per_epoch = 0;
+        cfg.set_weights = false;
+        cfg.tx = tx();
+        let v = Validator::connect(
+            cfg,
+            Keypair::from_seed([VALIDATOR; 32]),
+            vchain,
+            store.clone(),
+        )
+        .await
+        .expect("validator");
+        let scored = v
+            .step()
+            .await
+            .expect("a bad object does not stop the validator");
+        // Epoch 0's objects are gone: skipped. The epochs that can be checked are scored.
+        assert!(objects_collected(0, current, RETENTION));
+        let checkable: Vec<u64> = (0..current)
+            .filter(|e| !objects_collected(*e, current, RETENTION))
+            .collect();
+        assert_eq!(scored, checkable, "run in epoch {current}");
+        assert!(scored.contains(&epoch));
+
+        let (run_id, _) = v.run_info().await.expect("run");
+        let checks = store.checks(run_id, epoch).await.expect("checks");
+        eprintln!("{checks:#?}");
+        let failed = |hotkey: &str| -> Vec<&CheckRow> {
+            checks
+                .iter()
+                .filter(|c| c.hotkey == hotkey && !c.passed)
+                .collect()
+        };
+        let names =
+            |c: &CheckRow, key: &str| c.detail.get("key").and_then(|k| k.as_str()) == Some(key);
+        // The overwritten output fails the miner that produced it…
+        assert!(
+            failed(&hop.miner)
+                .iter()
+                .any(|c| c.kind == "object" && names(c, &output.key)),
+            "{checks:?}"
+        );
+        // …the deleted pseudo-gradient the miner that uploaded it…
+        assert!(
+            failed(&pg.hotkey)
+                .iter()
+                .any(|c| c.kind == "pseudo_gradient" && names(c, &pg.blob.key)),
+            "{checks:?}"
+        );
+        // …and nobody else fails for them.
+        assert!(failed(&stage0).is_empty(), "{checks:?}");
+        let scores = store
+            .scores_between(run_id, epoch, epoch)
+            .await
+            .expect("scores");
+        let of = |h: &str| scores.iter().find(|s| s.hotkey == h).expect("a score");
+        assert!(of(&stage0).score > 0.0, "{scores:?}");
+        for cheat in [&hop.miner, &pg.hotkey] {
+            assert_eq!(of(cheat).quality, 0.0, "{scores:?}");
+            assert!(of(cheat).penalty.is_some(), "{scores:?}");
+        }
+        // Nothing is retried: a second pass has nothing left to score.
+        assert_eq!(v.step().await.expect("second step"), Vec::<u64>::new());
+
+        orch.stop().await;
+    };
+    tokio::select! {
+        _ = ticking => unreachable!("the ticker never ends"),
+        _ = body => {}
+    }
+}
