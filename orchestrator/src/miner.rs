@@ -1459,24 +1459,45 @@ async fn already_accepted_pg(
     partition: u32,
     blake3: &str,
 ) -> ApiResult<Option<BlobDescriptor>> {
-    let row: Option<(serde_json::Value, String)> = sqlx::query_as(
-        "SELECT blob, blake3 FROM pseudo_gradients
-         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND miner = $5",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(&caller.ss58)
-    .fetch_optional(&app.db)
-    .await?;
+    let slot = (epoch, stage, partition);
+    already_recorded(app, SealedIn::PseudoGradients, &caller.ss58, slot, blake3).await
+}
+
+/// The object `who` has recorded in `table` for this slot if it has this hash (a retried
+/// submission, answered from the record), or a conflict if it has another; `None` if none yet.
+async fn already_recorded(
+    app: &App,
+    table: SealedIn,
+    who: &str,
+    (epoch, stage, partition): (u64, u32, u32),
+    blake3: &str,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let (sql, conflict) = match table {
+        SealedIn::PseudoGradients => (
+            "SELECT blob, blake3 FROM pseudo_gradients
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND miner = $5",
+            "a different pseudo-gradient was already accepted for this partition",
+        ),
+        SealedIn::MergeResults => (
+            "SELECT blob, blake3 FROM merge_results
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
+            "you already submitted a different result for this partition",
+        ),
+    };
+    let row: Option<(serde_json::Value, String)> = sqlx::query_as(sql)
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .bind(who)
+        .fetch_optional(&app.db)
+        .await?;
     match row {
         None => Ok(None),
-        Some((blob, hash)) if hash == blake3 => Ok(serde_json::from_value(blob).ok()),
-        Some(_) => Err(AppError::new(
-            ErrorCode::Conflict,
-            "a different pseudo-gradient was already accepted for this partition",
-        )),
+        Some((blob, hash)) if hash == blake3 => serde_json::from_value(blob)
+            .map(Some)
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string())),
+        Some(_) => Err(AppError::new(ErrorCode::Conflict, conflict)),
     }
 }
 
@@ -1747,30 +1768,10 @@ pub(crate) async fn upload_merge_as(
 async fn already_merged(
     app: &App,
     who: &str,
-    (epoch, stage, partition): (u64, u32, u32),
+    slot: (u64, u32, u32),
     blake3: &str,
 ) -> ApiResult<Option<BlobDescriptor>> {
-    let row: Option<(serde_json::Value, String)> = sqlx::query_as(
-        "SELECT blob, blake3 FROM merge_results
-         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(who)
-    .fetch_optional(&app.db)
-    .await?;
-    match row {
-        None => Ok(None),
-        Some((blob, hash)) if hash == blake3 => serde_json::from_value(blob)
-            .map(Some)
-            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string())),
-        Some(_) => Err(AppError::new(
-            ErrorCode::Conflict,
-            "you already submitted a different result for this partition",
-        )),
-    }
+    already_recorded(app, SealedIn::MergeResults, who, slot, blake3).await
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign`.

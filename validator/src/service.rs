@@ -412,48 +412,49 @@ impl Validator {
         Ok(Some(out))
     }
 
+    /// Hands every hop record of `epoch` to `each`, page by page (at most [`MAX_HOP_RECORDS`]).
+    async fn each_hop(
+        &self,
+        epoch: u64,
+        each: impl FnMut(HopRecord),
+    ) -> Result<(), ValidatorError> {
+        let o = self.online().await?;
+        read_pages(
+            "hop records",
+            MAX_HOP_RECORDS,
+            |after| async move {
+                let page = o.client.hops(epoch, after, 500).await?;
+                Ok((page.hops, page.next_after))
+            },
+            each,
+        )
+        .await
+    }
+
     /// The hop records of `epoch` whose task ids are in `wanted`.
     async fn all_hops(
         &self,
         epoch: u64,
         wanted: &HashSet<i64>,
     ) -> Result<HashMap<i64, HopRecord>, ValidatorError> {
-        let o = self.online().await?;
         let mut out = HashMap::new();
-        read_pages(
-            "hop records",
-            MAX_HOP_RECORDS,
-            |after| async move {
-                let page = o.client.hops(epoch, after, 500).await?;
-                Ok((page.hops, page.next_after))
-            },
-            |h: HopRecord| {
-                if wanted.contains(&h.task_id) {
-                    out.insert(h.task_id, h);
-                }
-            },
-        )
+        self.each_hop(epoch, |h| {
+            if wanted.contains(&h.task_id) {
+                out.insert(h.task_id, h);
+            }
+        })
         .await?;
         Ok(out)
     }
 
     /// The miner whose hop of `epoch` produced the object `key`.
     async fn producer_of(&self, epoch: u64, key: &str) -> Result<Option<String>, ValidatorError> {
-        let o = self.online().await?;
         let mut found = None;
-        read_pages(
-            "hop records",
-            MAX_HOP_RECORDS,
-            |after| async move {
-                let page = o.client.hops(epoch, after, 500).await?;
-                Ok((page.hops, page.next_after))
-            },
-            |h: HopRecord| {
-                if h.output.as_ref().is_some_and(|b| b.key == key) {
-                    found = Some(h.miner);
-                }
-            },
-        )
+        self.each_hop(epoch, |h| {
+            if h.output.as_ref().is_some_and(|b| b.key == key) {
+                found = Some(h.miner);
+            }
+        })
         .await?;
         Ok(found)
     }
