@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::chunked::ChunkedStore;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::signer::Signer;
@@ -95,6 +96,9 @@ impl From<object_store::Error> for StoreError {
     }
 }
 
+/// Bytes per chunk when an object from a local directory is streamed.
+const STREAM_CHUNK_BYTES: usize = 1 << 20;
+
 /// The blob store.
 #[derive(Clone, Debug)]
 pub struct BlobStore {
@@ -174,7 +178,16 @@ impl BlobStore {
         &self,
         key: &str,
     ) -> Result<(u64, BoxStream<'static, Result<Bytes, StoreError>>), StoreError> {
-        let result = self.inner.get(&Self::path(key)?).await?;
+        let path = Self::path(key)?;
+        let result = if self.signer.is_none() {
+            // A local file streams in 8 KiB reads by default, each a blocking task: that cut
+            // the load benchmark's activation downloads from about 1,400 to 575 MB/s.
+            ChunkedStore::new(self.inner.clone(), STREAM_CHUNK_BYTES)
+                .get(&path)
+                .await?
+        } else {
+            self.inner.get(&path).await?
+        };
         let size = result.meta.size;
         Ok((size, result.into_stream().map_err(StoreError::from).boxed()))
     }
