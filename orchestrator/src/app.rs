@@ -222,7 +222,8 @@ impl From<sqlx::Error> for AppError {
 impl From<StoreError> for AppError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::NotFound(k) => Self::new(ErrorCode::NotFound, format!("no object {k}")),
+            // Not echoed: a local store names the object by its path on this machine.
+            StoreError::NotFound(_) => Self::new(ErrorCode::NotFound, "no such object"),
             StoreError::BadKey(k) => Self::new(ErrorCode::BadRequest, format!("bad key {k:?}")),
             StoreError::Backend(m) => Self::new(ErrorCode::Internal, format!("store: {m}")),
             e @ StoreError::TooLarge { .. } => Self::new(ErrorCode::InvalidTensor, e.to_string()),

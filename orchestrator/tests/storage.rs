@@ -467,3 +467,142 @@ async fn next_hop(miner: &ApiClient, what: &str) -> WorkItem {
     })
     .await
 }
+
+/// The epoch a run object's key names (`runs/{run}/epoch-{e}/…`).
+fn epoch_of(key: &str) -> Option<u64> {
+    key.split('/')
+        .find_map(|part| part.strip_prefix("epoch-"))
+        .and_then(|e| e.parse().ok())
+}
+
+/// Garbage collection keeps each partition's latest accepted merge, however old its epoch: once
+/// the miners stop, later epochs merge nothing, and the weights of the last merged epoch must
+/// outlive that epoch's collection (everything else of it goes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_latest_weights_outlive_their_epoch() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = StoreConfig::Local(dir.path().into());
+    let mut run = run_config("gc-latest");
+    run.samples_per_epoch = 4;
+    run.training_s = 3;
+    run.uploading_s = 2;
+    run.merging_s = 2;
+    run.merge_round_s = 1;
+    run.retention_epochs = 1;
+    let mut config = config(&chain, &db, dir.path(), run.clone());
+    config.store = store.clone();
+    config.tick = Duration::from_millis(50);
+    config.max_merge_rounds = 1;
+    let blobs = BlobStore::open(&store).expect("open store");
+    let orch = start(config).await;
+
+    // Simulated miners train and merge until every stage has merged weights.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut sims = Vec::new();
+    for (i, seed) in MINERS.into_iter().enumerate() {
+        let base = orch.base.clone();
+        let stop = stop.clone();
+        sims.push(tokio::spawn(async move {
+            let mut miner =
+                iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
+                    .await
+                    .expect("sim join");
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = miner.step().await {
+                    tracing::warn!(error = %e, "simulated miner step failed");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    let reader = ApiClient::new(
+        orch.base.clone(),
+        signer(MINERS[0]),
+        iota_protocol::signing::RequestSigner::ss58(&pair(200)),
+        iota_protocol::RetryPolicy::default(),
+    )
+    .expect("client");
+    let merged = |reader: &ApiClient| {
+        let reader = reader.clone();
+        let stages = run.stages;
+        async move {
+            let mut all = Vec::new();
+            for stage in 0..stages {
+                let weights = reader.stage_weights(stage).await.ok()?;
+                if weights.partitions.iter().any(Option::is_none) {
+                    return None;
+                }
+                all.extend(weights.partitions.into_iter().flatten());
+            }
+            Some(all)
+        }
+    };
+    eventually("every partition merged", Duration::from_secs(120), || {
+        merged(&reader)
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for sim in sims {
+        let _ = sim.await;
+    }
+    // The miners are gone; what is accepted now stays the latest.
+    let latest = merged(&reader).await.expect("weights");
+    let last_merged = latest
+        .iter()
+        .filter_map(|b| epoch_of(&b.key))
+        .max()
+        .expect("weights name their epoch");
+    let last_prefix = format!("epoch-{last_merged}/");
+    eventually(
+        "the last merged epoch collected",
+        Duration::from_secs(120),
+        || {
+            let blobs = &blobs;
+            let last_prefix = &last_prefix;
+            async move {
+                let left = blobs.list("runs").await.ok()?;
+                let samples_left = left
+                    .iter()
+                    .any(|k| k.contains(last_prefix.as_str()) && k.contains("/samples/"));
+                (!samples_left).then_some(())
+            }
+        },
+    )
+    .await;
+    let status = reader.status().await.expect("status");
+    assert!(
+        status.epoch >= last_merged + 2,
+        "collected at epoch {}",
+        status.epoch
+    );
+    let now = merged(&reader).await.expect("weights");
+    assert_eq!(
+        now.iter().map(|b| &b.key).collect::<Vec<_>>(),
+        latest.iter().map(|b| &b.key).collect::<Vec<_>>(),
+        "nothing was merged after the miners stopped"
+    );
+    for blob in &now {
+        reader
+            .download(blob)
+            .await
+            .unwrap_or_else(|e| panic!("{} was collected with its epoch: {e}", blob.key));
+    }
+    // The rest of that epoch's merged objects went (none but the latest are kept).
+    let merged_left: Vec<String> = blobs
+        .list("runs")
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.contains(&last_prefix) && k.contains("/merged/"))
+        .collect();
+    for key in &merged_left {
+        assert!(
+            now.iter().any(|b| &b.key == key),
+            "{key} outlived its epoch but is not a latest weight"
+        );
+    }
+    orch.stop().await;
+}
