@@ -42,7 +42,15 @@ pub struct Limits {
     pub json_body_bytes: usize,
     /// Uploads buffered at once (each up to the largest tensor slot).
     pub concurrent_uploads: usize,
+    /// How long any signed request's body may take to arrive, plus the time its declared
+    /// length takes at [`MIN_BODY_BYTES_PER_S`]: a client that stops sending (or vanishes
+    /// without closing its connection) would otherwise hold its buffer, its connection and, on
+    /// upload routes, one of the upload slots for good.
+    pub body_timeout: Duration,
 }
+
+/// The slowest body a signed request may send, beyond [`Limits::body_timeout`].
+pub const MIN_BODY_BYTES_PER_S: u64 = 1 << 20;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -53,6 +61,7 @@ impl Default for Limits {
             per_ip_burst: 200,
             json_body_bytes: 1 << 20,
             concurrent_uploads: 64,
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -350,7 +359,7 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
     // buffered (up to the route's limit) on its behalf.
     check_content_length(&parts, routes.body_limit)?;
     let checked = check_caller(app, &parts)?;
-    let bytes = read_body(&parts, body, routes.body_limit).await?;
+    let bytes = read_body(&parts, body, routes.body_limit, app.limits.body_timeout).await?;
     let (caller, pending) = checked
         .with_body(&parts, &bytes)
         .finish(app, routes)
@@ -360,31 +369,41 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
     Ok(Request::from_parts(parts, Body::from(bytes)))
 }
 
-/// A signed request's body, at most `limit` bytes.
+/// A signed request's body, at most `limit` bytes, within `timeout` plus the time its declared
+/// length (or else `limit`) takes at [`MIN_BODY_BYTES_PER_S`].
 pub async fn read_body(
     parts: &axum::http::request::Parts,
     body: Body,
     limit: usize,
+    timeout: Duration,
 ) -> Result<Bytes, AppError> {
-    check_content_length(parts, limit)?;
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        AppError::new(
+    let expected = check_content_length(parts, limit)?.unwrap_or(limit as u64);
+    let deadline = timeout + Duration::from_secs(expected / MIN_BODY_BYTES_PER_S);
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(AppError::new(
             ErrorCode::PayloadTooLarge,
             format!("body larger than {limit} bytes"),
-        )
-    })
+        )),
+        Err(_) => Err(AppError::new(
+            ErrorCode::RequestTimeout,
+            format!("the body did not arrive within {} s", deadline.as_secs()),
+        )),
+    }
 }
 
 /// Refuses a request whose declared body is larger than `limit`: the cheapest check of all.
+/// Returns the declared length, if any.
 pub fn check_content_length(
     parts: &axum::http::request::Parts,
     limit: usize,
-) -> Result<(), AppError> {
-    if let Some(len) = parts
+) -> Result<Option<u64>, AppError> {
+    let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(len) = declared
         && len > limit as u64
     {
         return Err(AppError::new(
@@ -392,7 +411,7 @@ pub fn check_content_length(
             format!("body of {len} bytes, this route takes at most {limit}"),
         ));
     }
-    Ok(())
+    Ok(declared)
 }
 
 /// The checks of a signed request that need no waiting and no body: the Epistula headers, and

@@ -210,6 +210,14 @@ pub struct OrchestratorArgs {
         default_value_t = 64
     )]
     pub max_concurrent_uploads: usize,
+    /// Seconds a signed request's body may take to arrive, plus one second per MiB it
+    /// declares: a client that stops sending is answered 408 and its slot freed.
+    #[arg(
+        long = "body-timeout-s",
+        env = "IOTA_BODY_TIMEOUT_S",
+        default_value_t = 30
+    )]
+    pub body_timeout_s: u64,
     /// Milliseconds between phase-driver steps.
     #[arg(long = "tick-ms", env = "IOTA_TICK_MS", default_value_t = 500)]
     pub tick_ms: u64,
@@ -289,6 +297,7 @@ impl OrchestratorArgs {
                 per_ip_rps: self.rate_per_ip,
                 per_ip_burst: self.rate_per_ip.saturating_mul(4),
                 concurrent_uploads: self.max_concurrent_uploads,
+                body_timeout: Duration::from_secs(self.body_timeout_s.max(1)),
                 ..Limits::default()
             },
             tick: Duration::from_millis(self.tick_ms.max(10)),

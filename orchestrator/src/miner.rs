@@ -274,7 +274,13 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     let (parts, body) = request.into_parts();
     app::check_content_length(&parts, app.limits.json_body_bytes)?;
     let checked = app::check_caller(&app, &parts)?;
-    let bytes = app::read_body(&parts, body, app.limits.json_body_bytes).await?;
+    let bytes = app::read_body(
+        &parts,
+        body,
+        app.limits.json_body_bytes,
+        app.limits.body_timeout,
+    )
+    .await?;
     let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the

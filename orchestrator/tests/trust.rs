@@ -24,7 +24,10 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     let db = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let run = run_config("trust");
-    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let mut cfg = config(&chain, &db, store.path(), run.clone());
+    // Short, so that a body that never comes is answered within the test's patience.
+    cfg.limits.body_timeout = Duration::from_secs(1);
+    let orch = start(cfg).await;
     let raw = Raw {
         http: reqwest::Client::new(),
         base: orch.base.clone(),
@@ -112,6 +115,29 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         .await
         .unwrap_or_else(|_| panic!("{path}: no answer while the announced body was not sent"));
         assert!(answer.starts_with("HTTP/1.1 403"), "{path}: {answer}");
+    }
+    // A registered miner whose body never comes is answered 408 once its time is up (the base
+    // timeout plus a second per MiB declared), instead of holding the request for good.
+    for path in ["/v1/miner/work", "/v1/miner/heartbeat"] {
+        let body = vec![b' '; 1000];
+        let headers = sign_request(
+            &pair(MINER),
+            &raw.receiver,
+            "POST",
+            path,
+            &body,
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .headers;
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            head_without_body(&orch.base, path, &headers, body.len()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{path}: a body that never came held the request"));
+        assert!(answer.starts_with("HTTP/1.1 408"), "{path}: {answer}");
+        assert!(answer.contains("request_timeout"), "{path}: {answer}");
     }
 
     // A forged signature: signed by another key but claiming to be the miner.

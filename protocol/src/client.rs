@@ -110,7 +110,10 @@ fn now_ms() -> u64 {
 }
 
 fn is_retryable_status(status: StatusCode) -> bool {
-    status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
+    // 408: the body was too slow to arrive (a network hiccup); the request is sent again whole.
+    status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status.is_server_error()
 }
 
 /// The largest JSON answer read from the orchestrator. Its biggest answers are pages of hop

@@ -34,6 +34,9 @@ pub enum ErrorCode {
     /// The request conflicts with what was already accepted (for example, different bytes for
     /// an immutable upload).
     Conflict,
+    /// The body did not arrive in time (the deadline grows with its declared length); send the
+    /// request again.
+    RequestTimeout,
     /// The body is larger than allowed.
     PayloadTooLarge,
     /// An uploaded tensor is not what this slot expects (size, dtype, shape, values, hash).
@@ -56,6 +59,7 @@ impl ErrorCode {
             Self::NotFound => 404,
             Self::MethodNotAllowed => 405,
             Self::LeaseExpired | Self::WrongPhase | Self::Conflict => 409,
+            Self::RequestTimeout => 408,
             Self::PayloadTooLarge => 413,
             Self::RateLimited => 429,
             Self::ChainUnavailable => 503,
@@ -79,6 +83,7 @@ impl ErrorCode {
             Self::LeaseExpired => "lease_expired",
             Self::WrongPhase => "wrong_phase",
             Self::Conflict => "conflict",
+            Self::RequestTimeout => "request_timeout",
             Self::PayloadTooLarge => "payload_too_large",
             Self::InvalidTensor => "invalid_tensor",
             Self::RateLimited => "rate_limited",
