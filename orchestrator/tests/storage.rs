@@ -396,23 +396,7 @@ async fn upload_download_scenario(store: StoreConfig) {
     let hop_outputs = keys(&blobs, &format!("{epoch0}/samples")).await;
     assert!(hop_outputs.contains(&first_output.key), "{hop_outputs:?}");
     let stop = Arc::new(AtomicBool::new(false));
-    let mut sims = Vec::new();
-    for (i, seed) in MINERS.into_iter().enumerate() {
-        let base = orch.base.clone();
-        let stop = stop.clone();
-        sims.push(tokio::spawn(async move {
-            let mut miner =
-                iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
-                    .await
-                    .expect("sim join");
-            while !stop.load(Ordering::Relaxed) {
-                if let Err(e) = miner.step().await {
-                    tracing::warn!(error = %e, "simulated miner step failed");
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }));
-    }
+    let sims = simulated_miners(&orch.base, &stop);
     let status_client = &s0;
     eventually(
         "epoch 2 and epoch 0's objects collected",
@@ -468,6 +452,30 @@ async fn next_hop(miner: &ApiClient, what: &str) -> WorkItem {
     .await
 }
 
+/// One simulated miner per seed of [`MINERS`], stepping until `stop`.
+fn simulated_miners(base: &str, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+    MINERS
+        .into_iter()
+        .enumerate()
+        .map(|(i, seed)| {
+            let base = base.to_owned();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut miner =
+                    iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
+                        .await
+                        .expect("sim join");
+                while !stop.load(Ordering::Relaxed) {
+                    if let Err(e) = miner.step().await {
+                        tracing::warn!(error = %e, "simulated miner step failed");
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        })
+        .collect()
+}
+
 /// The epoch a run object's key names (`runs/{run}/epoch-{e}/…`).
 fn epoch_of(key: &str) -> Option<u64> {
     key.split('/')
@@ -501,23 +509,7 @@ async fn the_latest_weights_outlive_their_epoch() {
 
     // Simulated miners train and merge until every stage has merged weights.
     let stop = Arc::new(AtomicBool::new(false));
-    let mut sims = Vec::new();
-    for (i, seed) in MINERS.into_iter().enumerate() {
-        let base = orch.base.clone();
-        let stop = stop.clone();
-        sims.push(tokio::spawn(async move {
-            let mut miner =
-                iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
-                    .await
-                    .expect("sim join");
-            while !stop.load(Ordering::Relaxed) {
-                if let Err(e) = miner.step().await {
-                    tracing::warn!(error = %e, "simulated miner step failed");
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }));
-    }
+    let sims = simulated_miners(&orch.base, &stop);
     let reader = ApiClient::new(
         orch.base.clone(),
         signer(MINERS[0]),

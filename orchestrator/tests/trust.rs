@@ -97,45 +97,17 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     // sending none is answered at once, not held (with a buffer) until the body arrives. The
     // work poll checks its callers itself; the other routes through the signed gate.
     for path in ["/v1/miner/work", "/v1/miner/heartbeat"] {
-        let body = vec![b' '; 500_000];
-        let headers = sign_request(
-            &pair(STRANGER),
-            &raw.receiver,
-            "POST",
-            path,
-            &body,
-            now_ms(),
-            Uuid::new_v4(),
-        )
-        .headers;
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            head_without_body(&orch.base, path, &headers, body.len()),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{path}: no answer while the announced body was not sent"));
+        let answer = announced_body_never_sent(&orch.base, &raw.receiver, STRANGER, path, 500_000)
+            .await
+            .unwrap_or_else(|| panic!("{path}: no answer while the announced body was not sent"));
         assert!(answer.starts_with("HTTP/1.1 403"), "{path}: {answer}");
     }
     // A registered miner whose body never comes is answered 408 once its time is up (the base
     // timeout plus a second per MiB declared), instead of holding the request for good.
     for path in ["/v1/miner/work", "/v1/miner/heartbeat"] {
-        let body = vec![b' '; 1000];
-        let headers = sign_request(
-            &pair(MINER),
-            &raw.receiver,
-            "POST",
-            path,
-            &body,
-            now_ms(),
-            Uuid::new_v4(),
-        )
-        .headers;
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            head_without_body(&orch.base, path, &headers, body.len()),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{path}: a body that never came held the request"));
+        let answer = announced_body_never_sent(&orch.base, &raw.receiver, MINER, path, 1000)
+            .await
+            .unwrap_or_else(|| panic!("{path}: a body that never came held the request"));
         assert!(answer.starts_with("HTTP/1.1 408"), "{path}: {answer}");
         assert!(answer.contains("request_timeout"), "{path}: {answer}");
     }
@@ -700,26 +672,40 @@ async fn signed_requests_are_rate_limited_per_hotkey() {
     orch.stop().await;
 }
 
-/// Sends a POST's head announcing `content_length` bytes of body, sends no body, and returns the
-/// start of whatever the server answers.
-async fn head_without_body(
+/// Signs a POST to `path` over `len` bytes as `seed`, sends its head announcing them, sends no
+/// body, and returns the start of the answer; `None` if none comes within 10 s.
+async fn announced_body_never_sent(
     base: &str,
+    receiver: &str,
+    seed: u8,
     path: &str,
-    headers: &[(&'static str, String)],
-    content_length: usize,
-) -> String {
+    len: usize,
+) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let headers = sign_request(
+        &pair(seed),
+        receiver,
+        "POST",
+        path,
+        &vec![b' '; len],
+        now_ms(),
+        Uuid::new_v4(),
+    )
+    .headers;
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {content_length}\r\n"
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n"
     );
-    for (name, value) in headers {
+    for (name, value) in &headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }
     head.push_str("\r\n");
     stream.write_all(head.as_bytes()).await.expect("write head");
     let mut answer = vec![0u8; 512];
-    let n = stream.read(&mut answer).await.expect("read answer");
-    String::from_utf8_lossy(&answer[..n]).into_owned()
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
+        .await
+        .ok()?
+        .expect("read answer");
+    Some(String::from_utf8_lossy(&answer[..n]).into_owned())
 }
