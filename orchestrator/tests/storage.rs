@@ -421,6 +421,13 @@ async fn upload_download_scenario(store: StoreConfig) {
     }
     for stage in 0..run.stages {
         let weights = s0.stage_weights(stage).await.expect("weights");
+        // Every partition was merged (with an S3 store, through presigned uploads and commits):
+        // none may be missing, or the checks below would pass over nothing.
+        assert!(
+            weights.partitions.iter().all(Option::is_some),
+            "stage {stage} has unmerged partitions: {:?}",
+            weights.partitions
+        );
         for blob in weights.partitions.iter().flatten() {
             assert_eq!(blob.url.is_some(), presigned);
             s0.download(blob)
