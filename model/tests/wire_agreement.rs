@@ -220,11 +220,12 @@ fn damaged_tensors_never_pass_the_check_alone() {
         let mut bytes = rewrite(&bytes, encoding, how);
         for (kind, at, b) in &damages {
             match kind {
-                // Flip one byte (header or payload).
-                0 => {
+                // Flip one byte (header or payload), if a truncation left any.
+                0 if !bytes.is_empty() => {
                     let i = at.index(bytes.len());
                     bytes[i] ^= b;
                 }
+                0 => {}
                 // Truncate.
                 1 => bytes.truncate(at.index(bytes.len() + 1)),
                 // Insert a byte.
