@@ -357,9 +357,9 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
     let (mut parts, body) = req.into_parts();
     // The header and membership checks first: a caller that fails them never gets a body
     // buffered (up to the route's limit) on its behalf.
-    check_content_length(&parts, routes.body_limit)?;
+    let declared = check_content_length(&parts, routes.body_limit)?;
     let checked = check_caller(app, &parts)?;
-    let bytes = read_body(&parts, body, routes.body_limit, app.limits.body_timeout).await?;
+    let bytes = read_body(body, declared, routes.body_limit, app.limits.body_timeout).await?;
     let (caller, pending) = checked
         .with_body(&parts, &bytes)
         .finish(app, routes)
@@ -370,14 +370,14 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
 }
 
 /// A signed request's body, at most `limit` bytes, within `timeout` plus the time its declared
-/// length (or else `limit`) takes at [`MIN_BODY_BYTES_PER_S`].
+/// length (from [`check_content_length`]; else `limit`) takes at [`MIN_BODY_BYTES_PER_S`].
 pub async fn read_body(
-    parts: &axum::http::request::Parts,
     body: Body,
+    declared: Option<u64>,
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, AppError> {
-    let expected = check_content_length(parts, limit)?.unwrap_or(limit as u64);
+    let expected = declared.unwrap_or(limit as u64);
     let deadline = timeout + Duration::from_secs(expected / MIN_BODY_BYTES_PER_S);
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => Ok(bytes),

@@ -272,11 +272,11 @@ fn expects_output(direction: Direction, stage: u32) -> bool {
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
     // The signed gate's steps, inline: this is the request every miner sends in a loop.
     let (parts, body) = request.into_parts();
-    app::check_content_length(&parts, app.limits.json_body_bytes)?;
+    let declared = app::check_content_length(&parts, app.limits.json_body_bytes)?;
     let checked = app::check_caller(&app, &parts)?;
     let bytes = app::read_body(
-        &parts,
         body,
+        declared,
         app.limits.json_body_bytes,
         app.limits.body_timeout,
     )
@@ -839,61 +839,62 @@ pub(crate) async fn accept_committed(
             format!("key {} is not this slot's {expected_key}", commit.key),
         ));
     }
-    if placement == Placement::Sealed {
-        let pending = format!("{expected_key}.pending-{}", Uuid::new_v4());
-        match app.store.rename(expected_key, &pending).await {
-            Ok(()) => {}
-            Err(StoreError::NotFound(_)) => {
-                return Err(AppError::new(
-                    ErrorCode::InvalidTensor,
-                    format!("nothing was uploaded to {expected_key}"),
-                ));
-            }
-            Err(e) => return Err(e.into()),
-        }
-        let mut sealed_commit = commit.clone();
-        sealed_commit.key = pending.clone();
-        let checked = Box::pin(accept_committed(
-            app,
-            &pending,
-            spec,
-            &sealed_commit,
-            Placement::Slot,
-        ))
-        .await;
-        let mut blob = match checked {
-            Ok(blob) => blob,
-            Err(e) => {
-                // Bad bytes were deleted by the check; anything else is put back for a retry.
-                if app.store.rename(&pending, expected_key).await.is_err() {
-                    app.store.delete(&pending).await?;
-                }
-                return Err(e);
-            }
-        };
-        blob.key = sealed_key(expected_key, &blob.blake3);
-        app.store.rename(&pending, &blob.key).await?;
-        return Ok(blob);
+    if placement == Placement::Slot {
+        return check_stored(app, expected_key, spec, commit).await;
     }
-    // A presigned PUT is not bounded by the store: an oversized object is refused here, and
-    // deleted like any other bad upload.
-    let bytes = match app.store.get_bounded(expected_key, spec.max_bytes()).await {
-        Ok(bytes) => bytes,
-        Err(e @ StoreError::TooLarge { .. }) => {
-            app.store.delete(expected_key).await?;
-            return Err(e.into());
-        }
+    let pending = format!("{expected_key}.pending-{}", Uuid::new_v4());
+    match app.store.rename(expected_key, &pending).await {
+        Ok(()) => {}
         Err(StoreError::NotFound(_)) => {
             return Err(AppError::new(
                 ErrorCode::InvalidTensor,
                 format!("nothing was uploaded to {expected_key}"),
             ));
         }
+        Err(e) => return Err(e.into()),
+    }
+    let mut blob = match check_stored(app, &pending, spec, commit).await {
+        Ok(blob) => blob,
+        Err(e) => {
+            // Bad bytes were deleted by the check; anything else is put back for a retry.
+            if app.store.rename(&pending, expected_key).await.is_err() {
+                app.store.delete(&pending).await?;
+            }
+            return Err(e);
+        }
+    };
+    blob.key = sealed_key(expected_key, &blob.blake3);
+    app.store.rename(&pending, &blob.key).await?;
+    Ok(blob)
+}
+
+/// Reads the object at `key` back (at most the slot's size) and checks it against `commit`'s
+/// size and hash and the slot's tensor spec; deletes it if it fails.
+async fn check_stored(
+    app: &App,
+    key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
+    // A presigned PUT is not bounded by the store: an oversized object is refused here, and
+    // deleted like any other bad upload.
+    let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(e @ StoreError::TooLarge { .. }) => {
+            app.store.delete(key).await?;
+            return Err(e.into());
+        }
+        Err(StoreError::NotFound(_)) => {
+            return Err(AppError::new(
+                ErrorCode::InvalidTensor,
+                format!("nothing was uploaded to {key}"),
+            ));
+        }
         // The store failed, not the upload: the object stays for a retried commit.
         Err(e) => return Err(e.into()),
     };
     if bytes.len() as u64 != commit.size {
-        app.store.delete(expected_key).await?;
+        app.store.delete(key).await?;
         return Err(AppError::new(
             ErrorCode::InvalidTensor,
             format!(
@@ -903,10 +904,10 @@ pub(crate) async fn accept_committed(
             ),
         ));
     }
-    match check_bytes(spec, expected_key.to_owned(), &bytes, &commit.blake3) {
+    match check_bytes(spec, key.to_owned(), &bytes, &commit.blake3) {
         Ok(blob) => Ok(blob),
         Err(e) => {
-            app.store.delete(expected_key).await?;
+            app.store.delete(key).await?;
             Err(e)
         }
     }
@@ -1795,34 +1796,19 @@ pub async fn presign_merge(
 ) -> ApiResult<Json<PresignResponse>> {
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
     check_presign_size(&req, &spec)?;
-    refuse_if_merged(&app, &caller.ss58, (epoch, stage, partition)).await?;
-    presign(&app, key).await
-}
-
-/// A conflict once `who` has a recorded result for the partition: nothing more is taken.
-async fn refuse_if_merged(
-    app: &App,
-    who: &str,
-    (epoch, stage, partition): (u64, u32, u32),
-) -> ApiResult<()> {
-    let recorded: Option<i32> = sqlx::query_scalar(
-        "SELECT 1 FROM merge_results
-         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(who)
-    .fetch_optional(&app.db)
-    .await?;
-    match recorded {
-        Some(_) => Err(AppError::new(
+    // Once a result is recorded nothing more is taken: the same bytes are answered from the
+    // record by the commit, other bytes are a conflict.
+    let slot = (epoch, stage, partition);
+    if already_merged(&app, &caller.ss58, slot, &req.blake3)
+        .await?
+        .is_some()
+    {
+        return Err(AppError::new(
             ErrorCode::Conflict,
             "your result for this partition is already recorded",
-        )),
-        None => Ok(()),
+        ));
     }
+    presign(&app, key).await
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit`.
