@@ -141,7 +141,8 @@ pub struct OrchestratorArgs {
         default_value_t = 90
     )]
     pub heartbeat_timeout_s: u64,
-    /// Epochs of objects to keep.
+    /// Epochs of objects to keep (at least 2: a validator replays an epoch from the weights merged
+    /// at the end of the epoch before).
     #[arg(
         long = "retention-epochs",
         env = "IOTA_RETENTION_EPOCHS",

@@ -84,7 +84,7 @@ async fn upload_download_scenario(store: StoreConfig) {
     run.merge_round_s = 1;
     run.lease_s = 60;
     run.heartbeat_timeout_s = 60;
-    run.retention_epochs = 1;
+    run.retention_epochs = 2;
     let mut config = config(&chain, &db, unused.path(), run.clone());
     config.store = store.clone();
     config.tick = Duration::from_millis(50);
@@ -390,8 +390,9 @@ async fn upload_download_scenario(store: StoreConfig) {
         }
     }
 
-    // Retention: simulated miners take over and the epochs advance; once epoch 2 runs, epoch 0's
-    // hop outputs and pseudo-gradients are gone, and the current weights remain downloadable.
+    // Retention (two epochs, the fewest a run may keep): simulated miners take over and the epochs
+    // advance; once epoch 3 runs, epoch 0's hop outputs and pseudo-gradients are gone, and the
+    // current weights remain downloadable.
     let epoch0 = format!("runs/{run_id}/epoch-0");
     let hop_outputs = keys(&blobs, &format!("{epoch0}/samples")).await;
     assert!(hop_outputs.contains(&first_output.key), "{hop_outputs:?}");
@@ -399,7 +400,7 @@ async fn upload_download_scenario(store: StoreConfig) {
     let sims = simulated_miners(&orch.base, &stop);
     let status_client = &s0;
     eventually(
-        "epoch 2 and epoch 0's objects collected",
+        "epoch 3 and epoch 0's objects collected",
         Duration::from_secs(150),
         || {
             let blobs = &blobs;
@@ -410,7 +411,7 @@ async fn upload_download_scenario(store: StoreConfig) {
                     + keys(blobs, &format!("{epoch0}/pseudo-gradients"))
                         .await
                         .len();
-                (status.epoch >= 2 && left == 0).then_some(())
+                (status.epoch >= 3 && left == 0).then_some(())
             }
         },
     )
@@ -506,7 +507,7 @@ async fn the_latest_weights_outlive_their_epoch() {
     run.uploading_s = 2;
     run.merging_s = 2;
     run.merge_round_s = 1;
-    run.retention_epochs = 1;
+    run.retention_epochs = 2;
     let mut config = config(&chain, &db, dir.path(), run.clone());
     config.store = store.clone();
     config.tick = Duration::from_millis(50);
@@ -573,7 +574,7 @@ async fn the_latest_weights_outlive_their_epoch() {
     .await;
     let status = reader.status().await.expect("status");
     assert!(
-        status.epoch >= last_merged + 2,
+        status.epoch >= last_merged + 3,
         "collected at epoch {}",
         status.epoch
     );

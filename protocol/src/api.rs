@@ -50,7 +50,7 @@ pub struct RunConfig {
     /// Seconds without a heartbeat after which a miner is released.
     pub heartbeat_timeout_s: u64,
     /// Epochs of objects kept in the store (older ones are deleted, except the latest merged
-    /// weights).
+    /// weights); at least [`MIN_RETENTION_EPOCHS`].
     pub retention_epochs: u64,
     /// Seed that all parties use to initialise epoch-0 weights.
     pub init_seed: u64,
@@ -101,6 +101,10 @@ pub mod limits {
     /// Bytes of the run's and the model's names.
     pub const MAX_NAME_BYTES: usize = 4096;
 }
+
+/// Fewest epochs of objects a run may keep: a validator replays an epoch from the weights merged
+/// at the end of the epoch before, so both must still be in the store.
+pub const MIN_RETENTION_EPOCHS: u64 = 2;
 
 /// Held-out sequence ids start here: training samples never reach it (see
 /// [`RunConfig::sequence_ids`]).
@@ -176,6 +180,15 @@ impl RunConfig {
         }
         if self.max_in_flight == 0 {
             return Err("max_in_flight must be positive".into());
+        }
+        if self.retention_epochs < MIN_RETENTION_EPOCHS {
+            // Checking an epoch replays it from the weights merged at the end of the epoch
+            // before: with one epoch kept, those are gone as soon as the epoch ends.
+            return Err(format!(
+                "retention_epochs {} must be at least {MIN_RETENTION_EPOCHS}, or validators \
+                 cannot check any epoch",
+                self.retention_epochs
+            ));
         }
         if !(self.inner_lr.is_finite() && self.inner_lr > 0.0) {
             return Err(format!("inner_lr {} must be positive", self.inner_lr));
@@ -1090,5 +1103,20 @@ mod tests {
         r.heartbeat_timeout_s = limits::MAX_DURATION_S;
         r.max_in_flight = limits::MAX_IN_FLIGHT;
         assert_eq!(r.validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_keeps_what_a_validator_replays() {
+        for (retention, ok) in [(0, false), (1, false), (2, true), (3, true)] {
+            let mut r = run();
+            r.retention_epochs = retention;
+            match r.validate() {
+                Ok(()) => assert!(ok, "retention {retention} accepted"),
+                Err(e) => {
+                    assert!(!ok, "retention {retention} refused: {e}");
+                    assert!(e.contains("retention_epochs"), "{e}");
+                }
+            }
+        }
     }
 }
