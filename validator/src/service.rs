@@ -239,11 +239,12 @@ impl std::fmt::Display for Fault {
 }
 
 /// What one scoring pass learned about objects it could not use: the failed checks against
-/// their producers (each object blamed once) and whether any was missing from the store.
+/// their producers (each object blamed once on each) and whether any was missing from the store.
 #[derive(Default)]
 struct Objects {
     checks: Vec<SpotCheckResult>,
-    blamed: HashSet<String>,
+    /// (object key, producer) pairs already failed.
+    blamed: HashSet<(String, String)>,
     missing: bool,
 }
 
@@ -260,7 +261,7 @@ impl Objects {
         self.missing |= matches!(fault, Fault::Missing(_));
         tracing::warn!(key = %blob.key, producer, error = %fault, "object unusable");
         let Some(producer) = producer else { return };
-        if !self.blamed.insert(blob.key.clone()) {
+        if !self.blamed.insert((blob.key.clone(), producer.to_owned())) {
             return;
         }
         self.checks.push(SpotCheckResult {
@@ -374,8 +375,10 @@ impl Validator {
 
     /// The weights and momentum `stage` started `record`'s epoch with, per partition (`None`:
     /// never merged). `None` when one of them cannot be used: nothing that depends on them can
-    /// be checked (merged objects are not blamed on anyone, since both owners of a merge
-    /// submit the same bytes).
+    /// be checked. Accepted merges are sealed under their hash, where no owner can write, so
+    /// bytes that do not decode are what the owners submitted: each owner whose result carries
+    /// that hash fails. A missing merge is nobody's fault (the orchestrator may have collected
+    /// it).
     async fn start_weights(
         &self,
         record: &EpochRecord,
@@ -404,12 +407,46 @@ impl Validator {
             match decoded {
                 Ok(v) => *slot = Some(v),
                 Err(f) => {
-                    objects.blame(None, "object", format!("{stage}/{j}"), blob, &f);
+                    let owners = match (&f, sw.epoch) {
+                        (Fault::Bad(_), Some(merged_in)) => {
+                            self.merge_owners(merged_in, stage, j as u32, &blob.blake3)
+                                .await?
+                        }
+                        _ => Vec::new(),
+                    };
+                    let target = format!("merged {stage}/{j}");
+                    if owners.is_empty() {
+                        objects.blame(None, "object", target, blob, &f);
+                    } else {
+                        for owner in &owners {
+                            objects.blame(Some(owner), "object", target.clone(), blob, &f);
+                        }
+                    }
                     return Ok(None);
                 }
             }
         }
         Ok(Some(out))
+    }
+
+    /// The owners of partition `partition` of `stage` in `epoch` whose submitted result has hash
+    /// `blake3`.
+    async fn merge_owners(
+        &self,
+        epoch: u64,
+        stage: u32,
+        partition: u32,
+        blake3: &str,
+    ) -> Result<Vec<String>, ValidatorError> {
+        let o = self.online().await?;
+        let statuses = o.client.merge_status(epoch).await?;
+        Ok(statuses
+            .iter()
+            .filter(|p| p.stage == stage && p.partition == partition)
+            .flat_map(|p| &p.results)
+            .filter(|r| r.blake3 == blake3)
+            .map(|r| r.hotkey.clone())
+            .collect())
     }
 
     /// Hands every hop record of `epoch` to `each`, page by page (at most [`MAX_HOP_RECORDS`]).

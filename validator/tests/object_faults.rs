@@ -1,6 +1,7 @@
 //! One object of one miner that no longer checks out (overwritten in the store) or is gone
-//! (deleted) must not stop a validator: the epoch is scored, the producer of the object is the
-//! one that fails, the others are scored as usual. And epochs whose objects the orchestrator
+//! (deleted), or a merge whose bytes do not decode, must not stop a validator: the epoch is
+//! scored, the producer of the object (the owners who submitted the merge) fail, the others are
+//! scored as usual. And epochs whose objects the orchestrator
 //! has collected while the validator was away are passed over, not retried for ever.
 //!
 //! A real run: localnet, PostgreSQL, orchestrator with a local store, one `tiny` miner per
@@ -69,7 +70,8 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
         .await;
 
         // The latest finished epoch the miners completed: a stage-1 forward output and a
-        // stage-2 pseudo-gradient to spoil.
+        // stage-2 pseudo-gradient to spoil, and a merge the epoch started from whose owners do
+        // not include the stage-0 miner (owners come from any stage).
         let reader = ApiClient::connect(&orch.base, signer(VALIDATOR), RetryPolicy::default())
             .await
             .expect("validator client");
@@ -87,27 +89,48 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
                     && h.output.is_some()
             });
             let pg = record.pseudo_gradients.iter().find(|p| p.stage == 2);
-            if let (Some(h), Some(pg)) = (output, pg)
-                && record.miners.iter().any(|m| m.stage == 0)
-            {
-                target = Some((epoch, record.clone(), h.clone(), pg.clone()));
+            let stage0 = record.miners.iter().find(|m| m.stage == 0);
+            let (Some(h), Some(pg), Some(stage0)) = (output, pg, stage0) else {
+                continue;
+            };
+            let mut merged = None;
+            for w in &record.start_weights {
+                let Some(merged_in) = w.epoch else { continue };
+                let results: Vec<_> = reader
+                    .merge_status(merged_in)
+                    .await
+                    .expect("merges")
+                    .into_iter()
+                    .filter(|p| p.stage == w.stage)
+                    .flat_map(|p| p.results)
+                    .collect();
+                for blob in w.partitions.iter().flatten() {
+                    let owners: Vec<String> = results
+                        .iter()
+                        .filter(|r| r.blake3 == blob.blake3)
+                        .map(|r| r.hotkey.clone())
+                        .collect();
+                    if !owners.is_empty() && !owners.contains(&stage0.hotkey) {
+                        merged = Some((blob.clone(), owners));
+                    }
+                }
+            }
+            if let Some(merged) = merged {
+                target = Some((epoch, stage0.hotkey.clone(), h.clone(), pg.clone(), merged));
                 break;
             }
         }
-        let (epoch, record, hop, pg) = target.expect("a complete epoch to spoil");
+        let (epoch, stage0, hop, pg, (merged, owners)) = target.expect("a complete epoch to spoil");
         let output = hop.output.clone().expect("output");
         std::fs::write(store_dir.path().join(&output.key), b"overwritten").expect("overwrite");
         std::fs::remove_file(store_dir.path().join(&pg.blob.key)).expect("delete");
-        let stage0 = record
-            .miners
-            .iter()
-            .find(|m| m.stage == 0)
-            .expect("stage 0")
-            .hotkey
-            .clone();
+        // An accepted merge is sealed where no owner can write; spoiled here (as if its owners
+        // had submitted bytes that do not decode), it fails the owners whose result it is.
+        std::fs::write(store_dir.path().join(&merged.key), b"spoiled").expect("spoil");
         eprintln!(
-            "epoch {epoch} (run in {current}): {} overwritten ({}), {} deleted ({})",
-            output.key, hop.miner, pg.blob.key, pg.hotkey
+            "epoch {epoch} (run in {current}): {} overwritten ({}), {} deleted ({}), {} spoiled \
+             ({owners:?})",
+            output.key, hop.miner, pg.blob.key, pg.hotkey, merged.key
         );
 
         let vdb = fresh_db().await;
@@ -117,7 +140,8 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             .expect("chain");
         let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
         cfg.replays_per_epoch = 0;
-        cfg.merges_per_epoch = 0;
+        // Every partition's merge is recomputed: stage 1's need the spoiled start weights.
+        cfg.merges_per_epoch = usize::MAX;
         cfg.set_weights = false;
         cfg.tx = tx();
         let v = Validator::connect(
@@ -165,6 +189,15 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
                 .any(|c| c.kind == "pseudo_gradient" && names(c, &pg.blob.key)),
             "{checks:?}"
         );
+        // …the spoiled merge each owner that submitted it…
+        for owner in &owners {
+            assert!(
+                failed(owner)
+                    .iter()
+                    .any(|c| c.kind == "object" && names(c, &merged.key)),
+                "{owner}: {checks:?}"
+            );
+        }
         // …and nobody else fails for them.
         assert!(failed(&stage0).is_empty(), "{checks:?}");
         let scores = store
@@ -173,7 +206,7 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             .expect("scores");
         let of = |h: &str| scores.iter().find(|s| s.hotkey == h).expect("a score");
         assert!(of(&stage0).score > 0.0, "{scores:?}");
-        for cheat in [&hop.miner, &pg.hotkey] {
+        for cheat in [&hop.miner, &pg.hotkey].into_iter().chain(&owners) {
             assert_eq!(of(cheat).quality, 0.0, "{scores:?}");
             assert!(of(cheat).penalty.is_some(), "{scores:?}");
         }
