@@ -1,9 +1,10 @@
 //! Shared state of the handlers, the error type they return, and the request-signing gate.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -42,6 +43,10 @@ pub struct Limits {
     pub json_body_bytes: usize,
     /// Uploads buffered at once (each up to the largest tensor slot).
     pub concurrent_uploads: usize,
+    /// Of those, most from one IP address (0: no limit). Upload slots are taken before the
+    /// signature over the body can be checked, so without it one host sending bodies slowly
+    /// could hold every slot until the body deadline.
+    pub concurrent_uploads_per_ip: usize,
     /// How long any signed request's body may take to arrive, plus the time its declared
     /// length takes at [`MIN_BODY_BYTES_PER_S`]: a client that stops sending (or vanishes
     /// without closing its connection) would otherwise hold its buffer, its connection and, on
@@ -61,6 +66,7 @@ impl Default for Limits {
             per_ip_burst: 200,
             json_body_bytes: 1 << 20,
             concurrent_uploads: 64,
+            concurrent_uploads_per_ip: 16,
             body_timeout: Duration::from_secs(30),
         }
     }
@@ -111,6 +117,8 @@ pub struct AppState {
     pub poll_view: crate::poll_view::PollView,
     per_hotkey: KeyedLimiter<[u8; 32]>,
     per_ip: KeyedLimiter<IpAddr>,
+    /// Upload slots held per peer address.
+    uploads_by_ip: Mutex<HashMap<IpAddr, usize>>,
     counters: std::sync::OnceLock<Counters>,
 }
 
@@ -158,6 +166,7 @@ impl AppState {
             max_merge_rounds,
             per_hotkey: RateLimiter::keyed(quota(limits.per_hotkey_rps, limits.per_hotkey_burst)),
             per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
+            uploads_by_ip: Mutex::default(),
             counters: std::sync::OnceLock::new(),
         }
     }
@@ -559,6 +568,60 @@ pub async fn public_gate(
         )
         .into_response();
     }
+    next.run(req).await
+}
+
+/// An upload slot held by a peer address, given back on drop.
+struct IpUploadSlot<'a> {
+    app: &'a AppState,
+    ip: IpAddr,
+}
+
+impl Drop for IpUploadSlot<'_> {
+    fn drop(&mut self) {
+        let mut held = self
+            .app
+            .uploads_by_ip
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Upload-route middleware, outside the global upload slots: at most
+/// [`Limits::concurrent_uploads_per_ip`] uploads from one address at once; beyond, 429 at once
+/// (the client retries after `Retry-After`), so one host cannot queue for every slot.
+pub async fn upload_slots_per_ip(
+    State(app): State<App>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let max = app.limits.concurrent_uploads_per_ip;
+    if max == 0 {
+        return next.run(req).await;
+    }
+    let ip = peer.ip();
+    {
+        let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
+        let n = held.entry(ip).or_insert(0);
+        if *n >= max {
+            drop(held);
+            metrics::counter!("iota_rate_limited_total", "scope" => "uploads_per_ip").increment(1);
+            return AppError::new(
+                ErrorCode::RateLimited,
+                format!("{max} uploads from this address are in progress"),
+            )
+            .into_response();
+        }
+        *n += 1;
+    }
+    let _slot = IpUploadSlot { app: &app, ip };
     next.run(req).await
 }
 

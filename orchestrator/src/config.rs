@@ -211,6 +211,14 @@ pub struct OrchestratorArgs {
         default_value_t = 64
     )]
     pub max_concurrent_uploads: usize,
+    /// Of those, most from one IP address (0: no limit; behind a proxy every miner has the
+    /// proxy's address).
+    #[arg(
+        long = "max-uploads-per-ip",
+        env = "IOTA_MAX_UPLOADS_PER_IP",
+        default_value_t = 16
+    )]
+    pub max_uploads_per_ip: usize,
     /// Seconds a signed request's body may take to arrive, plus one second per MiB it
     /// declares: a client that stops sending is answered 408 and its slot freed.
     #[arg(
@@ -298,6 +306,7 @@ impl OrchestratorArgs {
                 per_ip_rps: self.rate_per_ip,
                 per_ip_burst: self.rate_per_ip.saturating_mul(4),
                 concurrent_uploads: self.max_concurrent_uploads,
+                concurrent_uploads_per_ip: self.max_uploads_per_ip,
                 body_timeout: Duration::from_secs(self.body_timeout_s.max(1)),
                 ..Limits::default()
             },

@@ -481,8 +481,12 @@ pub fn router(app: App) -> Router {
             app::signed_gate,
         ))
         // The gate buffers a body before it can check the signature over it: bound how many
-        // such bodies are in memory at once.
-        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads.clone()));
+        // such bodies are in memory at once, and how many of them one address holds.
+        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads.clone()))
+        .route_layer(middleware::from_fn_with_state(
+            app.clone(),
+            app::upload_slots_per_ip,
+        ));
     let validator_json = Router::new()
         .route("/v1/validator/epochs/{epoch}/hops", get(validator::hops))
         .route(
@@ -516,7 +520,11 @@ pub fn router(app: App) -> Router {
             signed(Gate::Validator, upload_limit, SharedReplay::Before),
             app::signed_gate,
         ))
-        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads));
+        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads))
+        .route_layer(middleware::from_fn_with_state(
+            app.clone(),
+            app::upload_slots_per_ip,
+        ));
     let public = Router::new()
         .route("/v1/run", get(views::get_run))
         .route("/v1/status", get(views::get_status))

@@ -672,6 +672,116 @@ async fn signed_requests_are_rate_limited_per_hotkey() {
     orch.stop().await;
 }
 
+/// Upload slots are taken before a body's signature can be checked: one address may hold only
+/// a few of them, so a host that sends bodies slowly cannot keep every miner from uploading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("upload-slots"));
+    cfg.limits.concurrent_uploads_per_ip = 2;
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let path = "/v1/miner/epochs/0/pseudo-gradients/0";
+    // An upload that gets past the slots is judged on its merits (here: not a tensor, 400); one
+    // that does not is 429.
+    let upload = |raw: &Raw| {
+        let raw = raw.clone();
+        async move {
+            raw.signed(
+                &pair(OTHER_MINER),
+                reqwest::Method::PUT,
+                path,
+                b"x".to_vec(),
+            )
+            .await
+        }
+    };
+    assert_eq!(upload(&raw).await.0, 400);
+
+    // A registered miner's two uploads whose bodies never come hold this address's two slots.
+    let held = [
+        stalled_body(&orch.base, &raw.receiver, MINER, "PUT", path, 1000).await,
+        stalled_body(&orch.base, &raw.receiver, MINER, "PUT", path, 1000).await,
+    ];
+    let refused = eventually(
+        "this address's slots taken",
+        Duration::from_secs(10),
+        || {
+            let raw = &raw;
+            async move {
+                let answer = upload(raw).await;
+                (answer.0 == 429).then_some(answer)
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        refused.1.as_ref().map(|e| e.code),
+        Some(ErrorCode::RateLimited),
+        "{refused:?}"
+    );
+    // Another address is not affected (the whole of 127/8 is this machine).
+    let elsewhere = Raw {
+        http: reqwest::Client::builder()
+            .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
+            .build()
+            .expect("client"),
+        ..raw.clone()
+    };
+    assert_eq!(upload(&elsewhere).await.0, 400);
+    // Closing the stalled connections gives the slots back.
+    drop(held);
+    eventually("the slots given back", Duration::from_secs(10), || {
+        let raw = &raw;
+        async move { (upload(raw).await.0 == 400).then_some(()) }
+    })
+    .await;
+    orch.stop().await;
+}
+
+/// Signs a `method` to `path` over `len` bytes as `seed` and sends its head announcing them, but
+/// no body; the open connection.
+async fn stalled_body(
+    base: &str,
+    receiver: &str,
+    seed: u8,
+    method: &str,
+    path: &str,
+    len: usize,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let headers = sign_request(
+        &pair(seed),
+        receiver,
+        method,
+        path,
+        &vec![b' '; len],
+        now_ms(),
+        Uuid::new_v4(),
+    )
+    .headers;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    // Uploads are tensors; the other signed routes take JSON.
+    let content_type = if method == "PUT" {
+        "application/octet-stream"
+    } else {
+        "application/json"
+    };
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: {content_type}\r\ncontent-length: {len}\r\n"
+    );
+    for (name, value) in &headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write head");
+    stream
+}
+
 /// Signs a POST to `path` over `len` bytes as `seed`, sends its head announcing them, sends no
 /// body, and returns the start of the answer; `None` if none comes within 10 s.
 async fn announced_body_never_sent(
@@ -681,27 +791,8 @@ async fn announced_body_never_sent(
     path: &str,
     len: usize,
 ) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let headers = sign_request(
-        &pair(seed),
-        receiver,
-        "POST",
-        path,
-        &vec![b' '; len],
-        now_ms(),
-        Uuid::new_v4(),
-    )
-    .headers;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n"
-    );
-    for (name, value) in &headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.expect("write head");
+    use tokio::io::AsyncReadExt;
+    let mut stream = stalled_body(base, receiver, seed, "POST", path, len).await;
     let mut answer = vec![0u8; 512];
     let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
         .await

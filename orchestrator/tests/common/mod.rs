@@ -311,6 +311,7 @@ pub fn now_ms() -> u64 {
 }
 
 /// Signed requests built by hand, to send what no well-behaved client would.
+#[derive(Clone)]
 pub struct Raw {
     pub http: reqwest::Client,
     pub base: String,
