@@ -553,6 +553,22 @@ fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppErro
     Ok((member.uid, member.validator_permit))
 }
 
+/// The address a per-IP limit counts a peer under: an IPv4 address as itself (also when it
+/// arrives IPv4-mapped on an IPv6 socket), an IPv6 address by its /64 network, since one host
+/// is commonly given a whole /64 and could otherwise take a new address for every request.
+pub fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let network = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(network.into())
+            }
+        },
+    }
+}
+
 /// Public-route middleware: per-IP rate limit.
 pub async fn public_gate(
     State(app): State<App>,
@@ -560,7 +576,7 @@ pub async fn public_gate(
     req: Request,
     next: Next,
 ) -> Response {
-    if app.per_ip.check_key(&peer.ip()).is_err() {
+    if app.per_ip.check_key(&address_key(peer.ip())).is_err() {
         metrics::counter!("iota_rate_limited_total", "scope" => "ip").increment(1);
         return AppError::new(
             ErrorCode::RateLimited,
@@ -606,7 +622,7 @@ pub async fn upload_slots_per_ip(
     if max == 0 {
         return next.run(req).await;
     }
-    let ip = peer.ip();
+    let ip = address_key(peer.ip());
     {
         let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
         let n = held.entry(ip).or_insert(0);
@@ -763,6 +779,23 @@ impl From<axum::extract::rejection::QueryRejection> for AppError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_count_a_host_once() {
+        let key = |s: &str| address_key(s.parse().expect("address"));
+        assert_eq!(key("203.0.113.7"), key("203.0.113.7"));
+        assert_ne!(key("203.0.113.7"), key("203.0.113.8"));
+        // IPv4 arriving on an IPv6 socket is the same host.
+        assert_eq!(key("::ffff:203.0.113.7"), key("203.0.113.7"));
+        // Addresses of one /64 are one host; the next /64 is another.
+        assert_eq!(
+            key("2001:db8:1:2::1"),
+            key("2001:db8:1:2:ffff:ffff:ffff:ffff")
+        );
+        assert_eq!(key("2001:db8:1:2:abcd::9"), key("2001:db8:1:2::"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db9:1:2::1"));
+    }
 
     #[test]
     fn json_content_types_are_recognised() {
