@@ -649,6 +649,20 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
             }
         }
     }
+    // Disputes still open are closed with whatever the partition ended with, so that they leave
+    // the validators' list and a late settlement is refused rather than recorded against weights
+    // the next epoch did not start from.
+    sqlx::query(
+        "UPDATE disputes d SET state = 'settled', settled_by = 'deadline',
+             settled_hash = p.accepted->>'blake3'
+         FROM partitions p
+         WHERE d.run_id = $1 AND d.epoch = $2 AND d.state = 'open' AND p.run_id = d.run_id
+           AND p.epoch = d.epoch AND p.stage = d.stage AND p.partition = d.partition",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .execute(&mut *tx)
+    .await?;
     let leftover: Vec<i64> = sqlx::query_scalar(
         "SELECT id FROM samples WHERE run_id = $1 AND epoch = $2 AND status IN ('forward', 'backward')",
     )
@@ -881,12 +895,16 @@ async fn settle(
     Ok(())
 }
 
-/// A validator's recomputed hash settles a dispute: the result that matches it is accepted.
+/// A validator's recomputed hash settles a dispute: the submitted result that matches it is
+/// accepted. A hash that matches no result settles nothing (the validator submits its own merge
+/// first); neither does one that comes after the epoch's merges closed, when the dispute was
+/// closed by the deadline.
 pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_shared(&mut tx, app.run.id).await?;
     let row = sqlx::query(
-        "SELECT epoch, stage, partition, state FROM disputes WHERE id = $1 AND run_id = $2 FOR UPDATE",
+        "SELECT epoch, stage, partition, state, settled_hash FROM disputes
+         WHERE id = $1 AND run_id = $2 FOR UPDATE",
     )
     .bind(id)
     .bind(app.run.id)
@@ -897,8 +915,26 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     let stage: i32 = row.try_get("stage")?;
     let partition: i32 = row.try_get("partition")?;
     let state: String = row.try_get("state")?;
+    let settled_hash: Option<String> = row.try_get("settled_hash")?;
     if state == "settled" {
-        return Ok(());
+        // A retry of the settlement is answered as the first was; another hash is not.
+        return match settled_hash {
+            Some(h) if h == hash => Ok(()),
+            settled => Err(AppError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "dispute {id} is already settled ({})",
+                    settled.as_deref().unwrap_or("unmerged")
+                ),
+            )),
+        };
+    }
+    let cur = run_now(&mut *tx, app.run.id).await?;
+    if cur.epoch != epoch as u64 || cur.phase != Phase::Merging {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!("epoch {epoch}'s merges are closed"),
+        ));
     }
     let blob: Option<serde_json::Value> = sqlx::query_scalar(
         "SELECT blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
@@ -911,31 +947,38 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     .bind(hash)
     .fetch_optional(&mut *tx)
     .await?;
+    let Some(blob) = blob else {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            format!(
+                "no merge of {stage}/{partition} has hash {hash}: submit it \
+                 (PUT /v1/validator/epochs/{epoch}/merges/{stage}/{partition}) and settle again"
+            ),
+        ));
+    };
+    let by = format!("validator:{validator}");
     sqlx::query(
         "UPDATE disputes SET state = 'settled', settled_by = $2, settled_hash = $3 WHERE id = $1",
     )
     .bind(id)
-    .bind(format!("validator:{validator}"))
+    .bind(&by)
     .bind(hash)
     .execute(&mut *tx)
     .await?;
-    if let Some(blob) = blob {
-        let key = PartitionKey {
-            epoch,
-            stage,
-            partition,
-        };
-        let by = format!("validator:{validator}");
-        set_partition(
-            &mut tx,
-            app,
-            key,
-            PartitionState::Accepted,
-            Some(blob),
-            Some(&by),
-        )
-        .await?;
-    }
+    let key = PartitionKey {
+        epoch,
+        stage,
+        partition,
+    };
+    set_partition(
+        &mut tx,
+        app,
+        key,
+        PartitionState::Accepted,
+        Some(blob),
+        Some(&by),
+    )
+    .await?;
     tx.commit().await?;
     tracing::info!(dispute = id, %validator, %hash, "dispute settled");
     Ok(())

@@ -427,6 +427,23 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         "every partition disputed"
     );
 
+    // A hash that names no submitted result settles nothing: the dispute stays open (before,
+    // it was closed and the partition left to the deadline's plurality of wrong results).
+    let unknown = "ab".repeat(32);
+    let refused = v
+        .settle(disputes[0].id, &unknown)
+        .await
+        .expect_err("a hash nobody submitted");
+    assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::Conflict));
+    assert!(
+        v.disputes()
+            .await
+            .expect("disputes")
+            .iter()
+            .any(|d| d.id == disputes[0].id),
+        "still open"
+    );
+
     // The validator recomputes each merge from the contributions and settles.
     for d in &disputes {
         let p = &d.partition;
@@ -469,6 +486,12 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         v.disputes().await.expect("disputes").is_empty(),
         "all settled"
     );
+    // A settled dispute is not settled again with another hash.
+    let other = v
+        .settle(disputes[0].id, &unknown)
+        .await
+        .expect_err("another hash for a settled dispute");
+    assert_eq!(other.code(), Some(iota_protocol::ErrorCode::Conflict));
 
     // With everything settled the epoch ends without waiting for the merge deadline.
     let mut rounds = 0;
@@ -547,6 +570,74 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         .await
         .expect_err("miner refused");
     assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::NotValidator));
+    orch.stop().await;
+}
+
+/// Disputes nobody settles are closed when their epoch ends (they leave the validators' list, and
+/// a late settlement is refused instead of being recorded against weights the next epoch did not
+/// start from).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disputes_left_open_close_with_their_epoch() {
+    init_tracing();
+    let chain = chain_with(&[44, 45], &[46]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("dispute-deadline");
+    run.stages = 2;
+    run.stage_params = vec![4000, 3000];
+    run.samples_per_epoch = 6;
+    run.merging_s = 4;
+    run.merge_round_s = 2;
+    let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let mut miners = join(&orch.base, &[44, 45]).await;
+    miners[1].wrong_merge = true;
+    let v = validator_client(&orch.base, 46).await;
+
+    let mut open = Vec::new();
+    for _ in 0..3000 {
+        step_all(&mut miners).await;
+        open = v.disputes().await.expect("disputes");
+        if !open.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!open.is_empty(), "a dispute opened");
+    let mut rounds = 0;
+    while status(&orch.base).await.epoch == 0 {
+        step_all(&mut miners).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        rounds += 1;
+        assert!(rounds < 3000, "epoch 0 did not end at its deadline");
+    }
+    let left: Vec<i64> = v
+        .disputes()
+        .await
+        .expect("disputes")
+        .iter()
+        .filter(|d| d.partition.epoch == 0)
+        .map(|d| d.id)
+        .collect();
+    assert!(left.is_empty(), "epoch 0's disputes still open: {left:?}");
+    let db = PgPool::connect(&db_url).await.expect("db");
+    let closed: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, settled_by FROM disputes WHERE epoch = 0 ORDER BY id")
+            .fetch_all(&db)
+            .await
+            .expect("disputes");
+    assert_eq!(closed.len(), open.len(), "{closed:?}");
+    assert!(
+        closed
+            .iter()
+            .all(|(state, by)| state == "settled" && by.as_deref() == Some("deadline")),
+        "{closed:?}"
+    );
+    // A late settlement is refused (any hash: the epoch's merges are closed).
+    let late = v
+        .settle(open[0].id, &"cd".repeat(32))
+        .await
+        .expect_err("a settlement after the epoch");
+    assert_eq!(late.code(), Some(iota_protocol::ErrorCode::Conflict));
     orch.stop().await;
 }
 

@@ -718,7 +718,7 @@ impl Validator {
             .cloned()
             .collect();
         for p in pick(&accepted, self.cfg.merges_per_epoch, &mut rng) {
-            let Some(hash) = self
+            let Some((_, hash)) = self
                 .recompute(&record, p.stage, p.partition, &mut objects)
                 .await?
             else {
@@ -797,15 +797,16 @@ impl Validator {
         })
     }
 
-    /// The honest merge hash of a partition of a finished or merging epoch; `None` when an
-    /// object it needs cannot be used (noted in `objects`, a contribution blamed on its miner).
+    /// The honest merge of a partition of a finished or merging epoch, its bytes and hash;
+    /// `None` when an object it needs cannot be used (noted in `objects`, a contribution blamed
+    /// on its miner).
     async fn recompute(
         &self,
         record: &EpochRecord,
         stage: u32,
         partition: u32,
         objects: &mut Objects,
-    ) -> Result<Option<String>, ValidatorError> {
+    ) -> Result<Option<(Vec<u8>, String)>, ValidatorError> {
         let o = self.online().await?;
         let len = o
             .run
@@ -845,12 +846,12 @@ impl Validator {
         }
         let base = start.into_iter().nth(partition as usize).flatten();
         let run = o.run.clone();
-        let (_, hash) = tokio::task::spawn_blocking(move || {
+        let merged = tokio::task::spawn_blocking(move || {
             recompute_merge(&run, stage, partition, contributions, base)
         })
         .await
         .map_err(|e| ValidatorError::Config(format!("merge task: {e}")))??;
-        Ok(Some(hash))
+        Ok(Some(merged))
     }
 
     /// Settles the orchestrator's open disputes with recomputed hashes.
@@ -863,13 +864,9 @@ impl Validator {
             }
             let epoch = d.partition.epoch;
             let record = o.client.epoch_record(epoch).await?;
-            let Some(hash) = self
-                .recompute(
-                    &record,
-                    d.partition.stage,
-                    d.partition.partition,
-                    &mut Objects::default(),
-                )
+            let (stage, partition) = (d.partition.stage, d.partition.partition);
+            let Some((bytes, hash)) = self
+                .recompute(&record, stage, partition, &mut Objects::default())
                 .await?
             else {
                 tracing::warn!(
@@ -879,6 +876,21 @@ impl Validator {
                 );
                 continue;
             };
+            // A dispute is settled by naming a submitted result. When no owner submitted the
+            // honest merge, this validator submits it first (the orchestrator refuses a hash
+            // that names no result).
+            if !d.partition.results.iter().any(|r| r.blake3 == hash) {
+                if let Err(e) = o
+                    .client
+                    .validator_merge(epoch, stage, partition, bytes.into())
+                    .await
+                {
+                    tracing::warn!(dispute = d.id, error = %e, "could not submit the honest merge");
+                    continue;
+                }
+                tracing::info!(dispute = d.id, epoch, blake3 = %hash,
+                    "no owner submitted the honest merge; submitted it");
+            }
             match o.client.settle(d.id, &hash).await {
                 Ok(_) => {
                     settled += 1;

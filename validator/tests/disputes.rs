@@ -1,0 +1,119 @@
+//! A dispute whose owners both merged wrongly: the validator recomputes the merge, finds that no
+//! submitted result has its hash, submits its own merge and settles the dispute with it, so the
+//! partition is accepted with the honest weights (the orchestrator refuses a settlement that
+//! names no submitted result).
+//!
+//! Simulated miners (`iota_orchestrator::sim`) on a real `tiny` run: their merges are plain
+//! averages without the outer step, so none of them is what the validator computes. Needs
+//! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+
+#[path = "../../miner/tests/support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use iota_chain::wallet::Keypair;
+use iota_chain::{ConnectOptions, Subtensor};
+use iota_orchestrator::sim::SimMiner;
+use iota_protocol::api::PartitionState;
+use iota_protocol::{ApiClient, RetryPolicy};
+use iota_validator::{Store, Validator, ValidatorConfig};
+use support::*;
+
+const MINERS: [u8; 3] = [51, 52, 53];
+const VALIDATOR: u8 = 59;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispute_nobody_merged_honestly_is_settled_with_the_validators_merge() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let db = fresh_db().await;
+    let store_dir = tempfile::tempdir().expect("store");
+    let mut run = tiny_run("disputes", 6);
+    // The dispute waits for the validator.
+    run.merging_s = 600;
+    let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
+    let mut miners = Vec::new();
+    for (i, s) in MINERS.iter().enumerate() {
+        miners.push(
+            SimMiner::join(&orch.base, signer(*s), 1000.0, i as u64)
+                .await
+                .expect("join"),
+        );
+    }
+    miners[1].wrong_merge = true;
+    let reader = ApiClient::connect(&orch.base, signer(VALIDATOR), RetryPolicy::default())
+        .await
+        .expect("validator client");
+
+    // Step the miners one at a time until a dispute opens, and no further: the tie-break owner
+    // it brings in never merges, so only the validator can settle it.
+    let mut open = Vec::new();
+    'run: for _ in 0..3000 {
+        for m in &mut miners {
+            m.step().await.expect("step");
+            open = reader.disputes().await.expect("disputes");
+            if !open.is_empty() {
+                break 'run;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!open.is_empty(), "no dispute opened");
+    let disputed = open[0].partition.clone();
+
+    let vdb = fresh_db().await;
+    let store = Store::connect(&vdb).await.expect("validator db");
+    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+        .await
+        .expect("chain");
+    let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
+    cfg.set_weights = false;
+    cfg.tx = tx();
+    let v = Validator::connect(cfg, Keypair::from_seed([VALIDATOR; 32]), vchain, store)
+        .await
+        .expect("validator");
+    let settled = v.settle_disputes().await.expect("settle");
+    assert!(settled >= 1, "settled {settled} of {}", open.len());
+
+    let now = reader
+        .merge_status(disputed.epoch)
+        .await
+        .expect("merges")
+        .into_iter()
+        .find(|p| p.stage == disputed.stage && p.partition == disputed.partition)
+        .expect("the disputed partition");
+    assert_eq!(now.state, PartitionState::Accepted, "{now:?}");
+    let accepted = now.accepted.as_ref().expect("accepted weights");
+    // Not what either owner submitted: the validator's own merge, listed among the results.
+    for r in &disputed.results {
+        assert_ne!(r.blake3, accepted.blake3, "{now:?}");
+    }
+    assert!(
+        now.results.iter().any(|r| r.blake3 == accepted.blake3),
+        "{now:?}"
+    );
+    assert!(
+        now.resolved_by
+            .as_deref()
+            .is_some_and(|by| by.starts_with("validator:")),
+        "{now:?}"
+    );
+    assert!(
+        reader
+            .disputes()
+            .await
+            .expect("disputes")
+            .iter()
+            .all(|d| d.id != open[0].id),
+        "still open"
+    );
+    // The accepted bytes are the honest merge: they decode as the partition's weights.
+    let bytes = reader.download(accepted).await.expect("download");
+    let len = run
+        .partition_range(disputed.stage, disputed.partition)
+        .map(|r| r.end - r.start)
+        .expect("range");
+    iota_protocol::tensor::decode_merged(&bytes, len).expect("decodes");
+    orch.stop().await;
+}
