@@ -985,28 +985,34 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
 }
 
 /// Deletes the objects of epochs older than the retention window, keeping the merged partitions
-/// that are still the latest accepted weights.
+/// that an epoch still kept starts from (for each partition, the latest accepted before the
+/// oldest kept epoch: those are also the latest weights of a partition not merged since).
 async fn collect_garbage(app: &App) -> ApiResult<()> {
     let cur = run_now(&app.db, app.run.id).await?;
     let keep = app.config().retention_epochs.max(1);
     if cur.epoch < keep {
         return Ok(());
     }
+    let oldest_kept = (cur.epoch - keep) as i64;
     let old: Vec<i64> = sqlx::query_scalar(
         "SELECT epoch FROM epochs WHERE run_id = $1 AND epoch < $2 AND NOT gc_done ORDER BY epoch",
     )
     .bind(app.run.id)
-    .bind((cur.epoch - keep) as i64)
+    .bind(oldest_kept)
     .fetch_all(&app.db)
     .await?;
+    // The kept epochs move on only as the run does, which leaves an epoch to collect.
     if old.is_empty() {
         return Ok(());
     }
-    let latest: Vec<String> = sqlx::query_scalar(
+    // A partition's latest merge before the oldest kept epoch is never marked collected.
+    let bases: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT ON (stage, partition) accepted->>'key' FROM partitions
-         WHERE run_id = $1 AND state = 'accepted' ORDER BY stage, partition, epoch DESC",
+         WHERE run_id = $1 AND state = 'accepted' AND NOT collected AND epoch < $2
+         ORDER BY stage, partition, epoch DESC",
     )
     .bind(app.run.id)
+    .bind(oldest_kept)
     .fetch_all(&app.db)
     .await?;
     for epoch in old {
@@ -1018,7 +1024,7 @@ async fn collect_garbage(app: &App) -> ApiResult<()> {
             .delete_prefix(&format!("{base}/pseudo-gradients"))
             .await?;
         for key in app.store.list(&format!("{base}/merged")).await? {
-            if !latest.contains(&key) {
+            if !bases.contains(&key) {
                 app.store.delete(&key).await?;
                 removed += 1;
             }
@@ -1029,6 +1035,31 @@ async fn collect_garbage(app: &App) -> ApiResult<()> {
             .execute(&app.db)
             .await?;
         tracing::info!(epoch, removed, "objects of an old epoch collected");
+    }
+    // Accepted merges of collected epochs that were kept as a base and are one no longer (the
+    // partition was merged again since): their epoch's collection passed them by.
+    let superseded: Vec<(i64, i32, i32, String)> = sqlx::query_as(
+        "SELECT epoch, stage, partition, accepted->>'key' FROM partitions
+         WHERE run_id = $1 AND state = 'accepted' AND NOT collected AND epoch < $2
+           AND NOT (accepted->>'key' = ANY($3))",
+    )
+    .bind(app.run.id)
+    .bind(oldest_kept)
+    .bind(&bases)
+    .fetch_all(&app.db)
+    .await?;
+    for (epoch, stage, partition, key) in superseded {
+        app.store.delete(&key).await?;
+        sqlx::query(
+            "UPDATE partitions SET collected = true
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+        )
+        .bind(app.run.id)
+        .bind(epoch)
+        .bind(stage)
+        .bind(partition)
+        .execute(&app.db)
+        .await?;
     }
     Ok(())
 }

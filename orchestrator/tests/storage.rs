@@ -604,5 +604,72 @@ async fn the_latest_weights_outlive_their_epoch() {
             "{key} outlived its epoch but is not a latest weight"
         );
     }
+
+    // The miners come back and merge every partition again, in a later epoch.
+    let stop = Arc::new(AtomicBool::new(false));
+    let sims = simulated_miners(&orch.base, &stop);
+    let newer = eventually(
+        "every partition merged again",
+        Duration::from_secs(120),
+        || {
+            let reader = &reader;
+            let now = &now;
+            async move {
+                let again = merged(reader).await?;
+                again
+                    .iter()
+                    .all(|b| !now.iter().any(|old| old.key == b.key))
+                    .then_some(again)
+            }
+        },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for sim in sims {
+        let _ = sim.await;
+    }
+    let remerged = newer
+        .iter()
+        .filter_map(|b| epoch_of(&b.key))
+        .max()
+        .expect("weights name their epoch");
+    // Until the epoch they were merged in leaves the kept window, the old weights are what
+    // that epoch started from: they stay.
+    for blob in &now {
+        let path = dir.path().join(&blob.key);
+        let status = reader.status().await.expect("status");
+        if status.epoch < remerged + 3 {
+            assert!(
+                path.exists(),
+                "{} collected at epoch {}",
+                blob.key,
+                status.epoch
+            );
+        }
+    }
+    // Then nothing kept starts from them, and they go (before, a merge kept past its epoch's
+    // collection was never deleted).
+    eventually(
+        "the superseded weights collected",
+        Duration::from_secs(120),
+        || async {
+            now.iter()
+                .all(|b| !dir.path().join(&b.key).exists())
+                .then_some(())
+        },
+    )
+    .await;
+    let status = reader.status().await.expect("status");
+    assert!(
+        status.epoch >= remerged + 3,
+        "superseded weights collected at epoch {} (merged again in {remerged})",
+        status.epoch
+    );
+    for blob in merged(&reader).await.expect("weights") {
+        reader
+            .download(&blob)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", blob.key));
+    }
     orch.stop().await;
 }

@@ -211,9 +211,10 @@ where
 
 /// Whether the orchestrator may have collected objects that checking `epoch` needs by the time
 /// the run is in `current`. It deletes the objects of epochs before `current -
-/// retention_epochs` (at least one epoch is kept), merged weights too unless they are still a
-/// partition's latest; a replay of `epoch` needs its objects and the weights merged at the end
-/// of the epoch before.
+/// retention_epochs` (at least one epoch is kept), merged weights too unless the oldest kept
+/// epoch starts from them; a replay of `epoch` needs its objects and the weights merged at the
+/// end of the epoch before. (So the oldest kept epoch could still be checked; it is counted as
+/// collected, which is on the safe side.)
 pub fn objects_collected(epoch: u64, current: u64, retention_epochs: u64) -> bool {
     epoch
         .saturating_sub(1)
