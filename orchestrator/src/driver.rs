@@ -673,12 +673,18 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     for id in leftover {
         abandon_sample(&mut tx, id, "epoch ended").await?;
     }
-    sqlx::query("UPDATE epochs SET ended_at = $3 WHERE run_id = $1 AND epoch = $2")
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+    // The epoch's samples are final now: its mean loss is stored once, for `GET /v1/loss`.
+    sqlx::query(
+        "UPDATE epochs e SET ended_at = $3, loss_samples = l.n, loss_mean = l.mean
+         FROM (SELECT count(loss) AS n, avg(loss) AS mean FROM samples
+               WHERE run_id = $1 AND epoch = $2 AND loss IS NOT NULL) l
+         WHERE e.run_id = $1 AND e.epoch = $2",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
     sqlx::query("UPDATE runs SET epoch = $2 WHERE id = $1")
         .bind(app.run.id)
         .bind(epoch as i64 + 1)

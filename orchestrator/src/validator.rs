@@ -121,33 +121,7 @@ pub async fn epoch(
 
 /// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
 async fn start_weights_of(app: &App, stage: u32, epoch: u64) -> ApiResult<StageWeights> {
-    let rows = sqlx::query(
-        "SELECT DISTINCT ON (partition) partition, epoch, accepted FROM partitions
-         WHERE run_id = $1 AND stage = $2 AND state = 'accepted' AND epoch < $3
-         ORDER BY partition, epoch DESC",
-    )
-    .bind(app.run.id)
-    .bind(stage as i32)
-    .bind(epoch as i64)
-    .fetch_all(&app.db)
-    .await?;
-    let mut partitions = vec![None; app.config().partitions as usize];
-    let mut latest = None;
-    for r in rows {
-        let p = r.try_get::<i32, _>("partition")? as usize;
-        latest = latest.max(Some(r.try_get::<i64, _>("epoch")? as u64));
-        if let Some(slot) = partitions.get_mut(p) {
-            *slot = Some(
-                serde_json::from_value(r.try_get("accepted")?)
-                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-            );
-        }
-    }
-    Ok(StageWeights {
-        epoch: latest,
-        stage,
-        partitions,
-    })
+    views::latest_accepted(app, stage, Some(epoch)).await
 }
 
 /// `GET /v1/validator/disputes`: open disputes with what is needed to recompute them.

@@ -75,26 +75,44 @@ pub async fn stage_weights(app: &App, stage: u32) -> ApiResult<StageWeights> {
             format!("no stage {stage}"),
         ));
     }
+    let mut weights = latest_accepted(app, stage, None).await?;
+    for blob in weights.partitions.iter_mut().flatten() {
+        blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
+    }
+    Ok(weights)
+}
+
+/// Each partition's latest accepted merge of `stage` from an epoch before `before` (any epoch:
+/// `None`), and the latest epoch among them. One index probe per partition
+/// (`partitions_accepted_latest`), not a read of every epoch's partitions.
+pub(crate) async fn latest_accepted(
+    app: &App,
+    stage: u32,
+    before: Option<u64>,
+) -> ApiResult<StageWeights> {
+    let count = app.config().partitions;
     let rows = sqlx::query(
-        "SELECT DISTINCT ON (partition) partition, epoch, accepted FROM partitions
-         WHERE run_id = $1 AND stage = $2 AND state = 'accepted'
-         ORDER BY partition, epoch DESC",
+        "SELECT p.partition, x.epoch, x.accepted
+         FROM generate_series(0, $3 - 1) AS p(partition)
+         CROSS JOIN LATERAL (
+             SELECT epoch, accepted FROM partitions
+             WHERE run_id = $1 AND stage = $2 AND partition = p.partition
+               AND state = 'accepted' AND epoch < $4
+             ORDER BY epoch DESC LIMIT 1) x",
     )
     .bind(app.run.id)
     .bind(stage as i32)
+    .bind(count as i32)
+    .bind(before.map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64))
     .fetch_all(&app.db)
     .await?;
-    let mut partitions: Vec<Option<BlobDescriptor>> = vec![None; app.config().partitions as usize];
+    let mut partitions: Vec<Option<BlobDescriptor>> = vec![None; count as usize];
     let mut latest: Option<u64> = None;
     for row in rows {
         let p = row.try_get::<i32, _>("partition")? as usize;
-        let epoch = row.try_get::<i64, _>("epoch")? as u64;
-        latest = latest.max(Some(epoch));
-        let mut blob: BlobDescriptor =
-            serde_json::from_value(row.try_get("accepted")?).map_err(json_err)?;
-        blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
+        latest = latest.max(Some(row.try_get::<i64, _>("epoch")? as u64));
         if let Some(slot) = partitions.get_mut(p) {
-            *slot = Some(blob);
+            *slot = Some(serde_json::from_value(row.try_get("accepted")?).map_err(json_err)?);
         }
     }
     Ok(StageWeights {
@@ -191,16 +209,24 @@ pub async fn get_miners(State(app): State<App>) -> ApiResult<Json<Vec<MinerInfo>
     Ok(Json(out))
 }
 
+/// What `GET /v1/loss` runs: finished epochs' stored means, and the running epoch's from its
+/// own samples (so a request reads one row per epoch and one epoch's samples, however long the
+/// run). Epochs without a loss are left out.
+pub const LOSS_SQL: &str = "SELECT epoch, loss_samples, loss_mean FROM epochs
+     WHERE run_id = $1 AND ended_at IS NOT NULL AND loss_samples > 0
+     UNION ALL
+     SELECT r.epoch, count(s.loss), avg(s.loss) FROM runs r
+     JOIN samples s ON s.run_id = r.id AND s.epoch = r.epoch AND s.loss IS NOT NULL
+     WHERE r.id = $1 GROUP BY r.epoch
+     ORDER BY epoch";
+
 /// `GET /v1/loss`: mean last-stage loss per epoch.
 #[utoipa::path(get, path = "/v1/loss", tag = "explorer", responses((status = 200, body = Vec<LossPoint>)))]
 pub async fn get_loss(State(app): State<App>) -> ApiResult<Json<Vec<LossPoint>>> {
-    let rows: Vec<(i64, i64, f64)> = sqlx::query_as(
-        "SELECT epoch, count(loss), coalesce(avg(loss), 0) FROM samples
-         WHERE run_id = $1 AND loss IS NOT NULL GROUP BY epoch ORDER BY epoch",
-    )
-    .bind(app.run.id)
-    .fetch_all(&app.db)
-    .await?;
+    let rows: Vec<(i64, i64, f64)> = sqlx::query_as(LOSS_SQL)
+        .bind(app.run.id)
+        .fetch_all(&app.db)
+        .await?;
     Ok(Json(
         rows.into_iter()
             .map(|(epoch, samples, mean_loss)| LossPoint {

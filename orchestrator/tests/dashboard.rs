@@ -285,6 +285,28 @@ fn workspace_target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Rows that the plan's nodes on `relation` read (kept or removed by a filter, times loops),
+/// over the whole plan tree of an `EXPLAIN (ANALYZE, FORMAT JSON)`.
+fn rows_read(plan: &Value, relation: &str) -> f64 {
+    match plan {
+        Value::Array(items) => items.iter().map(|v| rows_read(v, relation)).sum(),
+        Value::Object(map) => {
+            let own = if map.get("Relation Name").and_then(Value::as_str) == Some(relation) {
+                let get = |k: &str| map.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                let loops = map
+                    .get("Actual Loops")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(1.0);
+                (get("Actual Rows") + get("Rows Removed by Filter")) * loops
+            } else {
+                0.0
+            };
+            own + map.values().map(|v| rows_read(v, relation)).sum::<f64>()
+        }
+        _ => 0.0,
+    }
+}
+
 // ---------- the test ----------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -357,6 +379,65 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
             "epoch 1 saw no loss within 180 s; losses so far {loss:?}"
         );
     }
+
+    // `GET /v1/loss` is the mean of each epoch's sample losses (epoch 0's stored when it ended,
+    // epoch 1's live), and reads only the running epoch's samples: before, every request
+    // aggregated every sample of the run.
+    let pool = sqlx::PgPool::connect(&db).await.expect("db");
+    let run_id: i64 = sqlx::query_scalar("SELECT id FROM runs")
+        .fetch_one(&pool)
+        .await
+        .expect("run");
+    let direct: Vec<(i64, i64, f64)> = sqlx::query_as(
+        "SELECT epoch, count(loss), avg(loss) FROM samples
+         WHERE run_id = $1 AND loss IS NOT NULL GROUP BY epoch ORDER BY epoch",
+    )
+    .bind(run_id)
+    .fetch_all(&pool)
+    .await
+    .expect("losses");
+    let served: Vec<LossPoint> = http
+        .get(format!("{base}/v1/loss"))
+        .send()
+        .await
+        .expect("loss")
+        .json()
+        .await
+        .expect("loss json");
+    assert_eq!(served.len(), direct.len(), "{served:?} against {direct:?}");
+    for (p, (epoch, n, mean)) in served.iter().zip(&direct) {
+        assert_eq!(
+            (p.epoch, p.samples),
+            (*epoch as u64, *n as u64),
+            "{served:?}"
+        );
+        assert!(
+            (p.mean_loss - mean).abs() < 1e-9,
+            "{served:?} against {direct:?}"
+        );
+    }
+    assert!(
+        direct.iter().any(|d| d.0 == 0),
+        "epoch 0 has losses: {direct:?}"
+    );
+    // The route's own statement, constant text.
+    let plan: Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+        iota_orchestrator::views::LOSS_SQL
+    )))
+    .bind(run_id)
+    .fetch_one(&pool)
+    .await
+    .expect("plan");
+    let read = rows_read(&plan, "samples");
+    let running: i64 = sqlx::query_scalar("SELECT count(*) FROM samples WHERE epoch = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert!(
+        read <= running as f64,
+        "read {read} sample rows for the loss curve; the running epoch has {running}: {plan}"
+    );
 
     // A validator's scores, so the scores table has rows.
     let validator = ApiClient::connect(&base, signer(VALIDATOR), RetryPolicy::default())
