@@ -70,16 +70,15 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
         .await;
 
         // The latest finished epoch the miners completed: a stage-1 forward output and a
-        // stage-2 pseudo-gradient to spoil, and a merge the epoch started from whose owners do
-        // not include the stage-0 miner (owners come from any stage).
+        // stage-2 pseudo-gradient to spoil.
         let reader = ApiClient::connect(&orch.base, signer(VALIDATOR), RetryPolicy::default())
             .await
             .expect("validator client");
+        let checkable: Vec<u64> = (0..current)
+            .filter(|e| !objects_collected(*e, current, RETENTION))
+            .collect();
         let mut target = None;
-        for epoch in (0..current).rev() {
-            if objects_collected(epoch, current, RETENTION) {
-                break;
-            }
+        for &epoch in checkable.iter().rev() {
             let record = reader.epoch_record(epoch).await.expect("record");
             let hops = reader.hops(epoch, 0, 500).await.expect("hops").hops;
             let output = hops.iter().find(|h| {
@@ -89,47 +88,59 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
                     && h.output.is_some()
             });
             let pg = record.pseudo_gradients.iter().find(|p| p.stage == 2);
-            let stage0 = record.miners.iter().find(|m| m.stage == 0);
-            let (Some(h), Some(pg), Some(stage0)) = (output, pg, stage0) else {
-                continue;
-            };
-            let mut merged = None;
-            for w in &record.start_weights {
-                let Some(merged_in) = w.epoch else { continue };
-                let results: Vec<_> = reader
-                    .merge_status(merged_in)
-                    .await
-                    .expect("merges")
-                    .into_iter()
-                    .filter(|p| p.stage == w.stage)
-                    .flat_map(|p| p.results)
-                    .collect();
-                for blob in w.partitions.iter().flatten() {
-                    let owners: Vec<String> = results
-                        .iter()
-                        .filter(|r| r.blake3 == blob.blake3)
-                        .map(|r| r.hotkey.clone())
-                        .collect();
-                    if !owners.is_empty() && !owners.contains(&stage0.hotkey) {
-                        merged = Some((blob.clone(), owners));
-                    }
-                }
-            }
-            if let Some(merged) = merged {
-                target = Some((epoch, stage0.hotkey.clone(), h.clone(), pg.clone(), merged));
+            if let (Some(h), Some(pg)) = (output, pg)
+                && record.miners.iter().any(|m| m.stage == 0)
+            {
+                target = Some((epoch, record.clone(), h.clone(), pg.clone()));
                 break;
             }
         }
-        let (epoch, stage0, hop, pg, (merged, owners)) = target.expect("a complete epoch to spoil");
+        let (epoch, record, hop, pg) = target.expect("a complete epoch to spoil");
+        // And a merge another checkable epoch started from (not this one): its owners come from
+        // any stage, so it is judged in that epoch, apart from the checks above.
+        let mut spoil = None;
+        for &other in checkable.iter().filter(|e| **e != epoch) {
+            let rec = reader.epoch_record(other).await.expect("record");
+            for w in &rec.start_weights {
+                let Some(merged_in) = w.epoch else { continue };
+                let statuses = reader.merge_status(merged_in).await.expect("merges");
+                for blob in w.partitions.iter().flatten() {
+                    let shared = record
+                        .start_weights
+                        .iter()
+                        .flat_map(|x| x.partitions.iter().flatten())
+                        .any(|b| b.key == blob.key);
+                    let owners: Vec<String> = statuses
+                        .iter()
+                        .filter(|p| p.stage == w.stage)
+                        .flat_map(|p| &p.results)
+                        .filter(|r| r.blake3 == blob.blake3)
+                        .map(|r| r.hotkey.clone())
+                        .collect();
+                    if !shared && !owners.is_empty() && spoil.is_none() {
+                        spoil = Some((other, blob.clone(), owners));
+                    }
+                }
+            }
+        }
+        let (spoiled_epoch, merged, owners) =
+            spoil.expect("another checkable epoch started from merged weights of its own");
         let output = hop.output.clone().expect("output");
         std::fs::write(store_dir.path().join(&output.key), b"overwritten").expect("overwrite");
         std::fs::remove_file(store_dir.path().join(&pg.blob.key)).expect("delete");
         // An accepted merge is sealed where no owner can write; spoiled here (as if its owners
         // had submitted bytes that do not decode), it fails the owners whose result it is.
         std::fs::write(store_dir.path().join(&merged.key), b"spoiled").expect("spoil");
+        let stage0 = record
+            .miners
+            .iter()
+            .find(|m| m.stage == 0)
+            .expect("stage 0")
+            .hotkey
+            .clone();
         eprintln!(
-            "epoch {epoch} (run in {current}): {} overwritten ({}), {} deleted ({}), {} spoiled \
-             ({owners:?})",
+            "epoch {epoch} (run in {current}): {} overwritten ({}), {} deleted ({}); epoch \
+             {spoiled_epoch}: {} spoiled ({owners:?})",
             output.key, hop.miner, pg.blob.key, pg.hotkey, merged.key
         );
 
@@ -158,11 +169,8 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             .expect("a bad object does not stop the validator");
         // Epoch 0's objects are gone: skipped. The epochs that can be checked are scored.
         assert!(objects_collected(0, current, RETENTION));
-        let checkable: Vec<u64> = (0..current)
-            .filter(|e| !objects_collected(*e, current, RETENTION))
-            .collect();
         assert_eq!(scored, checkable, "run in epoch {current}");
-        assert!(scored.contains(&epoch));
+        assert!(scored.contains(&epoch) && scored.contains(&spoiled_epoch));
 
         let (run_id, _) = v.run_info().await.expect("run");
         let checks = store.checks(run_id, epoch).await.expect("checks");
@@ -189,15 +197,6 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
                 .any(|c| c.kind == "pseudo_gradient" && names(c, &pg.blob.key)),
             "{checks:?}"
         );
-        // …the spoiled merge each owner that submitted it…
-        for owner in &owners {
-            assert!(
-                failed(owner)
-                    .iter()
-                    .any(|c| c.kind == "object" && names(c, &merged.key)),
-                "{owner}: {checks:?}"
-            );
-        }
         // …and nobody else fails for them.
         assert!(failed(&stage0).is_empty(), "{checks:?}");
         let scores = store
@@ -206,9 +205,31 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             .expect("scores");
         let of = |h: &str| scores.iter().find(|s| s.hotkey == h).expect("a score");
         assert!(of(&stage0).score > 0.0, "{scores:?}");
-        for cheat in [&hop.miner, &pg.hotkey].into_iter().chain(&owners) {
+        for cheat in [&hop.miner, &pg.hotkey] {
             assert_eq!(of(cheat).quality, 0.0, "{scores:?}");
             assert!(of(cheat).penalty.is_some(), "{scores:?}");
+        }
+        // In the epoch that started from the spoiled merge, each owner that submitted it fails.
+        let spoiled_checks = store.checks(run_id, spoiled_epoch).await.expect("checks");
+        for owner in &owners {
+            assert!(
+                spoiled_checks.iter().any(|c| &c.hotkey == owner
+                    && !c.passed
+                    && c.kind == "object"
+                    && names(c, &merged.key)),
+                "{owner}: {spoiled_checks:?}"
+            );
+        }
+        let spoiled_scores = store
+            .scores_between(run_id, spoiled_epoch, spoiled_epoch)
+            .await
+            .expect("scores");
+        for owner in &owners {
+            let score = spoiled_scores
+                .iter()
+                .find(|s| &s.hotkey == owner)
+                .expect("a score");
+            assert!(score.penalty.is_some(), "{spoiled_scores:?}");
         }
         // Nothing is retried: a second pass has nothing left to score.
         assert_eq!(v.step().await.expect("second step"), Vec::<u64>::new());
