@@ -701,23 +701,35 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     };
     assert_eq!(upload(&raw).await.0, 400);
 
-    // A registered miner's two uploads whose bodies never come hold this address's two slots.
-    let held = [
-        stalled_body(&orch.base, &raw.receiver, MINER, "PUT", path, 1000).await,
-        stalled_body(&orch.base, &raw.receiver, MINER, "PUT", path, 1000).await,
+    // Two uploads of that miner whose bodies never come hold this address's two slots.
+    let mut held = [
+        stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await,
+        stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await,
     ];
-    let refused = eventually(
-        "this address's slots taken",
-        Duration::from_secs(10),
-        || {
-            let raw = &raw;
-            async move {
-                let answer = upload(raw).await;
-                (answer.0 == 429).then_some(answer)
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let refused = loop {
+        let answer = upload(&raw).await;
+        if answer.0 == 429 {
+            break answer;
+        }
+        if tokio::time::Instant::now() > deadline {
+            // What the stalled requests were answered, if anything (they should still wait).
+            let mut stalled = Vec::new();
+            for stream in &mut held {
+                use tokio::io::AsyncReadExt;
+                let mut buf = vec![0u8; 512];
+                let read =
+                    tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await;
+                stalled.push(match read {
+                    Ok(Ok(n)) => String::from_utf8_lossy(&buf[..n]).into_owned(),
+                    Ok(Err(e)) => format!("read error: {e}"),
+                    Err(_) => "still waiting".into(),
+                });
             }
-        },
-    )
-    .await;
+            panic!("no 429 while two uploads stall; last answer {answer:?}; stalled: {stalled:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(
         refused.1.as_ref().map(|e| e.code),
         Some(ErrorCode::RateLimited),
