@@ -285,6 +285,17 @@ fn workspace_target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// `GET /v1/loss`.
+async fn loss_curve(http: &reqwest::Client, base: &str) -> Vec<LossPoint> {
+    http.get(format!("{base}/v1/loss"))
+        .send()
+        .await
+        .expect("loss")
+        .json()
+        .await
+        .expect("loss json")
+}
+
 /// Rows that the plan's nodes on `relation` read (kept or removed by a filter, times loops),
 /// over the whole plan tree of an `EXPLAIN (ANALYZE, FORMAT JSON)`.
 fn rows_read(plan: &Value, relation: &str) -> f64 {
@@ -363,14 +374,7 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
             step_errors.len() < 10,
             "simulated miners keep failing: {step_errors:?}"
         );
-        let loss: Vec<LossPoint> = http
-            .get(format!("{base}/v1/loss"))
-            .send()
-            .await
-            .expect("loss")
-            .json()
-            .await
-            .expect("loss json");
+        let loss = loss_curve(&http, &base).await;
         if loss.iter().any(|p| p.epoch >= 1) {
             break;
         }
@@ -396,14 +400,7 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
     .fetch_all(&pool)
     .await
     .expect("losses");
-    let served: Vec<LossPoint> = http
-        .get(format!("{base}/v1/loss"))
-        .send()
-        .await
-        .expect("loss")
-        .json()
-        .await
-        .expect("loss json");
+    let served = loss_curve(&http, &base).await;
     assert_eq!(served.len(), direct.len(), "{served:?} against {direct:?}");
     for (p, (epoch, n, mean)) in served.iter().zip(&direct) {
         assert_eq!(

@@ -7,17 +7,16 @@
 //! averages without the outer step, so none of them is what the validator computes. Needs
 //! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
+mod harness;
 #[path = "../../miner/tests/support/mod.rs"]
 mod support;
 
 use std::time::Duration;
 
-use iota_chain::wallet::Keypair;
-use iota_chain::{ConnectOptions, Subtensor};
+use harness::validator;
 use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::PartitionState;
 use iota_protocol::{ApiClient, RetryPolicy};
-use iota_validator::{Store, Validator, ValidatorConfig};
 use support::*;
 
 const MINERS: [u8; 3] = [51, 52, 53];
@@ -62,17 +61,16 @@ async fn a_dispute_nobody_merged_honestly_is_settled_with_the_validators_merge()
     assert!(!open.is_empty(), "no dispute opened");
     let disputed = open[0].partition.clone();
 
-    let vdb = fresh_db().await;
-    let store = Store::connect(&vdb).await.expect("validator db");
-    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
-        .await
-        .expect("chain");
-    let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
-    cfg.set_weights = false;
-    cfg.tx = tx();
-    let v = Validator::connect(cfg, Keypair::from_seed([VALIDATOR; 32]), vchain, store)
-        .await
-        .expect("validator");
+    let (v, _) = validator(
+        chain.net.ws_url(),
+        &orch.base,
+        chain.netuid,
+        VALIDATOR,
+        |c| {
+            c.set_weights = false;
+        },
+    )
+    .await;
     let settled = v.settle_disputes().await.expect("settle");
     assert!(settled >= 1, "settled {settled} of {}", open.len());
 

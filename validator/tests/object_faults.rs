@@ -8,18 +8,17 @@
 //! stage, then a validator that joins late. Needs `DATABASE_URL` (scripts/test.sh starts
 //! PostgreSQL).
 
+mod harness;
 #[path = "../../miner/tests/support/mod.rs"]
 mod support;
 
 use std::time::Duration;
 
-use iota_chain::wallet::Keypair;
-use iota_chain::{ConnectOptions, Subtensor};
+use harness::validator;
 use iota_protocol::api::{Direction, Phase};
 use iota_protocol::{ApiClient, RetryPolicy};
 use iota_validator::service::objects_collected;
 use iota_validator::store::CheckRow;
-use iota_validator::{Store, Validator, ValidatorConfig};
 use support::*;
 
 const MINERS: [u8; 3] = [61, 62, 63];
@@ -144,25 +143,20 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             output.key, hop.miner, pg.blob.key, pg.hotkey, merged.key
         );
 
-        let vdb = fresh_db().await;
-        let store = Store::connect(&vdb).await.expect("validator db");
-        let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
-            .await
-            .expect("chain");
-        let mut cfg = ValidatorConfig::new(&orch.base, chain.netuid);
-        cfg.replays_per_epoch = 0;
-        // Every partition's merge is recomputed: stage 1's need the spoiled start weights.
-        cfg.merges_per_epoch = usize::MAX;
-        cfg.set_weights = false;
-        cfg.tx = tx();
-        let v = Validator::connect(
-            cfg,
-            Keypair::from_seed([VALIDATOR; 32]),
-            vchain,
-            store.clone(),
+        let (v, store) = validator(
+            chain.net.ws_url(),
+            &orch.base,
+            chain.netuid,
+            VALIDATOR,
+            |c| {
+                c.replays_per_epoch = 0;
+                // Every partition's merge is recomputed, including those of the epoch that
+                // started from the spoiled merge.
+                c.merges_per_epoch = usize::MAX;
+                c.set_weights = false;
+            },
         )
-        .await
-        .expect("validator");
+        .await;
         let scored = v
             .step()
             .await
