@@ -1021,6 +1021,7 @@ async fn collect_garbage(app: &App) -> ApiResult<()> {
     .bind(oldest_kept)
     .fetch_all(&app.db)
     .await?;
+    let kept: std::collections::HashSet<&String> = bases.iter().collect();
     for epoch in old {
         let base = format!("runs/{}/epoch-{epoch}", app.run.id);
         let mut removed = 0;
@@ -1030,7 +1031,7 @@ async fn collect_garbage(app: &App) -> ApiResult<()> {
             .delete_prefix(&format!("{base}/pseudo-gradients"))
             .await?;
         for key in app.store.list(&format!("{base}/merged")).await? {
-            if !bases.contains(&key) {
+            if !kept.contains(&key) {
                 app.store.delete(&key).await?;
                 removed += 1;
             }

@@ -4,6 +4,9 @@
 //! too. Validators read the full record of an epoch and draw their own spot checks from a seed
 //! the orchestrator cannot know (a block hash after the upload deadline mixed with their secret).
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, State};
@@ -141,14 +144,20 @@ pub async fn disputes(
     .fetch_all(&app.db)
     .await?;
     let mut out = Vec::with_capacity(rows.len());
+    // Each epoch's partitions read once, however many of them are disputed.
+    let mut epochs: HashMap<u64, Vec<PartitionStatus>> = HashMap::new();
     for r in rows {
         let epoch = r.try_get::<i64, _>("epoch")? as u64;
         let stage = r.try_get::<i32, _>("stage")? as u32;
         let partition = r.try_get::<i32, _>("partition")? as u32;
-        let status = views::partitions_of(&app, epoch)
-            .await?
-            .into_iter()
+        let partitions = match epochs.entry(epoch) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(views::partitions_of(&app, epoch).await?),
+        };
+        let status = partitions
+            .iter()
             .find(|p| p.stage == stage && p.partition == partition)
+            .cloned()
             .ok_or_else(|| AppError::new(ErrorCode::Internal, "dispute without partition"))?;
         out.push(Dispute {
             id: r.try_get("id")?,

@@ -859,15 +859,22 @@ impl Validator {
     pub async fn settle_disputes(&self) -> Result<usize, ValidatorError> {
         let o = self.online().await?;
         let mut settled = 0;
+        // Disputes of one epoch share its record: fetched once.
+        let mut records: HashMap<u64, EpochRecord> = HashMap::new();
         for d in o.client.disputes().await? {
             if d.state != "open" {
                 continue;
             }
             let epoch = d.partition.epoch;
-            let record = o.client.epoch_record(epoch).await?;
+            let record = match records.entry(epoch) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(o.client.epoch_record(epoch).await?)
+                }
+            };
             let (stage, partition) = (d.partition.stage, d.partition.partition);
             let Some((bytes, hash)) = self
-                .recompute(&record, stage, partition, &mut Objects::default())
+                .recompute(record, stage, partition, &mut Objects::default())
                 .await?
             else {
                 tracing::warn!(
