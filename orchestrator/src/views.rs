@@ -215,9 +215,9 @@ pub async fn get_miners(State(app): State<App>) -> ApiResult<Json<Vec<MinerInfo>
 pub const LOSS_SQL: &str = "SELECT epoch, loss_samples, loss_mean FROM epochs
      WHERE run_id = $1 AND ended_at IS NOT NULL AND loss_samples > 0
      UNION ALL
-     SELECT r.epoch, count(s.loss), avg(s.loss) FROM runs r
-     JOIN samples s ON s.run_id = r.id AND s.epoch = r.epoch AND s.loss IS NOT NULL
-     WHERE r.id = $1 GROUP BY r.epoch
+     SELECT epoch, count(loss), avg(loss) FROM samples
+     WHERE run_id = $1 AND epoch = (SELECT epoch FROM runs WHERE id = $1) AND loss IS NOT NULL
+     GROUP BY epoch
      ORDER BY epoch";
 
 /// `GET /v1/loss`: mean last-stage loss per epoch.
