@@ -708,6 +708,20 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let refused = loop {
+        // A stalled head written just before a probe may reach the server after it, and then be
+        // the one refused: such a connection is replaced, so that the probe below only counts
+        // once both stalled uploads hold their slots.
+        for stream in &mut held {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            if let Ok(answered) =
+                tokio::time::timeout(Duration::from_millis(1), stream.read(&mut buf)).await
+            {
+                tracing::info!(?answered, "a stalled upload was answered; replacing it");
+                *stream =
+                    stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await;
+            }
+        }
         let answer = upload(&raw).await;
         if answer.0 == 429 {
             break answer;
