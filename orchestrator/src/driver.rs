@@ -20,7 +20,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::app::{ApiResult, App, AppError};
-use crate::miner::{abandon_sample, route_forward_sample, run_now};
+use crate::miner::{abandon_sample, reroute, run_now};
 use crate::routing::{
     PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step, verdict,
 };
@@ -168,7 +168,9 @@ pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 
 /// Lapsed leases: a forward hop is re-routed to another miner of its stage as a new attempt; a
 /// backward hop cannot move (only its miner holds the activation cache), so its sample is
-/// abandoned. The old attempt's late result is refused with `lease_expired`.
+/// abandoned. The old attempt's late result is refused with `lease_expired`. Hops routed to a
+/// miner that had already ended its epoch (a completion that raced with its pseudo-gradient, see
+/// `miner::close_epoch`) move the same way.
 async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     let rows = sqlx::query(
@@ -184,37 +186,31 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     for row in &rows {
         reroute(&mut tx, app, row, "lease lapsed").await?;
     }
+    let stray = sqlx::query(
+        "UPDATE tasks SET status = 'expired' WHERE id IN (
+             SELECT t.id FROM tasks t
+             WHERE t.run_id = $1 AND t.status IN ('pending', 'leased')
+               AND EXISTS (SELECT 1 FROM pseudo_gradients g
+                           WHERE g.run_id = t.run_id AND g.epoch = t.epoch AND g.miner = t.miner)
+             FOR UPDATE SKIP LOCKED)
+         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+    )
+    .bind(app.run.id)
+    .fetch_all(&mut *tx)
+    .await?;
+    for row in &stray {
+        reroute(&mut tx, app, row, "its miner ended its epoch").await?;
+    }
     tx.commit().await?;
     if !rows.is_empty() {
         metrics::counter!("iota_leases_expired_total").increment(rows.len() as u64);
         tracing::info!(count = rows.len(), "leases lapsed and were re-routed");
     }
-    Ok(())
-}
-
-async fn reroute(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    row: &sqlx::postgres::PgRow,
-    why: &str,
-) -> ApiResult<()> {
-    let direction: String = row.try_get("direction")?;
-    let sample_id: i64 = row.try_get("sample_id")?;
-    if direction == "forward" {
-        let miner: String = row.try_get("miner")?;
-        route_forward_sample(
-            tx,
-            app,
-            row.try_get::<i64, _>("epoch")? as u64,
-            sample_id,
-            row.try_get::<i32, _>("stage")? as u32,
-            row.try_get::<i32, _>("attempt")? + 1,
-            row.try_get("input")?,
-            Some(&miner),
-        )
-        .await?;
-    } else {
-        abandon_sample(tx, sample_id, why).await?;
+    if !stray.is_empty() {
+        tracing::info!(
+            count = stray.len(),
+            "hops routed to miners that had ended their epoch were re-routed"
+        );
     }
     Ok(())
 }

@@ -132,8 +132,11 @@ pub async fn register(
     };
     tx.commit().await?;
     metrics::counter!("iota_miner_registrations_total").increment(1);
-    let weights = views::stage_weights(&app, stage).await?;
+    // The weights the epoch in `status` started from: a miner joining while the epoch merges
+    // must not train what is left of it from merges the epoch has already accepted (validators
+    // replay its hops from the epoch's start weights).
     let status = views::epoch_status(&app).await?;
+    let weights = views::stage_weights(&app, stage, Some(status.epoch)).await?;
     Ok(Json(RegisterResponse {
         run: views::run_info(&app),
         uid: caller.uid,
@@ -397,7 +400,8 @@ async fn poll(
 
 /// The work poll as one statement: checks the caller (active miner of this run) and marks it seen
 /// (at most once a second), returns the leases it still holds, leases pending hops routed to it
-/// up to `$4` in all, and reads the epoch status. One row per item, or one row with null item
+/// up to `$4` in all (none of an epoch the caller has ended, see [`close_epoch`]), and reads the
+/// epoch status. One row per item, or one row with null item
 /// columns; no row when the caller is not an active miner (nothing is leased then).
 const POLL_SQL: &str = "
 WITH me AS (
@@ -417,6 +421,8 @@ WITH me AS (
     WHERE id IN (
         SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
           AND EXISTS (SELECT 1 FROM me)
+          AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
+                          WHERE g.run_id = $1 AND g.epoch = tasks.epoch AND g.miner = $2)
         ORDER BY (direction = 'backward') DESC, id
         LIMIT greatest($4 - (SELECT count(*) FROM held), 0)
         FOR UPDATE SKIP LOCKED)
@@ -766,12 +772,33 @@ async fn stage_output(
     .execute(&app.db)
     .await?;
     if updated.rows_affected() == 0 {
-        // The lease lapsed while the bytes were in flight: leave nothing behind.
-        app.store.delete(&blob.key).await?;
-        return Err(AppError::new(
-            ErrorCode::LeaseExpired,
-            format!("task {task_id}'s lease lapsed during the upload"),
-        ));
+        // An earlier attempt of this same upload (a client that timed out and retried) may have
+        // been staged and the hop completed meanwhile: the object at this key is then the hop's
+        // output, which consumers read, and it stays.
+        let recorded: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT output->>'blake3' FROM tasks WHERE id = $1 AND lease = $2 AND status = 'done'
+               AND output->>'key' = $3",
+        )
+        .bind(task_id)
+        .bind(lease)
+        .bind(&blob.key)
+        .fetch_optional(&app.db)
+        .await?;
+        return match recorded {
+            Some(Some(hash)) if hash == blob.blake3 => Ok(Json(UploadResponse { blob })),
+            Some(_) => Err(AppError::new(
+                ErrorCode::Conflict,
+                format!("task {task_id} was completed with a different output"),
+            )),
+            None => {
+                // The lease lapsed while the bytes were in flight: leave nothing behind.
+                app.store.delete(&blob.key).await?;
+                Err(AppError::new(
+                    ErrorCode::LeaseExpired,
+                    format!("task {task_id}'s lease lapsed during the upload"),
+                ))
+            }
+        };
     }
     Ok(Json(UploadResponse { blob }))
 }
@@ -1198,12 +1225,18 @@ pub(crate) async fn route_forward_sample(
     input: Option<serde_json::Value>,
     exclude: Option<&str>,
 ) -> ApiResult<Option<i64>> {
+    // Not to a miner that has ended its epoch by uploading its pseudo-gradient (see
+    // `close_epoch`).
     let rows = sqlx::query(
-        "SELECT hotkey, tokens_per_s FROM miners
-         WHERE run_id = $1 AND stage = $2 AND status = 'active' ORDER BY hotkey",
+        "SELECT hotkey, tokens_per_s FROM miners m
+         WHERE run_id = $1 AND stage = $2 AND status = 'active'
+           AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
+                           WHERE g.run_id = m.run_id AND g.epoch = $3 AND g.miner = m.hotkey)
+         ORDER BY hotkey",
     )
     .bind(app.run.id)
     .bind(stage as i32)
+    .bind(epoch as i64)
     .fetch_all(&mut **tx)
     .await?;
     let all: Vec<(String, f64)> = rows
@@ -1222,7 +1255,12 @@ pub(crate) async fn route_forward_sample(
     };
     let picked = weighted_pick(pool, &mut rand::thread_rng()).map(str::to_owned);
     let Some(miner) = picked else {
-        abandon_sample(tx, sample_id, "no active miner on the next stage").await?;
+        abandon_sample(
+            tx,
+            sample_id,
+            "no miner of the next stage is active and still training this epoch",
+        )
+        .await?;
         return Ok(None);
     };
     let id: i64 = sqlx::query_scalar(
@@ -1242,7 +1280,7 @@ pub(crate) async fn route_forward_sample(
 }
 
 /// Routes a backward hop to the miner that ran the sample's forward at `stage` (it holds the
-/// activation cache). If that miner is gone, the sample is abandoned.
+/// activation cache). If that miner is gone, or has ended its epoch, the sample is abandoned.
 async fn route_backward(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
@@ -1257,7 +1295,9 @@ async fn route_backward(
     let miner: Option<String> = sqlx::query_scalar(
         "SELECT t.miner FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
          WHERE t.sample_id = $1 AND t.stage = $2 AND t.direction = 'forward' AND t.status = 'done'
-           AND m.status = 'active'",
+           AND m.status = 'active'
+           AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
+                           WHERE g.run_id = t.run_id AND g.epoch = t.epoch AND g.miner = t.miner)",
     )
     .bind(from.sample_id)
     .bind(stage as i32)
@@ -1267,7 +1307,7 @@ async fn route_backward(
         abandon_sample(
             tx,
             from.sample_id,
-            "the pathway's miner left before its backward",
+            "the pathway's miner left, or ended its epoch, before its backward",
         )
         .await?;
         return Ok(None);
@@ -1287,6 +1327,67 @@ async fn route_backward(
     .fetch_one(&mut **tx)
     .await?;
     Ok(Some(id))
+}
+
+/// Ends `miner`'s work in `epoch` when it uploads a pseudo-gradient. Validators replay every hop
+/// it completed in the epoch and compare the result with that pseudo-gradient, and its merge
+/// weight counts those hops, so no hop of the epoch may complete after it: its open hops move
+/// as lapsed ones do (forward hops to another miner of the stage, backward hops' samples end),
+/// and routing and leasing pass it over for the rest of the epoch. An honest miner uploads only
+/// once a poll finds it nothing to do, so this takes nothing from it.
+///
+/// A hop routed to the miner by a completion that raced with the upload is moved by the phase
+/// driver's next step (`driver::expire_leases`); polls never lease it meanwhile.
+pub(crate) async fn close_epoch(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    miner: &str,
+    epoch: u64,
+) -> ApiResult<()> {
+    let rows = sqlx::query(
+        "UPDATE tasks SET status = 'expired'
+         WHERE run_id = $1 AND miner = $2 AND epoch = $3 AND status IN ('pending', 'leased')
+         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+    )
+    .bind(app.run.id)
+    .bind(miner)
+    .bind(epoch as i64)
+    .fetch_all(&mut **tx)
+    .await?;
+    for row in &rows {
+        reroute(tx, app, row, "its miner ended its epoch").await?;
+    }
+    Ok(())
+}
+
+/// Moves an expired hop (`row`: its epoch, sample, stage, direction, attempt, miner and input):
+/// a forward hop to another miner of its stage as the next attempt; a backward hop cannot move
+/// (only its miner holds the activation cache), so its sample is abandoned.
+pub(crate) async fn reroute(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    row: &sqlx::postgres::PgRow,
+    why: &str,
+) -> ApiResult<()> {
+    let direction: String = row.try_get("direction")?;
+    let sample_id: i64 = row.try_get("sample_id")?;
+    if direction == "forward" {
+        let miner: String = row.try_get("miner")?;
+        route_forward_sample(
+            tx,
+            app,
+            row.try_get::<i64, _>("epoch")? as u64,
+            sample_id,
+            row.try_get::<i32, _>("stage")? as u32,
+            row.try_get::<i32, _>("attempt")? + 1,
+            row.try_get("input")?,
+            Some(&miner),
+        )
+        .await?;
+    } else {
+        abandon_sample(tx, sample_id, why).await?;
+    }
+    Ok(())
 }
 
 /// Gives up on a sample: its open hops are closed and it no longer counts as in flight.
@@ -1431,6 +1532,7 @@ async fn record_pg(
             "a different pseudo-gradient was already accepted for this partition",
         ));
     }
+    close_epoch(&mut tx, app, &caller.ss58, epoch).await?;
     tx.commit().await?;
     Ok(Json(UploadResponse { blob }))
 }

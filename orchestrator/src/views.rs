@@ -9,7 +9,7 @@ use iota_protocol::blob::BlobDescriptor;
 use serde::Deserialize;
 use sqlx::Row;
 
-use crate::app::{ApiPath, ApiResult, App, AppError};
+use crate::app::{ApiPath, ApiQuery, ApiResult, App, AppError};
 use crate::miner::run_now;
 
 fn json_err(e: serde_json::Error) -> AppError {
@@ -67,15 +67,16 @@ pub(crate) fn status_from_row(row: &sqlx::postgres::PgRow) -> ApiResult<EpochSta
 }
 
 /// The latest accepted merge of every partition of `stage` (older epochs fill partitions that
-/// were left unchanged since).
-pub async fn stage_weights(app: &App, stage: u32) -> ApiResult<StageWeights> {
+/// were left unchanged since) from an epoch before `before` (any epoch: `None`): with `before`
+/// an epoch, the weights that epoch started from.
+pub async fn stage_weights(app: &App, stage: u32, before: Option<u64>) -> ApiResult<StageWeights> {
     if stage >= app.config().stages {
         return Err(AppError::new(
             ErrorCode::NotFound,
             format!("no stage {stage}"),
         ));
     }
-    let mut weights = latest_accepted(app, stage, None).await?;
+    let mut weights = latest_accepted(app, stage, before).await?;
     for blob in weights.partitions.iter_mut().flatten() {
         blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
     }
@@ -162,15 +163,27 @@ pub async fn get_stages(State(app): State<App>) -> ApiResult<Json<Vec<StageInfo>
     Ok(Json(out))
 }
 
-/// `GET /v1/stages/{stage}/weights`.
+/// Query of the stage weights.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct WeightsQuery {
+    /// Only merges of epochs before this one: the weights this epoch started from, what a miner
+    /// trains the epoch from. Without it, the latest merges, including those the running epoch
+    /// has accepted while merging.
+    #[serde(default)]
+    pub before: Option<u64>,
+}
+
+/// `GET /v1/stages/{stage}/weights?before=…`.
 #[utoipa::path(get, path = "/v1/stages/{stage}/weights", tag = "explorer",
-    params(("stage" = u32, Path, description = "Stage")),
+    params(("stage" = u32, Path, description = "Stage"), WeightsQuery),
     responses((status = 200, body = StageWeights), (status = 404, body = iota_protocol::ApiError)))]
 pub async fn get_stage_weights(
     State(app): State<App>,
     ApiPath(stage): ApiPath<u32>,
+    ApiQuery(q): ApiQuery<WeightsQuery>,
 ) -> ApiResult<Json<StageWeights>> {
-    Ok(Json(stage_weights(&app, stage).await?))
+    Ok(Json(stage_weights(&app, stage, q.before).await?))
 }
 
 /// `GET /v1/miners`.

@@ -13,6 +13,7 @@ use common::*;
 use iota_chain::{Member, Members, MetagraphIndex};
 use iota_orchestrator::sim::SimMiner;
 use iota_orchestrator::{App, AppState, BlobStore, Limits, StoreConfig, driver};
+use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
@@ -323,5 +324,282 @@ async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
             .filter(|p| p.state == PartitionState::Unchanged)
             .count(),
         merges.len() - mine
+    );
+}
+
+/// The open hops of `miner` in epoch 0, by sample.
+async fn open_hops(db: &PgPool, miner: &str) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT sample_id FROM tasks WHERE epoch = 0 AND miner = $1
+           AND status IN ('pending', 'leased') ORDER BY sample_id",
+    )
+    .bind(miner)
+    .fetch_all(db)
+    .await
+    .expect("open hops")
+}
+
+/// Routes a forward hop of a new sample at `stage` to `miner`, as a completion at the stage
+/// before would: pending, or leased (with its lease).
+async fn routed_hop(
+    db: &PgPool,
+    run_id: i64,
+    stage: u32,
+    miner: &str,
+    leased: bool,
+) -> (i64, i64, Option<uuid::Uuid>) {
+    let sample: i64 = sqlx::query_scalar(
+        "INSERT INTO samples (run_id, epoch, status) VALUES ($1, 0, 'forward') RETURNING id",
+    )
+    .bind(run_id)
+    .fetch_one(db)
+    .await
+    .expect("sample");
+    // The input a completion at the stage before would have passed on.
+    let input: Option<serde_json::Value> = sqlx::query_scalar(
+        "SELECT output FROM tasks WHERE stage = $1 AND direction = 'forward' AND status = 'done'
+           AND output IS NOT NULL LIMIT 1",
+    )
+    .bind(stage as i32 - 1)
+    .fetch_optional(db)
+    .await
+    .expect("input")
+    .flatten();
+    let (task, lease): (i64, Option<uuid::Uuid>) = sqlx::query_as(
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status,
+             input, lease, leased_at, leased_until)
+         VALUES ($1, 0, $2, $3, 'forward', 0, $4, $5, $6,
+             CASE WHEN $7 THEN gen_random_uuid() END, CASE WHEN $7 THEN now() END,
+             CASE WHEN $7 THEN now() + interval '1 hour' END)
+         RETURNING id, lease",
+    )
+    .bind(run_id)
+    .bind(sample)
+    .bind(stage as i32)
+    .bind(miner)
+    .bind(if leased { "leased" } else { "pending" })
+    .bind(input)
+    .bind(leased)
+    .fetch_one(db)
+    .await
+    .expect("task");
+    (sample, task, lease)
+}
+
+/// Uploads partition 0 of `miner`'s pseudo-gradient of epoch 0 (random values).
+async fn upload_pseudo_gradient(miner: &SimMiner) {
+    let range = miner
+        .config
+        .partition_range(miner.stage, 0)
+        .expect("partition 0");
+    let values = vec![0.001f32; (range.end - range.start) as usize];
+    let bytes = bytes::Bytes::from(iota_protocol::tensor::encode_partition(&values));
+    miner
+        .client()
+        .upload_pseudo_gradient(0, 0, bytes)
+        .await
+        .expect("pseudo-gradient");
+}
+
+/// A miner's pseudo-gradient ends its epoch. Validators replay every hop it completed in the
+/// epoch and compare the result with its pseudo-gradient; a hop completed after the upload (the
+/// last stage's forward trains, and so does any backward) would make an honest miner fail that
+/// replay. So its open hops move to another miner of its stage, it is leased nothing more of the
+/// epoch, a hop routed to it by a completion that raced with the upload moves at the driver's
+/// next step, and once every miner of the stage has ended its epoch, such hops end their samples
+/// rather than go back to one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pseudo_gradient_ends_its_miners_epoch() {
+    init_tracing();
+    let seeds = [71u8, 72, 73, 74, 75, 76];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    let key = |i: usize| pair(seeds[i]).ss58_of();
+    // Samples travel until two miners of one stage have done gradient work (the upload needs
+    // some), with other samples still in flight.
+    let mut pair_of_stage = None;
+    for _ in 0..40 {
+        for m in &mut miners {
+            m.step().await.expect("step");
+        }
+        let worked: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT miner FROM tasks WHERE epoch = 0 AND status = 'done'
+               AND (direction = 'backward' OR stage = $1)",
+        )
+        .bind(run.stages as i32 - 1)
+        .fetch_all(&s.db)
+        .await
+        .expect("workers");
+        pair_of_stage = (0..miners.len())
+            .flat_map(|i| (i + 1..miners.len()).map(move |j| (i, j)))
+            .find(|&(i, j)| {
+                miners[i].stage == miners[j].stage
+                    && worked.contains(&key(i))
+                    && worked.contains(&key(j))
+            });
+        if pair_of_stage.is_some() {
+            break;
+        }
+    }
+    let (a, b) = pair_of_stage.expect("two miners of one stage did gradient work");
+    let (first, second) = (key(a), key(b));
+    let stage = miners[a].stage;
+    assert_eq!(
+        miners.iter().filter(|m| m.stage == stage).count(),
+        2,
+        "six miners on three stages: two each"
+    );
+
+    let (_, _, deadline, _) = now_status(&s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(now_status(&s).await.1, Phase::Uploading);
+
+    // The first miner holds a lease and has a hop waiting when it uploads.
+    let (held_sample, held_task, lease) =
+        routed_hop(&s.db, s.app.run.id, stage, &first, true).await;
+    let (waiting_sample, _, _) = routed_hop(&s.db, s.app.run.id, stage, &first, false).await;
+    upload_pseudo_gradient(&miners[a]).await;
+    assert!(
+        open_hops(&s.db, &first).await.is_empty(),
+        "hops stayed with a miner that ended its epoch"
+    );
+    let mut moved = open_hops(&s.db, &second).await;
+    moved.retain(|x| [held_sample, waiting_sample].contains(x));
+    assert_eq!(
+        moved.len(),
+        2,
+        "its hops did not move to the other miner of the stage"
+    );
+    let late = miners[a]
+        .client()
+        .complete(
+            held_task,
+            &CompleteRequest {
+                lease: lease.expect("leased"),
+                output: None,
+                inner_step: 1,
+                weights_digest: "00".into(),
+                loss: Some(2.0),
+                sequence_losses: None,
+                compute_ms: Some(1),
+            },
+        )
+        .await
+        .expect_err("a hop completed after the pseudo-gradient");
+    assert_eq!(late.code(), Some(ErrorCode::LeaseExpired), "{late}");
+
+    // A hop routed to it by a completion that raced with the upload: never leased to it, and
+    // moved at the driver's next step.
+    let (raced_sample, _, _) = routed_hop(&s.db, s.app.run.id, stage, &first, false).await;
+    // Polls for a second: the first ones may be answered by the poll view before its
+    // notification arrives, the later ones read the database.
+    let window = std::time::Instant::now();
+    while window.elapsed() < std::time::Duration::from_secs(1) {
+        let work = miners[a].client().work(4).await.expect("poll");
+        assert!(
+            work.items.is_empty(),
+            "a miner that ended its epoch was leased {:?}",
+            work.items
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    assert!(open_hops(&s.db, &first).await.is_empty());
+    assert!(
+        open_hops(&s.db, &second).await.contains(&raced_sample),
+        "the raced hop did not move"
+    );
+
+    // The other miner ends its epoch too: its hops have nowhere to go on the stage, and their
+    // samples end instead of going back to the first.
+    upload_pseudo_gradient(&miners[b]).await;
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    assert!(open_hops(&s.db, &first).await.is_empty());
+    assert!(open_hops(&s.db, &second).await.is_empty());
+    let ended: Vec<String> =
+        sqlx::query_scalar("SELECT status FROM samples WHERE id = ANY($1) ORDER BY id")
+            .bind(vec![held_sample, waiting_sample, raced_sample])
+            .fetch_all(&s.db)
+            .await
+            .expect("samples");
+    assert_eq!(ended, ["abandoned"; 3]);
+}
+
+/// A miner joining while an epoch merges trains what is left of that epoch (samples still in
+/// flight) from the weights the epoch started from, which is what validators replay it from:
+/// not from the merges the epoch has already accepted. Explorers still see the latest merges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
+    init_tracing();
+    let seeds = [81u8, 82, 83, 84];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = Vec::new();
+    for (i, seed) in seeds[..3].iter().enumerate() {
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    // Train to quorum, upload, and merge everything; the driver has not ended the epoch yet.
+    let t = Utc::now();
+    for _ in 0..200 {
+        for m in &mut miners {
+            m.step().await.expect("step");
+        }
+        driver::step(&s.app, t).await.expect("step");
+        if now_status(&s).await.1 == Phase::Merging {
+            break;
+        }
+    }
+    assert_eq!(now_status(&s).await.1, Phase::Merging);
+    for m in &mut miners {
+        m.step().await.expect("merge");
+    }
+    let merges: Vec<PartitionStatus> = reqwest::get(format!("{}/v1/epochs/0/merges", s.base))
+        .await
+        .expect("merges")
+        .json()
+        .await
+        .expect("json");
+    assert!(
+        merges.iter().any(|p| p.state == PartitionState::Accepted),
+        "nothing merged: {merges:?}"
+    );
+    assert_eq!(now_status(&s).await.0, 0, "still epoch 0");
+
+    let (_, joined) = registered_miner(&s.base, seeds[3]).await;
+    assert_eq!(joined.status.epoch, 0);
+    let stage = joined.stage;
+    let weights = |query: &'static str| {
+        let url = format!("{}/v1/stages/{stage}/weights{query}", s.base);
+        async move {
+            reqwest::get(url)
+                .await
+                .expect("weights")
+                .json::<StageWeights>()
+                .await
+                .expect("json")
+        }
+    };
+    let latest = weights("").await;
+    assert_eq!(latest.epoch, Some(0), "epoch 0's merges are the latest");
+    let start = weights("?before=0").await;
+    assert_eq!(start.epoch, None);
+    assert!(start.partitions.iter().all(Option::is_none));
+    assert_eq!(
+        joined.weights, start,
+        "a miner joining while epoch 0 merges got weights epoch 0 did not start from"
     );
 }

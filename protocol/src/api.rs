@@ -385,8 +385,9 @@ pub struct RegisterResponse {
     pub stage: u32,
     /// Where the run is.
     pub status: EpochStatus,
-    /// The stage's current merged weights, one blob per partition in partition order; empty
-    /// before the first merge (start from `init_seed`).
+    /// The weights the epoch in `status` started from (merges of earlier epochs), one blob per
+    /// partition in partition order; `None` for a partition never merged (start it from
+    /// `init_seed`).
     pub weights: StageWeights,
 }
 

@@ -598,6 +598,16 @@ impl ApiClient {
             .await
     }
 
+    /// The weights `stage` started epoch `epoch` from (merges of earlier epochs only).
+    pub async fn epoch_start_weights(
+        &self,
+        stage: u32,
+        epoch: u64,
+    ) -> Result<StageWeights, ClientError> {
+        self.public_get(&format!("/v1/stages/{stage}/weights?before={epoch}"))
+            .await
+    }
+
     // ---- validators ----
 
     /// A page of hop records of `epoch`.
