@@ -1,8 +1,14 @@
 //! The miner loop: join the run, then poll for work and do what the epoch's phase asks for.
 //!
 //! Network failures never end the loop: the client retries with backoff and jitter, and what a
-//! failed round computed stays in `pending` to be re-sent at the next poll (the orchestrator's
-//! handlers are idempotent). A hop is only dropped when the orchestrator says its lease lapsed.
+//! failed round computed stays in `pending` to be re-sent at the start of the next round (the
+//! orchestrator's handlers are idempotent). A hop is only dropped when the orchestrator says its
+//! lease lapsed.
+//!
+//! The trainer takes in a hop's gradients only once the orchestrator has recorded the hop, and
+//! pending hops are settled before anything new is computed, in the order they were computed: so
+//! the trainer's state always follows the hops a validator will replay, in the order it replays
+//! them (the order the orchestrator recorded their completions).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -131,6 +137,8 @@ pub async fn run(
 
 /// A computed hop not yet accepted by the orchestrator.
 struct Pending {
+    /// Order of computation.
+    seq: u64,
     item: WorkItem,
     out: HopOutput,
     compute_ms: u64,
@@ -150,6 +158,8 @@ struct Node {
     /// The stage's latest merged partitions and this miner's own merge results.
     merged_blobs: MergedBlobs,
     pending: HashMap<i64, Pending>,
+    /// Hops computed so far (orders `pending`).
+    computed: u64,
     status: watch::Sender<MinerStatus>,
     last_contact: LastContact,
     /// Heartbeats while the loop is busy; stops when the node is dropped.
@@ -299,6 +309,7 @@ impl Node {
             merged: HashSet::new(),
             merged_blobs: MergedBlobs::default(),
             pending: HashMap::new(),
+            computed: 0,
             status,
             last_contact,
             _pulse: pulse,
@@ -312,7 +323,7 @@ impl Node {
     /// Downloads the stage's merged weights (checking every hash) and starts epoch `epoch`
     /// from them, one partition at a time.
     async fn load_weights(&mut self, epoch: u64) -> Result<(), MinerError> {
-        let weights = self.client.stage_weights(self.stage).await?;
+        let weights = self.client.epoch_start_weights(self.stage, epoch).await?;
         let mut loaded = Vec::with_capacity(weights.partitions.len());
         for (j, blob) in weights.partitions.iter().enumerate() {
             let j = j as u32;
@@ -417,6 +428,7 @@ impl Node {
 
     /// One poll and what follows from it; whether anything was done.
     async fn round(&mut self, flag: &std::sync::atomic::AtomicBool) -> Result<bool, MinerError> {
+        self.settle_pending().await?;
         let work = self.client.work(self.cfg.max_items).await?;
         self.last_contact.touch();
         let st = work.status.clone();
@@ -429,15 +441,19 @@ impl Node {
             if stopping(flag) {
                 break;
             }
-            if item.epoch != self.epoch {
-                // Work of an epoch whose weights are gone: let the lease lapse.
+            if item.epoch != self.epoch || self.uploaded == Some(item.epoch) {
+                // Work of an epoch whose weights are gone, or that this miner ended with its
+                // pseudo-gradient (the orchestrator no longer takes its hops of that epoch:
+                // validators replay them against the pseudo-gradient): let the lease lapse.
                 continue;
             }
             busy = true;
             self.hop(item).await?;
         }
         match st.phase {
-            Phase::Uploading if !busy && self.uploaded != Some(st.epoch) => {
+            Phase::Uploading
+                if !busy && self.pending.is_empty() && self.uploaded != Some(st.epoch) =>
+            {
                 busy |= self.upload_pseudo_gradients(st.epoch).await?;
             }
             Phase::Merging => busy |= self.merge().await?,
@@ -496,9 +512,11 @@ impl Node {
             } else {
                 rate
             };
+            self.computed += 1;
             self.pending.insert(
                 task_id,
                 Pending {
+                    seq: self.computed,
                     item: item.clone(),
                     out,
                     compute_ms,
@@ -506,27 +524,56 @@ impl Node {
                 },
             );
         }
+        if self.settle(task_id).await? {
+            let ms = handling.elapsed().as_secs_f64() * 1e3;
+            self.status.send_modify(|s| s.busy_ms += ms);
+        }
+        Ok(())
+    }
+
+    /// Re-sends the hops an earlier round computed but could not submit, oldest first.
+    async fn settle_pending(&mut self) -> Result<(), MinerError> {
+        let mut waiting: Vec<(u64, i64)> =
+            self.pending.iter().map(|(id, p)| (p.seq, *id)).collect();
+        waiting.sort_unstable();
+        for (_, task_id) in waiting {
+            self.settle(task_id).await?;
+        }
+        Ok(())
+    }
+
+    /// Submits a computed hop; whether the orchestrator took it. A hop it refused is dropped,
+    /// and its gradients with it; a network failure leaves it pending.
+    async fn settle(&mut self, task_id: i64) -> Result<bool, MinerError> {
         match self.submit(task_id).await {
-            Ok(()) => {
-                let ms = handling.elapsed().as_secs_f64() * 1e3;
-                self.status.send_modify(|s| s.busy_ms += ms);
-                Ok(())
-            }
+            Ok(()) => Ok(true),
             Err(e) if is(&e, ErrorCode::LeaseExpired) || is(&e, ErrorCode::Forbidden) => {
-                if let Some(p) = self.pending.remove(&task_id)
-                    && p.item.direction == Direction::Forward
-                {
-                    let sample = p.item.sample_id as u64;
-                    blocking(&self.trainer, move |t| Ok(t.forget(sample))).await?;
+                if let Some(p) = self.pending.remove(&task_id) {
+                    let (sample, direction) = (p.item.sample_id, p.item.direction);
+                    blocking(&self.trainer, move |t| {
+                        t.discard(sample);
+                        if direction == Direction::Forward {
+                            t.forget(sample as u64);
+                        }
+                        Ok(())
+                    })
+                    .await?;
                 }
                 self.status.send_modify(|s| s.leases_lost += 1);
                 metrics::counter!("iota_miner_leases_lost_total").increment(1);
                 tracing::info!(task_id, "lease lapsed; the hop was re-routed");
-                Ok(())
+                Ok(false)
             }
             Err(e) if is(&e, ErrorCode::WrongPhase) => {
-                self.pending.remove(&task_id);
-                Ok(())
+                if let Some(p) = self.pending.remove(&task_id) {
+                    let sample = p.item.sample_id;
+                    blocking(&self.trainer, move |t| {
+                        t.discard(sample);
+                        Ok(())
+                    })
+                    .await?;
+                }
+                Ok(false)
             }
             Err(e) => Err(e),
         }
@@ -584,6 +631,9 @@ impl Node {
         };
         self.client.complete(task_id, &req).await?;
         if let Some(p) = self.pending.remove(&task_id) {
+            // Recorded: its gradients are part of the epoch now.
+            let sample = p.item.sample_id;
+            blocking(&self.trainer, move |t| t.commit(sample)).await?;
             let dir = p.item.direction;
             self.status.send_modify(|s| {
                 s.hops += 1;

@@ -4,15 +4,22 @@
 //! Every epoch is replayable from public data: it starts from the merged weights with a fresh
 //! inner optimizer, each hop records how many inner steps preceded it, and a step follows every
 //! [`RunConfig::inner_steps_every`] gradient hops (plus one for a remainder when training ends).
+//!
+//! A validator replays exactly the hops the orchestrator recorded as done, in the order it
+//! recorded them. So a gradient hop (a backward, or the last stage's forward) holds its
+//! gradients until [`StageTrainer::commit`], which the miner calls once the orchestrator has
+//! taken the hop; a hop it refused (a lapsed lease) is [`StageTrainer::discard`]ed and leaves no
+//! trace, and one whose gradients are not finite is dropped before it is ever submitted.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use iota_model::bottleneck::WireEncoding as ModelWire;
 use iota_model::merge::{digest_f32, flatten_params, flatten_range, load_range};
 use iota_model::{
-    AdamW, AdamWConfig, BoundaryTensor, DType, Device, GrammarCorpus, Hop, HopResult, LrSchedule,
-    ModelConfig, ModelError, Stage, StageOptions, StageOutput, StageRunner, StepOutcome, Tensor,
-    make_batch, pseudo_gradient_range,
+    AdamW, AdamWConfig, BoundaryTensor, DType, Device, GrammarCorpus, HeldGradients, Hop,
+    HopResult, LrSchedule, ModelConfig, ModelError, Stage, StageOptions, StageOutput, StageRunner,
+    StepOutcome, Tensor, make_batch, pseudo_gradient_range,
 };
 use iota_protocol::api::RunConfig;
 use iota_protocol::tensor::WireEncoding;
@@ -53,6 +60,8 @@ pub struct StageTrainer {
     epoch: Option<u64>,
     gradient_hops: u64,
     pending_gradients: u32,
+    /// Gradients of hops computed and not yet taken by the orchestrator, by sample.
+    held: HashMap<u64, HeldGradients>,
     inner_steps: u64,
     digest: Option<(u64, String)>,
     cache_budget: usize,
@@ -164,6 +173,7 @@ impl StageTrainer {
             epoch: None,
             gradient_hops: 0,
             pending_gradients: 0,
+            held: HashMap::new(),
             inner_steps: 0,
             digest: None,
             cache_budget: cache_budget.max(1),
@@ -195,7 +205,7 @@ impl StageTrainer {
     pub fn epoch(&self) -> Option<u64> {
         self.epoch
     }
-    /// Gradient hops this epoch (the merge weight the orchestrator counts).
+    /// Gradient hops committed this epoch (the merge weight the orchestrator counts).
     pub fn gradient_hops(&self) -> u64 {
         self.gradient_hops
     }
@@ -252,6 +262,7 @@ impl StageTrainer {
         self.epoch = Some(epoch);
         self.gradient_hops = 0;
         self.pending_gradients = 0;
+        self.held.clear();
         self.inner_steps = 0;
         self.digest = None;
         Ok(())
@@ -306,7 +317,16 @@ impl StageTrainer {
         } else if noise {
             add_noise(&mut values, &mut self.rng);
         }
-        let b = BoundaryTensor::from_f32(t.dims(), &values, model_wire(self.run.wire))?;
+        let b = BoundaryTensor::from_f32(t.dims(), &values, model_wire(self.run.wire)).map_err(
+            |e| match e {
+                ModelError::NonFinite(what) => {
+                    self.nonfinite_events += 1;
+                    metrics::counter!("iota_miner_nonfinite_total").increment(1);
+                    MinerError::NonFinite(what)
+                }
+                e => e.into(),
+            },
+        )?;
         Ok(b.to_bytes()?)
     }
 
@@ -335,6 +355,7 @@ impl StageTrainer {
         let sample = sample_id as u64;
         // A re-routed attempt of a sample this miner already holds replaces the old cache.
         self.runner.forget(sample);
+        self.held.remove(&sample);
         let batch = make_batch(
             &self.dataset,
             &self.run.sequence_ids(sample_id),
@@ -402,7 +423,9 @@ impl StageTrainer {
                     None => return Err(MinerError::Internal("no input gradient".into())),
                 };
                 let zeros = self.adversary == Some(Adversary::Zeros);
-                let bytes = self.encode(&grad, zeros, false)?;
+                let bytes = self
+                    .encode(&grad, zeros, false)
+                    .inspect_err(|_| self.discard(sample_id))?;
                 let (mut loss, mut seq) = (l.mean, l.per_sequence);
                 if self.adversary == Some(Adversary::LazyLoss) {
                     loss *= LAZY_LOSS_FACTOR;
@@ -451,7 +474,10 @@ impl StageTrainer {
         let grad_input = self.backward_inner(sample, Some(g))?;
         let zeros = self.adversary == Some(Adversary::Zeros);
         let bytes = match grad_input {
-            Some(t) => Some(self.encode(&t, zeros, false)?),
+            Some(t) => Some(
+                self.encode(&t, zeros, false)
+                    .inspect_err(|_| self.discard(sample_id))?,
+            ),
             None => None,
         };
         Ok(HopOutput {
@@ -464,47 +490,58 @@ impl StageTrainer {
         })
     }
 
+    /// The backward of `sample`, its gradients held until [`StageTrainer::commit`].
     fn backward_inner(
         &mut self,
         sample: u64,
         grad_output: Option<Tensor>,
     ) -> Result<Option<Tensor>, MinerError> {
-        let result = self.runner.apply(&Hop::Backward {
-            sample,
-            grad_output,
-        });
-        let grad_input = match self.nonfinite_guard(result)? {
-            HopResult::Backward { grad_input, .. } => grad_input,
-            _ => {
-                return Err(MinerError::Internal(
-                    "backward gave no backward result".into(),
-                ));
-            }
+        let result = self.runner.backward_held(sample, grad_output.as_ref());
+        let (grad_input, held) = self.nonfinite_guard(result)?;
+        // Finite inputs can still overflow here (a peer's huge gradient): such a hop is dropped
+        // before it is submitted, and nothing accumulated so far is touched. (The input
+        // gradient is checked when it is encoded.)
+        self.nonfinite_guard(held.check_finite())?;
+        self.held.insert(sample, held);
+        Ok(grad_input)
+    }
+
+    /// Takes in the gradients of `sample_id`'s hop once the orchestrator has recorded it, and
+    /// steps when `inner_steps_every` hops have accumulated; whether it held any.
+    pub fn commit(&mut self, sample_id: i64) -> Result<bool, MinerError> {
+        let Some(held) = self.held.remove(&(sample_id as u64)) else {
+            return Ok(false);
         };
+        self.runner.commit(held)?;
         self.gradient_hops += 1;
         self.pending_gradients += 1;
         if self.pending_gradients >= self.run.inner_steps_every {
             self.inner_step()?;
         }
-        Ok(grad_input)
+        Ok(true)
     }
 
-    /// A non-finite result rolls the stage back to its last consistent state: the hop is not
-    /// submitted and the gradients accumulated since the last step are dropped.
-    fn nonfinite_guard(
-        &mut self,
-        r: iota_model::Result<HopResult>,
-    ) -> Result<HopResult, MinerError> {
+    /// Drops the held gradients of `sample_id`'s hop (the orchestrator did not take it).
+    pub fn discard(&mut self, sample_id: i64) {
+        self.held.remove(&(sample_id as u64));
+    }
+
+    /// Hops whose gradients are held, waiting for [`StageTrainer::commit`].
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// A non-finite result: the hop is dropped and never submitted. The gradients accumulated
+    /// so far are only ever those of committed hops, so nothing else changes.
+    fn nonfinite_guard<T>(&mut self, r: iota_model::Result<T>) -> Result<T, MinerError> {
         match r {
             Err(ModelError::NonFinite(what)) => {
                 self.nonfinite_events += 1;
-                self.runner.stage_mut().zero_grad();
-                self.pending_gradients = 0;
                 metrics::counter!("iota_miner_nonfinite_total").increment(1);
                 tracing::warn!(
                     stage = self.stage_index,
                     what,
-                    "non-finite values: hop dropped, gradients rolled back"
+                    "non-finite values: hop dropped"
                 );
                 Err(MinerError::NonFinite(what))
             }
@@ -529,8 +566,10 @@ impl StageTrainer {
         Ok(())
     }
 
-    /// Ends the epoch's training: steps the remaining accumulated gradients.
+    /// Ends the epoch's training: steps the remaining accumulated gradients. Held gradients of
+    /// hops never taken by the orchestrator are dropped.
     pub fn finish_training(&mut self) -> Result<(), MinerError> {
+        self.held.clear();
         if self.pending_gradients > 0 {
             self.inner_step()?;
         }
@@ -545,5 +584,97 @@ impl StageTrainer {
             MinerError::Internal("epoch-start weights shorter than the stage".into())
         })?;
         Ok(pseudo_gradient_range(self.runner.stage(), range, start)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> RunConfig {
+        crate::eval::local_tiny_run("held-gradients", 8).expect("run")
+    }
+
+    fn trainer(stage: u32) -> StageTrainer {
+        let mut t =
+            StageTrainer::new(run(), stage, StageOptions::cpu(), 8, None, 5).expect("trainer");
+        for j in 0..run().partitions {
+            t.load_partition(j, None).expect("init");
+        }
+        t.begin_epoch(0).expect("epoch");
+        t
+    }
+
+    fn boundary(scale: f32, seed: u64) -> Vec<u8> {
+        let r = run();
+        let shape = [
+            r.micro_batch as usize,
+            r.seq_len as usize,
+            r.boundary_dim as usize,
+        ];
+        let v: Vec<f32> = (0..shape.iter().product::<usize>())
+            .map(|i| ((((i as u64 * 7919 + seed) % 200) as f32) - 100.0) * scale)
+            .collect();
+        BoundaryTensor::from_f32(&shape, &v, ModelWire::F32)
+            .expect("boundary")
+            .to_bytes()
+            .expect("bytes")
+    }
+
+    fn pseudo_gradient(t: &mut StageTrainer) -> Vec<f32> {
+        t.finish_training().expect("finish");
+        (0..run().partitions)
+            .flat_map(|j| t.pseudo_gradient(j).expect("pg"))
+            .collect()
+    }
+
+    /// Samples 0..6 through a middle stage's forward and backward, each committed, except
+    /// `skip` (not run at all) and `refuse` (run, then discarded as a refused hop is), with
+    /// `huge` sent a gradient that overflows.
+    fn epoch(t: &mut StageTrainer, skip: Option<i64>, refuse: Option<i64>, huge: Option<i64>) {
+        for s in 0..6i64 {
+            if Some(s) == skip {
+                continue;
+            }
+            t.forward(s, Some(&boundary(1e-2, s as u64))).expect("fwd");
+            if Some(s) == huge {
+                let dropped = t.backward(s, &boundary(1e36, s as u64));
+                assert!(
+                    matches!(dropped, Err(MinerError::NonFinite(_))),
+                    "an overflowing backward was not dropped: {dropped:?}"
+                );
+                continue;
+            }
+            t.backward(s, &boundary(1e-4, 100 + s as u64)).expect("bwd");
+            if Some(s) == refuse {
+                t.discard(s);
+            } else {
+                assert!(t.commit(s).expect("commit"));
+            }
+        }
+    }
+
+    #[test]
+    fn a_hop_the_orchestrator_refused_leaves_no_trace() {
+        let (mut refused, mut never) = (trainer(1), trainer(1));
+        epoch(&mut refused, None, Some(2), None);
+        epoch(&mut never, Some(2), None, None);
+        assert_eq!(refused.gradient_hops(), 5);
+        assert_eq!(refused.held(), 0);
+        assert_eq!(refused.inner_steps(), never.inner_steps());
+        assert_eq!(pseudo_gradient(&mut refused), pseudo_gradient(&mut never));
+    }
+
+    #[test]
+    fn an_overflowing_gradient_is_dropped_and_touches_nothing_else() {
+        let (mut hit, mut never) = (trainer(1), trainer(1));
+        epoch(&mut hit, None, None, Some(3));
+        epoch(&mut never, Some(3), None, None);
+        assert!(hit.nonfinite_events >= 1);
+        assert_eq!(hit.held(), 0, "the dropped hop's gradients are held");
+        assert_eq!(hit.inner_steps(), never.inner_steps());
+        let pg = pseudo_gradient(&mut hit);
+        assert!(pg.iter().any(|v| *v != 0.0), "nothing trained");
+        assert_eq!(pg, pseudo_gradient(&mut never));
     }
 }

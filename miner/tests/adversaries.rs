@@ -136,6 +136,7 @@ fn freeload_claims_backward_work_without_doing_it() {
         for s in 0..4i64 {
             t.forward(s, Some(&activation(s))).expect("fwd");
             let back = t.backward(s, &gradient(s as u64)).expect("bwd");
+            t.commit(s).expect("commit");
             let g = values(&back.bytes.expect("grad"));
             assert_eq!(g.iter().all(|v| *v == 0.0), zero);
         }

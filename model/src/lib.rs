@@ -96,7 +96,7 @@ pub use optim::{
 };
 pub use pipeline::{Pipeline, StepStats, WireConfig};
 pub use replay::{Comparison, Hop, HopResult, Replay, StageRunner, Thresholds, compare, replay};
-pub use stage::{LossOutput, Stage, StageCache, StageOptions, StageOutput};
+pub use stage::{HeldGradients, LossOutput, Stage, StageCache, StageOptions, StageOutput};
 pub use threads::CpuThreads;
 pub use train::{TrainStep, Trainer};
 

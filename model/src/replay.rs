@@ -22,7 +22,7 @@ use candle_core::{DType, Tensor};
 use crate::error::{ModelError, Result};
 use crate::merge::flatten_params;
 use crate::optim::{AdamW, StepOutcome, pseudo_gradient};
-use crate::stage::{Stage, StageCache, StageOutput};
+use crate::stage::{HeldGradients, Stage, StageCache, StageOutput};
 
 /// One recorded event of a miner's epoch on its stage.
 #[derive(Clone, Debug)]
@@ -187,10 +187,8 @@ impl StageRunner {
                 sample,
                 grad_output,
             } => {
-                let cache = self.in_flight.remove(sample).ok_or_else(|| {
-                    ModelError::InvalidInput(format!("backward of sample {sample} with no forward"))
-                })?;
-                let grad_input = self.stage.backward(cache, grad_output.as_ref())?;
+                let (grad_input, held) = self.backward_held(*sample, grad_output.as_ref())?;
+                self.commit(held)?;
                 Ok(HopResult::Backward {
                     sample: *sample,
                     grad_input,
@@ -200,6 +198,24 @@ impl StageRunner {
                 self.optimizer.step_with(&mut self.stage, *lr)?,
             )),
         }
+    }
+
+    /// The backward of `sample` with its parameter gradients held (see
+    /// [`Stage::backward_held`]): the stage is unchanged until [`StageRunner::commit`].
+    pub fn backward_held(
+        &mut self,
+        sample: u64,
+        grad_output: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, HeldGradients)> {
+        let cache = self.in_flight.remove(&sample).ok_or_else(|| {
+            ModelError::InvalidInput(format!("backward of sample {sample} with no forward"))
+        })?;
+        self.stage.backward_held(cache, grad_output)
+    }
+
+    /// Adds held gradients to the stage's accumulated ones.
+    pub fn commit(&mut self, held: HeldGradients) -> Result<()> {
+        self.stage.commit(held)
     }
 
     /// Execute `hops` in order.

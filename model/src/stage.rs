@@ -916,6 +916,20 @@ impl Stage {
         cache: StageCache,
         grad_output: Option<&Tensor>,
     ) -> Result<Option<Tensor>> {
+        let (grad_input, held) = self.backward_held(cache, grad_output)?;
+        self.commit(held)?;
+        Ok(grad_input)
+    }
+
+    /// [`Stage::backward`] whose parameter gradients are handed back instead of accumulated: the
+    /// stage is unchanged until they are given to [`Stage::commit`], and dropping them undoes
+    /// the backward. A miner holds a hop's gradients until the orchestrator has recorded the
+    /// hop, so that its accumulated gradients are always those of the hops a validator replays.
+    pub fn backward_held(
+        &mut self,
+        cache: StageCache,
+        grad_output: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, HeldGradients)> {
         if cache.stage_uid != self.uid {
             return Err(ModelError::InvalidInput(
                 "cache was produced by a different stage".into(),
@@ -982,19 +996,60 @@ impl Stage {
             }
         };
         let grads = surrogate.backward()?;
-        self.accumulate(&grads)?;
-        self.count_backward(tokens);
-        match &cache.input {
-            CachedInput::Tokens(_) => Ok(None),
-            CachedInput::Activations(v) => {
-                let g = match grads.get(v.as_tensor()) {
-                    Some(g) => (g / tokens as f64)?,
-                    // Unreachable for a real stage, but a zero gradient is the right answer.
-                    None => v.as_tensor().zeros_like()?,
-                };
-                Ok(Some(g))
+        let held = HeldGradients {
+            stage_uid: self.uid,
+            grads: self
+                .params
+                .iter()
+                .map(|p| grads.get(p.var.as_tensor()).map(Tensor::detach))
+                .collect(),
+            tokens,
+        };
+        let grad_input = match &cache.input {
+            CachedInput::Tokens(_) => None,
+            CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
+                Some(g) => (g / tokens as f64)?,
+                // Unreachable for a real stage, but a zero gradient is the right answer.
+                None => v.as_tensor().zeros_like()?,
+            }),
+        };
+        Ok((grad_input, held))
+    }
+
+    /// Adds the gradients of one [`Stage::backward_held`] to the accumulated ones (what
+    /// [`Stage::backward`] does at once, with the same arithmetic).
+    pub fn commit(&mut self, held: HeldGradients) -> Result<()> {
+        if held.stage_uid != self.uid {
+            return Err(ModelError::InvalidInput(
+                "gradients were produced by a different stage".into(),
+            ));
+        }
+        for (i, g) in held.grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                self.add_grad(i, g)?;
             }
         }
+        self.count_backward(held.tokens);
+        Ok(())
+    }
+}
+
+/// The parameter gradients of one backward, not yet added to its stage's accumulated gradients
+/// (see [`Stage::backward_held`]).
+#[derive(Debug)]
+pub struct HeldGradients {
+    stage_uid: u64,
+    grads: Vec<Option<Tensor>>,
+    tokens: usize,
+}
+
+impl HeldGradients {
+    /// Error if any gradient holds NaN or infinity (finite but huge inputs can overflow).
+    pub fn check_finite(&self) -> Result<()> {
+        self.grads
+            .iter()
+            .flatten()
+            .try_for_each(|g| check_finite(g, "parameter gradient"))
     }
 }
 
@@ -1210,6 +1265,42 @@ mod tests {
                 assert_eq!(d, 0.0);
             }
         }
+    }
+
+    #[test]
+    fn held_gradients_change_nothing_until_committed() {
+        // The last stage of a one-stage model: its forward takes tokens, its backward needs no
+        // output gradient.
+        let cfg = ModelConfig::tiny().with_stages(vec![2]);
+        let (b1, b2) = (batch(12, 2), batch(12, 3));
+        let mut direct = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        let mut held = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        for (inputs, targets) in [(&b1.inputs, &b1.targets), (&b2.inputs, &b2.targets)] {
+            let (_, c) = direct.forward(inputs, Some(targets)).unwrap();
+            direct.backward(c, None).unwrap();
+        }
+        // The first backward is held and dropped; nothing of it remains.
+        let (_, c) = held.forward(&b2.inputs, Some(&b2.targets)).unwrap();
+        drop(held.backward_held(c, None).unwrap());
+        assert_eq!(held.backward_count(), 0);
+        assert!((0..held.params().len()).all(|i| held.grad(i).is_none()));
+        // Held and committed in order: the same bits as backward at once.
+        for (inputs, targets) in [(&b1.inputs, &b1.targets), (&b2.inputs, &b2.targets)] {
+            let (_, c) = held.forward(inputs, Some(targets)).unwrap();
+            let (_, g) = held.backward_held(c, None).unwrap();
+            g.check_finite().unwrap();
+            held.commit(g).unwrap();
+        }
+        assert_eq!(held.backward_tokens(), direct.backward_tokens());
+        for i in 0..direct.params().len() {
+            let d = abs_sum(&(direct.grad(i).unwrap() - held.grad(i).unwrap()).unwrap());
+            assert_eq!(d, 0.0, "parameter {i}");
+        }
+        // Another stage's gradients are refused.
+        let mut other = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        let (_, c) = other.forward(&b1.inputs, Some(&b1.targets)).unwrap();
+        let (_, g) = other.backward_held(c, None).unwrap();
+        assert!(held.commit(g).is_err());
     }
 
     #[test]

@@ -62,6 +62,10 @@ fn train_epoch(run: &RunConfig, epoch: u64, samples: i64) -> Vec<MinerEpoch> {
             let r = trainers[k]
                 .forward(sample, input.as_deref())
                 .unwrap_or_else(|e| fail("forward", e));
+            // Taken by the orchestrator at once (the last stage's forward trains).
+            trainers[k]
+                .commit(sample)
+                .unwrap_or_else(|e| fail("commit", e));
             let s = started.elapsed().as_secs_f64();
             out[k].hop_s += s;
             task += 1;
@@ -87,6 +91,9 @@ fn train_epoch(run: &RunConfig, epoch: u64, samples: i64) -> Vec<MinerEpoch> {
             let r = trainers[k]
                 .backward(sample, &g)
                 .unwrap_or_else(|e| fail("backward", e));
+            trainers[k]
+                .commit(sample)
+                .unwrap_or_else(|e| fail("commit", e));
             out[k].hop_s += started.elapsed().as_secs_f64();
             task += 1;
             out[k].hops.push(RecordedHop {

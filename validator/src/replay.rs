@@ -132,9 +132,12 @@ pub fn replay_miner(
                 None => Err(iota_miner::MinerError::BadInput("no gradient".into())),
             },
         };
-        let out = match out {
+        // Recorded as done, so the miner's trainer took its gradients in (see
+        // `StageTrainer::commit`); the replay does the same, in the same order.
+        let out = match out.and_then(|o| trainer.commit(hop.sample_id).map(|_| o)) {
             Ok(o) => o,
             Err(e) => {
+                trainer.discard(hop.sample_id);
                 report.failed_hops.push(hop.task_id);
                 report
                     .reason
