@@ -153,7 +153,9 @@ struct Node {
     trainer: Arc<Mutex<StageTrainer>>,
     /// Epoch whose start weights are loaded.
     epoch: u64,
-    uploaded: Option<u64>,
+    /// The epoch whose work this miner ended (its pseudo-gradient uploaded, or a restart after
+    /// completing hops of it): it takes no more of that epoch's hops.
+    ended: Option<u64>,
     merged: HashSet<(u64, u32, u32)>,
     /// The stage's latest merged partitions and this miner's own merge results.
     merged_blobs: MergedBlobs,
@@ -276,6 +278,7 @@ impl Node {
             stage,
             uid = joined.uid,
             epoch = joined.status.epoch,
+            work_ended = ?joined.work_ended,
             "joined the run"
         );
         let trainer = {
@@ -305,7 +308,7 @@ impl Node {
             stage,
             trainer: Arc::new(Mutex::new(trainer)),
             epoch: joined.status.epoch,
-            uploaded: None,
+            ended: joined.work_ended,
             merged: HashSet::new(),
             merged_blobs: MergedBlobs::default(),
             pending: HashMap::new(),
@@ -392,9 +395,10 @@ impl Node {
                 Err(e @ (MinerError::RunMismatch(_) | MinerError::Config(_))) => return Err(e),
                 Err(e) if is(&e, ErrorCode::NotAMiner) => {
                     tracing::warn!("released by the orchestrator; joining again");
+                    // This process still holds its work of the epoch.
                     let joined =
                         self.client
-                            .register(Capacity {
+                            .rejoin(Capacity {
                                 device: self.cfg.device.name(),
                                 memory_bytes: self.cfg.memory_bytes.unwrap_or_else(|| {
                                     capacity::available_memory(&self.cfg.device)
@@ -441,10 +445,10 @@ impl Node {
             if stopping(flag) {
                 break;
             }
-            if item.epoch != self.epoch || self.uploaded == Some(item.epoch) {
-                // Work of an epoch whose weights are gone, or that this miner ended with its
-                // pseudo-gradient (the orchestrator no longer takes its hops of that epoch:
-                // validators replay them against the pseudo-gradient): let the lease lapse.
+            if item.epoch != self.epoch || self.ended == Some(item.epoch) {
+                // Work of an epoch whose weights are gone, or whose work this miner ended (the
+                // orchestrator no longer takes its hops of that epoch: validators replay them
+                // against its pseudo-gradient): let the lease lapse.
                 continue;
             }
             busy = true;
@@ -452,7 +456,7 @@ impl Node {
         }
         match st.phase {
             Phase::Uploading
-                if !busy && self.pending.is_empty() && self.uploaded != Some(st.epoch) =>
+                if !busy && self.pending.is_empty() && self.ended != Some(st.epoch) =>
             {
                 busy |= self.upload_pseudo_gradients(st.epoch).await?;
             }
@@ -658,7 +662,7 @@ impl Node {
     async fn upload_pseudo_gradients(&mut self, epoch: u64) -> Result<bool, MinerError> {
         let hops = blocking(&self.trainer, |t| Ok(t.gradient_hops())).await?;
         if hops == 0 {
-            self.uploaded = Some(epoch);
+            self.ended = Some(epoch);
             return Ok(false);
         }
         blocking(&self.trainer, |t| t.finish_training()).await?;
@@ -689,7 +693,7 @@ impl Node {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.uploaded = Some(epoch);
+        self.ended = Some(epoch);
         tracing::info!(
             epoch,
             stage = self.stage,

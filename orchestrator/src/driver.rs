@@ -190,8 +190,9 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         "UPDATE tasks SET status = 'expired' WHERE id IN (
              SELECT t.id FROM tasks t
              WHERE t.run_id = $1 AND t.status IN ('pending', 'leased')
-               AND EXISTS (SELECT 1 FROM pseudo_gradients g
-                           WHERE g.run_id = t.run_id AND g.epoch = t.epoch AND g.miner = t.miner)
+               AND EXISTS (SELECT 1 FROM miners m
+                           WHERE m.run_id = t.run_id AND m.hotkey = t.miner
+                             AND m.ended_epoch = t.epoch)
              FOR UPDATE SKIP LOCKED)
          RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
     )
@@ -289,7 +290,11 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
             (SELECT count(DISTINCT t.miner) FROM tasks t JOIN miners m
                ON m.run_id = t.run_id AND m.hotkey = t.miner AND m.status = 'active'
              WHERE t.run_id = $1 AND t.epoch = $2 AND t.status = 'done'
-               AND (t.direction = 'backward' OR t.stage = $3)) AS workers,
+               AND (t.direction = 'backward' OR t.stage = $3)
+               -- Not a miner that restarted after working: it will upload nothing.
+               AND (m.ended_epoch IS DISTINCT FROM $2
+                    OR EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = $1
+                               AND g.epoch = $2 AND g.miner = m.hotkey))) AS workers,
             (SELECT count(*) FROM pseudo_gradients g JOIN miners m
                ON m.run_id = g.run_id AND m.hotkey = g.miner AND m.status = 'active'
              WHERE g.run_id = $1 AND g.epoch = $2) AS received,

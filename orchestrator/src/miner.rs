@@ -77,14 +77,28 @@ pub async fn register(
         .execute(&mut *tx)
         .await?;
     let now = run_now(&mut *tx, run).await?;
-    let existing = sqlx::query("SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2")
-        .bind(run)
-        .bind(&caller.ss58)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let existing = sqlx::query(
+        "SELECT stage, ended_epoch,
+            EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
+                      AND status = 'done') AS worked
+         FROM miners WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(&caller.ss58)
+    .bind(now.epoch as i64)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let mut work_ended = false;
     let stage = match existing {
         Some(row) => {
             let stage: i32 = row.try_get("stage")?;
+            let ended: Option<i64> = row.try_get("ended_epoch")?;
+            work_ended = ended == Some(now.epoch as i64);
+            if !work_ended && !req.holds_epoch_state && row.try_get::<bool, _>("worked")? {
+                close_epoch(&mut tx, &app, &caller.ss58, now.epoch).await?;
+                work_ended = true;
+                tracing::info!(miner = %caller.ss58, epoch = now.epoch, "a restarted miner sits out the rest of the epoch");
+            }
             sqlx::query(
                 "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
                  tokens_per_s = $6, last_seen = now() WHERE run_id = $1 AND hotkey = $2",
@@ -143,6 +157,7 @@ pub async fn register(
         stage,
         status,
         weights,
+        work_ended: work_ended.then_some(now.epoch),
     }))
 }
 
@@ -405,7 +420,8 @@ async fn poll(
 /// columns; no row when the caller is not an active miner (nothing is leased then).
 const POLL_SQL: &str = "
 WITH me AS (
-    SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+    SELECT stage, ended_epoch FROM miners
+    WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
 ), touched AS (
     UPDATE miners SET last_seen = now()
     WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
@@ -421,8 +437,7 @@ WITH me AS (
     WHERE id IN (
         SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
           AND EXISTS (SELECT 1 FROM me)
-          AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
-                          WHERE g.run_id = $1 AND g.epoch = tasks.epoch AND g.miner = $2)
+          AND tasks.epoch IS DISTINCT FROM (SELECT ended_epoch FROM me)
         ORDER BY (direction = 'backward') DESC, id
         LIMIT greatest($4 - (SELECT count(*) FROM held), 0)
         FOR UPDATE SKIP LOCKED)
@@ -1225,13 +1240,11 @@ pub(crate) async fn route_forward_sample(
     input: Option<serde_json::Value>,
     exclude: Option<&str>,
 ) -> ApiResult<Option<i64>> {
-    // Not to a miner that has ended its epoch by uploading its pseudo-gradient (see
-    // `close_epoch`).
+    // Not to a miner whose work in the epoch has ended (see `close_epoch`).
     let rows = sqlx::query(
-        "SELECT hotkey, tokens_per_s FROM miners m
+        "SELECT hotkey, tokens_per_s FROM miners
          WHERE run_id = $1 AND stage = $2 AND status = 'active'
-           AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
-                           WHERE g.run_id = m.run_id AND g.epoch = $3 AND g.miner = m.hotkey)
+           AND ended_epoch IS DISTINCT FROM $3
          ORDER BY hotkey",
     )
     .bind(app.run.id)
@@ -1295,9 +1308,7 @@ async fn route_backward(
     let miner: Option<String> = sqlx::query_scalar(
         "SELECT t.miner FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
          WHERE t.sample_id = $1 AND t.stage = $2 AND t.direction = 'forward' AND t.status = 'done'
-           AND m.status = 'active'
-           AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
-                           WHERE g.run_id = t.run_id AND g.epoch = t.epoch AND g.miner = t.miner)",
+           AND m.status = 'active' AND m.ended_epoch IS DISTINCT FROM t.epoch",
     )
     .bind(from.sample_id)
     .bind(stage as i32)
@@ -1329,14 +1340,17 @@ async fn route_backward(
     Ok(Some(id))
 }
 
-/// Ends `miner`'s work in `epoch` when it uploads a pseudo-gradient. Validators replay every hop
-/// it completed in the epoch and compare the result with that pseudo-gradient, and its merge
-/// weight counts those hops, so no hop of the epoch may complete after it: its open hops move
-/// as lapsed ones do (forward hops to another miner of the stage, backward hops' samples end),
-/// and routing and leasing pass it over for the rest of the epoch. An honest miner uploads only
-/// once a poll finds it nothing to do, so this takes nothing from it.
+/// Ends `miner`'s work in `epoch`: when it uploads a pseudo-gradient, or registers from a new
+/// process after completing hops of the epoch (it no longer holds the state they left, so it
+/// could neither upload a pseudo-gradient that matches them nor train on consistently).
+/// Validators replay every hop it completed in the epoch and compare the result with its
+/// pseudo-gradient, and its merge weight counts those hops, so no hop of the epoch may complete
+/// after this: its open hops move as lapsed ones do (forward hops to another miner of the stage,
+/// backward hops' samples end), and routing and leasing pass it over for the rest of the epoch.
+/// An honest miner uploads only once a poll finds it nothing to do, so that takes nothing from
+/// it.
 ///
-/// A hop routed to the miner by a completion that raced with the upload is moved by the phase
+/// A hop routed to the miner by a completion that raced with this is moved by the phase
 /// driver's next step (`driver::expire_leases`); polls never lease it meanwhile.
 pub(crate) async fn close_epoch(
     tx: &mut Transaction<'_, Postgres>,
@@ -1344,6 +1358,15 @@ pub(crate) async fn close_epoch(
     miner: &str,
     epoch: u64,
 ) -> ApiResult<()> {
+    sqlx::query(
+        "UPDATE miners SET ended_epoch = $3
+         WHERE run_id = $1 AND hotkey = $2 AND (ended_epoch IS NULL OR ended_epoch < $3)",
+    )
+    .bind(app.run.id)
+    .bind(miner)
+    .bind(epoch as i64)
+    .execute(&mut **tx)
+    .await?;
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired'
          WHERE run_id = $1 AND miner = $2 AND epoch = $3 AND status IN ('pending', 'leased')

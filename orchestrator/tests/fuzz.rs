@@ -915,6 +915,7 @@ async fn bad_input_never_gets_a_5xx() {
             memory_bytes: 1 << 30,
             tokens_per_s: 100.0,
         },
+        holds_epoch_state: false,
     })
     .expect("json");
     signed_ok(

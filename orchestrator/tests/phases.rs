@@ -581,6 +581,10 @@ async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
 
     let (_, joined) = registered_miner(&s.base, seeds[3]).await;
     assert_eq!(joined.status.epoch, 0);
+    assert_eq!(
+        joined.work_ended, None,
+        "a newcomer has done no work to end"
+    );
     let stage = joined.stage;
     let weights = |query: &'static str| {
         let url = format!("{}/v1/stages/{stage}/weights{query}", s.base);
@@ -601,5 +605,105 @@ async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
     assert_eq!(
         joined.weights, start,
         "a miner joining while epoch 0 merges got weights epoch 0 did not start from"
+    );
+}
+
+/// A miner process that restarts mid-epoch has lost the state its completed hops left, so its
+/// work in the epoch ends at the new registration (validators would replay those hops against a
+/// pseudo-gradient it can no longer produce): its open hops move, and the uploading phase does
+/// not wait for its pseudo-gradient. A process that re-joins holding its state (after a release
+/// for silence) goes on as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
+    init_tracing();
+    let seeds = [91u8, 92, 93, 94, 95, 96];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    let key = |i: usize| pair(seeds[i]).ss58_of();
+    // Samples travel until two miners have done gradient work.
+    let mut worked = Vec::new();
+    for _ in 0..40 {
+        for m in &mut miners {
+            m.step().await.expect("step");
+        }
+        worked = sqlx::query_scalar(
+            "SELECT DISTINCT miner FROM tasks WHERE epoch = 0 AND status = 'done'
+               AND (direction = 'backward' OR stage = $1)",
+        )
+        .bind(run.stages as i32 - 1)
+        .fetch_all(&s.db)
+        .await
+        .expect("workers");
+        if worked.len() >= 2 {
+            break;
+        }
+    }
+    let restarted = (0..miners.len())
+        .find(|&i| worked.contains(&key(i)))
+        .expect("a miner did gradient work");
+    let rejoined = (0..miners.len())
+        .find(|&i| i != restarted && worked.contains(&key(i)))
+        .expect("another miner did gradient work");
+    let stage = miners[restarted].stage;
+
+    // The restarted process registers anew, with a hop routed to it.
+    let (waiting, _, _) = routed_hop(&s.db, s.app.run.id, stage, &key(restarted), false).await;
+    let (_, joined) = registered_miner(&s.base, seeds[restarted]).await;
+    assert_eq!(joined.work_ended, Some(0), "a restarted miner trains on");
+    assert!(open_hops(&s.db, &key(restarted)).await.is_empty());
+    let moved: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE sample_id = $1 AND status IN ('pending', 'leased')
+           AND miner <> $2",
+    )
+    .bind(waiting)
+    .bind(key(restarted))
+    .fetch_one(&s.db)
+    .await
+    .expect("moved");
+    let others_on_stage = miners.iter().filter(|m| m.stage == stage).count() > 1;
+    assert_eq!(moved, i64::from(others_on_stage), "its hop did not move");
+    // Registering again does not undo it.
+    let (_, again) = registered_miner(&s.base, seeds[restarted]).await;
+    assert_eq!(again.work_ended, Some(0));
+
+    // A process that re-joins with its state goes on.
+    let rejoin = miners[rejoined]
+        .client()
+        .rejoin(Capacity {
+            device: "sim".into(),
+            memory_bytes: 64 << 30,
+            tokens_per_s: 10.0,
+        })
+        .await
+        .expect("rejoin");
+    assert_eq!(rejoin.work_ended, None);
+
+    // Uploading ends by quorum without the restarted miner's pseudo-gradient.
+    let (_, _, deadline, _) = now_status(&s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    let (_, phase, deadline, _) = now_status(&s).await;
+    assert_eq!(phase, Phase::Uploading);
+    for (i, m) in miners.iter_mut().enumerate() {
+        if i != restarted {
+            m.step().await.expect("upload");
+        }
+    }
+    driver::step(&s.app, deadline - Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(
+        now_status(&s).await.1,
+        Phase::Merging,
+        "uploading waited for a miner that restarted"
     );
 }

@@ -39,6 +39,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             memory_bytes: 1 << 30,
             tokens_per_s: 100.0,
         },
+        holds_epoch_state: false,
     })
     .expect("json");
     let post = reqwest::Method::POST;

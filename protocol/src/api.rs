@@ -372,6 +372,13 @@ pub fn throughput_in_range(tokens_per_s: f64) -> bool {
 pub struct RegisterRequest {
     /// The miner's machine.
     pub capacity: Capacity,
+    /// Whether this process registered earlier in the running epoch and still holds what it
+    /// computed (a miner re-joining after it was released for silence). `false`, the default,
+    /// for a process that starts: if the hotkey completed hops of the running epoch before, its
+    /// work in the epoch ends (see [`RegisterResponse::work_ended`]), since the state those hops
+    /// left is gone and no pseudo-gradient it could upload would match them.
+    #[serde(default)]
+    pub holds_epoch_state: bool,
 }
 
 /// The answer to a registration: the stage to train and the weights to start from.
@@ -389,6 +396,12 @@ pub struct RegisterResponse {
     /// partition in partition order; `None` for a partition never merged (start it from
     /// `init_seed`).
     pub weights: StageWeights,
+    /// An epoch in which the caller's work has ended (it uploaded its pseudo-gradient, or
+    /// registered from a new process after completing hops of it): it is routed no more of
+    /// that epoch's hops, completes none, and uploads no pseudo-gradient for it; it merges the
+    /// partitions it owns and trains again from the next epoch.
+    #[serde(default)]
+    pub work_ended: Option<u64>,
 }
 
 /// Merged weights of one stage after an epoch.

@@ -416,12 +416,30 @@ impl ApiClient {
 
     // ---- miners ----
 
-    /// Joins the run (idempotent: a second call returns the same stage).
+    /// Joins the run from a process that starts (idempotent: a second call returns the same
+    /// stage; see [`RegisterRequest::holds_epoch_state`] for what a restart mid-epoch does).
     pub async fn register(&self, capacity: Capacity) -> Result<RegisterResponse, ClientError> {
         self.signed_json(
             Method::POST,
             "/v1/miner/register",
-            &RegisterRequest { capacity },
+            &RegisterRequest {
+                capacity,
+                holds_epoch_state: false,
+            },
+        )
+        .await
+    }
+
+    /// Registers again from the same process, which still holds its work of the running epoch
+    /// (after the orchestrator released it for silence).
+    pub async fn rejoin(&self, capacity: Capacity) -> Result<RegisterResponse, ClientError> {
+        self.signed_json(
+            Method::POST,
+            "/v1/miner/register",
+            &RegisterRequest {
+                capacity,
+                holds_epoch_state: true,
+            },
         )
         .await
     }
