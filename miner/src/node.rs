@@ -207,6 +207,18 @@ fn is(e: &MinerError, code: ErrorCode) -> bool {
     matches!(e, MinerError::Api(c) if c.code() == Some(code))
 }
 
+/// Whether sending the same request again cannot succeed: a 4xx answer other than 408 (the
+/// body was slow) and 429 (rate limited), or a hop this miner cannot submit at all.
+fn refused(e: &MinerError) -> bool {
+    match e {
+        MinerError::Api(ClientError::Api { status, .. }) => {
+            (400..500).contains(status) && *status != 408 && *status != 429
+        }
+        MinerError::Internal(_) => true,
+        _ => false,
+    }
+}
+
 impl Node {
     /// Connects, measures, registers and loads the stage's current weights. `None` when asked
     /// to stop before joining.
@@ -406,6 +418,9 @@ impl Node {
                                 tokens_per_s: self.tokens_per_s,
                             })
                             .await;
+                    if let Ok(j) = &joined {
+                        self.ended = self.ended.max(j.work_ended);
+                    }
                     if let Ok(j) = joined
                         && j.stage != self.stage
                     {
@@ -458,7 +473,16 @@ impl Node {
             Phase::Uploading
                 if !busy && self.pending.is_empty() && self.ended != Some(st.epoch) =>
             {
-                busy |= self.upload_pseudo_gradients(st.epoch).await?;
+                // The upload ends this miner's work in the epoch: first let the backward hops
+                // of samples it forwarded come back (they add to its contribution, and are
+                // abandoned once it has uploaded), until half the phase is gone.
+                let waiting = blocking(&self.trainer, |t| Ok(t.in_flight())).await?;
+                let left_ms = st.phase_deadline_ms.saturating_sub(st.server_time_ms);
+                let half_ms =
+                    i64::try_from(self.run.uploading_s.saturating_mul(500)).unwrap_or(i64::MAX);
+                if waiting == 0 || left_ms < half_ms {
+                    busy |= self.upload_pseudo_gradients(st.epoch).await?;
+                }
             }
             Phase::Merging => busy |= self.merge().await?,
             _ => {}
@@ -547,7 +571,8 @@ impl Node {
     }
 
     /// Submits a computed hop; whether the orchestrator took it. A hop it refused is dropped,
-    /// and its gradients with it; a network failure leaves it pending.
+    /// and its gradients with it; a failure that may pass (the network, 429, 5xx) leaves it
+    /// pending, and the round fails so that it is sent again first.
     async fn settle(&mut self, task_id: i64) -> Result<bool, MinerError> {
         match self.submit(task_id).await {
             Ok(()) => Ok(true),
@@ -568,7 +593,10 @@ impl Node {
                 tracing::info!(task_id, "lease lapsed; the hop was re-routed");
                 Ok(false)
             }
-            Err(e) if is(&e, ErrorCode::WrongPhase) => {
+            Err(e) if is(&e, ErrorCode::WrongPhase) || refused(&e) => {
+                if !is(&e, ErrorCode::WrongPhase) {
+                    tracing::warn!(task_id, error = %e, "the orchestrator refused the hop; dropping it");
+                }
                 if let Some(p) = self.pending.remove(&task_id) {
                     let sample = p.item.sample_id;
                     blocking(&self.trainer, move |t| {
@@ -662,7 +690,7 @@ impl Node {
     async fn upload_pseudo_gradients(&mut self, epoch: u64) -> Result<bool, MinerError> {
         let hops = blocking(&self.trainer, |t| Ok(t.gradient_hops())).await?;
         if hops == 0 {
-            self.ended = Some(epoch);
+            // Nothing to contribute yet; a backward of a sample it forwarded may still come.
             return Ok(false);
         }
         blocking(&self.trainer, |t| t.finish_training()).await?;
@@ -844,5 +872,37 @@ mod tests {
         assert_eq!(heartbeat_interval(0), Duration::from_millis(200));
         // `timeout * 1000` overflowed here before: a run saying u64::MAX must not panic.
         assert!(heartbeat_interval(u64::MAX) > Duration::from_secs(u64::MAX / 4));
+    }
+
+    #[test]
+    fn only_answers_that_cannot_change_drop_a_computed_hop() {
+        let api = |status: u16, code: ErrorCode| {
+            MinerError::Api(ClientError::Api {
+                status,
+                error: iota_protocol::ApiError {
+                    code,
+                    message: String::new(),
+                },
+            })
+        };
+        // Sent again, these go through (or the lease lapses, which says so).
+        for pass in [
+            api(429, ErrorCode::RateLimited),
+            api(408, ErrorCode::BadRequest),
+            api(500, ErrorCode::Internal),
+            api(503, ErrorCode::Internal),
+            MinerError::Api(ClientError::Network("reset".into())),
+        ] {
+            assert!(!refused(&pass), "{pass}");
+        }
+        // These never will: kept pending, the hop would be sent first in every round for good.
+        for stuck in [
+            api(400, ErrorCode::BadRequest),
+            api(409, ErrorCode::Conflict),
+            api(413, ErrorCode::PayloadTooLarge),
+            MinerError::Internal("expects an output this stage does not produce".into()),
+        ] {
+            assert!(refused(&stuck), "{stuck}");
+        }
     }
 }

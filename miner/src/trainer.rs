@@ -628,15 +628,25 @@ mod tests {
             .collect()
     }
 
-    /// Samples 0..6 through a middle stage's forward and backward, each committed, except
-    /// `skip` (not run at all) and `refuse` (run, then discarded as a refused hop is), with
-    /// `huge` sent a gradient that overflows.
+    /// Samples 0..6 through a stage's hops (a middle stage: forward and backward; the last: its
+    /// forward, which trains), each committed, except `skip` (not run at all) and `refuse` (run,
+    /// then discarded as a refused hop is), with `huge` sent a gradient that overflows.
     fn epoch(t: &mut StageTrainer, skip: Option<i64>, refuse: Option<i64>, huge: Option<i64>) {
+        let last = t.stage_index() + 1 == run().stages;
         for s in 0..6i64 {
             if Some(s) == skip {
                 continue;
             }
-            t.forward(s, Some(&boundary(1e-2, s as u64))).expect("fwd");
+            let out = t.forward(s, Some(&boundary(1e-2, s as u64))).expect("fwd");
+            if last {
+                assert!(out.loss.is_some());
+                if Some(s) == refuse {
+                    t.discard(s);
+                } else {
+                    assert!(t.commit(s).expect("commit"));
+                }
+                continue;
+            }
             if Some(s) == huge {
                 let dropped = t.backward(s, &boundary(1e36, s as u64));
                 assert!(
@@ -656,13 +666,30 @@ mod tests {
 
     #[test]
     fn a_hop_the_orchestrator_refused_leaves_no_trace() {
-        let (mut refused, mut never) = (trainer(1), trainer(1));
-        epoch(&mut refused, None, Some(2), None);
-        epoch(&mut never, Some(2), None, None);
-        assert_eq!(refused.gradient_hops(), 5);
-        assert_eq!(refused.held(), 0);
-        assert_eq!(refused.inner_steps(), never.inner_steps());
-        assert_eq!(pseudo_gradient(&mut refused), pseudo_gradient(&mut never));
+        // A middle stage, and the last, whose LM head has its own gradient path.
+        for stage in [1, run().stages - 1] {
+            let (mut refused, mut never) = (trainer(stage), trainer(stage));
+            epoch(&mut refused, None, Some(2), None);
+            epoch(&mut never, Some(2), None, None);
+            assert_eq!(refused.gradient_hops(), 5);
+            assert_eq!(refused.held(), 0);
+            assert_eq!(refused.inner_steps(), never.inner_steps());
+            let pg = pseudo_gradient(&mut refused);
+            assert!(
+                pg.iter().any(|v| *v != 0.0),
+                "stage {stage} trained nothing"
+            );
+            let other = pseudo_gradient(&mut never);
+            let worst = pg
+                .iter()
+                .zip(&other)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                pg == other,
+                "stage {stage}: pseudo-gradients differ by up to {worst}"
+            );
+        }
     }
 
     #[test]
@@ -675,6 +702,9 @@ mod tests {
         assert_eq!(hit.inner_steps(), never.inner_steps());
         let pg = pseudo_gradient(&mut hit);
         assert!(pg.iter().any(|v| *v != 0.0), "nothing trained");
-        assert_eq!(pg, pseudo_gradient(&mut never));
+        assert!(
+            pg == pseudo_gradient(&mut never),
+            "the dropped hop changed the pseudo-gradient"
+        );
     }
 }

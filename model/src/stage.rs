@@ -758,6 +758,19 @@ impl Stage {
         targets: &Tensor,
         lse: &Tensor,
     ) -> Result<Tensor> {
+        let (head, gh, gw) = self.head_gradients(h, targets, lse)?;
+        self.add_grad(head, gw)?;
+        Ok(gh)
+    }
+
+    /// The LM head's backward: its parameter's index, the gradient with respect to `h`, and the
+    /// head weight's gradient (not accumulated).
+    fn head_gradients(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+    ) -> Result<(usize, Tensor, Tensor)> {
         let d = self.cfg.d_model;
         let (gh, gw) = loss::ce_backward(
             &h.reshape(((), d))?,
@@ -770,8 +783,7 @@ impl Stage {
         let head = self
             .head
             .ok_or_else(|| ModelError::InvalidInput("stage has no LM head".into()))?;
-        self.add_grad(head, gw)?;
-        Ok(gh.reshape(h.dims())?)
+        Ok((head, gh.reshape(h.dims())?, gw))
     }
 
     fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
@@ -958,6 +970,9 @@ impl Stage {
         // Every backward yields gradients of the micro-batch's summed token loss: the last stage
         // differentiates the sum directly; other stages scale the mean-loss gradient they got by
         // the token count. The input gradient is scaled back to the mean before it is returned.
+        // Parameter gradients in the order they are added (the head's first, as `backward` and
+        // the monolithic pipeline add them).
+        let mut parts: Vec<(usize, Tensor)> = Vec::new();
         let surrogate = match (self.is_last(), grad_output) {
             (true, None) => {
                 let Some(targets) = &cache.targets else {
@@ -973,7 +988,8 @@ impl Stage {
                     (Some(lse), false) => lse.clone(),
                     _ => self.head_forward(&h, targets)?.1,
                 };
-                let gh = self.head_backward(&h, targets, &lse)?;
+                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
+                parts.push((head, gw.detach()));
                 (h * gh)?.sum_all()?
             }
             (false, Some(g)) => {
@@ -996,13 +1012,14 @@ impl Stage {
             }
         };
         let grads = surrogate.backward()?;
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(g) = grads.get(p.var.as_tensor()) {
+                parts.push((i, g.detach()));
+            }
+        }
         let held = HeldGradients {
             stage_uid: self.uid,
-            grads: self
-                .params
-                .iter()
-                .map(|p| grads.get(p.var.as_tensor()).map(Tensor::detach))
-                .collect(),
+            parts,
             tokens,
         };
         let grad_input = match &cache.input {
@@ -1024,10 +1041,8 @@ impl Stage {
                 "gradients were produced by a different stage".into(),
             ));
         }
-        for (i, g) in held.grads.into_iter().enumerate() {
-            if let Some(g) = g {
-                self.add_grad(i, g)?;
-            }
+        for (i, g) in held.parts {
+            self.add_grad(i, g)?;
         }
         self.count_backward(held.tokens);
         Ok(())
@@ -1039,17 +1054,30 @@ impl Stage {
 #[derive(Debug)]
 pub struct HeldGradients {
     stage_uid: u64,
-    grads: Vec<Option<Tensor>>,
+    /// (parameter index, gradient), in the order they are added.
+    parts: Vec<(usize, Tensor)>,
     tokens: usize,
 }
 
 impl HeldGradients {
     /// Error if any gradient holds NaN or infinity (finite but huge inputs can overflow).
     pub fn check_finite(&self) -> Result<()> {
-        self.grads
-            .iter()
-            .flatten()
-            .try_for_each(|g| check_finite(g, "parameter gradient"))
+        // One reduction per gradient but one read back: x * 0 is NaN exactly where x is not
+        // finite, and the sums carry it without overflowing.
+        let mut total: Option<Tensor> = None;
+        for (_, g) in &self.parts {
+            let s = (g.to_dtype(DType::F32)? * 0.0)?.sum_all()?;
+            total = Some(match total {
+                Some(t) => (t + s)?,
+                None => s,
+            });
+        }
+        match total {
+            Some(t) if !t.to_scalar::<f32>()?.is_finite() => {
+                Err(ModelError::NonFinite("parameter gradient".into()))
+            }
+            _ => Ok(()),
+        }
     }
 }
 

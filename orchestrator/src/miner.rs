@@ -1358,15 +1358,7 @@ pub(crate) async fn close_epoch(
     miner: &str,
     epoch: u64,
 ) -> ApiResult<()> {
-    sqlx::query(
-        "UPDATE miners SET ended_epoch = $3
-         WHERE run_id = $1 AND hotkey = $2 AND (ended_epoch IS NULL OR ended_epoch < $3)",
-    )
-    .bind(app.run.id)
-    .bind(miner)
-    .bind(epoch as i64)
-    .execute(&mut **tx)
-    .await?;
+    // Tasks before the miner's row: a poll locks its tasks, then the row (`POLL_SQL`).
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired'
          WHERE run_id = $1 AND miner = $2 AND epoch = $3 AND status IN ('pending', 'leased')
@@ -1376,6 +1368,15 @@ pub(crate) async fn close_epoch(
     .bind(miner)
     .bind(epoch as i64)
     .fetch_all(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE miners SET ended_epoch = $3
+         WHERE run_id = $1 AND hotkey = $2 AND (ended_epoch IS NULL OR ended_epoch < $3)",
+    )
+    .bind(app.run.id)
+    .bind(miner)
+    .bind(epoch as i64)
+    .execute(&mut **tx)
     .await?;
     for row in &rows {
         reroute(tx, app, row, "its miner ended its epoch").await?;
@@ -1461,13 +1462,13 @@ fn pg_key(app: &App, epoch: u64, stage: u32, partition: u32, miner: &str) -> Str
 }
 
 /// Checks that a pseudo-gradient upload fits the current phase and the miner's work; returns the
-/// stage, the slot key, the spec and the merge weight.
+/// stage, the slot key and the spec.
 async fn pg_slot(
     app: &App,
     caller: &Caller,
     epoch: u64,
     partition: u32,
-) -> ApiResult<(u32, String, TensorSpec, f64)> {
+) -> ApiResult<(u32, String, TensorSpec)> {
     let stage = miner_stage(&app.db, app, caller).await?;
     let now = run_now(&app.db, app.run.id).await?;
     if now.epoch != epoch || now.phase != Phase::Uploading {
@@ -1496,18 +1497,40 @@ async fn pg_slot(
             "no completed backward pass this epoch: there is nothing to contribute",
         ));
     }
+    let ended_without_upload: bool = sqlx::query_scalar(
+        "SELECT m.ended_epoch IS NOT DISTINCT FROM $3
+             AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = m.run_id
+                               AND g.epoch = $3 AND g.miner = m.hotkey)
+         FROM miners m WHERE m.run_id = $1 AND m.hotkey = $2",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .bind(epoch as i64)
+    .fetch_optional(&app.db)
+    .await?
+    .unwrap_or(false);
+    if ended_without_upload {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            format!(
+                "your work in epoch {epoch} ended when a new process registered: its hops were \
+                 done by an earlier one, and no pseudo-gradient is taken for them"
+            ),
+        ));
+    }
     Ok((
         stage,
         pg_key(app, epoch, stage, partition, &caller.ss58),
         TensorSpec::Partition {
             len: range.end - range.start,
         },
-        work as f64,
     ))
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock
 /// makes a commit land wholly before the switch to merging (and count) or after it (refused).
+/// The miner's work in the epoch ends first (see [`close_epoch`]), so the merge weight counted
+/// after it is final: every partition carries the same one.
 async fn record_pg(
     app: &App,
     caller: &Caller,
@@ -1515,7 +1538,6 @@ async fn record_pg(
     stage: u32,
     partition: u32,
     blob: BlobDescriptor,
-    weight: f64,
 ) -> ApiResult<Json<UploadResponse>> {
     let mut tx = app.db.begin().await?;
     crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
@@ -1528,6 +1550,8 @@ async fn record_pg(
             "the uploading phase ended while this partition was in flight",
         ));
     }
+    close_epoch(&mut tx, app, &caller.ss58, epoch).await?;
+    let weight = backward_work(&mut *tx, app, epoch, &caller.ss58).await? as f64;
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let existing: Option<String> = sqlx::query_scalar(
@@ -1555,7 +1579,6 @@ async fn record_pg(
             "a different pseudo-gradient was already accepted for this partition",
         ));
     }
-    close_epoch(&mut tx, app, &caller.ss58, epoch).await?;
     tx.commit().await?;
     Ok(Json(UploadResponse { blob }))
 }
@@ -1573,14 +1596,14 @@ pub async fn upload_pg(
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (stage, key, spec, weight) = pg_slot(&app, &caller, epoch, partition).await?;
+    let (stage, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
     if let Some(same) =
         already_accepted_pg(&app, &caller, epoch, stage, partition, &q.blake3).await?
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
     let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
-    record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
+    record_pg(&app, &caller, epoch, stage, partition, blob).await
 }
 
 async fn already_accepted_pg(
@@ -1645,7 +1668,7 @@ pub async fn presign_pg(
     ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
-    let (_, key, spec, _) = pg_slot(&app, &caller, epoch, partition).await?;
+    let (_, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
     check_presign_size(&req, &spec)?;
     presign(&app, key).await
 }
@@ -1662,14 +1685,14 @@ pub async fn commit_pg(
     ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (stage, key, spec, weight) = pg_slot(&app, &caller, epoch, partition).await?;
+    let (stage, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
     if let Some(same) =
         already_accepted_pg(&app, &caller, epoch, stage, partition, &req.blake3).await?
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
     let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
-    record_pg(&app, &caller, epoch, stage, partition, blob, weight).await
+    record_pg(&app, &caller, epoch, stage, partition, blob).await
 }
 
 /// `GET /v1/miner/merges`: the partitions the caller owns in the current merging round and has

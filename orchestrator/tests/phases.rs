@@ -693,6 +693,19 @@ async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
         .expect("step");
     let (_, phase, deadline, _) = now_status(&s).await;
     assert_eq!(phase, Phase::Uploading);
+    // Its pseudo-gradient would be compared with hops it no longer holds the state of.
+    let range = run.partition_range(stage, 0).expect("partition 0");
+    let values = vec![0.001f32; (range.end - range.start) as usize];
+    let refused = miners[restarted]
+        .client()
+        .upload_pseudo_gradient(
+            0,
+            0,
+            bytes::Bytes::from(iota_protocol::tensor::encode_partition(&values)),
+        )
+        .await
+        .expect_err("a pseudo-gradient after a restart");
+    assert_eq!(refused.code(), Some(ErrorCode::Conflict), "{refused}");
     for (i, m) in miners.iter_mut().enumerate() {
         if i != restarted {
             m.step().await.expect("upload");
