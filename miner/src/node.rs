@@ -473,14 +473,18 @@ impl Node {
             Phase::Uploading
                 if !busy && self.pending.is_empty() && self.ended != Some(st.epoch) =>
             {
-                // The upload ends this miner's work in the epoch: first let the backward hops
-                // of samples it forwarded come back (they add to its contribution, and are
-                // abandoned once it has uploaded), until half the phase is gone.
-                let waiting = blocking(&self.trainer, |t| Ok(t.in_flight())).await?;
+                // The upload ends this miner's work in the epoch, and a sample whose next hop
+                // finds only such miners on its stage is abandoned: first let the samples still
+                // travelling finish (their hops add to the contributions), until half the phase
+                // is gone.
+                let travelling = st
+                    .samples_started
+                    .saturating_sub(st.samples_completed)
+                    .saturating_sub(st.samples_abandoned);
                 let left_ms = st.phase_deadline_ms.saturating_sub(st.server_time_ms);
                 let half_ms =
                     i64::try_from(self.run.uploading_s.saturating_mul(500)).unwrap_or(i64::MAX);
-                if waiting == 0 || left_ms < half_ms {
+                if travelling == 0 || left_ms < half_ms {
                     busy |= self.upload_pseudo_gradients(st.epoch).await?;
                 }
             }

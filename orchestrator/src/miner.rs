@@ -449,6 +449,7 @@ SELECT me.stage AS miner_stage, r.epoch AS status_epoch, r.phase AS status_phase
        r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
        r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
        e.samples_completed AS status_samples_completed,
+       e.samples_abandoned AS status_samples_abandoned,
        i.id, i.lease, i.leased_until, i.epoch, i.sample_id, i.stage, i.direction, i.input
 FROM me CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
 LEFT JOIN items i ON true
@@ -1420,10 +1421,23 @@ pub(crate) async fn abandon_sample(
     sample_id: i64,
     why: &str,
 ) -> ApiResult<()> {
-    sqlx::query("UPDATE samples SET status = 'abandoned', completed_at = now() WHERE id = $1 AND status IN ('forward', 'backward')")
-        .bind(sample_id)
+    let ended: Option<(i64, i64)> = sqlx::query_as(
+        "UPDATE samples SET status = 'abandoned', completed_at = now()
+         WHERE id = $1 AND status IN ('forward', 'backward') RETURNING run_id, epoch",
+    )
+    .bind(sample_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    if let Some((run, epoch)) = ended {
+        sqlx::query(
+            "UPDATE epochs SET samples_abandoned = samples_abandoned + 1
+             WHERE run_id = $1 AND epoch = $2",
+        )
+        .bind(run)
+        .bind(epoch)
         .execute(&mut **tx)
         .await?;
+    }
     sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
         .bind(sample_id)
         .execute(&mut **tx)

@@ -39,7 +39,8 @@ pub(crate) async fn read_epoch_status(db: &sqlx::PgPool, run: i64) -> ApiResult<
         "SELECT r.epoch AS status_epoch, r.phase AS status_phase,
                 r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
                 r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
-                e.samples_completed AS status_samples_completed
+                e.samples_completed AS status_samples_completed,
+                e.samples_abandoned AS status_samples_abandoned
          FROM runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch WHERE r.id = $1",
     )
     .bind(run)
@@ -62,6 +63,7 @@ pub(crate) fn status_from_row(row: &sqlx::postgres::PgRow) -> ApiResult<EpochSta
         merge_round: row.try_get::<i32, _>("status_merge_round")? as u32,
         samples_started: row.try_get::<i64, _>("status_samples_started")? as u64,
         samples_completed: row.try_get::<i64, _>("status_samples_completed")? as u64,
+        samples_abandoned: row.try_get::<i64, _>("status_samples_abandoned")? as u64,
         server_time_ms: Utc::now().timestamp_millis(),
     })
 }

@@ -71,6 +71,18 @@ async fn check_consistency(db: &PgPool) {
         mismatched, 0,
         "samples_completed disagrees with the samples table"
     );
+    let mismatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM epochs e WHERE e.samples_abandoned <>
+           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
+              AND s.status = 'abandoned')",
+    )
+    .fetch_one(db)
+    .await
+    .expect("query");
+    assert_eq!(
+        mismatched, 0,
+        "samples_abandoned disagrees with the samples table"
+    );
     let stages: i64 = sqlx::query_scalar("SELECT (config->>'stages')::bigint FROM runs LIMIT 1")
         .fetch_one(db)
         .await

@@ -240,6 +240,8 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
     .await
     .expect("count");
     assert_eq!(in_flight, 0, "samples of the ended epoch are closed");
+    let (counted, abandoned) = abandoned_counts(&s.db).await;
+    assert_eq!(counted, abandoned, "samples_abandoned disagrees");
     let open_hops: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM tasks WHERE epoch = 0 AND status IN ('pending', 'leased')",
     )
@@ -325,6 +327,18 @@ async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
             .count(),
         merges.len() - mine
     );
+}
+
+/// Epoch 0's count of abandoned samples, and the samples table's.
+async fn abandoned_counts(db: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT e.samples_abandoned, (SELECT count(*) FROM samples s
+             WHERE s.epoch = 0 AND s.status = 'abandoned')
+         FROM epochs e WHERE e.epoch = 0",
+    )
+    .fetch_one(db)
+    .await
+    .expect("counts")
 }
 
 /// The open hops of `miner` in epoch 0, by sample.
@@ -533,6 +547,11 @@ async fn a_pseudo_gradient_ends_its_miners_epoch() {
             .await
             .expect("samples");
     assert_eq!(ended, ["abandoned"; 3]);
+    // Counted as they end, so that the status says how many still travel (the miners wait
+    // for none before they upload).
+    let (counted, abandoned) = abandoned_counts(&s.db).await;
+    assert!(abandoned >= 3);
+    assert_eq!(counted, abandoned, "samples_abandoned disagrees");
 }
 
 /// A miner joining while an epoch merges trains what is left of that epoch (samples still in

@@ -341,6 +341,10 @@ pub struct EpochStatus {
     pub samples_started: u64,
     /// Samples whose backward pass reached stage 0 this epoch.
     pub samples_completed: u64,
+    /// Samples given up on this epoch (a hop with nowhere to go, a lapsed backward, the epoch's
+    /// end). Started minus completed minus abandoned are still travelling.
+    #[serde(default)]
+    pub samples_abandoned: u64,
     /// The server's clock when this was read.
     pub server_time_ms: UnixMs,
 }
