@@ -471,7 +471,10 @@ impl HotkeyEffects {
     }
 }
 
-/// Fits CLASP on finished samples (status `done`, a full pathway and a loss); others are skipped.
+/// Fits CLASP on every sample whose forward pass went all the way (a full pathway and a loss),
+/// finished or abandoned after its loss; others are skipped. Abandoned samples count because
+/// which ones finish is up to the miners downstream: fitting finished samples only would let a
+/// miner that lets the backwards of a rival's low-loss samples lapse make the rival look worse.
 /// A miner is placed at the stage where it appears; one hotkey on two stages is refused.
 pub fn fit_samples(
     stages: usize,
@@ -489,9 +492,11 @@ fn fit_samples_of_at_most(
     max_miners: usize,
 ) -> Result<HotkeyEffects, ClaspError> {
     let usable = || {
-        samples
-            .iter()
-            .filter(|s| s.status == "done" && s.pathway.len() == stages && s.loss.is_some())
+        samples.iter().filter(|s| {
+            (s.status == "done" || s.status == "abandoned")
+                && s.pathway.len() == stages
+                && s.loss.is_some()
+        })
     };
     let mut index: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
     let mut hotkeys: Vec<String> = Vec::new();
@@ -561,7 +566,7 @@ mod record_tests {
                 }
             })
             .collect();
-        // Unfinished samples are ignored, whatever they claim.
+        // Samples whose forward did not reach the loss are ignored, whatever they claim.
         samples.push(SampleRecord {
             sample_id: -1,
             epoch: 0,
@@ -583,6 +588,53 @@ mod record_tests {
         // A hotkey at two stages is refused rather than silently merged.
         samples[0].pathway = vec!["a0".into(), "a0".into()];
         assert!(fit_samples(2, &samples, &ClaspConfig::default()).is_err());
+    }
+
+    #[test]
+    fn letting_a_rivals_good_samples_lapse_does_not_make_it_look_worse() {
+        // No miner is worse than another; a downstream miner lets the backwards of a1's
+        // better-than-average samples lapse, so only a1's worse ones finish.
+        let mut rng = StdRng::seed_from_u64(11);
+        let names = [["a0", "a1", "a2"], ["b0", "b1", "b2"]];
+        let samples: Vec<SampleRecord> = (0..3000)
+            .map(|i| {
+                let pathway: Vec<String> = names
+                    .iter()
+                    .map(|stage| stage[rng.gen_range(0..3)].to_owned())
+                    .collect();
+                let loss = 3.0 + rng.gen_range(-0.1..0.1);
+                let lapsed = pathway[0] == "a1" && loss < 3.0;
+                SampleRecord {
+                    sample_id: i,
+                    epoch: 0,
+                    status: if lapsed { "abandoned" } else { "done" }.into(),
+                    loss: Some(loss),
+                    sequence_losses: None,
+                    pathway,
+                }
+            })
+            .collect();
+        let flagged = |fitted: &HotkeyEffects| -> Vec<String> {
+            fitted
+                .fit
+                .effects
+                .iter()
+                .filter(|e| e.flagged)
+                .map(|e| fitted.hotkeys[e.miner as usize].clone())
+                .collect()
+        };
+        // Fitted on finished samples only, the selection frames a1.
+        let finished: Vec<SampleRecord> = samples
+            .iter()
+            .filter(|s| s.status == "done")
+            .cloned()
+            .collect();
+        let framed = fit_samples(2, &finished, &ClaspConfig::default()).expect("fit");
+        assert_eq!(flagged(&framed), ["a1"], "the selection does not bite");
+        // Every sample with a loss: nobody stands out.
+        let fitted = fit_samples(2, &samples, &ClaspConfig::default()).expect("fit");
+        assert_eq!(fitted.fit.samples, 3000);
+        assert!(flagged(&fitted).is_empty(), "{:?}", flagged(&fitted));
     }
 
     #[test]

@@ -137,8 +137,8 @@ pub fn draw_seed(secret: &[u8; 32], block_hash: &[u8], epoch: u64) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
-/// CLASP over every finished sample of an epoch; `None` (logged) when nothing can be fitted. The
-/// service and the audit both fit here.
+/// CLASP over every sample of an epoch whose forward reached the loss (see [`fit_samples`]);
+/// `None` (logged) when nothing can be fitted. The service and the audit both fit here.
 pub(crate) fn fit_epoch(
     epoch: u64,
     stages: u32,
