@@ -59,30 +59,27 @@ async fn check_consistency(db: &PgPool) {
     .await
     .expect("query");
     assert_eq!(double, 0, "a hop was completed twice");
-    let mismatched: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM epochs e WHERE e.samples_completed <>
-           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
-              AND s.status = 'done')",
-    )
-    .fetch_one(db)
-    .await
-    .expect("query");
-    assert_eq!(
-        mismatched, 0,
-        "samples_completed disagrees with the samples table"
-    );
-    let mismatched: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM epochs e WHERE e.samples_abandoned <>
-           (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
-              AND s.status = 'abandoned')",
-    )
-    .fetch_one(db)
-    .await
-    .expect("query");
-    assert_eq!(
-        mismatched, 0,
-        "samples_abandoned disagrees with the samples table"
-    );
+    // Each epoch's counters against the samples table.
+    for (counter, mismatches) in [
+        (
+            "samples_completed",
+            "SELECT count(*) FROM epochs e WHERE e.samples_completed <>
+               (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
+                  AND s.status = 'done')",
+        ),
+        (
+            "samples_abandoned",
+            "SELECT count(*) FROM epochs e WHERE e.samples_abandoned <>
+               (SELECT count(*) FROM samples s WHERE s.run_id = e.run_id AND s.epoch = e.epoch
+                  AND s.status = 'abandoned')",
+        ),
+    ] {
+        let mismatched: i64 = sqlx::query_scalar(mismatches)
+            .fetch_one(db)
+            .await
+            .expect("query");
+        assert_eq!(mismatched, 0, "{counter} disagrees with the samples table");
+    }
     let stages: i64 = sqlx::query_scalar("SELECT (config->>'stages')::bigint FROM runs LIMIT 1")
         .fetch_one(db)
         .await

@@ -113,6 +113,47 @@ async fn now_status(s: &Served) -> (u64, Phase, DateTime<Utc>, i32) {
     )
 }
 
+/// A simulated miner for each seed, joined in order (throughput 10, 11, … tokens/s).
+async fn join_all(s: &Served, seeds: &[u8]) -> Vec<SimMiner> {
+    let mut miners = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    miners
+}
+
+/// Steps every miner, up to 40 rounds, until `enough` holds of the hotkeys that have done
+/// gradient work in epoch 0 (a backward, or a forward on the last stage); those hotkeys.
+async fn step_until_workers(
+    s: &Served,
+    miners: &mut [SimMiner],
+    stages: u32,
+    enough: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    let mut worked = Vec::new();
+    for _ in 0..40 {
+        for m in miners.iter_mut() {
+            m.step().await.expect("step");
+        }
+        worked = sqlx::query_scalar(
+            "SELECT DISTINCT miner FROM tasks WHERE epoch = 0 AND status = 'done'
+               AND (direction = 'backward' OR stage = $1)",
+        )
+        .bind(stages as i32 - 1)
+        .fetch_all(&s.db)
+        .await
+        .expect("workers");
+        if enough(&worked) {
+            break;
+        }
+    }
+    worked
+}
+
 fn config() -> RunConfig {
     let mut run = run_config("phases");
     run.training_s = 600;
@@ -130,14 +171,7 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
     let seeds = [51u8, 52, 53];
     let run = config();
     let s = serve(&seeds, run.clone()).await;
-    let mut miners = Vec::new();
-    for (i, seed) in seeds.iter().enumerate() {
-        miners.push(
-            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
-                .await
-                .expect("join"),
-        );
-    }
+    let mut miners = join_all(&s, &seeds).await;
     // Some samples go all the way; then the miners stop, with samples still in flight.
     for _ in 0..6 {
         for m in &mut miners {
@@ -257,14 +291,7 @@ async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
     let seeds = [61u8, 62, 63];
     let run = config();
     let s = serve(&seeds, run.clone()).await;
-    let mut miners = Vec::new();
-    for (i, seed) in seeds.iter().enumerate() {
-        miners.push(
-            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
-                .await
-                .expect("join"),
-        );
-    }
+    let mut miners = join_all(&s, &seeds).await;
     // Train until every sample is done: training ends by quorum, not deadline.
     let t = Utc::now();
     for _ in 0..200 {
@@ -428,41 +455,21 @@ async fn a_pseudo_gradient_ends_its_miners_epoch() {
     let seeds = [71u8, 72, 73, 74, 75, 76];
     let run = config();
     let s = serve(&seeds, run.clone()).await;
-    let mut miners = Vec::new();
-    for (i, seed) in seeds.iter().enumerate() {
-        miners.push(
-            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
-                .await
-                .expect("join"),
-        );
-    }
+    let mut miners = join_all(&s, &seeds).await;
     let key = |i: usize| pair(seeds[i]).ss58_of();
     // Samples travel until two miners of one stage have done gradient work (the upload needs
     // some), with other samples still in flight.
-    let mut pair_of_stage = None;
-    for _ in 0..40 {
-        for m in &mut miners {
-            m.step().await.expect("step");
-        }
-        let worked: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT miner FROM tasks WHERE epoch = 0 AND status = 'done'
-               AND (direction = 'backward' OR stage = $1)",
-        )
-        .bind(run.stages as i32 - 1)
-        .fetch_all(&s.db)
-        .await
-        .expect("workers");
-        pair_of_stage = (0..miners.len())
-            .flat_map(|i| (i + 1..miners.len()).map(move |j| (i, j)))
+    let stages: Vec<u32> = miners.iter().map(|m| m.stage).collect();
+    let pair_of_stage = |worked: &[String]| {
+        (0..stages.len())
+            .flat_map(|i| (i + 1..stages.len()).map(move |j| (i, j)))
             .find(|&(i, j)| {
-                miners[i].stage == miners[j].stage
-                    && worked.contains(&key(i))
-                    && worked.contains(&key(j))
-            });
-        if pair_of_stage.is_some() {
-            break;
-        }
-    }
+                stages[i] == stages[j] && worked.contains(&key(i)) && worked.contains(&key(j))
+            })
+    };
+    let worked =
+        step_until_workers(&s, &mut miners, run.stages, |w| pair_of_stage(w).is_some()).await;
+    let pair_of_stage = pair_of_stage(&worked);
     let (a, b) = pair_of_stage.expect("two miners of one stage did gradient work");
     let (first, second) = (key(a), key(b));
     let stage = miners[a].stage;
@@ -563,14 +570,7 @@ async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
     let seeds = [81u8, 82, 83, 84];
     let run = config();
     let s = serve(&seeds, run.clone()).await;
-    let mut miners = Vec::new();
-    for (i, seed) in seeds[..3].iter().enumerate() {
-        miners.push(
-            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
-                .await
-                .expect("join"),
-        );
-    }
+    let mut miners = join_all(&s, &seeds[..3]).await;
     // Train to quorum, upload, and merge everything; the driver has not ended the epoch yet.
     let t = Utc::now();
     for _ in 0..200 {
@@ -638,33 +638,10 @@ async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
     let seeds = [91u8, 92, 93, 94, 95, 96];
     let run = config();
     let s = serve(&seeds, run.clone()).await;
-    let mut miners = Vec::new();
-    for (i, seed) in seeds.iter().enumerate() {
-        miners.push(
-            SimMiner::join(&s.base, signer(*seed), 10.0 + i as f64, u64::from(*seed))
-                .await
-                .expect("join"),
-        );
-    }
+    let mut miners = join_all(&s, &seeds).await;
     let key = |i: usize| pair(seeds[i]).ss58_of();
     // Samples travel until two miners have done gradient work.
-    let mut worked = Vec::new();
-    for _ in 0..40 {
-        for m in &mut miners {
-            m.step().await.expect("step");
-        }
-        worked = sqlx::query_scalar(
-            "SELECT DISTINCT miner FROM tasks WHERE epoch = 0 AND status = 'done'
-               AND (direction = 'backward' OR stage = $1)",
-        )
-        .bind(run.stages as i32 - 1)
-        .fetch_all(&s.db)
-        .await
-        .expect("workers");
-        if worked.len() >= 2 {
-            break;
-        }
-    }
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
     let restarted = (0..miners.len())
         .find(|&i| worked.contains(&key(i)))
         .expect("a miner did gradient work");
