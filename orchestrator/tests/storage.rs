@@ -48,7 +48,10 @@ async fn local_directory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_store_with_presigned_urls() {
     if let Some(store) = s3_store() {
-        upload_download_scenario(store).await;
+        upload_download_scenario(store.clone()).await;
+        // After the scenario, not beside it: both use the one bucket, and the scenario checks
+        // all that is in it.
+        a_late_copy_of_an_upload_keeps_the_hops_output(store).await;
     }
 }
 
@@ -671,5 +674,159 @@ async fn the_latest_weights_outlive_their_epoch() {
             .await
             .unwrap_or_else(|e| panic!("{}: {e}", blob.key));
     }
+    orch.stop().await;
+}
+
+/// A relay to the S3 server that holds back the first `PUT` naming `marker` (once set) until
+/// `release` is notified, as a slow store write would.
+struct SlowStore {
+    endpoint: String,
+    marker: Arc<std::sync::Mutex<Option<String>>>,
+    held: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+async fn slow_store(upstream: &str) -> SlowStore {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream
+        .strip_prefix("http://")
+        .expect("an http:// S3 endpoint")
+        .trim_end_matches('/')
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+    let marker: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let tripped = Arc::new(AtomicBool::new(false));
+    let (m, h, r) = (marker.clone(), held.clone(), release.clone());
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut client_r, mut client_w) = client.into_split();
+            let (mut server_r, mut server_w) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+            });
+            let (m, h, r, tripped) = (m.clone(), h.clone(), r.clone(), tripped.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match client_r.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    let text = String::from_utf8_lossy(&buf[..n]);
+                    let wanted = m.lock().expect("marker").as_ref().is_some_and(|mark| {
+                        text.starts_with("PUT ") && text.contains(mark.as_str())
+                    });
+                    if wanted && !tripped.swap(true, Ordering::SeqCst) {
+                        h.notify_one();
+                        r.notified().await;
+                    }
+                    if server_w.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    SlowStore {
+        endpoint,
+        marker,
+        held,
+        release,
+    }
+}
+
+/// An upload whose store write is slow, retried meanwhile by its client: the retry is staged and
+/// the hop completed before the first attempt's write ends. That attempt then finds the hop done
+/// with the very object it wrote, which is the hop's output and must stay (it once deleted it, as
+/// it does the object of an upload whose lease lapsed).
+async fn a_late_copy_of_an_upload_keeps_the_hops_output(store: StoreConfig) {
+    let StoreConfig::S3 {
+        bucket,
+        endpoint: Some(endpoint),
+        region,
+    } = store.clone()
+    else {
+        panic!("an S3 store with an endpoint");
+    };
+    let slow = slow_store(&endpoint).await;
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let unused = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("late-copy");
+    run.samples_per_epoch = 4;
+    run.training_s = 60;
+    run.lease_s = 60;
+    run.heartbeat_timeout_s = 60;
+    let mut config = config(&chain, &db, unused.path(), run.clone());
+    config.store = StoreConfig::S3 {
+        bucket,
+        endpoint: Some(slow.endpoint.clone()),
+        region,
+    };
+    let blobs = BlobStore::open(&store).expect("open store");
+    let orch = start(config).await;
+    let mut first_stage = None;
+    for seed in MINERS {
+        let (client, joined) = registered_miner(&orch.base, seed).await;
+        if joined.stage == 0 {
+            first_stage = Some(client);
+        }
+    }
+    let s0 = first_stage.expect("a miner on stage 0");
+    let item = next_hop(&s0, "a sample for stage 0").await;
+    *slow.marker.lock().expect("marker") = Some(format!("-t{}.safetensors", item.task_id));
+    let good = tensor(&run, 0.25);
+
+    let first = tokio::spawn({
+        let (s0, bytes) = (s0.clone(), Bytes::from(good.clone()));
+        async move { s0.upload_output(item.task_id, item.lease, bytes).await }
+    });
+    tokio::time::timeout(Duration::from_secs(20), slow.held.notified())
+        .await
+        .expect("the first attempt reached the store");
+    let output = s0
+        .upload_output(item.task_id, item.lease, good.clone().into())
+        .await
+        .expect("the retry is accepted")
+        .blob;
+    s0.complete(
+        item.task_id,
+        &CompleteRequest {
+            lease: item.lease,
+            output: Some(output.clone()),
+            inner_step: 0,
+            weights_digest: "0".repeat(64),
+            loss: None,
+            sequence_losses: None,
+            compute_ms: Some(1),
+        },
+    )
+    .await
+    .expect("complete with the retry's output");
+    slow.release.notify_one();
+    let late = first
+        .await
+        .expect("join")
+        .expect("the late attempt answers from the record")
+        .blob;
+    assert_eq!(
+        (late.key.as_str(), late.blake3.as_str()),
+        (output.key.as_str(), output.blake3.as_str())
+    );
+    let stored = blobs
+        .get(&output.key)
+        .await
+        .expect("the hop's output is still in the store");
+    assert_eq!(stored.as_ref(), good.as_slice());
     orch.stop().await;
 }
