@@ -199,6 +199,29 @@ where
 
 /// How often to say the miner is alive: three times per timeout, at most five times a second.
 /// Saturating: the timeout comes from the orchestrator.
+/// Whether to upload the pseudo-gradient now, in the uploading phase `st` describes. The upload
+/// ends this miner's work in the epoch, and a sample whose next hop finds only such miners on its
+/// stage is abandoned: so first the samples still travelling finish (their hops add to the
+/// contributions), until half the phase is gone.
+fn upload_now(st: &EpochStatus, uploading_s: u64) -> bool {
+    let travelling = st
+        .samples_started
+        .saturating_sub(st.samples_completed)
+        .saturating_sub(st.samples_abandoned);
+    let left_ms = st.phase_deadline_ms.saturating_sub(st.server_time_ms);
+    let half_ms = i64::try_from(uploading_s.saturating_mul(500)).unwrap_or(i64::MAX);
+    travelling == 0 || left_ms < half_ms
+}
+
+/// Task ids of computed hops, `(task id, order of computation)`, in the order they were computed:
+/// validators replay a miner's hops in the order the orchestrator recorded them, and each hop's
+/// gradients and inner steps build on the ones computed before it.
+fn in_computed_order(pending: impl Iterator<Item = (i64, u64)>) -> Vec<i64> {
+    let mut waiting: Vec<(u64, i64)> = pending.map(|(id, seq)| (seq, id)).collect();
+    waiting.sort_unstable();
+    waiting.into_iter().map(|(_, id)| id).collect()
+}
+
 fn heartbeat_interval(timeout_s: u64) -> Duration {
     (Duration::from_secs(timeout_s) / 3).max(Duration::from_millis(200))
 }
@@ -471,22 +494,12 @@ impl Node {
         }
         match st.phase {
             Phase::Uploading
-                if !busy && self.pending.is_empty() && self.ended != Some(st.epoch) =>
+                if !busy
+                    && self.pending.is_empty()
+                    && self.ended != Some(st.epoch)
+                    && upload_now(&st, self.run.uploading_s) =>
             {
-                // The upload ends this miner's work in the epoch, and a sample whose next hop
-                // finds only such miners on its stage is abandoned: first let the samples still
-                // travelling finish (their hops add to the contributions), until half the phase
-                // is gone.
-                let travelling = st
-                    .samples_started
-                    .saturating_sub(st.samples_completed)
-                    .saturating_sub(st.samples_abandoned);
-                let left_ms = st.phase_deadline_ms.saturating_sub(st.server_time_ms);
-                let half_ms =
-                    i64::try_from(self.run.uploading_s.saturating_mul(500)).unwrap_or(i64::MAX);
-                if travelling == 0 || left_ms < half_ms {
-                    busy |= self.upload_pseudo_gradients(st.epoch).await?;
-                }
+                busy |= self.upload_pseudo_gradients(st.epoch).await?;
             }
             Phase::Merging => busy |= self.merge().await?,
             _ => {}
@@ -565,10 +578,7 @@ impl Node {
 
     /// Re-sends the hops an earlier round computed but could not submit, oldest first.
     async fn settle_pending(&mut self) -> Result<(), MinerError> {
-        let mut waiting: Vec<(u64, i64)> =
-            self.pending.iter().map(|(id, p)| (p.seq, *id)).collect();
-        waiting.sort_unstable();
-        for (_, task_id) in waiting {
+        for task_id in in_computed_order(self.pending.iter().map(|(id, p)| (*id, p.seq))) {
             self.settle(task_id).await?;
         }
         Ok(())
@@ -876,6 +886,53 @@ mod tests {
         assert_eq!(heartbeat_interval(0), Duration::from_millis(200));
         // `timeout * 1000` overflowed here before: a run saying u64::MAX must not panic.
         assert!(heartbeat_interval(u64::MAX) > Duration::from_secs(u64::MAX / 4));
+    }
+
+    #[test]
+    fn the_upload_waits_for_travelling_samples_until_half_the_phase_is_gone() {
+        // Uploading for 60 s: 40 s left.
+        let st = |started, completed, abandoned| EpochStatus {
+            epoch: 3,
+            phase: Phase::Uploading,
+            phase_started_ms: 1_000_000,
+            phase_deadline_ms: 1_060_000,
+            merge_round: 0,
+            samples_started: started,
+            samples_completed: completed,
+            samples_abandoned: abandoned,
+            server_time_ms: 1_020_000,
+        };
+        assert!(!upload_now(&st(10, 6, 2), 60), "two samples travel");
+        assert!(upload_now(&st(10, 8, 2), 60), "none travels");
+        assert!(upload_now(&st(10, 10, 0), 60), "none travels");
+        // Counters that disagree (read at different instants) do not wrap into "travelling".
+        assert!(upload_now(&st(10, 9, 3), 60));
+        // Past half the phase, the upload goes whatever travels.
+        let late = EpochStatus {
+            server_time_ms: 1_031_000,
+            ..st(10, 6, 2)
+        };
+        assert!(upload_now(&late, 60));
+        assert!(!upload_now(
+            &EpochStatus {
+                server_time_ms: 1_029_000,
+                ..late.clone()
+            },
+            60
+        ));
+        // A phase length that does not fit in milliseconds does not panic.
+        let _ = upload_now(&st(10, 6, 2), u64::MAX);
+    }
+
+    #[test]
+    fn computed_hops_are_sent_in_the_order_they_were_computed() {
+        // Task ids tell nothing of the order: a later task can be computed first.
+        let pending: HashMap<i64, u64> = [(40, 3), (7, 5), (12, 1), (99, 2), (3, 4)].into();
+        assert_eq!(
+            in_computed_order(pending.into_iter()),
+            vec![12, 99, 40, 3, 7]
+        );
+        assert!(in_computed_order(std::iter::empty()).is_empty());
     }
 
     #[test]
