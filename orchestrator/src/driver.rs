@@ -5,7 +5,7 @@
 //! Postgres advisory lock, so several replicas on one database drive one run exactly once; if the
 //! leader dies its connection closes, the lock is released, and another replica takes over at its
 //! next tick. Every step is a transaction over database state alone, so a restart resumes where
-//! the database is. Phase changes take an exclusive transaction-level lock that uploads take in
+//! the database is, with the phase's time left as it was (see [`forgive_gap`]). Phase changes take an exclusive transaction-level lock that uploads take in
 //! shared mode, so an upload lands wholly before a phase change or is refused after it.
 
 use std::sync::atomic::Ordering;
@@ -117,9 +117,19 @@ async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
 /// Before a process takes the lead, nobody drove the run (the last leader died or restarted):
 /// miners could not reach it, so their silence and the leases they could not finish in that gap
 /// are not held against them. Active miners and open leases get a fresh window from `now`;
-/// a miner that really died is released one heartbeat timeout later.
-async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Error> {
+/// a miner that really died is released one heartbeat timeout later. The current phase gets
+/// back the time it had left at the last leader's last step (`runs.driven_at`), so that a
+/// deadline that passed in the gap does not end it before miners can reach the new leader.
+pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Error> {
     let mut tx = app.db.begin().await?;
+    sqlx::query(
+        "UPDATE runs SET phase_deadline = $2 + (phase_deadline - driven_at)
+         WHERE id = $1 AND driven_at < $2 AND phase_deadline > driven_at",
+    )
+    .bind(app.run.id)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
     sqlx::query(
         "UPDATE miners SET last_seen = greatest(last_seen, $2)
          WHERE run_id = $1 AND status = 'active'",
@@ -153,6 +163,11 @@ async fn housekeeping(app: &App) {
 
 /// One driver step at time `now`: leases, heartbeats, then at most one phase change.
 pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    sqlx::query("UPDATE runs SET driven_at = $2 WHERE id = $1")
+        .bind(app.run.id)
+        .bind(now)
+        .execute(&app.db)
+        .await?;
     expire_leases(app, now).await?;
     release_silent_miners(app, now).await?;
     let view = phase_view(app).await?;

@@ -683,6 +683,17 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
         assert!(rounds < 500, "no work was leased");
     }
     let before = leased().await;
+    // Seconds the phase has left, by the database's clock.
+    let left = || async {
+        let (phase, left): (String, f64) = sqlx::query_as(
+            "SELECT phase, extract(epoch FROM phase_deadline - now())::float8 FROM runs",
+        )
+        .fetch_one(&db)
+        .await
+        .expect("time left");
+        (phase, left)
+    };
+    let (phase_before, left_before) = left().await;
     orch.stop().await;
     // Down for longer than both the heartbeat timeout and the lease.
     tokio::time::sleep(Duration::from_secs(
@@ -706,6 +717,13 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
         "the outage was held against the miners"
     );
     assert_eq!(leased().await, before, "leases kept");
+    // The phase goes on with the time it had left (less the second above and a tick or two).
+    let (phase_after, left_after) = left().await;
+    assert_eq!(phase_after, phase_before, "the phase changed in the outage");
+    assert!(
+        left_after > left_before - 2.0,
+        "the outage took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
+    );
     // And they are released as usual when they stay silent for a timeout after the restart.
     eventually(
         "silent miners released after the restart",

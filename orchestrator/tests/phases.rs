@@ -716,3 +716,53 @@ async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
         "uploading waited for a miner that restarted"
     );
 }
+
+/// The driver steps at `t` in `phase`; nobody drives the run for ten minutes; a new leader takes
+/// over. Checks that the phase got back the time it had left and goes on; its new deadline.
+async fn resumes_after_a_gap(s: &Served, t: DateTime<Utc>, phase: Phase) -> DateTime<Utc> {
+    driver::step(&s.app, t).await.expect("step");
+    let (epoch, now_phase, deadline, _) = now_status(s).await;
+    assert_eq!((epoch, now_phase), (0, phase));
+    let left = deadline - t;
+    assert!(left > Duration::seconds(1), "{phase:?}: {left}");
+    let t = t + Duration::minutes(10);
+    driver::forgive_gap(&s.app, t)
+        .await
+        .expect("forgive the gap");
+    let (_, _, resumed, _) = now_status(s).await;
+    assert_eq!(resumed - t, left, "{phase:?}: the time left is given back");
+    driver::step(&s.app, t + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(now_status(s).await.1, phase, "the phase goes on");
+    // Another new leader without a gap changes nothing.
+    driver::forgive_gap(&s.app, t + Duration::seconds(1))
+        .await
+        .expect("forgive no gap");
+    assert_eq!(now_status(s).await.2, resumed);
+    resumed
+}
+
+/// A process taking the lead after nobody drove the run (a restart, or the leader died) gives the
+/// phase the time it had left at the last step: miners could not reach the run in that gap, so a
+/// deadline that passed in it must not end the phase (it once ended it at the new leader's first
+/// step, refusing the pseudo-gradients still to come). A gap in training and one in uploading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_gives_the_phase_the_time_it_had_left() {
+    init_tracing();
+    let seeds = [151u8, 152, 153];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    // A miner with gradient work, so that uploading waits for its pseudo-gradient.
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    assert!(!worked.is_empty(), "no miner did gradient work");
+    let deadline = resumes_after_a_gap(&s, Utc::now(), Phase::Training).await;
+    let t = deadline + Duration::seconds(1);
+    let deadline = resumes_after_a_gap(&s, t, Phase::Uploading).await;
+    // Its own deadline still ends the phase.
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(now_status(&s).await.1, Phase::Merging);
+}
