@@ -889,10 +889,7 @@ pub(crate) async fn accept_committed(
     match app.store.rename(expected_key, &pending).await {
         Ok(()) => {}
         Err(StoreError::NotFound(_)) => {
-            return Err(AppError::new(
-                ErrorCode::InvalidTensor,
-                format!("nothing was uploaded to {expected_key}"),
-            ));
+            return sealed_earlier(app, expected_key, spec, commit).await;
         }
         Err(e) => return Err(e.into()),
     }
@@ -909,6 +906,38 @@ pub(crate) async fn accept_committed(
     blob.key = sealed_key(expected_key, &blob.blake3);
     app.store.rename(&pending, &blob.key).await?;
     Ok(blob)
+}
+
+/// A commit that finds nothing in its slot: an earlier attempt of it may have checked and sealed
+/// the object and then failed to record it (the database failed, or the process died), and its
+/// retry takes the sealed object. It was checked in full before it was sealed, and no presigned
+/// URL names its key; it is read and checked again all the same, and never deleted here (it may
+/// be recorded by an attempt still running).
+async fn sealed_earlier(
+    app: &App,
+    slot_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
+    let nothing = || {
+        AppError::new(
+            ErrorCode::InvalidTensor,
+            format!("nothing was uploaded to {slot_key}"),
+        )
+    };
+    if !is_blake3_hex(&commit.blake3) {
+        return Err(nothing());
+    }
+    let sealed = sealed_key(slot_key, &commit.blake3);
+    let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Err(nothing()),
+        Err(e) => return Err(e.into()),
+    };
+    if bytes.len() as u64 != commit.size {
+        return Err(nothing());
+    }
+    check_bytes(spec, sealed, &bytes, &commit.blake3)
 }
 
 /// Reads the object at `key` back (at most the slot's size) and checks it against `commit`'s
@@ -1475,15 +1504,15 @@ fn pg_key(app: &App, epoch: u64, stage: u32, partition: u32, miner: &str) -> Str
     )
 }
 
-/// Checks that a pseudo-gradient upload fits the current phase and the miner's work; returns the
-/// stage, the slot key and the spec.
+/// Checks that a pseudo-gradient upload to `stage` (the caller's) fits the current phase and the
+/// miner's work; returns the slot key and the spec.
 async fn pg_slot(
     app: &App,
     caller: &Caller,
+    stage: u32,
     epoch: u64,
     partition: u32,
-) -> ApiResult<(u32, String, TensorSpec)> {
-    let stage = miner_stage(&app.db, app, caller).await?;
+) -> ApiResult<(String, TensorSpec)> {
     let now = run_now(&app.db, app.run.id).await?;
     if now.epoch != epoch || now.phase != Phase::Uploading {
         return Err(AppError::new(
@@ -1533,7 +1562,6 @@ async fn pg_slot(
         ));
     }
     Ok((
-        stage,
         pg_key(app, epoch, stage, partition, &caller.ss58),
         TensorSpec::Partition {
             len: range.end - range.start,
@@ -1610,12 +1638,15 @@ pub async fn upload_pg(
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (stage, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    // Before the phase check: a retry whose first attempt was recorded (its answer lost) is
+    // answered from the record after the phase has changed too.
     if let Some(same) =
         already_accepted_pg(&app, &caller, epoch, stage, partition, &q.blake3).await?
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
     let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
     record_pg(&app, &caller, epoch, stage, partition, blob).await
 }
@@ -1682,7 +1713,8 @@ pub async fn presign_pg(
     ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
-    let (_, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
     check_presign_size(&req, &spec)?;
     presign(&app, key).await
 }
@@ -1699,12 +1731,14 @@ pub async fn commit_pg(
     ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (stage, key, spec) = pg_slot(&app, &caller, epoch, partition).await?;
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    // Before the phase check, as in `upload_pg`.
     if let Some(same) =
         already_accepted_pg(&app, &caller, epoch, stage, partition, &req.blake3).await?
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
     let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
     record_pg(&app, &caller, epoch, stage, partition, blob).await
 }
@@ -1924,10 +1958,12 @@ pub(crate) async fn upload_merge_as(
     body: Bytes,
     blake3: &str,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (key, spec) = merge_slot(app, who, as_validator, epoch, stage, partition).await?;
+    // Before the phase check: a retry whose first attempt was recorded (its answer lost) is
+    // answered from the record after the phase has changed too.
     if let Some(same) = already_merged(app, who, (epoch, stage, partition), blake3).await? {
         return Ok(Json(UploadResponse { blob: same }));
     }
+    let (key, spec) = merge_slot(app, who, as_validator, epoch, stage, partition).await?;
     let blob = accept_upload(app, key, &spec, body, blake3, Placement::Sealed).await?;
     crate::driver::record_merge_result(app, who, epoch, stage, partition, blob).await
 }
@@ -1986,12 +2022,13 @@ pub async fn commit_merge(
     ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
-    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
+    // Before the phase check, as in `upload_merge_as`.
     if let Some(same) =
         already_merged(&app, &caller.ss58, (epoch, stage, partition), &req.blake3).await?
     {
         return Ok(Json(UploadResponse { blob: same }));
     }
+    let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
     let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
     crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
 }

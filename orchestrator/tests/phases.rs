@@ -15,6 +15,7 @@ use iota_orchestrator::sim::SimMiner;
 use iota_orchestrator::{App, AppState, BlobStore, Limits, StoreConfig, driver};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
+use iota_protocol::blob::BlobDescriptor;
 use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
 
@@ -765,4 +766,193 @@ async fn a_new_leader_gives_the_phase_the_time_it_had_left() {
         .await
         .expect("step");
     assert_eq!(now_status(&s).await.1, Phase::Merging);
+}
+
+/// Steps every miner and then the driver (at `now`, so only quorums end phases), up to 40 rounds,
+/// until `done` holds of the run's status.
+async fn step_until(
+    s: &Served,
+    miners: &mut [SimMiner],
+    done: impl Fn(&(u64, Phase, DateTime<Utc>, i32)) -> bool,
+) {
+    for _ in 0..40 {
+        for m in miners.iter_mut() {
+            m.step().await.expect("step");
+        }
+        driver::step(&s.app, Utc::now()).await.expect("step");
+        if done(&now_status(s).await) {
+            return;
+        }
+    }
+    panic!("not reached in 40 rounds: {:?}", now_status(s).await);
+}
+
+/// A recorded pseudo-gradient partition of epoch 0 (`merges` false) or merge result of it by a
+/// miner: its hotkey, stage, partition, descriptor and bytes.
+async fn a_recorded(s: &Served, merges: bool) -> (String, u32, u32, BlobDescriptor, bytes::Bytes) {
+    let sql = if merges {
+        "SELECT submitter, stage, partition, blob FROM merge_results
+         WHERE epoch = 0 AND submitter NOT LIKE 'validator:%' ORDER BY stage, partition LIMIT 1"
+    } else {
+        "SELECT miner, stage, partition, blob FROM pseudo_gradients
+         WHERE epoch = 0 ORDER BY stage, partition LIMIT 1"
+    };
+    let (hotkey, stage, partition, blob): (String, i32, i32, serde_json::Value) =
+        sqlx::query_as(sql)
+            .fetch_one(&s.db)
+            .await
+            .expect("a recorded submission");
+    let blob: BlobDescriptor = serde_json::from_value(blob).expect("blob");
+    let bytes = s.app.store.get(&blob.key).await.expect("its bytes");
+    (hotkey, stage as u32, partition as u32, blob, bytes)
+}
+
+/// A submission whose answer was lost is sent again by its client; when the phase changed in
+/// between, the retry is answered from the record (it was refused with `wrong_phase`, telling
+/// the miner that its accepted work was not), while anything not recorded is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_submission_retried_after_its_phase_is_answered_from_the_record() {
+    init_tracing();
+    let seeds = [161u8, 162, 163, 164, 165, 166];
+    let newcomer = 167u8;
+    let run = config();
+    let s = serve(&[&seeds[..], &[newcomer]].concat(), run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let by_key = |hotkey: &str| {
+        seeds
+            .iter()
+            .position(|seed| pair(*seed).ss58_of() == hotkey)
+            .expect("a miner of the test")
+    };
+    step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
+    let (_, _, deadline, _) = now_status(&s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    step_until(&s, &mut miners, |st| st.1 == Phase::Merging).await;
+
+    let (hotkey, _, partition, blob, bytes) = a_recorded(&s, false).await;
+    let client = miners[by_key(&hotkey)].client();
+    let again = client
+        .upload_pseudo_gradient(0, partition, bytes.clone())
+        .await
+        .expect("a recorded pseudo-gradient sent again while merging");
+    assert_eq!((again.blob.key, again.blob.blake3), (blob.key, blob.blake3));
+    // The same bytes from a miner without a record are refused.
+    let (late, _) = registered_miner(&s.base, newcomer).await;
+    let other = late
+        .upload_pseudo_gradient(0, partition, bytes)
+        .await
+        .expect_err("a pseudo-gradient while merging");
+    assert_eq!(other.code(), Some(ErrorCode::WrongPhase), "{other}");
+
+    step_until(&s, &mut miners, |st| st.0 == 1).await;
+    let (hotkey, stage, partition, blob, bytes) = a_recorded(&s, true).await;
+    let client = miners[by_key(&hotkey)].client();
+    let again = client
+        .upload_merge(0, stage, partition, bytes.clone())
+        .await
+        .expect("a recorded merge sent again in the next epoch");
+    assert_eq!((again.blob.key, again.blob.blake3), (blob.key, blob.blake3));
+    let other = late
+        .upload_merge(0, stage, partition, bytes)
+        .await
+        .expect_err("a merge of the last epoch");
+    assert_eq!(other.code(), Some(ErrorCode::WrongPhase), "{other}");
+}
+
+/// A commit of a presigned pseudo-gradient that checked and sealed the object, then failed to
+/// record it (here the database refuses the first insert; a crash there does the same), is taken
+/// by the client's retry: the retry finds the slot empty, and once answered that nothing was
+/// uploaded, which a client takes as final, so the checked upload was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
+    init_tracing();
+    let seeds = [171u8, 172, 173];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    let hotkey = pair(seeds[i]).ss58_of();
+    let (_, _, deadline, _) = now_status(&s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(now_status(&s).await.1, Phase::Uploading);
+
+    // What a presigned PUT leaves in the slot.
+    let stage = miners[i].stage;
+    let range = run.partition_range(stage, 0).expect("partition 0");
+    let bytes = iota_protocol::tensor::encode_partition(&vec![
+        0.002f32;
+        (range.end - range.start) as usize
+    ]);
+    let slot = format!(
+        "runs/{}/epoch-0/pseudo-gradients/s{stage}/p0/{hotkey}.safetensors",
+        s.app.run.id
+    );
+    s.app
+        .store
+        .put(&slot, bytes::Bytes::from(bytes.clone()))
+        .await
+        .expect("put");
+    for sql in [
+        "CREATE SEQUENCE inserts_tried",
+        "CREATE FUNCTION refuse_the_first() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('inserts_tried') = 1 THEN RAISE EXCEPTION 'injected failure'; END IF;
+             RETURN NEW;
+         END $$",
+        "CREATE TRIGGER refuse_the_first BEFORE INSERT ON pseudo_gradients
+         FOR EACH ROW EXECUTE FUNCTION refuse_the_first()",
+    ] {
+        sqlx::query(sql)
+            .execute(&s.db)
+            .await
+            .expect("inject a failure");
+    }
+    let blake3 = iota_protocol::blob::blake3_hex(&bytes);
+    let taken: UploadResponse = miners[i]
+        .client()
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/0/commit",
+            &CommitRequest {
+                key: slot.clone(),
+                size: bytes.len() as u64,
+                blake3: blake3.clone(),
+            },
+        )
+        .await
+        .expect("the retried commit is taken");
+    let tried: i64 = sqlx::query_scalar("SELECT last_value FROM inserts_tried")
+        .fetch_one(&s.db)
+        .await
+        .expect("tries");
+    assert_eq!(
+        tried, 2,
+        "the first record failed and the retry's was taken"
+    );
+    let recorded: (String, String) = sqlx::query_as(
+        "SELECT blob->>'key', blake3 FROM pseudo_gradients WHERE epoch = 0 AND partition = 0
+           AND miner = $1",
+    )
+    .bind(&hotkey)
+    .fetch_one(&s.db)
+    .await
+    .expect("recorded");
+    assert_eq!(recorded, (taken.blob.key.clone(), blake3));
+    assert_ne!(taken.blob.key, slot, "kept at its sealed key");
+    assert_eq!(
+        s.app
+            .store
+            .get(&taken.blob.key)
+            .await
+            .expect("sealed object")
+            .as_ref(),
+        bytes.as_slice()
+    );
 }
