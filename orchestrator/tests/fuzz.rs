@@ -878,15 +878,9 @@ async fn bad_input_never_gets_a_5xx() {
     run.heartbeat_timeout_s = 600;
     run.training_s = 600;
     let mut cfg = config(&chain, &db, store.path(), run.clone());
-    // With the S3-protocol server scripts/test.sh starts, the presign and commit routes are live
+    // On the S3-protocol server scripts/test.sh starts, the presign and commit routes are live
     // (a local directory store refuses them up front).
-    if let Ok(endpoint) = std::env::var("IOTA_TEST_S3_ENDPOINT") {
-        cfg.store = StoreConfig::S3 {
-            bucket: std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into()),
-            endpoint: Some(endpoint),
-            region: Some(std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())),
-        };
-    }
+    cfg.store = s3_store();
     let store_kind = match cfg.store {
         StoreConfig::S3 { .. } => "s3",
         StoreConfig::Local(_) => "local directory",
@@ -1119,6 +1113,20 @@ async fn bad_input_never_gets_a_5xx() {
             .unwrap_or(0);
         assert!(succeeded > 0, "no {auth}-signed request succeeded");
     }
+
+    // The coherent uploads (real task, lease and digest) got past the lease gate to the tensor
+    // checks, and the presign route is live on the S3 store (so its bodies were fuzzed, not
+    // refused up front).
+    assert!(
+        by_code.get("invalid_tensor").copied().unwrap_or(0) > 0,
+        "no upload reached the tensor checks"
+    );
+    let presigned = by_op
+        .get("POST /v1/miner/tasks/{task_id}/output/presign")
+        .and_then(|classes| classes.get("2xx"))
+        .copied()
+        .unwrap_or(0);
+    assert!(presigned > 0, "no output presign succeeded on the S3 store");
 
     // Still serving.
     let health = http

@@ -348,7 +348,15 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
                 .await
         }
     };
-    type Case = (&'static str, Vec<u8>, Option<String>, u16, ErrorCode);
+    // Each bad in one way only, and refused for it: the message names what is wrong.
+    type Case = (
+        &'static str,
+        Vec<u8>,
+        Option<String>,
+        u16,
+        ErrorCode,
+        &'static str,
+    );
     let cases: Vec<Case> = vec![
         (
             "oversized",
@@ -356,6 +364,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             None,
             413,
             ErrorCode::PayloadTooLarge,
+            "",
         ),
         (
             "wrong shape",
@@ -363,9 +372,10 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             None,
             400,
             ErrorCode::InvalidTensor,
+            "shape",
         ),
         (
-            "wrong dtype",
+            "wrong encoding",
             encode_boundary_i8(
                 shape,
                 &vec![1; n],
@@ -374,6 +384,15 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             None,
             400,
             ErrorCode::InvalidTensor,
+            "encoding",
+        ),
+        (
+            "wrong dtype",
+            boundary_of_dtype(shape, safetensors::Dtype::I32),
+            None,
+            400,
+            ErrorCode::InvalidTensor,
+            "dtype I32",
         ),
         (
             "NaN",
@@ -385,6 +404,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             None,
             400,
             ErrorCode::InvalidTensor,
+            "non-finite",
         ),
         (
             "hash mismatch",
@@ -392,6 +412,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             Some(blake3_hex(b"something else")),
             400,
             ErrorCode::InvalidTensor,
+            "BLAKE3",
         ),
         (
             "garbage",
@@ -399,12 +420,18 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
             None,
             400,
             ErrorCode::InvalidTensor,
+            "safetensors",
         ),
     ];
-    for (what, bytes, declared, status, expect) in cases {
+    for (what, bytes, declared, status, expect, why) in cases {
         let declared = declared.unwrap_or_else(|| blake3_hex(&bytes));
         let r = upload(bytes, declared).await;
         assert_eq!((r.0, code(&r)), (status, Some(expect)), "{what}: {r:?}");
+        let message = r.1.as_ref().map(|e| e.message.as_str()).unwrap_or_default();
+        assert!(
+            message.contains(why),
+            "{what}: refused for another reason: {message}"
+        );
     }
     assert_eq!(
         files_under(store.path()),
@@ -826,4 +853,22 @@ async fn announced_body_never_sent(
         .ok()?
         .expect("read answer");
     Some(String::from_utf8_lossy(&answer[..n]).into_owned())
+}
+
+/// A boundary tensor that is right in every way (format, encoding `f32`, name, shape, size) but
+/// its values' dtype: zeros of `dtype`, which must take four bytes an element as f32 does.
+fn boundary_of_dtype(shape: [u64; 3], dtype: safetensors::Dtype) -> Vec<u8> {
+    use iota_protocol::tensor::{BOUNDARY_FORMAT, META_KEY};
+    let dims: Vec<usize> = shape.iter().map(|d| *d as usize).collect();
+    let data = vec![0u8; dims.iter().product::<usize>() * 4];
+    let view = safetensors::tensor::TensorView::new(dtype, dims, &data).expect("a view");
+    let meta = serde_json::json!({ "format": BOUNDARY_FORMAT, "encoding": "f32" }).to_string();
+    safetensors::serialize(
+        [("values", view)],
+        Some(std::collections::HashMap::from([(
+            META_KEY.to_owned(),
+            meta,
+        )])),
+    )
+    .expect("serialize")
 }

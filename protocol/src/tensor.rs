@@ -500,7 +500,23 @@ mod tests {
         ));
         // An int8 tensor where f32 is expected is a layout error, not accepted.
         let q = encode_boundary_i8([2, 3, 4], &[1; 24], &[0.1; 6]);
-        assert!(check_tensor(&q, &spec).is_err());
+        assert!(matches!(
+            check_tensor(&q, &spec),
+            Err(TensorError::Layout(_))
+        ));
+        // Values of another 4-byte dtype under f32 metadata: right in all but the dtype.
+        let i32_values = serialize(
+            vec![(
+                "values".to_owned(),
+                raw_view(Dtype::I32, &[2, 3, 4], vec![0; 96]),
+            )],
+            BOUNDARY_FORMAT,
+            Some(WireEncoding::F32),
+        );
+        assert!(matches!(
+            check_tensor(&i32_values, &spec),
+            Err(TensorError::Dtype { .. })
+        ));
         let spec8 = TensorSpec::Boundary {
             shape: [2, 3, 4],
             encoding: WireEncoding::Int8,

@@ -30,6 +30,19 @@ pub fn init_tracing() {
 }
 
 /// A new, empty database on the test server. Fails (never skips) without `DATABASE_URL`.
+/// The S3-protocol store `scripts/test.sh` starts (moto, `scripts/s3.sh`) and exports.
+pub fn s3_store() -> iota_orchestrator::StoreConfig {
+    let endpoint = std::env::var("IOTA_TEST_S3_ENDPOINT").expect(
+        "IOTA_TEST_S3_ENDPOINT is not set: run the tests through scripts/test.sh, which starts an \
+         S3-protocol server (or eval \"$(scripts/s3.sh start)\")",
+    );
+    iota_orchestrator::StoreConfig::S3 {
+        bucket: std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into()),
+        endpoint: Some(endpoint),
+        region: Some(std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())),
+    }
+}
+
 pub async fn fresh_db() -> String {
     let base = std::env::var("DATABASE_URL").expect(
         "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
