@@ -131,6 +131,21 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 .collect();
             eprintln!("{kind}: {penalties:?}");
             assert!(!penalties.is_empty(), "{kind} was never caught: {rows:?}");
+            // Caught by the check its cheat breaks, not by another one that happened to fail.
+            let reasons: &[&str] = match kind {
+                Adversary::WrongMerge => &["merge "],
+                Adversary::Freeload => &["replay: ", "bad pseudo-gradient: "],
+                Adversary::Noise
+                | Adversary::Zeros
+                | Adversary::LazyLoss
+                | Adversary::StaleWeights => &["replay: "],
+            };
+            assert!(
+                penalties
+                    .iter()
+                    .any(|p| reasons.iter().any(|r| p.starts_with(r))),
+                "{kind} caught for another reason: {penalties:?}"
+            );
         }
         for seed in HONEST {
             let zeroed: Vec<_> = rows
@@ -143,11 +158,14 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         // The weights the validator committed (what it reveals) rank every cheater below every
         // honest miner.
         let subs = store.submissions(10).await.expect("submissions");
+        // The localnet runs commit-reveal, as finney does: a plain set would skip the commit
+        // and reveal checks below.
         let sent = subs
             .iter()
             .find(|s| s.state == "committed" || s.state == "set")
             .expect("weights sent to the chain")
             .clone();
+        assert_eq!(sent.state, "committed", "{sent:?}");
         let meta = chain
             .chain
             .metagraph(chain.netuid)

@@ -106,12 +106,30 @@ async fn a_dispute_nobody_merged_honestly_is_settled_with_the_validators_merge()
             .all(|d| d.id != open[0].id),
         "still open"
     );
-    // The accepted bytes are the honest merge: they decode as the partition's weights.
+    // The accepted bytes are the honest merge of the partition's frozen contributions: in the
+    // first epoch, from the initial weights and zero momentum.
     let bytes = reader.download(accepted).await.expect("download");
     let len = run
         .partition_range(disputed.stage, disputed.partition)
         .map(|r| r.end - r.start)
         .expect("range");
     iota_protocol::tensor::decode_merged(&bytes, len).expect("decodes");
+    assert_eq!(disputed.epoch, 0, "a dispute of the first epoch");
+    let mut contributions = Vec::new();
+    for c in &open[0].contributions {
+        let part = reader.download(&c.blob).await.expect("a contribution");
+        let values = iota_protocol::tensor::decode_partition(&part, len).expect("decodes");
+        contributions.push((c.hotkey.clone(), c.weight, values));
+    }
+    assert!(!contributions.is_empty(), "a dispute without contributions");
+    let (_, honest) = iota_validator::merges::recompute_merge(
+        &run,
+        disputed.stage,
+        disputed.partition,
+        contributions,
+        None,
+    )
+    .expect("the honest merge");
+    assert_eq!(accepted.blake3, honest, "the validator's merge is not the honest one");
     orch.stop().await;
 }
