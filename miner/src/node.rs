@@ -707,6 +707,12 @@ impl Node {
             // Nothing to contribute yet; a backward of a sample it forwarded may still come.
             return Ok(false);
         }
+        // Before the deadline, this holds the phase open until every partition is in.
+        match self.client.reserve_pseudo_gradients(epoch).await {
+            Ok(r) => tracing::debug!(epoch, holds_until_ms = r.holds_until_ms, "upload reserved"),
+            // Past the deadline, the uploads still land until the phase changes.
+            Err(e) => tracing::warn!(epoch, error = %e, "could not reserve the upload"),
+        }
         blocking(&self.trainer, |t| t.finish_training()).await?;
         let inner_steps = blocking(&self.trainer, |t| Ok(t.inner_steps())).await?;
         let mut sum_sq = 0.0f64;

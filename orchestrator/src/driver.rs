@@ -5,8 +5,10 @@
 //! Postgres advisory lock, so several replicas on one database drive one run exactly once; if the
 //! leader dies its connection closes, the lock is released, and another replica takes over at its
 //! next tick. Every step is a transaction over database state alone, so a restart resumes where
-//! the database is, with the phase's time left as it was (see [`forgive_gap`]). Phase changes take an exclusive transaction-level lock that uploads take in
-//! shared mode, so an upload lands wholly before a phase change or is refused after it.
+//! the database is, with the phase's time left as it was (see [`forgive_gap`]). Phase changes
+//! take an exclusive transaction-level lock that uploads take in shared mode, so an upload lands
+//! wholly before a phase change or is refused after it; uploads reserved before the uploading
+//! deadline hold that phase open for a bounded time (see `routing::next_step`).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -314,12 +316,19 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
                ON m.run_id = g.run_id AND m.hotkey = g.miner AND m.status = 'active'
              WHERE g.run_id = $1 AND g.epoch = $2) AS received,
             (SELECT count(*) FROM partitions p WHERE p.run_id = $1 AND p.epoch = $2
-               AND p.state IN ('open', 'disputed')) AS open_partitions
+               AND p.state IN ('open', 'disputed')) AS open_partitions,
+            -- Reserved uploads not yet complete, of miners still active.
+            (SELECT count(*) FROM upload_reservations r JOIN miners m
+               ON m.run_id = r.run_id AND m.hotkey = r.miner AND m.status = 'active'
+             WHERE r.run_id = $1 AND r.epoch = $2
+               AND (SELECT count(*) FROM pseudo_gradients g WHERE g.run_id = $1
+                      AND g.epoch = $2 AND g.miner = r.miner) < $4) AS reserved
          FROM epochs e WHERE e.run_id = $1 AND e.epoch = $2",
     )
     .bind(app.run.id)
     .bind(now.epoch as i64)
     .bind(cfg.stages as i32 - 1)
+    .bind(i64::from(cfg.partitions))
     .fetch_one(&app.db)
     .await?;
     let workers: i64 = row.try_get("workers")?;
@@ -333,6 +342,8 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
         uploads_expected: workers as u64 * u64::from(cfg.partitions),
         uploads_received: row.try_get::<i64, _>("received")? as u64,
         partitions_open: row.try_get::<i64, _>("open_partitions")? as u64,
+        uploads_reserved: row.try_get::<i64, _>("reserved")? as u64,
+        reserved_until: crate::miner::reservations_hold_until(cfg, now.phase_deadline),
     })
 }
 

@@ -345,7 +345,7 @@ fn http_metrics() -> &'static HttpMetrics {
     ),
     paths(
         miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
-        miner::commit_output, miner::complete, miner::upload_pg, miner::presign_pg, miner::commit_pg,
+        miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
         miner::merges, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
         miner::report_bad_object,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
@@ -436,6 +436,10 @@ pub fn router(app: App) -> Router {
         .route(
             "/v1/miner/tasks/{task_id}/output/commit",
             post(miner::commit_output),
+        )
+        .route(
+            "/v1/miner/epochs/{epoch}/pseudo-gradients/reserve",
+            post(miner::reserve_pg),
         )
         .route(
             "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign",

@@ -1533,6 +1533,18 @@ async fn pg_slot(
                 format!("stage {stage} has no partition {partition}"),
             )
         })?;
+    may_contribute(app, caller, epoch).await?;
+    Ok((
+        pg_key(app, epoch, stage, partition, &caller.ss58),
+        TensorSpec::Partition {
+            len: range.end - range.start,
+        },
+    ))
+}
+
+/// Whether the caller has a pseudo-gradient to give for `epoch`: gradient work in it, by this
+/// process.
+async fn may_contribute(app: &App, caller: &Caller, epoch: u64) -> ApiResult<()> {
     let work = backward_work(&app.db, app, epoch, &caller.ss58).await?;
     if work == 0 {
         return Err(AppError::new(
@@ -1561,12 +1573,63 @@ async fn pg_slot(
             ),
         ));
     }
-    Ok((
-        pg_key(app, epoch, stage, partition, &caller.ss58),
-        TensorSpec::Partition {
-            len: range.end - range.start,
-        },
-    ))
+    Ok(())
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/reserve`: before the uploading phase's
+/// deadline, hold the phase open for the caller's partitions. While a miner that reserved has not
+/// uploaded every partition, the phase goes on past its deadline, for at most one more phase
+/// length, so that an upload that started in time is not lost to the deadline. Retrying is
+/// harmless.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/reserve", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = ReservationResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn reserve_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(epoch): ApiPath<u64>,
+) -> ApiResult<Json<ReservationResponse>> {
+    miner_stage(&app.db, &app, &caller).await?;
+    may_contribute(&app, &caller, epoch).await?;
+    let mut tx = app.db.begin().await?;
+    // Atomic with the switch to merging, which counts the reservations.
+    crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
+    let now = run_now(&mut *tx, app.run.id).await?;
+    let at = Utc::now();
+    if now.epoch != epoch || now.phase != Phase::Uploading || at >= now.phase_deadline {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "uploads of epoch {epoch} are reserved before its uploading phase's deadline; \
+                 the run is in epoch {} {}",
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    sqlx::query(
+        "INSERT INTO upload_reservations (run_id, epoch, miner, reserved_at)
+         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .bind(at)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Json(ReservationResponse {
+        epoch,
+        holds_until_ms: reservations_hold_until(app.config(), now.phase_deadline)
+            .timestamp_millis(),
+    }))
+}
+
+/// The latest an uploading phase with reservations outstanding stays open: its deadline plus
+/// one more phase length.
+pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) -> DateTime<Utc> {
+    deadline + chrono::Duration::seconds(run.uploading_s.min(i64::MAX as u64 / 1000) as i64)
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock

@@ -108,6 +108,10 @@ pub struct PhaseView {
     pub uploads_received: u64,
     /// Partitions without an accepted result.
     pub partitions_open: u64,
+    /// Miners that reserved their pseudo-gradient upload and have not uploaded every partition.
+    pub uploads_reserved: u64,
+    /// The latest the uploading phase waits for them.
+    pub reserved_until: DateTime<Utc>,
 }
 
 /// What the driver does next.
@@ -140,7 +144,9 @@ pub fn next_step(view: &PhaseView, now: DateTime<Utc>, max_rounds: u32) -> Phase
         }
         Phase::Uploading => {
             let quorum = view.uploads_received >= view.uploads_expected;
-            if quorum || expired {
+            // Uploads reserved before the deadline hold it open, for a bounded time.
+            let held = view.uploads_reserved > 0 && now < view.reserved_until;
+            if quorum || (expired && !held) {
                 PhaseStep::StartMerging
             } else {
                 PhaseStep::Wait
@@ -291,6 +297,8 @@ mod tests {
             uploads_expected: 4,
             uploads_received: 0,
             partitions_open: 3,
+            uploads_reserved: 0,
+            reserved_until: DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(200),
         }
     }
 
@@ -313,6 +321,13 @@ mod tests {
         assert_eq!(next_step(&v, before, 2), PhaseStep::StartMerging);
         v.uploads_received = 0;
         assert_eq!(next_step(&v, after, 2), PhaseStep::StartMerging);
+        // A reserved upload holds the deadline, until the hold ends; not the quorum.
+        v.uploads_reserved = 1;
+        assert_eq!(next_step(&v, after, 2), PhaseStep::Wait);
+        let held_to = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(200);
+        assert_eq!(next_step(&v, held_to, 2), PhaseStep::StartMerging);
+        v.uploads_received = 4;
+        assert_eq!(next_step(&v, before, 2), PhaseStep::StartMerging);
 
         let mut v = view(Phase::Merging);
         assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);

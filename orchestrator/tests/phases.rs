@@ -956,3 +956,95 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
         bytes.as_slice()
     );
 }
+
+/// A miner that reserved its upload before the uploading deadline gets every partition in after
+/// it: the phase waits for it (a large upload under way when the deadline passed was refused at
+/// the switch to merging, and its epoch's work lost). A reservation after the phase is refused,
+/// and the wait is bounded (see `routing::next_step`'s test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_upload_lands_after_the_deadline() {
+    init_tracing();
+    let seeds = [181u8, 182, 183];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    let hotkey = pair(seeds[i]).ss58_of();
+    let (_, _, deadline, _) = now_status(&s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    let (_, phase, deadline, _) = now_status(&s).await;
+    assert_eq!(phase, Phase::Uploading);
+
+    let reserved = miners[i]
+        .client()
+        .reserve_pseudo_gradients(0)
+        .await
+        .expect("reserve before the deadline");
+    assert_eq!(
+        reserved.holds_until_ms,
+        (deadline + Duration::seconds(run.uploading_s as i64)).timestamp_millis()
+    );
+    miners[i]
+        .client()
+        .reserve_pseudo_gradients(0)
+        .await
+        .expect("a retried reservation");
+    // The deadline passes with nothing uploaded yet: the phase waits.
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(
+        now_status(&s).await.1,
+        Phase::Uploading,
+        "the reservation was not held"
+    );
+    let stage = miners[i].stage;
+    for partition in 0..run.partitions {
+        let range = run.partition_range(stage, partition).expect("partition");
+        let values = vec![0.001f32; (range.end - range.start) as usize];
+        miners[i]
+            .client()
+            .upload_pseudo_gradient(
+                0,
+                partition,
+                bytes::Bytes::from(iota_protocol::tensor::encode_partition(&values)),
+            )
+            .await
+            .expect("an upload after the deadline, reserved before it");
+        // Held until the last partition is in.
+        driver::step(&s.app, deadline + Duration::seconds(2))
+            .await
+            .expect("step");
+        let phase = now_status(&s).await.1;
+        if partition + 1 < run.partitions {
+            assert_eq!(phase, Phase::Uploading, "partition {partition}");
+        } else {
+            assert_eq!(phase, Phase::Merging);
+        }
+    }
+    let contributed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM partitions WHERE epoch = 0 AND stage = $1
+           AND contributions::text LIKE '%' || $2 || '%'",
+    )
+    .bind(stage as i32)
+    .bind(&hotkey)
+    .fetch_one(&s.db)
+    .await
+    .expect("contributions");
+    assert_eq!(
+        contributed,
+        i64::from(run.partitions),
+        "its partitions are merged"
+    );
+    let late = miners[i]
+        .client()
+        .reserve_pseudo_gradients(0)
+        .await
+        .expect_err("a reservation while merging");
+    assert_eq!(late.code(), Some(ErrorCode::WrongPhase), "{late}");
+}

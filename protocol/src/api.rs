@@ -561,6 +561,15 @@ pub struct UploadResponse {
     pub blob: BlobDescriptor,
 }
 
+/// Answer to `POST /v1/miner/epochs/{epoch}/pseudo-gradients/reserve`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReservationResponse {
+    /// The epoch whose uploading phase is held open for the caller's partitions.
+    pub epoch: u64,
+    /// The latest the phase stays open for them (its deadline plus one more phase length).
+    pub holds_until_ms: UnixMs,
+}
+
 /// `POST …/presign`: ask to upload straight to the store.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct PresignRequest {

@@ -491,6 +491,21 @@ impl ApiClient {
         .await
     }
 
+    /// Reserves this miner's pseudo-gradient upload of `epoch` before the uploading phase's
+    /// deadline: the phase then stays open until every partition of it is in (bounded, see
+    /// [`ReservationResponse::holds_until_ms`]).
+    pub async fn reserve_pseudo_gradients(
+        &self,
+        epoch: u64,
+    ) -> Result<ReservationResponse, ClientError> {
+        self.signed_json(
+            Method::POST,
+            &format!("/v1/miner/epochs/{epoch}/pseudo-gradients/reserve"),
+            &serde_json::json!({}),
+        )
+        .await
+    }
+
     /// Uploads one pseudo-gradient partition.
     pub async fn upload_pseudo_gradient(
         &self,

@@ -130,6 +130,9 @@ async fn a_dispute_nobody_merged_honestly_is_settled_with_the_validators_merge()
         None,
     )
     .expect("the honest merge");
-    assert_eq!(accepted.blake3, honest, "the validator's merge is not the honest one");
+    assert_eq!(
+        accepted.blake3, honest,
+        "the validator's merge is not the honest one"
+    );
     orch.stop().await;
 }
