@@ -197,8 +197,6 @@ where
     .map_err(|e| MinerError::Internal(format!("compute task: {e}")))?
 }
 
-/// How often to say the miner is alive: three times per timeout, at most five times a second.
-/// Saturating: the timeout comes from the orchestrator.
 /// Whether to upload the pseudo-gradient now, in the uploading phase `st` describes. The upload
 /// ends this miner's work in the epoch, and a sample whose next hop finds only such miners on its
 /// stage is abandoned: so first the samples still travelling finish (their hops add to the
@@ -222,6 +220,8 @@ fn in_computed_order(pending: impl Iterator<Item = (i64, u64)>) -> Vec<i64> {
     waiting.into_iter().map(|(_, id)| id).collect()
 }
 
+/// How often to say the miner is alive: three times per timeout, at most five times a second.
+/// Saturating: the timeout comes from the orchestrator.
 fn heartbeat_interval(timeout_s: u64) -> Duration {
     (Duration::from_secs(timeout_s) / 3).max(Duration::from_millis(200))
 }

@@ -124,12 +124,17 @@ async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
 /// deadline that passed in the gap does not end it before miners can reach the new leader.
 pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Error> {
     let mut tx = app.db.begin().await?;
+    // Past its deadline, an uploading phase may still be held open by reservations, for up to
+    // `uploading_s` more: that time is given back too.
     sqlx::query(
         "UPDATE runs SET phase_deadline = $2 + (phase_deadline - driven_at)
-         WHERE id = $1 AND driven_at < $2 AND phase_deadline > driven_at",
+         WHERE id = $1 AND driven_at < $2
+           AND (phase_deadline > driven_at
+                OR (phase = 'uploading' AND phase_deadline + $3 > driven_at))",
     )
     .bind(app.run.id)
     .bind(now)
+    .bind(secs(app.config().uploading_s))
     .execute(&mut *tx)
     .await?;
     sqlx::query(
@@ -172,7 +177,7 @@ pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         .await?;
     expire_leases(app, now).await?;
     release_silent_miners(app, now).await?;
-    let view = phase_view(app).await?;
+    let view = phase_view(app, &mut *app.db.acquire().await?).await?;
     match next_step(&view, now, app.max_merge_rounds) {
         PhaseStep::Wait => {}
         PhaseStep::StartUploading => start_uploading(app, now).await?,
@@ -297,9 +302,9 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     Ok(())
 }
 
-async fn phase_view(app: &App) -> ApiResult<PhaseView> {
+async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseView> {
     let cfg = app.config();
-    let now = run_now(&app.db, app.run.id).await?;
+    let now = run_now(&mut *db, app.run.id).await?;
     let row = sqlx::query(
         "SELECT e.samples_started,
             (SELECT count(*) FROM samples s WHERE s.run_id = $1 AND s.epoch = $2
@@ -322,14 +327,18 @@ async fn phase_view(app: &App) -> ApiResult<PhaseView> {
                ON m.run_id = r.run_id AND m.hotkey = r.miner AND m.status = 'active'
              WHERE r.run_id = $1 AND r.epoch = $2
                AND (SELECT count(*) FROM pseudo_gradients g WHERE g.run_id = $1
-                      AND g.epoch = $2 AND g.miner = r.miner) < $4) AS reserved
+                      AND g.epoch = $2 AND g.miner = r.miner) < $4
+               -- Not a miner that restarted after working: its uploads are refused.
+               AND (m.ended_epoch IS DISTINCT FROM $2
+                    OR EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = $1
+                               AND g.epoch = $2 AND g.miner = m.hotkey))) AS reserved
          FROM epochs e WHERE e.run_id = $1 AND e.epoch = $2",
     )
     .bind(app.run.id)
     .bind(now.epoch as i64)
     .bind(cfg.stages as i32 - 1)
     .bind(i64::from(cfg.partitions))
-    .fetch_one(&app.db)
+    .fetch_one(&mut *db)
     .await?;
     let workers: i64 = row.try_get("workers")?;
     Ok(PhaseView {
@@ -402,10 +411,12 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let cfg = app.config().clone();
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
-    let cur = run_now(&mut *tx, app.run.id).await?;
-    if cur.phase != Phase::Uploading {
+    // Decided again under the lock: a reservation taken just before it holds the phase.
+    let view = phase_view(app, &mut tx).await?;
+    if next_step(&view, now, app.max_merge_rounds) != PhaseStep::StartMerging {
         return Ok(());
     }
+    let cur = run_now(&mut *tx, app.run.id).await?;
     let epoch = cur.epoch;
     let all_active: Vec<(String, i32)> = sqlx::query_as(
         "SELECT hotkey, stage FROM miners WHERE run_id = $1 AND status = 'active' ORDER BY hotkey",

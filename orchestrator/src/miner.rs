@@ -1593,7 +1593,8 @@ pub async fn reserve_pg(
     miner_stage(&app.db, &app, &caller).await?;
     may_contribute(&app, &caller, epoch).await?;
     let mut tx = app.db.begin().await?;
-    // Atomic with the switch to merging, which counts the reservations.
+    // Atomic with the switch to merging, which counts the reservations again under its
+    // exclusive lock.
     crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
     let now = run_now(&mut *tx, app.run.id).await?;
     let at = Utc::now();

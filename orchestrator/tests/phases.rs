@@ -959,8 +959,10 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
 
 /// A miner that reserved its upload before the uploading deadline gets every partition in after
 /// it: the phase waits for it (a large upload under way when the deadline passed was refused at
-/// the switch to merging, and its epoch's work lost). A reservation after the phase is refused,
-/// and the wait is bounded (see `routing::next_step`'s test).
+/// the switch to merging, and its epoch's work lost), also across a gap in which nobody drove the
+/// run. A miner that restarted after reserving holds nothing (its uploads are refused), a
+/// reservation after the phase is refused, and the wait is bounded (see `routing::next_step`'s
+/// test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserved_upload_lands_after_the_deadline() {
     init_tracing();
@@ -968,10 +970,14 @@ async fn a_reserved_upload_lands_after_the_deadline() {
     let run = config();
     let s = serve(&seeds, run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    let i = (0..seeds.len())
-        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
-        .expect("a miner with gradient work");
+    // Three with gradient work: the third uploads nothing, so no quorum ends the phase.
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 3).await;
+    let workers: Vec<usize> = (0..seeds.len())
+        .filter(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .collect();
+    let [i, restarted, _] = workers[..] else {
+        panic!("three miners with gradient work: {worked:?}");
+    };
     let hotkey = pair(seeds[i]).ss58_of();
     let (_, _, deadline, _) = now_status(&s).await;
     driver::step(&s.app, deadline + Duration::seconds(1))
@@ -980,29 +986,48 @@ async fn a_reserved_upload_lands_after_the_deadline() {
     let (_, phase, deadline, _) = now_status(&s).await;
     assert_eq!(phase, Phase::Uploading);
 
-    let reserved = miners[i]
-        .client()
-        .reserve_pseudo_gradients(0)
-        .await
-        .expect("reserve before the deadline");
-    assert_eq!(
-        reserved.holds_until_ms,
-        (deadline + Duration::seconds(run.uploading_s as i64)).timestamp_millis()
-    );
+    let uploading = Duration::seconds(run.uploading_s as i64);
+    for m in [i, restarted] {
+        let reserved = miners[m]
+            .client()
+            .reserve_pseudo_gradients(0)
+            .await
+            .expect("reserve before the deadline");
+        assert_eq!(
+            reserved.holds_until_ms,
+            (deadline + uploading).timestamp_millis()
+        );
+    }
     miners[i]
         .client()
         .reserve_pseudo_gradients(0)
         .await
         .expect("a retried reservation");
+    // One of them restarts: its uploads would be refused, so it holds nothing.
+    let (_, joined) = registered_miner(&s.base, seeds[restarted]).await;
+    assert_eq!(joined.work_ended, Some(0));
+
     // The deadline passes with nothing uploaded yet: the phase waits.
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
+    let mut t = deadline + Duration::seconds(1);
+    driver::step(&s.app, t).await.expect("step");
     assert_eq!(
         now_status(&s).await.1,
         Phase::Uploading,
         "the reservation was not held"
     );
+    // Nobody drives the run for longer than the hold; a new leader gives its time back.
+    t += Duration::minutes(10);
+    driver::forgive_gap(&s.app, t)
+        .await
+        .expect("forgive the gap");
+    t += Duration::seconds(1);
+    driver::step(&s.app, t).await.expect("step");
+    assert_eq!(
+        now_status(&s).await.1,
+        Phase::Uploading,
+        "the hold did not outlive the gap"
+    );
+
     let stage = miners[i].stage;
     for partition in 0..run.partitions {
         let range = run.partition_range(stage, partition).expect("partition");
@@ -1016,15 +1041,13 @@ async fn a_reserved_upload_lands_after_the_deadline() {
             )
             .await
             .expect("an upload after the deadline, reserved before it");
-        // Held until the last partition is in.
-        driver::step(&s.app, deadline + Duration::seconds(2))
-            .await
-            .expect("step");
+        // Held until the last partition is in; then the restarted miner holds nothing.
+        driver::step(&s.app, t).await.expect("step");
         let phase = now_status(&s).await.1;
         if partition + 1 < run.partitions {
             assert_eq!(phase, Phase::Uploading, "partition {partition}");
         } else {
-            assert_eq!(phase, Phase::Merging);
+            assert_eq!(phase, Phase::Merging, "held for a restarted miner");
         }
     }
     let contributed: i64 = sqlx::query_scalar(

@@ -29,7 +29,6 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A new, empty database on the test server. Fails (never skips) without `DATABASE_URL`.
 /// The S3-protocol store `scripts/test.sh` starts (moto, `scripts/s3.sh`) and exports.
 pub fn s3_store() -> iota_orchestrator::StoreConfig {
     let endpoint = std::env::var("IOTA_TEST_S3_ENDPOINT").expect(
@@ -43,6 +42,7 @@ pub fn s3_store() -> iota_orchestrator::StoreConfig {
     }
 }
 
+/// A new, empty database on the test server. Fails (never skips) without `DATABASE_URL`.
 pub async fn fresh_db() -> String {
     let base = std::env::var("DATABASE_URL").expect(
         "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
