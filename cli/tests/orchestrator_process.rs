@@ -196,6 +196,7 @@ async fn sigkill_and_restart_lose_nothing() {
     assert_eq!((before.epoch, before.phase), (0, Phase::Training));
     let (done_samples, done_hops) = counts(&db).await;
     assert!(done_samples >= 4);
+    let killed_at = std::time::Instant::now();
     child.0.kill().expect("SIGKILL");
     let _ = child.0.wait();
     drop(child);
@@ -208,9 +209,13 @@ async fn sigkill_and_restart_lose_nothing() {
         (0, Phase::Training),
         "same epoch and phase"
     );
-    assert_eq!(
-        after.phase_deadline_ms, before.phase_deadline_ms,
-        "same deadline"
+    // The same deadline, moved out by the time nobody drove the run (the new leader gives the
+    // phase the time it had left), and by no more than the restart took.
+    let down_ms = killed_at.elapsed().as_millis() as i64;
+    let moved = after.phase_deadline_ms - before.phase_deadline_ms;
+    assert!(
+        (0..=down_ms + 1000).contains(&moved),
+        "deadline moved by {moved} ms over a restart of {down_ms} ms"
     );
     let (s2, h2) = counts(&db).await;
     assert!(s2 >= done_samples && h2 >= done_hops, "work was lost");
