@@ -566,7 +566,9 @@ mod record_tests {
                 }
             })
             .collect();
-        // Samples whose forward did not reach the loss are ignored, whatever they claim.
+        // Samples whose forward did not reach the loss are ignored, whatever they claim, and
+        // so are samples still travelling (a record read before the epoch ended): only done or
+        // abandoned ones are final.
         samples.push(SampleRecord {
             sample_id: -1,
             epoch: 0,
@@ -575,6 +577,16 @@ mod record_tests {
             loss: Some(100.0),
             sequence_losses: None,
         });
+        for (id, status) in [(-2, "backward"), (-3, "forward")] {
+            samples.push(SampleRecord {
+                sample_id: id,
+                epoch: 0,
+                status: status.into(),
+                pathway: vec!["a0".into(), "b0".into()],
+                loss: Some(100.0),
+                sequence_losses: None,
+            });
+        }
         let fitted = fit_samples(2, &samples, &ClaspConfig::default()).expect("fit");
         assert_eq!(fitted.fit.samples, 3000);
         let flagged: Vec<&str> = fitted
