@@ -49,7 +49,7 @@ async fn phase_lock_exclusive(tx: &mut Transaction<'_, Postgres>, run: i64) -> A
     Ok(())
 }
 
-fn secs(s: u64) -> chrono::Duration {
+pub(crate) fn secs(s: u64) -> chrono::Duration {
     chrono::Duration::seconds(s.min(i64::MAX as u64 / 1000) as i64)
 }
 

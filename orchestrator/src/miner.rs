@@ -1630,7 +1630,7 @@ pub async fn reserve_pg(
 /// The latest an uploading phase with reservations outstanding stays open: its deadline plus
 /// one more phase length.
 pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) -> DateTime<Utc> {
-    deadline + chrono::Duration::seconds(run.uploading_s.min(i64::MAX as u64 / 1000) as i64)
+    deadline + crate::driver::secs(run.uploading_s)
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock

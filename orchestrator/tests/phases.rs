@@ -114,6 +114,15 @@ async fn now_status(s: &Served) -> (u64, Phase, DateTime<Utc>, i32) {
     )
 }
 
+/// Steps the driver one second past the current phase's deadline; the run's status after it.
+async fn past_the_deadline(s: &Served) -> (u64, Phase, DateTime<Utc>, i32) {
+    let (_, _, deadline, _) = now_status(s).await;
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    now_status(s).await
+}
+
 /// A simulated miner for each seed, joined in order (throughput 10, 11, … tokens/s).
 async fn join_all(s: &Served, seeds: &[u8]) -> Vec<SimMiner> {
     let mut miners = Vec::new();
@@ -193,11 +202,7 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
     );
 
     // The training deadline passes with work in flight.
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
-    let (epoch, phase, deadline, _) = now_status(&s).await;
+    let (epoch, phase, deadline, _) = past_the_deadline(&s).await;
     assert_eq!((epoch, phase), (0, Phase::Uploading));
 
     // Only the stage-0 miner uploads; the deadline passes for the others.
@@ -480,11 +485,7 @@ async fn a_pseudo_gradient_ends_its_miners_epoch() {
         "six miners on three stages: two each"
     );
 
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
-    assert_eq!(now_status(&s).await.1, Phase::Uploading);
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
 
     // The first miner holds a lease and has a hop waiting when it uploads.
     let (held_sample, held_task, lease) =
@@ -684,11 +685,7 @@ async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
     assert_eq!(rejoin.work_ended, None);
 
     // Uploading ends by quorum without the restarted miner's pseudo-gradient.
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
-    let (_, phase, deadline, _) = now_status(&s).await;
+    let (_, phase, deadline, _) = past_the_deadline(&s).await;
     assert_eq!(phase, Phase::Uploading);
     // Its pseudo-gradient would be compared with hops it no longer holds the state of.
     let range = run.partition_range(stage, 0).expect("partition 0");
@@ -825,10 +822,7 @@ async fn a_recorded_submission_retried_after_its_phase_is_answered_from_the_reco
             .expect("a miner of the test")
     };
     step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
+    past_the_deadline(&s).await;
     step_until(&s, &mut miners, |st| st.1 == Phase::Merging).await;
 
     let (hotkey, _, partition, blob, bytes) = a_recorded(&s, false).await;
@@ -877,11 +871,7 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
         .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
         .expect("a miner with gradient work");
     let hotkey = pair(seeds[i]).ss58_of();
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
-    assert_eq!(now_status(&s).await.1, Phase::Uploading);
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
 
     // What a presigned PUT leaves in the slot.
     let stage = miners[i].stage;
@@ -979,11 +969,7 @@ async fn a_reserved_upload_lands_after_the_deadline() {
         panic!("three miners with gradient work: {worked:?}");
     };
     let hotkey = pair(seeds[i]).ss58_of();
-    let (_, _, deadline, _) = now_status(&s).await;
-    driver::step(&s.app, deadline + Duration::seconds(1))
-        .await
-        .expect("step");
-    let (_, phase, deadline, _) = now_status(&s).await;
+    let (_, phase, deadline, _) = past_the_deadline(&s).await;
     assert_eq!(phase, Phase::Uploading);
 
     let uploading = Duration::seconds(run.uploading_s as i64);
