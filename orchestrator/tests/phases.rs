@@ -1057,3 +1057,81 @@ async fn a_reserved_upload_lands_after_the_deadline() {
         .expect_err("a reservation while merging");
     assert_eq!(late.code(), Some(ErrorCode::WrongPhase), "{late}");
 }
+
+/// The race the switch to merging decides again for: a reservation whose transaction has not
+/// committed when the driver first looks, and commits while the driver waits for its lock.
+/// A trigger holds the reservation's transaction (and its shared phase lock) open until the
+/// driver is seen waiting for the exclusive one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_committed_while_the_switch_waits_for_its_lock_holds_the_phase() {
+    init_tracing();
+    let seeds = [184u8, 185, 186];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    // Three with gradient work and nothing uploaded: past the deadline the phase ends unless
+    // someone reserved.
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 3).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    let (_, phase, deadline, _) = past_the_deadline(&s).await;
+    assert_eq!(phase, Phase::Uploading);
+
+    for sql in [
+        "CREATE FUNCTION wait_for_the_driver() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             FOR _ IN 1..200 LOOP
+                 IF EXISTS (SELECT 1 FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+                            WHERE d.datname = current_database()
+                              AND l.locktype = 'advisory' AND NOT l.granted) THEN
+                     RETURN NEW;
+                 END IF;
+                 PERFORM pg_sleep(0.05);
+             END LOOP;
+             RAISE EXCEPTION 'the driver never waited for the phase lock';
+         END $$",
+        "CREATE TRIGGER wait_for_the_driver AFTER INSERT ON upload_reservations
+         FOR EACH ROW EXECUTE FUNCTION wait_for_the_driver()",
+    ] {
+        sqlx::query(sql)
+            .execute(&s.db)
+            .await
+            .expect("hold reservations open");
+    }
+    let client = miners[i].client().clone();
+    let reserving = tokio::spawn(async move { client.reserve_pseudo_gradients(0).await });
+    // The reservation is inserted, not committed, and its transaction holds the shared lock.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let inserted: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                            WHERE datname = current_database() AND wait_event = 'PgSleep')",
+        )
+        .fetch_one(&s.db)
+        .await
+        .expect("activity");
+        if inserted {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the reservation never reached its insert"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The driver sees no reservation, decides to merge, and waits for the exclusive lock; the
+    // trigger sees it waiting and lets the reservation commit.
+    let t = deadline + Duration::seconds(1);
+    driver::step(&s.app, t).await.expect("step");
+    // Taken, so the trigger saw the driver waiting (it refuses the insert otherwise).
+    reserving
+        .await
+        .expect("task")
+        .expect("a reservation taken before the deadline, committed while the driver waited");
+    assert_eq!(
+        now_status(&s).await.1,
+        Phase::Uploading,
+        "the switch to merging did not count a reservation committed while it waited"
+    );
+}
