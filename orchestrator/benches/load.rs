@@ -38,6 +38,8 @@
 //! latency is about miners / throughput (Little's law), the no-op's included: the latency target
 //! is read at half the ceiling, and at a fleet's idle pace (`IOTA_BENCH_POLL_INTERVAL_MS=1000`).
 //! `IOTA_BENCH_DB_CONNECTIONS` sets the orchestrator's pool (32, the CLI's default).
+//! `IOTA_BENCH_SERVER_THREADS` and `IOTA_BENCH_CLIENT_THREADS` set the worker threads of the
+//! orchestrator's runtime and of the miners' (one per core each, as the `iota` binary's runtime).
 //! `IOTA_BENCH_TIMELINE=1` prints each paced window's p99 and worst latency per quarter second,
 //! with the worst lateness over 3 ms of the sleeping thread (`os`) and of a task sleeping a
 //! millisecond at a time on the orchestrator's runtime (`srv`) and on the client's (`cli`).
@@ -119,6 +121,18 @@ fn env_or(name: &str, default: u64) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// Worker threads of the orchestrator's runtime and of the miners' (the client's): one per core
+/// each, as the `iota` binary's runtime has (`#[tokio::main]`), so that on any machine both sides
+/// may use all of it, as they do on a 2-core one. `IOTA_BENCH_SERVER_THREADS` and
+/// `IOTA_BENCH_CLIENT_THREADS` set others (2 and 2 is how this bench ran before on any machine).
+static RUNTIME_THREADS: std::sync::LazyLock<(usize, usize)> = std::sync::LazyLock::new(|| {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u64;
+    (
+        env_or("IOTA_BENCH_SERVER_THREADS", cores).max(1) as usize,
+        env_or("IOTA_BENCH_CLIENT_THREADS", cores).max(1) as usize,
+    )
+});
 
 /// Medians over alternating reads of what the orchestrator's metagraph watcher reads at each new
 /// block (the subnet's members) and of the full metagraph: (orchestrator CPU, node CPU, wall),
@@ -1400,8 +1414,10 @@ async fn bench(
     } else {
         format!("each polling every {} ms", interval.as_millis())
     };
+    let (server_threads, client_threads) = *RUNTIME_THREADS;
     println!(
-        "orchestrator load, {MINERS} miners on loopback, {pacing}, {ROUNDS} alternating windows of {} s each",
+        "orchestrator load, {MINERS} miners on loopback, {pacing}, {ROUNDS} alternating windows of {} s each; \
+         worker threads: orchestrator {server_threads}, miners {client_threads}, on {threads} cores",
         WINDOW.as_secs()
     );
     println!(
@@ -1647,13 +1663,14 @@ fn main() -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("stall-probe".into())
         .spawn(stall_probe)?;
+    let (server_threads, client_threads) = *RUNTIME_THREADS;
     let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(server_threads)
         .thread_name("orchestrator")
         .enable_all()
         .build()?;
     let clients = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(client_threads)
         .thread_name("miners")
         .enable_all()
         .build()?;

@@ -49,6 +49,8 @@ pub(crate) struct Batcher<F: Flush> {
     max_flushes: usize,
     /// Items that must be waiting before a statement starts beside one in flight.
     parallel_from: usize,
+    /// Whether the runtime's worker count raises `max_flushes` (see [`Self::a_flush_per_worker`]).
+    flush_per_worker: bool,
     // Started on first use, so the state can be built outside a runtime.
     queue: OnceLock<mpsc::Sender<Pending<F>>>,
 }
@@ -62,8 +64,17 @@ impl<F: Flush> Batcher<F> {
             max_batch: max_batch.max(1),
             max_flushes: max_flushes.max(1),
             parallel_from: 1,
+            flush_per_worker: false,
             queue: OnceLock::new(),
         }
+    }
+
+    /// At least one statement in flight per worker thread of the runtime that first submits:
+    /// for work done on the runtime's own threads (signature checks), where `max_flushes` alone
+    /// would leave a many-core runtime's other threads idle while requests wait.
+    pub(crate) fn a_flush_per_worker(mut self) -> Self {
+        self.flush_per_worker = true;
+        self
     }
 
     /// A statement beside others in flight starts only once `items` wait (at most a full batch);
@@ -83,12 +94,18 @@ impl<F: Flush> Batcher<F> {
     pub(crate) async fn submit(&self, item: F::Item) -> Result<F::Output, Stopped> {
         let queue = self.queue.get_or_init(|| {
             let (tx, rx) = mpsc::channel(16 * self.max_batch);
+            let max_flushes = if self.flush_per_worker {
+                let workers = tokio::runtime::Handle::current().metrics().num_workers();
+                self.max_flushes.max(workers)
+            } else {
+                self.max_flushes
+            };
             tokio::spawn(writer(
                 self.flusher.clone(),
                 rx,
                 Limits {
                     max_batch: self.max_batch,
-                    max_flushes: self.max_flushes,
+                    max_flushes,
                     parallel_from: self.parallel_from,
                 },
             ));
@@ -313,6 +330,36 @@ mod tests {
         assert_eq!(second.await.expect("task"), Some(2));
         for t in tasks {
             assert_eq!(t.await.expect("task"), Some(1));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_flush_per_worker_uses_every_worker_of_the_runtime() {
+        // Two statements allowed, but the runtime has four workers: four go at once.
+        let batcher = Arc::new(Batcher::new(Held::default(), 8, 2).a_flush_per_worker());
+        let held = batcher.flusher.clone();
+        let submit = |item: u32| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(item).await.ok() })
+        };
+        let mut tasks = Vec::new();
+        for item in 1..=5 {
+            tasks.push(submit(item));
+            let want: Vec<Vec<u32>> = (1..=item.min(4)).map(|i| vec![i]).collect();
+            batches_become(&held, &want).await;
+        }
+        // The fifth waits for a slot: no fifth statement while four are in flight.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(held.batches.lock().expect("lock").len(), 4);
+        for _ in 0..5 {
+            held.release.notify_one();
+        }
+        batches_become(&held, &[vec![1], vec![2], vec![3], vec![4], vec![5]]).await;
+        held.release.notify_one();
+        for (t, item) in tasks.into_iter().zip(1..) {
+            assert_eq!(t.await.expect("task"), Some(item));
         }
     }
 }

@@ -37,10 +37,12 @@ use crate::batch::{Batcher, Flush};
 /// batcher's one yield, see `batch`), the load benchmark's batches at half the no-op ceiling
 /// averaged 14-48 signatures.
 const MAX_BATCH: usize = 128;
-/// Batches being verified at once, each in its own task. Two: with one, the load benchmark
-/// served about 5% fewer signed polls although its batches were twice as large (three alternating
-/// pairs: 44.0, 44.1 and 43.8% of the no-op against 46.1, 45.0 and 47.4%, batches then on
-/// blocking threads); with four, batches shrank to about 35 and the share fell to 45.7%.
+/// Batches being verified at once, each in its own task: this many, or one per worker thread of
+/// the runtime where it has more. Measured on a 2-core machine (a runtime of two workers): with
+/// one, the load benchmark served about 5% fewer signed polls although its batches were twice as
+/// large (three alternating pairs: 44.0, 44.1 and 43.8% of the no-op against 46.1, 45.0 and
+/// 47.4%, batches then on blocking threads); with four, batches shrank to about 35 and the share
+/// fell to 45.7%. Two alone would cap a many-core orchestrator's signature checks at two cores.
 const MAX_FLUSHES: usize = 2;
 /// Signatures that must be waiting before a second batch starts beside one being verified. At a
 /// steady pace (half the ceiling, polls spread evenly) the two slots otherwise split the arrivals
@@ -288,7 +290,8 @@ impl Default for SignatureVerifier {
                 MAX_BATCH,
                 MAX_FLUSHES,
             )
-            .parallel_from(PARALLEL_FROM),
+            .parallel_from(PARALLEL_FROM)
+            .a_flush_per_worker(),
             keys,
             active: AtomicUsize::new(0),
         }
