@@ -219,13 +219,19 @@ impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let status =
             StatusCode::from_u16(self.0.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        if status.is_server_error() {
+        // A commit's check reads a whole object: seconds, not a moment.
+        let retry_after = match self.0.code {
+            ErrorCode::RateLimited => Some("1"),
+            ErrorCode::InProgress => Some("5"),
+            _ => None,
+        };
+        if status.is_server_error() && self.0.code != ErrorCode::InProgress {
             tracing::error!(code = self.0.code.as_str(), message = %self.0.message, "request failed");
         }
         let mut resp = (status, axum::Json(self.0)).into_response();
-        if status == StatusCode::TOO_MANY_REQUESTS {
+        if let Some(secs) = retry_after {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(secs));
         }
         resp
     }

@@ -885,16 +885,37 @@ pub(crate) async fn accept_committed(
     if placement == Placement::Slot {
         return check_stored(app, expected_key, spec, commit).await;
     }
-    let pending = format!("{expected_key}.pending-{}", Uuid::new_v4());
-    match app.store.rename(expected_key, &pending).await {
-        Ok(()) => {}
-        Err(StoreError::NotFound(_)) => {
-            return sealed_earlier(app, expected_key, spec, commit).await;
+    let pending = pending_key(expected_key, Utc::now());
+    // Twice: an attempt whose check failed on a store error puts the object back in the slot.
+    let mut moved = false;
+    for _ in 0..2 {
+        match app.store.rename(expected_key, &pending).await {
+            Ok(()) => {
+                moved = true;
+                break;
+            }
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
         }
-        Err(e) => return Err(e.into()),
+        match moved_earlier(app, expected_key, spec, commit).await? {
+            Moved::Sealed(blob) => return Ok(blob),
+            Moved::Checking => return Err(in_progress(expected_key)),
+            Moved::Abandoned(key) => match app.store.rename(&key, &pending).await {
+                Ok(()) => {
+                    moved = true;
+                    break;
+                }
+                Err(StoreError::NotFound(_)) => return Err(in_progress(expected_key)),
+                Err(e) => return Err(e.into()),
+            },
+            Moved::Nothing => {}
+        }
     }
-    let mut blob = match check_stored(app, &pending, spec, commit).await {
-        Ok(blob) => blob,
+    if !moved {
+        return Err(nothing_uploaded(expected_key));
+    }
+    let checked = match check_stored_if_there(app, &pending, spec, commit).await {
+        Ok(checked) => checked,
         Err(e) => {
             // Bad bytes were deleted by the check; anything else is put back for a retry.
             if app.store.rename(&pending, expected_key).await.is_err() {
@@ -903,41 +924,139 @@ pub(crate) async fn accept_committed(
             return Err(e);
         }
     };
-    blob.key = sealed_key(expected_key, &blob.blake3);
-    app.store.rename(&pending, &blob.key).await?;
-    Ok(blob)
+    if let Some(mut blob) = checked {
+        blob.key = sealed_key(expected_key, &blob.blake3);
+        match app.store.rename(&pending, &blob.key).await {
+            Ok(()) => return Ok(blob),
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Taken over while this attempt checked it, by a later one that found it abandoned (this
+    // attempt ran longer than `abandoned_after`): that one seals the same bytes.
+    match sealed_earlier(app, expected_key, spec, commit).await? {
+        Some(blob) => Ok(blob),
+        None => Err(in_progress(expected_key)),
+    }
 }
 
-/// A commit that finds nothing in its slot: an earlier attempt of it may have checked and sealed
-/// the object and then failed to record it (the database failed, or the process died), and its
-/// retry takes the sealed object. It was checked in full before it was sealed, and no presigned
-/// URL names its key; it is read and checked again all the same, and never deleted here (it may
-/// be recorded by an attempt still running).
+/// Where a commit moves its slot's object while checking it: beside the slot, named by when
+/// (milliseconds since 1970) and by the attempt, so that another attempt can tell a live check
+/// from one that died (see [`moved_earlier`]).
+fn pending_key(slot_key: &str, at: DateTime<Utc>) -> String {
+    format!(
+        "{slot_key}{PENDING}{}-{}",
+        at.timestamp_millis(),
+        Uuid::new_v4()
+    )
+}
+
+const PENDING: &str = ".pending-";
+
+/// How long a check of an object of at most `max_bytes` may take before its pending object is
+/// taken as abandoned: two minutes (longer than the client's 60 s request timeout, after which
+/// it retries), plus a second per 10 MB (a store read at 10 MB/s).
+fn abandoned_after(max_bytes: u64) -> chrono::Duration {
+    crate::driver::secs(120 + max_bytes / 10_000_000)
+}
+
+/// What became of a slot's object that another attempt of the commit moved.
+enum Moved {
+    /// Checked and sealed.
+    Sealed(BlobDescriptor),
+    /// Being checked now.
+    Checking,
+    /// Left pending by an attempt that stopped before sealing it (its process died): this
+    /// attempt checks it instead.
+    Abandoned(String),
+    /// Nowhere: nothing was uploaded.
+    Nothing,
+}
+
+fn in_progress(slot_key: &str) -> AppError {
+    AppError::new(
+        ErrorCode::InProgress,
+        format!("another attempt of this commit is checking the object of {slot_key}"),
+    )
+}
+
+fn nothing_uploaded(key: &str) -> AppError {
+    AppError::new(
+        ErrorCode::InvalidTensor,
+        format!("nothing was uploaded to {key}"),
+    )
+}
+
+/// A commit that finds nothing in its slot: an earlier attempt moved the object. That attempt
+/// may have sealed it and then failed to record it (the database failed, or the process died);
+/// it may still be checking it (a client retried while its first attempt ran: this one is told
+/// to retry, not that nothing was uploaded); or it may have died while checking, and its pending
+/// object (of the declared size) is taken over.
+async fn moved_earlier(
+    app: &App,
+    slot_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<Moved> {
+    // Listed before the sealed key is looked for: an attempt's pending object goes only once its
+    // sealed key holds the bytes (a rename, or on S3 a copy and then a delete), so one of the two
+    // is seen.
+    let dir = slot_key.rsplit_once('/').map_or("", |(dir, _)| dir);
+    let prefix = format!("{slot_key}{PENDING}");
+    let pending: Vec<(i64, String, u64)> = app
+        .store
+        .list_sizes(dir)
+        .await?
+        .into_iter()
+        .filter_map(|(key, size)| {
+            let rest = key.strip_prefix(&prefix)?;
+            // Pending names of earlier versions carry no time: long abandoned.
+            let ms = rest
+                .split_once('-')
+                .and_then(|(ms, _)| ms.parse().ok())
+                .unwrap_or(0);
+            Some((ms, key, size))
+        })
+        .collect();
+    if let Some(blob) = sealed_earlier(app, slot_key, spec, commit).await? {
+        return Ok(Moved::Sealed(blob));
+    }
+    let abandoned_before =
+        Utc::now().timestamp_millis() - abandoned_after(spec.max_bytes()).num_milliseconds();
+    if pending.iter().any(|(ms, _, _)| *ms > abandoned_before) {
+        return Ok(Moved::Checking);
+    }
+    // Another size is not what this commit declares: left alone, not checked (and deleted).
+    Ok(pending
+        .into_iter()
+        .filter(|(_, _, size)| *size == commit.size)
+        .max()
+        .map_or(Moved::Nothing, |(_, key, _)| Moved::Abandoned(key)))
+}
+
+/// The object an earlier attempt of this commit checked and sealed, if there is one: it was
+/// checked in full before it was sealed, and no presigned URL names its key; it is read and
+/// checked again all the same, and never deleted here (it may be recorded by an attempt still
+/// running).
 async fn sealed_earlier(
     app: &App,
     slot_key: &str,
     spec: &TensorSpec,
     commit: &CommitRequest,
-) -> ApiResult<BlobDescriptor> {
-    let nothing = || {
-        AppError::new(
-            ErrorCode::InvalidTensor,
-            format!("nothing was uploaded to {slot_key}"),
-        )
-    };
+) -> ApiResult<Option<BlobDescriptor>> {
     if !is_blake3_hex(&commit.blake3) {
-        return Err(nothing());
+        return Ok(None);
     }
     let sealed = sealed_key(slot_key, &commit.blake3);
     let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
         Ok(bytes) => bytes,
-        Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Err(nothing()),
+        Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
     if bytes.len() as u64 != commit.size {
-        return Err(nothing());
+        return Ok(None);
     }
-    check_bytes(spec, sealed, &bytes, &commit.blake3)
+    check_bytes(spec, sealed, &bytes, &commit.blake3).map(Some)
 }
 
 /// Reads the object at `key` back (at most the slot's size) and checks it against `commit`'s
@@ -948,6 +1067,18 @@ async fn check_stored(
     spec: &TensorSpec,
     commit: &CommitRequest,
 ) -> ApiResult<BlobDescriptor> {
+    check_stored_if_there(app, key, spec, commit)
+        .await?
+        .ok_or_else(|| nothing_uploaded(key))
+}
+
+/// [`check_stored`], with `None` when there is no object at `key`.
+async fn check_stored_if_there(
+    app: &App,
+    key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<Option<BlobDescriptor>> {
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
     let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
@@ -956,12 +1087,7 @@ async fn check_stored(
             app.store.delete(key).await?;
             return Err(e.into());
         }
-        Err(StoreError::NotFound(_)) => {
-            return Err(AppError::new(
-                ErrorCode::InvalidTensor,
-                format!("nothing was uploaded to {key}"),
-            ));
-        }
+        Err(StoreError::NotFound(_)) => return Ok(None),
         // The store failed, not the upload: the object stays for a retried commit.
         Err(e) => return Err(e.into()),
     };
@@ -977,7 +1103,7 @@ async fn check_stored(
         ));
     }
     match check_bytes(spec, key.to_owned(), &bytes, &commit.blake3) {
-        Ok(blob) => Ok(blob),
+        Ok(blob) => Ok(Some(blob)),
         Err(e) => {
             app.store.delete(key).await?;
             Err(e)

@@ -278,6 +278,17 @@ impl BlobStore {
             .await?)
     }
 
+    /// Lists keys under `prefix` with their sizes in bytes.
+    pub async fn list_sizes(&self, prefix: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let prefix = Self::path(prefix)?;
+        Ok(self
+            .inner
+            .list(Some(&prefix))
+            .map_ok(|m| (m.location.to_string(), m.size))
+            .try_collect()
+            .await?)
+    }
+
     /// A presigned URL for `method` on `key`, when the store presigns.
     pub async fn presign(
         &self,

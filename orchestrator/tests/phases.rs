@@ -947,6 +947,179 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
     );
 }
 
+/// A commit retried while its first attempt is still checking the object (a client that gave up
+/// waiting for a large one) is told to retry, where it was once told that nothing was uploaded,
+/// which a client takes as final; the retry then takes what the first attempt sealed. An
+/// attempt's object left aside for longer than any check takes (its process died) is taken over
+/// by the next commit, where it once stayed there unused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned_one_is_taken_over()
+{
+    init_tracing();
+    let seeds = [174u8, 175, 176];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    let hotkey = pair(seeds[i]).ss58_of();
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
+    let stage = miners[i].stage;
+    let partition = |p: u32, value: f32| {
+        let range = run.partition_range(stage, p).expect("partition");
+        let bytes = iota_protocol::tensor::encode_partition(&vec![
+            value;
+            (range.end - range.start)
+                as usize
+        ]);
+        let slot = format!(
+            "runs/{}/epoch-0/pseudo-gradients/s{stage}/p{p}/{hotkey}.safetensors",
+            s.app.run.id
+        );
+        let commit = CommitRequest {
+            key: slot,
+            size: bytes.len() as u64,
+            blake3: iota_protocol::blob::blake3_hex(&bytes),
+        };
+        (bytes, commit)
+    };
+    let aside = |slot: &str, at: DateTime<Utc>| {
+        format!(
+            "{slot}.pending-{}-{}",
+            at.timestamp_millis(),
+            uuid::Uuid::new_v4()
+        )
+    };
+    let recorded = |p: u32| {
+        let (db, hotkey) = (s.db.clone(), hotkey.clone());
+        async move {
+            sqlx::query_as::<_, (String, String)>(
+                "SELECT blob->>'key', blake3 FROM pseudo_gradients
+                 WHERE epoch = 0 AND partition = $1 AND miner = $2",
+            )
+            .bind(p as i32)
+            .bind(&hotkey)
+            .fetch_optional(&db)
+            .await
+            .expect("record")
+        }
+    };
+
+    // Partition 0: the first attempt moved the object aside a moment ago and is checking it.
+    let (bytes, commit) = partition(0, 0.003);
+    let checking = aside(&commit.key, Utc::now());
+    s.app
+        .store
+        .put(&checking, bytes::Bytes::from(bytes.clone()))
+        .await
+        .expect("put");
+    let path = "/v1/miner/epochs/0/pseudo-gradients/0/commit";
+    let body = serde_json::to_vec(&commit).expect("json");
+    let retried = Raw::to(&s.base)
+        .signed(&*signer(seeds[i]), reqwest::Method::POST, path, body)
+        .await;
+    assert_eq!(
+        (retried.0, code(&retried)),
+        (503, Some(ErrorCode::InProgress)),
+        "{retried:?}"
+    );
+    assert_eq!(
+        s.app
+            .store
+            .get(&checking)
+            .await
+            .expect("untouched")
+            .as_ref(),
+        bytes.as_slice(),
+        "the first attempt's object was moved while it checked it"
+    );
+    assert_eq!(recorded(0).await, None);
+    // The first attempt seals it, and its answer is lost; the client's retry takes it.
+    let sealed = format!(
+        "{}.{}.safetensors",
+        commit.key.trim_end_matches(".safetensors"),
+        commit.blake3
+    );
+    s.app.store.rename(&checking, &sealed).await.expect("seal");
+    let taken: UploadResponse = miners[i]
+        .client()
+        .signed_json(reqwest::Method::POST, path, &commit)
+        .await
+        .expect("the retry takes the sealed object");
+    assert_eq!(taken.blob.key, sealed);
+    assert_eq!(recorded(0).await, Some((sealed, commit.blake3.clone())));
+
+    // Partition 1: an attempt moved the object aside an hour ago and died before sealing it.
+    let (bytes, commit) = partition(1, 0.004);
+    let abandoned = aside(&commit.key, Utc::now() - Duration::hours(1));
+    s.app
+        .store
+        .put(&abandoned, bytes::Bytes::from(bytes.clone()))
+        .await
+        .expect("put");
+    let taken: UploadResponse = miners[i]
+        .client()
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/1/commit",
+            &commit,
+        )
+        .await
+        .expect("the abandoned object is checked and taken");
+    assert_eq!(
+        recorded(1).await,
+        Some((taken.blob.key.clone(), commit.blake3.clone()))
+    );
+    assert_eq!(
+        s.app
+            .store
+            .get(&taken.blob.key)
+            .await
+            .expect("sealed")
+            .as_ref(),
+        bytes.as_slice()
+    );
+    let dir = commit.key.rsplit_once('/').expect("a directory").0;
+    let left: Vec<String> = s
+        .app
+        .store
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.contains(".pending-"))
+        .collect();
+    assert!(left.is_empty(), "left aside: {left:?}");
+
+    // Partition 2: an abandoned object of another size is not this commit's, and stays.
+    let (bytes, commit) = partition(2, 0.005);
+    let other = aside(&commit.key, Utc::now() - Duration::hours(1));
+    s.app
+        .store
+        .put(
+            &other,
+            bytes::Bytes::from(bytes[..bytes.len() - 4].to_vec()),
+        )
+        .await
+        .expect("put");
+    let refused = miners[i]
+        .client()
+        .signed_json::<_, UploadResponse>(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/2/commit",
+            &commit,
+        )
+        .await
+        .expect_err("nothing of the declared size was uploaded");
+    assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
+    assert!(
+        s.app.store.get(&other).await.is_ok(),
+        "another size was taken"
+    );
+}
+
 /// A miner that reserved its upload before the uploading deadline gets every partition in after
 /// it: the phase waits for it (a large upload under way when the deadline passed was refused at
 /// the switch to merging, and its epoch's work lost), also across a gap in which nobody drove the

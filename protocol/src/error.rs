@@ -45,6 +45,9 @@ pub enum ErrorCode {
     RateLimited,
     /// The chain could not be read; retry.
     ChainUnavailable,
+    /// Another attempt of the same request is still being handled (a commit whose object an
+    /// earlier attempt is checking); retry after the `Retry-After` header.
+    InProgress,
     /// Something failed on the server; retry.
     Internal,
 }
@@ -62,7 +65,7 @@ impl ErrorCode {
             Self::RequestTimeout => 408,
             Self::PayloadTooLarge => 413,
             Self::RateLimited => 429,
-            Self::ChainUnavailable => 503,
+            Self::ChainUnavailable | Self::InProgress => 503,
             Self::Internal => 500,
         }
     }
@@ -88,6 +91,7 @@ impl ErrorCode {
             Self::InvalidTensor => "invalid_tensor",
             Self::RateLimited => "rate_limited",
             Self::ChainUnavailable => "chain_unavailable",
+            Self::InProgress => "in_progress",
             Self::Internal => "internal",
         }
     }
@@ -125,6 +129,7 @@ mod tests {
             ErrorCode::InvalidTensor,
             ErrorCode::NotValidator,
             ErrorCode::MethodNotAllowed,
+            ErrorCode::InProgress,
         ] {
             let json = serde_json::to_string(&code).expect("serialise");
             assert_eq!(json, format!("\"{}\"", code.as_str()));
