@@ -45,13 +45,19 @@ struct Served {
 
 /// Handlers served over a fixed metagraph; no phase driver runs on its own.
 async fn serve(seeds: &[u8], run: RunConfig) -> Served {
+    serve_with(seeds, run, None).await
+}
+
+/// [`serve`], with blobs in `store` (a local directory if `None`).
+async fn serve_with(seeds: &[u8], run: RunConfig, store_config: Option<StoreConfig>) -> Served {
     let db_url = fresh_db().await;
     let db = iota_orchestrator::connect_db(&db_url, 8).await.expect("db");
     let row = iota_orchestrator::ensure_run(&db, &run, 7, &pair(200).ss58_of())
         .await
         .expect("run");
     let store = tempfile::tempdir().expect("tempdir");
-    let blobs = BlobStore::open(&StoreConfig::Local(store.path().into())).expect("store");
+    let store_config = store_config.unwrap_or_else(|| StoreConfig::Local(store.path().into()));
+    let blobs = BlobStore::open(&store_config).expect("store");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(metagraph(seeds)));
     let app: App = Arc::new(AppState::new(
         db.clone(),
@@ -1117,6 +1123,127 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
     assert!(
         s.app.store.get(&other).await.is_ok(),
         "another size was taken"
+    );
+}
+
+/// An attempt of a commit whose object another attempt took over while it checked it (it ran
+/// longer than `abandoned_after`) finds its object gone when it seals it: it answers from what
+/// the other attempt sealed, where it once failed with the store's "not found". On the S3 store
+/// (a move there is a copy and a delete), through a relay that holds the first attempt's copy to
+/// the sealed key while the takeover happens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
+    init_tracing();
+    let s3 = s3_store();
+    let StoreConfig::S3 {
+        bucket,
+        endpoint: Some(endpoint),
+        region,
+    } = s3.clone()
+    else {
+        panic!("an S3 store with an endpoint");
+    };
+    let slow = slow_store(&endpoint).await;
+    let seeds = [177u8, 178, 179];
+    let run = config();
+    let s = serve_with(
+        &seeds,
+        run.clone(),
+        Some(StoreConfig::S3 {
+            bucket,
+            endpoint: Some(slow.endpoint.clone()),
+            region,
+        }),
+    )
+    .await;
+    // The bucket directly, not through the relay.
+    let bucket = BlobStore::open(&s3).expect("store");
+    let mut miners = join_all(&s, &seeds).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    let hotkey = pair(seeds[i]).ss58_of();
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
+
+    // What a presigned PUT leaves in the slot.
+    let stage = miners[i].stage;
+    let range = run.partition_range(stage, 0).expect("partition 0");
+    let bytes = iota_protocol::tensor::encode_partition(&vec![
+        0.006f32;
+        (range.end - range.start) as usize
+    ]);
+    let slot = format!(
+        "runs/{}/epoch-0/pseudo-gradients/s{stage}/p0/{hotkey}.safetensors",
+        s.app.run.id
+    );
+    bucket
+        .put(&slot, bytes::Bytes::from(bytes.clone()))
+        .await
+        .expect("put");
+    let commit = CommitRequest {
+        key: slot.clone(),
+        size: bytes.len() as u64,
+        blake3: iota_protocol::blob::blake3_hex(&bytes),
+    };
+    let sealed = format!(
+        "{}.{}.safetensors",
+        slot.trim_end_matches(".safetensors"),
+        commit.blake3
+    );
+    // Only the copy to the sealed key names the hash.
+    *slow.marker.lock().expect("marker") = Some(commit.blake3.clone());
+    let first = tokio::spawn({
+        let (client, commit) = (miners[i].client().clone(), commit.clone());
+        async move {
+            client
+                .signed_json::<_, UploadResponse>(
+                    reqwest::Method::POST,
+                    "/v1/miner/epochs/0/pseudo-gradients/0/commit",
+                    &commit,
+                )
+                .await
+        }
+    });
+    tokio::time::timeout(std::time::Duration::from_secs(20), slow.held.notified())
+        .await
+        .expect("the first attempt checked the object and is sealing it");
+    // Meanwhile another attempt takes the object over and seals it.
+    let dir = slot.rsplit_once('/').expect("a directory").0;
+    let aside: Vec<String> = bucket
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.starts_with(&format!("{slot}.pending-")))
+        .collect();
+    let [checked] = &aside[..] else {
+        panic!("one object aside: {aside:?}");
+    };
+    let taken = format!("{slot}.pending-0-takeover");
+    bucket.rename(checked, &taken).await.expect("take over");
+    bucket.rename(&taken, &sealed).await.expect("seal");
+    slow.release.notify_one();
+    let answered = first
+        .await
+        .expect("join")
+        .expect("the first attempt answers from the sealed object");
+    assert_eq!(
+        (answered.blob.key.as_str(), answered.blob.blake3.as_str()),
+        (sealed.as_str(), commit.blake3.as_str())
+    );
+    let recorded: (String, String) = sqlx::query_as(
+        "SELECT blob->>'key', blake3 FROM pseudo_gradients WHERE epoch = 0 AND partition = 0
+           AND miner = $1",
+    )
+    .bind(&hotkey)
+    .fetch_one(&s.db)
+    .await
+    .expect("recorded");
+    assert_eq!(recorded, (sealed.clone(), commit.blake3.clone()));
+    assert_eq!(
+        bucket.get(&sealed).await.expect("sealed").as_ref(),
+        bytes.as_slice()
     );
 }
 

@@ -423,3 +423,71 @@ impl<'a> Call<'a> {
 pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
     r.1.as_ref().map(|e| e.code)
 }
+
+/// A relay to the S3 server that holds back the first `PUT` naming `marker` (once set) until
+/// `release` is notified, as a slow store write would.
+pub struct SlowStore {
+    pub endpoint: String,
+    pub marker: Arc<std::sync::Mutex<Option<String>>>,
+    pub held: Arc<tokio::sync::Notify>,
+    pub release: Arc<tokio::sync::Notify>,
+}
+
+pub async fn slow_store(upstream: &str) -> SlowStore {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream
+        .strip_prefix("http://")
+        .expect("an http:// S3 endpoint")
+        .trim_end_matches('/')
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+    let marker: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let tripped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (m, h, r) = (marker.clone(), held.clone(), release.clone());
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut client_r, mut client_w) = client.into_split();
+            let (mut server_r, mut server_w) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+            });
+            let (m, h, r, tripped) = (m.clone(), h.clone(), r.clone(), tripped.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match client_r.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    let text = String::from_utf8_lossy(&buf[..n]);
+                    let wanted = m.lock().expect("marker").as_ref().is_some_and(|mark| {
+                        text.starts_with("PUT ") && text.contains(mark.as_str())
+                    });
+                    if wanted && !tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        h.notify_one();
+                        r.notified().await;
+                    }
+                    if server_w.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    SlowStore {
+        endpoint,
+        marker,
+        held,
+        release,
+    }
+}
