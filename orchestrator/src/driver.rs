@@ -58,6 +58,8 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     let mut leader_conn: Option<PoolConnection<Postgres>> = None;
     let mut n: u64 = 0;
     let mut shutdown = shutdown;
+    // Longer than any step takes: a run not driven for this long was not driven at all.
+    let gap = tick.saturating_mul(20);
     loop {
         if *shutdown.borrow() {
             break;
@@ -66,14 +68,17 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
             leader_conn = try_lead(&app).await;
         }
         if let Some(conn) = &mut leader_conn {
-            // Still holding the lock? A broken connection means another replica may lead now.
-            let alive = sqlx::query("SELECT 1").execute(&mut **conn).await.is_ok();
-            if !alive {
+            // Still holding the lock? A broken connection means another replica may lead now;
+            // one that does not answer (a half-open socket) may be broken.
+            let check = tokio::time::timeout(gap, sqlx::query("SELECT 1").execute(&mut **conn));
+            if !matches!(check.await, Ok(Ok(_))) {
                 tracing::warn!("lost the leader connection; stepping down");
-                leader_conn = None;
                 app.leader.store(false, Ordering::Relaxed);
+                if let Some(conn) = leader_conn.take() {
+                    release(conn).await;
+                }
             } else {
-                if let Err(e) = step(&app, Utc::now()).await {
+                if let Err(e) = drive(&app, gap).await {
                     tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
                 }
                 if n.is_multiple_of(50) {
@@ -96,24 +101,58 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     }
 }
 
+/// One step of the leader. A run its leader did not drive for `gap` (its steps failed: the
+/// database refused writes, and miners' requests failed with them) first gets that time back,
+/// as it does from a new leader.
+async fn drive(app: &App, gap: Duration) -> ApiResult<()> {
+    let now = Utc::now();
+    // Null before the run's first step.
+    let driven_at: Option<DateTime<Utc>> =
+        sqlx::query_scalar("SELECT driven_at FROM runs WHERE id = $1")
+            .bind(app.run.id)
+            .fetch_one(&app.db)
+            .await?;
+    if let Some(driven_at) = driven_at
+        && (now - driven_at).to_std().is_ok_and(|idle| idle >= gap)
+    {
+        tracing::warn!(since = %driven_at, "the run was not driven for a while; giving that time back");
+        forgive_gap(app, now).await?;
+    }
+    step(app, now).await
+}
+
+/// Closes a connection that held (or may hold) the session-level leader lock, so that the
+/// lock goes with it rather than back into the pool.
+async fn release(conn: PoolConnection<Postgres>) {
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
+}
+
 async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
     let mut conn = app.db.acquire().await.ok()?;
-    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+    let got: bool = match sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(LEADER_LOCK)
         .fetch_one(&mut *conn)
         .await
-        .ok()?;
-    if got {
-        tracing::info!("this process now drives the epoch phases");
-        if let Err(e) = forgive_gap(app, Utc::now()).await {
-            tracing::warn!(error = %e, "could not renew heartbeats and leases after the gap");
+    {
+        Ok(got) => got,
+        Err(_) => {
+            release(conn).await;
+            return None;
         }
-        app.leader.store(true, Ordering::Relaxed);
-        // Keep this connection out of the pool for as long as we lead.
-        Some(conn)
-    } else {
-        None
+    };
+    if !got {
+        return None;
     }
+    // Not leading with the gap held against the miners: tried again next tick.
+    if let Err(e) = forgive_gap(app, Utc::now()).await {
+        tracing::warn!(error = %e, "could not renew heartbeats and leases after the gap; not leading yet");
+        release(conn).await;
+        return None;
+    }
+    tracing::info!("this process now drives the epoch phases");
+    app.leader.store(true, Ordering::Relaxed);
+    // Keep this connection out of the pool for as long as we lead.
+    Some(conn)
 }
 
 /// Before a process takes the lead, nobody drove the run (the last leader died or restarted):

@@ -608,7 +608,9 @@ pub async fn run(
         config.netuid,
         WatchOptions {
             every: config.metagraph_refresh,
-            ..WatchOptions::default()
+            // A chain back from an outage is read again within this: hotkeys registered
+            // meanwhile are refused until then.
+            max_backoff: config.metagraph_refresh.max(Duration::from_secs(30)),
         },
     )
     .await

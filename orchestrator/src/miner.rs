@@ -917,10 +917,10 @@ pub(crate) async fn accept_committed(
     let checked = match check_stored_if_there(app, &pending, spec, commit).await {
         Ok(checked) => checked,
         Err(e) => {
-            // Bad bytes were deleted by the check; anything else is put back for a retry.
-            if app.store.rename(&pending, expected_key).await.is_err() {
-                app.store.delete(&pending).await?;
-            }
+            // Bad bytes were deleted by the check; anything else (the store failed) is put back
+            // for a retry, or left aside, where a later commit takes it over once it is
+            // abandoned: never deleted, it may be the only copy.
+            let _ = app.store.rename(&pending, expected_key).await;
             return Err(e);
         }
     };

@@ -741,3 +741,104 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
     .await;
     orch.stop().await;
 }
+
+/// A leader whose steps failed for longer than the heartbeat timeout and the lease (here the
+/// database refuses every write to the run's row; a full disk or a read-only failover does the
+/// same, while its lock's connection still answers) gives that time back before it steps again,
+/// as a new leader does: its first good step once released every miner and expired every lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
+    init_tracing();
+    let seeds = [77u8, 78, 79, 80, 81, 82];
+    let chain = chain_with(&seeds, &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let run = run_config("failed-steps");
+    let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let db = PgPool::connect(&db_url).await.expect("db");
+    let mut miners = join(&orch.base, &seeds).await;
+    let leased = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE status = 'leased'")
+            .fetch_one(&db)
+            .await
+            .expect("leased");
+        n
+    };
+    let mut rounds = 0;
+    while leased().await == 0 {
+        for m in &mut miners {
+            m.client().work(4).await.expect("poll");
+        }
+        rounds += 1;
+        assert!(rounds < 500, "no work was leased");
+    }
+    let before = leased().await;
+    let left = || async {
+        let (phase, left): (String, f64) = sqlx::query_as(
+            "SELECT phase, extract(epoch FROM phase_deadline - now())::float8 FROM runs",
+        )
+        .fetch_one(&db)
+        .await
+        .expect("time left");
+        (phase, left)
+    };
+    let (phase_before, left_before) = left().await;
+    for sql in [
+        "CREATE FUNCTION refuse_run_writes() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'injected: the run cannot be written'; END $$",
+        "CREATE TRIGGER refuse_run_writes BEFORE UPDATE ON runs
+         FOR EACH ROW EXECUTE FUNCTION refuse_run_writes()",
+    ] {
+        sqlx::query(sql).execute(&db).await.expect("refuse writes");
+    }
+    // The miners are silent meanwhile, as they are when their requests fail.
+    tokio::time::sleep(Duration::from_secs(
+        run.heartbeat_timeout_s.max(run.lease_s) + 2,
+    ))
+    .await;
+    sqlx::query("DROP TRIGGER refuse_run_writes ON runs")
+        .execute(&db)
+        .await
+        .expect("writes again");
+    let driven = || async {
+        let at: Option<chrono::DateTime<chrono::Utc>> =
+            sqlx::query_scalar("SELECT driven_at FROM runs")
+                .fetch_one(&db)
+                .await
+                .expect("driven_at");
+        at
+    };
+    let stalled = driven().await;
+    eventually(
+        "the driver steps again",
+        Duration::from_secs(10),
+        || async { (driven().await > stalled).then_some(()) },
+    )
+    .await;
+    // A few more steps.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (released, expired, abandoned): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM miners WHERE status = 'released'),
+                (SELECT count(*) FROM tasks WHERE status = 'expired'),
+                (SELECT count(*) FROM samples WHERE status = 'abandoned')",
+    )
+    .fetch_one(&db)
+    .await
+    .expect("counts");
+    assert_eq!(
+        (released, expired, abandoned),
+        (0, 0, 0),
+        "the failed steps were held against the miners"
+    );
+    assert_eq!(leased().await, before, "leases kept");
+    let (phase_after, left_after) = left().await;
+    assert_eq!(
+        phase_after, phase_before,
+        "the phase changed while the steps failed"
+    );
+    assert!(
+        left_after > left_before - 4.0,
+        "the failed steps took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
+    );
+    orch.stop().await;
+}
