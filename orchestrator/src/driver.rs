@@ -11,7 +11,7 @@
 //! deadline hold that phase open for a bounded time (see `routing::next_step`).
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use chrono::{DateTime, Utc};
@@ -58,14 +58,28 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     let mut leader_conn: Option<PoolConnection<Postgres>> = None;
     let mut n: u64 = 0;
     let mut shutdown = shutdown;
-    // Longer than any step takes: a run not driven for this long was not driven at all.
+    // How long the leader's steps must fail without a break before it gives the run that time
+    // back, as a new leader does (the database refused its writes, and miners' requests failed
+    // with them). Counted from the end of the first failed step, so one slow statement is not a
+    // gap, and a slow step that succeeds never is.
     let gap = tick.saturating_mul(20);
+    let mut failing_since: Option<Instant> = None;
+    // Takeovers given up in a row because the gap could not be forgiven.
+    let mut unforgiven = 0u32;
     loop {
         if *shutdown.borrow() {
             break;
         }
         if leader_conn.is_none() {
-            leader_conn = try_lead(&app).await;
+            match try_lead(&app, unforgiven >= LEAD_UNFORGIVEN_AFTER).await {
+                Lead::Leading(conn) => {
+                    leader_conn = Some(conn);
+                    failing_since = None;
+                    unforgiven = 0;
+                }
+                Lead::Unforgiven => unforgiven += 1,
+                Lead::Not => {}
+            }
         }
         if let Some(conn) = &mut leader_conn {
             // Still holding the lock? A broken connection means another replica may lead now;
@@ -78,8 +92,26 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                     release(conn).await;
                 }
             } else {
-                if let Err(e) = drive(&app, gap).await {
-                    tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
+                let mut stepping = true;
+                if failing_since.is_some_and(|t| t.elapsed() >= gap) {
+                    tracing::warn!("the run's steps failed for a while; giving that time back");
+                    match forgive_gap(&app, Utc::now()).await {
+                        // Another gap needs as long again.
+                        Ok(()) => failing_since = Some(Instant::now()),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not give the time back; not stepping");
+                            stepping = false;
+                        }
+                    }
+                }
+                if stepping {
+                    match step(&app, Utc::now()).await {
+                        Ok(()) => failing_since = None,
+                        Err(e) => {
+                            tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
+                            failing_since.get_or_insert_with(Instant::now);
+                        }
+                    }
                 }
                 if n.is_multiple_of(50) {
                     housekeeping(&app).await;
@@ -93,32 +125,31 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
         }
     }
     if let Some(mut conn) = leader_conn {
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(LEADER_LOCK)
-            .execute(&mut *conn)
-            .await;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(LEADER_LOCK)
+                .execute(&mut *conn),
+        )
+        .await;
         app.leader.store(false, Ordering::Relaxed);
+        release(conn).await;
     }
 }
 
-/// One step of the leader. A run its leader did not drive for `gap` (its steps failed: the
-/// database refused writes, and miners' requests failed with them) first gets that time back,
-/// as it does from a new leader.
-async fn drive(app: &App, gap: Duration) -> ApiResult<()> {
-    let now = Utc::now();
-    // Null before the run's first step.
-    let driven_at: Option<DateTime<Utc>> =
-        sqlx::query_scalar("SELECT driven_at FROM runs WHERE id = $1")
-            .bind(app.run.id)
-            .fetch_one(&app.db)
-            .await?;
-    if let Some(driven_at) = driven_at
-        && (now - driven_at).to_std().is_ok_and(|idle| idle >= gap)
-    {
-        tracing::warn!(since = %driven_at, "the run was not driven for a while; giving that time back");
-        forgive_gap(app, now).await?;
-    }
-    step(app, now).await
+/// Takeovers refused in a row (each a tick apart) because the gap could not be forgiven, after
+/// which a process leads without forgiving it: miners silent in the gap are then released and
+/// their leases re-routed, but the run advances, where otherwise no process would drive it.
+const LEAD_UNFORGIVEN_AFTER: u32 = 10;
+
+/// What a try to take the lead came to.
+enum Lead {
+    /// This process leads, on this connection (holding the session-level lock).
+    Leading(PoolConnection<Postgres>),
+    /// The lock was free, but the gap could not be forgiven: not leading yet.
+    Unforgiven,
+    /// Another process leads, or the database could not be asked.
+    Not,
 }
 
 /// Closes a connection that held (or may hold) the session-level leader lock, so that the
@@ -127,8 +158,10 @@ async fn release(conn: PoolConnection<Postgres>) {
     let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
 }
 
-async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
-    let mut conn = app.db.acquire().await.ok()?;
+async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
+    let Ok(mut conn) = app.db.acquire().await else {
+        return Lead::Not;
+    };
     let got: bool = match sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(LEADER_LOCK)
         .fetch_one(&mut *conn)
@@ -137,22 +170,25 @@ async fn try_lead(app: &App) -> Option<PoolConnection<Postgres>> {
         Ok(got) => got,
         Err(_) => {
             release(conn).await;
-            return None;
+            return Lead::Not;
         }
     };
     if !got {
-        return None;
+        return Lead::Not;
     }
-    // Not leading with the gap held against the miners: tried again next tick.
     if let Err(e) = forgive_gap(app, Utc::now()).await {
-        tracing::warn!(error = %e, "could not renew heartbeats and leases after the gap; not leading yet");
-        release(conn).await;
-        return None;
+        if unforgiven_anyway {
+            tracing::error!(error = %e, "could not renew heartbeats and leases after the gap, again; leading anyway");
+        } else {
+            tracing::warn!(error = %e, "could not renew heartbeats and leases after the gap; not leading yet");
+            release(conn).await;
+            return Lead::Unforgiven;
+        }
     }
     tracing::info!("this process now drives the epoch phases");
     app.leader.store(true, Ordering::Relaxed);
     // Keep this connection out of the pool for as long as we lead.
-    Some(conn)
+    Lead::Leading(conn)
 }
 
 /// Before a process takes the lead, nobody drove the run (the last leader died or restarted):
@@ -176,6 +212,12 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
     .bind(secs(app.config().uploading_s))
     .execute(&mut *tx)
     .await?;
+    // Given back once: a second forgiveness before the next step gives back only what followed.
+    sqlx::query("UPDATE runs SET driven_at = greatest(driven_at, $2) WHERE id = $1")
+        .bind(app.run.id)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(
         "UPDATE miners SET last_seen = greatest(last_seen, $2)
          WHERE run_id = $1 AND status = 'active'",

@@ -885,13 +885,42 @@ pub(crate) async fn accept_committed(
     if placement == Placement::Slot {
         return check_stored(app, expected_key, spec, commit).await;
     }
+    // In a task of its own: a client that stops waiting (a large object takes long to read)
+    // closes its connection, and the server then drops the request with whatever its handler
+    // awaits, which would leave the object aside until it counts as abandoned, and every retry
+    // `in_progress` meanwhile. The task moves, checks and seals it whatever the client does, and
+    // a retry finds it sealed.
+    let (app, slot, spec, commit) = (
+        app.clone(),
+        expected_key.to_owned(),
+        spec.clone(),
+        commit.clone(),
+    );
+    tokio::spawn(async move { seal_committed(&app, &slot, &spec, &commit).await })
+        .await
+        .map_err(|e| {
+            AppError::new(
+                ErrorCode::Internal,
+                format!("the commit's check failed: {e}"),
+            )
+        })?
+}
+
+/// [`accept_committed`] of a [`Placement::Sealed`] object.
+async fn seal_committed(
+    app: &App,
+    expected_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
     let pending = pending_key(expected_key, Utc::now());
+    // Where the bytes came from: the slot, or an abandoned attempt's key (taken over).
+    let mut source = None;
     // Twice: an attempt whose check failed on a store error puts the object back in the slot.
-    let mut moved = false;
     for _ in 0..2 {
         match app.store.rename(expected_key, &pending).await {
             Ok(()) => {
-                moved = true;
+                source = Some(expected_key.to_owned());
                 break;
             }
             Err(StoreError::NotFound(_)) => {}
@@ -902,7 +931,7 @@ pub(crate) async fn accept_committed(
             Moved::Checking => return Err(in_progress(expected_key)),
             Moved::Abandoned(key) => match app.store.rename(&key, &pending).await {
                 Ok(()) => {
-                    moved = true;
+                    source = Some(key);
                     break;
                 }
                 Err(StoreError::NotFound(_)) => return Err(in_progress(expected_key)),
@@ -911,16 +940,23 @@ pub(crate) async fn accept_committed(
             Moved::Nothing => {}
         }
     }
-    if !moved {
+    let Some(source) = source else {
         return Err(nothing_uploaded(expected_key));
-    }
-    let checked = match check_stored_if_there(app, &pending, spec, commit).await {
+    };
+    // Bad bytes from the slot are this commit's upload, and are deleted; an abandoned attempt's
+    // may be another commit's (of the same size), and go back where they were.
+    let bad = if source == expected_key {
+        Bad::Delete
+    } else {
+        Bad::Keep
+    };
+    let checked = match check_stored_if_there(app, &pending, spec, commit, bad).await {
         Ok(checked) => checked,
         Err(e) => {
-            // Bad bytes were deleted by the check; anything else (the store failed) is put back
-            // for a retry, or left aside, where a later commit takes it over once it is
-            // abandoned: never deleted, it may be the only copy.
-            let _ = app.store.rename(&pending, expected_key).await;
+            // What is left (not bad bytes from the slot, deleted by the check) goes back for a
+            // retry, or stays aside, where a later commit takes it over once it is abandoned:
+            // never deleted here, it may be the only copy.
+            let _ = app.store.rename(&pending, &source).await;
             return Err(e);
         }
     };
@@ -1067,47 +1103,56 @@ async fn check_stored(
     spec: &TensorSpec,
     commit: &CommitRequest,
 ) -> ApiResult<BlobDescriptor> {
-    check_stored_if_there(app, key, spec, commit)
+    check_stored_if_there(app, key, spec, commit, Bad::Delete)
         .await?
         .ok_or_else(|| nothing_uploaded(key))
 }
 
-/// [`check_stored`], with `None` when there is no object at `key`.
+/// What becomes of an object that fails its check.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Bad {
+    Delete,
+    Keep,
+}
+
+/// [`check_stored`], with `None` when there is no object at `key`, and a bad object deleted
+/// only with [`Bad::Delete`].
 async fn check_stored_if_there(
     app: &App,
     key: &str,
     spec: &TensorSpec,
     commit: &CommitRequest,
+    bad: Bad,
 ) -> ApiResult<Option<BlobDescriptor>> {
+    let refuse = |e: AppError| async move {
+        if bad == Bad::Delete {
+            app.store.delete(key).await?;
+        }
+        Err(e)
+    };
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
     let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
         Ok(bytes) => bytes,
-        Err(e @ StoreError::TooLarge { .. }) => {
-            app.store.delete(key).await?;
-            return Err(e.into());
-        }
+        Err(e @ StoreError::TooLarge { .. }) => return refuse(e.into()).await,
         Err(StoreError::NotFound(_)) => return Ok(None),
         // The store failed, not the upload: the object stays for a retried commit.
         Err(e) => return Err(e.into()),
     };
     if bytes.len() as u64 != commit.size {
-        app.store.delete(key).await?;
-        return Err(AppError::new(
+        return refuse(AppError::new(
             ErrorCode::InvalidTensor,
             format!(
                 "stored object is {} bytes, commit declared {}",
                 bytes.len(),
                 commit.size
             ),
-        ));
+        ))
+        .await;
     }
     match check_bytes(spec, key.to_owned(), &bytes, &commit.blake3) {
         Ok(blob) => Ok(Some(blob)),
-        Err(e) => {
-            app.store.delete(key).await?;
-            Err(e)
-        }
+        Err(e) => refuse(e).await,
     }
 }
 

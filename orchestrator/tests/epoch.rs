@@ -725,6 +725,10 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
         left_after > left_before - 4.0,
         "the outage took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
     );
+    assert!(
+        left_after < left_before + 2.0,
+        "the outage was given back more than once: {left_before:.1} s left before, {left_after:.1} s after"
+    );
     // And they are released as usual when they stay silent for a timeout after the restart.
     eventually(
         "silent miners released after the restart",
@@ -839,6 +843,10 @@ async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
     assert!(
         left_after > left_before - 4.0,
         "the failed steps took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
+    );
+    assert!(
+        left_after < left_before + 2.0,
+        "the failed steps were given back more than once: {left_before:.1} s left before, {left_after:.1} s after"
     );
     orch.stop().await;
 }

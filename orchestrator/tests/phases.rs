@@ -52,6 +52,16 @@ async fn serve(seeds: &[u8], run: RunConfig) -> Served {
 async fn serve_with(seeds: &[u8], run: RunConfig, store_config: Option<StoreConfig>) -> Served {
     let db_url = fresh_db().await;
     let db = iota_orchestrator::connect_db(&db_url, 8).await.expect("db");
+    if store_config.is_some() {
+        // Keys in a shared bucket start with the run's id: one of this test's own, not the 1
+        // every fresh database gives, which the tests running beside it would write too.
+        let id = i64::from(seeds[0]) * 1_000_000 + i64::from(std::process::id() % 1_000_000);
+        sqlx::query("SELECT setval(pg_get_serial_sequence('runs', 'id'), $1)")
+            .bind(id)
+            .execute(&db)
+            .await
+            .expect("run id");
+    }
     let row = iota_orchestrator::ensure_run(&db, &run, 7, &pair(200).ss58_of())
         .await
         .expect("run");
@@ -735,6 +745,13 @@ async fn resumes_after_a_gap(s: &Served, t: DateTime<Utc>, phase: Phase) -> Date
         .expect("forgive the gap");
     let (_, _, resumed, _) = now_status(s).await;
     assert_eq!(resumed - t, left, "{phase:?}: the time left is given back");
+    // Given back once: forgiving again at once (a new leader's and its first tick's) adds nothing.
+    driver::forgive_gap(&s.app, t).await.expect("forgive again");
+    assert_eq!(
+        now_status(s).await.2,
+        resumed,
+        "{phase:?}: the gap was given back twice"
+    );
     driver::step(&s.app, t + Duration::seconds(1))
         .await
         .expect("step");
@@ -1124,16 +1141,56 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
         s.app.store.get(&other).await.is_ok(),
         "another size was taken"
     );
+
+    // Partition 3: an abandoned object of the declared size but other bytes is checked, found not
+    // to be this commit's, and put back where it was: it may be another commit's only copy.
+    let (bytes, commit) = partition(3, 0.007);
+    let (others, _) = partition(3, 0.008);
+    assert_eq!(others.len(), bytes.len());
+    let other = aside(&commit.key, Utc::now() - Duration::hours(1));
+    s.app
+        .store
+        .put(&other, bytes::Bytes::from(others.clone()))
+        .await
+        .expect("put");
+    let refused = miners[i]
+        .client()
+        .signed_json::<_, UploadResponse>(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/3/commit",
+            &commit,
+        )
+        .await
+        .expect_err("other bytes than declared");
+    assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
+    assert_eq!(
+        s.app.store.get(&other).await.expect("put back").as_ref(),
+        others.as_slice(),
+        "another commit's object was deleted"
+    );
 }
 
-/// An attempt of a commit whose object another attempt took over while it checked it (it ran
-/// longer than `abandoned_after`) finds its object gone when it seals it: it answers from what
-/// the other attempt sealed, where it once failed with the store's "not found". On the S3 store
-/// (a move there is a copy and a delete), through a relay that holds the first attempt's copy to
-/// the sealed key while the takeover happens.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
-    init_tracing();
+/// A pseudo-gradient partition in its slot on the S3 store, as a presigned PUT leaves it, with
+/// the orchestrator's store reached through a relay that holds back its first copy to the
+/// partition's sealed key (the last step of a commit's check).
+struct HeldCommit {
+    s: Served,
+    slow: SlowStore,
+    /// The bucket directly, not through the relay.
+    bucket: BlobStore,
+    client: iota_protocol::ApiClient,
+    /// The miner's seed and hotkey.
+    seed: u8,
+    hotkey: String,
+    slot: String,
+    bytes: Vec<u8>,
+    commit: CommitRequest,
+    sealed: String,
+}
+
+const PG0_COMMIT: &str = "/v1/miner/epochs/0/pseudo-gradients/0/commit";
+
+async fn held_commit(seeds: [u8; 3]) -> HeldCommit {
     let s3 = s3_store();
     let StoreConfig::S3 {
         bucket,
@@ -1144,7 +1201,6 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
         panic!("an S3 store with an endpoint");
     };
     let slow = slow_store(&endpoint).await;
-    let seeds = [177u8, 178, 179];
     let run = config();
     let s = serve_with(
         &seeds,
@@ -1156,7 +1212,6 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
         }),
     )
     .await;
-    // The bucket directly, not through the relay.
     let bucket = BlobStore::open(&s3).expect("store");
     let mut miners = join_all(&s, &seeds).await;
     let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
@@ -1165,8 +1220,6 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
         .expect("a miner with gradient work");
     let hotkey = pair(seeds[i]).ss58_of();
     assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-
-    // What a presigned PUT leaves in the slot.
     let stage = miners[i].stage;
     let range = run.partition_range(stage, 0).expect("partition 0");
     let bytes = iota_protocol::tensor::encode_partition(&vec![
@@ -1192,23 +1245,77 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
         commit.blake3
     );
     // Only the copy to the sealed key names the hash.
-    *slow.marker.lock().expect("marker") = Some(commit.blake3.clone());
-    let first = tokio::spawn({
-        let (client, commit) = (miners[i].client().clone(), commit.clone());
-        async move {
+    *slow.marker.lock().expect("marker") = Some(("PUT", commit.blake3.clone()));
+    HeldCommit {
+        client: miners[i].client().clone(),
+        seed: seeds[i],
+        s,
+        slow,
+        bucket,
+        hotkey,
+        slot,
+        bytes,
+        commit,
+        sealed,
+    }
+}
+
+impl HeldCommit {
+    /// The commit, sent by the miner's client in a task of its own.
+    fn send(&self) -> tokio::task::JoinHandle<Result<UploadResponse, iota_protocol::ClientError>> {
+        let (client, commit) = (self.client.clone(), self.commit.clone());
+        tokio::spawn(async move {
             client
-                .signed_json::<_, UploadResponse>(
-                    reqwest::Method::POST,
-                    "/v1/miner/epochs/0/pseudo-gradients/0/commit",
-                    &commit,
-                )
+                .signed_json(reqwest::Method::POST, PG0_COMMIT, &commit)
                 .await
-        }
-    });
-    tokio::time::timeout(std::time::Duration::from_secs(20), slow.held.notified())
+        })
+    }
+
+    /// Until the relay holds the commit's copy to the sealed key: the object is checked.
+    async fn until_held(&self) {
+        tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            self.slow.held.notified(),
+        )
         .await
-        .expect("the first attempt checked the object and is sealing it");
+        .expect("the commit checked the object and is sealing it");
+    }
+
+    /// The partition is recorded with the sealed object, which holds the bytes.
+    async fn recorded_sealed(&self) {
+        let recorded: (String, String) = sqlx::query_as(
+            "SELECT blob->>'key', blake3 FROM pseudo_gradients WHERE epoch = 0 AND partition = 0
+               AND miner = $1",
+        )
+        .bind(&self.hotkey)
+        .fetch_one(&self.s.db)
+        .await
+        .expect("recorded");
+        assert_eq!(recorded, (self.sealed.clone(), self.commit.blake3.clone()));
+        assert_eq!(
+            self.bucket
+                .get(&self.sealed)
+                .await
+                .expect("sealed")
+                .as_ref(),
+            self.bytes.as_slice()
+        );
+    }
+}
+
+/// An attempt of a commit whose object another attempt took over while it checked it (it ran
+/// longer than `abandoned_after`) finds its object gone when it seals it: it answers from what
+/// the other attempt sealed, where it once failed with the store's "not found". On the S3 store
+/// (a move there is a copy and a delete), through a relay that holds the first attempt's copy to
+/// the sealed key while the takeover happens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
+    init_tracing();
+    let h = held_commit([177, 178, 179]).await;
+    let first = h.send();
+    h.until_held().await;
     // Meanwhile another attempt takes the object over and seals it.
+    let (bucket, slot, sealed) = (&h.bucket, &h.slot, &h.sealed);
     let dir = slot.rsplit_once('/').expect("a directory").0;
     let aside: Vec<String> = bucket
         .list(dir)
@@ -1222,29 +1329,73 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
     };
     let taken = format!("{slot}.pending-0-takeover");
     bucket.rename(checked, &taken).await.expect("take over");
-    bucket.rename(&taken, &sealed).await.expect("seal");
-    slow.release.notify_one();
+    bucket.rename(&taken, sealed).await.expect("seal");
+    h.slow.release.notify_one();
     let answered = first
         .await
         .expect("join")
         .expect("the first attempt answers from the sealed object");
     assert_eq!(
         (answered.blob.key.as_str(), answered.blob.blake3.as_str()),
-        (sealed.as_str(), commit.blake3.as_str())
+        (sealed.as_str(), h.commit.blake3.as_str())
     );
-    let recorded: (String, String) = sqlx::query_as(
-        "SELECT blob->>'key', blake3 FROM pseudo_gradients WHERE epoch = 0 AND partition = 0
-           AND miner = $1",
+    h.recorded_sealed().await;
+}
+
+/// A client that stops waiting for its commit (a large object takes long to check) and closes
+/// its connection does not stop the check: it seals the object, and the client's next try takes
+/// it. The server drops such a request with its handler, which once stopped the check and left
+/// the object aside, and every retry `in_progress`, until it counted as abandoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_client_stopped_waiting_is_sealed_for_its_retry() {
+    init_tracing();
+    let h = held_commit([187, 188, 189]).await;
+    // Held instead as the check reads the object it moved aside.
+    *h.slow.marker.lock().expect("marker") = Some(("GET", ".pending-".into()));
+    // The first attempt, on a connection of its own that the client then closes.
+    let body = serde_json::to_vec(&h.commit).expect("json");
+    let signed = iota_protocol::signing::sign_request(
+        &*signer(h.seed),
+        &pair(200).ss58_of(),
+        "POST",
+        PG0_COMMIT,
+        &body,
+        now_ms(),
+        uuid::Uuid::new_v4(),
+    );
+    let addr = h.s.base.trim_start_matches("http://");
+    let mut request = format!(
+        "POST {PG0_COMMIT} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in signed.headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    let mut first = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    {
+        use tokio::io::AsyncWriteExt;
+        first.write_all(request.as_bytes()).await.expect("send");
+        first.write_all(&body).await.expect("send");
+    }
+    h.until_held().await;
+    // The client gives up while the check reads the object: its connection closes.
+    drop(first);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    h.slow.release.notify_one();
+    eventually(
+        "the object is sealed",
+        std::time::Duration::from_secs(10),
+        || async { h.bucket.get(&h.sealed).await.ok().map(|_| ()) },
     )
-    .bind(&hotkey)
-    .fetch_one(&s.db)
-    .await
-    .expect("recorded");
-    assert_eq!(recorded, (sealed.clone(), commit.blake3.clone()));
-    assert_eq!(
-        bucket.get(&sealed).await.expect("sealed").as_ref(),
-        bytes.as_slice()
-    );
+    .await;
+    let retried = h
+        .send()
+        .await
+        .expect("join")
+        .expect("the retry takes the sealed object");
+    assert_eq!(retried.blob.key, h.sealed);
+    h.recorded_sealed().await;
 }
 
 /// A miner that reserved its upload before the uploading deadline gets every partition in after

@@ -701,7 +701,7 @@ async fn a_late_copy_of_an_upload_keeps_the_hops_output(store: StoreConfig) {
     }
     let s0 = first_stage.expect("a miner on stage 0");
     let item = next_hop(&s0, "a sample for stage 0").await;
-    *slow.marker.lock().expect("marker") = Some(format!("-t{}.safetensors", item.task_id));
+    *slow.marker.lock().expect("marker") = Some(("PUT", format!("-t{}.safetensors", item.task_id)));
     let good = tensor(&run, 0.25);
 
     let first = tokio::spawn({

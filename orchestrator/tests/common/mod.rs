@@ -424,11 +424,13 @@ pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
     r.1.as_ref().map(|e| e.code)
 }
 
-/// A relay to the S3 server that holds back the first `PUT` naming `marker` (once set) until
+/// A relay to the S3 server that holds back the first request whose line starts with
+/// `marker`'s method and names its text (once set) until
 /// `release` is notified, as a slow store write would.
 pub struct SlowStore {
     pub endpoint: String,
-    pub marker: Arc<std::sync::Mutex<Option<String>>>,
+    /// (method, text): `("PUT", key fragment)`.
+    pub marker: Arc<std::sync::Mutex<Option<(&'static str, String)>>>,
     pub held: Arc<tokio::sync::Notify>,
     pub release: Arc<tokio::sync::Notify>,
 }
@@ -444,7 +446,7 @@ pub async fn slow_store(upstream: &str) -> SlowStore {
         .await
         .expect("bind");
     let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
-    let marker: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let marker: Arc<std::sync::Mutex<Option<(&'static str, String)>>> = Arc::default();
     let (held, release) = (
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Notify::new()),
@@ -470,9 +472,18 @@ pub async fn slow_store(upstream: &str) -> SlowStore {
                         Ok(n) => n,
                     };
                     let text = String::from_utf8_lossy(&buf[..n]);
-                    let wanted = m.lock().expect("marker").as_ref().is_some_and(|mark| {
-                        text.starts_with("PUT ") && text.contains(mark.as_str())
-                    });
+                    let wanted =
+                        m.lock()
+                            .expect("marker")
+                            .as_ref()
+                            .is_some_and(|(method, mark)| {
+                                text.strip_prefix(method)
+                                    .is_some_and(|rest| rest.starts_with(' '))
+                                    && text
+                                        .lines()
+                                        .next()
+                                        .is_some_and(|l| l.contains(mark.as_str()))
+                            });
                     if wanted && !tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
                         h.notify_one();
                         r.notified().await;
