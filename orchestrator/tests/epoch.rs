@@ -650,6 +650,66 @@ async fn disputes_left_open_close_with_their_epoch() {
     orch.stop().await;
 }
 
+/// Hops leased now.
+async fn leased(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tasks WHERE status = 'leased'")
+        .fetch_one(db)
+        .await
+        .expect("leased")
+}
+
+/// Work in flight: the miners poll until hops are leased. How many.
+async fn lease_work(miners: &mut [SimMiner], db: &PgPool) -> i64 {
+    let mut rounds = 0;
+    while leased(db).await == 0 {
+        for m in miners.iter_mut() {
+            m.client().work(4).await.expect("poll");
+        }
+        rounds += 1;
+        assert!(rounds < 500, "no work was leased");
+    }
+    leased(db).await
+}
+
+/// The phase and the seconds it has left, by the database's clock.
+async fn time_left(db: &PgPool) -> (String, f64) {
+    sqlx::query_as("SELECT phase, extract(epoch FROM phase_deadline - now())::float8 FROM runs")
+        .fetch_one(db)
+        .await
+        .expect("time left")
+}
+
+/// After a gap in which the run was not driven and its miners were silent (longer than the
+/// heartbeat timeout and the lease), and a few driver ticks: nothing was held against the
+/// miners, their leases are kept, and the phase goes on with the time it had left before the gap
+/// (less the ticks and what ending the gap took), given back once.
+async fn assert_gap_forgiven(db: &PgPool, leased_before: i64, before: (String, f64), gap: &str) {
+    let (released, expired, abandoned): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM miners WHERE status = 'released'),
+                (SELECT count(*) FROM tasks WHERE status = 'expired'),
+                (SELECT count(*) FROM samples WHERE status = 'abandoned')",
+    )
+    .fetch_one(db)
+    .await
+    .expect("counts");
+    assert_eq!(
+        (released, expired, abandoned),
+        (0, 0, 0),
+        "{gap}: held against the miners"
+    );
+    assert_eq!(leased(db).await, leased_before, "{gap}: leases lost");
+    let ((phase_before, left_before), (phase_after, left_after)) = (before, time_left(db).await);
+    assert_eq!(phase_after, phase_before, "{gap}: the phase changed");
+    assert!(
+        left_after > left_before - 4.0,
+        "{gap}: it took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
+    );
+    assert!(
+        left_after < left_before + 2.0,
+        "{gap}: given back more than once: {left_before:.1} s left before, {left_after:.1} s after"
+    );
+}
+
 /// Regression: an orchestrator restarted after an outage longer than the heartbeat timeout
 /// released every miner at its first tick (they could not be heard while it was down) and
 /// abandoned their samples, so the epoch could end with none completed.
@@ -666,34 +726,8 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
     let addr = orch.base.trim_start_matches("http://").to_owned();
     let db = PgPool::connect(&db_url).await.expect("db");
     let mut miners = join(&orch.base, &seeds).await;
-    // Work in flight: leased hops and started samples.
-    let leased = || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE status = 'leased'")
-            .fetch_one(&db)
-            .await
-            .expect("leased");
-        n
-    };
-    let mut rounds = 0;
-    while leased().await == 0 {
-        for m in &mut miners {
-            m.client().work(4).await.expect("poll");
-        }
-        rounds += 1;
-        assert!(rounds < 500, "no work was leased");
-    }
-    let before = leased().await;
-    // Seconds the phase has left, by the database's clock.
-    let left = || async {
-        let (phase, left): (String, f64) = sqlx::query_as(
-            "SELECT phase, extract(epoch FROM phase_deadline - now())::float8 FROM runs",
-        )
-        .fetch_one(&db)
-        .await
-        .expect("time left");
-        (phase, left)
-    };
-    let (phase_before, left_before) = left().await;
+    let before = lease_work(&mut miners, &db).await;
+    let left_before = time_left(&db).await;
     orch.stop().await;
     // Down for longer than both the heartbeat timeout and the lease.
     tokio::time::sleep(Duration::from_secs(
@@ -702,33 +736,9 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
     .await;
     let orch = start_on(cfg, &addr).await;
     // Several driver ticks with the miners still silent (they have not noticed the restart).
+    // The outage alone took 7 s of the phase's time before.
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let (released, expired, abandoned): (i64, i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM miners WHERE status = 'released'),
-                (SELECT count(*) FROM tasks WHERE status = 'expired'),
-                (SELECT count(*) FROM samples WHERE status = 'abandoned')",
-    )
-    .fetch_one(&db)
-    .await
-    .expect("counts");
-    assert_eq!(
-        (released, expired, abandoned),
-        (0, 0, 0),
-        "the outage was held against the miners"
-    );
-    assert_eq!(leased().await, before, "leases kept");
-    // The phase goes on with the time it had left (less the second above, the restart and a
-    // tick or two; the outage alone took 7 s before).
-    let (phase_after, left_after) = left().await;
-    assert_eq!(phase_after, phase_before, "the phase changed in the outage");
-    assert!(
-        left_after > left_before - 4.0,
-        "the outage took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
-    );
-    assert!(
-        left_after < left_before + 2.0,
-        "the outage was given back more than once: {left_before:.1} s left before, {left_after:.1} s after"
-    );
+    assert_gap_forgiven(&db, before, left_before, "the outage").await;
     // And they are released as usual when they stay silent for a timeout after the restart.
     eventually(
         "silent miners released after the restart",
@@ -761,32 +771,8 @@ async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
     let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
     let db = PgPool::connect(&db_url).await.expect("db");
     let mut miners = join(&orch.base, &seeds).await;
-    let leased = || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE status = 'leased'")
-            .fetch_one(&db)
-            .await
-            .expect("leased");
-        n
-    };
-    let mut rounds = 0;
-    while leased().await == 0 {
-        for m in &mut miners {
-            m.client().work(4).await.expect("poll");
-        }
-        rounds += 1;
-        assert!(rounds < 500, "no work was leased");
-    }
-    let before = leased().await;
-    let left = || async {
-        let (phase, left): (String, f64) = sqlx::query_as(
-            "SELECT phase, extract(epoch FROM phase_deadline - now())::float8 FROM runs",
-        )
-        .fetch_one(&db)
-        .await
-        .expect("time left");
-        (phase, left)
-    };
-    let (phase_before, left_before) = left().await;
+    let before = lease_work(&mut miners, &db).await;
+    let left_before = time_left(&db).await;
     for sql in [
         "CREATE FUNCTION refuse_run_writes() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN RAISE EXCEPTION 'injected: the run cannot be written'; END $$",
@@ -821,32 +807,6 @@ async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
     .await;
     // A few more steps.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (released, expired, abandoned): (i64, i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM miners WHERE status = 'released'),
-                (SELECT count(*) FROM tasks WHERE status = 'expired'),
-                (SELECT count(*) FROM samples WHERE status = 'abandoned')",
-    )
-    .fetch_one(&db)
-    .await
-    .expect("counts");
-    assert_eq!(
-        (released, expired, abandoned),
-        (0, 0, 0),
-        "the failed steps were held against the miners"
-    );
-    assert_eq!(leased().await, before, "leases kept");
-    let (phase_after, left_after) = left().await;
-    assert_eq!(
-        phase_after, phase_before,
-        "the phase changed while the steps failed"
-    );
-    assert!(
-        left_after > left_before - 4.0,
-        "the failed steps took the phase's time: {left_before:.1} s left before, {left_after:.1} s after"
-    );
-    assert!(
-        left_after < left_before + 2.0,
-        "the failed steps were given back more than once: {left_before:.1} s left before, {left_after:.1} s after"
-    );
+    assert_gap_forgiven(&db, before, left_before, "the failed steps").await;
     orch.stop().await;
 }

@@ -878,6 +878,44 @@ async fn a_recorded_submission_retried_after_its_phase_is_answered_from_the_reco
     assert_eq!(other.code(), Some(ErrorCode::WrongPhase), "{other}");
 }
 
+/// Steps the miners until one has done gradient work in epoch 0, then past the training
+/// deadline: the run is uploading. That miner's index.
+async fn uploading_with_a_worker(s: &Served, miners: &mut [SimMiner], seeds: &[u8]) -> usize {
+    let stages = s.app.config().stages;
+    let worked = step_until_workers(s, miners, stages, |w| !w.is_empty()).await;
+    let i = (0..seeds.len())
+        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .expect("a miner with gradient work");
+    assert_eq!(past_the_deadline(s).await.1, Phase::Uploading);
+    i
+}
+
+/// Partition `p` of `hotkey`'s pseudo-gradient in epoch 0 (stage `stage`), every value `value`:
+/// its bytes, and their commit from the miner's slot (where a presigned PUT leaves them).
+fn pg_commit(s: &Served, stage: u32, hotkey: &str, p: u32, value: f32) -> (Vec<u8>, CommitRequest) {
+    let range = s.app.config().partition_range(stage, p).expect("partition");
+    let bytes =
+        iota_protocol::tensor::encode_partition(&vec![value; (range.end - range.start) as usize]);
+    let commit = CommitRequest {
+        key: format!(
+            "runs/{}/epoch-0/pseudo-gradients/s{stage}/p{p}/{hotkey}.safetensors",
+            s.app.run.id
+        ),
+        size: bytes.len() as u64,
+        blake3: iota_protocol::blob::blake3_hex(&bytes),
+    };
+    (bytes, commit)
+}
+
+/// Where `commit`'s bytes are kept once accepted.
+fn sealed_of(commit: &CommitRequest) -> String {
+    format!(
+        "{}.{}.safetensors",
+        commit.key.trim_end_matches(".safetensors"),
+        commit.blake3
+    )
+}
+
 /// A commit of a presigned pseudo-gradient that checked and sealed the object, then failed to
 /// record it (here the database refuses the first insert; a crash there does the same), is taken
 /// by the client's retry: the retry finds the slot empty, and once answered that nothing was
@@ -886,27 +924,13 @@ async fn a_recorded_submission_retried_after_its_phase_is_answered_from_the_reco
 async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
     init_tracing();
     let seeds = [171u8, 172, 173];
-    let run = config();
-    let s = serve(&seeds, run.clone()).await;
+    let s = serve(&seeds, config()).await;
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    let i = (0..seeds.len())
-        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
-        .expect("a miner with gradient work");
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
     let hotkey = pair(seeds[i]).ss58_of();
-    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-
     // What a presigned PUT leaves in the slot.
-    let stage = miners[i].stage;
-    let range = run.partition_range(stage, 0).expect("partition 0");
-    let bytes = iota_protocol::tensor::encode_partition(&vec![
-        0.002f32;
-        (range.end - range.start) as usize
-    ]);
-    let slot = format!(
-        "runs/{}/epoch-0/pseudo-gradients/s{stage}/p0/{hotkey}.safetensors",
-        s.app.run.id
-    );
+    let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.002);
+    let slot = commit.key.clone();
     s.app
         .store
         .put(&slot, bytes::Bytes::from(bytes.clone()))
@@ -927,18 +951,9 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
             .await
             .expect("inject a failure");
     }
-    let blake3 = iota_protocol::blob::blake3_hex(&bytes);
     let taken: UploadResponse = miners[i]
         .client()
-        .signed_json(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/0/commit",
-            &CommitRequest {
-                key: slot.clone(),
-                size: bytes.len() as u64,
-                blake3: blake3.clone(),
-            },
-        )
+        .signed_json(reqwest::Method::POST, PG0_COMMIT, &commit)
         .await
         .expect("the retried commit is taken");
     let tried: i64 = sqlx::query_scalar("SELECT last_value FROM inserts_tried")
@@ -957,8 +972,8 @@ async fn a_commit_that_failed_after_sealing_is_taken_by_its_retry() {
     .fetch_one(&s.db)
     .await
     .expect("recorded");
-    assert_eq!(recorded, (taken.blob.key.clone(), blake3));
-    assert_ne!(taken.blob.key, slot, "kept at its sealed key");
+    assert_eq!(recorded, (taken.blob.key.clone(), commit.blake3.clone()));
+    assert_eq!(taken.blob.key, sealed_of(&commit), "kept at its sealed key");
     assert_eq!(
         s.app
             .store
@@ -980,34 +995,12 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
 {
     init_tracing();
     let seeds = [174u8, 175, 176];
-    let run = config();
-    let s = serve(&seeds, run.clone()).await;
+    let s = serve(&seeds, config()).await;
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    let i = (0..seeds.len())
-        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
-        .expect("a miner with gradient work");
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
     let hotkey = pair(seeds[i]).ss58_of();
-    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
     let stage = miners[i].stage;
-    let partition = |p: u32, value: f32| {
-        let range = run.partition_range(stage, p).expect("partition");
-        let bytes = iota_protocol::tensor::encode_partition(&vec![
-            value;
-            (range.end - range.start)
-                as usize
-        ]);
-        let slot = format!(
-            "runs/{}/epoch-0/pseudo-gradients/s{stage}/p{p}/{hotkey}.safetensors",
-            s.app.run.id
-        );
-        let commit = CommitRequest {
-            key: slot,
-            size: bytes.len() as u64,
-            blake3: iota_protocol::blob::blake3_hex(&bytes),
-        };
-        (bytes, commit)
-    };
+    let partition = |p: u32, value: f32| pg_commit(&s, stage, &hotkey, p, value);
     let aside = |slot: &str, at: DateTime<Utc>| {
         format!(
             "{slot}.pending-{}-{}",
@@ -1038,7 +1031,7 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
         .put(&checking, bytes::Bytes::from(bytes.clone()))
         .await
         .expect("put");
-    let path = "/v1/miner/epochs/0/pseudo-gradients/0/commit";
+    let path = PG0_COMMIT;
     let body = serde_json::to_vec(&commit).expect("json");
     let retried = Raw::to(&s.base)
         .signed(&*signer(seeds[i]), reqwest::Method::POST, path, body)
@@ -1060,11 +1053,7 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
     );
     assert_eq!(recorded(0).await, None);
     // The first attempt seals it, and its answer is lost; the client's retry takes it.
-    let sealed = format!(
-        "{}.{}.safetensors",
-        commit.key.trim_end_matches(".safetensors"),
-        commit.blake3
-    );
+    let sealed = sealed_of(&commit);
     s.app.store.rename(&checking, &sealed).await.expect("seal");
     let taken: UploadResponse = miners[i]
         .client()
@@ -1192,58 +1181,19 @@ const PG0_COMMIT: &str = "/v1/miner/epochs/0/pseudo-gradients/0/commit";
 
 async fn held_commit(seeds: [u8; 3]) -> HeldCommit {
     let s3 = s3_store();
-    let StoreConfig::S3 {
-        bucket,
-        endpoint: Some(endpoint),
-        region,
-    } = s3.clone()
-    else {
-        panic!("an S3 store with an endpoint");
-    };
-    let slow = slow_store(&endpoint).await;
-    let run = config();
-    let s = serve_with(
-        &seeds,
-        run.clone(),
-        Some(StoreConfig::S3 {
-            bucket,
-            endpoint: Some(slow.endpoint.clone()),
-            region,
-        }),
-    )
-    .await;
+    let slow = slow_store(&s3).await;
+    let s = serve_with(&seeds, config(), Some(slow.store.clone())).await;
     let bucket = BlobStore::open(&s3).expect("store");
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    let i = (0..seeds.len())
-        .find(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
-        .expect("a miner with gradient work");
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
     let hotkey = pair(seeds[i]).ss58_of();
-    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-    let stage = miners[i].stage;
-    let range = run.partition_range(stage, 0).expect("partition 0");
-    let bytes = iota_protocol::tensor::encode_partition(&vec![
-        0.006f32;
-        (range.end - range.start) as usize
-    ]);
-    let slot = format!(
-        "runs/{}/epoch-0/pseudo-gradients/s{stage}/p0/{hotkey}.safetensors",
-        s.app.run.id
-    );
+    let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.006);
+    let slot = commit.key.clone();
     bucket
         .put(&slot, bytes::Bytes::from(bytes.clone()))
         .await
         .expect("put");
-    let commit = CommitRequest {
-        key: slot.clone(),
-        size: bytes.len() as u64,
-        blake3: iota_protocol::blob::blake3_hex(&bytes),
-    };
-    let sealed = format!(
-        "{}.{}.safetensors",
-        slot.trim_end_matches(".safetensors"),
-        commit.blake3
-    );
+    let sealed = sealed_of(&commit);
     // Only the copy to the sealed key names the hash.
     *slow.marker.lock().expect("marker") = Some(("PUT", commit.blake3.clone()));
     HeldCommit {

@@ -667,15 +667,7 @@ async fn the_latest_weights_outlive_their_epoch() {
 /// with the very object it wrote, which is the hop's output and must stay (it once deleted it, as
 /// it does the object of an upload whose lease lapsed).
 async fn a_late_copy_of_an_upload_keeps_the_hops_output(store: StoreConfig) {
-    let StoreConfig::S3 {
-        bucket,
-        endpoint: Some(endpoint),
-        region,
-    } = store.clone()
-    else {
-        panic!("an S3 store with an endpoint");
-    };
-    let slow = slow_store(&endpoint).await;
+    let slow = slow_store(&store).await;
     let chain = chain_with(&MINERS, &[]).await;
     let db = fresh_db().await;
     let unused = tempfile::tempdir().expect("tempdir");
@@ -685,11 +677,7 @@ async fn a_late_copy_of_an_upload_keeps_the_hops_output(store: StoreConfig) {
     run.lease_s = 60;
     run.heartbeat_timeout_s = 60;
     let mut config = config(&chain, &db, unused.path(), run.clone());
-    config.store = StoreConfig::S3 {
-        bucket,
-        endpoint: Some(slow.endpoint.clone()),
-        region,
-    };
+    config.store = slow.store.clone();
     let blobs = BlobStore::open(&store).expect("open store");
     let orch = start(config).await;
     let mut first_stage = None;

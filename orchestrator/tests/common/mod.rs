@@ -425,18 +425,28 @@ pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
 }
 
 /// A relay to the S3 server that holds back the first request whose line starts with
-/// `marker`'s method and names its text (once set) until
-/// `release` is notified, as a slow store write would.
+/// `marker`'s method and names its text (once set) until `release` is notified, as a slow store
+/// write would.
 pub struct SlowStore {
-    pub endpoint: String,
+    /// The S3 store it was made for, reached through the relay.
+    pub store: StoreConfig,
     /// (method, text): `("PUT", key fragment)`.
     pub marker: Arc<std::sync::Mutex<Option<(&'static str, String)>>>,
     pub held: Arc<tokio::sync::Notify>,
     pub release: Arc<tokio::sync::Notify>,
 }
 
-pub async fn slow_store(upstream: &str) -> SlowStore {
+/// A relay in front of `store`, an S3 store with an endpoint.
+pub async fn slow_store(store: &StoreConfig) -> SlowStore {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let StoreConfig::S3 {
+        bucket,
+        endpoint: Some(upstream),
+        region,
+    } = store.clone()
+    else {
+        panic!("an S3 store with an endpoint");
+    };
     let upstream = upstream
         .strip_prefix("http://")
         .expect("an http:// S3 endpoint")
@@ -496,7 +506,11 @@ pub async fn slow_store(upstream: &str) -> SlowStore {
         }
     });
     SlowStore {
-        endpoint,
+        store: StoreConfig::S3 {
+            bucket,
+            endpoint: Some(endpoint),
+            region,
+        },
         marker,
         held,
         release,
