@@ -601,15 +601,33 @@ async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
         }
     }
     assert_eq!(now_status(&s).await.1, Phase::Merging);
-    for m in &mut miners {
-        m.step().await.expect("merge");
+    // Every partition with contributions merged, whichever stage the newcomer joins (after one
+    // round of steps some stages' partitions could still be open, and that stage's latest
+    // weights then the same as its start weights).
+    let mut merges: Vec<PartitionStatus> = Vec::new();
+    for _ in 0..20 {
+        for m in &mut miners {
+            m.step().await.expect("merge");
+        }
+        merges = reqwest::get(format!("{}/v1/epochs/0/merges", s.base))
+            .await
+            .expect("merges")
+            .json()
+            .await
+            .expect("json");
+        if merges.iter().all(|p| {
+            matches!(
+                p.state,
+                PartitionState::Accepted | PartitionState::Unchanged
+            )
+        }) {
+            break;
+        }
     }
-    let merges: Vec<PartitionStatus> = reqwest::get(format!("{}/v1/epochs/0/merges", s.base))
-        .await
-        .expect("merges")
-        .json()
-        .await
-        .expect("json");
+    assert!(
+        merges.iter().all(|p| p.state != PartitionState::Open),
+        "partitions still open: {merges:?}"
+    );
     assert!(
         merges.iter().any(|p| p.state == PartitionState::Accepted),
         "nothing merged: {merges:?}"
@@ -634,6 +652,12 @@ async fn a_miner_joining_while_merging_gets_the_epochs_start_weights() {
                 .expect("json")
         }
     };
+    assert!(
+        merges
+            .iter()
+            .any(|p| p.stage == stage && p.state == PartitionState::Accepted),
+        "nothing of the newcomer's stage {stage} merged: {merges:?}"
+    );
     let latest = weights("").await;
     assert_eq!(latest.epoch, Some(0), "epoch 0's merges are the latest");
     let start = weights("?before=0").await;
@@ -1063,23 +1087,30 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
     assert_eq!(taken.blob.key, sealed);
     assert_eq!(recorded(0).await, Some((sealed, commit.blake3.clone())));
 
-    // Partition 1: an attempt moved the object aside an hour ago and died before sealing it.
+    // Partitions 1-3: `bytes` moved aside an hour ago by an attempt that died before sealing
+    // them; the commit of partition `p`'s own.
+    let abandon_then_commit = |p: u32, bytes: Vec<u8>, commit: CommitRequest| {
+        let (store, client) = (s.app.store.clone(), miners[i].client().clone());
+        let abandoned = aside(&commit.key, Utc::now() - Duration::hours(1));
+        async move {
+            store
+                .put(&abandoned, bytes::Bytes::from(bytes))
+                .await
+                .expect("put");
+            let answer = client
+                .signed_json::<_, UploadResponse>(
+                    reqwest::Method::POST,
+                    &format!("/v1/miner/epochs/0/pseudo-gradients/{p}/commit"),
+                    &commit,
+                )
+                .await;
+            (abandoned, answer)
+        }
+    };
+    // Partition 1: the commit's own bytes.
     let (bytes, commit) = partition(1, 0.004);
-    let abandoned = aside(&commit.key, Utc::now() - Duration::hours(1));
-    s.app
-        .store
-        .put(&abandoned, bytes::Bytes::from(bytes.clone()))
-        .await
-        .expect("put");
-    let taken: UploadResponse = miners[i]
-        .client()
-        .signed_json(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/1/commit",
-            &commit,
-        )
-        .await
-        .expect("the abandoned object is checked and taken");
+    let (_, answer) = abandon_then_commit(1, bytes.clone(), commit.clone()).await;
+    let taken = answer.expect("the abandoned object is checked and taken");
     assert_eq!(
         recorded(1).await,
         Some((taken.blob.key.clone(), commit.blake3.clone()))
@@ -1107,24 +1138,8 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
 
     // Partition 2: an abandoned object of another size is not this commit's, and stays.
     let (bytes, commit) = partition(2, 0.005);
-    let other = aside(&commit.key, Utc::now() - Duration::hours(1));
-    s.app
-        .store
-        .put(
-            &other,
-            bytes::Bytes::from(bytes[..bytes.len() - 4].to_vec()),
-        )
-        .await
-        .expect("put");
-    let refused = miners[i]
-        .client()
-        .signed_json::<_, UploadResponse>(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/2/commit",
-            &commit,
-        )
-        .await
-        .expect_err("nothing of the declared size was uploaded");
+    let (other, answer) = abandon_then_commit(2, bytes[..bytes.len() - 4].to_vec(), commit).await;
+    let refused = answer.expect_err("nothing of the declared size was uploaded");
     assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
     assert!(
         s.app.store.get(&other).await.is_ok(),
@@ -1136,21 +1151,8 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
     let (bytes, commit) = partition(3, 0.007);
     let (others, _) = partition(3, 0.008);
     assert_eq!(others.len(), bytes.len());
-    let other = aside(&commit.key, Utc::now() - Duration::hours(1));
-    s.app
-        .store
-        .put(&other, bytes::Bytes::from(others.clone()))
-        .await
-        .expect("put");
-    let refused = miners[i]
-        .client()
-        .signed_json::<_, UploadResponse>(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/3/commit",
-            &commit,
-        )
-        .await
-        .expect_err("other bytes than declared");
+    let (other, answer) = abandon_then_commit(3, others.clone(), commit).await;
+    let refused = answer.expect_err("other bytes than declared");
     assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
     assert_eq!(
         s.app.store.get(&other).await.expect("put back").as_ref(),
