@@ -1350,6 +1350,61 @@ async fn a_commit_whose_client_stopped_waiting_is_sealed_for_its_retry() {
     h.recorded_sealed().await;
 }
 
+/// A commit whose check could not read the object back (the store failed) puts the object back
+/// in its slot, and the client's retry checks and seals it. Left aside, it was the only copy, and
+/// every retry was told `in_progress` until it counted as abandoned (minutes). On the S3 store,
+/// through a relay that refuses the check's read of the object it moved aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_check_failed_on_the_store_leaves_the_object_for_its_retry() {
+    init_tracing();
+    let h = held_commit([191, 192, 193]).await;
+    *h.slow.marker.lock().expect("marker") = Some(("GET", ".pending-".into()));
+    h.slow
+        .refuse
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    // The first attempt alone, without the client's own retries.
+    let once = iota_protocol::ApiClient::new(
+        h.s.base.clone(),
+        signer(h.seed),
+        pair(200).ss58_of(),
+        iota_protocol::RetryPolicy {
+            attempts: 1,
+            ..Default::default()
+        },
+    )
+    .expect("client");
+    let failed = once
+        .signed_json::<_, UploadResponse>(reqwest::Method::POST, PG0_COMMIT, &h.commit)
+        .await
+        .expect_err("the store refused the check's read");
+    assert_eq!(failed.code(), Some(ErrorCode::Internal), "{failed}");
+    assert_eq!(
+        h.bucket
+            .get(&h.slot)
+            .await
+            .expect("back in its slot")
+            .as_ref(),
+        h.bytes.as_slice()
+    );
+    let dir = h.slot.rsplit_once('/').expect("a directory").0;
+    let aside: Vec<String> = h
+        .bucket
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.contains(".pending-"))
+        .collect();
+    assert!(aside.is_empty(), "nothing left aside: {aside:?}");
+    let retried = h
+        .send()
+        .await
+        .expect("join")
+        .expect("the retry checks and seals the object");
+    assert_eq!(retried.blob.key, h.sealed);
+    h.recorded_sealed().await;
+}
+
 /// A miner that reserved its upload before the uploading deadline gets every partition in after
 /// it: the phase waits for it (a large upload under way when the deadline passed was refused at
 /// the switch to merging, and its epoch's work lost), also across a gap in which nobody drove the

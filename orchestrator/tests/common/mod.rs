@@ -426,7 +426,8 @@ pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
 
 /// A relay to the S3 server that holds back the first request whose line starts with
 /// `marker`'s method and names its text (once set) until `release` is notified, as a slow store
-/// write would.
+/// write would; or, with `refuse` set, answers that request with a 403 itself, as a failing store
+/// would.
 pub struct SlowStore {
     /// The S3 store it was made for, reached through the relay.
     pub store: StoreConfig,
@@ -434,6 +435,8 @@ pub struct SlowStore {
     pub marker: Arc<std::sync::Mutex<Option<(&'static str, String)>>>,
     pub held: Arc<tokio::sync::Notify>,
     pub release: Arc<tokio::sync::Notify>,
+    /// Refuse the marked request instead of holding it.
+    pub refuse: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A relay in front of `store`, an S3 store with an endpoint.
@@ -462,18 +465,33 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         Arc::new(tokio::sync::Notify::new()),
     );
     let tripped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (m, h, r) = (marker.clone(), held.clone(), release.clone());
+    let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (m, h, r, f) = (
+        marker.clone(),
+        held.clone(),
+        release.clone(),
+        refuse.clone(),
+    );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
             let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                 continue;
             };
-            let (mut client_r, mut client_w) = client.into_split();
+            let (mut client_r, client_w) = client.into_split();
+            let client_w = Arc::new(tokio::sync::Mutex::new(client_w));
             let (mut server_r, mut server_w) = server.into_split();
+            let to_client = client_w.clone();
             tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n @ 1..) = server_r.read(&mut buf).await {
+                    if to_client.lock().await.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = to_client.lock().await.shutdown().await;
             });
-            let (m, h, r, tripped) = (m.clone(), h.clone(), r.clone(), tripped.clone());
+            let (m, h, r, f, tripped) =
+                (m.clone(), h.clone(), r.clone(), f.clone(), tripped.clone());
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 64 * 1024];
                 loop {
@@ -495,6 +513,16 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                                         .is_some_and(|l| l.contains(mark.as_str()))
                             });
                     if wanted && !tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        if f.load(std::sync::atomic::Ordering::SeqCst) {
+                            let mut client_w = client_w.lock().await;
+                            let _ = client_w
+                                .write_all(
+                                    b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                                )
+                                .await;
+                            let _ = client_w.shutdown().await;
+                            break;
+                        }
                         h.notify_one();
                         r.notified().await;
                     }
@@ -514,5 +542,6 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         marker,
         held,
         release,
+        refuse,
     }
 }
