@@ -192,6 +192,26 @@ impl AppState {
         self.leader.load(Ordering::Relaxed)
     }
 
+    /// How long the shared replay cache keeps a uuid. A request's clock check is passed when its
+    /// headers arrive, but its uuid is recorded once its body has (up to [`read_body`]'s deadline
+    /// later): a replay whose headers arrive at the end of the clock window and whose body comes
+    /// slowly must still find the original's uuid. So the clock window, the longest body
+    /// deadline of any signed route, and 2 s for clocks of processes and database that differ.
+    pub fn replay_retention(&self) -> Duration {
+        let longest = self
+            .limits
+            .json_body_bytes
+            .max(crate::max_upload_bytes(&self.run.config)) as u64;
+        Duration::from_millis(self.skew.replay_horizon_ms())
+            + body_deadline(self.limits.body_timeout, longest)
+            + Duration::from_secs(2)
+    }
+
+    /// Keys the rate limiters hold: hotkeys, and peer addresses.
+    pub fn limiter_keys(&self) -> (usize, usize) {
+        (self.per_hotkey.len(), self.per_ip.len())
+    }
+
     /// Forgets rate-limit keys that are back at full quota (bounded memory under churn).
     pub fn shrink_limiters(&self) {
         self.per_hotkey.retain_recent();
@@ -392,8 +412,7 @@ pub async fn read_body(
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, AppError> {
-    let expected = declared.unwrap_or(limit as u64);
-    let deadline = timeout + Duration::from_secs(expected / MIN_BODY_BYTES_PER_S);
+    let deadline = body_deadline(timeout, declared.unwrap_or(limit as u64));
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(_)) => Err(AppError::new(
@@ -405,6 +424,11 @@ pub async fn read_body(
             format!("the body did not arrive within {} s", deadline.as_secs()),
         )),
     }
+}
+
+/// How long a body of `bytes` may take: `timeout`, plus its length at [`MIN_BODY_BYTES_PER_S`].
+fn body_deadline(timeout: Duration, bytes: u64) -> Duration {
+    timeout + Duration::from_secs(bytes / MIN_BODY_BYTES_PER_S)
 }
 
 /// Refuses a request whose declared body is larger than `limit`: the cheapest check of all.
@@ -499,8 +523,10 @@ pub struct Authenticating {
 
 impl Authenticating {
     /// Verifies the signature (batched with whatever else is waiting), then the validator
-    /// permit, the per-hotkey rate limit (after the signature, so that nobody can spend another
-    /// hotkey's quota) and the uuid.
+    /// permit, the uuid in this process's memory, the per-hotkey rate limit (after the
+    /// signature and that replay check, so that nobody can spend another hotkey's quota, not
+    /// even by replaying its requests), and the uuid in the shared cache where the route
+    /// records it first.
     pub async fn finish(
         self,
         app: &App,
@@ -513,13 +539,6 @@ impl Authenticating {
                 format!("{} has no validator permit", verified.signer_ss58),
             ));
         }
-        if app.per_hotkey.check_key(&verified.signer).is_err() {
-            metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);
-            return Err(AppError::new(
-                ErrorCode::RateLimited,
-                "too many requests from this hotkey",
-            ));
-        }
         let uuid = verified.uuid;
         let in_memory = app
             .replay
@@ -527,6 +546,13 @@ impl Authenticating {
             .admit(uuid, verified.timestamp_ms, self.now);
         if in_memory == Local::Replayed {
             return Err(AuthError::Replayed(uuid).into());
+        }
+        if app.per_hotkey.check_key(&verified.signer).is_err() {
+            metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);
+            return Err(AppError::new(
+                ErrorCode::RateLimited,
+                "too many requests from this hotkey",
+            ));
         }
         let mut pending = PendingUuid(Some(uuid));
         // With memory full, only the shared cache can tell: record now whatever the route.
@@ -647,15 +673,16 @@ pub async fn upload_slots_per_ip(
     next.run(req).await
 }
 
-/// Deletes replay-cache entries older than the clock window allows (run by the phase driver).
-pub async fn prune_replay_cache(db: &PgPool, window: SkewWindow) -> Result<u64, sqlx::Error> {
-    let horizon = Duration::from_millis(window.replay_horizon_ms() + 1_000);
-    let cutoff = Utc::now()
-        - chrono::Duration::from_std(horizon).unwrap_or_else(|_| chrono::Duration::seconds(60));
-    let r = sqlx::query("DELETE FROM request_uuids WHERE seen_at < $1")
-        .bind(cutoff)
-        .execute(db)
-        .await?;
+/// Deletes replay-cache entries recorded more than `retention` ago (run by the phase driver,
+/// with [`AppState::replay_retention`]). By the database's clock, which stamped them: the
+/// driver's may differ.
+pub async fn prune_replay_cache(db: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM request_uuids WHERE seen_at < now() - $1 * interval '1 millisecond'",
+    )
+    .bind(retention.as_millis().min(i64::MAX as u128) as i64)
+    .execute(db)
+    .await?;
     Ok(r.rows_affected())
 }
 

@@ -27,7 +27,9 @@ use crate::routing::{
     PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step, verdict,
 };
 
-const LEADER_LOCK: i64 = 0x696f_7461_6472_7601; // "iotadrv" + 1
+/// The leader lock's class; its other key is the run's id, so that each run on a database has
+/// a driver of its own (one key for all let one run's driver leave every other run undriven).
+const LEADER_LOCK_CLASS: i32 = 0x696f_7464; // "iotd"
 const PHASE_LOCK_CLASS: i32 = 0x696f_7461; // "iota"
 
 /// Takes the phase lock in shared mode for the rest of the transaction (uploads).
@@ -118,6 +120,10 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                 }
             }
         }
+        // In every process, not only the leader: each keeps limiters of its own.
+        if n.is_multiple_of(50) {
+            app.shrink_limiters();
+        }
         n += 1;
         tokio::select! {
             _ = tokio::time::sleep(tick) => {}
@@ -127,8 +133,9 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     if let Some(mut conn) = leader_conn {
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
-            sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(LEADER_LOCK)
+            sqlx::query("SELECT pg_advisory_unlock($1, $2::int)")
+                .bind(LEADER_LOCK_CLASS)
+                .bind(app.run.id as i32)
                 .execute(&mut *conn),
         )
         .await;
@@ -162,8 +169,9 @@ async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
     let Ok(mut conn) = app.db.acquire().await else {
         return Lead::Not;
     };
-    let got: bool = match sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(LEADER_LOCK)
+    let got: bool = match sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2::int)")
+        .bind(LEADER_LOCK_CLASS)
+        .bind(app.run.id as i32)
         .fetch_one(&mut *conn)
         .await
     {
@@ -238,12 +246,11 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
 }
 
 async fn housekeeping(app: &App) {
-    match crate::app::prune_replay_cache(&app.db, app.skew).await {
+    match crate::app::prune_replay_cache(&app.db, app.replay_retention()).await {
         Ok(n) if n > 0 => tracing::debug!(pruned = n, "replay cache pruned"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
     }
-    app.shrink_limiters();
     if let Err(e) = collect_garbage(app).await {
         tracing::warn!(error = ?e.0, "garbage collection failed");
     }

@@ -213,7 +213,10 @@ pub fn metrics_handle() -> &'static PrometheusHandle {
     })
 }
 
-async fn metrics_text() -> Response {
+async fn metrics_text(State(app): State<App>) -> Response {
+    let (hotkeys, addresses) = app.limiter_keys();
+    metrics::gauge!("iota_rate_limit_keys", "scope" => "hotkey").set(hotkeys as f64);
+    metrics::gauge!("iota_rate_limit_keys", "scope" => "ip").set(addresses as f64);
     // Rendered on a blocking thread: it folds the samples since the last upkeep and formats every
     // series, which a runtime thread's queued requests should not wait for.
     match tokio::task::spawn_blocking(|| metrics_handle().render()).await {

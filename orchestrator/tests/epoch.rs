@@ -402,6 +402,60 @@ async fn two_orchestrators_serve_one_run_and_fail_over() {
     survivor.stop().await;
 }
 
+/// Two runs on one database each have a driver: the leader lock is per run. With one lock for
+/// the database, the process that took it drove its own run and the other run's epochs never
+/// advanced (no deadline, no lease expiry, no garbage collection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runs_on_one_database_each_have_a_driver() {
+    init_tracing();
+    let chain = chain_with(&[], &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut first = run_config("first");
+    first.training_s = 1;
+    let second = RunConfig {
+        name: "second".into(),
+        ..first.clone()
+    };
+    let a = start(config(&chain, &db_url, store.path(), first)).await;
+    let b = start(config(&chain, &db_url, store.path(), second)).await;
+    for base in [&a.base, &b.base] {
+        eventually(
+            &format!("{base} leads its run"),
+            std::time::Duration::from_secs(20),
+            || async move {
+                let h: Health = reqwest::get(format!("{base}/healthz"))
+                    .await
+                    .ok()?
+                    .json()
+                    .await
+                    .ok()?;
+                h.leader.then_some(())
+            },
+        )
+        .await;
+    }
+    // And each run leaves training at its deadline.
+    let db = PgPool::connect(&db_url).await.expect("db");
+    eventually(
+        "both runs past training",
+        std::time::Duration::from_secs(20),
+        || async {
+            let training: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM runs WHERE phase = 'training' AND epoch = 0",
+            )
+            .fetch_one(&db)
+            .await
+            .ok()?;
+            (training == 0).then_some(())
+        },
+    )
+    .await;
+    db.close().await;
+    a.stop().await;
+    b.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     init_tracing();

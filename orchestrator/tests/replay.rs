@@ -153,3 +153,219 @@ async fn replays_are_refused_wherever_they_could_act() {
     a.stop().await;
     b.stop().await;
 }
+
+/// A replay whose headers arrive inside the clock window and whose body comes slowly is refused
+/// when the body has come, however long after the window that is. The headers pass the clock
+/// check, but the uuid is recorded once the body is in (up to its deadline later); the shared
+/// cache once dropped uuids as soon as the window had passed, so a replay sent to another
+/// process (which never saw the uuid) and finished after the next prune was admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_body_comes_after_the_window_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    init_tracing();
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("slow-replay");
+    // The miner stays registered while the test waits without heartbeats.
+    run.heartbeat_timeout_s = 60;
+    let mut cfg = config(&chain, &db, store.path(), run);
+    // A short window, so that it passes quickly.
+    cfg.skew = iota_protocol::SkewWindow {
+        max_age_ms: 2_000,
+        max_future_ms: 1_000,
+    };
+    let a = start(cfg.clone()).await;
+    let b = start(cfg).await;
+    let seed = MINERS[0];
+    registered_miner(&a.base, seed).await;
+
+    let (path, body) = ("/v1/miner/heartbeat", b"{}");
+    let (ts, uuid) = (now_ms(), Uuid::new_v4());
+    let first = Raw::to(&a.base)
+        .send(Call {
+            ts,
+            uuid,
+            ..Call::new(&pair(seed), reqwest::Method::POST, path, body.to_vec())
+        })
+        .await;
+    assert_eq!(first.0, 200, "{first:?}");
+
+    // The same request to the other process, all but its last byte, inside the window.
+    let signed = iota_protocol::signing::sign_request(
+        &pair(seed),
+        &pair(200).ss58(),
+        "POST",
+        path,
+        body,
+        ts,
+        uuid,
+    );
+    let addr = b.base.trim_start_matches("http://");
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in signed.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut replay = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    replay.write_all(head.as_bytes()).await.expect("head");
+    replay.write_all(&body[..1]).await.expect("first byte");
+    assert!(now_ms() < ts + 2_000, "the replay's headers were late");
+
+    // Past the clock window (and the second the shared cache once kept beyond it), until the
+    // leader's housekeeping has pruned the cache: a row older than anything else is gone.
+    let pool = sqlx::PgPool::connect(&db).await.expect("db");
+    tokio::time::sleep(std::time::Duration::from_millis(
+        (ts + 4_500).saturating_sub(now_ms()),
+    ))
+    .await;
+    let marker = Uuid::new_v4();
+    sqlx::query("INSERT INTO request_uuids (uuid, seen_at) VALUES ($1, now() - interval '1 hour')")
+        .bind(marker)
+        .execute(&pool)
+        .await
+        .expect("marker");
+    eventually(
+        "the replay cache is pruned",
+        std::time::Duration::from_secs(20),
+        || {
+            let pool = pool.clone();
+            async move {
+                let left: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
+                        .bind(marker)
+                        .fetch_one(&pool)
+                        .await
+                        .expect("count");
+                (left == 0).then_some(())
+            }
+        },
+    )
+    .await;
+
+    replay.write_all(&body[1..]).await.expect("last byte");
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        replay.read_to_end(&mut answer),
+    )
+    .await
+    .expect("an answer")
+    .expect("read");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 401") && answer.contains("\"replayed\""),
+        "the slow replay was not refused as a replay: {answer}"
+    );
+    pool.close().await;
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Replays of a hotkey's request are refused without spending its rate limit: someone who
+/// captured one request could otherwise re-send it until the hotkey's own requests were refused
+/// with `rate_limited`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_do_not_spend_the_signers_quota() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("quota"));
+    cfg.limits.per_hotkey_rps = 1;
+    cfg.limits.per_hotkey_burst = 4;
+    let a = start(cfg).await;
+    let seed = MINERS[1];
+    // One request of the burst.
+    registered_miner(&a.base, seed).await;
+    let raw = Raw::to(&a.base);
+    let signer = pair(seed);
+    let heartbeat = |ts, uuid| Call {
+        ts,
+        uuid,
+        ..Call::new(
+            &signer,
+            reqwest::Method::POST,
+            "/v1/miner/heartbeat",
+            b"{}".to_vec(),
+        )
+    };
+    let (ts, uuid) = (now_ms(), Uuid::new_v4());
+    let first = raw.send(heartbeat(ts, uuid)).await;
+    assert_eq!(first.0, 200, "{first:?}");
+    for _ in 0..10 {
+        let again = raw.send(heartbeat(ts, uuid)).await;
+        assert_eq!((again.0, code(&again)), (401, Some(ErrorCode::Replayed)));
+    }
+    let own = raw.send(heartbeat(now_ms(), Uuid::new_v4())).await;
+    assert_eq!(
+        own.0, 200,
+        "the signer's own request after the replays: {own:?}"
+    );
+    a.stop().await;
+}
+
+/// A process that does not lead the run still forgets rate-limit keys back at full quota: each
+/// public request from a new address adds one, and only the leader's housekeeping once removed
+/// them, so a follower's tables grew with every address that ever reached it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_forgets_the_addresses_it_limited() {
+    init_tracing();
+    let chain = chain_with(&[], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    // The run's leader lock is held here, so the orchestrator never leads.
+    let mut lock = <sqlx::PgConnection as sqlx::Connection>::connect(&db)
+        .await
+        .expect("db");
+    let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2::int)")
+        .bind(0x696f_7464i32)
+        .bind(1i32)
+        .fetch_one(&mut lock)
+        .await
+        .expect("lock");
+    assert!(held);
+    let a = start(config(&chain, &db, store.path(), run_config("follower"))).await;
+    for last in 2..10u8 {
+        let from = reqwest::Client::builder()
+            .local_address(std::net::IpAddr::from([127, 0, 0, last]))
+            .build()
+            .expect("client");
+        let r = from
+            .get(format!("{}/v1/status", a.base))
+            .send()
+            .await
+            .expect("status");
+        assert!(r.status().is_success());
+    }
+    let addresses = || async {
+        let text = reqwest::get(format!("{}/metrics", a.base))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        text.lines()
+            .find_map(|l| l.strip_prefix("iota_rate_limit_keys{scope=\"ip\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .expect("the gauge")
+    };
+    assert!(addresses().await >= 9.0, "each address holds a key");
+    eventually(
+        "the follower forgets the addresses",
+        std::time::Duration::from_secs(20),
+        || async { (addresses().await <= 1.0).then_some(()) },
+    )
+    .await;
+    let health: iota_protocol::api::Health = reqwest::get(format!("{}/healthz", a.base))
+        .await
+        .expect("health")
+        .json()
+        .await
+        .expect("json");
+    assert!(!health.leader, "the test held the lock");
+    a.stop().await;
+}
