@@ -242,6 +242,15 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
     .bind(now + secs(app.config().lease_s))
     .execute(&mut *tx)
     .await?;
+    // Routed hops waiting to be leased get their pick-up time again too.
+    sqlx::query(
+        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
+         WHERE run_id = $1 AND status = 'pending'",
+    )
+    .bind(app.run.id)
+    .bind(now + secs(crate::miner::pickup_s(app.config())))
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await
 }
 
@@ -276,16 +285,17 @@ pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     Ok(())
 }
 
-/// Lapsed leases: a forward hop is re-routed to another miner of its stage as a new attempt; a
-/// backward hop cannot move (only its miner holds the activation cache), so its sample is
-/// abandoned. The old attempt's late result is refused with `lease_expired`. Hops routed to a
+/// Lapsed leases, and routed hops their miner did not lease in time (see `miner::pickup_s`): a
+/// forward hop is re-routed to another miner of its stage as a new attempt; a backward hop cannot
+/// move (only its miner holds the activation cache), so its sample is abandoned. The old attempt's late result is refused with `lease_expired`. Hops routed to a
 /// miner that had already ended its epoch (a completion that raced with its pseudo-gradient, see
 /// `miner::close_epoch`) move the same way.
 async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired' WHERE id IN (
-             SELECT id FROM tasks WHERE run_id = $1 AND status = 'leased' AND leased_until < $2
+             SELECT id FROM tasks
+             WHERE run_id = $1 AND status IN ('pending', 'leased') AND leased_until < $2
              FOR UPDATE SKIP LOCKED)
          RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
     )

@@ -1407,6 +1407,14 @@ async fn finish_sample(
     Ok(())
 }
 
+/// Seconds a routed hop waits for its miner to lease it (`leased_until` of a pending hop): two
+/// leases. A miner that heartbeats but does not poll (its work loop hung, or it only claims
+/// throughput to draw hops) would otherwise hold every hop routed to it until the epoch ended,
+/// each one a sample in flight that a stage-0 miner may not replace.
+pub(crate) fn pickup_s(cfg: &RunConfig) -> u64 {
+    cfg.lease_s.saturating_mul(2)
+}
+
 /// Routes a forward hop of the sample to a miner of `stage`, drawn by throughput. With no miner
 /// on that stage the sample is abandoned. `exclude` keeps a re-route off the miner that failed.
 pub(crate) async fn route_forward(
@@ -1478,8 +1486,10 @@ pub(crate) async fn route_forward_sample(
         return Ok(None);
     };
     let id: i64 = sqlx::query_scalar(
-        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input)
-         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7) RETURNING id",
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
+             leased_until)
+         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7, now() + make_interval(secs => $8))
+         RETURNING id",
     )
     .bind(app.run.id)
     .bind(epoch as i64)
@@ -1488,6 +1498,7 @@ pub(crate) async fn route_forward_sample(
     .bind(attempt)
     .bind(&miner)
     .bind(input)
+    .bind(pickup_s(app.config()) as f64)
     .fetch_one(&mut **tx)
     .await?;
     Ok(Some(id))
@@ -1525,8 +1536,9 @@ async fn route_backward(
         return Ok(None);
     };
     let id: i64 = sqlx::query_scalar(
-        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input)
-         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6)
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
+             leased_until)
+         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6, now() + make_interval(secs => $7))
          ON CONFLICT (sample_id, stage, direction, attempt) DO UPDATE SET attempt = tasks.attempt
          RETURNING id",
     )
@@ -1536,6 +1548,7 @@ async fn route_backward(
     .bind(stage as i32)
     .bind(&miner)
     .bind(grad)
+    .bind(pickup_s(app.config()) as f64)
     .fetch_one(&mut **tx)
     .await?;
     Ok(Some(id))

@@ -191,6 +191,87 @@ fn config() -> RunConfig {
     run
 }
 
+/// A hop routed to a miner that stays registered (its heartbeats go on) but never asks for work
+/// moves once it has waited two leases: a forward hop to another miner of its stage. Such a
+/// miner (its work loop hung, or it only claims throughput to draw hops) once held every hop
+/// routed to it until the epoch ended, each a sample in flight that stage 0 could not replace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hop_its_miner_never_leases_moves_after_two_leases() {
+    init_tracing();
+    let seeds = [101u8, 102, 103, 104, 105, 106];
+    let mut run = config();
+    run.lease_s = 60;
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    // A later stage with two miners: one of them never polls.
+    let stage = (1..run.stages)
+        .find(|st| miners.iter().filter(|m| m.stage == *st).count() >= 2)
+        .expect("a later stage with two miners");
+    let hung = miners
+        .iter()
+        .position(|m| m.stage == stage)
+        .expect("the hung miner");
+    let hung_key = pair(seeds[hung]).ss58_of();
+    let pending_for_hung = || async {
+        sqlx::query_as::<_, (i64, i64, i32)>(
+            "SELECT id, sample_id, attempt FROM tasks
+             WHERE miner = $1 AND status = 'pending' AND direction = 'forward'",
+        )
+        .bind(&hung_key)
+        .fetch_all(&s.db)
+        .await
+        .expect("tasks")
+    };
+    let mut routed = Vec::new();
+    for _ in 0..40 {
+        for (i, m) in miners.iter_mut().enumerate() {
+            if i != hung {
+                m.step().await.expect("step");
+            }
+        }
+        routed = pending_for_hung().await;
+        if !routed.is_empty() {
+            break;
+        }
+    }
+    assert!(
+        !routed.is_empty(),
+        "no hop was routed to the miner that never polls"
+    );
+
+    // Not yet due.
+    driver::step(&s.app, Utc::now() + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(pending_for_hung().await, routed, "moved before its time");
+    // Two leases later it moves to the other miner of the stage, as the next attempt.
+    let due = Utc::now() + Duration::seconds(2 * run.lease_s as i64 + 5);
+    driver::step(&s.app, due).await.expect("step");
+    for (id, sample, attempt) in &routed {
+        let status: String = sqlx::query_scalar("SELECT status FROM tasks WHERE id = $1")
+            .bind(id)
+            .fetch_one(&s.db)
+            .await
+            .expect("status");
+        assert_eq!(
+            status, "expired",
+            "task {id} still waits for the miner that never polls"
+        );
+        let next: (String, String) = sqlx::query_as(
+            "SELECT miner, status FROM tasks
+             WHERE sample_id = $1 AND stage = $2 AND direction = 'forward' AND attempt = $3",
+        )
+        .bind(sample)
+        .bind(stage as i32)
+        .bind(attempt + 1)
+        .fetch_one(&s.db)
+        .await
+        .expect("the next attempt");
+        assert_ne!(next.0, hung_key, "re-routed to the same miner");
+        assert_eq!(next.1, "pending");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
     init_tracing();
