@@ -671,8 +671,11 @@ async fn finish(
             total += 1;
             if p.state == PartitionState::Accepted {
                 merged += 1;
-                let hashes: std::collections::HashSet<&str> =
-                    p.results.iter().map(|r| r.blake3.as_str()).collect();
+                let hashes: std::collections::HashSet<&str> = p
+                    .results
+                    .iter()
+                    .filter_map(|r| r.blake3.as_deref())
+                    .collect();
                 if p.resolved_by.as_deref() == Some("agreement") && hashes.len() == 1 {
                     agreeing += 1;
                 }

@@ -2281,6 +2281,21 @@ pub async fn commit_merge(
     crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
 }
 
+/// The epoch, stage and partition of a merged result's key below its run's prefix
+/// (`epoch-{e}/merged/s{s}/p{p}/…`).
+fn merged_partition_of(key: &str) -> Option<(i64, i32, i32)> {
+    let rest = key.strip_prefix("epoch-")?;
+    let (epoch, rest) = rest.split_once('/')?;
+    let rest = rest.strip_prefix("merged/s")?;
+    let (stage, rest) = rest.split_once('/')?;
+    let (partition, _) = rest.strip_prefix('p')?.split_once('/')?;
+    Some((
+        epoch.parse().ok()?,
+        stage.parse().ok()?,
+        partition.parse().ok()?,
+    ))
+}
+
 /// `GET /v1/blobs/{key}`: an object's bytes (for stores that do not presign).
 #[utoipa::path(get, path = "/v1/blobs/{key}", tag = "miner",
     params(("key" = String, Path, description = "Object key")),
@@ -2288,15 +2303,40 @@ pub async fn commit_merge(
     security(("epistula" = [])))]
 pub async fn blob(
     State(app): State<App>,
-    Extension(_caller): Extension<Caller>,
+    Extension(caller): Extension<Caller>,
     ApiPath(key): ApiPath<String>,
 ) -> ApiResult<axum::response::Response> {
     let prefix = format!("runs/{}/", app.run.id);
-    if !key.starts_with(&prefix) {
+    let Some(in_run) = key.strip_prefix(&prefix) else {
         return Err(AppError::new(
             ErrorCode::NotFound,
             format!("no object {key}"),
         ));
+    };
+    // An owner that could read another owner's merged result before the partition is settled
+    // could submit it as its own instead of merging, and the two would agree.
+    if let Some((epoch, stage, partition)) = merged_partition_of(in_run)
+        && !caller.permit
+    {
+        let state: Option<String> = sqlx::query_scalar(
+            "SELECT state FROM partitions
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+        )
+        .bind(app.run.id)
+        .bind(epoch)
+        .bind(stage)
+        .bind(partition)
+        .fetch_optional(&app.db)
+        .await?;
+        if matches!(state.as_deref(), Some("open" | "disputed")) {
+            return Err(AppError::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "merged results of partition {stage}/{partition} of epoch {epoch} can be \
+                     read once it is settled (validators: at any time)"
+                ),
+            ));
+        }
     }
     // Streamed: a presigned PUT is not bounded by the store, so an object here may be larger
     // than any slot, and must not be read into memory whole.

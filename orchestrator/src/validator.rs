@@ -117,7 +117,7 @@ pub async fn epoch(
         phase: (epoch == cur.epoch).then_some(cur.phase),
         miners,
         pseudo_gradients,
-        partitions: views::partitions_of(&app, epoch).await?,
+        partitions: views::partitions_of(&app, epoch, views::Audience::Validators).await?,
         start_weights,
     }))
 }
@@ -152,7 +152,9 @@ pub async fn disputes(
         let partition = r.try_get::<i32, _>("partition")? as u32;
         let partitions = match epochs.entry(epoch) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(views::partitions_of(&app, epoch).await?),
+            Entry::Vacant(e) => {
+                e.insert(views::partitions_of(&app, epoch, views::Audience::Validators).await?)
+            }
         };
         let status = partitions
             .iter()
@@ -194,7 +196,7 @@ pub async fn settle(
             .bind(id)
             .fetch_one(&app.db)
             .await?;
-    views::partitions_of(&app, epoch as u64)
+    views::partitions_of(&app, epoch as u64, views::Audience::Validators)
         .await?
         .into_iter()
         .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
@@ -319,7 +321,7 @@ pub async fn spot_checks(
             pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
         });
     }
-    let partitions = views::partitions_of(&app, epoch)
+    let partitions = views::partitions_of(&app, epoch, views::Audience::Validators)
         .await?
         .into_iter()
         .filter(|p| p.state == PartitionState::Accepted)

@@ -319,8 +319,22 @@ pub async fn get_sample(
         .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no sample {id}")))
 }
 
+/// Whose eyes a partition's merge status is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Audience {
+    /// Anyone: the hashes of an open or disputed partition's results are left out. With one, an
+    /// owner could read another's object (its key names the hash) and submit it unmerged.
+    Public,
+    /// Validators (signed, with a permit): every hash, to settle disputes and spot-check.
+    Validators,
+}
+
 /// Merge status of every partition of an epoch.
-pub async fn partitions_of(app: &App, epoch: u64) -> ApiResult<Vec<PartitionStatus>> {
+pub async fn partitions_of(
+    app: &App,
+    epoch: u64,
+    audience: Audience,
+) -> ApiResult<Vec<PartitionStatus>> {
     let rows = sqlx::query(
         "SELECT p.stage, p.partition, p.state, p.accepted, p.resolved_by,
             coalesce((SELECT array_agg(o.miner ORDER BY o.round, o.assigned_at, o.miner)
@@ -339,15 +353,25 @@ pub async fn partitions_of(app: &App, epoch: u64) -> ApiResult<Vec<PartitionStat
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let state: String = r.try_get("state")?;
+        let state = PartitionState::parse(&state)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad partition state"))?;
         let accepted: Option<serde_json::Value> = r.try_get("accepted")?;
+        let mut results: Vec<MergeResult> =
+            serde_json::from_value(r.try_get("results")?).map_err(json_err)?;
+        if audience == Audience::Public
+            && matches!(state, PartitionState::Open | PartitionState::Disputed)
+        {
+            for result in &mut results {
+                result.blake3 = None;
+            }
+        }
         out.push(PartitionStatus {
             epoch,
             stage: r.try_get::<i32, _>("stage")? as u32,
             partition: r.try_get::<i32, _>("partition")? as u32,
-            state: PartitionState::parse(&state)
-                .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad partition state"))?,
+            state,
             owners: r.try_get("owners")?,
-            results: serde_json::from_value(r.try_get("results")?).map_err(json_err)?,
+            results,
             accepted: accepted
                 .map(serde_json::from_value)
                 .transpose()
@@ -366,7 +390,7 @@ pub async fn get_merges(
     State(app): State<App>,
     ApiPath(epoch): ApiPath<u64>,
 ) -> ApiResult<Json<Vec<PartitionStatus>>> {
-    Ok(Json(partitions_of(&app, epoch).await?))
+    Ok(Json(partitions_of(&app, epoch, Audience::Public).await?))
 }
 
 /// Latest score submission of every validator.

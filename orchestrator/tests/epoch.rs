@@ -227,7 +227,7 @@ async fn an_epoch_completes_with_a_vanished_miner() {
         let agreeing = p
             .results
             .iter()
-            .filter(|r| Some(&r.blake3) == p.accepted.as_ref().map(|b| &b.blake3))
+            .filter(|r| r.blake3.as_ref() == p.accepted.as_ref().map(|b| &b.blake3))
             .count();
         assert!(
             agreeing >= 2,
@@ -541,7 +541,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             .find(|r| r.hotkey == cheat)
             .expect("cheat's result");
         assert_ne!(
-            Some(&cheat_result.blake3),
+            cheat_result.blake3.as_ref(),
             settled.accepted.as_ref().map(|b| &b.blake3)
         );
     }

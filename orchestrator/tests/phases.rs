@@ -983,6 +983,82 @@ async fn a_recorded_submission_retried_after_its_phase_is_answered_from_the_reco
     assert_eq!(other.code(), Some(ErrorCode::WrongPhase), "{other}");
 }
 
+/// A merge owner cannot copy another owner's result: until the partition is settled, the public
+/// merge status leaves the results' hashes out (the sealed object's key names its hash) and the
+/// object is not served to miners. Both were open to anyone, so the second owner could submit
+/// the first's bytes without merging and the partition was accepted as an agreement. Once the
+/// partition is settled, both are open again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_settled() {
+    init_tracing();
+    let seeds = [111u8, 112, 113, 114, 115, 116];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
+    past_the_deadline(&s).await;
+    step_until(&s, &mut miners, |st| st.1 == Phase::Merging).await;
+    let index_of = |hotkey: &str| {
+        seeds
+            .iter()
+            .position(|seed| pair(*seed).ss58_of() == hotkey)
+            .expect("a miner of the test")
+    };
+    // One owner submits its results; another owner of one of its partitions has not yet.
+    let (first, other): (String, String) = sqlx::query_as(
+        "SELECT a.miner, b.miner FROM partition_owners a JOIN partition_owners b
+           ON (b.epoch, b.stage, b.partition) = (a.epoch, a.stage, a.partition) AND b.miner <> a.miner
+         WHERE a.epoch = 0 ORDER BY a.stage, a.partition LIMIT 1",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("a partition with two owners");
+    miners[index_of(&first)].step().await.expect("step");
+    let (stage, partition, blob): (i32, i32, serde_json::Value) = sqlx::query_as(
+        "SELECT r.stage, r.partition, r.blob FROM merge_results r
+         JOIN partition_owners o ON (o.epoch, o.stage, o.partition) = (r.epoch, r.stage, r.partition)
+         JOIN partitions p ON (p.epoch, p.stage, p.partition) = (r.epoch, r.stage, r.partition)
+         WHERE r.epoch = 0 AND r.submitter = $1 AND o.miner = $2 AND p.state = 'open'
+         LIMIT 1",
+    )
+    .bind(&first)
+    .bind(&other)
+    .fetch_one(&s.db)
+    .await
+    .expect("an open partition of both with the first owner's result");
+    let blob: BlobDescriptor = serde_json::from_value(blob).expect("blob");
+    let status_of = |all: Vec<PartitionStatus>| {
+        all.into_iter()
+            .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
+            .expect("the partition")
+    };
+    let reader = miners[index_of(&other)].client().clone();
+    let open = status_of(reader.merge_status(0).await.expect("merge status"));
+    assert_eq!(open.state, PartitionState::Open);
+    let submitted = open
+        .results
+        .iter()
+        .find(|r| r.hotkey == first)
+        .expect("the first owner's result is listed");
+    assert_eq!(submitted.blake3, None, "its hash is public: {open:?}");
+    let refused = reader
+        .download(&blob)
+        .await
+        .expect_err("another owner's result before the partition is settled");
+    assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
+
+    // The other owner merges for itself; the partition is settled and both are open.
+    miners[index_of(&other)].step().await.expect("step");
+    let settled = status_of(reader.merge_status(0).await.expect("merge status"));
+    assert_eq!(settled.state, PartitionState::Accepted, "{settled:?}");
+    assert!(
+        settled.results.iter().all(|r| r.blake3.is_some()),
+        "{settled:?}"
+    );
+    let bytes = reader.download(&blob).await.expect("a settled result");
+    assert_eq!(iota_protocol::blob::blake3_hex(&bytes), blob.blake3);
+}
+
 /// Steps the miners until one has done gradient work in epoch 0, then past the training
 /// deadline: the run is uploading. That miner's index.
 async fn uploading_with_a_worker(s: &Served, miners: &mut [SimMiner], seeds: &[u8]) -> usize {

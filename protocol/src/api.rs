@@ -708,8 +708,11 @@ pub struct PartitionStatus {
 pub struct MergeResult {
     /// Who submitted it.
     pub hotkey: String,
-    /// BLAKE3 of the result.
-    pub blake3: String,
+    /// BLAKE3 of the result. Absent from the public view (`GET /v1/epochs/{epoch}/merges`) while
+    /// the partition is open or disputed: an owner who saw another's hash (and so its object's
+    /// key) could submit that result as its own instead of merging.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blake3: Option<String>,
 }
 
 /// `POST /v1/miner/reports/bad-object`: a downloaded object failed its checks.

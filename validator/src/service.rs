@@ -445,7 +445,7 @@ impl Validator {
             .iter()
             .filter(|p| p.stage == stage && p.partition == partition)
             .flat_map(|p| &p.results)
-            .filter(|r| r.blake3 == blake3)
+            .filter(|r| r.blake3.as_deref() == Some(blake3))
             .map(|r| r.hotkey.clone())
             .collect())
     }
@@ -726,7 +726,7 @@ impl Validator {
                 continue;
             };
             for r in &p.results {
-                let passed = r.blake3 == hash;
+                let passed = r.blake3.as_deref() == Some(hash.as_str());
                 checks.push(SpotCheckResult {
                     hotkey: r.hotkey.clone(),
                     kind: "merge".into(),
@@ -887,7 +887,12 @@ impl Validator {
             // A dispute is settled by naming a submitted result. When no owner submitted the
             // honest merge, this validator submits it first (the orchestrator refuses a hash
             // that names no result).
-            if !d.partition.results.iter().any(|r| r.blake3 == hash) {
+            if !d
+                .partition
+                .results
+                .iter()
+                .any(|r| r.blake3.as_deref() == Some(hash.as_str()))
+            {
                 if let Err(e) = o
                     .client
                     .validator_merge(epoch, stage, partition, bytes.into())

@@ -113,7 +113,7 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
                         .iter()
                         .filter(|p| p.stage == w.stage)
                         .flat_map(|p| &p.results)
-                        .filter(|r| r.blake3 == blob.blake3)
+                        .filter(|r| r.blake3.as_ref() == Some(&blob.blake3))
                         .map(|r| r.hotkey.clone())
                         .collect();
                     if !shared && !owners.is_empty() && spoil.is_none() {
