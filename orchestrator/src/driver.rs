@@ -404,20 +404,25 @@ async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseVi
     let cfg = app.config();
     let now = run_now(&mut *db, app.run.id).await?;
     let row = sqlx::query(
-        "SELECT e.samples_started,
+        "WITH workers AS (
+            SELECT DISTINCT t.miner FROM tasks t JOIN miners m
+              ON m.run_id = t.run_id AND m.hotkey = t.miner AND m.status = 'active'
+            WHERE t.run_id = $1 AND t.epoch = $2 AND t.status = 'done'
+              AND (t.direction = 'backward' OR t.stage = $3)
+              -- Not a miner that restarted after working: it will upload nothing.
+              AND (m.ended_epoch IS DISTINCT FROM $2
+                   OR EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = $1
+                              AND g.epoch = $2 AND g.miner = m.hotkey)))
+         SELECT e.samples_started,
             (SELECT count(*) FROM samples s WHERE s.run_id = $1 AND s.epoch = $2
                AND s.status IN ('forward', 'backward')) AS in_flight,
-            (SELECT count(DISTINCT t.miner) FROM tasks t JOIN miners m
-               ON m.run_id = t.run_id AND m.hotkey = t.miner AND m.status = 'active'
-             WHERE t.run_id = $1 AND t.epoch = $2 AND t.status = 'done'
-               AND (t.direction = 'backward' OR t.stage = $3)
-               -- Not a miner that restarted after working: it will upload nothing.
-               AND (m.ended_epoch IS DISTINCT FROM $2
-                    OR EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = $1
-                               AND g.epoch = $2 AND g.miner = m.hotkey))) AS workers,
-            (SELECT count(*) FROM pseudo_gradients g JOIN miners m
-               ON m.run_id = g.run_id AND m.hotkey = g.miner AND m.status = 'active'
-             WHERE g.run_id = $1 AND g.epoch = $2) AS received,
+            (SELECT count(*) FROM workers) AS workers,
+            -- The workers' uploads only: one whose gradient work was failed afterwards (a bad
+            -- object it produced) is no longer expected, and its uploads must not stand in for
+            -- a worker's that has not arrived.
+            (SELECT count(*) FROM pseudo_gradients g
+             WHERE g.run_id = $1 AND g.epoch = $2
+               AND g.miner IN (SELECT miner FROM workers)) AS received,
             (SELECT count(*) FROM partitions p WHERE p.run_id = $1 AND p.epoch = $2
                AND p.state IN ('open', 'disputed')) AS open_partitions,
             -- Reserved uploads not yet complete, of miners still active.

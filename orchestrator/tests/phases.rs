@@ -388,6 +388,56 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
     assert_eq!(open_hops, 0);
 }
 
+/// The uploading quorum counts the uploads of the miners still expected to upload. A miner
+/// whose gradient work was failed after it uploaded (a bad object it produced) is no longer one,
+/// and its partitions once stood in for those of a worker that had not uploaded yet: merging
+/// started early, and that worker's upload was refused with `wrong_phase`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upload_quorum_waits_for_every_worker_still_expected() {
+    init_tracing();
+    let seeds = [121u8, 122, 123, 124, 125, 126];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 3).await;
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
+    let workers: Vec<usize> = (0..seeds.len())
+        .filter(|&i| worked.contains(&pair(seeds[i]).ss58_of()))
+        .collect();
+    // Every worker but the last uploads, the failed one among them: with its uploads counted,
+    // the quorum would be met.
+    let [_, failed, .., late] = workers[..] else {
+        panic!("three workers: {worked:?}");
+    };
+    for &i in workers.iter().filter(|&&i| i != late) {
+        let report = miners[i].step().await.expect("upload");
+        assert_eq!(
+            report.pseudo_gradients, run.partitions,
+            "every partition uploaded"
+        );
+    }
+    // The second's gradient work is failed afterwards.
+    sqlx::query(
+        "UPDATE tasks SET status = 'failed'
+         WHERE miner = $1 AND status = 'done' AND (direction = 'backward' OR stage = $2)",
+    )
+    .bind(pair(seeds[failed]).ss58_of())
+    .bind(run.stages as i32 - 1)
+    .execute(&s.db)
+    .await
+    .expect("fail its hops");
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    assert_eq!(
+        now_status(&s).await.1,
+        Phase::Uploading,
+        "merging started without the upload of a worker still expected"
+    );
+    let report = miners[late].step().await.expect("upload");
+    assert_eq!(report.pseudo_gradients, run.partitions);
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    assert_eq!(now_status(&s).await.1, Phase::Merging, "the quorum is met");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
     init_tracing();
