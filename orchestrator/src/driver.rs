@@ -292,6 +292,23 @@ pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 /// `miner::close_epoch`) move the same way.
 async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
+    // Open hops of an epoch that has ended (`next_epoch` closes them all; one routed by a
+    // statement that raced with it would otherwise go on being leased and re-routed for good).
+    // First, so that the sweeps below re-route none of them.
+    let stale = sqlx::query(
+        "UPDATE tasks SET status = 'abandoned' WHERE id IN (
+             SELECT id FROM tasks
+             WHERE run_id = $1 AND status IN ('pending', 'leased')
+               AND epoch < (SELECT epoch FROM runs WHERE id = $1)
+             FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(app.run.id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if stale > 0 {
+        tracing::warn!(count = stale, "open hops of an ended epoch were closed");
+    }
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired' WHERE id IN (
              SELECT id FROM tasks

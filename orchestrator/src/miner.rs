@@ -76,6 +76,9 @@ pub async fn register(
         .bind(run as i32)
         .execute(&mut *tx)
         .await?;
+    // A restart closes the miner's epoch and re-routes its hops: not while the epoch ends (its
+    // re-routed hops would outlive it).
+    crate::driver::phase_lock_shared(&mut tx, run).await?;
     let now = run_now(&mut *tx, run).await?;
     let existing = sqlx::query(
         "SELECT stage, ended_epoch,

@@ -438,6 +438,61 @@ async fn the_upload_quorum_waits_for_every_worker_still_expected() {
     assert_eq!(now_status(&s).await.1, Phase::Merging, "the quorum is met");
 }
 
+/// A hop of an ended epoch left open (routed by a statement that raced with the switch to the
+/// next epoch) is closed at the driver's next step, and never leased. Nothing looked at such a
+/// hop again: it was leased, lapsed and re-routed for the rest of the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_hop_of_an_ended_epoch_is_closed() {
+    init_tracing();
+    let seeds = [131u8, 132, 133];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    past_the_deadline(&s).await;
+    step_until(&s, &mut miners, |st| st.0 == 1).await;
+    // What such a race leaves: a hop of epoch 0, routed to a miner of its stage.
+    let i = miners
+        .iter()
+        .position(|m| m.stage == 1)
+        .expect("a stage-1 miner");
+    let sample: i64 = sqlx::query_scalar("SELECT min(id) FROM samples WHERE epoch = 0")
+        .fetch_one(&s.db)
+        .await
+        .expect("a sample of epoch 0");
+    let stale: i64 = sqlx::query_scalar(
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status,
+             leased_until)
+         VALUES ($1, 0, $2, 1, 'forward', 99, $3, 'pending', now() + interval '1 hour')
+         RETURNING id",
+    )
+    .bind(s.app.run.id)
+    .bind(sample)
+    .bind(pair(seeds[i]).ss58_of())
+    .fetch_one(&s.db)
+    .await
+    .expect("a stale hop");
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    let status: String = sqlx::query_scalar("SELECT status FROM tasks WHERE id = $1")
+        .bind(stale)
+        .fetch_one(&s.db)
+        .await
+        .expect("status");
+    assert_eq!(status, "abandoned");
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE epoch = 0 AND status IN ('pending', 'leased')",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("count");
+    assert_eq!(open, 0, "a hop of the ended epoch was re-routed");
+    let work = miners[i].client().work(32).await.expect("poll");
+    assert!(
+        work.items.iter().all(|item| item.task_id != stale),
+        "a hop of an ended epoch was leased"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
     init_tracing();
