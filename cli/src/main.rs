@@ -418,6 +418,55 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
+    /// Every flag of the services (and of the one command that runs a subnet) can also come
+    /// from the environment, as services are configured. One-shot commands (`wallet`, `chain`,
+    /// `validator audit`) and actions (`--print-openapi`) are left out: an amount, a
+    /// destination or an exit taken from a stray environment variable would be worse than none.
+    #[test]
+    fn every_service_flag_has_an_environment_variable() {
+        const ONE_SHOT: [&str; 4] = [
+            "iota wallet",
+            "iota chain",
+            "iota validator audit",
+            "iota orchestrator --print-openapi",
+        ];
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if arg.is_positional() || id == "help" || id == "version" {
+                    continue;
+                }
+                let flag = format!("{path} --{}", arg.get_long().unwrap_or(id));
+                if arg.get_env().is_none() && !ONE_SHOT.contains(&flag.as_str()) {
+                    missing.push(flag);
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let path = format!("{path} {}", sub.get_name());
+                if !ONE_SHOT.contains(&path.as_str()) {
+                    walk(sub, &path, missing);
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "iota", &mut missing);
+        assert!(
+            missing.is_empty(),
+            "flags without an environment variable: {missing:#?}"
+        );
+        // The walk reaches the services' flags.
+        let mut all = Vec::new();
+        fn flags(cmd: &clap::Command, out: &mut Vec<String>) {
+            out.extend(
+                cmd.get_arguments()
+                    .filter_map(|a| a.get_long().map(str::to_owned)),
+            );
+            cmd.get_subcommands().for_each(|s| flags(s, out));
+        }
+        flags(&Cli::command(), &mut all);
+        assert!(all.iter().any(|f| f == "db-max-connections"));
+    }
+
     #[test]
     fn cpu_threads_flag_and_the_localnet_up_default() {
         let parse = |args: &[&str]| Cli::try_parse_from(args).expect("parses");

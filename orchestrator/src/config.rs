@@ -54,6 +54,9 @@ pub struct ModelShape {
     pub boundary_dim: u32,
 }
 
+/// The fewest database connections an orchestrator can work with.
+pub const MIN_DB_CONNECTIONS: u32 = 4;
+
 /// `iota orchestrator` flags. Every flag can also come from the environment.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OrchestratorArgs {
@@ -287,6 +290,20 @@ impl OrchestratorArgs {
         let netuid = self
             .netuid
             .ok_or("no subnet: pass --netuid or set BT_NETUID")?;
+        // The phase driver's lock and the poll view's listener each hold a connection for good;
+        // with fewer than two more, requests and driver steps only time out (0 panics in the
+        // pool).
+        if self.db_max_connections < MIN_DB_CONNECTIONS {
+            return Err(format!(
+                "--db-max-connections {} is too few: give at least {MIN_DB_CONNECTIONS}",
+                self.db_max_connections
+            ));
+        }
+        if self.max_concurrent_uploads == 0 {
+            return Err(
+                "--max-concurrent-uploads 0 would refuse every upload: give at least 1".into(),
+            );
+        }
         Ok(Config {
             database_url,
             db_max_connections: self.db_max_connections,
@@ -313,5 +330,41 @@ impl OrchestratorArgs {
             tick: Duration::from_millis(self.tick_ms.max(10)),
             max_merge_rounds: self.merge_rounds,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: OrchestratorArgs,
+    }
+
+    fn config(flags: &[&str]) -> Result<Config, String> {
+        let mut argv = vec!["iota", "--database-url", "postgres://x/y", "--netuid", "3"];
+        argv.extend_from_slice(flags);
+        let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+        let shape = ModelShape {
+            model: "tiny".into(),
+            stage_params: vec![1000, 1000],
+            boundary_dim: 8,
+        };
+        cli.args.config(shape, "5Grw".into())
+    }
+
+    #[test]
+    fn too_small_a_pool_or_no_upload_slot_is_a_clear_error() {
+        for n in ["0", "2", "3"] {
+            let e = config(&["--db-max-connections", n]).expect_err(n);
+            assert!(e.contains("--db-max-connections"), "{e}");
+        }
+        let e = config(&["--max-concurrent-uploads", "0"]).expect_err("no slot");
+        assert!(e.contains("--max-concurrent-uploads"), "{e}");
+        let ok = config(&["--db-max-connections", "4"]).expect("the fewest that work");
+        assert_eq!(ok.db_max_connections, MIN_DB_CONNECTIONS);
     }
 }

@@ -99,6 +99,12 @@ pub enum OrchestratorError {
 
 /// Connects to PostgreSQL and applies the orchestrator's migrations.
 pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, OrchestratorError> {
+    // The pool asserts on zero.
+    if max_connections == 0 {
+        return Err(OrchestratorError::Database(
+            "a pool of 0 connections: give at least one".into(),
+        ));
+    }
     let db = PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
