@@ -415,10 +415,20 @@ pub async fn read_body(
     let deadline = body_deadline(timeout, declared.unwrap_or(limit as u64));
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(_)) => Err(AppError::new(
-            ErrorCode::PayloadTooLarge,
-            format!("body larger than {limit} bytes"),
-        )),
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                Err(AppError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("body larger than {limit} bytes"),
+                ))
+            } else {
+                Err(AppError::new(
+                    ErrorCode::BadRequest,
+                    format!("the body could not be read: {e}"),
+                ))
+            }
+        }
         Err(_) => Err(AppError::new(
             ErrorCode::RequestTimeout,
             format!("the body did not arrive within {} s", deadline.as_secs()),

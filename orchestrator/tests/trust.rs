@@ -112,6 +112,12 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         assert!(answer.starts_with("HTTP/1.1 408"), "{path}: {answer}");
         assert!(answer.contains("request_timeout"), "{path}: {answer}");
     }
+    // A body that cannot be read (a malformed chunk) is a bad request, not one too large.
+    let answer = malformed_chunked_body(&orch.base, &raw.receiver, MINER, "/v1/miner/heartbeat")
+        .await
+        .expect("an answer to a malformed body");
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("bad_request"), "{answer}");
 
     // A forged signature: signed by another key but claiming to be the miner.
     let forged = {
@@ -847,6 +853,43 @@ async fn announced_body_never_sent(
 ) -> Option<String> {
     use tokio::io::AsyncReadExt;
     let mut stream = stalled_body(base, receiver, seed, "POST", path, len).await;
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
+        .await
+        .ok()?
+        .expect("read answer");
+    Some(String::from_utf8_lossy(&answer[..n]).into_owned())
+}
+
+/// Signs a POST to `path` as `seed`, sends its head with a chunked body whose first chunk size
+/// is not hexadecimal, and returns the start of the answer; `None` if none comes within 10 s.
+async fn malformed_chunked_body(
+    base: &str,
+    receiver: &str,
+    seed: u8,
+    path: &str,
+) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let headers = sign_request(
+        &pair(seed),
+        receiver,
+        "POST",
+        path,
+        b"{}",
+        now_ms(),
+        Uuid::new_v4(),
+    )
+    .headers;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+    );
+    for (name, value) in &headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\nzz\r\n{}\r\n0\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write");
     let mut answer = vec![0u8; 512];
     let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
         .await
