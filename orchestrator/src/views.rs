@@ -393,15 +393,33 @@ pub async fn get_merges(
     Ok(Json(partitions_of(&app, epoch, Audience::Public).await?))
 }
 
+/// Each validator's latest score submission (`$1`: the run), reading one row per validator: the
+/// validators one after another from the index (a skip scan), and each one's latest epoch. A
+/// `DISTINCT ON` over the table read and sorted every submission of the run, on every request
+/// (the dashboard asks every 2 s), and validators can submit for any past epoch.
+pub const SCORES_SQL: &str = "WITH RECURSIVE validators AS (
+        (SELECT validator FROM validator_scores WHERE run_id = $1 ORDER BY validator LIMIT 1)
+        UNION ALL
+        SELECT (SELECT s.validator FROM validator_scores s
+                WHERE s.run_id = $1 AND s.validator > v.validator
+                ORDER BY s.validator LIMIT 1)
+        FROM validators v WHERE v.validator IS NOT NULL
+    )
+    SELECT l.validator, l.epoch, l.scores, l.weights, l.submitted_at
+    FROM validators v CROSS JOIN LATERAL (
+        SELECT s.validator, s.epoch, s.scores, s.weights, s.submitted_at FROM validator_scores s
+        WHERE s.run_id = $1 AND s.validator = v.validator
+        ORDER BY s.epoch DESC LIMIT 1
+    ) l
+    WHERE v.validator IS NOT NULL
+    ORDER BY l.validator";
+
 /// Latest score submission of every validator.
 pub async fn latest_scores(app: &App) -> ApiResult<Vec<ScoreRecord>> {
-    let rows = sqlx::query(
-        "SELECT DISTINCT ON (validator) validator, epoch, scores, weights, submitted_at
-         FROM validator_scores WHERE run_id = $1 ORDER BY validator, epoch DESC",
-    )
-    .bind(app.run.id)
-    .fetch_all(&app.db)
-    .await?;
+    let rows = sqlx::query(SCORES_SQL)
+        .bind(app.run.id)
+        .fetch_all(&app.db)
+        .await?;
     rows.iter().map(score_from_row).collect()
 }
 

@@ -786,3 +786,66 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
     limited.stop().await;
     orch.stop().await;
 }
+
+/// `GET /v1/scores` reads one submission per validator (its latest), however many epochs they
+/// scored: it once read and sorted every submission of the run on every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_scores_read_one_row_per_validator() {
+    init_tracing();
+    let db = fresh_db().await;
+    let pool = iota_orchestrator::connect_db(&db, 4).await.expect("db");
+    let hotkey = iota_protocol::signing::RequestSigner::ss58(&pair(200));
+    let run = iota_orchestrator::ensure_run(&pool, &run_config("scores"), 7, &hotkey)
+        .await
+        .expect("run");
+    const VALIDATORS: i64 = 8;
+    const EPOCHS: i64 = 60;
+    // Validator v scored epochs 0..EPOCHS - v; its latest is EPOCHS - v - 1.
+    sqlx::query(
+        "INSERT INTO validator_scores (run_id, epoch, validator, scores)
+         SELECT $1, e, 'validator-' || v, jsonb_build_array(e)
+         FROM generate_series(0, $2 - 1) v, generate_series(0, $3 - 1) e WHERE e < $3 - v",
+    )
+    .bind(run.id)
+    .bind(VALIDATORS)
+    .bind(EPOCHS)
+    .execute(&pool)
+    .await
+    .expect("scores");
+    sqlx::query("ANALYZE validator_scores")
+        .execute(&pool)
+        .await
+        .expect("analyze");
+    let latest: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT validator, epoch FROM ({}) t",
+        iota_orchestrator::views::SCORES_SQL
+    )))
+    .bind(run.id)
+    .fetch_all(&pool)
+    .await
+    .expect("latest");
+    let expected: Vec<(String, i64)> = (0..VALIDATORS)
+        .map(|v| (format!("validator-{v}"), EPOCHS - v - 1))
+        .collect();
+    assert_eq!(latest, expected);
+    // With sequential scans off (a table this small may be read whole whatever the statement),
+    // the plan reads what the statement's conditions allow.
+    let mut conn = pool.acquire().await.expect("connection");
+    sqlx::query("SET enable_seqscan = off")
+        .execute(&mut *conn)
+        .await
+        .expect("planner setting");
+    let plan: Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+        iota_orchestrator::views::SCORES_SQL
+    )))
+    .bind(run.id)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("plan");
+    let read = rows_read(&plan, "validator_scores");
+    assert!(
+        read <= (3 * VALIDATORS) as f64,
+        "read {read} score rows for {VALIDATORS} validators: {plan}"
+    );
+}
