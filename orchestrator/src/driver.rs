@@ -721,6 +721,24 @@ async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         )
         .await?;
     }
+    // Validators are asked too: a partition unsettled at a deadline (its owners vanished, or
+    // only one submitted) is put to them as a dispute, which a validator settles with its own
+    // merge, so it is merged even when no miner is left to do it. (A disputed partition has one
+    // already; an owners' agreement settles it as usual.)
+    let asked = sqlx::query(
+        "INSERT INTO disputes (run_id, epoch, stage, partition, state)
+         SELECT run_id, epoch, stage, partition, 'open' FROM partitions
+         WHERE run_id = $1 AND epoch = $2 AND state = 'open'
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(cur.epoch as i64)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if asked > 0 {
+        metrics::counter!("iota_disputes_opened_total").increment(asked);
+    }
     set_phase(
         &mut tx,
         app,

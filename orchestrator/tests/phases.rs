@@ -19,6 +19,9 @@ use iota_protocol::blob::BlobDescriptor;
 use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
 
+/// Seeds from this one on have validator permits.
+const FIRST_VALIDATOR: u8 = 240;
+
 fn metagraph(seeds: &[u8]) -> MetagraphIndex {
     MetagraphIndex::new(Members {
         netuid: 7,
@@ -29,7 +32,7 @@ fn metagraph(seeds: &[u8]) -> MetagraphIndex {
             .map(|(i, s)| Member {
                 uid: i as u16,
                 hotkey: public(&pair(*s)),
-                validator_permit: false,
+                validator_permit: *s >= FIRST_VALIDATOR,
             })
             .collect(),
     })
@@ -490,6 +493,73 @@ async fn an_open_hop_of_an_ended_epoch_is_closed() {
     assert!(
         work.items.iter().all(|item| item.task_id != stale),
         "a hop of an ended epoch was leased"
+    );
+}
+
+/// A partition nobody merged by the merge deadline is put to validators as well as to a new
+/// owner, and a validator's own merge settles it: it is merged even with no miner left to do
+/// it. Such a partition once kept its weights at the epoch's end (`unmerged`), its
+/// contributions dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_nobody_merged_is_merged_by_a_validator() {
+    init_tracing();
+    let seeds = [141u8, 142, 143];
+    let validator = FIRST_VALIDATOR;
+    let run = config();
+    let s = serve(&[&seeds[..], &[validator]].concat(), run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
+    for m in &mut miners {
+        m.step().await.expect("upload");
+    }
+    let (_, phase, deadline, _) = past_the_deadline(&s).await;
+    assert_eq!(phase, Phase::Merging);
+    let open: Vec<(i32, i32)> = sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE epoch = 0 AND state = 'open'
+         ORDER BY stage, partition",
+    )
+    .fetch_all(&s.db)
+    .await
+    .expect("open partitions");
+    assert!(!open.is_empty(), "partitions to merge");
+    // Nobody merges by the deadline: a new owner each, and a dispute each for validators.
+    driver::step(&s.app, deadline + Duration::seconds(1))
+        .await
+        .expect("step");
+    assert_eq!(now_status(&s).await.3, 1, "a reassignment round");
+    let v = iota_protocol::ApiClient::new(
+        s.base.clone(),
+        signer(validator),
+        pair(200).ss58_of(),
+        iota_protocol::RetryPolicy::default(),
+    )
+    .expect("client");
+    let disputes = v.disputes().await.expect("disputes");
+    let asked: Vec<(i32, i32)> = disputes
+        .iter()
+        .map(|d| (d.partition.stage as i32, d.partition.partition as i32))
+        .collect();
+    assert_eq!(asked, open, "every unmerged partition is put to validators");
+    // A validator merges one itself and settles it with its own result.
+    let d = &disputes[0];
+    let (stage, partition) = (d.partition.stage, d.partition.partition);
+    let range = run.partition_range(stage, partition).expect("partition");
+    let len = (range.end - range.start) as usize;
+    let bytes = iota_protocol::tensor::encode_merged(&vec![0.5; len], &vec![0.0; len]);
+    let hash = iota_protocol::blob::blake3_hex(&bytes);
+    v.validator_merge(0, stage, partition, bytes.into())
+        .await
+        .expect("the validator's merge");
+    let settled = v.settle(d.id, &hash).await.expect("settled");
+    assert_eq!(settled.state, PartitionState::Accepted, "{settled:?}");
+    assert_eq!(
+        settled.accepted.as_ref().map(|b| b.blake3.as_str()),
+        Some(hash.as_str())
+    );
+    assert_eq!(
+        settled.resolved_by,
+        Some(format!("validator:{}", pair(validator).ss58_of()))
     );
 }
 
