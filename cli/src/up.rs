@@ -401,6 +401,8 @@ async fn with_chain(
         db_max_connections: 16,
         store: iota_orchestrator::StoreConfig::Local(dir.join("store")),
         chain_endpoint: net.ws_url(),
+        chain_timeout: std::time::Duration::from_secs(30),
+        trusted_proxies: Vec::new(),
         netuid,
         hotkey: owner.ss58(),
         run: run.clone(),

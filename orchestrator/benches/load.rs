@@ -1183,6 +1183,8 @@ async fn bench(
             .unwrap_or(32),
         store: StoreConfig::Local(store.path().into()),
         chain_endpoint: net.ws_url(),
+        chain_timeout: std::time::Duration::from_secs(30),
+        trusted_proxies: Vec::new(),
         netuid,
         hotkey: orchestrator_key.clone(),
         run: run.clone(),

@@ -47,12 +47,27 @@ pub struct Limits {
     /// signature over the body can be checked, so without it one host sending bodies slowly
     /// could hold every slot until the body deadline.
     pub concurrent_uploads_per_ip: usize,
-    /// How long any signed request's body may take to arrive, plus the time its declared
-    /// length takes at [`MIN_BODY_BYTES_PER_S`]: a client that stops sending (or vanishes
-    /// without closing its connection) would otherwise hold its buffer, its connection and, on
-    /// upload routes, one of the upload slots for good.
+    /// How long any signed request's body may take to start arriving; after it, the body must
+    /// keep the pace of [`MIN_BODY_BYTES_PER_S`] (see [`read_body`]): a client that stops
+    /// sending (or vanishes without closing its connection) would otherwise hold its buffer,
+    /// its connection and, on upload routes, one of the upload slots for good.
     pub body_timeout: Duration,
+    /// How long an upload waits for one of the `concurrent_uploads` slots before it is told to
+    /// come back (`rate_limited`), so that slots held by slow senders never leave a request
+    /// waiting without an answer.
+    pub upload_slot_wait: Duration,
 }
+
+/// Bad signatures an address may send a second, and at once, before it is refused for
+/// [`FORGER_PAUSE`]: a signature is checked only after the body is read and hashed, so forged
+/// requests in a registered hotkey's name (its address is public) would otherwise cost that and
+/// one verification each without limit. An honest client sends none.
+const FORGERIES_PER_S: u32 = 5;
+const FORGERIES_BURST: u32 = 20;
+/// How long an address over that quota is refused (`rate_limited`), before its body is read.
+pub const FORGER_PAUSE: Duration = Duration::from_secs(10);
+/// Most addresses refused at once.
+const MAX_FORGERS: usize = 4096;
 
 /// The slowest body a signed request may send, beyond [`Limits::body_timeout`].
 pub const MIN_BODY_BYTES_PER_S: u64 = 1 << 20;
@@ -68,6 +83,7 @@ impl Default for Limits {
             concurrent_uploads: 64,
             concurrent_uploads_per_ip: 16,
             body_timeout: Duration::from_secs(30),
+            upload_slot_wait: Duration::from_secs(10),
         }
     }
 }
@@ -119,6 +135,14 @@ pub struct AppState {
     per_ip: KeyedLimiter<IpAddr>,
     /// Upload slots held per peer address.
     uploads_by_ip: Mutex<HashMap<IpAddr, usize>>,
+    /// Reverse proxies whose `X-Forwarded-For` names the client (empty: none).
+    pub trusted_proxies: Vec<IpAddr>,
+    /// Bad signatures per address: past the quota, an address is refused for a while.
+    forgeries: KeyedLimiter<IpAddr>,
+    /// Addresses refused until the time given, for sending bad signatures.
+    forgers: Mutex<HashMap<IpAddr, std::time::Instant>>,
+    /// Whether `forgers` may hold anyone (the signed routes' fast path skips its lock).
+    any_forgers: AtomicBool,
     counters: std::sync::OnceLock<Counters>,
 }
 
@@ -167,6 +191,10 @@ impl AppState {
             per_hotkey: RateLimiter::keyed(quota(limits.per_hotkey_rps, limits.per_hotkey_burst)),
             per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
             uploads_by_ip: Mutex::default(),
+            trusted_proxies: Vec::new(),
+            forgeries: RateLimiter::keyed(quota(FORGERIES_PER_S, FORGERIES_BURST)),
+            forgers: Mutex::default(),
+            any_forgers: AtomicBool::new(false),
             counters: std::sync::OnceLock::new(),
         }
     }
@@ -212,10 +240,50 @@ impl AppState {
         (self.per_hotkey.len(), self.per_ip.len())
     }
 
+    /// Whether requests from `ip` are refused for now, for the bad signatures it sent.
+    fn refuses_forger(&self, ip: IpAddr) -> bool {
+        if !self.any_forgers.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
+        match forgers.get(&ip) {
+            Some(until) if *until > std::time::Instant::now() => true,
+            Some(_) => {
+                forgers.remove(&ip);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Counts a bad signature from `ip`; past the quota, the address is refused for
+    /// [`FORGER_PAUSE`].
+    fn note_forgery(&self, ip: IpAddr) {
+        if self.forgeries.check_key(&ip).is_ok() {
+            return;
+        }
+        let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: a flood from many addresses costs at most this much memory (and then each
+        // address its own quota again).
+        if forgers.len() >= MAX_FORGERS {
+            forgers.clear();
+        }
+        forgers.insert(ip, std::time::Instant::now() + FORGER_PAUSE);
+        self.any_forgers.store(true, Ordering::Relaxed);
+        metrics::counter!("iota_rate_limited_total", "scope" => "forgeries").increment(1);
+    }
+
     /// Forgets rate-limit keys that are back at full quota (bounded memory under churn).
     pub fn shrink_limiters(&self) {
         self.per_hotkey.retain_recent();
         self.per_ip.retain_recent();
+        self.forgeries.retain_recent();
+        self.forgeries.shrink_to_fit();
+        let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        forgers.retain(|_, until| *until > now);
+        self.any_forgers
+            .store(!forgers.is_empty(), Ordering::Relaxed);
         self.per_hotkey.shrink_to_fit();
         self.per_ip.shrink_to_fit();
     }
@@ -404,41 +472,63 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
     Ok(Request::from_parts(parts, Body::from(bytes)))
 }
 
-/// A signed request's body, at most `limit` bytes, within `timeout` plus the time its declared
-/// length (from [`check_content_length`]; else `limit`) takes at [`MIN_BODY_BYTES_PER_S`].
+/// A signed request's body, at most `limit` bytes, arriving at no slower a pace than
+/// [`MIN_BODY_BYTES_PER_S`] after `timeout`: at any time `t` after the headers, at least
+/// `(t - timeout) × MIN_BODY_BYTES_PER_S` bytes must be in. So the whole body takes at most
+/// `timeout` plus its length at that pace, and a sender that stops (or trickles) is cut off as
+/// soon as it falls behind, not only at the end of the time its declared length would allow: an
+/// upload slot held by a stalled body was held for all of that.
 pub async fn read_body(
     body: Body,
     declared: Option<u64>,
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, AppError> {
-    let deadline = body_deadline(timeout, declared.unwrap_or(limit as u64));
-    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(e)) => {
-            let e = e.into_inner();
-            if e.is::<http_body_util::LengthLimitError>() {
-                Err(AppError::new(
+    use http_body_util::BodyExt;
+    let start = tokio::time::Instant::now();
+    let mut body = http_body_util::Limited::new(body, limit);
+    // Grown as bytes come, not sized by the declared length: that costs the sender nothing.
+    let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0).min(64 << 10) as usize);
+    loop {
+        let due = start + body_deadline(timeout, buf.len() as u64);
+        match tokio::time::timeout_at(due, body.frame()).await {
+            Ok(None) => return Ok(buf.freeze()),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                }
+            }
+            Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(AppError::new(
                     ErrorCode::PayloadTooLarge,
                     format!("body larger than {limit} bytes"),
-                ))
-            } else {
-                Err(AppError::new(
+                ));
+            }
+            Ok(Some(Err(e))) => {
+                return Err(AppError::new(
                     ErrorCode::BadRequest,
                     format!("the body could not be read: {e}"),
-                ))
+                ));
+            }
+            Err(_) => {
+                return Err(AppError::new(
+                    ErrorCode::RequestTimeout,
+                    format!(
+                        "the body fell behind the slowest pace taken: {} bytes in {} s \
+                         (allowed: {} s, then {MIN_BODY_BYTES_PER_S} bytes a second)",
+                        buf.len(),
+                        start.elapsed().as_secs(),
+                        timeout.as_secs()
+                    ),
+                ));
             }
         }
-        Err(_) => Err(AppError::new(
-            ErrorCode::RequestTimeout,
-            format!("the body did not arrive within {} s", deadline.as_secs()),
-        )),
     }
 }
 
 /// How long a body of `bytes` may take: `timeout`, plus its length at [`MIN_BODY_BYTES_PER_S`].
 fn body_deadline(timeout: Duration, bytes: u64) -> Duration {
-    timeout + Duration::from_secs(bytes / MIN_BODY_BYTES_PER_S)
+    timeout + Duration::from_secs_f64(bytes as f64 / MIN_BODY_BYTES_PER_S as f64)
 }
 
 /// Refuses a request whose declared body is larger than `limit`: the cheapest check of all.
@@ -471,6 +561,18 @@ pub fn check_caller<'a>(
     app: &App,
     parts: &'a axum::http::request::Parts,
 ) -> Result<CheckedCaller<'a>, AppError> {
+    let client = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|peer| address_key(client_address(app, peer.ip(), &parts.headers)));
+    if let Some(ip) = client
+        && app.refuses_forger(ip)
+    {
+        return Err(AppError::new(
+            ErrorCode::RateLimited,
+            "too many bad signatures from this address: wait",
+        ));
+    }
     let now = now_ms();
     let headers = check_headers(
         |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
@@ -486,6 +588,7 @@ pub fn check_caller<'a>(
         uid,
         permit,
         now,
+        client,
     })
 }
 
@@ -496,6 +599,8 @@ pub struct CheckedCaller<'a> {
     uid: u16,
     permit: bool,
     now: u64,
+    /// The address the request counts against (if the server knows its peer).
+    client: Option<IpAddr>,
 }
 
 impl CheckedCaller<'_> {
@@ -518,6 +623,7 @@ impl CheckedCaller<'_> {
             uid: self.uid,
             permit: self.permit,
             now: self.now,
+            client: self.client,
         }
     }
 }
@@ -529,6 +635,7 @@ pub struct Authenticating {
     uid: u16,
     permit: bool,
     now: u64,
+    client: Option<IpAddr>,
 }
 
 impl Authenticating {
@@ -542,7 +649,15 @@ impl Authenticating {
         app: &App,
         routes: SignedRoutes,
     ) -> Result<(Caller, PendingUuid), AppError> {
-        let verified = app.signatures.verify(self.signed).await?;
+        let verified = match app.signatures.verify(self.signed).await {
+            Ok(verified) => verified,
+            Err(e) => {
+                if let (VerifyError::Auth(AuthError::BadSignature), Some(ip)) = (&e, self.client) {
+                    app.note_forgery(ip);
+                }
+                return Err(e.into());
+            }
+        };
         if routes.gate == Gate::Validator && !self.permit {
             return Err(AppError::new(
                 ErrorCode::NotValidator,
@@ -611,6 +726,29 @@ pub fn address_key(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The address a request counts against in the per-IP limits: its peer's, or, when the peer is
+/// one of the trusted proxies, the last address in `X-Forwarded-For` that is not one (each proxy
+/// appends the address it heard from). A malformed entry counts the request against the proxy.
+pub fn client_address(app: &AppState, peer: IpAddr, headers: &axum::http::HeaderMap) -> IpAddr {
+    if !app.trusted_proxies.contains(&peer) {
+        return peer;
+    }
+    let hops: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(str::trim)
+        .collect();
+    for hop in hops.iter().rev() {
+        match hop.parse::<IpAddr>() {
+            Ok(ip) if app.trusted_proxies.contains(&ip) => {}
+            Ok(ip) => return ip,
+            Err(_) => return peer,
+        }
+    }
+    peer
+}
+
 /// Public-route middleware: per-IP rate limit.
 pub async fn public_gate(
     State(app): State<App>,
@@ -618,7 +756,8 @@ pub async fn public_gate(
     req: Request,
     next: Next,
 ) -> Response {
-    if app.per_ip.check_key(&address_key(peer.ip())).is_err() {
+    let client = client_address(&app, peer.ip(), req.headers());
+    if app.per_ip.check_key(&address_key(client)).is_err() {
         metrics::counter!("iota_rate_limited_total", "scope" => "ip").increment(1);
         return AppError::new(
             ErrorCode::RateLimited,
@@ -651,6 +790,26 @@ impl Drop for IpUploadSlot<'_> {
     }
 }
 
+/// Upload-route middleware: one of the upload slots for the request's whole handling, waited for
+/// at most [`Limits::upload_slot_wait`].
+pub async fn upload_slot(
+    State((slots, wait)): State<(Arc<tokio::sync::Semaphore>, Duration)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match tokio::time::timeout(wait, slots.acquire_owned()).await {
+        Ok(Ok(_slot)) => next.run(req).await,
+        _ => {
+            metrics::counter!("iota_rate_limited_total", "scope" => "upload_slots").increment(1);
+            AppError::new(
+                ErrorCode::RateLimited,
+                "every upload slot is busy: try again",
+            )
+            .into_response()
+        }
+    }
+}
+
 /// Upload-route middleware, outside the global upload slots: at most
 /// [`Limits::concurrent_uploads_per_ip`] uploads from one address at once; beyond, 429 at once
 /// (the client retries after `Retry-After`), so one host cannot queue for every slot.
@@ -664,7 +823,7 @@ pub async fn upload_slots_per_ip(
     if max == 0 {
         return next.run(req).await;
     }
-    let ip = address_key(peer.ip());
+    let ip = address_key(client_address(&app, peer.ip(), req.headers()));
     {
         let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
         let n = held.entry(ip).or_insert(0);

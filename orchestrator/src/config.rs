@@ -23,6 +23,10 @@ pub struct Config {
     pub store: StoreConfig,
     /// Chain endpoint (ws:// or wss://).
     pub chain_endpoint: String,
+    /// Time allowed to connect to the chain and for each request to it.
+    pub chain_timeout: Duration,
+    /// Reverse proxies whose `X-Forwarded-For` names the client (see `--trusted-proxies`).
+    pub trusted_proxies: Vec<std::net::IpAddr>,
     /// Subnet.
     pub netuid: u16,
     /// The orchestrator's hotkey (SS58): what miners sign their requests for.
@@ -214,14 +218,24 @@ pub struct OrchestratorArgs {
         default_value_t = 64
     )]
     pub max_concurrent_uploads: usize,
-    /// Of those, most from one IP address (0: no limit; behind a proxy every miner has the
-    /// proxy's address).
+    /// Of those, most from one IP address (0: no limit; behind a proxy that is not in
+    /// `--trusted-proxies`, every miner has the proxy's address).
     #[arg(
         long = "max-uploads-per-ip",
         env = "IOTA_MAX_UPLOADS_PER_IP",
         default_value_t = 16
     )]
     pub max_uploads_per_ip: usize,
+    /// Addresses of the reverse proxies (load balancers) in front of this orchestrator,
+    /// comma-separated. A request from one is counted, for the per-IP limits, by the client
+    /// address its `X-Forwarded-For` names (the last one that is not itself a proxy); from any
+    /// other peer the header is ignored, as anyone can send it.
+    #[arg(
+        long = "trusted-proxies",
+        env = "IOTA_TRUSTED_PROXIES",
+        value_delimiter = ','
+    )]
+    pub trusted_proxies: Vec<std::net::IpAddr>,
     /// Seconds a signed request's body may take to arrive, plus one second per MiB it
     /// declares: a client that stops sending is answered 408 and its slot freed.
     #[arg(
@@ -309,6 +323,8 @@ impl OrchestratorArgs {
             db_max_connections: self.db_max_connections,
             store,
             chain_endpoint,
+            chain_timeout: Duration::from_secs(self.subtensor.timeout.max(1)),
+            trusted_proxies: self.trusted_proxies.clone(),
             netuid,
             hotkey,
             run,
@@ -366,5 +382,7 @@ mod tests {
         assert!(e.contains("--max-concurrent-uploads"), "{e}");
         let ok = config(&["--db-max-connections", "4"]).expect("the fewest that work");
         assert_eq!(ok.db_max_connections, MIN_DB_CONNECTIONS);
+        let quick = config(&["--subtensor.timeout", "2"]).expect("a chain timeout");
+        assert_eq!(quick.chain_timeout, Duration::from_secs(2));
     }
 }

@@ -45,7 +45,6 @@ use iota_protocol::tensor::TensorSpec;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
-use tower::limit::GlobalConcurrencyLimitLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
@@ -495,7 +494,10 @@ pub fn router(app: App) -> Router {
         ))
         // The gate buffers a body before it can check the signature over it: bound how many
         // such bodies are in memory at once, and how many of them one address holds.
-        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads.clone()))
+        .route_layer(middleware::from_fn_with_state(
+            (uploads.clone(), app.limits.upload_slot_wait),
+            app::upload_slot,
+        ))
         .route_layer(middleware::from_fn_with_state(
             app.clone(),
             app::upload_slots_per_ip,
@@ -533,7 +535,10 @@ pub fn router(app: App) -> Router {
             signed(Gate::Validator, upload_limit, SharedReplay::Before),
             app::signed_gate,
         ))
-        .route_layer(GlobalConcurrencyLimitLayer::with_semaphore(uploads))
+        .route_layer(middleware::from_fn_with_state(
+            (uploads, app.limits.upload_slot_wait),
+            app::upload_slot,
+        ))
         .route_layer(middleware::from_fn_with_state(
             app.clone(),
             app::upload_slots_per_ip,
@@ -605,13 +610,18 @@ pub async fn run(
         netuid: config.netuid,
         reason,
     };
-    let chain = tokio::time::timeout(
-        Duration::from_secs(30),
-        Subtensor::connect(ConnectOptions::new(config.chain_endpoint.clone())),
-    )
-    .await
-    .map_err(|_| chain_err("no answer within 30 s".into()))?
-    .map_err(|e| chain_err(e.to_string()))?;
+    let mut options = ConnectOptions::new(config.chain_endpoint.clone());
+    options.connect_timeout = config.chain_timeout;
+    options.request_timeout = config.chain_timeout;
+    let chain = tokio::time::timeout(config.chain_timeout, Subtensor::connect(options))
+        .await
+        .map_err(|_| {
+            chain_err(format!(
+                "no answer within {} s",
+                config.chain_timeout.as_secs_f64()
+            ))
+        })?
+        .map_err(|e| chain_err(e.to_string()))?;
     let watcher = MetagraphWatcher::spawn(
         chain,
         config.netuid,
@@ -624,7 +634,7 @@ pub async fn run(
     )
     .await
     .map_err(|e| chain_err(e.to_string()))?;
-    let state: App = Arc::new(AppState::new(
+    let mut state = AppState::new(
         db,
         store,
         run,
@@ -633,7 +643,9 @@ pub async fn run(
         config.skew,
         config.limits,
         config.max_merge_rounds,
-    ));
+    );
+    state.trusted_proxies = config.trusted_proxies.clone();
+    let state: App = Arc::new(state);
     metrics_handle();
     state.poll_view.start();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

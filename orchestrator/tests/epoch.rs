@@ -864,3 +864,43 @@ async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
     assert_gap_forgiven(&db, before, left_before, "the failed steps").await;
     orch.stop().await;
 }
+
+/// A chain that takes connections but never answers stops the start-up with one line naming the
+/// endpoint, within `--subtensor.timeout` (it took 30 s whatever the flag said).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_that_never_answers_is_a_one_line_error_within_its_timeout() {
+    init_tracing();
+    let chain = chain_with(&[], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("ws://{}", silent.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+        }
+    });
+    let mut cfg = config(&chain, &db, store.path(), run_config("silent-chain"));
+    cfg.chain_endpoint = url.clone();
+    cfg.chain_timeout = Duration::from_secs(1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let started = std::time::Instant::now();
+    let out = tokio::time::timeout(
+        Duration::from_secs(10),
+        iota_orchestrator::run(cfg, listener, std::future::pending()),
+    )
+    .await
+    .expect("the start-up gave up on the chain");
+    let line = out.expect_err("no chain").to_string();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(!line.contains('\n') && line.contains(&url), "{line}");
+}

@@ -802,6 +802,228 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     orch.stop().await;
 }
 
+/// An upload whose body stops coming is cut off once it falls behind the slowest pace taken,
+/// not only when the time its declared length would allow is up, and an upload that finds every
+/// slot busy is told to come back instead of waiting without an answer. Two stalled bodies
+/// announcing 12 MB held both slots for 11 s more than the base timeout, and every other upload
+/// waited for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unanswered() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("stalled-uploads");
+    // Partitions of 20 MB (values and momentum): the upload limit.
+    run.stage_params = vec![10_000_000; 3];
+    run.partitions = 4;
+    let mut cfg = config(&chain, &db, store.path(), run);
+    cfg.limits.concurrent_uploads = 2;
+    cfg.limits.concurrent_uploads_per_ip = 0;
+    cfg.limits.body_timeout = Duration::from_secs(2);
+    cfg.limits.upload_slot_wait = Duration::from_millis(500);
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let path = "/v1/miner/epochs/0/pseudo-gradients/0";
+    let upload = || {
+        let raw = raw.clone();
+        async move {
+            raw.signed(
+                &pair(OTHER_MINER),
+                reqwest::Method::PUT,
+                path,
+                b"x".to_vec(),
+            )
+            .await
+        }
+    };
+    // Past the slots, an upload is judged on its merits (here: not a tensor, 400).
+    assert_eq!(upload().await.0, 400);
+    // Within the limit (20 MB); at the old rule's second per MiB, 11.5 s on top of the base.
+    let announced = 12_000_000;
+    let started = tokio::time::Instant::now();
+    let mut held = [
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "PUT",
+            path,
+            announced,
+        )
+        .await,
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "PUT",
+            path,
+            announced,
+        )
+        .await,
+    ];
+    // With both slots held, an upload is answered 429 after the slot wait.
+    let busy = eventually(
+        "an upload refused while the slots are held",
+        Duration::from_secs(2),
+        || async {
+            let answer = upload().await;
+            (answer.0 == 429).then_some(answer)
+        },
+    )
+    .await;
+    assert_eq!(code(&busy), Some(ErrorCode::RateLimited), "{busy:?}");
+    // The stalled bodies are cut off once they fall behind: at the base timeout, since nothing
+    // came (the declared length would allow 13 s).
+    for stream in &mut held {
+        use tokio::io::AsyncReadExt;
+        let mut answer = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(8), stream.read(&mut answer))
+            .await
+            .expect("a stalled upload is answered before its declared length's time")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(upload().await.0, 400, "the slots are free again");
+    orch.stop().await;
+}
+
+/// Behind a trusted proxy, each client counts against its own per-IP limit (the one its
+/// `X-Forwarded-For` names); every client of the proxy once shared one. From any other peer the
+/// header is ignored, so a client cannot take a fresh limit by naming another address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_behind_a_trusted_proxy_are_limited_one_by_one() {
+    init_tracing();
+    let chain = chain_with(&[], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("proxied"));
+    cfg.limits.per_ip_rps = 1;
+    cfg.limits.per_ip_burst = 2;
+    cfg.trusted_proxies = vec![std::net::IpAddr::from([127, 0, 0, 9])];
+    let orch = start(cfg).await;
+    let from = |last: u8| {
+        reqwest::Client::builder()
+            .local_address(std::net::IpAddr::from([127, 0, 0, last]))
+            .build()
+            .expect("client")
+    };
+    let status = |http: reqwest::Client, forwarded: &'static str| {
+        let url = format!("{}/v1/status", orch.base);
+        async move {
+            http.get(url)
+                .header("x-forwarded-for", forwarded)
+                .send()
+                .await
+                .expect("status")
+                .status()
+                .as_u16()
+        }
+    };
+    // Through the proxy: one client uses up its burst; another still gets in, as does one the
+    // client itself named before the proxy (an untrusted entry further left is not read).
+    let proxy = from(9);
+    for _ in 0..2 {
+        assert_eq!(status(proxy.clone(), "203.0.113.7").await, 200);
+    }
+    assert_eq!(status(proxy.clone(), "203.0.113.7").await, 429);
+    assert_eq!(status(proxy.clone(), "203.0.113.8").await, 200);
+    assert_eq!(
+        status(proxy.clone(), "198.51.100.1, 203.0.113.7").await,
+        429
+    );
+    // Directly, the header counts for nothing.
+    let direct = from(10);
+    assert_eq!(status(direct.clone(), "203.0.113.20").await, 200);
+    assert_eq!(status(direct.clone(), "203.0.113.21").await, 200);
+    assert_eq!(status(direct.clone(), "203.0.113.22").await, 429);
+    orch.stop().await;
+}
+
+/// An address that keeps sending bad signatures in a registered hotkey's name (its address is
+/// public) is refused for a while before its bodies are read and its signatures checked; each
+/// forged request once cost a body hash and a verification, without limit. Other addresses
+/// are not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
+    init_tracing();
+    let chain = chain_with(&[MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let orch = start(config(&chain, &db, store.path(), run_config("forgeries"))).await;
+    let receiver = pair(200).ss58();
+    let from = |last: u8| Raw {
+        http: reqwest::Client::builder()
+            .local_address(std::net::IpAddr::from([127, 0, 0, last]))
+            .build()
+            .expect("client"),
+        ..Raw::to(&orch.base)
+    };
+    let forged = |raw: Raw| {
+        let receiver = receiver.clone();
+        async move {
+            let mut headers = sign_request(
+                &pair(STRANGER),
+                &receiver,
+                "POST",
+                "/v1/miner/heartbeat",
+                b"{}",
+                now_ms(),
+                Uuid::new_v4(),
+            )
+            .headers;
+            for h in &mut headers {
+                if h.0 == "epistula-signed-by" {
+                    h.1 = pair(MINER).ss58();
+                }
+            }
+            let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
+            for (k, v) in headers {
+                req = req.header(k, v);
+            }
+            req.header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .expect("send")
+                .status()
+                .as_u16()
+        }
+    };
+    let forger = from(5);
+    let mut answers = Vec::new();
+    for _ in 0..40 {
+        answers.push(forged(forger.clone()).await);
+    }
+    assert_eq!(answers[0], 401, "a bad signature is refused as such");
+    assert!(
+        answers.iter().skip(30).all(|a| *a == 429),
+        "the address was not refused after its bad signatures: {answers:?}"
+    );
+    // Its own well-signed requests wait too; another address's do not.
+    let own = from(5)
+        .signed(
+            &pair(MINER),
+            reqwest::Method::POST,
+            "/v1/miner/register",
+            b"{}".to_vec(),
+        )
+        .await;
+    assert_eq!((own.0, code(&own)), (429, Some(ErrorCode::RateLimited)));
+    let elsewhere = from(6)
+        .signed(
+            &pair(MINER),
+            reqwest::Method::POST,
+            "/v1/miner/heartbeat",
+            b"{}".to_vec(),
+        )
+        .await;
+    assert_ne!(elsewhere.0, 429, "{elsewhere:?}");
+    orch.stop().await;
+}
+
 /// Signs a `method` to `path` over `len` bytes as `seed` and sends its head announcing them, but
 /// no body; the open connection.
 async fn stalled_body(

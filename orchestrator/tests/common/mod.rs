@@ -181,6 +181,8 @@ pub fn config(chain: &Chain, db: &str, store: &std::path::Path, run: RunConfig) 
         db_max_connections: 16,
         store: StoreConfig::Local(store.into()),
         chain_endpoint: chain.net.ws_url(),
+        chain_timeout: std::time::Duration::from_secs(30),
+        trusted_proxies: Vec::new(),
         netuid: chain.netuid,
         hotkey: pair(200).ss58(),
         run,
