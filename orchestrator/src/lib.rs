@@ -391,9 +391,12 @@ pub fn openapi_json() -> String {
 }
 
 async fn openapi_route() -> impl IntoResponse {
+    // Built once: a public route, and the document does not change while the process runs.
+    static DOC: OnceLock<bytes::Bytes> = OnceLock::new();
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],
-        openapi_json(),
+        DOC.get_or_init(|| bytes::Bytes::from(openapi_json()))
+            .clone(),
     )
 }
 
