@@ -498,13 +498,26 @@ async fn set_phase(
     Ok(())
 }
 
+/// Whether `step` is still the run's next step, decided again under the exclusive phase lock:
+/// the view that chose it was read before the lock, and another process (a second leader, for
+/// the moment it takes to notice a lost lock connection) may have taken the step meanwhile.
+async fn still_next(
+    app: &App,
+    tx: &mut Transaction<'_, Postgres>,
+    now: DateTime<Utc>,
+    step: PhaseStep,
+) -> ApiResult<bool> {
+    let view = phase_view(app, tx).await?;
+    Ok(next_step(&view, now, app.max_merge_rounds) == step)
+}
+
 async fn start_uploading(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
-    let cur = run_now(&mut *tx, app.run.id).await?;
-    if cur.phase != Phase::Training {
+    if !still_next(app, &mut tx, now, PhaseStep::StartUploading).await? {
         return Ok(());
     }
+    let cur = run_now(&mut *tx, app.run.id).await?;
     set_phase(
         &mut tx,
         app,
@@ -532,8 +545,7 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
     // Decided again under the lock: a reservation taken just before it holds the phase.
-    let view = phase_view(app, &mut tx).await?;
-    if next_step(&view, now, app.max_merge_rounds) != PhaseStep::StartMerging {
+    if !still_next(app, &mut tx, now, PhaseStep::StartMerging).await? {
         return Ok(());
     }
     let cur = run_now(&mut *tx, app.run.id).await?;
@@ -697,10 +709,10 @@ async fn add_owner(
 async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
-    let cur = run_now(&mut *tx, app.run.id).await?;
-    if cur.phase != Phase::Merging {
+    if !still_next(app, &mut tx, now, PhaseStep::ReassignRound).await? {
         return Ok(());
     }
+    let cur = run_now(&mut *tx, app.run.id).await?;
     let round = cur.merge_round + 1;
     let open: Vec<(i32, i32)> = sqlx::query_as(
         "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
@@ -763,10 +775,10 @@ async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
-    let cur = run_now(&mut *tx, app.run.id).await?;
-    if cur.phase != Phase::Merging {
+    if !still_next(app, &mut tx, now, PhaseStep::NextEpoch).await? {
         return Ok(());
     }
+    let cur = run_now(&mut *tx, app.run.id).await?;
     let epoch = cur.epoch;
     let open: Vec<(i32, i32)> = sqlx::query_as(
         "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2

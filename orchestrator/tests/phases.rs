@@ -563,6 +563,61 @@ async fn a_partition_nobody_merged_is_merged_by_a_validator() {
     );
 }
 
+/// Two processes that both take a step from the same view (a second leader, in the moment
+/// before the first notices its lost lock connection) take it once: each phase change decides
+/// again under the exclusive phase lock. A merge round was taken twice, using up the rounds and
+/// adding owners for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_taken_twice_from_one_view_changes_the_phase_once() {
+    init_tracing();
+    let seeds = [151u8, 152, 153];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
+    for m in &mut miners {
+        m.step().await.expect("upload");
+    }
+    let (_, phase, deadline, round) = past_the_deadline(&s).await;
+    assert_eq!((phase, round), (Phase::Merging, 0));
+    // Both steps read the run past the merge deadline, then wait for the phase lock held here.
+    let mut holder = s.db.begin().await.expect("tx");
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
+        .bind(0x696f_7461i32)
+        .bind(s.app.run.id as i32)
+        .execute(&mut *holder)
+        .await
+        .expect("the phase lock");
+    let t = deadline + Duration::seconds(1);
+    let steps: Vec<_> = (0..2)
+        .map(|_| {
+            let app = s.app.clone();
+            tokio::spawn(async move { driver::step(&app, t).await })
+        })
+        .collect();
+    eventually(
+        "both steps wait for the phase lock",
+        std::time::Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+                 WHERE d.datname = current_database() AND l.locktype = 'advisory' AND NOT l.granted",
+            )
+            .fetch_one(&s.db)
+            .await
+            .expect("locks");
+            (waiting == 2).then_some(())
+        },
+    )
+    .await;
+    holder.commit().await.expect("release");
+    for step in steps {
+        step.await.expect("join").expect("step");
+    }
+    assert_eq!(now_status(&s).await.3, 1, "one merge round, not two");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
     init_tracing();
