@@ -58,10 +58,16 @@ pub struct Limits {
     pub upload_slot_wait: Duration,
 }
 
-/// Bad signatures an address may send a second, and at once, before it is refused for
-/// [`FORGER_PAUSE`]: a signature is checked only after the body is read and hashed, so forged
-/// requests in a registered hotkey's name (its address is public) would otherwise cost that and
-/// one verification each without limit. An honest client sends none.
+/// A client address and the signer its request claims (its public key).
+type Forger = (IpAddr, [u8; 32]);
+
+/// Bad signatures an address may send a second in one signer's name, and at once, before it is
+/// refused in that name for [`FORGER_PAUSE`]: a signature is checked only after the body is read
+/// and hashed, so forged requests in a registered hotkey's name (its address is public) would
+/// otherwise cost that and one verification each without limit. An honest client sends none.
+/// Keyed by the pair, not the address alone: a forger would otherwise shut out every honest
+/// client that shares its address (a NAT, a proxy), and here it shuts out only the hotkey it
+/// impersonates, and only from its own address. A trusted proxy's own address is never refused.
 const FORGERIES_PER_S: u32 = 5;
 const FORGERIES_BURST: u32 = 20;
 /// How long an address over that quota is refused (`rate_limited`), before its body is read.
@@ -137,10 +143,11 @@ pub struct AppState {
     uploads_by_ip: Mutex<HashMap<IpAddr, usize>>,
     /// Reverse proxies whose `X-Forwarded-For` names the client (empty: none).
     pub trusted_proxies: Vec<IpAddr>,
-    /// Bad signatures per address: past the quota, an address is refused for a while.
-    forgeries: KeyedLimiter<IpAddr>,
-    /// Addresses refused until the time given, for sending bad signatures.
-    forgers: Mutex<HashMap<IpAddr, std::time::Instant>>,
+    /// Bad signatures per address and claimed signer: past the quota, that address is refused
+    /// in that signer's name for a while.
+    forgeries: KeyedLimiter<Forger>,
+    /// (Address, claimed signer) pairs refused until the time given, for bad signatures.
+    forgers: Mutex<HashMap<Forger, std::time::Instant>>,
     /// Whether `forgers` may hold anyone (the signed routes' fast path skips its lock).
     any_forgers: AtomicBool,
     counters: std::sync::OnceLock<Counters>,
@@ -240,26 +247,27 @@ impl AppState {
         (self.per_hotkey.len(), self.per_ip.len())
     }
 
-    /// Whether requests from `ip` are refused for now, for the bad signatures it sent.
-    fn refuses_forger(&self, ip: IpAddr) -> bool {
+    /// Whether requests from `who`'s address in its signer's name are refused for now, for the
+    /// bad signatures sent so.
+    fn refuses_forger(&self, who: Forger) -> bool {
         if !self.any_forgers.load(Ordering::Relaxed) {
             return false;
         }
         let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
-        match forgers.get(&ip) {
+        match forgers.get(&who) {
             Some(until) if *until > std::time::Instant::now() => true,
             Some(_) => {
-                forgers.remove(&ip);
+                forgers.remove(&who);
                 false
             }
             None => false,
         }
     }
 
-    /// Counts a bad signature from `ip`; past the quota, the address is refused for
-    /// [`FORGER_PAUSE`].
-    fn note_forgery(&self, ip: IpAddr) {
-        if self.forgeries.check_key(&ip).is_ok() {
+    /// Counts a bad signature from `who`; past the quota, its address is refused in its
+    /// signer's name for [`FORGER_PAUSE`].
+    fn note_forgery(&self, who: Forger) {
+        if self.forgeries.check_key(&who).is_ok() {
             return;
         }
         let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
@@ -268,7 +276,7 @@ impl AppState {
         if forgers.len() >= MAX_FORGERS {
             forgers.clear();
         }
-        forgers.insert(ip, std::time::Instant::now() + FORGER_PAUSE);
+        forgers.insert(who, std::time::Instant::now() + FORGER_PAUSE);
         self.any_forgers.store(true, Ordering::Relaxed);
         metrics::counter!("iota_rate_limited_total", "scope" => "forgeries").increment(1);
     }
@@ -561,18 +569,6 @@ pub fn check_caller<'a>(
     app: &App,
     parts: &'a axum::http::request::Parts,
 ) -> Result<CheckedCaller<'a>, AppError> {
-    let client = parts
-        .extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|peer| address_key(client_address(app, peer.ip(), &parts.headers)));
-    if let Some(ip) = client
-        && app.refuses_forger(ip)
-    {
-        return Err(AppError::new(
-            ErrorCode::RateLimited,
-            "too many bad signatures from this address: wait",
-        ));
-    }
     let now = now_ms();
     let headers = check_headers(
         |name| parts.headers.get(name).and_then(|v| v.to_str().ok()),
@@ -581,6 +577,21 @@ pub fn check_caller<'a>(
         app.skew,
     )?;
     let signer = app.signers.resolve(headers.signed_by)?;
+    // A trusted proxy's own address (no client named) is everyone's behind it: never refused.
+    let forger = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|peer| client_address(&app.trusted_proxies, peer.ip(), &parts.headers))
+        .filter(|ip| !app.trusted_proxies.contains(ip))
+        .map(|ip| (address_key(ip), signer.key.to_bytes()));
+    if let Some(who) = forger
+        && app.refuses_forger(who)
+    {
+        return Err(AppError::new(
+            ErrorCode::RateLimited,
+            "too many bad signatures from this address in this signer's name: wait",
+        ));
+    }
     let (uid, permit) = member(app, &signer.key, headers.signed_by)?;
     Ok(CheckedCaller {
         headers,
@@ -588,7 +599,7 @@ pub fn check_caller<'a>(
         uid,
         permit,
         now,
-        client,
+        forger,
     })
 }
 
@@ -599,8 +610,9 @@ pub struct CheckedCaller<'a> {
     uid: u16,
     permit: bool,
     now: u64,
-    /// The address the request counts against (if the server knows its peer).
-    client: Option<IpAddr>,
+    /// The address the request counts against and its claimed signer, for bad signatures
+    /// (`None`: the peer is unknown, or a trusted proxy's own).
+    forger: Option<Forger>,
 }
 
 impl CheckedCaller<'_> {
@@ -623,7 +635,7 @@ impl CheckedCaller<'_> {
             uid: self.uid,
             permit: self.permit,
             now: self.now,
-            client: self.client,
+            forger: self.forger,
         }
     }
 }
@@ -635,7 +647,7 @@ pub struct Authenticating {
     uid: u16,
     permit: bool,
     now: u64,
-    client: Option<IpAddr>,
+    forger: Option<Forger>,
 }
 
 impl Authenticating {
@@ -652,8 +664,8 @@ impl Authenticating {
         let verified = match app.signatures.verify(self.signed).await {
             Ok(verified) => verified,
             Err(e) => {
-                if let (VerifyError::Auth(AuthError::BadSignature), Some(ip)) = (&e, self.client) {
-                    app.note_forgery(ip);
+                if let (VerifyError::Auth(AuthError::BadSignature), Some(who)) = (&e, self.forger) {
+                    app.note_forgery(who);
                 }
                 return Err(e.into());
             }
@@ -729,19 +741,31 @@ pub fn address_key(ip: IpAddr) -> IpAddr {
 /// The address a request counts against in the per-IP limits: its peer's, or, when the peer is
 /// one of the trusted proxies, the last address in `X-Forwarded-For` that is not one (each proxy
 /// appends the address it heard from). A malformed entry counts the request against the proxy.
-pub fn client_address(app: &AppState, peer: IpAddr, headers: &axum::http::HeaderMap) -> IpAddr {
-    if !app.trusted_proxies.contains(&peer) {
+pub fn client_address(trusted: &[IpAddr], peer: IpAddr, headers: &axum::http::HeaderMap) -> IpAddr {
+    // An IPv4 proxy reaches a dual-stack listener as an IPv4-mapped IPv6 address.
+    let plain = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let peer = plain(peer);
+    if !trusted.contains(&peer) {
         return peer;
     }
-    let hops: Vec<&str> = headers
+    // Read as bytes: a client's own entry with bytes that are not text must not make the
+    // whole line unreadable, and with it the entry the proxy appended.
+    let hops: Vec<String> = headers
         .get_all("x-forwarded-for")
         .iter()
-        .flat_map(|v| v.to_str().unwrap_or("").split(','))
-        .map(str::trim)
+        .flat_map(|v| {
+            String::from_utf8_lossy(v.as_bytes())
+                .split(',')
+                .map(|hop| hop.trim().to_owned())
+                .collect::<Vec<_>>()
+        })
         .collect();
     for hop in hops.iter().rev() {
-        match hop.parse::<IpAddr>() {
-            Ok(ip) if app.trusted_proxies.contains(&ip) => {}
+        match hop.parse::<IpAddr>().map(plain) {
+            Ok(ip) if trusted.contains(&ip) => {}
             Ok(ip) => return ip,
             Err(_) => return peer,
         }
@@ -756,7 +780,7 @@ pub async fn public_gate(
     req: Request,
     next: Next,
 ) -> Response {
-    let client = client_address(&app, peer.ip(), req.headers());
+    let client = client_address(&app.trusted_proxies, peer.ip(), req.headers());
     if app.per_ip.check_key(&address_key(client)).is_err() {
         metrics::counter!("iota_rate_limited_total", "scope" => "ip").increment(1);
         return AppError::new(
@@ -823,7 +847,11 @@ pub async fn upload_slots_per_ip(
     if max == 0 {
         return next.run(req).await;
     }
-    let ip = address_key(client_address(&app, peer.ip(), req.headers()));
+    let ip = address_key(client_address(
+        &app.trusted_proxies,
+        peer.ip(),
+        req.headers(),
+    ));
     {
         let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
         let n = held.entry(ip).or_insert(0);
@@ -997,6 +1025,51 @@ mod tests {
         assert_eq!(key("2001:db8:1:2:abcd::9"), key("2001:db8:1:2::"));
         assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
         assert_ne!(key("2001:db8:1:2::1"), key("2001:db9:1:2::1"));
+    }
+
+    #[test]
+    fn a_trusted_proxy_names_its_client_and_nobody_else_does() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("address");
+        let trusted = [ip("10.0.0.5"), ip("10.0.0.6")];
+        let with = |values: &[&[u8]]| {
+            let mut h = axum::http::HeaderMap::new();
+            for v in values {
+                h.append(
+                    "x-forwarded-for",
+                    HeaderValue::from_bytes(v).expect("header"),
+                );
+            }
+            h
+        };
+        let client =
+            |peer: &str, values: &[&[u8]]| client_address(&trusted, ip(peer), &with(values));
+        // From a proxy: the last entry that is not a proxy, across lines.
+        assert_eq!(
+            client("10.0.0.5", &[b"198.51.100.1, 203.0.113.7"]),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            client("10.0.0.5", &[b"203.0.113.7", b"10.0.0.6"]),
+            ip("203.0.113.7")
+        );
+        // An IPv4 proxy on a dual-stack listener arrives IPv4-mapped.
+        assert_eq!(
+            client("::ffff:10.0.0.5", &[b"203.0.113.7"]),
+            ip("203.0.113.7")
+        );
+        // A client's own entry that is not text does not hide the one the proxy appended.
+        assert_eq!(
+            client("10.0.0.5", &[b"\xff, 203.0.113.7"]),
+            ip("203.0.113.7")
+        );
+        // Nothing readable on the right: the proxy itself.
+        assert_eq!(
+            client("10.0.0.5", &[b"203.0.113.7, nonsense"]),
+            ip("10.0.0.5")
+        );
+        assert_eq!(client("10.0.0.5", &[]), ip("10.0.0.5"));
+        // From anyone else the header counts for nothing.
+        assert_eq!(client("203.0.113.9", &[b"198.51.100.1"]), ip("203.0.113.9"));
     }
 
     #[test]

@@ -324,7 +324,17 @@ impl OrchestratorArgs {
             store,
             chain_endpoint,
             chain_timeout: Duration::from_secs(self.subtensor.timeout.max(1)),
-            trusted_proxies: self.trusted_proxies.clone(),
+            // As peers are compared: IPv4-mapped IPv6 as IPv4.
+            trusted_proxies: self
+                .trusted_proxies
+                .iter()
+                .map(|ip| match ip {
+                    std::net::IpAddr::V6(v6) => {
+                        v6.to_ipv4_mapped().map_or(*ip, std::net::IpAddr::V4)
+                    }
+                    v4 => *v4,
+                })
+                .collect(),
             netuid,
             hotkey,
             run,

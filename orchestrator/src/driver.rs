@@ -309,10 +309,18 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     if stale > 0 {
         tracing::warn!(count = stale, "open hops of an ended epoch were closed");
     }
+    // A routed hop waits past its pick-up time only while its miner works (holds a live
+    // lease): a slow miner with a backlog leases it in turn, and moving its backward hops would
+    // end their samples. One that holds none (its loop hung, or it never polls) gives it up.
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired' WHERE id IN (
-             SELECT id FROM tasks
-             WHERE run_id = $1 AND status IN ('pending', 'leased') AND leased_until < $2
+             SELECT t.id FROM tasks t
+             WHERE t.run_id = $1 AND t.status IN ('pending', 'leased') AND t.leased_until < $2
+               AND t.epoch = (SELECT epoch FROM runs WHERE id = $1)
+               AND (t.status = 'leased'
+                    OR NOT EXISTS (SELECT 1 FROM tasks l
+                                   WHERE l.run_id = t.run_id AND l.miner = t.miner
+                                     AND l.status = 'leased' AND l.leased_until >= $2))
              FOR UPDATE SKIP LOCKED)
          RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
     )
@@ -327,6 +335,7 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         "UPDATE tasks SET status = 'expired' WHERE id IN (
              SELECT t.id FROM tasks t
              WHERE t.run_id = $1 AND t.status IN ('pending', 'leased')
+               AND t.epoch = (SELECT epoch FROM runs WHERE id = $1)
                AND EXISTS (SELECT 1 FROM miners m
                            WHERE m.run_id = t.run_id AND m.hotkey = t.miner
                              AND m.ended_epoch = t.epoch)

@@ -1411,9 +1411,10 @@ async fn finish_sample(
 }
 
 /// Seconds a routed hop waits for its miner to lease it (`leased_until` of a pending hop): two
-/// leases. A miner that heartbeats but does not poll (its work loop hung, or it only claims
-/// throughput to draw hops) would otherwise hold every hop routed to it until the epoch ended,
-/// each one a sample in flight that a stage-0 miner may not replace.
+/// leases; past that it moves unless the miner is working (holds a live lease; see
+/// `driver::expire_leases`). A miner that heartbeats but does not poll (its work loop hung, or it
+/// only claims throughput to draw hops) would otherwise hold every hop routed to it until the
+/// epoch ended, each one a sample in flight that a stage-0 miner may not replace.
 pub(crate) fn pickup_s(cfg: &RunConfig) -> u64 {
     cfg.lease_s.saturating_mul(2)
 }

@@ -943,13 +943,14 @@ async fn clients_behind_a_trusted_proxy_are_limited_one_by_one() {
 }
 
 /// An address that keeps sending bad signatures in a registered hotkey's name (its address is
-/// public) is refused for a while before its bodies are read and its signatures checked; each
-/// forged request once cost a body hash and a verification, without limit. Other addresses
-/// are not affected.
+/// public) is refused in that name for a while, before its bodies are read and its signatures
+/// checked; each forged request once cost a body hash and a verification, without limit. Other
+/// hotkeys from the same address (clients behind one NAT or proxy) and other addresses are not
+/// affected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
     init_tracing();
-    let chain = chain_with(&[MINER], &[]).await;
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
     let db = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let orch = start(config(&chain, &db, store.path(), run_config("forgeries"))).await;
@@ -1002,7 +1003,8 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
         answers.iter().skip(30).all(|a| *a == 429),
         "the address was not refused after its bad signatures: {answers:?}"
     );
-    // Its own well-signed requests wait too; another address's do not.
+    // Requests in that hotkey's name from that address wait too; another hotkey's from the same
+    // address (clients behind one NAT), and that hotkey's from another address, do not.
     let own = from(5)
         .signed(
             &pair(MINER),
@@ -1012,6 +1014,15 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
         )
         .await;
     assert_eq!((own.0, code(&own)), (429, Some(ErrorCode::RateLimited)));
+    let neighbour = from(5)
+        .signed(
+            &pair(OTHER_MINER),
+            reqwest::Method::POST,
+            "/v1/miner/heartbeat",
+            b"{}".to_vec(),
+        )
+        .await;
+    assert_ne!(neighbour.0, 429, "{neighbour:?}");
     let elsewhere = from(6)
         .signed(
             &pair(MINER),
