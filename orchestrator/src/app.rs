@@ -182,7 +182,11 @@ impl AppState {
         max_merge_rounds: u32,
     ) -> Self {
         Self {
-            replay: ReplayCache::new(db.clone(), skew),
+            replay: ReplayCache::new(
+                db.clone(),
+                skew,
+                replay_retention(skew, &limits, &run.config),
+            ),
             signatures: SignatureVerifier::default(),
             signers: Signers::default(),
             poll_view: crate::poll_view::PollView::new(db.clone(), run.id),
@@ -233,13 +237,7 @@ impl AppState {
     /// slowly must still find the original's uuid. So the clock window, the longest body
     /// deadline of any signed route, and 2 s for clocks of processes and database that differ.
     pub fn replay_retention(&self) -> Duration {
-        let longest = self
-            .limits
-            .json_body_bytes
-            .max(crate::max_upload_bytes(&self.run.config)) as u64;
-        Duration::from_millis(self.skew.replay_horizon_ms())
-            + body_deadline(self.limits.body_timeout, longest)
-            + Duration::from_secs(2)
+        replay_retention(self.skew, &self.limits, &self.run.config)
     }
 
     /// Keys the rate limiters hold: hotkeys, and peer addresses.
@@ -468,9 +466,9 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
     let (mut parts, body) = req.into_parts();
     // The header and membership checks first: a caller that fails them never gets a body
     // buffered (up to the route's limit) on its behalf.
-    let declared = check_content_length(&parts, routes.body_limit)?;
+    check_content_length(&parts, routes.body_limit)?;
     let checked = check_caller(app, &parts)?;
-    let bytes = read_body(body, declared, routes.body_limit, app.limits.body_timeout).await?;
+    let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
     let (caller, pending) = checked
         .with_body(&parts, &bytes)
         .finish(app, routes)
@@ -486,24 +484,22 @@ async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<R
 /// `timeout` plus its length at that pace, and a sender that stops (or trickles) is cut off as
 /// soon as it falls behind, not only at the end of the time its declared length would allow: an
 /// upload slot held by a stalled body was held for all of that.
-pub async fn read_body(
-    body: Body,
-    declared: Option<u64>,
-    limit: usize,
-    timeout: Duration,
-) -> Result<Bytes, AppError> {
+pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, AppError> {
     use http_body_util::BodyExt;
     let start = tokio::time::Instant::now();
     let mut body = http_body_util::Limited::new(body, limit);
-    // Grown as bytes come, not sized by the declared length: that costs the sender nothing.
-    let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0).min(64 << 10) as usize);
+    // The frames as they come (no copy), joined once at the end into a buffer of exactly their
+    // size: a buffer grown by doubling held up to twice the body for the handler's whole run.
+    let mut frames: Vec<Bytes> = Vec::new();
+    let mut received = 0u64;
     loop {
-        let due = start + body_deadline(timeout, buf.len() as u64);
+        let due = start + body_deadline(timeout, received);
         match tokio::time::timeout_at(due, body.frame()).await {
-            Ok(None) => return Ok(buf.freeze()),
+            Ok(None) => return Ok(join_frames(frames, received)),
             Ok(Some(Ok(frame))) => {
                 if let Ok(data) = frame.into_data() {
-                    buf.extend_from_slice(&data);
+                    received += data.len() as u64;
+                    frames.push(data);
                 }
             }
             Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
@@ -522,9 +518,8 @@ pub async fn read_body(
                 return Err(AppError::new(
                     ErrorCode::RequestTimeout,
                     format!(
-                        "the body fell behind the slowest pace taken: {} bytes in {} s \
+                        "the body fell behind the slowest pace taken: {received} bytes in {} s \
                          (allowed: {} s, then {MIN_BODY_BYTES_PER_S} bytes a second)",
-                        buf.len(),
                         start.elapsed().as_secs(),
                         timeout.as_secs()
                     ),
@@ -532,6 +527,26 @@ pub async fn read_body(
             }
         }
     }
+}
+
+/// `frames`, `len` bytes in all, as one buffer (the frame itself when there is one).
+fn join_frames(mut frames: Vec<Bytes>, len: u64) -> Bytes {
+    if frames.len() == 1 {
+        return frames.pop().unwrap_or_default();
+    }
+    let mut joined = Vec::with_capacity(len as usize);
+    for frame in &frames {
+        joined.extend_from_slice(frame);
+    }
+    Bytes::from(joined)
+}
+
+/// See [`AppState::replay_retention`].
+fn replay_retention(skew: SkewWindow, limits: &Limits, run: &RunConfig) -> Duration {
+    let longest = limits.json_body_bytes.max(crate::max_upload_bytes(run)) as u64;
+    Duration::from_millis(skew.replay_horizon_ms())
+        + body_deadline(limits.body_timeout, longest)
+        + Duration::from_secs(2)
 }
 
 /// How long a body of `bytes` may take: `timeout`, plus its length at [`MIN_BODY_BYTES_PER_S`].
@@ -870,16 +885,13 @@ pub async fn upload_slots_per_ip(
     next.run(req).await
 }
 
-/// Deletes replay-cache entries recorded more than `retention` ago (run by the phase driver,
-/// with [`AppState::replay_retention`]). By the database's clock, which stamped them: the
-/// driver's may differ.
-pub async fn prune_replay_cache(db: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "DELETE FROM request_uuids WHERE seen_at < now() - $1 * interval '1 millisecond'",
-    )
-    .bind(retention.as_millis().min(i64::MAX as u128) as i64)
-    .execute(db)
-    .await?;
+/// Deletes replay-cache entries past the time their recording process said to keep them until
+/// (its [`AppState::replay_retention`]; run by each run's phase driver, and runs on one database
+/// share the table). By the database's clock, which stamped them: the driver's may differ.
+pub async fn prune_replay_cache(db: &PgPool) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query("DELETE FROM request_uuids WHERE expires_at < now()")
+        .execute(db)
+        .await?;
     Ok(r.rows_affected())
 }
 

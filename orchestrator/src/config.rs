@@ -236,8 +236,8 @@ pub struct OrchestratorArgs {
         value_delimiter = ','
     )]
     pub trusted_proxies: Vec<std::net::IpAddr>,
-    /// Seconds a signed request's body may take to arrive, plus one second per MiB it
-    /// declares: a client that stops sending is answered 408 and its slot freed.
+    /// Seconds a signed request's body may take to start arriving; then it must keep up 1 MiB
+    /// a second on average: a client that falls behind is answered 408 and its slot freed.
     #[arg(
         long = "body-timeout-s",
         env = "IOTA_BODY_TIMEOUT_S",

@@ -255,7 +255,7 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
 }
 
 async fn housekeeping(app: &App) {
-    match crate::app::prune_replay_cache(&app.db, app.replay_retention()).await {
+    match crate::app::prune_replay_cache(&app.db).await {
         Ok(n) if n > 0 => tracing::debug!(pruned = n, "replay cache pruned"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
@@ -1105,6 +1105,16 @@ async fn settle(
 pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_shared(&mut tx, app.run.id).await?;
+    // The partition's row first, then the dispute's: the order a merge submission takes them
+    // (it settles the partition's dispute when owners agree), so the two never deadlock.
+    sqlx::query(
+        "SELECT 1 FROM partitions p JOIN disputes d USING (run_id, epoch, stage, partition)
+         WHERE d.id = $1 AND d.run_id = $2 FOR UPDATE OF p",
+    )
+    .bind(id)
+    .bind(app.run.id)
+    .execute(&mut *tx)
+    .await?;
     let row = sqlx::query(
         "SELECT epoch, stage, partition, state, settled_hash FROM disputes
          WHERE id = $1 AND run_id = $2 FOR UPDATE",

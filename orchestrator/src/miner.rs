@@ -293,15 +293,9 @@ fn expects_output(direction: Direction, stage: u32) -> bool {
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
     // The signed gate's steps, inline: this is the request every miner sends in a loop.
     let (parts, body) = request.into_parts();
-    let declared = app::check_content_length(&parts, app.limits.json_body_bytes)?;
+    app::check_content_length(&parts, app.limits.json_body_bytes)?;
     let checked = app::check_caller(&app, &parts)?;
-    let bytes = app::read_body(
-        body,
-        declared,
-        app.limits.json_body_bytes,
-        app.limits.body_timeout,
-    )
-    .await?;
+    let bytes = app::read_body(body, app.limits.json_body_bytes, app.limits.body_timeout).await?;
     let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the
@@ -2319,25 +2313,29 @@ pub async fn blob(
     };
     // An owner that could read another owner's merged result before the partition is settled
     // could submit it as its own instead of merging, and the two would agree.
-    if let Some((epoch, stage, partition)) = merged_partition_of(in_run)
-        && !caller.permit
-    {
-        let state: Option<String> = sqlx::query_scalar(
-            "SELECT state FROM partitions
-             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+    // Validators read them at any time (to settle disputes), unless they own the partition
+    // themselves (a hotkey with a permit may also have joined as a miner).
+    if let Some((epoch, stage, partition)) = merged_partition_of(in_run) {
+        let (state, owner): (Option<String>, bool) = sqlx::query_as(
+            "SELECT (SELECT state FROM partitions
+                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4),
+                    EXISTS (SELECT 1 FROM partition_owners
+                            WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+                              AND miner = $5)",
         )
         .bind(app.run.id)
         .bind(epoch)
         .bind(stage)
         .bind(partition)
-        .fetch_optional(&app.db)
+        .bind(&caller.ss58)
+        .fetch_one(&app.db)
         .await?;
-        if matches!(state.as_deref(), Some("open" | "disputed")) {
+        if matches!(state.as_deref(), Some("open" | "disputed")) && (!caller.permit || owner) {
             return Err(AppError::new(
                 ErrorCode::Forbidden,
                 format!(
                     "merged results of partition {stage}/{partition} of epoch {epoch} can be \
-                     read once it is settled (validators: at any time)"
+                     read once it is settled (validators that do not own it: at any time)"
                 ),
             ));
         }

@@ -47,6 +47,8 @@ pub enum ReplayError {
 
 struct Insert {
     db: PgPool,
+    /// How long each recorded uuid is kept (see `AppState::replay_retention`).
+    keep_ms: i64,
 }
 
 impl Flush for Insert {
@@ -62,11 +64,13 @@ impl Flush for Insert {
         uuids.sort_unstable();
         uuids.dedup();
         let inserted: Result<Vec<Uuid>, sqlx::Error> = sqlx::query_scalar(
-            "INSERT INTO request_uuids (uuid, seen_at)
-             SELECT u, now() FROM unnest($1::uuid[]) AS u ORDER BY u
+            "INSERT INTO request_uuids (uuid, seen_at, expires_at)
+             SELECT u, now(), now() + $2 * interval '1 millisecond'
+             FROM unnest($1::uuid[]) AS u ORDER BY u
              ON CONFLICT DO NOTHING RETURNING uuid",
         )
         .bind(&uuids)
+        .bind(self.keep_ms)
         .fetch_all(&self.db)
         .await;
         match inserted {
@@ -180,11 +184,13 @@ pub struct ReplayCache {
 }
 
 impl ReplayCache {
-    /// A cache over `db`'s `request_uuids` table, and this process's memory for `window`.
-    pub fn new(db: PgPool, window: SkewWindow) -> Self {
+    /// A cache over `db`'s `request_uuids` table, whose rows are kept for `keep`, and this
+    /// process's memory for `window`.
+    pub fn new(db: PgPool, window: SkewWindow, keep: std::time::Duration) -> Self {
+        let keep_ms = keep.as_millis().min(i64::MAX as u128) as i64;
         Self {
             local: SeenUuids::new(window),
-            batcher: Batcher::new(Insert { db }, MAX_BATCH, MAX_FLUSHES),
+            batcher: Batcher::new(Insert { db, keep_ms }, MAX_BATCH, MAX_FLUSHES),
         }
     }
 

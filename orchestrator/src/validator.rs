@@ -54,7 +54,7 @@ pub async fn samples(
     security(("epistula" = [])))]
 pub async fn epoch(
     State(app): State<App>,
-    Extension(_v): Extension<Caller>,
+    Extension(v): Extension<Caller>,
     ApiPath(epoch): ApiPath<u64>,
 ) -> ApiResult<Json<EpochRecord>> {
     let cur = run_now(&app.db, app.run.id).await?;
@@ -117,7 +117,7 @@ pub async fn epoch(
         phase: (epoch == cur.epoch).then_some(cur.phase),
         miners,
         pseudo_gradients,
-        partitions: views::partitions_of(&app, epoch, views::Audience::Validators).await?,
+        partitions: views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58)).await?,
         start_weights,
     }))
 }
@@ -133,7 +133,7 @@ async fn start_weights_of(app: &App, stage: u32, epoch: u64) -> ApiResult<StageW
     security(("epistula" = [])))]
 pub async fn disputes(
     State(app): State<App>,
-    Extension(_v): Extension<Caller>,
+    Extension(v): Extension<Caller>,
 ) -> ApiResult<Json<Vec<Dispute>>> {
     let rows = sqlx::query(
         "SELECT d.id, d.epoch, d.stage, d.partition, d.state, p.contributions FROM disputes d
@@ -152,9 +152,9 @@ pub async fn disputes(
         let partition = r.try_get::<i32, _>("partition")? as u32;
         let partitions = match epochs.entry(epoch) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                e.insert(views::partitions_of(&app, epoch, views::Audience::Validators).await?)
-            }
+            Entry::Vacant(e) => e.insert(
+                views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58)).await?,
+            ),
         };
         let status = partitions
             .iter()
@@ -196,7 +196,7 @@ pub async fn settle(
             .bind(id)
             .fetch_one(&app.db)
             .await?;
-    views::partitions_of(&app, epoch as u64, views::Audience::Validators)
+    views::partitions_of(&app, epoch as u64, views::Audience::Validator(&v.ss58))
         .await?
         .into_iter()
         .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
@@ -291,7 +291,7 @@ fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<serde_json::Value> {
     security(("epistula" = [])))]
 pub async fn spot_checks(
     State(app): State<App>,
-    Extension(_v): Extension<Caller>,
+    Extension(v): Extension<Caller>,
     ApiPath(epoch): ApiPath<u64>,
 ) -> ApiResult<Json<SpotCheckTasks>> {
     let rows = sqlx::query(
@@ -321,7 +321,7 @@ pub async fn spot_checks(
             pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
         });
     }
-    let partitions = views::partitions_of(&app, epoch, views::Audience::Validators)
+    let partitions = views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58))
         .await?
         .into_iter()
         .filter(|p| p.state == PartitionState::Accepted)

@@ -321,19 +321,21 @@ pub async fn get_sample(
 
 /// Whose eyes a partition's merge status is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Audience {
+pub enum Audience<'a> {
     /// Anyone: the hashes of an open or disputed partition's results are left out. With one, an
     /// owner could read another's object (its key names the hash) and submit it unmerged.
     Public,
-    /// Validators (signed, with a permit): every hash, to settle disputes and spot-check.
-    Validators,
+    /// A validator (signed, with a permit; its hotkey): every hash, to settle disputes and
+    /// spot-check, but those of the partitions it owns itself (a hotkey with a permit may also
+    /// have joined as a miner), which are left out as for anyone.
+    Validator(&'a str),
 }
 
 /// Merge status of every partition of an epoch.
 pub async fn partitions_of(
     app: &App,
     epoch: u64,
-    audience: Audience,
+    audience: Audience<'_>,
 ) -> ApiResult<Vec<PartitionStatus>> {
     let rows = sqlx::query(
         "SELECT p.stage, p.partition, p.state, p.accepted, p.resolved_by,
@@ -356,11 +358,14 @@ pub async fn partitions_of(
         let state = PartitionState::parse(&state)
             .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad partition state"))?;
         let accepted: Option<serde_json::Value> = r.try_get("accepted")?;
+        let owners: Vec<String> = r.try_get("owners")?;
         let mut results: Vec<MergeResult> =
             serde_json::from_value(r.try_get("results")?).map_err(json_err)?;
-        if audience == Audience::Public
-            && matches!(state, PartitionState::Open | PartitionState::Disputed)
-        {
+        let hidden = match audience {
+            Audience::Public => true,
+            Audience::Validator(hotkey) => owners.iter().any(|o| o == hotkey),
+        };
+        if hidden && matches!(state, PartitionState::Open | PartitionState::Disputed) {
             for result in &mut results {
                 result.blake3 = None;
             }
@@ -370,7 +375,7 @@ pub async fn partitions_of(
             stage: r.try_get::<i32, _>("stage")? as u32,
             partition: r.try_get::<i32, _>("partition")? as u32,
             state,
-            owners: r.try_get("owners")?,
+            owners,
             results,
             accepted: accepted
                 .map(serde_json::from_value)

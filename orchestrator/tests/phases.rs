@@ -333,7 +333,7 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
 
     // Only the stage-0 miner uploads; the deadline passes for the others.
     let stage0 = miners.iter_mut().find(|m| m.stage == 0).expect("stage 0");
-    let report = stage0.step().await.expect("upload");
+    let report = step_until_report(stage0, |r| r.pseudo_gradients > 0).await;
     assert_eq!(report.pseudo_gradients, run.partitions);
     driver::step(&s.app, deadline - Duration::seconds(1))
         .await
@@ -439,7 +439,7 @@ async fn the_upload_quorum_waits_for_every_worker_still_expected() {
         panic!("three workers: {worked:?}");
     };
     for &i in workers.iter().filter(|&&i| i != late) {
-        let report = miners[i].step().await.expect("upload");
+        let report = step_until_report(&mut miners[i], |r| r.pseudo_gradients > 0).await;
         assert_eq!(
             report.pseudo_gradients, run.partitions,
             "every partition uploaded"
@@ -461,7 +461,7 @@ async fn the_upload_quorum_waits_for_every_worker_still_expected() {
         Phase::Uploading,
         "merging started without the upload of a worker still expected"
     );
-    let report = miners[late].step().await.expect("upload");
+    let report = step_until_report(&mut miners[late], |r| r.pseudo_gradients > 0).await;
     assert_eq!(report.pseudo_gradients, run.partitions);
     driver::step(&s.app, Utc::now()).await.expect("step");
     assert_eq!(now_status(&s).await.1, Phase::Merging, "the quorum is met");
@@ -534,10 +534,12 @@ async fn a_partition_nobody_merged_is_merged_by_a_validator() {
     let run = config();
     let s = serve(&[&seeds[..], &[validator]].concat(), run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
-    step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
     assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-    for m in &mut miners {
-        m.step().await.expect("upload");
+    for (m, seed) in miners.iter_mut().zip(&seeds) {
+        if worked.contains(&pair(*seed).ss58_of()) {
+            step_until_report(m, |r| r.pseudo_gradients > 0).await;
+        }
     }
     let (_, phase, deadline, _) = past_the_deadline(&s).await;
     assert_eq!(phase, Phase::Merging);
@@ -600,10 +602,12 @@ async fn a_step_taken_twice_from_one_view_changes_the_phase_once() {
     let run = config();
     let s = serve(&seeds, run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
-    step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
     assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-    for m in &mut miners {
-        m.step().await.expect("upload");
+    for (m, seed) in miners.iter_mut().zip(&seeds) {
+        if worked.contains(&pair(*seed).ss58_of()) {
+            step_until_report(m, |r| r.pseudo_gradients > 0).await;
+        }
     }
     let (_, phase, deadline, round) = past_the_deadline(&s).await;
     assert_eq!((phase, round), (Phase::Merging, 0));
@@ -669,14 +673,13 @@ async fn a_lone_merge_result_is_taken_at_the_last_deadline() {
     );
     // Everyone uploads: uploading ends by quorum too.
     for m in &mut miners {
-        m.step().await.expect("upload");
+        step_until_report(m, |r| r.pseudo_gradients > 0).await;
     }
     driver::step(&s.app, t).await.expect("step");
     let (_, phase, deadline, _) = now_status(&s).await;
     assert_eq!(phase, Phase::Merging, "uploading ends by quorum");
     // Only one miner merges; for its partitions it is the only result.
-    let report = miners[0].step().await.expect("merge");
-    assert!(report.merges > 0);
+    let report = step_until_report(&mut miners[0], |r| r.merges > 0).await;
     let mine = report.merges as usize;
     driver::step(&s.app, deadline + Duration::seconds(1))
         .await
@@ -1078,8 +1081,10 @@ async fn a_miner_restarted_mid_epoch_sits_the_rest_of_it_out() {
         .expect_err("a pseudo-gradient after a restart");
     assert_eq!(refused.code(), Some(ErrorCode::Conflict), "{refused}");
     for (i, m) in miners.iter_mut().enumerate() {
-        if i != restarted {
-            m.step().await.expect("upload");
+        if i != restarted && worked.contains(&key(i)) {
+            step_until_report(m, |r| r.pseudo_gradients > 0).await;
+        } else if i != restarted {
+            m.step().await.expect("step");
         }
     }
     driver::step(&s.app, deadline - Duration::seconds(1))
@@ -1166,6 +1171,23 @@ async fn step_until(
         }
     }
     panic!("not reached in 40 rounds: {:?}", now_status(s).await);
+}
+
+/// Steps `miner` until `done` holds of its report; the report. A poll is answered from the
+/// process's poll view, which follows a phase change a moment after it: a step just after one
+/// may still see the phase before it (the miner's next poll sees the new one).
+async fn step_until_report(
+    miner: &mut SimMiner,
+    done: impl Fn(&iota_orchestrator::sim::StepReport) -> bool,
+) -> iota_orchestrator::sim::StepReport {
+    for _ in 0..100 {
+        let report = miner.step().await.expect("step");
+        if done(&report) {
+            return report;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the miner's steps never did what was expected");
 }
 
 /// A recorded pseudo-gradient partition of epoch 0 (`merges` false) or merge result of it by a
@@ -1269,7 +1291,7 @@ async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_sett
     .fetch_one(&s.db)
     .await
     .expect("a partition with two owners");
-    miners[index_of(&first)].step().await.expect("step");
+    step_until_report(&mut miners[index_of(&first)], |r| r.merges > 0).await;
     let (stage, partition, blob): (i32, i32, serde_json::Value) = sqlx::query_as(
         "SELECT r.stage, r.partition, r.blob FROM merge_results r
          JOIN partition_owners o ON (o.epoch, o.stage, o.partition) = (r.epoch, r.stage, r.partition)
@@ -1304,7 +1326,7 @@ async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_sett
     assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
 
     // The other owner merges for itself; the partition is settled and both are open.
-    miners[index_of(&other)].step().await.expect("step");
+    step_until_report(&mut miners[index_of(&other)], |r| r.merges > 0).await;
     let settled = status_of(reader.merge_status(0).await.expect("merge status"));
     assert_eq!(settled.state, PartitionState::Accepted, "{settled:?}");
     assert!(
@@ -1313,6 +1335,75 @@ async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_sett
     );
     let bytes = reader.download(&blob).await.expect("a settled result");
     assert_eq!(iota_protocol::blob::blake3_hex(&bytes), blob.blake3);
+}
+
+/// A hotkey with a validator permit that also joined as a miner does not see, through the
+/// validator routes, the results of a partition it owns before it is settled: validators read
+/// every hash and object (to settle disputes), and such an owner could otherwise copy another
+/// owner's result like anyone without the fix above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_with_a_validator_permit_cannot_read_the_other_owners_result() {
+    init_tracing();
+    let seeds = [201u8, 202, 203, 204, 205, FIRST_VALIDATOR + 1];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
+    past_the_deadline(&s).await;
+    step_until(&s, &mut miners, |st| st.1 == Phase::Merging).await;
+    let both = pair(FIRST_VALIDATOR + 1).ss58_of();
+    let index_of = |hotkey: &str| {
+        seeds
+            .iter()
+            .position(|seed| pair(*seed).ss58_of() == hotkey)
+            .expect("a miner of the test")
+    };
+    let (stage, partition, other): (i32, i32, String) = sqlx::query_as(
+        "SELECT a.stage, a.partition, b.miner FROM partition_owners a JOIN partition_owners b
+           ON (b.epoch, b.stage, b.partition) = (a.epoch, a.stage, a.partition) AND b.miner <> a.miner
+         WHERE a.epoch = 0 AND a.miner = $1 ORDER BY a.stage, a.partition LIMIT 1",
+    )
+    .bind(&both)
+    .fetch_one(&s.db)
+    .await
+    .expect("a partition the permit holder owns with another miner");
+    step_until_report(&mut miners[index_of(&other)], |r| r.merges > 0).await;
+    let blob: serde_json::Value = sqlx::query_scalar(
+        "SELECT r.blob FROM merge_results r JOIN partitions p
+           ON (p.epoch, p.stage, p.partition) = (r.epoch, r.stage, r.partition)
+         WHERE r.epoch = 0 AND r.stage = $1 AND r.partition = $2 AND r.submitter = $3
+           AND p.state = 'open'",
+    )
+    .bind(stage)
+    .bind(partition)
+    .bind(&other)
+    .fetch_one(&s.db)
+    .await
+    .expect("the other owner's result, the partition still open");
+    let blob: BlobDescriptor = serde_json::from_value(blob).expect("blob");
+    let reader = miners[index_of(&both)].client().clone();
+    let record = reader.epoch_record(0).await.expect("the epoch record");
+    let seen = record
+        .partitions
+        .iter()
+        .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
+        .expect("the partition");
+    assert!(
+        seen.results.iter().all(|r| r.blake3.is_none()),
+        "its owner read the results' hashes: {seen:?}"
+    );
+    let refused = reader
+        .download(&blob)
+        .await
+        .expect_err("another owner's result before the partition is settled");
+    assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
+    // A partition it does not own it reads as any validator.
+    let open_elsewhere = record
+        .partitions
+        .iter()
+        .find(|p| !p.owners.contains(&both) && !p.results.is_empty())
+        .map(|p| p.results.iter().all(|r| r.blake3.is_some()));
+    assert_ne!(open_elsewhere, Some(false), "{:?}", record.partitions);
 }
 
 /// Steps the miners until one has done gradient work in epoch 0, then past the training

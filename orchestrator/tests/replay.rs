@@ -223,11 +223,14 @@ async fn a_replay_whose_body_comes_after_the_window_is_refused() {
     ))
     .await;
     let marker = Uuid::new_v4();
-    sqlx::query("INSERT INTO request_uuids (uuid, seen_at) VALUES ($1, now() - interval '1 hour')")
-        .bind(marker)
-        .execute(&pool)
-        .await
-        .expect("marker");
+    sqlx::query(
+        "INSERT INTO request_uuids (uuid, seen_at, expires_at)
+         VALUES ($1, now() - interval '1 hour', now() - interval '1 hour')",
+    )
+    .bind(marker)
+    .execute(&pool)
+    .await
+    .expect("marker");
     eventually(
         "the replay cache is pruned",
         std::time::Duration::from_secs(20),
@@ -374,4 +377,86 @@ async fn a_follower_forgets_the_addresses_it_limited() {
         .expect("json");
     assert!(!health.leader, "the test held the lock");
     a.stop().await;
+}
+
+/// Runs on one database share the replay cache, and each run's driver prunes it: a uuid is kept
+/// as long as the process that recorded it needs, whatever another run's process would keep
+/// its own for. Each driver once pruned every row by its own run's retention, so a run with
+/// small bodies and a short body timeout dropped the uuids of a run with large uploads while a
+/// slow replay of one could still come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_runs_prune_keeps_a_uuid_for_as_long_as_its_own_run_needs() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    // A run whose uuids need about 7 s (a short window and body timeout), and one whose need
+    // more than 30 s.
+    let mut quick = config(&chain, &db, store.path(), run_config("quick"));
+    quick.skew = iota_protocol::SkewWindow {
+        max_age_ms: 2_000,
+        max_future_ms: 1_000,
+    };
+    quick.limits.body_timeout = std::time::Duration::from_secs(1);
+    let mut slow_run = run_config("slow");
+    slow_run.heartbeat_timeout_s = 600;
+    let slow = config(&chain, &db, store.path(), slow_run);
+    let a = start(quick).await;
+    let b = start(slow).await;
+    let seed = MINERS[2];
+    registered_miner(&b.base, seed).await;
+    let uuid = Uuid::new_v4();
+    let recorded = Raw::to(&b.base)
+        .send(Call {
+            uuid,
+            ..Call::new(
+                &pair(seed),
+                reqwest::Method::POST,
+                "/v1/miner/heartbeat",
+                b"{}".to_vec(),
+            )
+        })
+        .await;
+    assert_eq!(recorded.0, 200, "{recorded:?}");
+    let pool = sqlx::PgPool::connect(&db).await.expect("db");
+    // Past the quick run's retention, until both drivers have pruned.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let marker = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO request_uuids (uuid, seen_at, expires_at)
+         VALUES ($1, now() - interval '1 hour', now() - interval '1 hour')",
+    )
+    .bind(marker)
+    .execute(&pool)
+    .await
+    .expect("marker");
+    eventually(
+        "the replay cache is pruned",
+        std::time::Duration::from_secs(20),
+        || {
+            let pool = pool.clone();
+            async move {
+                let left: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
+                        .bind(marker)
+                        .fetch_one(&pool)
+                        .await
+                        .expect("count");
+                (left == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
+        .bind(uuid)
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(
+        kept, 1,
+        "the slow run's uuid was pruned by the quick run's rule"
+    );
+    pool.close().await;
+    a.stop().await;
+    b.stop().await;
 }
