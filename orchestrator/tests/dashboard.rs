@@ -298,6 +298,28 @@ async fn loss_curve(http: &reqwest::Client, base: &str) -> Vec<LossPoint> {
 
 /// Rows that the plan's nodes on `relation` read (kept or removed by a filter, times loops),
 /// over the whole plan tree of an `EXPLAIN (ANALYZE, FORMAT JSON)`.
+/// The executed plan of `sql` (one parameter: the run) with sequential scans off: a table this
+/// small may be scanned whole by whichever statement (a fresh machine's planner did so once),
+/// and with them off the plan reads what the statement's conditions allow, which is what the
+/// tests look at.
+async fn plan_of(pool: &sqlx::PgPool, sql: &str, run_id: i64) -> Value {
+    let mut conn = pool.acquire().await.expect("connection");
+    sqlx::query("SET enable_seqscan = off")
+        .execute(&mut *conn)
+        .await
+        .expect("planner setting");
+    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {sql}"
+    )))
+    .bind(run_id)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("plan");
+    // Closed, not returned to the pool with the setting.
+    let _ = conn.close().await;
+    plan
+}
+
 fn rows_read(plan: &Value, relation: &str) -> f64 {
     match plan {
         Value::Array(items) => items.iter().map(|v| rows_read(v, relation)).sum(),
@@ -417,23 +439,8 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
         direct.iter().any(|d| d.0 == 0),
         "epoch 0 has losses: {direct:?}"
     );
-    // The route's own statement, constant text. A table this small may be scanned whole by
-    // whichever statement (a fresh machine's planner did so once): with sequential scans off,
-    // the plan reads what the statement's conditions allow, which is the point here.
-    let mut conn = pool.acquire().await.expect("connection");
-    sqlx::query("SET enable_seqscan = off")
-        .execute(&mut *conn)
-        .await
-        .expect("planner setting");
-    let plan: Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
-        iota_orchestrator::views::LOSS_SQL
-    )))
-    .bind(run_id)
-    .fetch_one(&mut *conn)
-    .await
-    .expect("plan");
-    drop(conn);
+    // The route's own statement, constant text.
+    let plan = plan_of(&pool, iota_orchestrator::views::LOSS_SQL, run_id).await;
     let read = rows_read(&plan, "samples");
     let running: i64 = sqlx::query_scalar("SELECT count(*) FROM samples WHERE epoch = 1")
         .fetch_one(&pool)
@@ -828,21 +835,7 @@ async fn latest_scores_read_one_row_per_validator() {
         .map(|v| (format!("validator-{v}"), EPOCHS - v - 1))
         .collect();
     assert_eq!(latest, expected);
-    // With sequential scans off (a table this small may be read whole whatever the statement),
-    // the plan reads what the statement's conditions allow.
-    let mut conn = pool.acquire().await.expect("connection");
-    sqlx::query("SET enable_seqscan = off")
-        .execute(&mut *conn)
-        .await
-        .expect("planner setting");
-    let plan: Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
-        iota_orchestrator::views::SCORES_SQL
-    )))
-    .bind(run.id)
-    .fetch_one(&mut *conn)
-    .await
-    .expect("plan");
+    let plan = plan_of(&pool, iota_orchestrator::views::SCORES_SQL, run.id).await;
     let read = rows_read(&plan, "validator_scores");
     assert!(
         read <= (3 * VALIDATORS) as f64,

@@ -534,15 +534,7 @@ async fn a_partition_nobody_merged_is_merged_by_a_validator() {
     let run = config();
     let s = serve(&[&seeds[..], &[validator]].concat(), run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-    for (m, seed) in miners.iter_mut().zip(&seeds) {
-        if worked.contains(&pair(*seed).ss58_of()) {
-            step_until_report(m, |r| r.pseudo_gradients > 0).await;
-        }
-    }
-    let (_, phase, deadline, _) = past_the_deadline(&s).await;
-    assert_eq!(phase, Phase::Merging);
+    let deadline = merging_after_uploads(&s, &mut miners, &seeds).await;
     let open: Vec<(i32, i32)> = sqlx::query_as(
         "SELECT stage, partition FROM partitions WHERE epoch = 0 AND state = 'open'
          ORDER BY stage, partition",
@@ -602,15 +594,7 @@ async fn a_step_taken_twice_from_one_view_changes_the_phase_once() {
     let run = config();
     let s = serve(&seeds, run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
-    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
-    assert_eq!(past_the_deadline(&s).await.1, Phase::Uploading);
-    for (m, seed) in miners.iter_mut().zip(&seeds) {
-        if worked.contains(&pair(*seed).ss58_of()) {
-            step_until_report(m, |r| r.pseudo_gradients > 0).await;
-        }
-    }
-    let (_, phase, deadline, round) = past_the_deadline(&s).await;
-    assert_eq!((phase, round), (Phase::Merging, 0));
+    let deadline = merging_after_uploads(&s, &mut miners, &seeds).await;
     // Both steps read the run past the merge deadline, then wait for the phase lock held here.
     let mut holder = s.db.begin().await.expect("tx");
     sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
@@ -1190,6 +1174,23 @@ async fn step_until_report(
     panic!("the miner's steps never did what was expected");
 }
 
+/// Steps the miners (of `seeds`) until one has done gradient work, past the training deadline,
+/// has every one with gradient work upload, and steps past the uploading deadline: the run is
+/// merging, in round 0. The merge deadline.
+async fn merging_after_uploads(s: &Served, miners: &mut [SimMiner], seeds: &[u8]) -> DateTime<Utc> {
+    let stages = s.app.config().stages;
+    let worked = step_until_workers(s, miners, stages, |w| !w.is_empty()).await;
+    assert_eq!(past_the_deadline(s).await.1, Phase::Uploading);
+    for (m, seed) in miners.iter_mut().zip(seeds) {
+        if worked.contains(&pair(*seed).ss58_of()) {
+            step_until_report(m, |r| r.pseudo_gradients > 0).await;
+        }
+    }
+    let (_, phase, deadline, round) = past_the_deadline(s).await;
+    assert_eq!((phase, round), (Phase::Merging, 0));
+    deadline
+}
+
 /// A recorded pseudo-gradient partition of epoch 0 (`merges` false) or merge result of it by a
 /// miner: its hotkey, stage, partition, descriptor and bytes.
 async fn a_recorded(s: &Served, merges: bool) -> (String, u32, u32, BlobDescriptor, bytes::Bytes) {
@@ -1435,6 +1436,18 @@ fn pg_commit(s: &Served, stage: u32, hotkey: &str, p: u32, value: f32) -> (Vec<u
     (bytes, commit)
 }
 
+/// The objects a commit of `slot` moved aside (being checked, or left by an attempt).
+async fn aside_of(store: &BlobStore, slot: &str) -> Vec<String> {
+    let dir = slot.rsplit_once('/').expect("a directory").0;
+    store
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.starts_with(&format!("{slot}.pending-")))
+        .collect()
+}
+
 /// Where `commit`'s bytes are kept once accepted.
 fn sealed_of(commit: &CommitRequest) -> String {
     format!(
@@ -1628,16 +1641,7 @@ async fn a_commit_retried_during_its_first_attempts_check_waits_and_an_abandoned
             .as_ref(),
         bytes.as_slice()
     );
-    let dir = commit.key.rsplit_once('/').expect("a directory").0;
-    let left: Vec<String> = s
-        .app
-        .store
-        .list(dir)
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|k| k.contains(".pending-"))
-        .collect();
+    let left = aside_of(&s.app.store, &commit.key).await;
     assert!(left.is_empty(), "left aside: {left:?}");
 
     // Partition 2: an abandoned object of another size is not this commit's, and stays.
@@ -1772,14 +1776,7 @@ async fn a_commit_whose_object_was_taken_over_answers_from_the_sealed_object() {
     h.until_held().await;
     // Meanwhile another attempt takes the object over and seals it.
     let (bucket, slot, sealed) = (&h.bucket, &h.slot, &h.sealed);
-    let dir = slot.rsplit_once('/').expect("a directory").0;
-    let aside: Vec<String> = bucket
-        .list(dir)
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|k| k.starts_with(&format!("{slot}.pending-")))
-        .collect();
+    let aside = aside_of(bucket, slot).await;
     let [checked] = &aside[..] else {
         panic!("one object aside: {aside:?}");
     };
@@ -1890,15 +1887,7 @@ async fn a_commit_whose_check_failed_on_the_store_leaves_the_object_for_its_retr
             .as_ref(),
         h.bytes.as_slice()
     );
-    let dir = h.slot.rsplit_once('/').expect("a directory").0;
-    let aside: Vec<String> = h
-        .bucket
-        .list(dir)
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|k| k.contains(".pending-"))
-        .collect();
+    let aside = aside_of(&h.bucket, &h.slot).await;
     assert!(aside.is_empty(), "nothing left aside: {aside:?}");
     let retried = h
         .send()

@@ -222,32 +222,7 @@ async fn a_replay_whose_body_comes_after_the_window_is_refused() {
         (ts + 4_500).saturating_sub(now_ms()),
     ))
     .await;
-    let marker = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO request_uuids (uuid, seen_at, expires_at)
-         VALUES ($1, now() - interval '1 hour', now() - interval '1 hour')",
-    )
-    .bind(marker)
-    .execute(&pool)
-    .await
-    .expect("marker");
-    eventually(
-        "the replay cache is pruned",
-        std::time::Duration::from_secs(20),
-        || {
-            let pool = pool.clone();
-            async move {
-                let left: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
-                        .bind(marker)
-                        .fetch_one(&pool)
-                        .await
-                        .expect("count");
-                (left == 0).then_some(())
-            }
-        },
-    )
-    .await;
+    until_pruned(&pool).await;
 
     replay.write_all(&body[1..]).await.expect("last byte");
     let mut answer = Vec::new();
@@ -421,32 +396,7 @@ async fn another_runs_prune_keeps_a_uuid_for_as_long_as_its_own_run_needs() {
     let pool = sqlx::PgPool::connect(&db).await.expect("db");
     // Past the quick run's retention, until both drivers have pruned.
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
-    let marker = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO request_uuids (uuid, seen_at, expires_at)
-         VALUES ($1, now() - interval '1 hour', now() - interval '1 hour')",
-    )
-    .bind(marker)
-    .execute(&pool)
-    .await
-    .expect("marker");
-    eventually(
-        "the replay cache is pruned",
-        std::time::Duration::from_secs(20),
-        || {
-            let pool = pool.clone();
-            async move {
-                let left: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
-                        .bind(marker)
-                        .fetch_one(&pool)
-                        .await
-                        .expect("count");
-                (left == 0).then_some(())
-            }
-        },
-    )
-    .await;
+    until_pruned(&pool).await;
     let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
         .bind(uuid)
         .fetch_one(&pool)
@@ -459,4 +409,32 @@ async fn another_runs_prune_keeps_a_uuid_for_as_long_as_its_own_run_needs() {
     pool.close().await;
     a.stop().await;
     b.stop().await;
+}
+
+/// Until a leader's housekeeping has pruned the replay cache after this call: a row expired
+/// before anything else is gone.
+async fn until_pruned(pool: &sqlx::PgPool) {
+    let marker = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO request_uuids (uuid, seen_at, expires_at)
+         VALUES ($1, now() - interval '1 hour', now() - interval '1 hour')",
+    )
+    .bind(marker)
+    .execute(pool)
+    .await
+    .expect("marker");
+    eventually(
+        "the replay cache is pruned",
+        std::time::Duration::from_secs(20),
+        || async move {
+            let left: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM request_uuids WHERE uuid = $1")
+                    .bind(marker)
+                    .fetch_one(pool)
+                    .await
+                    .expect("count");
+            (left == 0).then_some(())
+        },
+    )
+    .await;
 }
