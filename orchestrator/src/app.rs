@@ -231,15 +231,6 @@ impl AppState {
         self.leader.load(Ordering::Relaxed)
     }
 
-    /// How long the shared replay cache keeps a uuid. A request's clock check is passed when its
-    /// headers arrive, but its uuid is recorded once its body has (up to [`read_body`]'s deadline
-    /// later): a replay whose headers arrive at the end of the clock window and whose body comes
-    /// slowly must still find the original's uuid. So the clock window, the longest body
-    /// deadline of any signed route, and 2 s for clocks of processes and database that differ.
-    pub fn replay_retention(&self) -> Duration {
-        replay_retention(self.skew, &self.limits, &self.run.config)
-    }
-
     /// Keys the rate limiters hold: hotkeys, and peer addresses.
     pub fn limiter_keys(&self) -> (usize, usize) {
         (self.per_hotkey.len(), self.per_ip.len())
@@ -541,7 +532,11 @@ fn join_frames(mut frames: Vec<Bytes>, len: u64) -> Bytes {
     Bytes::from(joined)
 }
 
-/// See [`AppState::replay_retention`].
+/// How long the shared replay cache keeps a uuid. A request's clock check is passed when its
+/// headers arrive, but its uuid is recorded once its body has (up to [`read_body`]'s deadline
+/// later): a replay whose headers arrive at the end of the clock window and whose body comes
+/// slowly must still find the original's uuid. So the clock window, the longest body
+/// deadline of any signed route, and 2 s for clocks of processes and database that differ.
 fn replay_retention(skew: SkewWindow, limits: &Limits, run: &RunConfig) -> Duration {
     let longest = limits.json_body_bytes.max(crate::max_upload_bytes(run)) as u64;
     Duration::from_millis(skew.replay_horizon_ms())
@@ -741,15 +736,12 @@ fn member(app: &App, key: &PublicKey, ss58: &str) -> Result<(u16, bool), AppErro
 /// arrives IPv4-mapped on an IPv6 socket), an IPv6 address by its /64 network, since one host
 /// is commonly given a whole /64 and could otherwise take a new address for every request.
 pub fn address_key(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(v4) => IpAddr::V4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let network = u128::from(v6) & !((1u128 << 64) - 1);
-                IpAddr::V6(network.into())
-            }
-        },
+    match unmapped(ip) {
+        IpAddr::V6(v6) => {
+            let network = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(network.into())
+        }
+        v4 => v4,
     }
 }
 
@@ -757,12 +749,7 @@ pub fn address_key(ip: IpAddr) -> IpAddr {
 /// one of the trusted proxies, the last address in `X-Forwarded-For` that is not one (each proxy
 /// appends the address it heard from). A malformed entry counts the request against the proxy.
 pub fn client_address(trusted: &[IpAddr], peer: IpAddr, headers: &axum::http::HeaderMap) -> IpAddr {
-    // An IPv4 proxy reaches a dual-stack listener as an IPv4-mapped IPv6 address.
-    let plain = |ip: IpAddr| match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    };
-    let peer = plain(peer);
+    let peer = unmapped(peer);
     if !trusted.contains(&peer) {
         return peer;
     }
@@ -779,13 +766,22 @@ pub fn client_address(trusted: &[IpAddr], peer: IpAddr, headers: &axum::http::He
         })
         .collect();
     for hop in hops.iter().rev() {
-        match hop.parse::<IpAddr>().map(plain) {
+        match hop.parse::<IpAddr>().map(unmapped) {
             Ok(ip) if trusted.contains(&ip) => {}
             Ok(ip) => return ip,
             Err(_) => return peer,
         }
     }
     peer
+}
+
+/// `ip`, an IPv4-mapped IPv6 address as the IPv4 one (how an IPv4 peer reaches a dual-stack
+/// listener).
+pub fn unmapped(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
 }
 
 /// Public-route middleware: per-IP rate limit.
@@ -886,7 +882,7 @@ pub async fn upload_slots_per_ip(
 }
 
 /// Deletes replay-cache entries past the time their recording process said to keep them until
-/// (its [`AppState::replay_retention`]; run by each run's phase driver, and runs on one database
+/// (its [`replay_retention`]; run by each run's phase driver, and runs on one database
 /// share the table). By the database's clock, which stamped them: the driver's may differ.
 pub async fn prune_replay_cache(db: &PgPool) -> Result<u64, sqlx::Error> {
     let r = sqlx::query("DELETE FROM request_uuids WHERE expires_at < now()")

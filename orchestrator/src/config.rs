@@ -328,12 +328,7 @@ impl OrchestratorArgs {
             trusted_proxies: self
                 .trusted_proxies
                 .iter()
-                .map(|ip| match ip {
-                    std::net::IpAddr::V6(v6) => {
-                        v6.to_ipv4_mapped().map_or(*ip, std::net::IpAddr::V4)
-                    }
-                    v4 => *v4,
-                })
+                .map(|ip| crate::app::unmapped(*ip))
                 .collect(),
             netuid,
             hotkey,

@@ -47,7 +47,7 @@ pub enum ReplayError {
 
 struct Insert {
     db: PgPool,
-    /// How long each recorded uuid is kept (see `AppState::replay_retention`).
+    /// How long each recorded uuid is kept (see `app::replay_retention`).
     keep_ms: i64,
 }
 

@@ -39,6 +39,20 @@ async fn step_all(miners: &mut [SimMiner]) {
     }
 }
 
+/// Until the orchestrator at `base` says it leads its run.
+async fn until_leads(base: &str, timeout: Duration) {
+    eventually(&format!("{base} leads its run"), timeout, || async move {
+        let h: Health = reqwest::get(format!("{base}/healthz"))
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        h.leader.then_some(())
+    })
+    .await;
+}
+
 async fn status(base: &str) -> EpochStatus {
     reqwest::get(format!("{base}/v1/status"))
         .await
@@ -365,19 +379,7 @@ async fn two_orchestrators_serve_one_run_and_fail_over() {
         .expect("json");
     let (survivor, stopped) = if a_leads.leader { (b, a) } else { (a, b) };
     stopped.stop().await;
-    eventually("the survivor leads", Duration::from_secs(10), || {
-        let base = survivor.base.clone();
-        async move {
-            let h: Health = reqwest::get(format!("{base}/healthz"))
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
-            h.leader.then_some(())
-        }
-    })
-    .await;
+    until_leads(&survivor.base, Duration::from_secs(10)).await;
     let mut miners: Vec<SimMiner> = Vec::new();
     for (i, s) in seeds.iter().enumerate() {
         miners.push(
@@ -420,20 +422,7 @@ async fn two_runs_on_one_database_each_have_a_driver() {
     let a = start(config(&chain, &db_url, store.path(), first)).await;
     let b = start(config(&chain, &db_url, store.path(), second)).await;
     for base in [&a.base, &b.base] {
-        eventually(
-            &format!("{base} leads its run"),
-            std::time::Duration::from_secs(20),
-            || async move {
-                let h: Health = reqwest::get(format!("{base}/healthz"))
-                    .await
-                    .ok()?
-                    .json()
-                    .await
-                    .ok()?;
-                h.leader.then_some(())
-            },
-        )
-        .await;
+        until_leads(base, Duration::from_secs(20)).await;
     }
     // And each run leaves training at its deadline.
     let db = PgPool::connect(&db_url).await.expect("db");

@@ -1741,6 +1741,17 @@ impl HeldCommit {
         .expect("the commit checked the object and is sealing it");
     }
 
+    /// The commit sent again is answered with the sealed object, and recorded with it.
+    async fn retry_takes_the_sealed_object(&self) {
+        let retried = self
+            .send()
+            .await
+            .expect("join")
+            .expect("the retry takes the sealed object");
+        assert_eq!(retried.blob.key, self.sealed);
+        self.recorded_sealed().await;
+    }
+
     /// The partition is recorded with the sealed object, which holds the bytes.
     async fn recorded_sealed(&self) {
         let recorded: (String, String) = sqlx::query_as(
@@ -1842,13 +1853,7 @@ async fn a_commit_whose_client_stopped_waiting_is_sealed_for_its_retry() {
         || async { h.bucket.get(&h.sealed).await.ok().map(|_| ()) },
     )
     .await;
-    let retried = h
-        .send()
-        .await
-        .expect("join")
-        .expect("the retry takes the sealed object");
-    assert_eq!(retried.blob.key, h.sealed);
-    h.recorded_sealed().await;
+    h.retry_takes_the_sealed_object().await;
 }
 
 /// A commit whose check could not read the object back (the store failed) puts the object back
@@ -1889,13 +1894,7 @@ async fn a_commit_whose_check_failed_on_the_store_leaves_the_object_for_its_retr
     );
     let aside = aside_of(&h.bucket, &h.slot).await;
     assert!(aside.is_empty(), "nothing left aside: {aside:?}");
-    let retried = h
-        .send()
-        .await
-        .expect("join")
-        .expect("the retry checks and seals the object");
-    assert_eq!(retried.blob.key, h.sealed);
-    h.recorded_sealed().await;
+    h.retry_takes_the_sealed_object().await;
 }
 
 /// A miner that reserved its upload before the uploading deadline gets every partition in after
