@@ -78,7 +78,8 @@ pub struct OrchestratorArgs {
     )]
     pub db_max_connections: u32,
     /// Blob store: a directory (`./store`, `file:///srv/iota`) or
-    /// `s3://bucket?endpoint=http://host:port&region=…` (credentials from AWS_* variables).
+    /// `s3://bucket?endpoint=http://host:port&region=…&presign_ttl_s=900` (credentials from
+    /// AWS_* variables; presigned URLs last presign_ttl_s).
     #[arg(long, env = "IOTA_STORE", default_value = "./iota-store")]
     pub store: String,
     /// Chain endpoint selection.

@@ -116,7 +116,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                     }
                 }
                 if n.is_multiple_of(50) {
-                    housekeeping(&app).await;
+                    housekeeping(&app, Utc::now()).await;
                 }
             }
         }
@@ -254,13 +254,13 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
     tx.commit().await
 }
 
-async fn housekeeping(app: &App) {
+async fn housekeeping(app: &App, now: DateTime<Utc>) {
     match crate::app::prune_replay_cache(&app.db).await {
         Ok(n) if n > 0 => tracing::debug!(pruned = n, "replay cache pruned"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
     }
-    if let Err(e) = collect_garbage(app).await {
+    if let Err(e) = collect_garbage(app, now).await {
         tracing::warn!(error = ?e.0, "garbage collection failed");
     }
 }
@@ -1200,18 +1200,27 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
 /// Deletes the objects of epochs older than the retention window, keeping the merged partitions
 /// that an epoch still kept starts from (for each partition, the latest accepted before the
 /// oldest kept epoch: those are also the latest weights of a partition not merged since).
-async fn collect_garbage(app: &App) -> ApiResult<()> {
+///
+/// An epoch is collected only once no presigned URL for its keys can still be used (they are
+/// handed out only while it runs, see [`crate::BlobStore::upload_grace`]): a PUT landing after
+/// its collection would stay in the bucket for good.
+pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let cur = run_now(&app.db, app.run.id).await?;
     let keep = app.config().retention_epochs.max(1);
     if cur.epoch < keep {
         return Ok(());
     }
     let oldest_kept = (cur.epoch - keep) as i64;
+    let grace = chrono::Duration::from_std(app.store.upload_grace())
+        .unwrap_or_else(|_| chrono::Duration::days(7));
     let old: Vec<i64> = sqlx::query_scalar(
-        "SELECT epoch FROM epochs WHERE run_id = $1 AND epoch < $2 AND NOT gc_done ORDER BY epoch",
+        "SELECT epoch FROM epochs WHERE run_id = $1 AND epoch < $2 AND NOT gc_done
+           AND (ended_at IS NULL OR ended_at <= $3)
+         ORDER BY epoch",
     )
     .bind(app.run.id)
     .bind(oldest_kept)
+    .bind(now - grace)
     .fetch_all(&app.db)
     .await?;
     // The kept epochs move on only as the run does, which leaves an epoch to collect.

@@ -28,11 +28,21 @@ pub enum StoreConfig {
         endpoint: Option<String>,
         /// Region.
         region: Option<String>,
+        /// How long presigned URLs last ([`DEFAULT_PRESIGN_TTL`] unless the URL's
+        /// `presign_ttl_s` says otherwise). Objects of an ended epoch are collected no sooner
+        /// than this after it ended (see [`BlobStore::upload_grace`]).
+        presign_ttl: Duration,
     },
 }
 
+/// How long presigned URLs last unless configured.
+pub const DEFAULT_PRESIGN_TTL: Duration = Duration::from_secs(900);
+/// The longest presigned URL S3 signs (seven days).
+const MAX_PRESIGN_TTL_S: u64 = 7 * 24 * 3600;
+
 impl StoreConfig {
-    /// Parses `file:///path`, a plain path, or `s3://bucket?endpoint=http://…&region=…`.
+    /// Parses `file:///path`, a plain path, or
+    /// `s3://bucket?endpoint=http://…&region=…&presign_ttl_s=…`.
     pub fn parse(text: &str) -> Result<Self, String> {
         if let Some(rest) = text.strip_prefix("s3://") {
             let (bucket, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -42,10 +52,22 @@ impl StoreConfig {
             }
             let mut endpoint = None;
             let mut region = None;
+            let mut presign_ttl = DEFAULT_PRESIGN_TTL;
             for pair in url::form_urlencoded::parse(query.as_bytes()) {
                 match pair.0.as_ref() {
                     "endpoint" => endpoint = Some(pair.1.into_owned()),
                     "region" => region = Some(pair.1.into_owned()),
+                    "presign_ttl_s" => {
+                        presign_ttl = match pair.1.parse::<u64>() {
+                            Ok(s) if (1..=MAX_PRESIGN_TTL_S).contains(&s) => Duration::from_secs(s),
+                            _ => {
+                                return Err(format!(
+                                    "presign_ttl_s in {text:?} must be whole seconds from 1 to \
+                                     {MAX_PRESIGN_TTL_S}"
+                                ));
+                            }
+                        }
+                    }
                     other => return Err(format!("unknown store option {other:?} in {text:?}")),
                 }
             }
@@ -53,6 +75,7 @@ impl StoreConfig {
                 bucket: bucket.to_owned(),
                 endpoint,
                 region,
+                presign_ttl,
             });
         }
         let path = text.strip_prefix("file://").unwrap_or(text);
@@ -119,13 +142,14 @@ impl BlobStore {
                 Ok(Self {
                     inner: Arc::new(fs),
                     signer: None,
-                    presign_ttl: Duration::from_secs(900),
+                    presign_ttl: Duration::ZERO,
                 })
             }
             StoreConfig::S3 {
                 bucket,
                 endpoint,
                 region,
+                presign_ttl,
             } => {
                 let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
                 if let Some(ep) = endpoint {
@@ -141,7 +165,7 @@ impl BlobStore {
                 Ok(Self {
                     inner: s3.clone(),
                     signer: Some(s3),
-                    presign_ttl: Duration::from_secs(900),
+                    presign_ttl: *presign_ttl,
                 })
             }
         }
@@ -304,9 +328,16 @@ impl BlobStore {
         Ok(Some(url.to_string()))
     }
 
-    /// How long presigned URLs last.
+    /// How long presigned URLs last (zero for a store that does not presign).
     pub fn presign_ttl(&self) -> Duration {
         self.presign_ttl
+    }
+
+    /// How long after the last presigned URL for a key was handed out a PUT to it may still
+    /// land: the URL's lifetime, and as long again (up to a minute) for a store whose clock runs
+    /// behind ours. Zero for a store that does not presign.
+    pub fn upload_grace(&self) -> Duration {
+        self.presign_ttl + self.presign_ttl.min(Duration::from_secs(60))
     }
 }
 
@@ -329,9 +360,23 @@ mod tests {
             Ok(StoreConfig::S3 {
                 bucket: "b".into(),
                 endpoint: Some("http://127.0.0.1:5000".into()),
-                region: Some("us-east-1".into())
+                region: Some("us-east-1".into()),
+                presign_ttl: DEFAULT_PRESIGN_TTL,
             })
         );
+        assert_eq!(
+            StoreConfig::parse("s3://b?presign_ttl_s=30"),
+            Ok(StoreConfig::S3 {
+                bucket: "b".into(),
+                endpoint: None,
+                region: None,
+                presign_ttl: Duration::from_secs(30),
+            })
+        );
+        for bad in ["0", "-1", "1.5", "604801", "soon"] {
+            let e = StoreConfig::parse(&format!("s3://b?presign_ttl_s={bad}")).unwrap_err();
+            assert!(e.contains("presign_ttl_s"), "{bad}: {e}");
+        }
         assert!(StoreConfig::parse("s3://").is_err());
         assert!(StoreConfig::parse("s3://b?colour=red").is_err());
     }

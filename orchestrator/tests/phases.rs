@@ -2085,3 +2085,75 @@ async fn a_reservation_committed_while_the_switch_waits_for_its_lock_holds_the_p
         "the switch to merging did not count a reservation committed while it waited"
     );
 }
+
+/// An epoch's objects are collected only once no presigned URL for them can still be used: a
+/// PUT that lands after its epoch ended, through a URL handed out while it ran, is deleted with
+/// the epoch's other objects. (Collected as soon as retention passed, such an object stayed in
+/// the bucket for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_presigned_put_landing_after_its_epoch_ended_is_collected() {
+    init_tracing();
+    let seeds = [191u8, 192, 193];
+    let run = config();
+    let s = serve_with(&seeds, run.clone(), Some(s3_store())).await;
+    let grace = Duration::from_std(s.app.store.upload_grace()).expect("grace");
+    assert!(
+        grace > Duration::zero(),
+        "a presigning store waits for its URLs"
+    );
+    let key = format!(
+        "runs/{}/epoch-0/samples/late-output.safetensors",
+        s.app.run.id
+    );
+    let url = s
+        .app
+        .store
+        .presign(http::Method::PUT, &key)
+        .await
+        .expect("presign")
+        .expect("an S3 store presigns");
+
+    // Deadlines pass until epoch 0 is past the retention window.
+    for _ in 0..40 {
+        if now_status(&s).await.0 > run.retention_epochs {
+            break;
+        }
+        past_the_deadline(&s).await;
+    }
+    let (epoch, ..) = now_status(&s).await;
+    assert!(epoch > run.retention_epochs, "epoch {epoch}");
+    let ended: DateTime<Utc> = sqlx::query_scalar("SELECT ended_at FROM epochs WHERE epoch = 0")
+        .fetch_one(&s.db)
+        .await
+        .expect("epoch 0 ended");
+    let collected = || async {
+        sqlx::query_scalar::<_, bool>("SELECT gc_done FROM epochs WHERE epoch = 0")
+            .fetch_one(&s.db)
+            .await
+            .expect("gc_done")
+    };
+
+    // While the URL may still be used, the epoch is kept.
+    driver::collect_garbage(&s.app, ended + grace - Duration::seconds(1))
+        .await
+        .expect("collect");
+    assert!(!collected().await, "collected while its URLs were live");
+    // The PUT lands late (the URL was handed out while epoch 0 ran).
+    let put = reqwest::Client::new()
+        .put(&url)
+        .body(vec![7u8; 64])
+        .send()
+        .await
+        .expect("PUT");
+    assert!(put.status().is_success(), "{}", put.status());
+    assert!(s.app.store.get(&key).await.is_ok(), "the late PUT landed");
+
+    driver::collect_garbage(&s.app, ended + grace + Duration::seconds(1))
+        .await
+        .expect("collect");
+    assert!(collected().await, "epoch 0 collected once its URLs expired");
+    assert!(
+        s.app.store.get(&key).await.is_err(),
+        "the late PUT is collected with its epoch"
+    );
+}

@@ -39,6 +39,9 @@ pub fn s3_store() -> iota_orchestrator::StoreConfig {
         bucket: std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into()),
         endpoint: Some(endpoint),
         region: Some(std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())),
+        // Short, so that an ended epoch's objects are collected within a test's time (no sooner
+        // than twice this after it ended); long enough for a test's uploads.
+        presign_ttl: std::time::Duration::from_secs(10),
     }
 }
 
@@ -448,6 +451,7 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         bucket,
         endpoint: Some(upstream),
         region,
+        presign_ttl,
     } = store.clone()
     else {
         panic!("an S3 store with an endpoint");
@@ -540,6 +544,7 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
             bucket,
             endpoint: Some(endpoint),
             region,
+            presign_ttl,
         },
         marker,
         held,
