@@ -188,19 +188,61 @@ pub async fn get_stage_weights(
     Ok(Json(stage_weights(&app, stage, q.before).await?))
 }
 
-/// `GET /v1/miners`.
-#[utoipa::path(get, path = "/v1/miners", tag = "explorer", responses((status = 200, body = Vec<MinerInfo>)))]
-pub async fn get_miners(State(app): State<App>) -> ApiResult<Json<Vec<MinerInfo>>> {
+/// `GET /v1/miners?after=…&status=…&limit=…`: a page of miners, by hotkey.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct MinersQuery {
+    /// Only miners whose hotkey sorts after this one (the last of the page before).
+    #[serde(default)]
+    pub after: Option<String>,
+    /// Only miners in this status: `active` or `released`.
+    #[serde(default)]
+    pub status: Option<String>,
+    /// At most this many (1–5000, default 1000).
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+/// The most rows a page of an explorer list holds, and how many unless asked.
+const MAX_PAGE: u32 = 5000;
+const DEFAULT_PAGE: u32 = 1000;
+
+fn page_limit(limit: Option<u32>) -> i64 {
+    i64::from(limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE))
+}
+
+/// `GET /v1/miners`: every miner that joined the run (active or released), by hotkey, a page at
+/// a time.
+#[utoipa::path(get, path = "/v1/miners", tag = "explorer", params(MinersQuery),
+    responses((status = 200, body = Vec<MinerInfo>), (status = 400, body = iota_protocol::ApiError)))]
+pub async fn get_miners(
+    State(app): State<App>,
+    ApiQuery(q): ApiQuery<MinersQuery>,
+) -> ApiResult<Json<Vec<MinerInfo>>> {
+    if let Some(status) = q.status.as_deref()
+        && !matches!(status, "active" | "released")
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("status {status:?}: miners are active or released"),
+        ));
+    }
     let now = run_now(&app.db, app.run.id).await?;
     let rows = sqlx::query(
         "SELECT m.hotkey, m.uid, m.stage, m.status, m.device, m.memory_bytes, m.tokens_per_s,
                 m.last_seen, m.joined_epoch,
                 (SELECT count(*) FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
                    AND t.epoch = $2 AND t.status = 'done') AS hops
-         FROM miners m WHERE m.run_id = $1 ORDER BY m.stage, m.hotkey",
+         FROM miners m
+         WHERE m.run_id = $1 AND ($3::text IS NULL OR m.hotkey > $3)
+           AND ($4::text IS NULL OR m.status = $4)
+         ORDER BY m.hotkey LIMIT $5",
     )
     .bind(app.run.id)
     .bind(now.epoch as i64)
+    .bind(q.after.as_deref())
+    .bind(q.status.as_deref())
+    .bind(page_limit(q.limit))
     .fetch_all(&app.db)
     .await?;
     let mut out = Vec::with_capacity(rows.len());
@@ -224,22 +266,50 @@ pub async fn get_miners(State(app): State<App>) -> ApiResult<Json<Vec<MinerInfo>
     Ok(Json(out))
 }
 
+/// `GET /v1/loss` and `GET /v1/throughput`: the latest epochs, a page at a time.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EpochsQuery {
+    /// Only epochs before this one (the first of the page after).
+    #[serde(default)]
+    pub before: Option<u64>,
+    /// At most this many, the latest (1–5000, default 1000); in epoch order.
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+impl EpochsQuery {
+    fn before(&self) -> i64 {
+        self.before
+            .map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64)
+    }
+}
+
 /// What `GET /v1/loss` runs: finished epochs' stored means, and the running epoch's from its
 /// own samples (so a request reads one row per epoch and one epoch's samples, however long the
-/// run). Epochs without a loss are left out.
-pub const LOSS_SQL: &str = "SELECT epoch, loss_samples, loss_mean FROM epochs
-     WHERE run_id = $1 AND ended_at IS NOT NULL AND loss_samples > 0
-     UNION ALL
-     SELECT epoch, count(loss), avg(loss) FROM samples
-     WHERE run_id = $1 AND epoch = (SELECT epoch FROM runs WHERE id = $1) AND loss IS NOT NULL
-     GROUP BY epoch
+/// run), the latest `$3` epochs before `$2`. Epochs without a loss are left out.
+pub const LOSS_SQL: &str = "SELECT epoch, n, mean FROM (
+       SELECT epoch, loss_samples AS n, loss_mean AS mean FROM epochs
+       WHERE run_id = $1 AND epoch < $2 AND ended_at IS NOT NULL AND loss_samples > 0
+       UNION ALL
+       SELECT epoch, count(loss), avg(loss) FROM samples
+       WHERE run_id = $1 AND epoch = (SELECT epoch FROM runs WHERE id = $1) AND epoch < $2
+         AND loss IS NOT NULL
+       GROUP BY epoch
+       ORDER BY epoch DESC LIMIT $3) latest
      ORDER BY epoch";
 
-/// `GET /v1/loss`: mean last-stage loss per epoch.
-#[utoipa::path(get, path = "/v1/loss", tag = "explorer", responses((status = 200, body = Vec<LossPoint>)))]
-pub async fn get_loss(State(app): State<App>) -> ApiResult<Json<Vec<LossPoint>>> {
+/// `GET /v1/loss`: mean last-stage loss per epoch, the latest epochs.
+#[utoipa::path(get, path = "/v1/loss", tag = "explorer", params(EpochsQuery),
+    responses((status = 200, body = Vec<LossPoint>), (status = 400, body = iota_protocol::ApiError)))]
+pub async fn get_loss(
+    State(app): State<App>,
+    ApiQuery(q): ApiQuery<EpochsQuery>,
+) -> ApiResult<Json<Vec<LossPoint>>> {
     let rows: Vec<(i64, i64, f64)> = sqlx::query_as(LOSS_SQL)
         .bind(app.run.id)
+        .bind(q.before())
+        .bind(page_limit(q.limit))
         .fetch_all(&app.db)
         .await?;
     Ok(Json(
@@ -253,15 +323,23 @@ pub async fn get_loss(State(app): State<App>) -> ApiResult<Json<Vec<LossPoint>>>
     ))
 }
 
-/// `GET /v1/throughput`: samples, tokens and bytes per epoch.
-#[utoipa::path(get, path = "/v1/throughput", tag = "explorer", responses((status = 200, body = Vec<ThroughputPoint>)))]
-pub async fn get_throughput(State(app): State<App>) -> ApiResult<Json<Vec<ThroughputPoint>>> {
+/// `GET /v1/throughput`: samples, tokens and bytes per epoch, the latest epochs.
+#[utoipa::path(get, path = "/v1/throughput", tag = "explorer", params(EpochsQuery),
+    responses((status = 200, body = Vec<ThroughputPoint>), (status = 400, body = iota_protocol::ApiError)))]
+pub async fn get_throughput(
+    State(app): State<App>,
+    ApiQuery(q): ApiQuery<EpochsQuery>,
+) -> ApiResult<Json<Vec<ThroughputPoint>>> {
     let rows = sqlx::query(
-        "SELECT epoch, samples_completed, wire_bytes,
-            extract(epoch FROM coalesce(training_ended_at, now()) - started_at)::float8 AS secs
-         FROM epochs WHERE run_id = $1 ORDER BY epoch",
+        "SELECT * FROM (
+           SELECT epoch, samples_completed, wire_bytes,
+             extract(epoch FROM coalesce(training_ended_at, now()) - started_at)::float8 AS secs
+           FROM epochs WHERE run_id = $1 AND epoch < $2 ORDER BY epoch DESC LIMIT $3) latest
+         ORDER BY epoch",
     )
     .bind(app.run.id)
+    .bind(q.before())
+    .bind(page_limit(q.limit))
     .fetch_all(&app.db)
     .await?;
     let tokens_per_sample = u64::from(app.config().micro_batch) * u64::from(app.config().seq_len);
@@ -472,7 +550,7 @@ pub struct PageQuery {
 
 impl PageQuery {
     fn limit(&self) -> i64 {
-        i64::from(self.limit.unwrap_or(1000).clamp(1, 5000))
+        page_limit(self.limit)
     }
 }
 

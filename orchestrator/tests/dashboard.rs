@@ -302,19 +302,19 @@ async fn loss_curve(http: &reqwest::Client, base: &str) -> Vec<LossPoint> {
 /// small may be scanned whole by whichever statement (a fresh machine's planner did so once),
 /// and with them off the plan reads what the statement's conditions allow, which is what the
 /// tests look at.
-async fn plan_of(pool: &sqlx::PgPool, sql: &str, run_id: i64) -> Value {
+async fn plan_of(pool: &sqlx::PgPool, sql: &str, binds: &[i64]) -> Value {
     let mut conn = pool.acquire().await.expect("connection");
     sqlx::query("SET enable_seqscan = off")
         .execute(&mut *conn)
         .await
         .expect("planner setting");
-    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+    let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "EXPLAIN (ANALYZE, FORMAT JSON) {sql}"
-    )))
-    .bind(run_id)
-    .fetch_one(&mut *conn)
-    .await
-    .expect("plan");
+    )));
+    for &value in binds {
+        query = query.bind(value);
+    }
+    let plan = query.fetch_one(&mut *conn).await.expect("plan");
     // Closed, not returned to the pool with the setting.
     let _ = conn.close().await;
     plan
@@ -440,7 +440,12 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
         "epoch 0 has losses: {direct:?}"
     );
     // The route's own statement, constant text.
-    let plan = plan_of(&pool, iota_orchestrator::views::LOSS_SQL, run_id).await;
+    let plan = plan_of(
+        &pool,
+        iota_orchestrator::views::LOSS_SQL,
+        &[run_id, i64::MAX, 1000],
+    )
+    .await;
     let read = rows_read(&plan, "samples");
     let running: i64 = sqlx::query_scalar("SELECT count(*) FROM samples WHERE epoch = 1")
         .fetch_one(&pool)
@@ -533,6 +538,48 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
         run.samples_per_epoch * u64::from(run.micro_batch) * u64::from(run.seq_len)
     );
     assert!(throughput[0].wire_bytes > 0);
+
+    // Paging: the series give the latest epochs first (`limit`), then those `before` a page's
+    // first; the miners come by hotkey, after a page's last.
+    let epochs_of = |v: Value| -> Vec<u64> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|p| p["epoch"].as_u64().expect("epoch"))
+            .collect()
+    };
+    for (template, route) in [("/v1/loss", "loss"), ("/v1/throughput", "throughput")] {
+        let all = epochs_of(get(template, template.into(), 200).await);
+        assert_eq!(&all[..2], &[0, 1], "{route}: {all:?}");
+        let latest = epochs_of(get(template, format!("{template}?limit=1"), 200).await);
+        assert_eq!(latest, vec![*all.last().expect("an epoch")], "{route}");
+        let before = epochs_of(get(template, format!("{template}?before=1&limit=5"), 200).await);
+        assert_eq!(before, vec![0], "{route}");
+        get(template, format!("{template}?limit=lots"), 400).await;
+    }
+    let mut by_hotkey = joined.clone();
+    by_hotkey.sort_unstable();
+    let mut paged = Vec::new();
+    let mut after = String::new();
+    loop {
+        let query = if after.is_empty() {
+            "/v1/miners?limit=2".to_owned()
+        } else {
+            format!("/v1/miners?limit=2&after={after}")
+        };
+        let page: Vec<MinerInfo> =
+            serde_json::from_value(get("/v1/miners", query, 200).await).expect("miners page");
+        assert!(page.len() <= 2);
+        let Some(last) = page.last() else { break };
+        after = last.hotkey.clone();
+        paged.extend(page.into_iter().map(|m| m.hotkey));
+    }
+    assert_eq!(paged, by_hotkey, "pages of two, in hotkey order");
+    let released: Vec<MinerInfo> =
+        serde_json::from_value(get("/v1/miners", "/v1/miners?status=released".into(), 200).await)
+            .expect("released");
+    assert!(released.is_empty(), "{released:?}");
+    get("/v1/miners", "/v1/miners?status=gone".into(), 400).await;
     let merges: Vec<PartitionStatus> = serde_json::from_value(
         get(
             "/v1/epochs/{epoch}/merges",
@@ -835,7 +882,7 @@ async fn latest_scores_read_one_row_per_validator() {
         .map(|v| (format!("validator-{v}"), EPOCHS - v - 1))
         .collect();
     assert_eq!(latest, expected);
-    let plan = plan_of(&pool, iota_orchestrator::views::SCORES_SQL, run.id).await;
+    let plan = plan_of(&pool, iota_orchestrator::views::SCORES_SQL, &[run.id]).await;
     let read = rows_read(&plan, "validator_scores");
     assert!(
         read <= (3 * VALIDATORS) as f64,
