@@ -803,16 +803,13 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
             stage,
             partition,
         };
-        let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
-            "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2
-               AND stage = $3 AND partition = $4 ORDER BY submitted_at, submitter",
-        )
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(stage)
-        .bind(partition)
-        .fetch_all(&mut *tx)
-        .await?;
+        let results: Vec<(String, serde_json::Value)> = sqlx::query_as(VOTES_SQL)
+            .bind(app.run.id)
+            .bind(epoch as i64)
+            .bind(stage)
+            .bind(partition)
+            .fetch_all(&mut *tx)
+            .await?;
         let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
         match final_pick(&hashes) {
             Some(hash) => {
@@ -945,6 +942,58 @@ async fn set_partition(
     Ok(())
 }
 
+/// The results of a partition that count, in the order they came: one per hotkey, its first
+/// (a hotkey that submitted both as an owner and through the validator route is one vote).
+const VOTES_SQL: &str = "SELECT blake3, blob FROM (
+       SELECT DISTINCT ON (coalesce(substring(submitter FROM '^validator:(.*)$'), submitter))
+         blake3, blob, submitted_at, submitter
+       FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+       ORDER BY coalesce(substring(submitter FROM '^validator:(.*)$'), submitter),
+         submitted_at, submitter) votes
+     ORDER BY submitted_at, submitter";
+
+/// Whether `hotkey` has a stake in a partition's outcome: it owns the partition, submitted a
+/// result for it as a miner, or is an active miner of its stage (and so may be made an owner).
+/// A hotkey with a validator permit may also have joined as a miner; with a stake it does not
+/// judge the partition as a validator: it neither reads its results before it is settled, nor
+/// merges it through the validator route, nor settles its dispute.
+pub(crate) async fn has_stake(
+    conn: impl sqlx::PgExecutor<'_>,
+    run_id: i64,
+    hotkey: &str,
+    (epoch, stage, partition): (i64, i32, i32),
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM partition_owners WHERE run_id = $1 AND epoch = $2
+                          AND stage = $3 AND partition = $4 AND miner = $5)
+             OR EXISTS (SELECT 1 FROM merge_results WHERE run_id = $1 AND epoch = $2
+                          AND stage = $3 AND partition = $4 AND submitter = $5)
+             OR EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $5 AND stage = $3
+                          AND status = 'active')",
+    )
+    .bind(run_id)
+    .bind(epoch)
+    .bind(stage)
+    .bind(partition)
+    .bind(hotkey)
+    .fetch_one(conn)
+    .await
+}
+
+/// The refusal of a validator with a stake in the partition (see [`has_stake`]).
+pub(crate) fn interested_validator(
+    stage: impl std::fmt::Display,
+    partition: impl std::fmt::Display,
+) -> AppError {
+    AppError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "you own, merged or mine stage {stage}, so you cannot judge its partition \
+             {partition} as a validator"
+        ),
+    )
+}
+
 /// Records a merge result (an owner's or a validator's) and settles the partition when results
 /// agree. Atomic with phase changes, like pseudo-gradient uploads.
 pub async fn record_merge_result(
@@ -978,6 +1027,20 @@ pub async fn record_merge_result(
     .fetch_optional(&mut *tx)
     .await?
     .ok_or_else(|| AppError::new(ErrorCode::NotFound, "no such partition this epoch"))?;
+    // Under the partition's lock, which owner changes take too.
+    if let Some(validator) = submitter.strip_prefix("validator:") {
+        let slot = (epoch as i64, stage as i32, partition as i32);
+        if has_stake(&mut *tx, app.run.id, validator, slot).await? {
+            drop(tx);
+            crate::miner::delete_unless_recorded(
+                app,
+                crate::miner::SealedIn::MergeResults,
+                &blob.key,
+            )
+            .await?;
+            return Err(interested_validator(stage, partition));
+        }
+    }
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let stored: String = sqlx::query_scalar(
@@ -1024,16 +1087,13 @@ async fn settle(
         stage: stage as i32,
         partition: partition as i32,
     };
-    let results: Vec<(String, serde_json::Value)> = sqlx::query_as(
-        "SELECT blake3, blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
-           AND partition = $4 ORDER BY submitted_at, submitter",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_all(&mut **tx)
-    .await?;
+    let results: Vec<(String, serde_json::Value)> = sqlx::query_as(VOTES_SQL)
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .fetch_all(&mut **tx)
+        .await?;
     let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
     match verdict(&hashes) {
         Verdict::Pending => {}
@@ -1129,6 +1189,9 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     let partition: i32 = row.try_get("partition")?;
     let state: String = row.try_get("state")?;
     let settled_hash: Option<String> = row.try_get("settled_hash")?;
+    if has_stake(&mut *tx, app.run.id, validator, (epoch, stage, partition)).await? {
+        return Err(interested_validator(stage, partition));
+    }
     if state == "settled" {
         // A retry of the settlement is answered as the first was; another hash is not.
         return match settled_hash {

@@ -2142,7 +2142,13 @@ pub(crate) async fn merge_slot(
                 format!("stage {stage} has no partition {partition}"),
             )
         })?;
-    if !as_validator {
+    if as_validator {
+        let hotkey = who.strip_prefix("validator:").unwrap_or(who);
+        let slot = (epoch as i64, stage as i32, partition as i32);
+        if crate::driver::has_stake(&app.db, app.run.id, hotkey, slot).await? {
+            return Err(crate::driver::interested_validator(stage, partition));
+        }
+    } else {
         let owner: Option<i32> = sqlx::query_scalar(
             "SELECT round FROM partition_owners WHERE run_id = $1 AND epoch = $2 AND stage = $3
                AND partition = $4 AND miner = $5",
@@ -2313,24 +2319,30 @@ pub async fn blob(
     };
     // An owner that could read another owner's merged result before the partition is settled
     // could submit it as its own instead of merging, and the two would agree.
-    // Validators read them at any time (to settle disputes), unless they own the partition
-    // themselves (a hotkey with a permit may also have joined as a miner).
+    // Validators read them at any time (to settle disputes), unless they have a stake in the
+    // partition themselves (a hotkey with a permit may also have joined as a miner).
     if let Some((epoch, stage, partition)) = merged_partition_of(in_run) {
-        let (state, owner): (Option<String>, bool) = sqlx::query_as(
-            "SELECT (SELECT state FROM partitions
-                     WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4),
-                    EXISTS (SELECT 1 FROM partition_owners
-                            WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-                              AND miner = $5)",
+        let state: Option<String> = sqlx::query_scalar(
+            "SELECT state FROM partitions
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
         )
         .bind(app.run.id)
         .bind(epoch)
         .bind(stage)
         .bind(partition)
-        .bind(&caller.ss58)
-        .fetch_one(&app.db)
+        .fetch_optional(&app.db)
         .await?;
-        if matches!(state.as_deref(), Some("open" | "disputed")) && (!caller.permit || owner) {
+        let unsettled = matches!(state.as_deref(), Some("open" | "disputed"));
+        if unsettled
+            && (!caller.permit
+                || crate::driver::has_stake(
+                    &app.db,
+                    app.run.id,
+                    &caller.ss58,
+                    (epoch, stage, partition),
+                )
+                .await?)
+        {
             return Err(AppError::new(
                 ErrorCode::Forbidden,
                 format!(

@@ -404,8 +404,8 @@ pub enum Audience<'a> {
     /// owner could read another's object (its key names the hash) and submit it unmerged.
     Public,
     /// A validator (signed, with a permit; its hotkey): every hash, to settle disputes and
-    /// spot-check, but those of the partitions it owns itself (a hotkey with a permit may also
-    /// have joined as a miner), which are left out as for anyone.
+    /// spot-check, but those of the partitions it has a stake in (`driver::has_stake`: a hotkey
+    /// with a permit may also have joined as a miner), which are left out as for anyone.
     Validator(&'a str),
 }
 
@@ -430,6 +430,18 @@ pub async fn partitions_of(
     .bind(epoch as i64)
     .fetch_all(&app.db)
     .await?;
+    // The stage a validator mines, if it joined as a miner too (see `driver::has_stake`).
+    let mined_stage: Option<i32> =
+        match audience {
+            Audience::Public => None,
+            Audience::Validator(hotkey) => sqlx::query_scalar(
+                "SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'",
+            )
+            .bind(app.run.id)
+            .bind(hotkey)
+            .fetch_optional(&app.db)
+            .await?,
+        };
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let state: String = r.try_get("state")?;
@@ -439,9 +451,14 @@ pub async fn partitions_of(
         let owners: Vec<String> = r.try_get("owners")?;
         let mut results: Vec<MergeResult> =
             serde_json::from_value(r.try_get("results")?).map_err(json_err)?;
+        let stage: i32 = r.try_get("stage")?;
         let hidden = match audience {
             Audience::Public => true,
-            Audience::Validator(hotkey) => owners.iter().any(|o| o == hotkey),
+            Audience::Validator(hotkey) => {
+                mined_stage == Some(stage)
+                    || owners.iter().any(|o| o == hotkey)
+                    || results.iter().any(|m| m.hotkey == hotkey)
+            }
         };
         if hidden && matches!(state, PartitionState::Open | PartitionState::Disputed) {
             for result in &mut results {

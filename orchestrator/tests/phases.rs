@@ -1398,13 +1398,149 @@ async fn an_owner_with_a_validator_permit_cannot_read_the_other_owners_result() 
         .await
         .expect_err("another owner's result before the partition is settled");
     assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
-    // A partition it does not own it reads as any validator.
+    // A partition of another stage it reads as any validator; of its own stage it reads none
+    // (it may be made an owner of any of them).
+    let mine = miners[index_of(&both)].stage;
     let open_elsewhere = record
         .partitions
         .iter()
-        .find(|p| !p.owners.contains(&both) && !p.results.is_empty())
+        .find(|p| p.stage != mine && !p.results.is_empty())
         .map(|p| p.results.iter().all(|r| r.blake3.is_some()));
     assert_ne!(open_elsewhere, Some(false), "{:?}", record.partitions);
+    let open_in_its_stage = record.partitions.iter().filter(|p| {
+        p.stage == mine && matches!(p.state, PartitionState::Open | PartitionState::Disputed)
+    });
+    for p in open_in_its_stage {
+        assert!(
+            p.results.iter().all(|r| r.blake3.is_none()),
+            "a miner of the stage read a hash: {p:?}"
+        );
+    }
+}
+
+/// A run in its merging phase with a hotkey holding a validator permit among its miners (the
+/// last seed), and an open partition that it owns with another miner.
+struct PermitHolderOwner {
+    s: Served,
+    miners: Vec<SimMiner>,
+    /// The permit holder's miner, and the other owner's.
+    both: usize,
+    other: usize,
+    stage: u32,
+    partition: u32,
+    /// Merged bytes of the partition, every value this one.
+    merged: Box<dyn Fn(f32) -> bytes::Bytes>,
+}
+
+impl PermitHolderOwner {
+    async fn new(seeds: &[u8]) -> Self {
+        let run = config();
+        let s = serve(seeds, run.clone()).await;
+        let mut miners = join_all(&s, seeds).await;
+        step_until_workers(&s, &mut miners, run.stages, |w| w.len() >= 2).await;
+        past_the_deadline(&s).await;
+        step_until(&s, &mut miners, |st| st.1 == Phase::Merging).await;
+        let index_of = |hotkey: &str| {
+            seeds
+                .iter()
+                .position(|seed| pair(*seed).ss58_of() == hotkey)
+                .expect("a miner of the test")
+        };
+        let both = seeds.len() - 1;
+        let (stage, partition, other): (i32, i32, String) = sqlx::query_as(
+            "SELECT a.stage, a.partition, b.miner FROM partition_owners a JOIN partition_owners b
+               ON (b.epoch, b.stage, b.partition) = (a.epoch, a.stage, a.partition)
+                 AND b.miner <> a.miner
+             JOIN partitions p ON (p.epoch, p.stage, p.partition) = (a.epoch, a.stage, a.partition)
+             WHERE a.epoch = 0 AND a.miner = $1 AND p.state = 'open'
+             ORDER BY a.stage, a.partition LIMIT 1",
+        )
+        .bind(pair(seeds[both]).ss58_of())
+        .fetch_one(&s.db)
+        .await
+        .expect("an open partition the permit holder owns with another miner");
+        let (stage, partition) = (stage as u32, partition as u32);
+        let range = run.partition_range(stage, partition).expect("partition");
+        let len = (range.end - range.start) as usize;
+        Self {
+            s,
+            miners,
+            both,
+            other: index_of(&other),
+            stage,
+            partition,
+            merged: Box::new(move |value| {
+                bytes::Bytes::from(iota_protocol::tensor::encode_merged(
+                    &vec![value; len],
+                    &vec![0.0; len],
+                ))
+            }),
+        }
+    }
+
+    async fn state(&self) -> String {
+        sqlx::query_scalar(
+            "SELECT state FROM partitions WHERE epoch = 0 AND stage = $1 AND partition = $2",
+        )
+        .bind(self.stage as i32)
+        .bind(self.partition as i32)
+        .fetch_one(&self.s.db)
+        .await
+        .expect("state")
+    }
+}
+
+/// A hotkey with a validator permit that also joined as a miner does not judge a partition it
+/// has a stake in: its merge through the validator route is refused (it was a second vote for
+/// its own result as an owner, which agreement then accepted with no other merge), and so is
+/// its settlement of the partition's dispute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_validator_does_not_judge_a_partition_it_has_a_stake_in() {
+    init_tracing();
+    let t = PermitHolderOwner::new(&[211u8, 212, 213, 214, 215, FIRST_VALIDATOR + 3]).await;
+    let (stage, partition, merged) = (t.stage, t.partition, &t.merged);
+    let client = t.miners[t.both].client().clone();
+    client
+        .upload_merge(0, stage, partition, merged(0.25))
+        .await
+        .expect("its merge as an owner");
+    let second = client
+        .validator_merge(0, stage, partition, merged(0.25))
+        .await
+        .expect_err("the same bytes again as a validator");
+    assert_eq!(second.code(), Some(ErrorCode::Forbidden), "{second}");
+    assert_eq!(t.state().await, "open", "one hotkey agreed with itself");
+    let votes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM merge_results WHERE epoch = 0 AND stage = $1 AND partition = $2",
+    )
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_one(&t.s.db)
+    .await
+    .expect("results");
+    assert_eq!(votes, 1, "the refused merge left a result");
+
+    // The other owner disagrees: a dispute, which the permit holder may not settle.
+    t.miners[t.other]
+        .client()
+        .upload_merge(0, stage, partition, merged(0.75))
+        .await
+        .expect("the other owner's merge");
+    assert_eq!(t.state().await, "disputed");
+    let dispute = client
+        .disputes()
+        .await
+        .expect("disputes")
+        .into_iter()
+        .find(|d| d.partition.stage == stage && d.partition.partition == partition)
+        .expect("the partition's dispute");
+    let own_hash = iota_protocol::blob::blake3_hex(&merged(0.25));
+    let refused = client
+        .settle(dispute.id, &own_hash)
+        .await
+        .expect_err("settling its own dispute");
+    assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
+    assert_eq!(t.state().await, "disputed");
 }
 
 /// Steps the miners until one has done gradient work in epoch 0, then past the training
@@ -2156,4 +2292,38 @@ async fn a_presigned_put_landing_after_its_epoch_ended_is_collected() {
         s.app.store.get(&key).await.is_err(),
         "the late PUT is collected with its epoch"
     );
+}
+
+/// One hotkey is one vote: a result it submitted through the validator route (before it joined
+/// as a miner, when nothing refused it) and the same result as an owner are counted once, so the
+/// partition waits for another owner instead of being accepted on its word alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hotkey_submitting_as_validator_and_as_owner_is_one_vote() {
+    init_tracing();
+    let t = PermitHolderOwner::new(&[221u8, 222, 223, 224, 225, FIRST_VALIDATOR + 4]).await;
+    let bytes = (t.merged)(0.25);
+    let hash = iota_protocol::blob::blake3_hex(&bytes);
+    let hotkey = pair(FIRST_VALIDATOR + 4).ss58_of();
+    sqlx::query(
+        "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3,
+                                    submitted_at)
+         SELECT id, 0, $1, $2, 'validator:' || $3,
+                jsonb_build_object('key', 'earlier', 'size', 1, 'dtype', 'f32',
+                                   'shape', '[1]'::jsonb, 'blake3', $4::text),
+                $4, now() - interval '1 minute'
+         FROM runs",
+    )
+    .bind(t.stage as i32)
+    .bind(t.partition as i32)
+    .bind(&hotkey)
+    .bind(&hash)
+    .execute(&t.s.db)
+    .await
+    .expect("an earlier validator submission");
+    t.miners[t.both]
+        .client()
+        .upload_merge(0, t.stage, t.partition, bytes)
+        .await
+        .expect("its merge as an owner");
+    assert_eq!(t.state().await, "open", "one hotkey's two results agreed");
 }
