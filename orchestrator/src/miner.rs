@@ -470,6 +470,21 @@ async fn start_samples(
     room: i64,
 ) -> ApiResult<Vec<WorkItem>> {
     let cfg = app.config();
+    // The miner's row first: two polls of one miner (on one process or two) then count its
+    // samples in flight one after the other, each seeing what the other started, and a miner
+    // whose work in the epoch has ended (`close_epoch`) starts none.
+    let ended: Option<Option<i64>> = sqlx::query_scalar(
+        "SELECT ended_epoch FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
+         FOR NO KEY UPDATE",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .fetch_optional(&mut **tx)
+    .await?;
+    match ended {
+        Some(ended) if ended != Some(epoch as i64) => {}
+        _ => return Ok(Vec::new()),
+    }
     let in_flight: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM samples s JOIN tasks t
            ON t.sample_id = s.id AND t.stage = 0 AND t.direction = 'forward'
@@ -1252,6 +1267,24 @@ pub async fn complete(
         return Err(AppError::new(
             ErrorCode::LeaseExpired,
             format!("task {task_id} is {}: the hop was re-routed", task.status),
+        ));
+    }
+    // Shared: waits for an end of the miner's epoch in flight (`close_epoch` takes the hops,
+    // then this row), after which no hop of the epoch completes.
+    let ended: Option<Option<i64>> = sqlx::query_scalar(
+        "SELECT ended_epoch FROM miners WHERE run_id = $1 AND hotkey = $2 FOR SHARE",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if ended.flatten() == Some(task.epoch as i64) {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!(
+                "task {task_id}: your work in epoch {} has ended; the hop is moved",
+                task.epoch
+            ),
         ));
     }
     let last = task.stage + 1 == cfg.stages;

@@ -2327,3 +2327,118 @@ async fn a_hotkey_submitting_as_validator_and_as_owner_is_one_vote() {
         .expect("its merge as an owner");
     assert_eq!(t.state().await, "open", "one hotkey's two results agreed");
 }
+
+/// A stage-0 miner whose work in the epoch has ended (here: it restarted without the state its
+/// hops left) is given no new samples, and a hop leased to it by a poll that raced with the end
+/// does not complete. Its polls started samples that the driver then moved, over and over,
+/// spending the epoch's sample budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miner_whose_work_ended_starts_no_samples_and_completes_no_hop() {
+    init_tracing();
+    let seeds = [231u8, 232, 233];
+    let mut run = config();
+    // Room for more samples than its first step takes.
+    run.max_in_flight = 32;
+    run.samples_per_epoch = 128;
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a stage-0 miner");
+    step_until_report(&mut miners[first], |r| r.hops > 0).await;
+    let (client, joined) = registered_miner(&s.base, seeds[first]).await;
+    assert_eq!(joined.work_ended, Some(0), "restarted without its state");
+    let started = |db: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT samples_started FROM epochs WHERE epoch = 0")
+            .fetch_one(&db)
+            .await
+            .expect("samples started")
+    };
+    let before = started(s.db.clone()).await;
+    assert!(
+        before + 8 < i64::from(run.max_in_flight),
+        "room left: {before} started"
+    );
+    let polled = client.work(4).await.expect("poll");
+    assert!(
+        polled.items.is_empty(),
+        "work for an ended miner: {:?}",
+        polled.items
+    );
+    assert_eq!(
+        started(s.db.clone()).await,
+        before,
+        "samples started for it"
+    );
+
+    // A hop that a completion racing with the end routed to it, and a poll leased: a backward
+    // hop at stage 0, which needs no output.
+    let (task_id, lease): (i64, uuid::Uuid) = sqlx::query_as(
+        "WITH sample AS (INSERT INTO samples (run_id, epoch, status)
+                         SELECT id, 0, 'backward' FROM runs RETURNING run_id, id)
+         INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, miner, status, lease,
+                            leased_at, leased_until)
+         SELECT run_id, 0, id, 0, 'backward', $1, 'leased', gen_random_uuid(), now(),
+                now() + interval '1 hour'
+         FROM sample RETURNING id, lease",
+    )
+    .bind(pair(seeds[first]).ss58_of())
+    .fetch_one(&s.db)
+    .await
+    .expect("a raced hop");
+    let refused = client
+        .complete(
+            task_id,
+            &CompleteRequest {
+                lease,
+                output: None,
+                inner_step: 0,
+                weights_digest: "0".repeat(64),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: Some(1),
+            },
+        )
+        .await
+        .expect_err("a hop completed after the miner's work ended");
+    assert_eq!(refused.code(), Some(ErrorCode::LeaseExpired), "{refused}");
+}
+
+/// Polls of one stage-0 miner sent at once start no more samples than its in-flight limit:
+/// each counted the samples in flight before any had started its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_sent_at_once_keep_a_miner_within_its_in_flight_limit() {
+    init_tracing();
+    let seeds = [241u8, 242, 243];
+    let mut run = config();
+    run.max_in_flight = 2;
+    run.samples_per_epoch = 64;
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a stage-0 miner");
+    let client = miners[first].client().clone();
+    let polls = (0..16).map(|_| {
+        let client = client.clone();
+        tokio::spawn(async move { client.work(2).await })
+    });
+    let mut leased = 0;
+    for poll in futures::future::join_all(polls).await {
+        leased += poll.expect("join").expect("poll").items.len();
+    }
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE miner = $1 AND stage = 0 AND status = 'leased'",
+    )
+    .bind(pair(seeds[first]).ss58_of())
+    .fetch_one(&s.db)
+    .await
+    .expect("held");
+    assert!(
+        held <= i64::from(run.max_in_flight),
+        "{held} samples in flight for one miner (limit {}), {leased} items answered",
+        run.max_in_flight
+    );
+}
