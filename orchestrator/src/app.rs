@@ -324,6 +324,13 @@ impl IntoResponse for AppError {
 
 impl From<sqlx::Error> for AppError {
     fn from(e: sqlx::Error) -> Self {
+        // Text PostgreSQL cannot store (U+0000, from a query or path; JSON bodies are checked
+        // before): the request's fault, and a retry would fail the same way.
+        if let sqlx::Error::Database(db) = &e
+            && matches!(db.code().as_deref(), Some("22021" | "22P05"))
+        {
+            return Self::new(ErrorCode::BadRequest, "text may not contain U+0000");
+        }
         Self::new(ErrorCode::Internal, format!("database: {e}"))
     }
 }

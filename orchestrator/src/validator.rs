@@ -16,6 +16,11 @@ use sqlx::Row;
 
 use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
 use crate::miner::{UploadQuery, run_now, upload_merge_as};
+
+/// Most uids in a submission's weights (and scores per submission): more than a subnet holds.
+const MAX_UIDS: usize = 4096;
+/// Longest hotkey in a submission's scores (an SS58 address is 47 or 48 characters).
+const MAX_HOTKEY_LEN: usize = 64;
 use crate::views::{self, PageQuery};
 
 /// `GET /v1/validator/epochs/{epoch}/hops`: every hop attempt of the epoch, by task id.
@@ -236,7 +241,7 @@ pub async fn scores(
     ApiPath(epoch): ApiPath<u64>,
     ApiJson(sub): ApiJson<ScoreSubmission>,
 ) -> ApiResult<Json<ScoreRecord>> {
-    if sub.scores.len() > 4096
+    if sub.scores.len() > MAX_UIDS
         || sub
             .scores
             .iter()
@@ -247,13 +252,25 @@ pub async fn scores(
             "scores: at most 4096 finite, non-negative values",
         ));
     }
-    if let Some(w) = &sub.weights
-        && w.uids.len() != w.weights.len()
-    {
+    if sub.scores.iter().any(|s| s.hotkey.len() > MAX_HOTKEY_LEN) {
         return Err(AppError::new(
             ErrorCode::BadRequest,
-            "weights: uids and weights differ in length",
+            format!("scores: a hotkey is at most {MAX_HOTKEY_LEN} characters"),
         ));
+    }
+    if let Some(w) = &sub.weights {
+        // What a chain's weights can be: one per uid of a subnet, each uid once. They are
+        // served to anyone (`GET /v1/scores`), so they are kept to that.
+        let mut uids = w.uids.clone();
+        uids.sort_unstable();
+        uids.dedup();
+        if w.uids.len() != w.weights.len() || w.uids.len() > MAX_UIDS || uids.len() != w.uids.len()
+        {
+            return Err(AppError::new(
+                ErrorCode::BadRequest,
+                format!("weights: as many weights as uids, at most {MAX_UIDS}, each uid once"),
+            ));
+        }
     }
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
@@ -372,6 +389,14 @@ pub async fn report_spot_checks(
             "at most 10000 checks and a seed of at most 256 characters",
         ));
     }
+    // Stored as PostgreSQL's bigint; anything larger would be kept as another block than the
+    // one the draw names.
+    if i64::try_from(report.seed_block).is_err() {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("seed_block must be at most {}", i64::MAX),
+        ));
+    }
     // Only epochs that exist: each report is kept, so any u64 would grow the table without end.
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
@@ -391,7 +416,7 @@ pub async fn report_spot_checks(
     .bind(epoch as i64)
     .bind(&v.ss58)
     .bind(&report.seed)
-    .bind(report.seed_block.min(i64::MAX as u64) as i64)
+    .bind(report.seed_block as i64)
     .bind(to_json(&report.checks)?)
     .execute(&app.db)
     .await?;

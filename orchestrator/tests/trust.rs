@@ -264,6 +264,65 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         .await;
     assert_eq!(as_validator.0, 200, "{as_validator:?}");
 
+    // A validator's submissions are kept to what they can be: they are stored and served to
+    // anyone (`GET /v1/scores`), and a draw must be redone from the block it names.
+    let score = |hotkey: String| serde_json::json!({ "hotkey": hotkey, "score": 1.0 });
+    let weights = |uids: Vec<u16>| {
+        let n = uids.len();
+        serde_json::json!({ "block": 1, "uids": uids, "weights": vec![1u16; n] })
+    };
+    let bounded = [
+        (
+            "/v1/validator/epochs/0/scores",
+            serde_json::json!({ "scores": [score("x".repeat(65))] }),
+        ),
+        (
+            "/v1/validator/epochs/0/scores",
+            serde_json::json!({ "scores": [], "weights": weights((0..4097).collect()) }),
+        ),
+        (
+            "/v1/validator/epochs/0/scores",
+            serde_json::json!({ "scores": [], "weights": weights(vec![3, 3]) }),
+        ),
+        (
+            "/v1/validator/epochs/0/spot-checks",
+            serde_json::json!({ "seed": "00", "seed_block": u64::MAX, "checks": [] }),
+        ),
+    ];
+    for (path, body) in bounded {
+        let refused = raw
+            .signed(
+                &pair(VALIDATOR),
+                post.clone(),
+                path,
+                serde_json::to_vec(&body).expect("json"),
+            )
+            .await;
+        assert_eq!(
+            (refused.0, code(&refused)),
+            (400, Some(ErrorCode::BadRequest)),
+            "{path} {body}: {refused:?}"
+        );
+    }
+    let within = raw
+        .signed(
+            &pair(VALIDATOR),
+            post.clone(),
+            "/v1/validator/epochs/0/scores",
+            serde_json::to_vec(&serde_json::json!({
+                "scores": [score(pair(MINER).ss58())],
+                "weights": weights((0..4096).collect()),
+            }))
+            .expect("json"),
+        )
+        .await;
+    assert_eq!(within.0, 200, "{within:?}");
+    // U+0000 in a query, which PostgreSQL cannot store: the caller's fault, not the server's.
+    let nul = reqwest::get(format!("{}/v1/miners?after=a%00b", orch.base))
+        .await
+        .expect("miners");
+    assert_eq!(nul.status().as_u16(), 400, "{:?}", nul.text().await);
+
     // A JSON body over the limit is refused on its declared length, before a byte of it is
     // read (spoken over a raw socket: an HTTP client would race the early answer with its
     // still-unsent body).
