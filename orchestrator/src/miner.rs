@@ -253,7 +253,7 @@ pub async fn heartbeat(
     }))
 }
 
-fn work_item(row: &sqlx::postgres::PgRow) -> ApiResult<WorkItem> {
+fn work_item(row: &sqlx::postgres::PgRow, stages: u32) -> ApiResult<WorkItem> {
     let direction: String = row.try_get("direction")?;
     let direction = Direction::parse(&direction)
         .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?;
@@ -273,13 +273,54 @@ fn work_item(row: &sqlx::postgres::PgRow) -> ApiResult<WorkItem> {
         stage,
         direction,
         input,
-        expects_output: expects_output(direction, stage),
+        expects_output: expects_output(direction, stage, stages),
     })
 }
 
-/// Every hop produces a tensor except the backward at stage 0 (nothing to send further back).
-fn expects_output(direction: Direction, stage: u32) -> bool {
-    !(direction == Direction::Backward && stage == 0)
+/// Every hop produces a tensor except those at stage 0 that have nowhere to send it: the
+/// backward, and in a run of one stage the forward too (its loss is all it gives).
+fn expects_output(direction: Direction, stage: u32, stages: u32) -> bool {
+    !(stage == 0 && (direction == Direction::Backward || stages == 1))
+}
+
+/// Refuses an output for a hop that has none.
+fn check_expects_output(app: &App, task: &LeasedTask) -> ApiResult<()> {
+    if expects_output(task.direction, task.stage, app.config().stages) {
+        Ok(())
+    } else {
+        Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "the {} hop of stage {} has no output",
+                task.direction.as_str(),
+                task.stage
+            ),
+        ))
+    }
+}
+
+/// A hop output sent again after its hop completed (a retry whose answer was lost): answered
+/// from the record when it names the recorded object, never re-checked or rewritten (consumers
+/// may be reading it).
+fn recorded_output(
+    task: &LeasedTask,
+    task_id: i64,
+    key: Option<&str>,
+    blake3: &str,
+) -> ApiResult<Json<UploadResponse>> {
+    let stored = task
+        .output
+        .clone()
+        .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok());
+    match stored {
+        Some(blob) if key.is_none_or(|k| k == blob.key) && blob.blake3 == blake3 => {
+            Ok(Json(UploadResponse { blob }))
+        }
+        _ => Err(AppError::new(
+            ErrorCode::Conflict,
+            format!("task {task_id} was completed with a different output"),
+        )),
+    }
 }
 
 /// `POST /v1/miner/work`: lease work. Leases the caller still holds come back first (so a retried
@@ -399,7 +440,7 @@ async fn poll(
         let mut items = Vec::with_capacity(rows.len());
         for row in &rows {
             if row.try_get::<Option<i64>, _>("id")?.is_some() {
-                items.push(work_item(row)?);
+                items.push(work_item(row, app.config().stages)?);
             }
         }
         return Ok((stage, items, status));
@@ -537,7 +578,7 @@ async fn start_samples(
         .bind(cfg.lease_s as f64)
         .fetch_one(&mut **tx)
         .await?;
-        items.push(work_item(&row)?);
+        items.push(work_item(&row, cfg.stages)?);
     }
     Ok(items)
 }
@@ -572,7 +613,7 @@ async fn lock_task(tx: &mut Transaction<'_, Postgres>, run: i64, id: i64) -> Api
     let row = sqlx::query(
         "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
                 output,
-                (SELECT max(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
+                (SELECT min(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
                    AND n.attempt = 0) AS next_task_id
          FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
     )
@@ -758,18 +799,16 @@ pub async fn upload_output(
 ) -> ApiResult<Json<UploadResponse>> {
     // Check the lease before touching the store.
     let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
+    if task.status == "done" {
+        return recorded_output(&task, task_id, None, &q.blake3);
+    }
     if task.status != "leased" {
         return Err(AppError::new(
             ErrorCode::LeaseExpired,
             format!("task {task_id} is {}", task.status),
         ));
     }
-    if !expects_output(task.direction, task.stage) {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            "the backward hop of stage 0 has no output",
-        ));
-    }
+    check_expects_output(&app, &task)?;
     let key = task_output_key(&app, task_id, &task);
     let blob = accept_upload(
         &app,
@@ -852,6 +891,7 @@ pub async fn presign_output(
             format!("task {task_id} is {}", task.status),
         ));
     }
+    check_expects_output(&app, &task)?;
     let spec = boundary_spec(app.config());
     check_presign_size(&req, &spec)?;
     presign(&app, task_output_key(&app, task_id, &task)).await
@@ -1184,22 +1224,8 @@ pub async fn commit_output(
     let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
     let key = task_output_key(&app, task_id, &task);
     if task.status == "done" {
-        // A retried commit after the completion: the object is the hop's output now, and
-        // consumers may be reading it, so it is answered from the record and never re-checked
-        // (a failed re-check would delete it).
-        let stored = task
-            .output
-            .clone()
-            .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok());
-        return match stored {
-            Some(blob) if blob.key == req.key && blob.blake3 == req.blake3 => {
-                Ok(Json(UploadResponse { blob }))
-            }
-            _ => Err(AppError::new(
-                ErrorCode::Conflict,
-                format!("task {task_id} was completed with a different output"),
-            )),
-        };
+        // A failed re-check would delete the hop's output.
+        return recorded_output(&task, task_id, Some(&req.key), &req.blake3);
     }
     if task.status != "leased" {
         // A late upload to a re-routed hop: nobody will read it.
@@ -1209,6 +1235,7 @@ pub async fn commit_output(
             format!("task {task_id} is {}: the hop was re-routed", task.status),
         ));
     }
+    check_expects_output(&app, &task)?;
     let blob = accept_committed(
         &app,
         &key,
@@ -1289,8 +1316,7 @@ pub async fn complete(
     }
     let last = task.stage + 1 == cfg.stages;
     let is_last_forward = last && task.direction == Direction::Forward;
-    let needs_output =
-        expects_output(task.direction, task.stage) && !(is_last_forward && cfg.stages == 1);
+    let needs_output = expects_output(task.direction, task.stage, cfg.stages);
     let output = if needs_output {
         let staged = task
             .staged
@@ -1813,7 +1839,17 @@ pub async fn reserve_pg(
     crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
     let now = run_now(&mut *tx, app.run.id).await?;
     let at = Utc::now();
-    if now.epoch != epoch || now.phase != Phase::Uploading || at >= now.phase_deadline {
+    // A retry of a reservation made in time (its answer lost) holds as the first did.
+    let held: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM upload_reservations
+                        WHERE run_id = $1 AND epoch = $2 AND miner = $3)",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .fetch_one(&mut *tx)
+    .await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading || (at >= now.phase_deadline && !held) {
         return Err(AppError::new(
             ErrorCode::WrongPhase,
             format!(

@@ -2442,3 +2442,145 @@ async fn polls_sent_at_once_keep_a_miner_within_its_in_flight_limit() {
         run.max_in_flight
     );
 }
+
+/// In a run of one stage no hop has an output (the forward's loss is all it gives): the work
+/// item says so, an upload is refused before it is stored, and a completion retried after its
+/// answer was lost is answered as the first was. The item asked for an output the completion
+/// then dropped, so a retry sending it again was a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_stage_run_takes_no_hop_output() {
+    init_tracing();
+    let seeds = [251u8];
+    let mut run = config();
+    run.stages = 1;
+    run.stage_params = vec![4000];
+    let s = serve(&seeds, run.clone()).await;
+    let (client, _) = registered_miner(&s.base, seeds[0]).await;
+    let item = client
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    assert_eq!((item.stage, item.direction), (0, Direction::Forward));
+    assert!(!item.expects_output, "{item:?}");
+    let refused = client
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(vec![0u8; 64]))
+        .await
+        .expect_err("an output for a hop that has none");
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    let complete = CompleteRequest {
+        lease: item.lease,
+        output: None,
+        inner_step: 0,
+        weights_digest: "0".repeat(64),
+        loss: Some(2.5),
+        sequence_losses: None,
+        compute_ms: Some(1),
+    };
+    let first = client
+        .complete(item.task_id, &complete)
+        .await
+        .expect("complete");
+    let retried = client
+        .complete(item.task_id, &complete)
+        .await
+        .expect("the completion retried");
+    assert_eq!(retried, first);
+}
+
+/// A reservation retried after the uploading deadline (the first was made in time and its
+/// answer lost) is answered as the first was: the hold is in force. It was refused as too late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_retried_after_the_deadline_is_answered_as_the_first_was() {
+    init_tracing();
+    let seeds = [161u8, 162, 163];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let first = miners[i]
+        .client()
+        .reserve_pseudo_gradients(0)
+        .await
+        .expect("a reservation in time");
+    // The deadline passes on the clock the handler reads.
+    let deadline: DateTime<Utc> = sqlx::query_scalar(
+        "UPDATE runs SET phase_deadline = now() - interval '1 second' RETURNING phase_deadline",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("deadline");
+    let retried = miners[i]
+        .client()
+        .reserve_pseudo_gradients(0)
+        .await
+        .expect("the reservation retried after the deadline");
+    assert_eq!(retried.epoch, first.epoch);
+    assert_eq!(
+        retried.holds_until_ms,
+        (deadline + Duration::seconds(run.uploading_s as i64)).timestamp_millis()
+    );
+}
+
+/// A completion retried after its sample has moved on (its answer lost) is answered as the
+/// first was: the hop it routed, not the sample's latest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_retried_later_names_the_hop_it_routed() {
+    init_tracing();
+    let seeds = [171u8, 172, 173];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let at = |stage: u32| {
+        miners
+            .iter()
+            .position(|m| m.stage == stage)
+            .expect("a miner of each stage")
+    };
+    let (first, second) = (at(0), at(1));
+    let client = miners[first].client().clone();
+    let item = client
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
+    let blob = client
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
+        .await
+        .expect("upload")
+        .blob;
+    let complete = CompleteRequest {
+        lease: item.lease,
+        output: Some(blob),
+        inner_step: 0,
+        weights_digest: "0".repeat(64),
+        loss: None,
+        sequence_losses: None,
+        compute_ms: Some(1),
+    };
+    let answer = client
+        .complete(item.task_id, &complete)
+        .await
+        .expect("complete");
+    let routed = answer.next_task_id.expect("the hop it routed");
+    // The next stage does its hop: the sample has a later hop now.
+    step_until_report(&mut miners[second], |r| r.hops > 0).await;
+    let later: i64 = sqlx::query_scalar("SELECT max(id) FROM tasks WHERE sample_id = $1")
+        .bind(item.sample_id)
+        .fetch_one(&s.db)
+        .await
+        .expect("later hop");
+    assert!(later > routed, "the sample moved on");
+    let retried = client
+        .complete(item.task_id, &complete)
+        .await
+        .expect("the completion retried");
+    assert_eq!(retried, answer);
+}

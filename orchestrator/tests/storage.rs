@@ -367,6 +367,26 @@ async fn upload_download_scenario(store: StoreConfig) {
             )
             .await
             .expect("complete");
+        // The same output sent again (its answer lost) is answered from the record; other
+        // bytes are not taken.
+        let again = client
+            .upload_output(hop.task_id, hop.lease, Bytes::from(bytes.clone()))
+            .await
+            .expect("the output again after the completion");
+        assert_eq!(again.blob, blob);
+        let other = client
+            .upload_output(
+                hop.task_id,
+                hop.lease,
+                Bytes::from(tensor(&run, fill + 1.0)),
+            )
+            .await;
+        assert_eq!(err_code(other), Some(ErrorCode::Conflict));
+        assert_eq!(
+            blobs.get(&blob.key).await.expect("the output"),
+            &bytes[..],
+            "the recorded output was rewritten"
+        );
         if let Some(next) = next_stage {
             hop = next_hop(next, "the next hop").await;
             let input = hop.input.clone().expect("input");
