@@ -300,37 +300,65 @@ fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<serde_json::Value> {
     serde_json::to_value(v).map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))
 }
 
-/// `GET /v1/validator/epochs/{epoch}/spot-checks`: the replayable work of every miner, the
-/// re-derivable merges, and what validators reported checking.
+/// `GET /v1/validator/epochs/{epoch}/spot-checks?after=…&limit=…`: which miners a page holds.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct SpotCheckQuery {
+    /// Only miners whose hotkey sorts after this one (the page before's `next_after`).
+    #[serde(default)]
+    pub after: Option<String>,
+    /// At most this many miners (1–5000, default 1000).
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+/// `GET /v1/validator/epochs/{epoch}/spot-checks`: the replayable work of the miners that did
+/// any in the epoch, a page of them at a time (by hotkey), the re-derivable merges, and what
+/// validators reported checking.
 #[utoipa::path(get, path = "/v1/validator/epochs/{epoch}/spot-checks", tag = "validator",
-    params(("epoch" = u64, Path, description = "Epoch")),
+    params(("epoch" = u64, Path, description = "Epoch"), SpotCheckQuery),
     responses((status = 200, body = SpotCheckTasks), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
 pub async fn spot_checks(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
     ApiPath(epoch): ApiPath<u64>,
+    ApiQuery(q): ApiQuery<SpotCheckQuery>,
 ) -> ApiResult<Json<SpotCheckTasks>> {
+    let limit = views::page_limit(q.limit);
+    // The miners with work in the epoch (from its hops and pseudo-gradients, not every miner
+    // that ever joined), a page of them.
     let rows = sqlx::query(
-        "SELECT m.hotkey, m.stage,
+        "WITH workers AS (
+             SELECT miner FROM tasks WHERE run_id = $1 AND epoch = $2 AND status = 'done'
+               AND ($3::text IS NULL OR miner > $3)
+             UNION
+             SELECT miner FROM pseudo_gradients WHERE run_id = $1 AND epoch = $2
+               AND ($3::text IS NULL OR miner > $3)
+         ), page AS (SELECT miner FROM workers ORDER BY miner LIMIT $4)
+         SELECT p.miner AS hotkey, m.stage,
             coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
-              WHERE t.run_id = m.run_id AND t.epoch = $2 AND t.miner = m.hotkey
+              WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner
                 AND t.status = 'done'), '{}') AS hops,
             coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
-              WHERE g.run_id = m.run_id AND g.epoch = $2 AND g.miner = m.hotkey), '{}') AS pgs
-         FROM miners m WHERE m.run_id = $1 ORDER BY m.stage, m.hotkey",
+              WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner), '{}') AS pgs
+         FROM page p JOIN miners m ON m.run_id = $1 AND m.hotkey = p.miner
+         ORDER BY p.miner",
     )
     .bind(app.run.id)
     .bind(epoch as i64)
+    .bind(q.after.as_deref())
+    .bind(limit)
     .fetch_all(&app.db)
     .await?;
+    let next_after = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|r| r.try_get::<String, _>("hotkey")))
+        .flatten()
+        .transpose()?;
     let mut miners = Vec::new();
     for r in rows {
         let hops: Vec<i64> = r.try_get("hops")?;
         let pgs: Vec<i32> = r.try_get("pgs")?;
-        if hops.is_empty() && pgs.is_empty() {
-            continue;
-        }
         miners.push(SpotCheckCandidate {
             hotkey: r.try_get("hotkey")?,
             stage: r.try_get::<i32, _>("stage")? as u32,
@@ -365,6 +393,7 @@ pub async fn spot_checks(
     Ok(Json(SpotCheckTasks {
         epoch,
         miners,
+        next_after,
         partitions,
         reported,
     }))

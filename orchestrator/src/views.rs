@@ -207,7 +207,8 @@ pub struct MinersQuery {
 const MAX_PAGE: u32 = 5000;
 const DEFAULT_PAGE: u32 = 1000;
 
-fn page_limit(limit: Option<u32>) -> i64 {
+/// A page's size: `limit` within 1 to the most a page holds, the default unless given.
+pub(crate) fn page_limit(limit: Option<u32>) -> i64 {
     i64::from(limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE))
 }
 

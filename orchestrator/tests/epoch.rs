@@ -589,6 +589,36 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     let tasks = v.spot_checks(0).await.expect("spot-check tasks");
     assert_eq!(tasks.miners.len(), 2);
     assert!(tasks.miners.iter().all(|m| !m.hop_task_ids.is_empty()));
+    // A page at a time, by hotkey; the client put the pages together.
+    let page = |query: String| {
+        let v = &v;
+        async move {
+            v.signed_raw::<SpotCheckTasks>(
+                reqwest::Method::GET,
+                &format!("/v1/validator/epochs/0/spot-checks{query}"),
+                None,
+            )
+            .await
+            .expect("a page")
+        }
+    };
+    let first = page("?limit=1".into()).await;
+    assert_eq!(first.miners.len(), 1);
+    let after = first.next_after.clone().expect("more after a full page");
+    assert_eq!(after, first.miners[0].hotkey);
+    let second = page(format!("?limit=1&after={after}")).await;
+    assert_eq!(second.miners.len(), 1);
+    assert!(second.miners[0].hotkey > after);
+    let rest = page(format!("?after={}", second.miners[0].hotkey)).await;
+    assert!(
+        rest.miners.is_empty() && rest.next_after.is_none(),
+        "{rest:?}"
+    );
+    assert_eq!(
+        tasks.miners,
+        [first.miners, second.miners].concat(),
+        "the client's pages"
+    );
     assert_eq!(
         tasks.partitions.len(),
         (run.stages * run.partitions) as usize

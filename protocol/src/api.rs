@@ -873,8 +873,12 @@ pub struct Dispute {
 pub struct SpotCheckTasks {
     /// Epoch.
     pub epoch: u64,
-    /// Per miner: the hops that can be replayed, in the order they ran.
+    /// Per miner with work in the epoch (a page of them, by hotkey): the hops that can be
+    /// replayed, in the order they ran.
     pub miners: Vec<SpotCheckCandidate>,
+    /// The last miner of a full page: ask again with `?after=` it for the next.
+    #[serde(default)]
+    pub next_after: Option<String>,
     /// Partitions whose merge can be re-derived (accepted ones, with their hash).
     pub partitions: Vec<PartitionStatus>,
     /// Spot checks validators have reported for this epoch.

@@ -674,14 +674,30 @@ impl ApiClient {
             .await
     }
 
-    /// Replayable work and reported spot checks of `epoch`.
+    /// Replayable work and reported spot checks of `epoch`: every page of miners.
     pub async fn spot_checks(&self, epoch: u64) -> Result<SpotCheckTasks, ClientError> {
-        self.signed_raw(
-            Method::GET,
-            &format!("/v1/validator/epochs/{epoch}/spot-checks"),
-            None,
-        )
-        .await
+        let path = format!("/v1/validator/epochs/{epoch}/spot-checks");
+        let mut all: SpotCheckTasks = self.signed_raw(Method::GET, &path, None).await?;
+        while let Some(after) = all.next_after.take() {
+            // A hotkey (SS58: letters and digits) goes into the query as it is.
+            if !after.chars().all(|c| c.is_ascii_alphanumeric()) {
+                return Err(ClientError::Decode(format!(
+                    "spot-check page cursor {after:?} is not a hotkey"
+                )));
+            }
+            let page: SpotCheckTasks = self
+                .signed_raw(Method::GET, &format!("{path}?after={after}"), None)
+                .await?;
+            // A page that does not move on would be asked for again and again.
+            if page.miners.first().is_some_and(|m| m.hotkey <= after) {
+                return Err(ClientError::Decode(format!(
+                    "spot-check page after {after} starts at or before it"
+                )));
+            }
+            all.miners.extend(page.miners);
+            all.next_after = page.next_after;
+        }
+        Ok(all)
     }
 
     /// Publishes what this validator checked in `epoch`.
