@@ -146,6 +146,43 @@ struct Meta {
     encoding: Option<WireEncoding>,
 }
 
+/// Whether every tensor's data offsets in the safetensors header lie inside the buffer. Checked
+/// before the `safetensors` crate reads the header: it adds the last offset to the header's
+/// length unchecked, which for offsets near 2^64 (tensors whose sizes sum to just under it, each
+/// size itself valid) overflows, and panics where overflow checks are on.
+fn offsets_fit(bytes: &[u8]) -> Result<(), TensorError> {
+    let unreadable = |why: &str| TensorError::Unreadable(why.to_owned());
+    let header_len = bytes
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| unreadable("shorter than a header length"))?;
+    let data_len = (bytes.len() as u64 - 8)
+        .checked_sub(header_len)
+        .ok_or_else(|| unreadable("header longer than the buffer"))?;
+    let header = &bytes[8..8 + header_len as usize];
+    let entries: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| unreadable(&format!("header: {e}")))?;
+    for (name, entry) in &entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets: Option<Vec<u64>> = entry
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .map(|o| o.iter().filter_map(|v| v.as_u64()).collect());
+        match offsets.as_deref() {
+            Some(&[start, end]) if start <= end && end <= data_len => {}
+            _ => {
+                return Err(unreadable(&format!(
+                    "tensor {name:?}: data offsets outside the buffer"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Checks `bytes` against `spec`. Runs in one pass over the values; allocates nothing per value.
 pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> {
     let max = spec.max_bytes();
@@ -155,6 +192,7 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
             max,
         });
     }
+    offsets_fit(bytes)?;
     let (_, metadata) =
         SafeTensors::read_metadata(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
     let meta: Meta = metadata
@@ -444,6 +482,34 @@ fn serialize(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tensors whose sizes are each valid but sum to just under 2^64: the `safetensors` crate
+    /// adds the last offset to the header's length unchecked, and panicked on this (where
+    /// overflow checks are on, as in tests); it is a refusal.
+    #[test]
+    fn offsets_near_the_top_of_u64_are_refused_not_a_panic() {
+        let n: u64 = (1 << 61) - 1;
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "__metadata__".into(),
+            serde_json::json!({ META_KEY: r#"{"format":"iota-partition"}"# }),
+        );
+        for i in 0..8u64 {
+            header.insert(
+                format!("t{i}"),
+                serde_json::json!({ "dtype": "U8", "shape": [n], "data_offsets": [i * n, (i + 1) * n] }),
+            );
+        }
+        let header = serde_json::to_vec(&header).expect("json");
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&header);
+        let spec = TensorSpec::Partition { len: 1000 };
+        let checked = std::panic::catch_unwind(|| check_tensor(&bytes, &spec));
+        assert!(
+            matches!(checked, Ok(Err(TensorError::Unreadable(_)))),
+            "{checked:?}"
+        );
+    }
 
     #[test]
     fn partition_round_trip_and_checks() {
