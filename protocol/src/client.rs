@@ -56,6 +56,9 @@ impl RetryPolicy {
     }
 }
 
+/// Most miners a run's spot-check pages may list together (far more than a subnet's uids).
+const MAX_SPOT_CHECK_MINERS: usize = 1 << 16;
+
 /// What can go wrong calling the API.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -80,6 +83,9 @@ pub enum ClientError {
     /// [`RunConfig::validate`]).
     #[error("the orchestrator's run is invalid: {0}")]
     InvalidRun(String),
+    /// A request path that would not be sent as given (see `ApiClient::url_of`).
+    #[error("request path: {0}")]
+    BadPath(String),
 }
 
 impl ClientError {
@@ -320,14 +326,16 @@ impl ApiClient {
         content_type: &'static str,
         limit: BodyLimit,
     ) -> Result<Bytes, ClientError> {
-        let url = format!("{}{}", self.base, path_and_query);
+        let url = self.url_of(path_and_query)?;
         let mut last_error = ClientError::Network("no attempt made".into());
+        let mut retry_after = None;
         for attempt in 0..self.retry.attempts.max(1) {
             if attempt > 0 {
-                let wait = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
-                tokio::time::sleep(wait).await;
+                // The server's Retry-After is the least wait, not an extra one.
+                let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
+                tokio::time::sleep(backoff.max(retry_after.take().unwrap_or_default())).await;
             }
-            let mut req = self.http.request(method.clone(), &url);
+            let mut req = self.http.request(method.clone(), url.clone());
             let raw = body.clone().unwrap_or_default();
             if signed {
                 let headers = sign_request(
@@ -351,18 +359,25 @@ impl ApiClient {
             match req.send().await {
                 Ok(mut resp) => {
                     let status = resp.status();
-                    let retry_after = resp
+                    retry_after = resp
                         .headers()
                         .get(reqwest::header::RETRY_AFTER)
                         .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.parse::<u64>().ok());
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .map(|secs| Duration::from_secs(secs.min(30)));
                     let limit = if status.is_success() {
                         limit
                     } else {
                         BodyLimit::ErrorBody
                     };
+                    // Whether to try again is the status's to say: an answer that is final stays
+                    // final when its body is cut off.
+                    let final_answer = status.is_success() || !is_retryable_status(status);
                     let bytes = match read_body(&mut resp, limit).await {
                         Ok(b) => b,
+                        Err(BodyError::Network(e)) if final_answer && !status.is_success() => {
+                            Bytes::from(format!("(the error body was cut off: {e})"))
+                        }
                         Err(BodyError::Network(e)) => {
                             last_error = ClientError::Network(e);
                             continue;
@@ -389,11 +404,8 @@ impl ApiClient {
                         status: status.as_u16(),
                         error,
                     };
-                    if !is_retryable_status(status) {
+                    if final_answer {
                         return Err(last_error);
-                    }
-                    if let Some(secs) = retry_after {
-                        tokio::time::sleep(Duration::from_secs(secs.min(30))).await;
                     }
                     tracing::debug!(%status, attempt, path = path_and_query, "retrying");
                 }
@@ -404,6 +416,26 @@ impl ApiClient {
             }
         }
         Err(last_error)
+    }
+
+    /// The URL of `path_and_query` on the orchestrator. It must be in the form the URL parser
+    /// keeps (percent-encoded, no `.` segments, no fragment): the signature covers the text the
+    /// caller gave and the server checks it against what arrives, so a path the parser rewrote
+    /// would be refused as a bad signature, with nothing to say why.
+    fn url_of(&self, path_and_query: &str) -> Result<reqwest::Url, ClientError> {
+        let text = format!("{}{}", self.base, path_and_query);
+        let url = reqwest::Url::parse(&text)
+            .map_err(|e| ClientError::BadPath(format!("{path_and_query}: {e}")))?;
+        let sent = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        if url.fragment().is_some() || !sent.ends_with(path_and_query) {
+            return Err(ClientError::BadPath(format!(
+                "{path_and_query} would be sent as {sent}: percent-encode it"
+            )));
+        }
+        Ok(url)
     }
 
     /// PUTs tensor bytes to `path` with their BLAKE3 in the (signed) query, as every upload route
@@ -549,37 +581,7 @@ impl ApiClient {
     pub async fn download(&self, blob: &BlobDescriptor) -> Result<Bytes, ClientError> {
         let limit = BodyLimit::Exact(blob.size);
         let bytes = match &blob.url {
-            Some(url) => {
-                let mut resp = self
-                    .http
-                    .get(url)
-                    .send()
-                    .await
-                    .map_err(|e| ClientError::Network(e.to_string()))?;
-                let status = resp.status();
-                if status == StatusCode::NOT_FOUND {
-                    return Err(ClientError::Api {
-                        status: status.as_u16(),
-                        error: ApiError::new(
-                            ErrorCode::NotFound,
-                            format!("the store has no object {}", blob.key),
-                        ),
-                    });
-                }
-                if !status.is_success() {
-                    return Err(ClientError::Network(format!(
-                        "store answered {status} for {}",
-                        blob.key
-                    )));
-                }
-                match read_body(&mut resp, limit).await {
-                    Ok(b) => b,
-                    Err(BodyError::Network(e)) => return Err(ClientError::Network(e)),
-                    Err(BodyError::Refused(declared)) => {
-                        return Err(limit.refusal(&blob.key, declared));
-                    }
-                }
-            }
+            Some(url) => self.presigned_get(url, blob, limit).await?,
             None => {
                 self.request_bytes(
                     Method::GET,
@@ -594,6 +596,57 @@ impl ApiClient {
         };
         blob.check_bytes(&bytes).map_err(ClientError::BadObject)?;
         Ok(bytes)
+    }
+
+    /// A download straight from the store, retried as API requests are (network errors, 408,
+    /// 429, 5xx such as S3's 503 SlowDown); a 404 or another refusal is final.
+    async fn presigned_get(
+        &self,
+        url: &str,
+        blob: &BlobDescriptor,
+        limit: BodyLimit,
+    ) -> Result<Bytes, ClientError> {
+        let mut last_error = ClientError::Network("no attempt made".into());
+        for attempt in 0..self.retry.attempts.max(1) {
+            if attempt > 0 {
+                // Apart: the thread's RNG must not be held across the wait.
+                let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
+                tokio::time::sleep(backoff).await;
+            }
+            let mut resp = match self.http.get(url).send().await {
+                Ok(resp) => resp,
+                Err(e) => {
+                    last_error = ClientError::Network(e.to_string());
+                    continue;
+                }
+            };
+            let status = resp.status();
+            if status == StatusCode::NOT_FOUND {
+                return Err(ClientError::Api {
+                    status: status.as_u16(),
+                    error: ApiError::new(
+                        ErrorCode::NotFound,
+                        format!("the store has no object {}", blob.key),
+                    ),
+                });
+            }
+            if !status.is_success() {
+                last_error =
+                    ClientError::Network(format!("store answered {status} for {}", blob.key));
+                if is_retryable_status(status) {
+                    continue;
+                }
+                return Err(last_error);
+            }
+            match read_body(&mut resp, limit).await {
+                Ok(b) => return Ok(b),
+                Err(BodyError::Network(e)) => last_error = ClientError::Network(e),
+                Err(BodyError::Refused(declared)) => {
+                    return Err(limit.refusal(&blob.key, declared));
+                }
+            }
+        }
+        Err(last_error)
     }
 
     /// Reports an object that failed its checks after download.
@@ -688,10 +741,21 @@ impl ApiClient {
             let page: SpotCheckTasks = self
                 .signed_raw(Method::GET, &format!("{path}?after={after}"), None)
                 .await?;
-            // A page that does not move on would be asked for again and again.
-            if page.miners.first().is_some_and(|m| m.hotkey <= after) {
+            // Each page must move on (hotkeys after the cursor, in order, the next cursor its
+            // last), and all of them stay within what a run can hold: an answer that does not
+            // would be asked for again and again, or without end.
+            // (A full last page is followed by an empty one that ends it.)
+            let ends = page.miners.is_empty() && page.next_after.is_none();
+            let moves_on = page.miners.first().is_some_and(|m| m.hotkey > after)
+                && page.miners.windows(2).all(|w| w[0].hotkey < w[1].hotkey)
+                && page
+                    .next_after
+                    .as_ref()
+                    .is_none_or(|next| page.miners.last().is_some_and(|m| &m.hotkey == next));
+            let moves_on = ends || moves_on;
+            if !moves_on || all.miners.len() + page.miners.len() > MAX_SPOT_CHECK_MINERS {
                 return Err(ClientError::Decode(format!(
-                    "spot-check page after {after} starts at or before it"
+                    "spot-check page after {after} does not follow it"
                 )));
             }
             all.miners.extend(page.miners);

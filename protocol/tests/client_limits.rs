@@ -115,6 +115,28 @@ fn client(base: &str) -> ApiClient {
     ApiClient::new(base, signer(), "orchestrator", retry()).expect("client")
 }
 
+/// A client that tries `attempts` times, with short waits between.
+fn retrying(base: &str, attempts: u32) -> ApiClient {
+    let policy = RetryPolicy {
+        attempts,
+        ..retry()
+    };
+    ApiClient::new(base, signer(), "orchestrator", policy).expect("client")
+}
+
+/// Counts the requests a server sees.
+fn counter() -> Arc<std::sync::atomic::AtomicUsize> {
+    Arc::new(std::sync::atomic::AtomicUsize::new(0))
+}
+
+fn seen(c: &std::sync::atomic::AtomicUsize) -> usize {
+    c.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+fn count(c: &std::sync::atomic::AtomicUsize) -> usize {
+    c.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+}
+
 /// A descriptor of `content`, served at `url` (presigned) or by the orchestrator (`None`).
 fn blob(content: &[u8], url: Option<String>) -> BlobDescriptor {
     BlobDescriptor {
@@ -294,4 +316,131 @@ async fn a_run_outside_the_bounds_is_refused_on_connect() {
             Err(ClientError::InvalidRun(_))
         ));
     }
+}
+
+/// A store that answers 503 (S3's SlowDown) once is asked again: presigned downloads are retried
+/// as API requests are. A single 503 failed the hop.
+#[tokio::test]
+async fn a_presigned_download_is_retried() {
+    let content = vec![9u8; 64];
+    let requests = counter();
+    let (body, n) = (content.clone(), requests.clone());
+    let base = serve(move |_| {
+        if count(&n) == 0 {
+            Answer {
+                status: "503 Service Unavailable",
+                headers: vec!["Content-Length: 0".into()],
+                body: Body::Bytes(Vec::new()),
+            }
+        } else {
+            Answer::ok(
+                vec![format!("Content-Length: {}", body.len())],
+                Body::Bytes(body.clone()),
+            )
+        }
+    })
+    .await;
+    let b = blob(&content, Some(format!("{base}/bucket/object")));
+    let got = retrying(&base, 3).download(&b).await.expect("download");
+    assert_eq!(&got[..], &content[..]);
+    assert_eq!(seen(&requests), 2);
+}
+
+/// An answer that is final stays final when its body is cut off: a 403 whose error body breaks
+/// off is not sent again (it was, up to every attempt).
+#[tokio::test]
+async fn a_refusal_with_a_broken_body_is_not_retried() {
+    let requests = counter();
+    let n = requests.clone();
+    let base = serve(move |_| {
+        count(&n);
+        Answer {
+            status: "403 Forbidden",
+            headers: vec!["Content-Length: 100".into()],
+            body: Body::Bytes(b"{\"code\":".to_vec()),
+        }
+    })
+    .await;
+    let r: Result<serde_json::Value, _> = retrying(&base, 4)
+        .signed_raw(reqwest::Method::GET, "/v1/miner/merges", None)
+        .await;
+    assert!(
+        matches!(r, Err(ClientError::Api { status: 403, .. })),
+        "{r:?}"
+    );
+    assert_eq!(seen(&requests), 1);
+}
+
+/// Retry-After is not waited out when no attempt follows.
+#[tokio::test]
+async fn retry_after_is_not_waited_after_the_last_attempt() {
+    let base = serve(|_| Answer {
+        status: "503 Service Unavailable",
+        headers: vec!["Content-Length: 0".into(), "Retry-After: 30".into()],
+        body: Body::Bytes(Vec::new()),
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let r = client(&base).status().await;
+    assert!(
+        matches!(r, Err(ClientError::Api { status: 503, .. })),
+        "{r:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited {:?}",
+        started.elapsed()
+    );
+}
+
+/// A path the URL parser would rewrite (here a space in the query) is refused before it is
+/// sent: the signature covers the text as given, so the server would refuse it as a bad
+/// signature with nothing to say why.
+#[tokio::test]
+async fn a_path_sent_otherwise_than_signed_is_refused_before_sending() {
+    let requests = counter();
+    let n = requests.clone();
+    let base = serve(move |_| {
+        count(&n);
+        Answer::ok(
+            vec!["Content-Length: 2".into()],
+            Body::Bytes(b"{}".to_vec()),
+        )
+    })
+    .await;
+    for path in ["/v1/x?note=a b", "/v1/./x", "/v1/x#part", "/v1/é"] {
+        let r: Result<serde_json::Value, _> = client(&base)
+            .signed_raw(reqwest::Method::GET, path, None)
+            .await;
+        assert!(matches!(r, Err(ClientError::BadPath(_))), "{path}: {r:?}");
+    }
+    assert_eq!(seen(&requests), 0);
+    let ok: serde_json::Value = client(&base)
+        .signed_raw(reqwest::Method::GET, "/v1/x?note=a%20b", None)
+        .await
+        .expect("an encoded path");
+    assert_eq!(ok, serde_json::json!({}));
+}
+
+/// Spot-check pages that do not move on end in an error, not a loop: an orchestrator that
+/// answers every page with the same cursor was asked again for ever.
+#[tokio::test]
+async fn spot_check_pages_that_do_not_move_on_are_refused() {
+    let requests = counter();
+    let n = requests.clone();
+    let base = serve(move |_| {
+        count(&n);
+        let body =
+            br#"{"epoch":0,"miners":[],"next_after":"a","partitions":[],"reported":[]}"#.to_vec();
+        Answer::ok(
+            vec![format!("Content-Length: {}", body.len())],
+            Body::Bytes(body),
+        )
+    })
+    .await;
+    let r = tokio::time::timeout(Duration::from_secs(10), client(&base).spot_checks(0))
+        .await
+        .expect("an answer, not a loop");
+    assert!(matches!(r, Err(ClientError::Decode(_))), "{r:?}");
+    assert_eq!(seen(&requests), 2);
 }
