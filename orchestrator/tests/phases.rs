@@ -1174,6 +1174,23 @@ async fn step_until_report(
     panic!("the miner's steps never did what was expected");
 }
 
+/// A completion of the hop leased with `lease`, at inner step 0.
+fn completion(
+    lease: uuid::Uuid,
+    output: Option<BlobDescriptor>,
+    loss: Option<f64>,
+) -> CompleteRequest {
+    CompleteRequest {
+        lease,
+        output,
+        inner_step: 0,
+        weights_digest: "0".repeat(64),
+        loss,
+        sequence_losses: None,
+        compute_ms: Some(1),
+    }
+}
+
 /// Steps the miners (of `seeds`) until one has done gradient work, past the training deadline,
 /// has every one with gradient work upload, and steps past the uploading deadline: the run is
 /// merging, in round 0. The merge deadline.
@@ -2388,18 +2405,7 @@ async fn a_miner_whose_work_ended_starts_no_samples_and_completes_no_hop() {
     .await
     .expect("a raced hop");
     let refused = client
-        .complete(
-            task_id,
-            &CompleteRequest {
-                lease,
-                output: None,
-                inner_step: 0,
-                weights_digest: "0".repeat(64),
-                loss: None,
-                sequence_losses: None,
-                compute_ms: Some(1),
-            },
-        )
+        .complete(task_id, &completion(lease, None, None))
         .await
         .expect_err("a hop completed after the miner's work ended");
     assert_eq!(refused.code(), Some(ErrorCode::LeaseExpired), "{refused}");
@@ -2470,15 +2476,7 @@ async fn a_one_stage_run_takes_no_hop_output() {
         .await
         .expect_err("an output for a hop that has none");
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
-    let complete = CompleteRequest {
-        lease: item.lease,
-        output: None,
-        inner_step: 0,
-        weights_digest: "0".repeat(64),
-        loss: Some(2.5),
-        sequence_losses: None,
-        compute_ms: Some(1),
-    };
+    let complete = completion(item.lease, None, Some(2.5));
     let first = client
         .complete(item.task_id, &complete)
         .await
@@ -2556,15 +2554,7 @@ async fn a_completion_retried_later_names_the_hop_it_routed() {
         .await
         .expect("upload")
         .blob;
-    let complete = CompleteRequest {
-        lease: item.lease,
-        output: Some(blob),
-        inner_step: 0,
-        weights_digest: "0".repeat(64),
-        loss: None,
-        sequence_losses: None,
-        compute_ms: Some(1),
-    };
+    let complete = completion(item.lease, Some(blob), None);
     let answer = client
         .complete(item.task_id, &complete)
         .await
