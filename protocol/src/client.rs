@@ -44,7 +44,18 @@ impl Default for RetryPolicy {
     }
 }
 
+/// The slowest transfer a request is given time for, in bytes per second: the pace the
+/// orchestrator holds a request body to.
+pub const MIN_TRANSFER_BYTES_PER_S: u64 = 1 << 20;
+
 impl RetryPolicy {
+    /// The time one attempt moving `bytes` (sent or read) is given: [`RetryPolicy::timeout`],
+    /// and a second more per MiB. One fixed timeout for every request cut off any tensor larger
+    /// than it could carry in that time, a merged partition of a large stage on any link.
+    pub fn timeout_for(&self, bytes: u64) -> Duration {
+        self.timeout + Duration::from_secs(bytes / MIN_TRANSFER_BYTES_PER_S)
+    }
+
     /// Backoff before retry `n` (0-based): uniform in `[0, min(max, base·2^n)]` (full jitter),
     /// so many miners retrying at once spread out instead of arriving together.
     pub fn backoff(&self, n: u32, rng: &mut impl Rng) -> Duration {
@@ -335,8 +346,15 @@ impl ApiClient {
                 let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
                 tokio::time::sleep(backoff.max(retry_after.take().unwrap_or_default())).await;
             }
-            let mut req = self.http.request(method.clone(), url.clone());
             let raw = body.clone().unwrap_or_default();
+            let moved = match limit {
+                BodyLimit::Exact(n) => n,
+                _ => 0,
+            };
+            let mut req = self
+                .http
+                .request(method.clone(), url.clone())
+                .timeout(self.retry.timeout_for(moved.max(raw.len() as u64)));
             if signed {
                 let headers = sign_request(
                     self.signer.as_ref(),
@@ -613,7 +631,11 @@ impl ApiClient {
                 let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
                 tokio::time::sleep(backoff).await;
             }
-            let mut resp = match self.http.get(url).send().await {
+            let get = self
+                .http
+                .get(url)
+                .timeout(self.retry.timeout_for(blob.size));
+            let mut resp = match get.send().await {
                 Ok(resp) => resp,
                 Err(e) => {
                     last_error = ClientError::Network(e.to_string());

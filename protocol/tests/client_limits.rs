@@ -25,6 +25,8 @@ enum Body {
     Bytes(Vec<u8>),
     /// Zeros until the client hangs up.
     Endless,
+    /// These bytes, 64 KiB at a time, one chunk per interval.
+    Paced(Vec<u8>, Duration),
 }
 
 /// One canned answer: status, extra headers, body.
@@ -90,6 +92,12 @@ async fn respond(
             let chunk = vec![0u8; 64 << 10];
             loop {
                 conn.write_all(&chunk).await?;
+            }
+        }
+        Body::Paced(bytes, interval) => {
+            for chunk in bytes.chunks(64 << 10) {
+                conn.write_all(chunk).await?;
+                tokio::time::sleep(interval).await;
             }
         }
     }
@@ -443,4 +451,34 @@ async fn spot_check_pages_that_do_not_move_on_are_refused() {
         .expect("an answer, not a loop");
     assert!(matches!(r, Err(ClientError::Decode(_))), "{r:?}");
     assert_eq!(seen(&requests), 2);
+}
+
+/// A large object on a slow link gets the time its size needs: a second more per MiB than the
+/// policy's timeout. One fixed timeout for every request cut off any tensor larger than it
+/// could carry in that time. Here 3 MiB at about 2 MiB/s (1.5 s) against a 1 s timeout.
+#[tokio::test]
+async fn a_large_download_gets_time_for_its_size() {
+    let content: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+    let body = content.clone();
+    let base = serve(move |_| {
+        Answer::ok(
+            vec![format!("Content-Length: {}", body.len())],
+            Body::Paced(body.clone(), Duration::from_millis(31)),
+        )
+    })
+    .await;
+    let policy = RetryPolicy {
+        timeout: Duration::from_secs(1),
+        ..retry()
+    };
+    assert_eq!(policy.timeout_for(3 << 20), Duration::from_secs(4));
+    let client = ApiClient::new(&base, signer(), "orchestrator", policy).expect("client");
+    for url in [Some(format!("{base}/bucket/object")), None] {
+        let presigned = url.is_some();
+        let got = client
+            .download(&blob(&content, url))
+            .await
+            .unwrap_or_else(|e| panic!("presigned {presigned}: {e}"));
+        assert_eq!(got.len(), content.len());
+    }
 }
