@@ -133,6 +133,9 @@ pub struct AppState {
     pub replay: ReplayCache,
     /// Batched verification of request signatures.
     pub signatures: SignatureVerifier,
+    /// The upload slots ([`Limits::concurrent_uploads`]): each whole object held in memory at
+    /// once takes one, an upload's body as a re-read of a stored object (see [`object_slot`]).
+    pub object_slots: Arc<tokio::sync::Semaphore>,
     /// Signers' keys by their address as sent.
     pub signers: Signers,
     /// Work polls' first look, from memory.
@@ -188,6 +191,9 @@ impl AppState {
                 replay_retention(skew, &limits, &run.config),
             ),
             signatures: SignatureVerifier::default(),
+            object_slots: Arc::new(tokio::sync::Semaphore::new(
+                limits.concurrent_uploads.max(1),
+            )),
             signers: Signers::default(),
             poll_view: crate::poll_view::PollView::new(db.clone(), run.id),
             db,
@@ -709,8 +715,20 @@ impl Authenticating {
             ));
         }
         let mut pending = PendingUuid(Some(uuid));
-        // With memory full, only the shared cache can tell: record now whatever the route.
-        if routes.shared_replay == SharedReplay::Before || in_memory == Local::Full {
+        if in_memory == Local::Forgotten && routes.shared_replay == SharedReplay::ByHandler {
+            // The original of a replay of such a route may be in this memory only (a work poll
+            // answered from the poll view), and memory has forgotten it: too old to tell.
+            let age_ms = now_ms().saturating_sub(verified.timestamp_ms);
+            return Err(AuthError::Stale {
+                timestamp_ms: verified.timestamp_ms,
+                age_ms,
+                max_ms: app.skew.max_age_ms,
+            }
+            .into());
+        }
+        // With memory full or forgetful, only the shared cache can tell: record now whatever the
+        // route (the others' originals were recorded there, and kept past their body deadline).
+        if routes.shared_replay == SharedReplay::Before || in_memory != Local::Fresh {
             pending.record(app).await?;
         }
         let caller = Caller {
@@ -828,6 +846,27 @@ impl Drop for IpUploadSlot<'_> {
             if *n == 0 {
                 held.remove(&self.ip);
             }
+        }
+    }
+}
+
+/// One of the upload slots, for a handler that reads a whole stored object into memory (a
+/// commit's check of a presigned upload, a bad-object report), waited for at most
+/// [`Limits::upload_slot_wait`]: such reads are bounded as upload bodies are.
+pub async fn object_slot(app: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, AppError> {
+    match tokio::time::timeout(
+        app.limits.upload_slot_wait,
+        app.object_slots.clone().acquire_owned(),
+    )
+    .await
+    {
+        Ok(Ok(slot)) => Ok(slot),
+        _ => {
+            metrics::counter!("iota_rate_limited_total", "scope" => "upload_slots").increment(1);
+            Err(AppError::new(
+                ErrorCode::RateLimited,
+                "every upload slot is busy: try again",
+            ))
         }
     }
 }

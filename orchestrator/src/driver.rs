@@ -30,7 +30,10 @@ use crate::routing::{
 /// The leader lock's class; its other key is the run's id, so that each run on a database has
 /// a driver of its own (one key for all let one run's driver leave every other run undriven).
 const LEADER_LOCK_CLASS: i32 = 0x696f_7464; // "iotd"
-const PHASE_LOCK_CLASS: i32 = 0x696f_7461; // "iota"
+/// The phase lock's class (its other key is the run's id): the driver holds it exclusively
+/// while it changes the phase, and submissions that must land wholly before or after a phase
+/// change hold it shared.
+pub const PHASE_LOCK_CLASS: i32 = 0x696f_7461; // "iota"
 
 /// Takes the phase lock in shared mode for the rest of the transaction (uploads).
 pub async fn phase_lock_shared(tx: &mut Transaction<'_, Postgres>, run: i64) -> ApiResult<()> {
@@ -1129,11 +1132,16 @@ async fn settle(
             .bind(partition as i32)
             .execute(&mut **tx)
             .await?;
-            // One tie-break owner per disagreement: more owners than results means one is
-            // already working on it.
-            let owners: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM partition_owners WHERE run_id = $1 AND epoch = $2
-                   AND stage = $3 AND partition = $4",
+            // One tie-break owner per disagreement: an active owner with no result yet is
+            // already working on it. Released owners do not count (one released and replaced
+            // left more owners than results, and no tie-break until the deadline).
+            let working: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM partition_owners o
+                 JOIN miners m ON m.run_id = o.run_id AND m.hotkey = o.miner AND m.status = 'active'
+                 WHERE o.run_id = $1 AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4
+                   AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+                       AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+                       AND r.submitter = o.miner)",
             )
             .bind(app.run.id)
             .bind(epoch as i64)
@@ -1141,7 +1149,7 @@ async fn settle(
             .bind(partition as i32)
             .fetch_one(&mut **tx)
             .await?;
-            if owners <= results.len() as i64 {
+            if working == 0 {
                 add_owner(tx, app, epoch, stage, partition, cur.merge_round).await?;
             }
             if opened.rows_affected() > 0 {

@@ -420,9 +420,7 @@ pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
 pub fn router(app: App) -> Router {
     let json_limit = app.limits.json_body_bytes;
     let upload_limit = max_upload_bytes(app.config());
-    let uploads = Arc::new(tokio::sync::Semaphore::new(
-        app.limits.concurrent_uploads.max(1),
-    ));
+    let uploads = app.object_slots.clone();
     let signed = |gate, body_limit, shared_replay| {
         (
             app.clone(),

@@ -511,6 +511,20 @@ async fn start_samples(
     room: i64,
 ) -> ApiResult<Vec<WorkItem>> {
     let cfg = app.config();
+    // The phase as it is now, not as the poll's statement read it: samples start before the
+    // training phase ends or not at all (a poll that raced with `start_uploading` started
+    // samples into the uploading phase, where they were abandoned unfinished).
+    crate::driver::phase_lock_shared(tx, app.run.id).await?;
+    let training: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM runs WHERE id = $1 AND epoch = $2 AND phase = 'training')",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_one(&mut **tx)
+    .await?;
+    if !training {
+        return Ok(Vec::new());
+    }
     // The miner's row first: two polls of one miner (on one process or two) then count its
     // samples in flight one after the other, each seeing what the other started, and a miner
     // whose work in the epoch has ended (`close_epoch`) starts none.
@@ -1136,6 +1150,7 @@ async fn sealed_earlier(
         return Ok(None);
     }
     let sealed = sealed_key(slot_key, &commit.blake3);
+    let _slot = app::object_slot(app).await?;
     let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Ok(None),
@@ -1184,6 +1199,7 @@ async fn check_stored_if_there(
     };
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
+    let _slot = app::object_slot(app).await?;
     let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(e @ StoreError::TooLarge { .. }) => return refuse(e.into()).await,
@@ -1245,6 +1261,17 @@ pub async fn commit_output(
     )
     .await?;
     stage_output(&app, task_id, lease, blob).await
+}
+
+/// Largest loss a completion may report. A cross-entropy in nats is never negative and a
+/// language model's starts near ln(vocabulary), about 11; PostgreSQL's `avg` over float8 keeps a
+/// sum of squares, which one loss above about 1e154 overflows, failing the epoch's loss mean (and
+/// with it the step to the next epoch) every time it runs.
+pub const MAX_LOSS: f64 = 1e4;
+
+/// Whether `loss` is one a completion may report.
+fn loss_in_range(loss: f64) -> bool {
+    (0.0..=MAX_LOSS).contains(&loss)
 }
 
 /// `POST /v1/miner/tasks/{task_id}/complete`: finish a hop and route the sample on.
@@ -1314,6 +1341,23 @@ pub async fn complete(
             ),
         ));
     }
+    // A hop of a sample that is no longer in flight (abandoned when its epoch ended: a hop routed
+    // by a completion that raced with `next_epoch` stays open until the next sweep) moves
+    // nothing on; completing it revived the sample after its epoch's loss mean was stored.
+    let sample: Option<String> =
+        sqlx::query_scalar("SELECT status FROM samples WHERE id = $1 FOR UPDATE")
+            .bind(task.sample_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if !matches!(sample.as_deref(), Some("forward" | "backward")) {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!(
+                "task {task_id}: its sample is {}; the hop is closed",
+                sample.as_deref().unwrap_or("gone")
+            ),
+        ));
+    }
     let last = task.stage + 1 == cfg.stages;
     let is_last_forward = last && task.direction == Direction::Forward;
     let needs_output = expects_output(task.direction, task.stage, cfg.stages);
@@ -1340,23 +1384,18 @@ pub async fn complete(
     } else {
         None
     };
-    if is_last_forward {
-        match req.loss {
-            Some(l) if l.is_finite() => {}
-            _ => {
-                return Err(AppError::new(
-                    ErrorCode::BadRequest,
-                    "the last stage's forward must report a finite loss",
-                ));
-            }
-        }
+    if is_last_forward && !req.loss.is_some_and(loss_in_range) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("the last stage's forward must report a loss from 0 to {MAX_LOSS}"),
+        ));
     }
     if let Some(seq) = &req.sequence_losses
-        && (seq.len() > cfg.micro_batch as usize || seq.iter().any(|l| !l.is_finite()))
+        && (seq.len() > cfg.micro_batch as usize || !seq.iter().copied().all(loss_in_range))
     {
         return Err(AppError::new(
             ErrorCode::BadRequest,
-            "sequence_losses: at most micro_batch finite values",
+            format!("sequence_losses: at most micro_batch values, each from 0 to {MAX_LOSS}"),
         ));
     }
     if req.weights_digest.len() > 128 {
@@ -1962,8 +2001,23 @@ pub async fn upload_pg(
         return Ok(Json(UploadResponse { blob: same }));
     }
     let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
-    let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
-    record_pg(&app, &caller, epoch, stage, partition, blob).await
+    to_completion(async move {
+        let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
+        record_pg(&app, &caller, epoch, stage, partition, blob).await
+    })
+    .await
+}
+
+/// Runs a stored upload's store-then-record steps in a task of its own. A client that closes
+/// its connection makes the server drop the handler with whatever it awaits: between the two
+/// steps, that left the stored object without its row, and nothing then refused the next upload
+/// to the slot (each left another object until the epoch was collected).
+async fn to_completion<T: Send + 'static>(
+    steps: impl std::future::Future<Output = ApiResult<T>> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::spawn(steps)
+        .await
+        .map_err(|e| AppError::new(ErrorCode::Internal, format!("upload task: {e}")))?
 }
 
 async fn already_accepted_pg(
@@ -2054,8 +2108,11 @@ pub async fn commit_pg(
         return Ok(Json(UploadResponse { blob: same }));
     }
     let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
-    let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
-    record_pg(&app, &caller, epoch, stage, partition, blob).await
+    to_completion(async move {
+        let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
+        record_pg(&app, &caller, epoch, stage, partition, blob).await
+    })
+    .await
 }
 
 /// `GET /v1/miner/merges`: the partitions the caller owns in the current merging round and has
@@ -2285,8 +2342,12 @@ pub(crate) async fn upload_merge_as(
         return Ok(Json(UploadResponse { blob: same }));
     }
     let (key, spec) = merge_slot(app, who, as_validator, epoch, stage, partition).await?;
-    let blob = accept_upload(app, key, &spec, body, blake3, Placement::Sealed).await?;
-    crate::driver::record_merge_result(app, who, epoch, stage, partition, blob).await
+    let (app, who, blake3) = (app.clone(), who.to_owned(), blake3.to_owned());
+    to_completion(async move {
+        let blob = accept_upload(&app, key, &spec, body, &blake3, Placement::Sealed).await?;
+        crate::driver::record_merge_result(&app, &who, epoch, stage, partition, blob).await
+    })
+    .await
 }
 
 /// `who`'s recorded result for this partition if it has this hash (a retried submission), or a
@@ -2350,8 +2411,11 @@ pub async fn commit_merge(
         return Ok(Json(UploadResponse { blob: same }));
     }
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
-    let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
-    crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+    to_completion(async move {
+        let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
+        crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+    })
+    .await
 }
 
 /// The epoch, stage and partition of a merged result's key below its run's prefix
@@ -2470,6 +2534,7 @@ pub async fn report_bad_object(
     // Only the object's own faults confirm a report. A missing object was collected with its
     // epoch (no presigned URL deletes), and a failing store is nobody's hop's fault: neither may
     // let a reporter fail another miner's hop.
+    let _slot = app::object_slot(&app).await?;
     let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
         Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
         Err(StoreError::NotFound(_)) => {

@@ -97,6 +97,9 @@ pub enum Local {
     Replayed,
     /// Memory is full: only the shared cache can tell.
     Full,
+    /// The uuid's second was already forgotten here (other requests, whose headers came later,
+    /// found it outside the window while this one's body was on its way): memory cannot tell.
+    Forgotten,
 }
 
 /// The uuids this process admitted, by their request's timestamp (whole seconds): a replay
@@ -113,8 +116,8 @@ pub struct SeenUuids {
 
 const SHARDS: usize = 16;
 
-/// Uuids by their timestamp's second, and how many.
-type Shard = (BTreeMap<u64, HashSet<Uuid>>, usize);
+/// Uuids by their timestamp's second, how many, and the first second not yet forgotten.
+type Shard = (BTreeMap<u64, HashSet<Uuid>>, usize, u64);
 
 impl SeenUuids {
     /// Remembers uuids as long as `window` accepts their timestamps, at most [`MAX_LOCAL`].
@@ -141,14 +144,20 @@ impl SeenUuids {
     /// Admits `uuid` of a request stamped `timestamp_ms` (already inside the window at `now_ms`).
     pub fn admit(&self, uuid: Uuid, timestamp_ms: u64, now_ms: u64) -> Local {
         let mut guard = self.shard(&uuid);
-        let (seconds, held) = &mut *guard;
+        let (seconds, held, remembered_from) = &mut *guard;
         // Seconds whose last millisecond is older than the window: nothing stamped then passes
         // the clock check any more.
         while let Some(entry) = seconds.first_entry() {
             if (entry.key() + 1) * 1000 + self.max_age_ms >= now_ms {
                 break;
             }
+            *remembered_from = (*remembered_from).max(entry.key() + 1);
             *held -= entry.remove().len();
+        }
+        // `now_ms` is when this request's headers came; its body may have come long after,
+        // when a later request has dropped the second a replay of it would be found in.
+        if timestamp_ms / 1000 < *remembered_from {
+            return Local::Forgotten;
         }
         let second = seconds.entry(timestamp_ms / 1000).or_default();
         if second.contains(&uuid) {
@@ -235,10 +244,21 @@ mod tests {
         );
         assert_eq!(seen.len(), 2, "a's second was not forgotten");
         assert_eq!(seen.admit(b, ts + 3_000, later), Local::Replayed);
+        // A replay of a whose headers came in time (its `now` is old) but which is admitted
+        // only after the second was dropped: memory cannot say it is fresh.
+        assert_eq!(seen.admit(a, ts, ts + 1), Local::Forgotten);
+        let mut other = *Uuid::new_v4().as_bytes();
+        other[0] = a.as_bytes()[0];
         assert_eq!(
-            seen.admit(a, ts, later),
-            Local::Fresh,
-            "a forgotten second still held a"
+            seen.admit(Uuid::from_bytes(other), ts, ts + 1),
+            Local::Forgotten
+        );
+        // Other shards forget on their own admissions.
+        let mut elsewhere = *a.as_bytes();
+        elsewhere[0] = a.as_bytes()[0].wrapping_add(1);
+        assert_eq!(
+            seen.admit(Uuid::from_bytes(elsewhere), ts, ts + 1),
+            Local::Fresh
         );
     }
 

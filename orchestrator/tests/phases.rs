@@ -2450,9 +2450,10 @@ async fn polls_sent_at_once_keep_a_miner_within_its_in_flight_limit() {
 }
 
 /// In a run of one stage no hop has an output (the forward's loss is all it gives): the work
-/// item says so, an upload is refused before it is stored, and a completion retried after its
-/// answer was lost is answered as the first was. The item asked for an output the completion
-/// then dropped, so a retry sending it again was a conflict.
+/// item says so, an upload is refused before it is stored, a loss outside 0 to 10,000 is
+/// refused, and a completion retried after its answer was lost is answered as the first was.
+/// The item asked for an output the completion then dropped, so a retry sending it again was a
+/// conflict.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_stage_run_takes_no_hop_output() {
     init_tracing();
@@ -2475,6 +2476,30 @@ async fn a_one_stage_run_takes_no_hop_output() {
         .upload_output(item.task_id, item.lease, bytes::Bytes::from(vec![0u8; 64]))
         .await
         .expect_err("an output for a hop that has none");
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    // Losses no model reports are refused: one above about 1e154 overflowed the epoch's loss
+    // mean in PostgreSQL, and the run never left merging.
+    for loss in [1e300, -1.0, f64::MAX] {
+        let refused = client
+            .complete(item.task_id, &completion(item.lease, None, Some(loss)))
+            .await
+            .expect_err("an impossible loss");
+        assert_eq!(
+            refused.code(),
+            Some(ErrorCode::BadRequest),
+            "{loss}: {refused}"
+        );
+    }
+    let refused = client
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                sequence_losses: Some(vec![2.5, 1e300]),
+                ..completion(item.lease, None, Some(2.5))
+            },
+        )
+        .await
+        .expect_err("an impossible sequence loss");
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
     let complete = completion(item.lease, None, Some(2.5));
     let first = client
@@ -2573,4 +2598,295 @@ async fn a_completion_retried_later_names_the_hop_it_routed() {
         .await
         .expect("the completion retried");
     assert_eq!(retried, answer);
+}
+
+/// A hop whose sample is no longer in flight is not completed. A completion that raced with the
+/// end of the epoch could leave a hop of an abandoned sample open until the next sweep; a miner
+/// that leased it and completed it moved the sample on again (here: routed its next hop), after
+/// the epoch's loss mean had been stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hop_of_an_abandoned_sample_is_not_completed() {
+    init_tracing();
+    let seeds = [174u8, 175, 176];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a miner of stage 0");
+    let client = miners[first].client().clone();
+    let item = client
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
+    let blob = client
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
+        .await
+        .expect("upload")
+        .blob;
+    // As `next_epoch` leaves it when the hop escaped its sweep.
+    sqlx::query("UPDATE samples SET status = 'abandoned' WHERE id = $1")
+        .bind(item.sample_id)
+        .execute(&s.db)
+        .await
+        .expect("abandon");
+    let refused = client
+        .complete(item.task_id, &completion(item.lease, Some(blob), None))
+        .await
+        .expect_err("a hop of an abandoned sample");
+    assert_eq!(refused.code(), Some(ErrorCode::LeaseExpired), "{refused}");
+    let hops: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE sample_id = $1")
+        .bind(item.sample_id)
+        .fetch_one(&s.db)
+        .await
+        .expect("hops");
+    assert_eq!(hops, 1, "the sample moved on");
+}
+
+/// A stage-0 poll that read the training phase, and starts samples only once the driver has
+/// moved the run to uploading, starts none: samples begin before training ends or not at all.
+/// Such a poll started samples into the uploading phase, where they were abandoned unfinished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_sample_starts_after_training_has_ended() {
+    init_tracing();
+    let seeds = [177u8, 178, 179];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a miner of stage 0");
+    let client = miners[first].client().clone();
+    // The driver's side of a phase change: the phase lock, held while the phase changes.
+    let mut driver = s.db.begin().await.expect("tx");
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
+        .bind(driver::PHASE_LOCK_CLASS)
+        .bind(s.app.run.id as i32)
+        .execute(&mut *driver)
+        .await
+        .expect("phase lock");
+    let poll = tokio::spawn(async move { client.work(4).await });
+    // The poll reads the training phase and waits to start samples.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    sqlx::query("UPDATE runs SET phase = 'uploading' WHERE id = $1")
+        .bind(s.app.run.id)
+        .execute(&mut *driver)
+        .await
+        .expect("uploading");
+    driver.commit().await.expect("commit");
+    let answer = poll.await.expect("join").expect("poll");
+    assert!(answer.items.is_empty(), "{:?}", answer.items);
+    let started: i64 = sqlx::query_scalar("SELECT count(*) FROM samples WHERE run_id = $1")
+        .bind(s.app.run.id)
+        .fetch_one(&s.db)
+        .await
+        .expect("samples");
+    assert_eq!(started, 0);
+}
+
+/// Two owners that disagree get a tie-break owner at once, also when a third owner was added
+/// because an earlier one was released: released owners are not working on it. Counting them, the
+/// disputed partition waited for the deadline's reassignment round (or, in the last round, took
+/// the earlier of the two results).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispute_gets_a_tie_break_owner_when_an_owner_was_released() {
+    init_tracing();
+    let seeds = [216u8, 217, 218, 219, 220, FIRST_VALIDATOR + 4];
+    let t = PermitHolderOwner::new(&seeds).await;
+    let (stage, partition, merged) = (t.stage, t.partition, &t.merged);
+    let hotkey = |i: usize| pair(seeds[i]).ss58_of();
+    let owners = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+        )
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .fetch_all(&t.s.db)
+        .await
+        .expect("owners")
+    };
+    // The other owner is released and replaced, as `release_silent_miners` does.
+    sqlx::query("UPDATE miners SET status = 'released' WHERE hotkey = $1")
+        .bind(hotkey(t.other))
+        .execute(&t.s.db)
+        .await
+        .expect("release");
+    let before = owners().await;
+    let third = (0..seeds.len())
+        .find(|&i| !before.contains(&hotkey(i)))
+        .expect("a miner that owns nothing of the partition");
+    sqlx::query(
+        "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
+         VALUES ($1, 0, $2, $3, $4, 0)",
+    )
+    .bind(t.s.app.run.id)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(hotkey(third))
+    .execute(&t.s.db)
+    .await
+    .expect("a third owner");
+    t.miners[t.both]
+        .client()
+        .upload_merge(0, stage, partition, merged(0.25))
+        .await
+        .expect("one owner's merge");
+    t.miners[third]
+        .client()
+        .upload_merge(0, stage, partition, merged(0.75))
+        .await
+        .expect("the third owner's merge");
+    assert_eq!(t.state().await, "disputed");
+    let after = owners().await;
+    assert_eq!(after.len(), 4, "no tie-break owner: {after:?}");
+}
+
+/// A bad-object report reads the whole object into memory, so it takes one of the upload slots
+/// as an upload's body does, and waits while every slot is busy. Reports took none: a hotkey
+/// sending many at once held as many objects in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_object_report_takes_an_upload_slot() {
+    init_tracing();
+    let seeds = [181u8, 182, 183];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a miner of stage 0");
+    let client = miners[first].client().clone();
+    let item = client
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
+    let blob = client
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
+        .await
+        .expect("upload")
+        .blob;
+    client
+        .complete(
+            item.task_id,
+            &completion(item.lease, Some(blob.clone()), None),
+        )
+        .await
+        .expect("complete");
+    let slots = s.app.limits.concurrent_uploads as u32;
+    let held = s
+        .app
+        .object_slots
+        .clone()
+        .acquire_many_owned(slots)
+        .await
+        .expect("every slot");
+    let body = serde_json::to_vec(&BadObjectReport {
+        key: blob.key.clone(),
+        reason: "checking".into(),
+    })
+    .expect("json");
+    let report = tokio::spawn({
+        let raw = Raw::to(&s.base);
+        let reporter = pair(seeds[(first + 1) % seeds.len()]);
+        async move {
+            raw.send(Call::new(
+                &reporter,
+                reqwest::Method::POST,
+                "/v1/miner/reports/bad-object",
+                body,
+            ))
+            .await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(
+        !report.is_finished(),
+        "the report read the object with every slot busy"
+    );
+    drop(held);
+    let answer = report.await.expect("join");
+    assert_eq!(answer.0, 200, "{answer:?}");
+}
+
+/// An upload whose client goes away between storing its object and recording it is recorded all
+/// the same. The server dropped the handler with the connection, which left the stored object
+/// with no row, and nothing then refused another upload to the slot (each left an object behind
+/// until the epoch was collected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_whose_client_went_away_is_recorded_all_the_same() {
+    init_tracing();
+    let seeds = [184u8, 185, 186];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let (stage, hotkey) = (miners[i].stage, pair(seeds[i]).ss58_of());
+    let range = run.partition_range(stage, 0).expect("partition");
+    let bytes =
+        iota_protocol::tensor::encode_partition(&vec![0.5; (range.end - range.start) as usize]);
+    let blake3 = iota_protocol::blob::blake3_hex(&bytes);
+    let path = format!("/v1/miner/epochs/0/pseudo-gradients/0?blake3={blake3}");
+    // The driver's side of a phase change: the phase lock, which recording waits for.
+    let mut driver = s.db.begin().await.expect("tx");
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
+        .bind(driver::PHASE_LOCK_CLASS)
+        .bind(s.app.run.id as i32)
+        .execute(&mut *driver)
+        .await
+        .expect("phase lock");
+    let signed = iota_protocol::signing::sign_request(
+        &pair(seeds[i]),
+        &pair(200).ss58_of(),
+        "PUT",
+        &path,
+        &bytes,
+        now_ms(),
+        uuid::Uuid::new_v4(),
+    );
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(2))
+        .build()
+        .expect("client");
+    let mut put = client
+        .put(format!("{}{path}", s.base))
+        .header("content-type", "application/octet-stream")
+        .body(bytes);
+    for (name, value) in signed.headers {
+        put = put.header(name, value);
+    }
+    let gone = put.send().await;
+    assert!(
+        gone.is_err(),
+        "answered while the phase lock was held: {gone:?}"
+    );
+    driver.commit().await.expect("release");
+    let recorded = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pseudo_gradients WHERE miner = $1 AND partition = 0",
+        )
+        .bind(&hotkey)
+        .fetch_one(&s.db)
+        .await
+        .expect("rows")
+    };
+    eventually(
+        "the upload recorded after its client went away",
+        std::time::Duration::from_secs(10),
+        || async { (recorded().await == 1).then_some(()) },
+    )
+    .await;
 }

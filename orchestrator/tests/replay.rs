@@ -438,3 +438,102 @@ async fn until_pruned(pool: &sqlx::PgPool) {
     )
     .await;
 }
+
+/// A replay of a work poll to the process that answered the original, whose headers come inside
+/// the clock window and whose body comes after a later request has made that process forget the
+/// original's second: memory cannot tell it from a fresh poll, and the original (answered from
+/// the poll view) is in memory only, so the replay is refused as too old. It was admitted as
+/// fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_replay_of_a_poll_to_the_same_process_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    init_tracing();
+    let chain = chain_with(&MINERS, &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut run = run_config("slow-poll-replay");
+    run.heartbeat_timeout_s = 60;
+    let mut cfg = config(&chain, &db, store.path(), run);
+    cfg.skew = iota_protocol::SkewWindow {
+        max_age_ms: 2_000,
+        max_future_ms: 1_000,
+    };
+    let a = start(cfg).await;
+    // A miner of the last stage: it never starts samples, so its polls are answered from the
+    // poll view and never reach the database.
+    let mut seed = None;
+    for s in MINERS {
+        let (_, joined) = registered_miner(&a.base, s).await;
+        if joined.stage == 2 {
+            seed = Some(s);
+        }
+    }
+    let seed = seed.expect("a miner of the last stage");
+    let path = "/v1/miner/work";
+    let body = serde_json::to_vec(&WorkRequest { max_items: 1 }).expect("json");
+    let (ts, uuid) = (now_ms(), Uuid::new_v4());
+    let first = Raw::to(&a.base)
+        .send(Call {
+            ts,
+            uuid,
+            ..Call::new(&pair(seed), reqwest::Method::POST, path, body.clone())
+        })
+        .await;
+    assert_eq!(first.0, 200, "{first:?}");
+
+    let signed = iota_protocol::signing::sign_request(
+        &pair(seed),
+        &pair(200).ss58(),
+        "POST",
+        path,
+        &body,
+        ts,
+        uuid,
+    );
+    let addr = a.base.trim_start_matches("http://");
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in signed.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut replay = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    replay.write_all(head.as_bytes()).await.expect("head");
+    replay.write_all(&body[..1]).await.expect("first byte");
+    assert!(now_ms() < ts + 2_000, "the replay's headers were late");
+
+    // Past the window of the original's second, a poll with a uuid of the same memory shard
+    // makes the process forget that second.
+    tokio::time::sleep(std::time::Duration::from_millis(
+        ((ts / 1000 + 1) * 1000 + 2_500).saturating_sub(now_ms()),
+    ))
+    .await;
+    let mut later = *Uuid::new_v4().as_bytes();
+    later[0] = uuid.as_bytes()[0];
+    let next = Raw::to(&a.base)
+        .send(Call {
+            ts: now_ms(),
+            uuid: Uuid::from_bytes(later),
+            ..Call::new(&pair(seed), reqwest::Method::POST, path, body.clone())
+        })
+        .await;
+    assert_eq!(next.0, 200, "{next:?}");
+
+    replay.write_all(&body[1..]).await.expect("the rest");
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        replay.read_to_end(&mut answer),
+    )
+    .await
+    .expect("an answer")
+    .expect("read");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 401") && answer.contains("\"clock_skew\""),
+        "the slow replay of a poll was not refused: {answer}"
+    );
+    a.stop().await;
+}
