@@ -97,6 +97,7 @@ done
     echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) logical cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo) memory, $(uname -sr), $(rustc --version)."
     echo "Benchmarks run one after another; ratios are taken within one benchmark (both sides in the same run)."
     echo "Figures from a shared or loaded machine move; compare ratios, not absolute rates, across machines."
+    echo "Measured by hand on another machine, not by this script: the load benchmark on 16 cores, in \`orchestrator/benches/load-16-cores.md\`."
     echo
     for entry in "${BENCHES[@]}"; do
         name="${entry%%|*}"
