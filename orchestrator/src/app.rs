@@ -19,7 +19,9 @@ use governor::{Quota, RateLimiter};
 use iota_chain::MetagraphIndex;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::api::RunConfig;
-use iota_protocol::signing::{SkewWindow, check_headers};
+use iota_protocol::signing::{
+    HEADER_BODY_SHA256, SkewWindow, body_sha256_hex, check_headers, is_sha256_hex,
+};
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 use sqlx::PgPool;
 use tokio::sync::watch;
@@ -430,7 +432,17 @@ pub struct SignedRoutes {
     pub body_limit: usize,
     /// When the uuid reaches the shared replay cache.
     pub shared_replay: SharedReplay,
+    /// Whether the route takes uploads: it holds one of the upload slots (and one of its
+    /// address's) while the body is read and handled, and its signature is always checked
+    /// before the body is read.
+    pub uploads: bool,
 }
+
+/// Largest body a signed request may have that is read before its signature is checked (the
+/// signature covers the body's hash). A larger one, and any upload, must carry
+/// `Iota-Body-Sha256`: the signature is then checked over that hash before the body is read, so
+/// a peer that has not proven it holds a registered hotkey makes the server hold at most this.
+pub const MAX_UNCHECKED_BODY: usize = 64 * 1024;
 
 /// A request's uuid that the gate left for its handler to record in the shared replay cache
 /// ([`SharedReplay::ByHandler`]); `None` when the gate recorded it already.
@@ -461,25 +473,104 @@ pub async fn signed_gate(
     next: Next,
 ) -> Response {
     match check_signed(&app, routes, req).await {
-        Ok(req) => next.run(req).await,
+        Ok((req, slots)) => {
+            let response = next.run(req).await;
+            drop(slots);
+            response
+        }
         Err(e) => e.into_response(),
     }
 }
 
-async fn check_signed(app: &App, routes: SignedRoutes, req: Request) -> Result<Request, AppError> {
+async fn check_signed(
+    app: &App,
+    routes: SignedRoutes,
+    req: Request,
+) -> Result<(Request, Option<UploadSlots>), AppError> {
     let (mut parts, body) = req.into_parts();
     // The header and membership checks first: a caller that fails them never gets a body
     // buffered (up to the route's limit) on its behalf.
-    check_content_length(&parts, routes.body_limit)?;
+    let declared = check_content_length(&parts, routes.body_limit)?;
     let checked = check_caller(app, &parts)?;
-    let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
-    let (caller, pending) = checked
-        .with_body(&parts, &bytes)
-        .finish(app, routes)
-        .await?;
+    let body_hash = body_sha256_header(&parts)?;
+    let small = declared.is_some_and(|n| n <= MAX_UNCHECKED_BODY as u64);
+    let (caller, pending, bytes, slots) = if routes.uploads || (!small && body_hash.is_some()) {
+        // The signature over the body's hash first, then (for uploads) a slot, then the body.
+        let Some(body_hash) = body_hash else {
+            return Err(match routes.uploads {
+                true => AppError::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "an upload needs the {HEADER_BODY_SHA256} header (the body's sha256, \
+                         which the signature covers)"
+                    ),
+                ),
+                false => needs_body_hash(),
+            });
+        };
+        let (caller, pending) = checked
+            .with_body_hash(&parts, &body_hash)
+            .finish(app, routes)
+            .await?;
+        let slots = match routes.uploads {
+            true => Some(upload_slots(app, &parts).await?),
+            false => None,
+        };
+        let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
+        if body_sha256_hex(&bytes) != body_hash.as_bytes() {
+            return Err(AppError::new(
+                ErrorCode::BadRequest,
+                format!("the body's sha256 is not its {HEADER_BODY_SHA256} header"),
+            ));
+        }
+        (caller, pending, bytes, slots)
+    } else {
+        // A small body is read first and its hash computed, as Epistula has it.
+        let limit = routes.body_limit.min(MAX_UNCHECKED_BODY);
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(needs_body_hash());
+        }
+        let bytes = read_body(body, limit, app.limits.body_timeout)
+            .await
+            .map_err(|e| match e.0.code {
+                ErrorCode::PayloadTooLarge => needs_body_hash(),
+                _ => e,
+            })?;
+        let (caller, pending) = checked
+            .with_body(&parts, &bytes)
+            .finish(app, routes)
+            .await?;
+        (caller, pending, bytes, None)
+    };
     parts.extensions.insert(pending);
     parts.extensions.insert(caller);
-    Ok(Request::from_parts(parts, Body::from(bytes)))
+    Ok((Request::from_parts(parts, Body::from(bytes)), slots))
+}
+
+/// A body too large to be read before its signature is checked, without the hash to check it by.
+fn needs_body_hash() -> AppError {
+    AppError::new(
+        ErrorCode::PayloadTooLarge,
+        format!(
+            "a body over {MAX_UNCHECKED_BODY} bytes needs the {HEADER_BODY_SHA256} header (the \
+             body's sha256, which the signature covers)"
+        ),
+    )
+}
+
+/// The request's `Iota-Body-Sha256`, if it has one; a malformed one is refused.
+fn body_sha256_header(parts: &axum::http::request::Parts) -> Result<Option<String>, AppError> {
+    match parts.headers.get(HEADER_BODY_SHA256) {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(text) if is_sha256_hex(text) => Ok(Some(text.to_owned())),
+            _ => Err(AuthError::MalformedHeader {
+                header: HEADER_BODY_SHA256,
+                reason: "expected 64 lowercase hex digits".into(),
+            }
+            .into()),
+        },
+    }
 }
 
 /// A signed request's body, at most `limit` bytes, arriving at no slower a pace than
@@ -639,6 +730,40 @@ pub struct CheckedCaller<'a> {
 }
 
 impl CheckedCaller<'_> {
+    /// The message the signature must cover, with the body's sha256 (64 lowercase hex digits)
+    /// in place of the body.
+    pub fn with_body_hash(
+        self,
+        parts: &axum::http::request::Parts,
+        body_hash: &str,
+    ) -> Authenticating {
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        let key = self.signer.key.to_bytes();
+        self.authenticating(|headers| {
+            headers.message_for_body_hash(key, parts.method.as_str(), path_and_query, body_hash)
+        })
+    }
+
+    fn authenticating(
+        self,
+        message: impl FnOnce(
+            iota_protocol::signing::CheckedHeaders<'_>,
+        ) -> iota_protocol::signing::SignedMessage,
+    ) -> Authenticating {
+        Authenticating {
+            signed: message(self.headers),
+            signer: self.signer,
+            uid: self.uid,
+            permit: self.permit,
+            now: self.now,
+            forger: self.forger,
+        }
+    }
+
     /// The message the signature must cover, with the body.
     pub fn with_body(self, parts: &axum::http::request::Parts, body: &[u8]) -> Authenticating {
         let path_and_query = parts
@@ -646,20 +771,10 @@ impl CheckedCaller<'_> {
             .path_and_query()
             .map(|p| p.as_str())
             .unwrap_or("/");
-        let signed = self.headers.message(
-            self.signer.key.to_bytes(),
-            parts.method.as_str(),
-            path_and_query,
-            body,
-        );
-        Authenticating {
-            signed,
-            signer: self.signer,
-            uid: self.uid,
-            permit: self.permit,
-            now: self.now,
-            forger: self.forger,
-        }
+        let key = self.signer.key.to_bytes();
+        self.authenticating(|headers| {
+            headers.message(key, parts.method.as_str(), path_and_query, body)
+        })
     }
 }
 
@@ -829,12 +944,12 @@ pub async fn public_gate(
 }
 
 /// An upload slot held by a peer address, given back on drop.
-struct IpUploadSlot<'a> {
-    app: &'a AppState,
+struct IpUploadSlot {
+    app: App,
     ip: IpAddr,
 }
 
-impl Drop for IpUploadSlot<'_> {
+impl Drop for IpUploadSlot {
     fn drop(&mut self) {
         let mut held = self
             .app
@@ -871,60 +986,52 @@ pub async fn object_slot(app: &AppState) -> Result<tokio::sync::OwnedSemaphorePe
     }
 }
 
-/// Upload-route middleware: one of the upload slots for the request's whole handling, waited for
-/// at most [`Limits::upload_slot_wait`].
-pub async fn upload_slot(
-    State((slots, wait)): State<(Arc<tokio::sync::Semaphore>, Duration)>,
-    req: Request,
-    next: Next,
-) -> Response {
-    match tokio::time::timeout(wait, slots.acquire_owned()).await {
-        Ok(Ok(_slot)) => next.run(req).await,
-        _ => {
-            metrics::counter!("iota_rate_limited_total", "scope" => "upload_slots").increment(1);
-            AppError::new(
-                ErrorCode::RateLimited,
-                "every upload slot is busy: try again",
-            )
-            .into_response()
-        }
-    }
+/// The upload slots a request holds while its body is read and handled: one of its address's
+/// ([`Limits::concurrent_uploads_per_ip`]; beyond, 429 at once, so one host cannot queue for
+/// every slot) and one of all ([`Limits::concurrent_uploads`], waited for at most
+/// [`Limits::upload_slot_wait`]).
+pub struct UploadSlots {
+    _by_ip: Option<IpUploadSlot>,
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
-/// Upload-route middleware, outside the global upload slots: at most
-/// [`Limits::concurrent_uploads_per_ip`] uploads from one address at once; beyond, 429 at once
-/// (the client retries after `Retry-After`), so one host cannot queue for every slot.
-pub async fn upload_slots_per_ip(
-    State(app): State<App>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
-    next: Next,
-) -> Response {
+async fn upload_slots(
+    app: &App,
+    parts: &axum::http::request::Parts,
+) -> Result<UploadSlots, AppError> {
     let max = app.limits.concurrent_uploads_per_ip;
-    if max == 0 {
-        return next.run(req).await;
-    }
-    let ip = address_key(client_address(
-        &app.trusted_proxies,
-        peer.ip(),
-        req.headers(),
-    ));
-    {
-        let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
-        let n = held.entry(ip).or_insert(0);
-        if *n >= max {
-            drop(held);
-            metrics::counter!("iota_rate_limited_total", "scope" => "uploads_per_ip").increment(1);
-            return AppError::new(
-                ErrorCode::RateLimited,
-                format!("{max} uploads from this address are in progress"),
-            )
-            .into_response();
+    let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>();
+    let by_ip = match peer {
+        Some(ConnectInfo(peer)) if max > 0 => {
+            let ip = address_key(client_address(
+                &app.trusted_proxies,
+                peer.ip(),
+                &parts.headers,
+            ));
+            let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
+            let n = held.entry(ip).or_insert(0);
+            if *n >= max {
+                drop(held);
+                metrics::counter!("iota_rate_limited_total", "scope" => "uploads_per_ip")
+                    .increment(1);
+                return Err(AppError::new(
+                    ErrorCode::RateLimited,
+                    format!("{max} uploads from this address are in progress"),
+                ));
+            }
+            *n += 1;
+            Some(IpUploadSlot {
+                app: app.clone(),
+                ip,
+            })
         }
-        *n += 1;
-    }
-    let _slot = IpUploadSlot { app: &app, ip };
-    next.run(req).await
+        _ => None,
+    };
+    let slot = object_slot(app).await?;
+    Ok(UploadSlots {
+        _by_ip: by_ip,
+        _slot: slot,
+    })
 }
 
 /// Deletes replay-cache entries past the time their recording process said to keep them until

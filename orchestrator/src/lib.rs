@@ -377,7 +377,7 @@ impl utoipa::Modify for EpistulaScheme {
             "epistula",
             SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
                 "epistula-request-signature",
-                "sr25519 signature over sha256(body).uuid.timestamp.signed_for.METHOD.path_and_query, with the other Epistula-* headers",
+                "sr25519 signature over sha256(body).uuid.timestamp.signed_for.METHOD.path_and_query, with the other Epistula-* headers and Iota-Body-Sha256 (required on uploads and bodies over 64 KiB)",
             ))),
         );
     }
@@ -420,14 +420,15 @@ pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
 pub fn router(app: App) -> Router {
     let json_limit = app.limits.json_body_bytes;
     let upload_limit = max_upload_bytes(app.config());
-    let uploads = app.object_slots.clone();
-    let signed = |gate, body_limit, shared_replay| {
+    // Upload routes hold one of the upload slots while their body is read and handled.
+    let signed = |gate, body_limit, shared_replay, uploads| {
         (
             app.clone(),
             app::SignedRoutes {
                 gate,
                 body_limit,
                 shared_replay,
+                uploads,
             },
         )
     };
@@ -473,7 +474,7 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/blobs/{*key}", get(miner::blob))
         .route_layer(middleware::from_fn_with_state(
-            signed(Gate::Registered, json_limit, SharedReplay::Before),
+            signed(Gate::Registered, json_limit, SharedReplay::Before, false),
             app::signed_gate,
         ));
     let miner_upload = Router::new()
@@ -490,18 +491,8 @@ pub fn router(app: App) -> Router {
             put(miner::upload_merge),
         )
         .route_layer(middleware::from_fn_with_state(
-            signed(Gate::Registered, upload_limit, SharedReplay::Before),
+            signed(Gate::Registered, upload_limit, SharedReplay::Before, true),
             app::signed_gate,
-        ))
-        // The gate buffers a body before it can check the signature over it: bound how many
-        // such bodies are in memory at once, and how many of them one address holds.
-        .route_layer(middleware::from_fn_with_state(
-            (uploads.clone(), app.limits.upload_slot_wait),
-            app::upload_slot,
-        ))
-        .route_layer(middleware::from_fn_with_state(
-            app.clone(),
-            app::upload_slots_per_ip,
         ));
     let validator_json = Router::new()
         .route("/v1/validator/epochs/{epoch}/hops", get(validator::hops))
@@ -524,7 +515,7 @@ pub fn router(app: App) -> Router {
             get(validator::spot_checks).post(validator::report_spot_checks),
         )
         .route_layer(middleware::from_fn_with_state(
-            signed(Gate::Validator, json_limit, SharedReplay::Before),
+            signed(Gate::Validator, json_limit, SharedReplay::Before, false),
             app::signed_gate,
         ));
     let validator_upload = Router::new()
@@ -533,16 +524,8 @@ pub fn router(app: App) -> Router {
             put(validator::upload_merge),
         )
         .route_layer(middleware::from_fn_with_state(
-            signed(Gate::Validator, upload_limit, SharedReplay::Before),
+            signed(Gate::Validator, upload_limit, SharedReplay::Before, true),
             app::signed_gate,
-        ))
-        .route_layer(middleware::from_fn_with_state(
-            (uploads, app.limits.upload_slot_wait),
-            app::upload_slot,
-        ))
-        .route_layer(middleware::from_fn_with_state(
-            app.clone(),
-            app::upload_slots_per_ip,
         ));
     let public = Router::new()
         .route("/v1/run", get(views::get_run))

@@ -334,9 +334,11 @@ fn recorded_output(
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
     // The signed gate's steps, inline: this is the request every miner sends in a loop.
     let (parts, body) = request.into_parts();
-    app::check_content_length(&parts, app.limits.json_body_bytes)?;
+    // A poll is a few bytes: read before its signature is checked, as any body that small is.
+    let poll_limit = app.limits.json_body_bytes.min(app::MAX_UNCHECKED_BODY);
+    app::check_content_length(&parts, poll_limit)?;
     let checked = app::check_caller(&app, &parts)?;
-    let bytes = app::read_body(body, app.limits.json_body_bytes, app.limits.body_timeout).await?;
+    let bytes = app::read_body(body, poll_limit, app.limits.body_timeout).await?;
     let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the
@@ -350,8 +352,9 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
             &app,
             SignedRoutes {
                 gate: Gate::Registered,
-                body_limit: app.limits.json_body_bytes,
+                body_limit: poll_limit,
                 shared_replay: SharedReplay::ByHandler,
+                uploads: false,
             },
         )
         .await?;

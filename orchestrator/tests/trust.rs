@@ -7,7 +7,7 @@ use std::time::Duration;
 use common::*;
 use iota_protocol::api::*;
 use iota_protocol::blob::blake3_hex;
-use iota_protocol::signing::{RequestSigner, sign_request};
+use iota_protocol::signing::{RequestSigner, find_header, sign_request};
 use iota_protocol::tensor::{encode_boundary_f32, encode_boundary_i8};
 use iota_protocol::{ApiClient, ApiError, ErrorCode, RetryPolicy};
 use uuid::Uuid;
@@ -97,8 +97,9 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     // The caller is checked before its body is read: a stranger announcing a large body and
     // sending none is answered at once, not held (with a buffer) until the body arrives. The
     // work poll checks its callers itself; the other routes through the signed gate.
-    for path in ["/v1/miner/work", "/v1/miner/heartbeat"] {
-        let answer = announced_body_never_sent(&orch.base, &raw.receiver, STRANGER, path, 500_000)
+    // (A poll's body is read before its signature is checked, so it may be at most 64 KiB.)
+    for (path, len) in [("/v1/miner/work", 60_000), ("/v1/miner/heartbeat", 500_000)] {
+        let answer = announced_body_never_sent(&orch.base, &raw.receiver, STRANGER, path, len)
             .await
             .unwrap_or_else(|| panic!("{path}: no answer while the announced body was not sent"));
         assert!(answer.starts_with("HTTP/1.1 403"), "{path}: {answer}");
@@ -1206,4 +1207,200 @@ fn boundary_of_dtype(shape: [u64; 3], dtype: safetensors::Dtype) -> Vec<u8> {
         )])),
     )
     .expect("serialize")
+}
+
+/// Sends `method path` announcing `len` bytes with `headers`, and `body` (all or part of them);
+/// the open connection.
+async fn raw_request(
+    base: &str,
+    method: &str,
+    path: &str,
+    len: usize,
+    headers: &[(&str, String)],
+    body: &[u8],
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let content_type = if method == "PUT" {
+        "application/octet-stream"
+    } else {
+        "application/json"
+    };
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: {content_type}\r\ncontent-length: {len}\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write head");
+    stream.write_all(body).await.expect("write body");
+    stream
+}
+
+/// The start of the answer on `stream`, if one comes within `wait`.
+async fn answer_within(stream: &mut tokio::net::TcpStream, wait: Duration) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut answer = vec![0u8; 1024];
+    let n = tokio::time::timeout(wait, stream.read(&mut answer))
+        .await
+        .ok()?
+        .expect("read answer");
+    Some(String::from_utf8_lossy(&answer[..n]).into_owned())
+}
+
+/// A body is held only for a caller whose signature holds: uploads, and bodies over 64 KiB, carry
+/// `Iota-Body-Sha256`, and their signature is checked over it before the body is read. A forged
+/// upload that sent no body held one of the upload slots until the body timeout (four addresses
+/// held every slot), and a forged JSON request announcing a large body was held, with its buffer,
+/// as long. The body must then have that hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
+    use iota_protocol::signing::{HEADER_BODY_SHA256, HEADER_SIGNATURE};
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("signed-before-body"));
+    cfg.limits.concurrent_uploads = 1;
+    cfg.limits.concurrent_uploads_per_ip = 0;
+    cfg.limits.body_timeout = Duration::from_secs(30);
+    cfg.limits.upload_slot_wait = Duration::from_millis(500);
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let upload_path = "/v1/miner/epochs/0/pseudo-gradients/0";
+    let upload = || {
+        let raw = raw.clone();
+        async move {
+            raw.signed(
+                &pair(OTHER_MINER),
+                reqwest::Method::PUT,
+                upload_path,
+                b"x".to_vec(),
+            )
+            .await
+        }
+    };
+    // Past the slot, an upload is judged on its merits (here: not a tensor, 400).
+    assert_eq!(upload().await.0, 400);
+    // Headers signed in the miner's name by another key, over a body never sent.
+    let forged = |method: &str, path: &str, len: usize| {
+        let body = vec![b' '; len];
+        let mut headers = sign_request(
+            &pair(OTHER_MINER),
+            &raw.receiver,
+            method,
+            path,
+            &body,
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .headers;
+        let by_another = sign_request(
+            &pair(STRANGER),
+            &raw.receiver,
+            method,
+            path,
+            &body,
+            now_ms(),
+            Uuid::new_v4(),
+        );
+        for (name, value) in &mut headers {
+            if *name == HEADER_SIGNATURE {
+                *value = find_header(&by_another.headers, HEADER_SIGNATURE)
+                    .expect("a signature")
+                    .to_owned();
+            }
+        }
+        headers
+    };
+    let mut stalled = raw_request(
+        &orch.base,
+        "PUT",
+        upload_path,
+        1000,
+        &forged("PUT", upload_path, 1000),
+        b"",
+    )
+    .await;
+    let answer = answer_within(&mut stalled, Duration::from_secs(10))
+        .await
+        .expect("a forged upload answered before its body");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert_eq!(upload().await.0, 400, "the forged upload held the slot");
+    // The same for a JSON route and a body over 64 KiB.
+    let json_path = "/v1/miner/heartbeat";
+    let mut large = raw_request(
+        &orch.base,
+        "POST",
+        json_path,
+        500_000,
+        &forged("POST", json_path, 500_000),
+        b"",
+    )
+    .await;
+    let answer = answer_within(&mut large, Duration::from_secs(10))
+        .await
+        .expect("a forged large body answered before it came");
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    // Without the hash, such a body is not read at all; nor is an upload.
+    for (method, path, len) in [("POST", json_path, 500_000), ("PUT", upload_path, 1000)] {
+        let headers: Vec<(&str, String)> = sign_request(
+            &pair(OTHER_MINER),
+            &raw.receiver,
+            method,
+            path,
+            &vec![b' '; len],
+            now_ms(),
+            Uuid::new_v4(),
+        )
+        .headers
+        .into_iter()
+        .filter(|(name, _)| *name != HEADER_BODY_SHA256)
+        .collect();
+        let mut unhashed = raw_request(&orch.base, method, path, len, &headers, b"").await;
+        let answer = answer_within(&mut unhashed, Duration::from_secs(10))
+            .await
+            .expect("a body without its hash answered at once");
+        let status = if method == "PUT" { "400" } else { "413" };
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{method}: {answer}"
+        );
+    }
+    // A poll is read before its signature is checked: one announcing more than 64 KiB is
+    // refused at once.
+    let answer =
+        announced_body_never_sent(&orch.base, &raw.receiver, MINER, "/v1/miner/work", 500_000)
+            .await
+            .expect("a large poll answered at once");
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    // A body other than the one whose hash was signed is refused.
+    let signed_body = vec![b' '; 1000];
+    let headers = sign_request(
+        &pair(OTHER_MINER),
+        &raw.receiver,
+        "PUT",
+        upload_path,
+        &signed_body,
+        now_ms(),
+        Uuid::new_v4(),
+    )
+    .headers;
+    let mut other_body = raw_request(
+        &orch.base,
+        "PUT",
+        upload_path,
+        1000,
+        &headers,
+        &vec![b'!'; 1000],
+    )
+    .await;
+    let answer = answer_within(&mut other_body, Duration::from_secs(10))
+        .await
+        .expect("an answer");
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains(HEADER_BODY_SHA256), "{answer}");
+    orch.stop().await;
 }
