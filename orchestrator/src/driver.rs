@@ -66,7 +66,9 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     // How long the leader's steps must fail without a break before it gives the run that time
     // back, as a new leader does (the database refused its writes, and miners' requests failed
     // with them). Counted from the end of the first failed step, so one slow statement is not a
-    // gap, and a slow step that succeeds never is.
+    // gap, and a slow step that succeeds never is. Only the step's bookkeeping counts (its first
+    // writes: leases and heartbeats): a phase change that fails while those succeed is no outage
+    // of the miners', and forgiving it kept every silent miner and lapsed lease alive.
     let gap = tick.saturating_mul(20);
     let mut failing_since: Option<Instant> = None;
     // Takeovers given up in a row because the gap could not be forgiven.
@@ -110,8 +112,14 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                     }
                 }
                 if stepping {
-                    match step(&app, Utc::now()).await {
-                        Ok(()) => failing_since = None,
+                    let now = Utc::now();
+                    match keep_time(&app, now).await {
+                        Ok(()) => {
+                            failing_since = None;
+                            if let Err(e) = advance(&app, now).await {
+                                tracing::warn!(error = ?e.0, "phase step failed; retrying next tick");
+                            }
+                        }
                         Err(e) => {
                             tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
                             failing_since.get_or_insert_with(Instant::now);
@@ -270,13 +278,23 @@ async fn housekeeping(app: &App, now: DateTime<Utc>) {
 
 /// One driver step at time `now`: leases, heartbeats, then at most one phase change.
 pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+    keep_time(app, now).await?;
+    advance(app, now).await
+}
+
+/// A step's bookkeeping: the time driven, lapsed leases, silent miners.
+async fn keep_time(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     sqlx::query("UPDATE runs SET driven_at = $2 WHERE id = $1")
         .bind(app.run.id)
         .bind(now)
         .execute(&app.db)
         .await?;
     expire_leases(app, now).await?;
-    release_silent_miners(app, now).await?;
+    release_silent_miners(app, now).await
+}
+
+/// A step's phase change, if one is due.
+async fn advance(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let view = phase_view(app, &mut *app.db.acquire().await?).await?;
     match next_step(&view, now, app.max_merge_rounds) {
         PhaseStep::Wait => {}

@@ -884,6 +884,58 @@ async fn a_leader_whose_steps_failed_for_a_while_gives_the_time_back() {
     orch.stop().await;
 }
 
+/// A phase change that keeps failing while the step's bookkeeping succeeds (the database takes
+/// writes, and miners' requests go through) is no outage: silent miners are still released. The
+/// leader gave every such failure's time back, which moved every miner's last-seen mark forward
+/// each time, so none was ever released and no lease lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_miners_are_released_while_a_phase_change_keeps_failing() {
+    init_tracing();
+    let seeds = [83u8, 84, 85];
+    let chain = chain_with(&seeds, &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let run = run_config("failing-phase-change");
+    let orch = start(config(&chain, &db_url, store.path(), run.clone())).await;
+    let db = PgPool::connect(&db_url).await.expect("db");
+    let _miners = join(&orch.base, &seeds).await;
+    for sql in [
+        "CREATE FUNCTION refuse_phase_changes() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.phase IS DISTINCT FROM OLD.phase THEN
+             RAISE EXCEPTION 'injected: the phase cannot change';
+           END IF;
+           RETURN NEW;
+         END $$",
+        "CREATE TRIGGER refuse_phase_changes BEFORE UPDATE ON runs
+         FOR EACH ROW EXECUTE FUNCTION refuse_phase_changes()",
+        // The training deadline is past: every step tries to start uploading, and fails.
+        "UPDATE runs SET phase_deadline = now() - interval '1 second'",
+    ] {
+        sqlx::query(sql).execute(&db).await.expect("inject");
+    }
+    // The miners are silent from now on.
+    eventually(
+        "silent miners released while the phase change fails",
+        Duration::from_secs(run.heartbeat_timeout_s + 10),
+        || async {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'released'")
+                    .fetch_one(&db)
+                    .await
+                    .ok()?;
+            (n == seeds.len() as i64).then_some(())
+        },
+    )
+    .await;
+    let phase: String = sqlx::query_scalar("SELECT phase FROM runs")
+        .fetch_one(&db)
+        .await
+        .expect("phase");
+    assert_eq!(phase, "training", "the phase changed after all");
+    orch.stop().await;
+}
+
 /// A chain that takes connections but never answers stops the start-up with one line naming the
 /// endpoint, within `--subtensor.timeout` (it took 30 s whatever the flag said).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
