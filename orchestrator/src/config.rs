@@ -61,6 +61,12 @@ pub struct ModelShape {
 /// The fewest database connections an orchestrator can work with.
 pub const MIN_DB_CONNECTIONS: u32 = 4;
 
+/// Bounds of the signed requests' clock window (`--max-request-age-ms`,
+/// `--max-request-future-ms`), in milliseconds.
+pub const MIN_REQUEST_AGE_MS: u64 = 1_000;
+/// See [`MIN_REQUEST_AGE_MS`].
+pub const MAX_SKEW_MS: u64 = 3_600_000;
+
 /// `iota orchestrator` flags. Every flag can also come from the environment.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OrchestratorArgs {
@@ -314,6 +320,17 @@ impl OrchestratorArgs {
                 self.db_max_connections
             ));
         }
+        // Sums and deadlines are taken of these (the replay caches keep uuids for both, and
+        // PostgreSQL stamps their expiry): past an hour they overflow nothing, and a window that
+        // short of a second refuses requests that took a normal trip.
+        if !(MIN_REQUEST_AGE_MS..=MAX_SKEW_MS).contains(&self.max_request_age_ms)
+            || self.max_request_future_ms > MAX_SKEW_MS
+        {
+            return Err(format!(
+                "--max-request-age-ms must be {MIN_REQUEST_AGE_MS} to {MAX_SKEW_MS}, and \
+                 --max-request-future-ms at most {MAX_SKEW_MS}"
+            ));
+        }
         if self.max_concurrent_uploads == 0 {
             return Err(
                 "--max-concurrent-uploads 0 would refuse every upload: give at least 1".into(),
@@ -376,6 +393,20 @@ mod tests {
             boundary_dim: 8,
         };
         cli.args.config(shape, "5Grw".into())
+    }
+
+    #[test]
+    fn a_clock_window_out_of_bounds_is_a_clear_error() {
+        for flags in [
+            ["--max-request-age-ms", "18446744073709551615"],
+            ["--max-request-age-ms", "0"],
+            ["--max-request-future-ms", "18446744073709551615"],
+        ] {
+            let e = config(&flags).expect_err(flags[1]);
+            assert!(e.contains(flags[0]), "{e}");
+        }
+        let ok = config(&["--max-request-age-ms", "3600000"]).expect("an hour");
+        assert_eq!(ok.skew.max_age_ms, MAX_SKEW_MS);
     }
 
     #[test]

@@ -388,7 +388,7 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let cutoff = now - secs(app.config().heartbeat_timeout_s);
     let mut tx = app.db.begin().await?;
-    let released: Vec<String> = sqlx::query_scalar(
+    let mut released: Vec<String> = sqlx::query_scalar(
         "UPDATE miners SET status = 'released'
          WHERE run_id = $1 AND status = 'active' AND last_seen < $2 RETURNING hotkey",
     )
@@ -396,6 +396,9 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(cutoff)
     .fetch_all(&mut *tx)
     .await?;
+    if let Some(moving) = release_for_an_empty_stage(&mut tx, app).await? {
+        released.push(moving);
+    }
     // Open hops of every released miner, not only the ones released now: a completion that
     // raced with an earlier release may have routed a hop to a miner that was just leaving.
     let rows = sqlx::query(
@@ -445,6 +448,62 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     metrics::counter!("iota_miners_released_total").increment(released.len() as u64);
     tracing::warn!(miners = ?released, rerouted = rows.len(), "released miners that stopped heartbeating");
     Ok(())
+}
+
+/// With a stage that has no active miner (its last one left) and another with two or more, the
+/// slowest miner of the fullest stage that can hold the empty one is released: when it joins again
+/// it is given the empty stage (see `miner::register`). A stage is never emptied so. Without it an
+/// empty stage stayed empty for good (a miner keeps its stage when it joins again, and only new
+/// hotkeys chose one), and the run trained nothing: no sample passes a stage with no miner. The
+/// released miner's work of the epoch was lost anyway, since none of its samples can finish.
+async fn release_for_an_empty_stage(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+) -> ApiResult<Option<String>> {
+    let cfg = app.config();
+    let counts: Vec<(i32, i64)> = sqlx::query_as(
+        "SELECT stage, count(*) FROM miners WHERE run_id = $1 AND status = 'active'
+         GROUP BY stage",
+    )
+    .bind(app.run.id)
+    .fetch_all(&mut **tx)
+    .await?;
+    let active = |stage: u32| {
+        counts
+            .iter()
+            .find(|(s, _)| *s == stage as i32)
+            .map_or(0, |(_, n)| *n)
+    };
+    let Some(empty) = (0..cfg.stages).find(|s| active(*s) == 0) else {
+        return Ok(None);
+    };
+    let Some(fullest) = (0..cfg.stages).max_by_key(|s| (active(*s), std::cmp::Reverse(*s))) else {
+        return Ok(None);
+    };
+    if active(fullest) < 2 {
+        return Ok(None);
+    }
+    let needs = cfg
+        .params_of(empty)
+        .unwrap_or(0)
+        .saturating_mul(crate::routing::BYTES_PER_PARAM)
+        .min(i64::MAX as u64) as i64;
+    let moving: Option<String> = sqlx::query_scalar(
+        "UPDATE miners SET status = 'released' WHERE run_id = $1 AND hotkey = (
+             SELECT hotkey FROM miners WHERE run_id = $1 AND status = 'active' AND stage = $2
+               AND memory_bytes >= $3
+             ORDER BY tokens_per_s, hotkey LIMIT 1)
+         RETURNING hotkey",
+    )
+    .bind(app.run.id)
+    .bind(fullest as i32)
+    .bind(needs)
+    .fetch_optional(&mut **tx)
+    .await?;
+    if let Some(miner) = &moving {
+        tracing::warn!(%miner, from = fullest, to = empty, "stage {empty} has no miner: released one of stage {fullest} to take it");
+    }
+    Ok(moving)
 }
 
 async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseView> {
@@ -974,7 +1033,10 @@ const VOTES_SQL: &str = "SELECT blake3, blob FROM (
      ORDER BY submitted_at, submitter";
 
 /// Whether `hotkey` has a stake in a partition's outcome: it owns the partition, submitted a
-/// result for it as a miner, or is an active miner of its stage (and so may be made an owner).
+/// result for it as a miner, or is an active miner of the run, of any stage: any miner may be made
+/// an owner of any partition (a stage short of miners borrows them, and a reassignment takes
+/// whoever has the fewest partitions), so one that could read a partition's results first could
+/// then copy another owner's.
 /// A hotkey with a validator permit may also have joined as a miner; with a stake it does not
 /// judge the partition as a validator: it neither reads its results before it is settled, nor
 /// merges it through the validator route, nor settles its dispute.
@@ -989,7 +1051,7 @@ pub(crate) async fn has_stake(
                           AND stage = $3 AND partition = $4 AND miner = $5)
              OR EXISTS (SELECT 1 FROM merge_results WHERE run_id = $1 AND epoch = $2
                           AND stage = $3 AND partition = $4 AND submitter = $5)
-             OR EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $5 AND stage = $3
+             OR EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $5
                           AND status = 'active')",
     )
     .bind(run_id)
@@ -1009,8 +1071,8 @@ pub(crate) fn interested_validator(
     AppError::new(
         ErrorCode::Forbidden,
         format!(
-            "you own, merged or mine stage {stage}, so you cannot judge its partition \
-             {partition} as a validator"
+            "you own or merged partition {stage}/{partition}, or mine in this run (any miner \
+             may be made an owner of any partition), so you cannot judge it as a validator"
         ),
     )
 }

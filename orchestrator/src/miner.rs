@@ -81,7 +81,7 @@ pub async fn register(
     crate::driver::phase_lock_shared(&mut tx, run).await?;
     let now = run_now(&mut *tx, run).await?;
     let existing = sqlx::query(
-        "SELECT stage, ended_epoch,
+        "SELECT stage, ended_epoch, status = 'active' AS active,
             EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
                       AND status = 'done') AS worked
          FROM miners WHERE run_id = $1 AND hotkey = $2",
@@ -102,9 +102,25 @@ pub async fn register(
                 work_ended = true;
                 tracing::info!(miner = %caller.ss58, epoch = now.epoch, "a restarted miner sits out the rest of the epoch");
             }
+            // A stage with no miner takes one that joins again from a stage that keeps others
+            // (the driver releases one for it, see `driver::release_for_an_empty_stage`).
+            let loads = stage_loads(&mut tx, &app).await?;
+            let me = u32::from(row.try_get::<bool, _>("active")?);
+            let others_stay = loads.get(stage as usize).is_some_and(|l| l.miners > me);
+            let empty = loads.iter().find(|l| {
+                l.miners == 0
+                    && l.params.saturating_mul(crate::routing::BYTES_PER_PARAM) <= cap.memory_bytes
+            });
+            let stage = match empty.map(|l| l.stage) {
+                Some(empty) if others_stay && empty != stage as u32 => {
+                    tracing::info!(miner = %caller.ss58, from = stage, to = empty, "a miner joining again takes a stage with no miner");
+                    empty as i32
+                }
+                _ => stage,
+            };
             sqlx::query(
                 "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
-                 tokens_per_s = $6, last_seen = now() WHERE run_id = $1 AND hotkey = $2",
+                 tokens_per_s = $6, last_seen = now(), stage = $7 WHERE run_id = $1 AND hotkey = $2",
             )
             .bind(run)
             .bind(&caller.ss58)
@@ -112,6 +128,7 @@ pub async fn register(
             .bind(&cap.device)
             .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
             .bind(cap.tokens_per_s)
+            .bind(stage)
             .execute(&mut *tx)
             .await?;
             stage as u32
@@ -165,11 +182,20 @@ pub async fn register(
 }
 
 async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult<Vec<StageLoad>> {
+    // Each miner's throughput counts up to `MAX_WEIGHT_OVER_MEDIAN` times the run's median, as
+    // in routing: one claiming far more would make its stage look served, and every newcomer
+    // would go elsewhere.
     let rows = sqlx::query(
-        "SELECT stage, count(*) AS miners, coalesce(sum(tokens_per_s), 0) AS tps
-         FROM miners WHERE run_id = $1 AND status = 'active' GROUP BY stage",
+        "WITH active AS (SELECT stage, tokens_per_s FROM miners
+                         WHERE run_id = $1 AND status = 'active'),
+              cap AS (SELECT $2 * percentile_disc(0.5) WITHIN GROUP (ORDER BY tokens_per_s)
+                        AS tps FROM active)
+         SELECT stage, count(*) AS miners,
+                coalesce(sum(LEAST(tokens_per_s, (SELECT tps FROM cap))), 0) AS tps
+         FROM active GROUP BY stage",
     )
     .bind(app.run.id)
+    .bind(crate::routing::MAX_WEIGHT_OVER_MEDIAN)
     .fetch_all(&mut **tx)
     .await?;
     let cfg = app.config();

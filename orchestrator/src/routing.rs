@@ -42,21 +42,34 @@ pub fn choose_stage(loads: &[StageLoad], memory_bytes: u64) -> Option<u32> {
 /// can prove itself.
 const MIN_ROUTING_WEIGHT: f64 = 1.0;
 
-/// Draws one candidate with probability proportional to its throughput. Never deterministic:
-/// CLASP can only tell miners apart if pathways mix them.
+/// Most a miner's routing weight may be, as a multiple of the median weight of the candidates:
+/// throughput is what miners report of themselves, and one claiming a thousand times the others'
+/// would otherwise take nearly every hop of its stage (pathways would stop mixing, and its
+/// stage's other miners would get no work).
+pub const MAX_WEIGHT_OVER_MEDIAN: f64 = 4.0;
+
+/// Draws one candidate with probability proportional to its throughput, capped at
+/// [`MAX_WEIGHT_OVER_MEDIAN`] times the candidates' median. Never deterministic: CLASP can only
+/// tell miners apart if pathways mix them.
 pub fn weighted_pick<'a, R: Rng + ?Sized>(
     candidates: &'a [(String, f64)],
     rng: &mut R,
 ) -> Option<&'a str> {
     // Bounded, so the total stays finite whatever the table holds: `gen_range` panics on an
     // infinite range.
-    let weight = |t: f64| {
+    let bounded = |t: f64| {
         if t.is_finite() {
             t.clamp(MIN_ROUTING_WEIGHT, MAX_TOKENS_PER_S)
         } else {
             MIN_ROUTING_WEIGHT
         }
     };
+    let mut sorted: Vec<f64> = candidates.iter().map(|(_, t)| bounded(*t)).collect();
+    sorted.sort_by(f64::total_cmp);
+    let cap = sorted
+        .get(sorted.len().saturating_sub(1) / 2)
+        .map_or(MAX_TOKENS_PER_S, |median| median * MAX_WEIGHT_OVER_MEDIAN);
+    let weight = |t: f64| bounded(t).min(cap);
     let total: f64 = candidates.iter().map(|(_, t)| weight(*t)).sum();
     if candidates.is_empty() || !(total > 0.0 && total.is_finite()) {
         return None;
@@ -274,6 +287,26 @@ mod tests {
             .filter_map(|_| weighted_pick(&z, &mut rng))
             .collect();
         assert_eq!(picks.len(), 2);
+    }
+
+    #[test]
+    fn a_miner_claiming_a_huge_throughput_does_not_take_its_stage() {
+        // A throughput of a million times the others' took about all of the hops: the others
+        // about one in a million each.
+        let c = vec![
+            ("liar".to_owned(), 1e9),
+            ("a".to_owned(), 1000.0),
+            ("b".to_owned(), 1000.0),
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let mut honest = 0;
+        for _ in 0..3000 {
+            if weighted_pick(&c, &mut rng) != Some("liar") {
+                honest += 1;
+            }
+        }
+        // Capped at 4 times the median (1000): the others take 2 in 6, 1000 ± a few sigma.
+        assert!((850..1150).contains(&honest), "{honest}");
     }
 
     #[test]

@@ -431,18 +431,22 @@ pub async fn partitions_of(
     .bind(epoch as i64)
     .fetch_all(&app.db)
     .await?;
-    // The stage a validator mines, if it joined as a miner too (see `driver::has_stake`).
-    let mined_stage: Option<i32> =
-        match audience {
-            Audience::Public => None,
-            Audience::Validator(hotkey) => sqlx::query_scalar(
-                "SELECT stage FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'",
+    // Whether a validator mines too: any miner may be made an owner of any partition (a stage
+    // short of miners borrows them, and a reassignment takes whoever has the fewest), so such a
+    // validator reads no unsettled hash (see `driver::has_stake`).
+    let mines: bool = match audience {
+        Audience::Public => false,
+        Audience::Validator(hotkey) => {
+            sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $2
+                              AND status = 'active')",
             )
             .bind(app.run.id)
             .bind(hotkey)
-            .fetch_optional(&app.db)
-            .await?,
-        };
+            .fetch_one(&app.db)
+            .await?
+        }
+    };
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let state: String = r.try_get("state")?;
@@ -452,11 +456,10 @@ pub async fn partitions_of(
         let owners: Vec<String> = r.try_get("owners")?;
         let mut results: Vec<MergeResult> =
             serde_json::from_value(r.try_get("results")?).map_err(json_err)?;
-        let stage: i32 = r.try_get("stage")?;
         let hidden = match audience {
             Audience::Public => true,
             Audience::Validator(hotkey) => {
-                mined_stage == Some(stage)
+                mines
                     || owners.iter().any(|o| o == hotkey)
                     || results.iter().any(|m| m.hotkey == hotkey)
             }

@@ -1356,9 +1356,10 @@ async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_sett
 }
 
 /// A hotkey with a validator permit that also joined as a miner does not see, through the
-/// validator routes, the results of a partition it owns before it is settled: validators read
-/// every hash and object (to settle disputes), and such an owner could otherwise copy another
-/// owner's result like anyone without the fix above.
+/// validator routes, the results of any unsettled partition, its own or another stage's:
+/// validators read every hash and object (to settle disputes), and such a miner could otherwise
+/// copy another owner's result like anyone without the fix above, also after being made an owner
+/// of another stage's partition (it read those before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_with_a_validator_permit_cannot_read_the_other_owners_result() {
     init_tracing();
@@ -1415,24 +1416,56 @@ async fn an_owner_with_a_validator_permit_cannot_read_the_other_owners_result() 
         .await
         .expect_err("another owner's result before the partition is settled");
     assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
-    // A partition of another stage it reads as any validator; of its own stage it reads none
-    // (it may be made an owner of any of them).
+    // Nor a hash or object of any other stage's unsettled partition: any miner may be made an
+    // owner of any partition (a stage short of miners borrows them, and a reassignment takes
+    // whoever has the fewest), so it read them, then could copy one as its own.
     let mine = miners[index_of(&both)].stage;
-    let open_elsewhere = record
+    let owner_elsewhere: String = sqlx::query_scalar(
+        "SELECT o.miner FROM partition_owners o JOIN partitions p
+           ON (p.epoch, p.stage, p.partition) = (o.epoch, o.stage, o.partition)
+         WHERE o.epoch = 0 AND o.stage <> $1 AND p.state = 'open' AND o.miner <> $2
+         ORDER BY o.stage, o.partition LIMIT 1",
+    )
+    .bind(mine as i32)
+    .bind(&both)
+    .fetch_one(&s.db)
+    .await
+    .expect("an owner of another stage's open partition");
+    step_until_report(&mut miners[index_of(&owner_elsewhere)], |r| r.merges > 0).await;
+    let (other_stage, other_blob): (i32, serde_json::Value) = sqlx::query_as(
+        "SELECT r.stage, r.blob FROM merge_results r JOIN partitions p
+           ON (p.epoch, p.stage, p.partition) = (r.epoch, r.stage, r.partition)
+         WHERE r.epoch = 0 AND r.stage <> $1 AND p.state IN ('open', 'disputed')
+         ORDER BY r.stage, r.partition LIMIT 1",
+    )
+    .bind(mine as i32)
+    .fetch_one(&s.db)
+    .await
+    .expect("an unsettled result of another stage");
+    let record = reader.epoch_record(0).await.expect("the epoch record");
+    let unsettled = record
         .partitions
         .iter()
-        .find(|p| p.stage != mine && !p.results.is_empty())
-        .map(|p| p.results.iter().all(|r| r.blake3.is_some()));
-    assert_ne!(open_elsewhere, Some(false), "{:?}", record.partitions);
-    let open_in_its_stage = record.partitions.iter().filter(|p| {
-        p.stage == mine && matches!(p.state, PartitionState::Open | PartitionState::Disputed)
-    });
-    for p in open_in_its_stage {
+        .filter(|p| matches!(p.state, PartitionState::Open | PartitionState::Disputed));
+    let mut others = 0;
+    for p in unsettled {
+        others += usize::from(p.stage as i32 == other_stage && !p.results.is_empty());
         assert!(
             p.results.iter().all(|r| r.blake3.is_none()),
-            "a miner of the stage read a hash: {p:?}"
+            "a miner read a hash of stage {}: {p:?}",
+            p.stage
         );
     }
+    assert!(
+        others > 0,
+        "no unsettled result of stage {other_stage} in the record"
+    );
+    let other_blob: BlobDescriptor = serde_json::from_value(other_blob).expect("blob");
+    let refused = reader
+        .download(&other_blob)
+        .await
+        .expect_err("another stage's unsettled result");
+    assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
 }
 
 /// A run in its merging phase with a hotkey holding a validator permit among its miners (the
@@ -2889,4 +2922,102 @@ async fn an_upload_whose_client_went_away_is_recorded_all_the_same() {
         || async { (recorded().await == 1).then_some(()) },
     )
     .await;
+}
+
+/// A miner's throughput counts up to four times the run's median when stages are chosen: one
+/// claiming a billion tokens a second made its stage look served for good, and every newcomer
+/// went to the other stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miner_claiming_a_huge_throughput_does_not_keep_newcomers_away_from_its_stage() {
+    init_tracing();
+    let seeds = [191u8, 192, 193, 194, 195, 196];
+    let mut run = config();
+    run.stages = 2;
+    run.stage_params = vec![4000, 4000];
+    let s = serve(&seeds, run).await;
+    let liar = SimMiner::join(&s.base, signer(seeds[0]), 1e9, 1)
+        .await
+        .expect("join");
+    let mut stages = vec![liar.stage];
+    for seed in &seeds[1..] {
+        let m = SimMiner::join(&s.base, signer(*seed), 1000.0, u64::from(*seed))
+            .await
+            .expect("join");
+        stages.push(m.stage);
+    }
+    // Counted as 4,000 (four times the median): after four honest miners on the other stage the
+    // two stages weigh the same, and the next goes to the liar's, which has fewer miners.
+    assert_eq!(
+        stages.iter().filter(|s| **s == stages[0]).count(),
+        2,
+        "stages in order of joining: {stages:?}"
+    );
+}
+
+/// A stage whose last miner left takes one from the fullest stage: the driver releases that
+/// stage's slowest miner, and it is given the empty stage when it joins again. A miner kept its
+/// stage when it joined again and only new hotkeys chose one, so the stage stayed empty for good
+/// and the run trained nothing (no sample passes a stage with no miner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_stage_takes_a_miner_from_the_fullest() {
+    init_tracing();
+    let seeds = [197u8, 198, 199, 200];
+    let mut run = config();
+    run.stages = 2;
+    run.stage_params = vec![4000, 4000];
+    let s = serve(&seeds, run).await;
+    let mut miners = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        let tps = if i == 0 { 1000.0 } else { 100.0 + i as f64 };
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), tps, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    let stages: Vec<u32> = miners.iter().map(|m| m.stage).collect();
+    assert_eq!(stages, vec![0, 1, 1, 1], "the setup");
+    // The only miner of stage 0 leaves.
+    sqlx::query("UPDATE miners SET status = 'released' WHERE hotkey = $1")
+        .bind(pair(seeds[0]).ss58_of())
+        .execute(&s.db)
+        .await
+        .expect("release");
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    let released: Vec<String> =
+        sqlx::query_scalar("SELECT hotkey FROM miners WHERE status = 'released' ORDER BY hotkey")
+            .fetch_all(&s.db)
+            .await
+            .expect("released");
+    let slowest = pair(seeds[1]).ss58_of();
+    assert!(released.contains(&slowest), "{released:?}");
+    assert_eq!(released.len(), 2, "{released:?}");
+    // It joins again and takes stage 0; stage 1 keeps two.
+    let again = miners[1]
+        .client()
+        .rejoin(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 101.0,
+        })
+        .await
+        .expect("join again");
+    assert_eq!(again.stage, 0);
+    // The first miner comes back: no stage is empty, it keeps its own.
+    let back = miners[0]
+        .client()
+        .rejoin(Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 1000.0,
+        })
+        .await
+        .expect("back");
+    assert_eq!(back.stage, 0);
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    let active: i64 = sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'active'")
+        .fetch_one(&s.db)
+        .await
+        .expect("active");
+    assert_eq!(active, 4, "a miner released with no stage empty");
 }

@@ -178,6 +178,22 @@ impl RunConfig {
         if self.lease_s == 0 || self.heartbeat_timeout_s == 0 {
             return Err("lease_s and heartbeat_timeout_s must be positive".into());
         }
+        // A phase of no time ends at its first step, quorum or not: an epoch of no samples, or
+        // of no training time, trains nothing and starts the next one at once, forever, and a
+        // merge round of none accepts a single owner's result without a second.
+        if self.samples_per_epoch == 0 {
+            return Err("samples_per_epoch must be at least 1".into());
+        }
+        for (what, s) in [
+            ("training_s", self.training_s),
+            ("uploading_s", self.uploading_s),
+            ("merging_s", self.merging_s),
+            ("merge_round_s", self.merge_round_s),
+        ] {
+            if s == 0 {
+                return Err(format!("{what} must be at least 1 second"));
+            }
+        }
         if self.max_in_flight == 0 {
             return Err("max_in_flight must be positive".into());
         }
@@ -1122,6 +1138,12 @@ mod tests {
             ("outer_lr", Box::new(|r| r.outer_lr = f64::NAN)),
             ("outer_momentum", Box::new(|r| r.outer_momentum = 1.5)),
             ("model", Box::new(|r| r.model = "x".repeat(1 << 20))),
+            // Phases of no time: epochs that train nothing, one after another, forever.
+            ("samples_per_epoch", Box::new(|r| r.samples_per_epoch = 0)),
+            ("training_s", Box::new(|r| r.training_s = 0)),
+            ("uploading_s", Box::new(|r| r.uploading_s = 0)),
+            ("merging_s", Box::new(|r| r.merging_s = 0)),
+            ("merge_round_s", Box::new(|r| r.merge_round_s = 0)),
         ];
         for (field, change) in cases {
             let mut r = run();
