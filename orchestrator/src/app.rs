@@ -742,20 +742,14 @@ impl CheckedCaller<'_> {
             .path_and_query()
             .map(|p| p.as_str())
             .unwrap_or("/");
-        let key = self.signer.key.to_bytes();
-        self.authenticating(|headers| {
-            headers.message_for_body_hash(key, parts.method.as_str(), path_and_query, body_hash)
-        })
-    }
-
-    fn authenticating(
-        self,
-        message: impl FnOnce(
-            iota_protocol::signing::CheckedHeaders<'_>,
-        ) -> iota_protocol::signing::SignedMessage,
-    ) -> Authenticating {
+        let signed = self.headers.message_for_body_hash(
+            self.signer.key.to_bytes(),
+            parts.method.as_str(),
+            path_and_query,
+            body_hash,
+        );
         Authenticating {
-            signed: message(self.headers),
+            signed,
             signer: self.signer,
             uid: self.uid,
             permit: self.permit,
@@ -766,15 +760,8 @@ impl CheckedCaller<'_> {
 
     /// The message the signature must cover, with the body.
     pub fn with_body(self, parts: &axum::http::request::Parts, body: &[u8]) -> Authenticating {
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str())
-            .unwrap_or("/");
-        let key = self.signer.key.to_bytes();
-        self.authenticating(|headers| {
-            headers.message(key, parts.method.as_str(), path_and_query, body)
-        })
+        let body_hash = body_sha256_hex(body);
+        self.with_body_hash(parts, std::str::from_utf8(&body_hash).unwrap_or_default())
     }
 }
 

@@ -2595,23 +2595,8 @@ async fn a_completion_retried_later_names_the_hop_it_routed() {
             .position(|m| m.stage == stage)
             .expect("a miner of each stage")
     };
-    let (first, second) = (at(0), at(1));
-    let client = miners[first].client().clone();
-    let item = client
-        .work(1)
-        .await
-        .expect("poll")
-        .items
-        .pop()
-        .expect("a sample");
-    let shape = run.boundary_shape();
-    let n = (shape[0] * shape[1] * shape[2]) as usize;
-    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
-    let blob = client
-        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
-        .await
-        .expect("upload")
-        .blob;
+    let second = at(1);
+    let (_, client, item, blob) = a_first_hop_output(&run, &miners).await;
     let complete = completion(item.lease, Some(blob), None);
     let answer = client
         .complete(item.task_id, &complete)
@@ -2644,26 +2629,7 @@ async fn a_hop_of_an_abandoned_sample_is_not_completed() {
     let run = config();
     let s = serve(&seeds, run.clone()).await;
     let miners = join_all(&s, &seeds).await;
-    let first = miners
-        .iter()
-        .position(|m| m.stage == 0)
-        .expect("a miner of stage 0");
-    let client = miners[first].client().clone();
-    let item = client
-        .work(1)
-        .await
-        .expect("poll")
-        .items
-        .pop()
-        .expect("a sample");
-    let shape = run.boundary_shape();
-    let n = (shape[0] * shape[1] * shape[2]) as usize;
-    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
-    let blob = client
-        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
-        .await
-        .expect("upload")
-        .blob;
+    let (_, client, item, blob) = a_first_hop_output(&run, &miners).await;
     // As `next_epoch` leaves it when the hop escaped its sweep.
     sqlx::query("UPDATE samples SET status = 'abandoned' WHERE id = $1")
         .bind(item.sample_id)
@@ -2792,26 +2758,7 @@ async fn a_bad_object_report_takes_an_upload_slot() {
     let run = config();
     let s = serve(&seeds, run.clone()).await;
     let miners = join_all(&s, &seeds).await;
-    let first = miners
-        .iter()
-        .position(|m| m.stage == 0)
-        .expect("a miner of stage 0");
-    let client = miners[first].client().clone();
-    let item = client
-        .work(1)
-        .await
-        .expect("poll")
-        .items
-        .pop()
-        .expect("a sample");
-    let shape = run.boundary_shape();
-    let n = (shape[0] * shape[1] * shape[2]) as usize;
-    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
-    let blob = client
-        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
-        .await
-        .expect("upload")
-        .blob;
+    let (first, client, item, blob) = a_first_hop_output(&run, &miners).await;
     client
         .complete(
             item.task_id,
@@ -3020,4 +2967,33 @@ async fn an_empty_stage_takes_a_miner_from_the_fullest() {
         .await
         .expect("active");
     assert_eq!(active, 4, "a miner released with no stage empty");
+}
+
+/// The miner of stage 0 among `miners` (its index and client), a sample it leased, and the
+/// output it uploaded for the sample's first hop (not completed).
+async fn a_first_hop_output(
+    run: &RunConfig,
+    miners: &[SimMiner],
+) -> (usize, iota_protocol::ApiClient, WorkItem, BlobDescriptor) {
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a miner of stage 0");
+    let client = miners[first].client().clone();
+    let item = client
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let bytes = iota_protocol::tensor::encode_boundary_f32(shape, &vec![0.5; n]);
+    let blob = client
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
+        .await
+        .expect("upload")
+        .blob;
+    (first, client, item, blob)
 }

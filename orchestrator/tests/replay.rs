@@ -161,7 +161,6 @@ async fn replays_are_refused_wherever_they_could_act() {
 /// process (which never saw the uuid) and finished after the next prune was admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_whose_body_comes_after_the_window_is_refused() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     init_tracing();
     let chain = chain_with(&MINERS, &[]).await;
     let db = fresh_db().await;
@@ -192,27 +191,7 @@ async fn a_replay_whose_body_comes_after_the_window_is_refused() {
     assert_eq!(first.0, 200, "{first:?}");
 
     // The same request to the other process, all but its last byte, inside the window.
-    let signed = iota_protocol::signing::sign_request(
-        &pair(seed),
-        &pair(200).ss58(),
-        "POST",
-        path,
-        body,
-        ts,
-        uuid,
-    );
-    let addr = b.base.trim_start_matches("http://");
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-        body.len()
-    );
-    for (name, value) in signed.headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    let mut replay = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    replay.write_all(head.as_bytes()).await.expect("head");
-    replay.write_all(&body[..1]).await.expect("first byte");
+    let replay = all_but_the_last_byte(&b.base, seed, path, body, ts, uuid).await;
     assert!(now_ms() < ts + 2_000, "the replay's headers were late");
 
     // Past the clock window (and the second the shared cache once kept beyond it), until the
@@ -224,16 +203,7 @@ async fn a_replay_whose_body_comes_after_the_window_is_refused() {
     .await;
     until_pruned(&pool).await;
 
-    replay.write_all(&body[1..]).await.expect("last byte");
-    let mut answer = Vec::new();
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        replay.read_to_end(&mut answer),
-    )
-    .await
-    .expect("an answer")
-    .expect("read");
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = the_last_byte(replay, body).await;
     assert!(
         answer.starts_with("HTTP/1.1 401") && answer.contains("\"replayed\""),
         "the slow replay was not refused as a replay: {answer}"
@@ -446,7 +416,6 @@ async fn until_pruned(pool: &sqlx::PgPool) {
 /// fresh.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_replay_of_a_poll_to_the_same_process_is_refused() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     init_tracing();
     let chain = chain_with(&MINERS, &[]).await;
     let db = fresh_db().await;
@@ -481,27 +450,7 @@ async fn a_slow_replay_of_a_poll_to_the_same_process_is_refused() {
         .await;
     assert_eq!(first.0, 200, "{first:?}");
 
-    let signed = iota_protocol::signing::sign_request(
-        &pair(seed),
-        &pair(200).ss58(),
-        "POST",
-        path,
-        &body,
-        ts,
-        uuid,
-    );
-    let addr = a.base.trim_start_matches("http://");
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-        body.len()
-    );
-    for (name, value) in signed.headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    let mut replay = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    replay.write_all(head.as_bytes()).await.expect("head");
-    replay.write_all(&body[..1]).await.expect("first byte");
+    let replay = all_but_the_last_byte(&a.base, seed, path, &body, ts, uuid).await;
     assert!(now_ms() < ts + 2_000, "the replay's headers were late");
 
     // Past the window of the original's second, a poll with a uuid of the same memory shard
@@ -521,19 +470,67 @@ async fn a_slow_replay_of_a_poll_to_the_same_process_is_refused() {
         .await;
     assert_eq!(next.0, 200, "{next:?}");
 
-    replay.write_all(&body[1..]).await.expect("the rest");
-    let mut answer = Vec::new();
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        replay.read_to_end(&mut answer),
-    )
-    .await
-    .expect("an answer")
-    .expect("read");
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = the_last_byte(replay, &body).await;
     assert!(
         answer.starts_with("HTTP/1.1 401") && answer.contains("\"clock_skew\""),
         "the slow replay of a poll was not refused: {answer}"
     );
     a.stop().await;
+}
+
+/// Sends `POST path` with `body` signed by `seed` at `ts` with `uuid`, all but the body's last
+/// byte; the open connection (the rest is the caller's to send).
+async fn all_but_the_last_byte(
+    base: &str,
+    seed: u8,
+    path: &str,
+    body: &[u8],
+    ts: u64,
+    uuid: Uuid,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let signed = iota_protocol::signing::sign_request(
+        &pair(seed),
+        &pair(200).ss58(),
+        "POST",
+        path,
+        body,
+        ts,
+        uuid,
+    );
+    let addr = base.trim_start_matches("http://");
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in signed.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(head.as_bytes()).await.expect("head");
+    stream
+        .write_all(&body[..body.len() - 1])
+        .await
+        .expect("all but the last byte");
+    stream
+}
+
+/// Sends the last byte of `body` on `stream` (see [`all_but_the_last_byte`]) and reads the
+/// answer.
+async fn the_last_byte(mut stream: tokio::net::TcpStream, body: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(&body[body.len() - 1..])
+        .await
+        .expect("last byte");
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_to_end(&mut answer),
+    )
+    .await
+    .expect("an answer")
+    .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
 }

@@ -781,18 +781,7 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     let path = "/v1/miner/epochs/0/pseudo-gradients/0";
     // An upload that gets past the slots is judged on its merits (here: not a tensor, 400); one
     // that does not is 429.
-    let upload = |raw: &Raw| {
-        let raw = raw.clone();
-        async move {
-            raw.signed(
-                &pair(OTHER_MINER),
-                reqwest::Method::PUT,
-                path,
-                b"x".to_vec(),
-            )
-            .await
-        }
-    };
+    let upload = |raw: &Raw| not_a_tensor(raw.clone(), path);
     assert_eq!(upload(&raw).await.0, 400);
 
     // Two uploads of that miner whose bodies never come hold this address's two slots.
@@ -885,18 +874,7 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
     let orch = start(cfg).await;
     let raw = Raw::to(&orch.base);
     let path = "/v1/miner/epochs/0/pseudo-gradients/0";
-    let upload = || {
-        let raw = raw.clone();
-        async move {
-            raw.signed(
-                &pair(OTHER_MINER),
-                reqwest::Method::PUT,
-                path,
-                b"x".to_vec(),
-            )
-            .await
-        }
-    };
+    let upload = || not_a_tensor(raw.clone(), path);
     // Past the slots, an upload is judged on its merits (here: not a tensor, 400).
     assert_eq!(upload().await.0, 400);
     // Within the limit (20 MB); at the old rule's second per MiB, 11.5 s on top of the base.
@@ -1105,7 +1083,6 @@ async fn stalled_body(
     path: &str,
     len: usize,
 ) -> tokio::net::TcpStream {
-    use tokio::io::AsyncWriteExt;
     let headers = sign_request(
         &pair(seed),
         receiver,
@@ -1116,23 +1093,7 @@ async fn stalled_body(
         Uuid::new_v4(),
     )
     .headers;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    // Uploads are tensors; the other signed routes take JSON.
-    let content_type = if method == "PUT" {
-        "application/octet-stream"
-    } else {
-        "application/json"
-    };
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: {content_type}\r\ncontent-length: {len}\r\n"
-    );
-    for (name, value) in &headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.expect("write head");
-    stream
+    raw_request(base, method, path, len, &headers, b"").await
 }
 
 /// Signs a POST to `path` over `len` bytes as `seed`, sends its head announcing them, sends no
@@ -1270,18 +1231,7 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
     let orch = start(cfg).await;
     let raw = Raw::to(&orch.base);
     let upload_path = "/v1/miner/epochs/0/pseudo-gradients/0";
-    let upload = || {
-        let raw = raw.clone();
-        async move {
-            raw.signed(
-                &pair(OTHER_MINER),
-                reqwest::Method::PUT,
-                upload_path,
-                b"x".to_vec(),
-            )
-            .await
-        }
-    };
+    let upload = || not_a_tensor(raw.clone(), upload_path);
     // Past the slot, an upload is judged on its merits (here: not a tensor, 400).
     assert_eq!(upload().await.0, 400);
     // Headers signed in the miner's name by another key, over a body never sent.
@@ -1315,35 +1265,27 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
         }
         headers
     };
-    let mut stalled = raw_request(
-        &orch.base,
-        "PUT",
-        upload_path,
-        1000,
-        &forged("PUT", upload_path, 1000),
-        b"",
-    )
-    .await;
-    let answer = answer_within(&mut stalled, Duration::from_secs(10))
-        .await
-        .expect("a forged upload answered before its body");
-    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
-    assert_eq!(upload().await.0, 400, "the forged upload held the slot");
-    // The same for a JSON route and a body over 64 KiB.
+    // Answered at once, and the forged upload, its connection still open, holds no slot; the
+    // same for a JSON route and a body over 64 KiB.
     let json_path = "/v1/miner/heartbeat";
-    let mut large = raw_request(
-        &orch.base,
-        "POST",
-        json_path,
-        500_000,
-        &forged("POST", json_path, 500_000),
-        b"",
-    )
-    .await;
-    let answer = answer_within(&mut large, Duration::from_secs(10))
-        .await
-        .expect("a forged large body answered before it came");
-    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    let mut open = Vec::new();
+    for (method, path, len) in [("PUT", upload_path, 1000), ("POST", json_path, 500_000)] {
+        let mut stalled = raw_request(
+            &orch.base,
+            method,
+            path,
+            len,
+            &forged(method, path, len),
+            b"",
+        )
+        .await;
+        let answer = answer_within(&mut stalled, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("{method}: a forged request held until its body"));
+        assert!(answer.starts_with("HTTP/1.1 401"), "{method}: {answer}");
+        open.push(stalled);
+    }
+    assert_eq!(upload().await.0, 400, "the forged upload held the slot");
     // Without the hash, such a body is not read at all; nor is an upload.
     for (method, path, len) in [("POST", json_path, 500_000), ("PUT", upload_path, 1000)] {
         let headers: Vec<(&str, String)> = sign_request(
@@ -1403,4 +1345,16 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains(HEADER_BODY_SHA256), "{answer}");
     orch.stop().await;
+}
+
+/// An upload of a byte to `path` by the other miner: past the upload slots it is judged on its
+/// merits (not a tensor, 400).
+async fn not_a_tensor(raw: Raw, path: &str) -> (u16, Option<ApiError>) {
+    raw.signed(
+        &pair(OTHER_MINER),
+        reqwest::Method::PUT,
+        path,
+        b"x".to_vec(),
+    )
+    .await
 }
