@@ -396,7 +396,7 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(cutoff)
     .fetch_all(&mut *tx)
     .await?;
-    if let Some(moving) = release_for_an_empty_stage(&mut tx, app).await? {
+    if let Some(moving) = release_for_an_empty_stage(&mut tx, app, cutoff).await? {
         released.push(moving);
     }
     // Open hops of every released miner, not only the ones released now: a completion that
@@ -456,11 +456,25 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 /// empty stage stayed empty for good (a miner keeps its stage when it joins again, and only new
 /// hotkeys chose one), and the run trained nothing: no sample passes a stage with no miner. The
 /// released miner's work of the epoch was lost anyway, since none of its samples can finish.
+/// One at a time: while a miner released alive (seen since `cutoff`) has not joined again, none
+/// more is (it takes a poll or two to notice; the driver steps every tick).
 async fn release_for_an_empty_stage(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
+    cutoff: DateTime<Utc>,
 ) -> ApiResult<Option<String>> {
     let cfg = app.config();
+    let coming: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND status = 'released'
+                          AND last_seen >= $2)",
+    )
+    .bind(app.run.id)
+    .bind(cutoff)
+    .fetch_one(&mut **tx)
+    .await?;
+    if coming {
+        return Ok(None);
+    }
     let counts: Vec<(i32, i64)> = sqlx::query_as(
         "SELECT stage, count(*) FROM miners WHERE run_id = $1 AND status = 'active'
          GROUP BY stage",

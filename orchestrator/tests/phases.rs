@@ -2924,12 +2924,17 @@ async fn an_empty_stage_takes_a_miner_from_the_fullest() {
     }
     let stages: Vec<u32> = miners.iter().map(|m| m.stage).collect();
     assert_eq!(stages, vec![0, 1, 1, 1], "the setup");
-    // The only miner of stage 0 leaves.
-    sqlx::query("UPDATE miners SET status = 'released' WHERE hotkey = $1")
-        .bind(pair(seeds[0]).ss58_of())
-        .execute(&s.db)
-        .await
-        .expect("release");
+    // The only miner of stage 0 leaves (silent, and released for it).
+    sqlx::query(
+        "UPDATE miners SET status = 'released', last_seen = now() - interval '1 hour'
+         WHERE hotkey = $1",
+    )
+    .bind(pair(seeds[0]).ss58_of())
+    .execute(&s.db)
+    .await
+    .expect("release");
+    driver::step(&s.app, Utc::now()).await.expect("step");
+    // One at a time: until it joins again, no other is released.
     driver::step(&s.app, Utc::now()).await.expect("step");
     let released: Vec<String> =
         sqlx::query_scalar("SELECT hotkey FROM miners WHERE status = 'released' ORDER BY hotkey")
