@@ -388,6 +388,18 @@ async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let cutoff = now - secs(app.config().heartbeat_timeout_s);
     let mut tx = app.db.begin().await?;
+    // Their open hops first, then their rows: the order a completion takes them in (the hop,
+    // then its miner's row), so the two wait for each other instead of deadlocking.
+    sqlx::query(
+        "SELECT t.id FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
+         WHERE t.run_id = $1 AND m.status = 'active' AND m.last_seen < $2
+           AND t.status IN ('pending', 'leased')
+         ORDER BY t.id FOR UPDATE OF t",
+    )
+    .bind(app.run.id)
+    .bind(cutoff)
+    .execute(&mut *tx)
+    .await?;
     let mut released: Vec<String> = sqlx::query_scalar(
         "UPDATE miners SET status = 'released'
          WHERE run_id = $1 AND status = 'active' AND last_seen < $2 RETURNING hotkey",
@@ -502,16 +514,35 @@ async fn release_for_an_empty_stage(
         .unwrap_or(0)
         .saturating_mul(crate::routing::BYTES_PER_PARAM)
         .min(i64::MAX as u64) as i64;
-    let moving: Option<String> = sqlx::query_scalar(
-        "UPDATE miners SET status = 'released' WHERE run_id = $1 AND hotkey = (
-             SELECT hotkey FROM miners WHERE run_id = $1 AND status = 'active' AND stage = $2
-               AND memory_bytes >= $3
-             ORDER BY tokens_per_s, hotkey LIMIT 1)
-         RETURNING hotkey",
+    let Some(candidate): Option<String> = sqlx::query_scalar(
+        "SELECT hotkey FROM miners WHERE run_id = $1 AND status = 'active' AND stage = $2
+           AND memory_bytes >= $3
+         ORDER BY tokens_per_s, hotkey LIMIT 1",
     )
     .bind(app.run.id)
     .bind(fullest as i32)
     .bind(needs)
+    .fetch_optional(&mut **tx)
+    .await?
+    else {
+        return Ok(None);
+    };
+    // Its open hops before its row, as for silent miners.
+    sqlx::query(
+        "SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status IN ('pending', 'leased')
+         ORDER BY id FOR UPDATE",
+    )
+    .bind(app.run.id)
+    .bind(&candidate)
+    .execute(&mut **tx)
+    .await?;
+    let moving: Option<String> = sqlx::query_scalar(
+        "UPDATE miners SET status = 'released' WHERE run_id = $1 AND hotkey = $2
+           AND status = 'active'
+         RETURNING hotkey",
+    )
+    .bind(app.run.id)
+    .bind(&candidate)
     .fetch_optional(&mut **tx)
     .await?;
     if let Some(miner) = &moving {
@@ -772,9 +803,10 @@ async fn insert_owner(
 }
 
 /// Adds one owner to a partition: an active miner that does not own it yet, preferring the
-/// stage's own miners and then those with the fewest assignments this epoch. Returns whether one
-/// was found.
-async fn add_owner(
+/// stage's own miners and then those with the fewest assignments this epoch, and among those one
+/// at random (by hotkey, a miner could know it would be the tie-breaker of a dispute, and choose a
+/// hotkey to be). Returns whether one was found.
+pub async fn add_owner(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
     epoch: u64,
@@ -790,7 +822,7 @@ async fn add_owner(
          ORDER BY (m.stage = $3) DESC,
            (SELECT count(*) FROM partition_owners o2 WHERE o2.run_id = m.run_id
               AND o2.epoch = $2 AND o2.miner = m.hotkey),
-           m.hotkey
+           random()
          LIMIT 1",
     )
     .bind(app.run.id)

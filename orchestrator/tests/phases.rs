@@ -3002,3 +3002,92 @@ async fn a_first_hop_output(
         .blob;
     (first, client, item, blob)
 }
+
+/// An owner added to a partition is drawn at random among the miners that rank the same (same
+/// stage preference, as few assignments): by hotkey, a miner could know it would be the tie-break
+/// owner of a dispute, and choose a hotkey to be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_added_owner_is_drawn_at_random_among_equals() {
+    init_tracing();
+    let seeds = [221u8, 222, 223, 224, 225, FIRST_VALIDATOR + 5];
+    let t = PermitHolderOwner::new(&seeds).await;
+    let mut picks = std::collections::HashSet::new();
+    for _ in 0..24 {
+        let mut tx = t.s.db.begin().await.expect("tx");
+        let before: Vec<String> = sqlx::query_scalar(
+            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+        )
+        .bind(t.stage as i32)
+        .bind(t.partition as i32)
+        .fetch_all(&mut *tx)
+        .await
+        .expect("owners");
+        assert!(
+            driver::add_owner(&mut tx, &t.s.app, 0, t.stage, t.partition, 0)
+                .await
+                .expect("add"),
+            "no miner to add"
+        );
+        let after: Vec<String> = sqlx::query_scalar(
+            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+        )
+        .bind(t.stage as i32)
+        .bind(t.partition as i32)
+        .fetch_all(&mut *tx)
+        .await
+        .expect("owners");
+        picks.extend(after.into_iter().filter(|m| !before.contains(m)));
+        tx.rollback().await.expect("rollback");
+    }
+    assert!(picks.len() > 1, "always the same owner: {picks:?}");
+}
+
+/// Releasing a silent miner takes its open hops before its row, the order a completion takes
+/// them in (the hop, then the miner's row), so a completion of that miner's hop and the release
+/// wait for each other. The release took the row first, and the two deadlocked: PostgreSQL
+/// aborted one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_miner_and_completing_its_hop_do_not_deadlock() {
+    init_tracing();
+    let seeds = [226u8, 227, 228];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let (first, _, item, _) = a_first_hop_output(&run, &miners).await;
+    let hotkey = pair(seeds[first]).ss58_of();
+    sqlx::query("UPDATE miners SET last_seen = now() - interval '1 hour' WHERE hotkey = $1")
+        .bind(&hotkey)
+        .execute(&s.db)
+        .await
+        .expect("silent");
+    // A completion's order: the hop, then (after the driver has started) the miner's row.
+    let mut completing = s.db.begin().await.expect("tx");
+    sqlx::query("SELECT id FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(item.task_id)
+        .execute(&mut *completing)
+        .await
+        .expect("the hop");
+    let step = tokio::spawn({
+        let app = s.app.clone();
+        async move { driver::step(&app, Utc::now()).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let row = sqlx::query("SELECT ended_epoch FROM miners WHERE hotkey = $1 FOR SHARE")
+        .bind(&hotkey)
+        .execute(&mut *completing)
+        .await;
+    assert!(row.is_ok(), "the completion's side: {row:?}");
+    completing.commit().await.expect("commit");
+    let stepped = step.await.expect("join");
+    assert!(
+        stepped.is_ok(),
+        "the driver's side: {:?}",
+        stepped.err().map(|e| e.0)
+    );
+    let status: String = sqlx::query_scalar("SELECT status FROM miners WHERE hotkey = $1")
+        .bind(&hotkey)
+        .fetch_one(&s.db)
+        .await
+        .expect("status");
+    assert_eq!(status, "released");
+}
