@@ -476,17 +476,6 @@ async fn release_for_an_empty_stage(
     cutoff: DateTime<Utc>,
 ) -> ApiResult<Option<String>> {
     let cfg = app.config();
-    let coming: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND status = 'released'
-                          AND last_seen >= $2)",
-    )
-    .bind(app.run.id)
-    .bind(cutoff)
-    .fetch_one(&mut **tx)
-    .await?;
-    if coming {
-        return Ok(None);
-    }
     let counts: Vec<(i32, i64)> = sqlx::query_as(
         "SELECT stage, count(*) FROM miners WHERE run_id = $1 AND status = 'active'
          GROUP BY stage",
@@ -507,6 +496,18 @@ async fn release_for_an_empty_stage(
         return Ok(None);
     };
     if active(fullest) < 2 {
+        return Ok(None);
+    }
+    // Asked only once a stage is empty: this runs at every tick.
+    let coming: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND status = 'released'
+                          AND last_seen >= $2)",
+    )
+    .bind(app.run.id)
+    .bind(cutoff)
+    .fetch_one(&mut **tx)
+    .await?;
+    if coming {
         return Ok(None);
     }
     let needs = cfg

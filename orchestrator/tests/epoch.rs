@@ -813,17 +813,11 @@ async fn a_restart_after_a_long_outage_keeps_miners_and_leases() {
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_gap_forgiven(&db, before, left_before, "the outage").await;
     // And they are released as usual when they stay silent for a timeout after the restart.
-    eventually(
+    all_released(
+        &db,
+        seeds.len(),
         "silent miners released after the restart",
         Duration::from_secs(run.heartbeat_timeout_s + run.lease_s + 5),
-        || async {
-            let n: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'released'")
-                    .fetch_one(&db)
-                    .await
-                    .ok()?;
-            (n == seeds.len() as i64).then_some(())
-        },
     )
     .await;
     orch.stop().await;
@@ -915,17 +909,11 @@ async fn silent_miners_are_released_while_a_phase_change_keeps_failing() {
         sqlx::query(sql).execute(&db).await.expect("inject");
     }
     // The miners are silent from now on.
-    eventually(
+    all_released(
+        &db,
+        seeds.len(),
         "silent miners released while the phase change fails",
         Duration::from_secs(run.heartbeat_timeout_s + 10),
-        || async {
-            let n: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'released'")
-                    .fetch_one(&db)
-                    .await
-                    .ok()?;
-            (n == seeds.len() as i64).then_some(())
-        },
     )
     .await;
     let phase: String = sqlx::query_scalar("SELECT phase FROM runs")
@@ -974,4 +962,17 @@ async fn a_chain_that_never_answers_is_a_one_line_error_within_its_timeout() {
         started.elapsed()
     );
     assert!(!line.contains('\n') && line.contains(&url), "{line}");
+}
+
+/// Waits until `n` miners are released.
+async fn all_released(db: &PgPool, n: usize, what: &str, timeout: Duration) {
+    eventually(what, timeout, || async {
+        let released: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM miners WHERE status = 'released'")
+                .fetch_one(db)
+                .await
+                .ok()?;
+        (released == n as i64).then_some(())
+    })
+    .await;
 }

@@ -1105,14 +1105,8 @@ async fn announced_body_never_sent(
     path: &str,
     len: usize,
 ) -> Option<String> {
-    use tokio::io::AsyncReadExt;
     let mut stream = stalled_body(base, receiver, seed, "POST", path, len).await;
-    let mut answer = vec![0u8; 512];
-    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
-        .await
-        .ok()?
-        .expect("read answer");
-    Some(String::from_utf8_lossy(&answer[..n]).into_owned())
+    answer_within(&mut stream, Duration::from_secs(10)).await
 }
 
 /// Signs a POST to `path` as `seed`, sends its head with a chunked body whose first chunk size
@@ -1123,7 +1117,7 @@ async fn malformed_chunked_body(
     seed: u8,
     path: &str,
 ) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let headers = sign_request(
         &pair(seed),
         receiver,
@@ -1144,12 +1138,7 @@ async fn malformed_chunked_body(
     }
     head.push_str("\r\nzz\r\n{}\r\n0\r\n\r\n");
     stream.write_all(head.as_bytes()).await.expect("write");
-    let mut answer = vec![0u8; 512];
-    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
-        .await
-        .ok()?
-        .expect("read answer");
-    Some(String::from_utf8_lossy(&answer[..n]).into_owned())
+    answer_within(&mut stream, Duration::from_secs(10)).await
 }
 
 /// A boundary tensor that is right in every way (format, encoding `f32`, name, shape, size) but
