@@ -980,25 +980,12 @@ pub(crate) async fn accept_committed(
     if placement == Placement::Slot {
         return check_stored(app, expected_key, spec, commit).await;
     }
-    // In a task of its own: a client that stops waiting (a large object takes long to read)
-    // closes its connection, and the server then drops the request with whatever its handler
-    // awaits, which would leave the object aside until it counts as abandoned, and every retry
-    // `in_progress` meanwhile. The task moves, checks and seals it whatever the client does, and
-    // a retry finds it sealed.
-    let (app, slot, spec, commit) = (
-        app.clone(),
-        expected_key.to_owned(),
-        spec.clone(),
-        commit.clone(),
-    );
-    tokio::spawn(async move { seal_committed(&app, &slot, &spec, &commit).await })
-        .await
-        .map_err(|e| {
-            AppError::new(
-                ErrorCode::Internal,
-                format!("the commit's check failed: {e}"),
-            )
-        })?
+    // Its callers run it in a task of their own (`to_completion`): a client that stops waiting
+    // (a large object takes long to read) closes its connection and the server drops the
+    // handler, which would leave the object aside until it counts as abandoned, and every retry
+    // `in_progress` meanwhile. The task moves, checks, seals and records it whatever the client
+    // does, and a retry finds it recorded.
+    seal_committed(app, expected_key, spec, commit).await
 }
 
 /// [`accept_committed`] of a [`Placement::Sealed`] object.
