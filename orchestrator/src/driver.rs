@@ -10,6 +10,7 @@
 //! wholly before a phase change or is refused after it; uploads reserved before the uploading
 //! deadline hold that phase open for a bounded time (see `routing::next_step`).
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -691,6 +692,33 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(app.run.id)
     .fetch_all(&mut *tx)
     .await?;
+    // Every contribution of the epoch in one read, in merge order within each partition.
+    let rows = sqlx::query(
+        "SELECT stage, partition, miner, weight, blob FROM pseudo_gradients
+         WHERE run_id = $1 AND epoch = $2
+         ORDER BY stage, partition, miner COLLATE \"C\"",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut contributed: HashMap<(i32, i32), Vec<MergeContribution>> = HashMap::new();
+    for r in &rows {
+        let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+        contributed
+            .entry((r.try_get("stage")?, r.try_get("partition")?))
+            .or_default()
+            .push(MergeContribution {
+                hotkey: r.try_get("miner")?,
+                weight: r.try_get("weight")?,
+                blob,
+            });
+    }
+    drop(rows);
+    // Written a chunk of partitions per statement, not a few statements per partition: this
+    // holds the exclusive phase lock, which every work request waits on.
+    let mut chunk = NewPartitions::default();
     for stage in 0..cfg.stages {
         // The stage's own miners merge its partitions (they need the result anyway); a stage
         // with fewer than two borrows from the others so every partition has two owners.
@@ -709,56 +737,20 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
             );
         }
         for partition in 0..cfg.partitions {
-            let rows = sqlx::query(
-                "SELECT miner, weight, blob FROM pseudo_gradients
-                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-                 ORDER BY miner COLLATE \"C\"",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .fetch_all(&mut *tx)
-            .await?;
-            let mut contributions = Vec::with_capacity(rows.len());
-            for r in &rows {
-                let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
-                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-                contributions.push(MergeContribution {
-                    hotkey: r.try_get("miner")?,
-                    weight: r.try_get("weight")?,
-                    blob,
-                });
-            }
-            let state = if contributions.is_empty() {
-                PartitionState::Unchanged
-            } else {
-                PartitionState::Open
+            let contributions = contributed
+                .remove(&(stage as i32, partition as i32))
+                .unwrap_or_default();
+            let owners = match contributions.is_empty() {
+                true => Vec::new(),
+                false => initial_owners(&candidates, epoch, partition),
             };
-            sqlx::query(
-                "INSERT INTO partitions (run_id, epoch, stage, partition, state, contributions,
-                     resolved_by)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .bind(state.as_str())
-            .bind(
-                serde_json::to_value(&contributions)
-                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-            )
-            .bind((state == PartitionState::Unchanged).then_some("no contributions"))
-            .execute(&mut *tx)
-            .await?;
-            if state == PartitionState::Open {
-                for owner in initial_owners(&candidates, epoch, partition) {
-                    insert_owner(&mut tx, app, epoch, stage, partition, &owner, 0).await?;
-                }
+            chunk.push(stage, partition, &contributions, owners)?;
+            if chunk.stages.len() >= PARTITIONS_PER_STATEMENT {
+                chunk.insert(&mut tx, app.run.id, epoch).await?;
             }
         }
     }
+    chunk.insert(&mut tx, app.run.id, epoch).await?;
     set_phase(
         &mut tx,
         app,
@@ -777,6 +769,99 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     tx.commit().await?;
     tracing::info!(epoch, "phase: merging");
     Ok(())
+}
+
+/// Partitions written per statement when merging starts (a statement's arrays stay a few MB).
+const PARTITIONS_PER_STATEMENT: usize = 4096;
+
+/// The partitions of an epoch's merge and their first-round owners, gathered to be inserted a
+/// chunk at a time (see `start_merging`).
+#[derive(Default)]
+struct NewPartitions {
+    stages: Vec<i32>,
+    partitions: Vec<i32>,
+    states: Vec<&'static str>,
+    contributions: Vec<serde_json::Value>,
+    resolved_by: Vec<Option<&'static str>>,
+    owner_stages: Vec<i32>,
+    owner_partitions: Vec<i32>,
+    owners: Vec<String>,
+}
+
+impl NewPartitions {
+    /// Adds a partition: open with its owners when it has contributions, else unchanged.
+    fn push(
+        &mut self,
+        stage: u32,
+        partition: u32,
+        contributions: &[MergeContribution],
+        owners: Vec<String>,
+    ) -> ApiResult<()> {
+        let state = match contributions.is_empty() {
+            true => PartitionState::Unchanged,
+            false => PartitionState::Open,
+        };
+        self.stages.push(stage as i32);
+        self.partitions.push(partition as i32);
+        self.states.push(state.as_str());
+        self.contributions.push(
+            serde_json::to_value(contributions)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
+        );
+        self.resolved_by
+            .push((state == PartitionState::Unchanged).then_some("no contributions"));
+        for owner in owners {
+            self.owner_stages.push(stage as i32);
+            self.owner_partitions.push(partition as i32);
+            self.owners.push(owner);
+        }
+        Ok(())
+    }
+
+    /// Inserts what was gathered (an existing row is left as it is) and starts afresh.
+    async fn insert(
+        &mut self,
+        tx: &mut Transaction<'_, Postgres>,
+        run: i64,
+        epoch: u64,
+    ) -> ApiResult<()> {
+        let chunk = std::mem::take(self);
+        if !chunk.stages.is_empty() {
+            sqlx::query(
+                "INSERT INTO partitions (run_id, epoch, stage, partition, state, contributions,
+                     resolved_by)
+                 SELECT $1, $2, s, p, st, c, r
+                 FROM unnest($3::int4[], $4::int4[], $5::text[], $6::jsonb[], $7::text[])
+                     AS t(s, p, st, c, r)
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(run)
+            .bind(epoch as i64)
+            .bind(&chunk.stages)
+            .bind(&chunk.partitions)
+            .bind(&chunk.states)
+            .bind(&chunk.contributions)
+            .bind(&chunk.resolved_by)
+            .execute(&mut **tx)
+            .await?;
+        }
+        if !chunk.owners.is_empty() {
+            sqlx::query(
+                "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
+                 SELECT $1, $2, s, p, m, 0
+                 FROM unnest($3::int4[], $4::int4[], $5::text[]) AS t(s, p, m)
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(run)
+            .bind(epoch as i64)
+            .bind(&chunk.owner_stages)
+            .bind(&chunk.owner_partitions)
+            .bind(&chunk.owners)
+            .execute(&mut **tx)
+            .await?;
+        }
+        Ok(())
+    }
 }
 
 async fn insert_owner(
