@@ -366,6 +366,17 @@ pub async fn spot_checks(
             pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
         });
     }
+    // The epoch's merges and reports come with the first page only: later pages would repeat
+    // them (up to every partition of every stage, and 10,000 checks per validator).
+    if q.after.is_some() {
+        return Ok(Json(SpotCheckTasks {
+            epoch,
+            miners,
+            next_after,
+            partitions: Vec::new(),
+            reported: Vec::new(),
+        }));
+    }
     let partitions = views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58))
         .await?
         .into_iter()

@@ -639,6 +639,16 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     let tasks = v.spot_checks(0).await.expect("spot-check tasks");
     assert_eq!(tasks.reported.len(), 1);
     assert_eq!(tasks.reported[0].validator, v.hotkey());
+    // The merges and reports come with the first page, and later pages do not repeat them.
+    let first = page("?limit=1".into()).await;
+    assert_eq!(first.reported, tasks.reported);
+    assert_eq!(first.partitions, tasks.partitions);
+    let second = page(format!("?limit=1&after={after}")).await;
+    assert_eq!(second.miners.len(), 1);
+    assert!(
+        second.partitions.is_empty() && second.reported.is_empty(),
+        "{second:?}"
+    );
     // Reports are kept per epoch: one for an epoch that has not started is refused.
     let future = v
         .report_spot_checks(1 << 40, &report)

@@ -895,9 +895,10 @@ pub struct SpotCheckTasks {
     /// The last miner of a full page: ask again with `?after=` it for the next.
     #[serde(default)]
     pub next_after: Option<String>,
-    /// Partitions whose merge can be re-derived (accepted ones, with their hash).
+    /// Partitions whose merge can be re-derived (accepted ones, with their hash); on the first
+    /// page only (empty on a page asked for with `?after=`).
     pub partitions: Vec<PartitionStatus>,
-    /// Spot checks validators have reported for this epoch.
+    /// Spot checks validators have reported for this epoch; on the first page only.
     pub reported: Vec<SpotCheckReport>,
 }
 
