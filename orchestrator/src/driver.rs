@@ -297,13 +297,31 @@ async fn keep_time(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 /// A step's phase change, if one is due.
 async fn advance(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let view = phase_view(app, &mut *app.db.acquire().await?).await?;
-    match next_step(&view, now, app.max_merge_rounds) {
-        PhaseStep::Wait => {}
-        PhaseStep::StartUploading => start_uploading(app, now).await?,
-        PhaseStep::StartMerging => start_merging(app, now).await?,
-        PhaseStep::ReassignRound => reassign_round(app, now).await?,
-        PhaseStep::NextEpoch => next_epoch(app, now).await?,
-    }
+    let started = Instant::now();
+    let step = next_step(&view, now, app.max_merge_rounds);
+    let name = match step {
+        PhaseStep::Wait => return Ok(()),
+        PhaseStep::StartUploading => {
+            start_uploading(app, now).await?;
+            "start_uploading"
+        }
+        PhaseStep::StartMerging => {
+            start_merging(app, now).await?;
+            "start_merging"
+        }
+        PhaseStep::ReassignRound => {
+            reassign_round(app, now).await?;
+            "reassign_round"
+        }
+        PhaseStep::NextEpoch => {
+            next_epoch(app, now).await?;
+            "next_epoch"
+        }
+    };
+    // A phase change holds the exclusive phase lock that work requests wait on: how long it
+    // took is how long they may have waited.
+    metrics::histogram!("iota_phase_change_seconds", "step" => name)
+        .record(started.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -278,6 +278,25 @@ async fn an_epoch_completes_with_a_vanished_miner() {
     );
     check_consistency(&db).await;
 
+    // Each phase change of the epoch was timed.
+    let metrics = reqwest::get(format!("{}/metrics", orch.base))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    for step in ["start_uploading", "start_merging", "next_epoch"] {
+        let count = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "iota_phase_change_seconds_count{{step=\"{step}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        assert!(count.is_some_and(|n| n >= 1.0), "{step} untimed: {count:?}");
+    }
+
     // A miner joining now gets the merged weights of its stage, and they check out.
     let late = ApiClient::connect(&orch.base, signer(late_joiner), RetryPolicy::default())
         .await
