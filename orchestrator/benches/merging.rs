@@ -1,7 +1,9 @@
 //! How long merging takes to start (the exclusive phase lock held, which every work request
 //! waits on) as partitions grow: simulated miners (two per stage) upload a pseudo-gradient
 //! partition for every partition of their stage, then the phase driver starts merging and
-//! `iota_phase_change_seconds{step="start_merging"}` says how long that took.
+//! `iota_phase_change_seconds{step="start_merging"}` says how long that took. Then nobody
+//! merges, and at the merging deadline the driver gives every partition another owner
+//! (`step="reassign_round"`).
 //!
 //! `cargo bench -p iota-orchestrator --bench merging` (needs `DATABASE_URL`, as the tests do).
 
@@ -17,8 +19,38 @@ use iota_protocol::api::{EpochStatus, Phase};
 
 const SEEDS: [u8; 6] = [1, 2, 3, 4, 5, 6];
 
-/// Seconds the phase driver spent starting merging, and how long the epoch took to get there.
-async fn start_merging_at(chain: &Chain, partitions: u32) -> anyhow::Result<(f64, Duration)> {
+/// Sum of the process's `iota_phase_change_seconds` samples for `step`, and their count.
+fn timed(metrics: &str, step: &str) -> (f64, u64) {
+    let value = |what: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "iota_phase_change_seconds_{what}{{step=\"{step}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (value("sum"), value("count") as u64)
+}
+
+struct Measured {
+    /// Seconds the driver spent starting merging.
+    start_merging: f64,
+    /// From the epoch's start until merging began.
+    reached: Duration,
+    /// Seconds of the reassignment round, and the partitions it gave another owner.
+    reassign: f64,
+    reassigned: i64,
+}
+
+/// One run at `partitions` per stage; `before` is what the process's recorder held before it.
+async fn measure(
+    chain: &Chain,
+    partitions: u32,
+    before: &str,
+) -> anyhow::Result<(Measured, String)> {
     let db_url = fresh_db().await;
     let store = tempfile::tempdir()?;
     let mut run = run_config(&format!("merging-{partitions}"));
@@ -27,7 +59,8 @@ async fn start_merging_at(chain: &Chain, partitions: u32) -> anyhow::Result<(f64
     run.training_s = 20;
     // Long enough for every upload: merging starts by quorum, when all have arrived.
     run.uploading_s = 3600;
-    run.merging_s = 60;
+    run.merging_s = 2;
+    run.merge_round_s = 60;
     run.heartbeat_timeout_s = 3600;
     run.lease_s = 60;
     let orch = start(config(chain, &db_url, store.path(), run)).await;
@@ -62,18 +95,37 @@ async fn start_merging_at(chain: &Chain, partitions: u32) -> anyhow::Result<(f64
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let reached = began.elapsed();
-    let metrics = reqwest::get(format!("{}/metrics", orch.base))
-        .await?
-        .text()
-        .await?;
+    // Nobody merges: at the deadline every partition is given another owner.
+    let (reassign_before, rounds_before) = timed(before, "reassign_round");
+    let metrics = loop {
+        let metrics = reqwest::get(format!("{}/metrics", orch.base))
+            .await?
+            .text()
+            .await?;
+        if timed(&metrics, "reassign_round").1 > rounds_before {
+            break metrics;
+        }
+        anyhow::ensure!(
+            began.elapsed() < Duration::from_secs(1800),
+            "no reassignment round"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let db = sqlx::PgPool::connect(&db_url).await?;
+    let reassigned: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT (stage, partition)) FROM partition_owners WHERE round = 1",
+    )
+    .fetch_one(&db)
+    .await?;
+    db.close().await;
     orch.stop().await;
-    // The recorder is the process's: each run's orchestrator adds one sample to the same series.
-    let sum = metrics
-        .lines()
-        .find(|l| l.starts_with("iota_phase_change_seconds_sum{step=\"start_merging\"}"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .ok_or_else(|| anyhow::anyhow!("start_merging was not timed"))?;
-    Ok((sum, reached))
+    let measured = Measured {
+        start_merging: timed(&metrics, "start_merging").0 - timed(before, "start_merging").0,
+        reached,
+        reassign: timed(&metrics, "reassign_round").0 - reassign_before,
+        reassigned,
+    };
+    Ok((measured, metrics))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -88,18 +140,20 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         let chain = chain_with(&SEEDS, &[]).await;
-        println!("start of merging (exclusive phase lock held), 3 stages, 2 miners per stage, each uploading every partition of its stage");
-        println!("partitions per stage   contributions   start_merging ms   epoch start to merging s");
-        let mut before = 0.0;
+        println!("start of merging and a reassignment round (exclusive phase lock held), 3 stages, 2 miners per stage, each uploading every partition of its stage; nobody merges, so every partition is reassigned at the deadline");
+        println!("partitions per stage   contributions   start_merging ms   reassigned   reassign_round ms   epoch start to merging s");
+        let mut metrics = String::new();
         for partitions in [100u32, 1000, 4000] {
-            let (sum, reached) = start_merging_at(&chain, partitions).await?;
+            let (m, now) = measure(&chain, partitions, &metrics).await?;
+            metrics = now;
             println!(
-                "{partitions:>20}   {:>13}   {:>16.1}   {:>24.1}",
+                "{partitions:>20}   {:>13}   {:>16.1}   {:>10}   {:>17.1}   {:>24.1}",
                 SEEDS.len() as u32 * partitions,
-                (sum - before) * 1000.0,
-                reached.as_secs_f64()
+                m.start_merging * 1000.0,
+                m.reassigned,
+                m.reassign * 1000.0,
+                m.reached.as_secs_f64()
             );
-            before = sum;
         }
         Ok(())
     })

@@ -25,7 +25,8 @@ use sqlx::{Postgres, Row, Transaction};
 use crate::app::{ApiResult, App, AppError};
 use crate::miner::{abandon_sample, reroute, run_now};
 use crate::routing::{
-    PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step, verdict,
+    OwnerCandidate, PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step,
+    pick_added_owners, verdict,
 };
 
 /// The leader lock's class; its other key is the run's id, so that each run on a database has
@@ -463,17 +464,16 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         .bind(&released)
         .fetch_all(&mut *tx)
         .await?;
-        for row in orphaned {
-            add_owner(
-                &mut tx,
-                app,
-                now_run.epoch,
-                row.try_get::<i32, _>("stage")? as u32,
-                row.try_get::<i32, _>("partition")? as u32,
-                now_run.merge_round,
-            )
-            .await?;
-        }
+        let orphaned = orphaned
+            .iter()
+            .map(|row| {
+                Ok((
+                    row.try_get::<i32, _>("stage")? as u32,
+                    row.try_get::<i32, _>("partition")? as u32,
+                ))
+            })
+            .collect::<ApiResult<Vec<_>>>()?;
+        add_owners(&mut tx, app, now_run.epoch, &orphaned, now_run.merge_round).await?;
     }
     tx.commit().await?;
     metrics::counter!("iota_miners_released_total").increment(released.len() as u64);
@@ -801,9 +801,7 @@ struct NewPartitions {
     states: Vec<&'static str>,
     contributions: Vec<serde_json::Value>,
     resolved_by: Vec<Option<&'static str>>,
-    owner_stages: Vec<i32>,
-    owner_partitions: Vec<i32>,
-    owners: Vec<String>,
+    owners: Vec<(u32, u32, String)>,
 }
 
 impl NewPartitions {
@@ -828,11 +826,8 @@ impl NewPartitions {
         );
         self.resolved_by
             .push((state == PartitionState::Unchanged).then_some("no contributions"));
-        for owner in owners {
-            self.owner_stages.push(stage as i32);
-            self.owner_partitions.push(partition as i32);
-            self.owners.push(owner);
-        }
+        self.owners
+            .extend(owners.into_iter().map(|owner| (stage, partition, owner)));
         Ok(())
     }
 
@@ -863,53 +858,12 @@ impl NewPartitions {
             .execute(&mut **tx)
             .await?;
         }
-        if !chunk.owners.is_empty() {
-            sqlx::query(
-                "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
-                 SELECT $1, $2, s, p, m, 0
-                 FROM unnest($3::int4[], $4::int4[], $5::text[]) AS t(s, p, m)
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(run)
-            .bind(epoch as i64)
-            .bind(&chunk.owner_stages)
-            .bind(&chunk.owner_partitions)
-            .bind(&chunk.owners)
-            .execute(&mut **tx)
-            .await?;
-        }
+        insert_owners(tx, run, epoch, &chunk.owners, 0).await?;
         Ok(())
     }
 }
 
-async fn insert_owner(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    epoch: u64,
-    stage: u32,
-    partition: u32,
-    miner: &str,
-    round: u32,
-) -> ApiResult<()> {
-    sqlx::query(
-        "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(miner)
-    .bind(round as i32)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Adds one owner to a partition: an active miner that does not own it yet, preferring the
-/// stage's own miners and then those with the fewest assignments this epoch, and among those one
-/// at random (by hotkey, a miner could know it would be the tie-breaker of a dispute, and choose a
-/// hotkey to be). Returns whether one was found.
+/// Adds one owner to a partition (see [`add_owners`]). Returns whether one was found.
 pub async fn add_owner(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
@@ -918,31 +872,118 @@ pub async fn add_owner(
     partition: u32,
     round: u32,
 ) -> ApiResult<bool> {
-    let pick: Option<String> = sqlx::query_scalar(
-        "SELECT m.hotkey FROM miners m
-         WHERE m.run_id = $1 AND m.status = 'active'
-           AND NOT EXISTS (SELECT 1 FROM partition_owners o WHERE o.run_id = m.run_id
-               AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4 AND o.miner = m.hotkey)
-         ORDER BY (m.stage = $3) DESC,
-           (SELECT count(*) FROM partition_owners o2 WHERE o2.run_id = m.run_id
-              AND o2.epoch = $2 AND o2.miner = m.hotkey),
-           random()
-         LIMIT 1",
+    Ok(add_owners(tx, app, epoch, &[(stage, partition)], round).await? == 1)
+}
+
+/// Adds one owner to each of `partitions` (stage, partition), as [`pick_added_owners`] ranks
+/// active miners, each pick counted before the next. Three reads and a chunked insert whatever
+/// the number: a merging deadline can leave every partition of the epoch open, and this runs
+/// under the exclusive phase lock. Returns how many were given one.
+pub async fn add_owners(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    epoch: u64,
+    partitions: &[(u32, u32)],
+    round: u32,
+) -> ApiResult<usize> {
+    if partitions.is_empty() {
+        return Ok(0);
+    }
+    let active: Vec<(String, i32)> =
+        sqlx::query_as("SELECT hotkey, stage FROM miners WHERE run_id = $1 AND status = 'active'")
+            .bind(app.run.id)
+            .fetch_all(&mut **tx)
+            .await?;
+    let owned: HashMap<String, i64> = sqlx::query_as(
+        "SELECT miner, count(*) FROM partition_owners WHERE run_id = $1 AND epoch = $2
+         GROUP BY miner",
     )
     .bind(app.run.id)
     .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_optional(&mut **tx)
+    .fetch_all(&mut **tx)
+    .await?
+    .into_iter()
+    .collect();
+    let (stages, parts): (Vec<i32>, Vec<i32>) = partitions
+        .iter()
+        .map(|(s, p)| (*s as i32, *p as i32))
+        .unzip();
+    let mut owners: HashMap<(u32, u32), Vec<String>> = HashMap::new();
+    let rows: Vec<(i32, i32, String)> = sqlx::query_as(
+        "SELECT o.stage, o.partition, o.miner FROM partition_owners o
+         JOIN unnest($3::int4[], $4::int4[]) AS t(s, p) ON o.stage = t.s AND o.partition = t.p
+         WHERE o.run_id = $1 AND o.epoch = $2",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&stages)
+    .bind(&parts)
+    .fetch_all(&mut **tx)
     .await?;
-    match pick {
-        Some(miner) => {
-            insert_owner(tx, app, epoch, stage, partition, &miner, round).await?;
-            tracing::info!(epoch, stage, partition, %miner, round, "partition reassigned");
-            Ok(true)
-        }
-        None => Ok(false),
+    for (stage, partition, miner) in rows {
+        owners
+            .entry((stage as u32, partition as u32))
+            .or_default()
+            .push(miner);
     }
+    let mut candidates: Vec<OwnerCandidate> = active
+        .into_iter()
+        .map(|(hotkey, stage)| OwnerCandidate {
+            owned: owned.get(&hotkey).copied().unwrap_or(0) as u64,
+            hotkey,
+            stage: stage as u32,
+        })
+        .collect();
+    let picks = pick_added_owners(
+        &mut candidates,
+        partitions,
+        &mut owners,
+        &mut rand::thread_rng(),
+    );
+    let added: Vec<(u32, u32, String)> = partitions
+        .iter()
+        .zip(picks)
+        .filter_map(|(&(stage, partition), pick)| {
+            let miner = candidates[pick?].hotkey.clone();
+            tracing::debug!(epoch, stage, partition, %miner, round, "partition given another owner");
+            Some((stage, partition, miner))
+        })
+        .collect();
+    insert_owners(tx, app.run.id, epoch, &added, round).await?;
+    Ok(added.len())
+}
+
+/// Rows written per statement by [`insert_owners`].
+const OWNERS_PER_STATEMENT: usize = 8192;
+
+/// Records owners (stage, partition, miner) of `round`; an existing one is left as it is.
+async fn insert_owners(
+    tx: &mut Transaction<'_, Postgres>,
+    run: i64,
+    epoch: u64,
+    owners: &[(u32, u32, String)],
+    round: u32,
+) -> ApiResult<()> {
+    for chunk in owners.chunks(OWNERS_PER_STATEMENT) {
+        let stages: Vec<i32> = chunk.iter().map(|(s, _, _)| *s as i32).collect();
+        let partitions: Vec<i32> = chunk.iter().map(|(_, p, _)| *p as i32).collect();
+        let miners: Vec<&str> = chunk.iter().map(|(_, _, m)| m.as_str()).collect();
+        sqlx::query(
+            "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
+             SELECT $1, $2, s, p, m, $6
+             FROM unnest($3::int4[], $4::int4[], $5::text[]) AS t(s, p, m)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(run)
+        .bind(epoch as i64)
+        .bind(&stages)
+        .bind(&partitions)
+        .bind(&miners)
+        .bind(round as i32)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
 }
 
 async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
@@ -961,17 +1002,11 @@ async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(cur.epoch as i64)
     .fetch_all(&mut *tx)
     .await?;
-    for (stage, partition) in &open {
-        add_owner(
-            &mut tx,
-            app,
-            cur.epoch,
-            *stage as u32,
-            *partition as u32,
-            round,
-        )
-        .await?;
-    }
+    let open: Vec<(u32, u32)> = open
+        .into_iter()
+        .map(|(s, p)| (s as u32, p as u32))
+        .collect();
+    let given = add_owners(&mut tx, app, cur.epoch, &open, round).await?;
     // Validators are asked too: a partition unsettled at a deadline (its owners vanished, or
     // only one submitted) is put to them as a dispute, which a validator settles with its own
     // merge, so it is merged even when no miner is left to do it. (A disputed partition has one
@@ -1004,6 +1039,7 @@ async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
         epoch = cur.epoch,
         round,
         open = open.len(),
+        given_another_owner = given,
         "merge deadline passed; partitions reassigned"
     );
     Ok(())

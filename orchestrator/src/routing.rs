@@ -1,6 +1,8 @@
 //! Pure decisions: which stage a new miner takes, which miner gets the next hop, who owns which
 //! partition, and when a phase ends. No I/O; time and randomness are passed in.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use iota_protocol::api::{MAX_TOKENS_PER_S, Phase};
 use rand::Rng;
@@ -98,6 +100,78 @@ pub fn initial_owners(sorted_candidates: &[String], epoch: u64, partition: u32) 
         owners.push(sorted_candidates[(first + 1) % n].clone());
     }
     owners
+}
+
+/// An active miner that may be given a partition to merge.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnerCandidate {
+    /// Hotkey.
+    pub hotkey: String,
+    /// Its stage.
+    pub stage: u32,
+    /// Partitions it owns this epoch, every round counted.
+    pub owned: u64,
+}
+
+/// Another owner for a partition of `stage` whose owners are `owners`: a candidate that does not
+/// own it yet, one of the stage's own miners if any can (they need the result anyway), then one
+/// with the fewest partitions, and among equals one at random (by hotkey, a miner could know it
+/// would be the tie-break owner of a dispute, and choose a hotkey to be). Returns its index; the
+/// caller counts the partition in its `owned` before the next pick.
+pub fn pick_added_owner(
+    candidates: &[OwnerCandidate],
+    stage: u32,
+    owners: &[&str],
+    rng: &mut impl Rng,
+) -> Option<usize> {
+    let mut best: Option<((bool, u64), usize)> = None;
+    let mut ties = 0u32;
+    for (i, c) in candidates.iter().enumerate() {
+        if owners.contains(&c.hotkey.as_str()) {
+            continue;
+        }
+        let rank = (c.stage != stage, c.owned);
+        match best {
+            Some((b, _)) if rank > b => {}
+            Some((b, _)) if rank == b => {
+                // Each of the equals so far is kept with the same chance.
+                ties += 1;
+                if rng.gen_range(0..ties) == 0 {
+                    best = Some((rank, i));
+                }
+            }
+            _ => {
+                best = Some((rank, i));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(_, i)| i)
+}
+
+/// Another owner for each of `partitions` (stage, partition), picked one after the other by
+/// [`pick_added_owner`] from their current `owners`, each pick counted in its miner's `owned` and
+/// added to `owners` before the next (so a round of many spreads them, and a partition named
+/// twice gets two). The index of each pick, `None` where nobody could take it.
+pub fn pick_added_owners(
+    candidates: &mut [OwnerCandidate],
+    partitions: &[(u32, u32)],
+    owners: &mut HashMap<(u32, u32), Vec<String>>,
+    rng: &mut impl Rng,
+) -> Vec<Option<usize>> {
+    partitions
+        .iter()
+        .map(|&(stage, partition)| {
+            let current = owners.entry((stage, partition)).or_default();
+            let names: Vec<&str> = current.iter().map(String::as_str).collect();
+            let pick = pick_added_owner(candidates, stage, &names, rng);
+            if let Some(i) = pick {
+                candidates[i].owned += 1;
+                current.push(candidates[i].hotkey.clone());
+            }
+            pick
+        })
+        .collect()
 }
 
 /// What the phase driver sees of the current phase.
@@ -234,6 +308,61 @@ mod tests {
     use super::*;
     use chrono::Duration;
     use rand::SeedableRng;
+
+    fn candidate(hotkey: &str, stage: u32, owned: u64) -> OwnerCandidate {
+        OwnerCandidate {
+            hotkey: hotkey.into(),
+            stage,
+            owned,
+        }
+    }
+
+    #[test]
+    fn an_added_owner_is_of_the_stage_then_least_loaded_then_random() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let pool = [
+            candidate("a", 0, 0),
+            candidate("b", 1, 5),
+            candidate("c", 1, 2),
+            candidate("d", 1, 2),
+            candidate("e", 1, 3),
+        ];
+        // The stage's own miners first, however loaded; owners never.
+        assert_eq!(pick_added_owner(&pool, 1, &["c", "d"], &mut rng), Some(4));
+        assert_eq!(pick_added_owner(&pool, 0, &[], &mut rng), Some(0));
+        // Another stage's least loaded when the stage has nobody left.
+        let borrowed = pick_added_owner(&pool, 0, &["a"], &mut rng);
+        assert!(matches!(borrowed, Some(2 | 3)), "{borrowed:?}");
+        let picks: std::collections::HashSet<usize> = (0..64)
+            .map(|_| pick_added_owner(&pool, 1, &[], &mut rng).expect("a pick"))
+            .collect();
+        assert_eq!(picks, [2, 3].into(), "both equals are drawn, nobody else");
+        let everyone: Vec<&str> = pool.iter().map(|c| c.hotkey.as_str()).collect();
+        assert_eq!(pick_added_owner(&pool, 1, &everyone, &mut rng), None);
+    }
+
+    #[test]
+    fn a_round_of_added_owners_spreads_them() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let mut pool: Vec<OwnerCandidate> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|h| candidate(h, 2, 0))
+            .collect();
+        let partitions: Vec<(u32, u32)> = (0..8).map(|p| (2, p)).collect();
+        let mut owners = HashMap::new();
+        let picks = pick_added_owners(&mut pool, &partitions, &mut owners, &mut rng);
+        let mut per_miner = [0; 4];
+        for pick in picks {
+            per_miner[pick.expect("a pick")] += 1;
+        }
+        assert_eq!(per_miner, [2; 4]);
+        assert!(pool.iter().all(|c| c.owned == 2));
+        // A partition named twice (two of its owners left) gets two new owners, not one twice.
+        let twice = pick_added_owners(&mut pool, &[(2, 9), (2, 9)], &mut owners, &mut rng);
+        assert!(twice.iter().all(Option::is_some));
+        assert_ne!(twice[0], twice[1]);
+        assert_eq!(owners[&(2, 9)].len(), 2);
+    }
 
     fn load(stage: u32, params: u64, miners: u32, tps: f64) -> StageLoad {
         StageLoad {
