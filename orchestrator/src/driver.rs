@@ -1055,60 +1055,7 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     }
     let cur = run_now(&mut *tx, app.run.id).await?;
     let epoch = cur.epoch;
-    let open: Vec<(i32, i32)> = sqlx::query_as(
-        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
-           AND state IN ('open', 'disputed')",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&mut *tx)
-    .await?;
-    for (stage, partition) in open {
-        let key = PartitionKey {
-            epoch: epoch as i64,
-            stage,
-            partition,
-        };
-        let results: Vec<(String, serde_json::Value)> = sqlx::query_as(VOTES_SQL)
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage)
-            .bind(partition)
-            .fetch_all(&mut *tx)
-            .await?;
-        let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
-        match final_pick(&hashes) {
-            Some(hash) => {
-                let blob = results
-                    .iter()
-                    .find(|(h, _)| *h == hash)
-                    .map(|(_, b)| b.clone());
-                let how = if results.len() == 1 {
-                    "single"
-                } else {
-                    "plurality"
-                };
-                set_partition(&mut tx, app, key, PartitionState::Accepted, blob, Some(how)).await?;
-            }
-            None => {
-                set_partition(
-                    &mut tx,
-                    app,
-                    key,
-                    PartitionState::Unchanged,
-                    None,
-                    Some("unmerged"),
-                )
-                .await?;
-                tracing::error!(
-                    epoch,
-                    stage,
-                    partition,
-                    "no merge result by the last deadline; weights unchanged"
-                );
-            }
-        }
-    }
+    settle_at_last_deadline(&mut tx, app, epoch).await?;
     // Disputes still open are closed with whatever the partition ended with, so that they leave
     // the validators' list and a late settlement is refused rather than recorded against weights
     // the next epoch did not start from.
@@ -1217,6 +1164,109 @@ const VOTES_SQL: &str = "SELECT blake3, blob FROM (
        ORDER BY coalesce(substring(submitter FROM '^validator:(.*)$'), submitter),
          submitted_at, submitter) votes
      ORDER BY submitted_at, submitter";
+
+/// [`VOTES_SQL`] for every partition of an epoch still open or disputed, by partition.
+const OPEN_VOTES_SQL: &str = "SELECT stage, partition, blake3, blob FROM (
+       SELECT DISTINCT ON (r.stage, r.partition,
+           coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter))
+         r.stage, r.partition, r.blake3, r.blob, r.submitted_at, r.submitter
+       FROM merge_results r JOIN partitions p USING (run_id, epoch, stage, partition)
+       WHERE r.run_id = $1 AND r.epoch = $2 AND p.state IN ('open', 'disputed')
+       ORDER BY r.stage, r.partition,
+         coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter),
+         r.submitted_at, r.submitter) votes
+     ORDER BY stage, partition, submitted_at, submitter";
+
+/// At the last merge deadline every partition still unsettled takes its most-submitted result
+/// (`single` or `plurality`), or keeps its weights when nobody merged it (`unmerged`). Two reads
+/// and an update a chunk at a time, however many are open: this holds the exclusive phase lock.
+async fn settle_at_last_deadline(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    epoch: u64,
+) -> ApiResult<()> {
+    let open: Vec<(i32, i32)> = sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
+           AND state IN ('open', 'disputed') ORDER BY stage, partition",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .fetch_all(&mut **tx)
+    .await?;
+    if open.is_empty() {
+        return Ok(());
+    }
+    let mut votes: HashMap<(i32, i32), Vec<(String, serde_json::Value)>> = HashMap::new();
+    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(OPEN_VOTES_SQL)
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .fetch_all(&mut **tx)
+        .await?;
+    for (stage, partition, hash, blob) in rows {
+        votes
+            .entry((stage, partition))
+            .or_default()
+            .push((hash, blob));
+    }
+    let mut unmerged = Vec::new();
+    let mut settled = Vec::with_capacity(open.len());
+    for (stage, partition) in open {
+        let results = votes.remove(&(stage, partition)).unwrap_or_default();
+        let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
+        let outcome = match final_pick(&hashes) {
+            Some(hash) => {
+                let how = match results.len() {
+                    1 => "single",
+                    _ => "plurality",
+                };
+                let blob = results
+                    .into_iter()
+                    .find(|(h, _)| *h == hash)
+                    .map(|(_, b)| b);
+                (PartitionState::Accepted, blob, how)
+            }
+            None => {
+                unmerged.push((stage, partition));
+                (PartitionState::Unchanged, None, "unmerged")
+            }
+        };
+        settled.push((stage, partition, outcome));
+    }
+    for chunk in settled.chunks(PARTITIONS_PER_STATEMENT) {
+        let stages: Vec<i32> = chunk.iter().map(|(s, _, _)| *s).collect();
+        let partitions: Vec<i32> = chunk.iter().map(|(_, p, _)| *p).collect();
+        let states: Vec<&str> = chunk.iter().map(|(_, _, o)| o.0.as_str()).collect();
+        let accepted: Vec<Option<serde_json::Value>> =
+            chunk.iter().map(|(_, _, o)| o.1.clone()).collect();
+        let how: Vec<&str> = chunk.iter().map(|(_, _, o)| o.2).collect();
+        sqlx::query(
+            "UPDATE partitions p SET state = t.state, accepted = coalesce(t.accepted, p.accepted),
+                 resolved_by = coalesce(t.how, p.resolved_by)
+             FROM unnest($3::int4[], $4::int4[], $5::text[], $6::jsonb[], $7::text[])
+                 AS t(stage, partition, state, accepted, how)
+             WHERE p.run_id = $1 AND p.epoch = $2 AND p.stage = t.stage
+               AND p.partition = t.partition AND p.state IN ('open', 'disputed')",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(&stages)
+        .bind(&partitions)
+        .bind(&states)
+        .bind(&accepted)
+        .bind(&how)
+        .execute(&mut **tx)
+        .await?;
+    }
+    if !unmerged.is_empty() {
+        tracing::error!(
+            epoch,
+            count = unmerged.len(),
+            first = ?&unmerged[..unmerged.len().min(8)],
+            "no merge result by the last deadline; weights unchanged (stage, partition)"
+        );
+    }
+    Ok(())
+}
 
 /// Whether `hotkey` has a stake in a partition's outcome: it owns the partition, submitted a
 /// result for it as a miner, or is an active miner of the run, of any stage: any miner may be made
