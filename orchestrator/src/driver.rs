@@ -1059,12 +1059,14 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     // Disputes still open are closed with whatever the partition ended with, so that they leave
     // the validators' list and a late settlement is refused rather than recorded against weights
     // the next epoch did not start from.
+    // The partition looked up by its key for each dispute: as a join, a plan made before the
+    // tables had statistics compared every dispute with every partition (1.1 s at 3,000 each).
     sqlx::query(
         "UPDATE disputes d SET state = 'settled', settled_by = 'deadline',
-             settled_hash = p.accepted->>'blake3'
-         FROM partitions p
-         WHERE d.run_id = $1 AND d.epoch = $2 AND d.state = 'open' AND p.run_id = d.run_id
-           AND p.epoch = d.epoch AND p.stage = d.stage AND p.partition = d.partition",
+             settled_hash = (SELECT p.accepted->>'blake3' FROM partitions p
+                 WHERE p.run_id = d.run_id AND p.epoch = d.epoch AND p.stage = d.stage
+                   AND p.partition = d.partition)
+         WHERE d.run_id = $1 AND d.epoch = $2 AND d.state = 'open'",
     )
     .bind(app.run.id)
     .bind(epoch as i64)

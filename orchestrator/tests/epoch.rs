@@ -743,6 +743,18 @@ async fn disputes_left_open_close_with_their_epoch() {
             .all(|(state, by)| state == "settled" && by.as_deref() == Some("deadline")),
         "{closed:?}"
     );
+    // Each closed with the weights its partition ended with.
+    let hashes: Vec<(Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT d.settled_hash, p.accepted->>'blake3' FROM disputes d
+         JOIN partitions p USING (run_id, epoch, stage, partition) WHERE d.epoch = 0",
+    )
+    .fetch_all(&db)
+    .await
+    .expect("hashes");
+    assert!(
+        hashes.iter().all(|(d, p)| d.is_some() && d == p),
+        "{hashes:?}"
+    );
     // A late settlement is refused (any hash: the epoch's merges are closed).
     let late = v
         .settle(open[0].id, &"cd".repeat(32))
