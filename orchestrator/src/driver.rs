@@ -710,30 +710,6 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(app.run.id)
     .fetch_all(&mut *tx)
     .await?;
-    // Every contribution of the epoch in one read, in merge order within each partition.
-    let rows = sqlx::query(
-        "SELECT stage, partition, miner, weight, blob FROM pseudo_gradients
-         WHERE run_id = $1 AND epoch = $2
-         ORDER BY stage, partition, miner COLLATE \"C\"",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut contributed: HashMap<(i32, i32), Vec<MergeContribution>> = HashMap::new();
-    for r in &rows {
-        let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
-            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-        contributed
-            .entry((r.try_get("stage")?, r.try_get("partition")?))
-            .or_default()
-            .push(MergeContribution {
-                hotkey: r.try_get("miner")?,
-                weight: r.try_get("weight")?,
-                blob,
-            });
-    }
-    drop(rows);
     // Written a chunk of partitions per statement, not a few statements per partition: this
     // holds the exclusive phase lock, which every work request waits on.
     let mut chunk = NewPartitions::default();
@@ -754,16 +730,42 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
                     .take(2 - candidates.len()),
             );
         }
+        // The stage's contributions in one read (one stage's at a time in memory), in merge
+        // order within each partition.
+        let rows = sqlx::query(
+            "SELECT partition, miner, weight, blob FROM pseudo_gradients
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3
+             ORDER BY partition, miner COLLATE \"C\"",
+        )
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage as i32)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut contributed: HashMap<i32, Vec<MergeContribution>> = HashMap::new();
+        for r in &rows {
+            let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+            contributed
+                .entry(r.try_get("partition")?)
+                .or_default()
+                .push(MergeContribution {
+                    hotkey: r.try_get("miner")?,
+                    weight: r.try_get("weight")?,
+                    blob,
+                });
+        }
+        drop(rows);
         for partition in 0..cfg.partitions {
-            let contributions = contributed
-                .remove(&(stage as i32, partition as i32))
-                .unwrap_or_default();
+            let contributions = contributed.remove(&(partition as i32)).unwrap_or_default();
             let owners = match contributions.is_empty() {
                 true => Vec::new(),
                 false => initial_owners(&candidates, epoch, partition),
             };
             chunk.push(stage, partition, &contributions, owners)?;
-            if chunk.stages.len() >= PARTITIONS_PER_STATEMENT {
+            if chunk.stages.len() >= PARTITIONS_PER_STATEMENT
+                || chunk.contribution_bytes >= CONTRIBUTION_BYTES_PER_STATEMENT
+            {
                 chunk.insert(&mut tx, app.run.id, epoch).await?;
             }
         }
@@ -789,8 +791,11 @@ async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     Ok(())
 }
 
-/// Partitions written per statement when merging starts (a statement's arrays stay a few MB).
+/// Partitions written per statement when merging starts, or at an epoch's end.
 const PARTITIONS_PER_STATEMENT: usize = 4096;
+/// Bytes of contribution lists gathered before they are written (a partition's list grows with
+/// its stage's miners: a statement stays a few MB however many there are).
+const CONTRIBUTION_BYTES_PER_STATEMENT: usize = 8 << 20;
 
 /// The partitions of an epoch's merge and their first-round owners, gathered to be inserted a
 /// chunk at a time (see `start_merging`).
@@ -799,7 +804,9 @@ struct NewPartitions {
     stages: Vec<i32>,
     partitions: Vec<i32>,
     states: Vec<&'static str>,
-    contributions: Vec<serde_json::Value>,
+    /// JSON text, cast to `jsonb` by the statement.
+    contributions: Vec<String>,
+    contribution_bytes: usize,
     resolved_by: Vec<Option<&'static str>>,
     owners: Vec<(u32, u32, String)>,
 }
@@ -820,10 +827,10 @@ impl NewPartitions {
         self.stages.push(stage as i32);
         self.partitions.push(partition as i32);
         self.states.push(state.as_str());
-        self.contributions.push(
-            serde_json::to_value(contributions)
-                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-        );
+        let json = serde_json::to_string(contributions)
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+        self.contribution_bytes += json.len();
+        self.contributions.push(json);
         self.resolved_by
             .push((state == PartitionState::Unchanged).then_some("no contributions"));
         self.owners
@@ -843,8 +850,8 @@ impl NewPartitions {
             sqlx::query(
                 "INSERT INTO partitions (run_id, epoch, stage, partition, state, contributions,
                      resolved_by)
-                 SELECT $1, $2, s, p, st, c, r
-                 FROM unnest($3::int4[], $4::int4[], $5::text[], $6::jsonb[], $7::text[])
+                 SELECT $1, $2, s, p, st, c::jsonb, r
+                 FROM unnest($3::int4[], $4::int4[], $5::text[], $6::text[], $7::text[])
                      AS t(s, p, st, c, r)
                  ON CONFLICT DO NOTHING",
             )
