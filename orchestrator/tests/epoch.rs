@@ -279,12 +279,7 @@ async fn an_epoch_completes_with_a_vanished_miner() {
     check_consistency(&db).await;
 
     // Each phase change of the epoch was timed.
-    let metrics = reqwest::get(format!("{}/metrics", orch.base))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
+    let metrics = metrics_text(&orch.base).await;
     for step in ["start_uploading", "start_merging", "next_epoch"] {
         let count = metrics
             .lines()

@@ -3017,6 +3017,18 @@ async fn a_first_hop_output(
 /// An owner added to a partition is drawn at random among the miners that rank the same (same
 /// stage preference, as few assignments): by hotkey, a miner could know it would be the tie-break
 /// owner of a dispute, and choose a hotkey to be.
+/// The owners of a partition of epoch 0, as `tx` sees them.
+async fn owners_of(tx: &mut sqlx::PgConnection, stage: u32, partition: u32) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+    )
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_all(tx)
+    .await
+    .expect("owners")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_added_owner_is_drawn_at_random_among_equals() {
     init_tracing();
@@ -3025,28 +3037,14 @@ async fn an_added_owner_is_drawn_at_random_among_equals() {
     let mut picks = std::collections::HashSet::new();
     for _ in 0..24 {
         let mut tx = t.s.db.begin().await.expect("tx");
-        let before: Vec<String> = sqlx::query_scalar(
-            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
-        )
-        .bind(t.stage as i32)
-        .bind(t.partition as i32)
-        .fetch_all(&mut *tx)
-        .await
-        .expect("owners");
+        let before = owners_of(&mut tx, t.stage, t.partition).await;
         assert!(
             driver::add_owner(&mut tx, &t.s.app, 0, t.stage, t.partition, 0)
                 .await
                 .expect("add"),
             "no miner to add"
         );
-        let after: Vec<String> = sqlx::query_scalar(
-            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
-        )
-        .bind(t.stage as i32)
-        .bind(t.partition as i32)
-        .fetch_all(&mut *tx)
-        .await
-        .expect("owners");
+        let after = owners_of(&mut tx, t.stage, t.partition).await;
         picks.extend(after.into_iter().filter(|m| !before.contains(m)));
         tx.rollback().await.expect("rollback");
     }

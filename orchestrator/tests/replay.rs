@@ -296,13 +296,9 @@ async fn a_follower_forgets_the_addresses_it_limited() {
         }
     }
     let addresses = || async {
-        let text = reqwest::get(format!("{}/metrics", a.base))
+        metrics_text(&a.base)
             .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text");
-        text.lines()
+            .lines()
             .find_map(|l| l.strip_prefix("iota_rate_limit_keys{scope=\"ip\"} "))
             .and_then(|v| v.trim().parse::<f64>().ok())
             .expect("the gauge")

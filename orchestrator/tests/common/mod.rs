@@ -287,6 +287,16 @@ where
 }
 
 /// Files under `dir`, recursively.
+/// The Prometheus text an orchestrator at `base` serves at `/metrics`.
+pub async fn metrics_text(base: &str) -> String {
+    reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text")
+}
+
 pub fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
