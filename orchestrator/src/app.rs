@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -60,8 +60,17 @@ pub struct Limits {
     pub upload_slot_wait: Duration,
 }
 
-/// A client address and the signer its request claims (its public key).
+/// A client address as the per-IP limits count it ([`address_key`]) and the signer its request
+/// claims (its public key).
 type Forger = (IpAddr, [u8; 32]);
+
+/// Where a signed request came from, for the bad-signature lock-out: the pair it counts against,
+/// and the client's own address, which may be exempt from that pair's lock-out.
+#[derive(Clone, Copy, Debug)]
+struct Sender {
+    forger: Forger,
+    address: IpAddr,
+}
 
 /// Bad signatures an address may send a second in one signer's name, and at once, before it is
 /// refused in that name for [`FORGER_PAUSE`]: a signature is checked only after the body is read
@@ -70,12 +79,20 @@ type Forger = (IpAddr, [u8; 32]);
 /// Keyed by the pair, not the address alone: a forger would otherwise shut out every honest
 /// client that shares its address (a NAT, a proxy), and here it shuts out only the hotkey it
 /// impersonates, and only from its own address. A trusted proxy's own address is never refused.
+/// An IPv6 address counts by its /64, which a neighbour on a shared /64 may be in too: the exact
+/// addresses that recently sent that hotkey's valid signatures ([`MAX_PROVEN_ADDRESSES`] per
+/// hotkey) stay exempt, until a bad signature in its name comes from one of them.
 const FORGERIES_PER_S: u32 = 5;
 const FORGERIES_BURST: u32 = 20;
 /// How long an address over that quota is refused (`rate_limited`), before its body is read.
 pub const FORGER_PAUSE: Duration = Duration::from_secs(10);
 /// Most addresses refused at once.
 const MAX_FORGERS: usize = 4096;
+/// Exact addresses remembered per hotkey as having sent its valid signatures, the latest first.
+const MAX_PROVEN_ADDRESSES: usize = 4;
+/// Most hotkeys whose addresses are remembered (the map is emptied when full); only hotkeys that
+/// signed validly are, so members of the subnet.
+const MAX_PROVEN_KEYS: usize = 4096;
 
 /// The slowest body a signed request may send, beyond [`Limits::body_timeout`].
 pub const MIN_BODY_BYTES_PER_S: u64 = 1 << 20;
@@ -155,6 +172,9 @@ pub struct AppState {
     forgers: Mutex<HashMap<Forger, std::time::Instant>>,
     /// Whether `forgers` may hold anyone (the signed routes' fast path skips its lock).
     any_forgers: AtomicBool,
+    /// Exact addresses that recently sent each hotkey's valid signatures, exempt from a
+    /// lock-out of their /64 in its name.
+    proven: RwLock<HashMap<[u8; 32], Vec<IpAddr>>>,
     counters: std::sync::OnceLock<Counters>,
 }
 
@@ -214,6 +234,7 @@ impl AppState {
             forgeries: RateLimiter::keyed(quota(FORGERIES_PER_S, FORGERIES_BURST)),
             forgers: Mutex::default(),
             any_forgers: AtomicBool::new(false),
+            proven: RwLock::default(),
             counters: std::sync::OnceLock::new(),
         }
     }
@@ -244,26 +265,63 @@ impl AppState {
         (self.per_hotkey.len(), self.per_ip.len())
     }
 
-    /// Whether requests from `who`'s address in its signer's name are refused for now, for the
-    /// bad signatures sent so.
-    fn refuses_forger(&self, who: Forger) -> bool {
+    /// Whether requests from `sender`'s address in its signer's name are refused for now, for
+    /// the bad signatures sent so.
+    fn refuses_forger(&self, sender: Sender) -> bool {
         if !self.any_forgers.load(Ordering::Relaxed) {
             return false;
         }
-        let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
-        match forgers.get(&who) {
-            Some(until) if *until > std::time::Instant::now() => true,
-            Some(_) => {
-                forgers.remove(&who);
-                false
+        let who = sender.forger;
+        let locked = {
+            let mut forgers = self.forgers.lock().unwrap_or_else(|e| e.into_inner());
+            match forgers.get(&who) {
+                Some(until) if *until > std::time::Instant::now() => true,
+                Some(_) => {
+                    forgers.remove(&who);
+                    false
+                }
+                None => false,
             }
-            None => false,
+        };
+        locked && !self.has_proven(sender)
+    }
+
+    /// Whether `sender`'s exact address recently sent its signer's valid signatures.
+    fn has_proven(&self, sender: Sender) -> bool {
+        self.proven
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&sender.forger.1)
+            .is_some_and(|addresses| addresses.contains(&sender.address))
+    }
+
+    /// Remembers that `sender`'s exact address sent its signer's valid signature.
+    fn note_proven(&self, sender: Sender) {
+        if self.has_proven(sender) {
+            return;
+        }
+        let mut proven = self.proven.write().unwrap_or_else(|e| e.into_inner());
+        if proven.len() >= MAX_PROVEN_KEYS && !proven.contains_key(&sender.forger.1) {
+            proven.clear();
+        }
+        let addresses = proven.entry(sender.forger.1).or_default();
+        if !addresses.contains(&sender.address) {
+            addresses.insert(0, sender.address);
+            addresses.truncate(MAX_PROVEN_ADDRESSES);
         }
     }
 
-    /// Counts a bad signature from `who`; past the quota, its address is refused in its
-    /// signer's name for [`FORGER_PAUSE`].
-    fn note_forgery(&self, who: Forger) {
+    /// Counts a bad signature from `sender`; past the quota, its address is refused in its
+    /// signer's name for [`FORGER_PAUSE`]. Its exact address is no longer exempt: someone there
+    /// forges in that name (clients behind one NAT).
+    fn note_forgery(&self, sender: Sender) {
+        if self.has_proven(sender) {
+            let mut proven = self.proven.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(addresses) = proven.get_mut(&sender.forger.1) {
+                addresses.retain(|a| *a != sender.address);
+            }
+        }
+        let who = sender.forger;
         if self.forgeries.check_key(&who).is_ok() {
             return;
         }
@@ -692,14 +750,17 @@ pub fn check_caller<'a>(
     )?;
     let signer = app.signers.resolve(headers.signed_by)?;
     // A trusted proxy's own address (no client named) is everyone's behind it: never refused.
-    let forger = parts
+    let sender = parts
         .extensions
         .get::<ConnectInfo<SocketAddr>>()
         .map(|peer| client_address(&app.trusted_proxies, peer.ip(), &parts.headers))
         .filter(|ip| !app.trusted_proxies.contains(ip))
-        .map(|ip| (address_key(ip), signer.key.to_bytes()));
-    if let Some(who) = forger
-        && app.refuses_forger(who)
+        .map(|ip| Sender {
+            forger: (address_key(ip), signer.key.to_bytes()),
+            address: unmapped(ip),
+        });
+    if let Some(sender) = sender
+        && app.refuses_forger(sender)
     {
         return Err(AppError::new(
             ErrorCode::RateLimited,
@@ -713,7 +774,7 @@ pub fn check_caller<'a>(
         uid,
         permit,
         now,
-        forger,
+        sender,
     })
 }
 
@@ -726,7 +787,7 @@ pub struct CheckedCaller<'a> {
     now: u64,
     /// The address the request counts against and its claimed signer, for bad signatures
     /// (`None`: the peer is unknown, or a trusted proxy's own).
-    forger: Option<Forger>,
+    sender: Option<Sender>,
 }
 
 impl CheckedCaller<'_> {
@@ -754,7 +815,7 @@ impl CheckedCaller<'_> {
             uid: self.uid,
             permit: self.permit,
             now: self.now,
-            forger: self.forger,
+            sender: self.sender,
         }
     }
 
@@ -772,7 +833,7 @@ pub struct Authenticating {
     uid: u16,
     permit: bool,
     now: u64,
-    forger: Option<Forger>,
+    sender: Option<Sender>,
 }
 
 impl Authenticating {
@@ -789,8 +850,10 @@ impl Authenticating {
         let verified = match app.signatures.verify(self.signed).await {
             Ok(verified) => verified,
             Err(e) => {
-                if let (VerifyError::Auth(AuthError::BadSignature), Some(who)) = (&e, self.forger) {
-                    app.note_forgery(who);
+                if let (VerifyError::Auth(AuthError::BadSignature), Some(sender)) =
+                    (&e, self.sender)
+                {
+                    app.note_forgery(sender);
                 }
                 return Err(e.into());
             }
@@ -808,6 +871,10 @@ impl Authenticating {
             .admit(uuid, verified.timestamp_ms, self.now);
         if in_memory == Local::Replayed {
             return Err(AuthError::Replayed(uuid).into());
+        }
+        // Only a signature that is no replay of another's proves where its signer is.
+        if let Some(sender) = self.sender {
+            app.note_proven(sender);
         }
         if app.per_hotkey.check_key(&verified.signer).is_err() {
             metrics::counter!("iota_rate_limited_total", "scope" => "hotkey").increment(1);

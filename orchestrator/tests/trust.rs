@@ -1073,6 +1073,109 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
     orch.stop().await;
 }
 
+/// An IPv6 address counts by its /64, so a forger on a miner's /64 (a cloud subnet, a shared
+/// host) once locked that miner out by forging in its name. Now the exact address a hotkey
+/// signed from stays exempt; any other address of that /64 stays locked, and the exemption ends
+/// once a bad signature comes from the exempt address itself (a forger behind the same NAT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forger_on_a_miners_network_does_not_lock_the_miner_out() {
+    init_tracing();
+    let chain = chain_with(&[MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("neighbours"));
+    cfg.trusted_proxies = vec![std::net::IpAddr::from([127, 0, 0, 9])];
+    let orch = start(cfg).await;
+    let receiver = pair(200).ss58();
+    // Each client is named by the trusted proxy's X-Forwarded-For; all are in 2001:db8:0:7::/64.
+    let via = |client: &str| {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(
+            "x-forwarded-for",
+            reqwest::header::HeaderValue::from_str(client).expect("header"),
+        );
+        Raw {
+            http: reqwest::Client::builder()
+                .local_address(std::net::IpAddr::from([127, 0, 0, 9]))
+                .default_headers(headers)
+                .build()
+                .expect("client"),
+            ..Raw::to(&orch.base)
+        }
+    };
+    let forged = |raw: Raw| {
+        let receiver = receiver.clone();
+        async move {
+            let mut headers = sign_request(
+                &pair(STRANGER),
+                &receiver,
+                "POST",
+                "/v1/miner/heartbeat",
+                b"{}",
+                now_ms(),
+                Uuid::new_v4(),
+            )
+            .headers;
+            for h in &mut headers {
+                if h.0 == "epistula-signed-by" {
+                    h.1 = pair(MINER).ss58();
+                }
+            }
+            let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
+            for (k, v) in headers {
+                req = req.header(k, v);
+            }
+            req.header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .expect("send")
+                .status()
+                .as_u16()
+        }
+    };
+    let heartbeat = |raw: Raw| async move {
+        raw.signed(
+            &pair(MINER),
+            reqwest::Method::POST,
+            "/v1/miner/heartbeat",
+            b"{}".to_vec(),
+        )
+        .await
+    };
+    let miner = "2001:db8:0:7::10";
+    let first = heartbeat(via(miner)).await;
+    assert!(![401, 429].contains(&first.0), "{first:?}");
+    let mut answers = Vec::new();
+    for _ in 0..40 {
+        answers.push(forged(via("2001:db8:0:7::66")).await);
+    }
+    assert_eq!(answers[0], 401, "a bad signature is refused as such");
+    assert!(
+        answers.iter().skip(30).all(|a| *a == 429),
+        "the forger's /64 was not refused after its bad signatures: {answers:?}"
+    );
+    let again = heartbeat(via(miner)).await;
+    assert!(
+        ![401, 429].contains(&again.0),
+        "the miner was locked out by its neighbour: {again:?}"
+    );
+    // Another address on that /64, which never signed in the miner's name, is still refused.
+    let unproven = heartbeat(via("2001:db8:0:7::11")).await;
+    assert_eq!(
+        (unproven.0, code(&unproven)),
+        (429, Some(ErrorCode::RateLimited))
+    );
+    // A bad signature from the miner's own address ends its exemption.
+    assert_eq!(forged(via(miner)).await, 401);
+    let shared = heartbeat(via(miner)).await;
+    assert_eq!(
+        (shared.0, code(&shared)),
+        (429, Some(ErrorCode::RateLimited))
+    );
+    orch.stop().await;
+}
+
 /// Signs a `method` to `path` over `len` bytes as `seed` and sends its head announcing them, but
 /// no body; the open connection.
 async fn stalled_body(
