@@ -216,6 +216,47 @@ async fn read_body(resp: &mut reqwest::Response, limit: BodyLimit) -> Result<Byt
     Ok(buf.freeze())
 }
 
+/// A request to the orchestrator, as each of its attempts sends it.
+struct Request<'a> {
+    method: &'a Method,
+    url: &'a reqwest::Url,
+    /// As signed: the URL's path and query, as the caller gave them.
+    path_and_query: &'a str,
+    body: Option<&'a Bytes>,
+    signed: bool,
+    content_type: &'static str,
+    limit: BodyLimit,
+}
+
+/// What one attempt of a request came to.
+enum Attempt {
+    /// The answer, or a refusal the same request would meet again.
+    Final(Result<Bytes, ClientError>),
+    /// A failure worth another attempt, no sooner than `retry_after` if the server gave one.
+    Again {
+        error: ClientError,
+        retry_after: Option<Duration>,
+    },
+}
+
+impl Attempt {
+    fn network(error: String) -> Self {
+        Self::Again {
+            error: ClientError::Network(error),
+            retry_after: None,
+        }
+    }
+}
+
+/// An answer's `Retry-After` in seconds (at most 30 are honoured).
+fn retry_after(resp: &reqwest::Response) -> Option<Duration> {
+    resp.headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|secs| Duration::from_secs(secs.min(30)))
+}
+
 impl ApiClient {
     /// A client for the orchestrator at `base` (`http://host:port`) whose hotkey is
     /// `orchestrator_ss58`.
@@ -338,102 +379,136 @@ impl ApiClient {
         limit: BodyLimit,
     ) -> Result<Bytes, ClientError> {
         let url = self.url_of(path_and_query)?;
+        let request = Request {
+            method: &method,
+            url: &url,
+            path_and_query,
+            body: body.as_ref(),
+            signed,
+            content_type,
+            limit,
+        };
+        self.with_retries(|attempt| self.try_request(&request, attempt))
+            .await
+    }
+
+    /// Makes `attempt` until one is final, at most [`RetryPolicy::attempts`] times, waiting the
+    /// policy's backoff between them (and at least the `Retry-After` the last answer gave).
+    async fn with_retries<F, Fut>(&self, mut attempt: F) -> Result<Bytes, ClientError>
+    where
+        F: FnMut(u32) -> Fut,
+        Fut: std::future::Future<Output = Attempt>,
+    {
         let mut last_error = ClientError::Network("no attempt made".into());
         let mut retry_after = None;
-        for attempt in 0..self.retry.attempts.max(1) {
-            if attempt > 0 {
-                // The server's Retry-After is the least wait, not an extra one.
-                let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
+        for n in 0..self.retry.attempts.max(1) {
+            if n > 0 {
+                // The server's Retry-After is the least wait, not an extra one. Apart: the
+                // thread's RNG must not be held across the wait.
+                let backoff = self.retry.backoff(n - 1, &mut rand::thread_rng());
                 tokio::time::sleep(backoff.max(retry_after.take().unwrap_or_default())).await;
             }
-            let raw = body.clone().unwrap_or_default();
-            let moved = match limit {
-                BodyLimit::Exact(n) => n,
-                _ => 0,
-            };
-            let mut req = self
-                .http
-                .request(method.clone(), url.clone())
-                .timeout(self.retry.timeout_for(moved.max(raw.len() as u64)));
-            if signed {
-                let headers = sign_request(
-                    self.signer.as_ref(),
-                    &self.orchestrator,
-                    method.as_str(),
-                    path_and_query,
-                    &raw,
-                    now_ms(),
-                    Uuid::new_v4(),
-                );
-                for (name, value) in headers.headers {
-                    req = req.header(name, value);
-                }
-            }
-            if body.is_some() {
-                req = req
-                    .header(reqwest::header::CONTENT_TYPE, content_type)
-                    .body(raw);
-            }
-            match req.send().await {
-                Ok(mut resp) => {
-                    let status = resp.status();
-                    retry_after = resp
-                        .headers()
-                        .get(reqwest::header::RETRY_AFTER)
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .map(|secs| Duration::from_secs(secs.min(30)));
-                    let limit = if status.is_success() {
-                        limit
-                    } else {
-                        BodyLimit::ErrorBody
-                    };
-                    // Whether to try again is the status's to say: an answer that is final stays
-                    // final when its body is cut off.
-                    let final_answer = status.is_success() || !is_retryable_status(status);
-                    let bytes = match read_body(&mut resp, limit).await {
-                        Ok(b) => b,
-                        Err(BodyError::Network(e)) if final_answer && !status.is_success() => {
-                            Bytes::from(format!("(the error body was cut off: {e})"))
-                        }
-                        Err(BodyError::Network(e)) => {
-                            last_error = ClientError::Network(e);
-                            continue;
-                        }
-                        // Only its start is shown, so an error body's size does not matter.
-                        Err(BodyError::Refused(_)) if !status.is_success() => Bytes::from(format!(
-                            "(an error body over {MAX_ERROR_BODY_BYTES} bytes)"
-                        )),
-                        // Not a transient failure: the same answer would come again.
-                        Err(BodyError::Refused(declared)) => {
-                            return Err(limit.refusal(path_and_query, declared));
-                        }
-                    };
-                    if status.is_success() {
-                        return Ok(bytes);
-                    }
-                    let error = serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
-                        ApiError::new(
-                            ErrorCode::Internal,
-                            String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
-                        )
-                    });
-                    last_error = ClientError::Api {
-                        status: status.as_u16(),
-                        error,
-                    };
-                    if final_answer {
-                        return Err(last_error);
-                    }
-                    tracing::debug!(%status, attempt, path = path_and_query, "retrying");
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, attempt, path = path_and_query, "network error, retrying");
-                    last_error = ClientError::Network(e.to_string());
+            match attempt(n).await {
+                Attempt::Final(result) => return result,
+                Attempt::Again {
+                    error,
+                    retry_after: wait,
+                } => {
+                    last_error = error;
+                    retry_after = wait;
                 }
             }
         }
         Err(last_error)
+    }
+
+    /// One attempt of a request to the orchestrator, signed afresh.
+    async fn try_request(&self, request: &Request<'_>, attempt: u32) -> Attempt {
+        let path_and_query = request.path_and_query;
+        let limit = request.limit;
+        let raw = request.body.cloned().unwrap_or_default();
+        let moved = match limit {
+            BodyLimit::Exact(n) => n,
+            _ => 0,
+        };
+        let mut req = self
+            .http
+            .request(request.method.clone(), request.url.clone())
+            .timeout(self.retry.timeout_for(moved.max(raw.len() as u64)));
+        if request.signed {
+            let headers = sign_request(
+                self.signer.as_ref(),
+                &self.orchestrator,
+                request.method.as_str(),
+                path_and_query,
+                &raw,
+                now_ms(),
+                Uuid::new_v4(),
+            );
+            for (name, value) in headers.headers {
+                req = req.header(name, value);
+            }
+        }
+        if request.body.is_some() {
+            req = req
+                .header(reqwest::header::CONTENT_TYPE, request.content_type)
+                .body(raw);
+        }
+        let mut resp = match req.send().await {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::debug!(error = %e, attempt, path = path_and_query, "network error, retrying");
+                return Attempt::network(e.to_string());
+            }
+        };
+        let status = resp.status();
+        let retry_after = retry_after(&resp);
+        let limit = if status.is_success() {
+            limit
+        } else {
+            BodyLimit::ErrorBody
+        };
+        // Whether to try again is the status's to say: an answer that is final stays final
+        // when its body is cut off.
+        let final_answer = status.is_success() || !is_retryable_status(status);
+        let bytes = match read_body(&mut resp, limit).await {
+            Ok(b) => b,
+            Err(BodyError::Network(e)) if final_answer && !status.is_success() => {
+                Bytes::from(format!("(the error body was cut off: {e})"))
+            }
+            Err(BodyError::Network(e)) => {
+                return Attempt::Again {
+                    error: ClientError::Network(e),
+                    retry_after,
+                };
+            }
+            // Only its start is shown, so an error body's size does not matter.
+            Err(BodyError::Refused(_)) if !status.is_success() => {
+                Bytes::from(format!("(an error body over {MAX_ERROR_BODY_BYTES} bytes)"))
+            }
+            // Not a transient failure: the same answer would come again.
+            Err(BodyError::Refused(declared)) => {
+                return Attempt::Final(Err(limit.refusal(path_and_query, declared)));
+            }
+        };
+        if status.is_success() {
+            return Attempt::Final(Ok(bytes));
+        }
+        let error = serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
+            ApiError::new(
+                ErrorCode::Internal,
+                String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
+            )
+        });
+        let error = ClientError::Api {
+            status: status.as_u16(),
+            error,
+        };
+        if final_answer {
+            return Attempt::Final(Err(error));
+        }
+        tracing::debug!(%status, attempt, path = path_and_query, "retrying");
+        Attempt::Again { error, retry_after }
     }
 
     /// The URL of `path_and_query` on the orchestrator. It must be in the form the URL parser
@@ -624,51 +699,52 @@ impl ApiClient {
         blob: &BlobDescriptor,
         limit: BodyLimit,
     ) -> Result<Bytes, ClientError> {
-        let mut last_error = ClientError::Network("no attempt made".into());
-        for attempt in 0..self.retry.attempts.max(1) {
-            if attempt > 0 {
-                // Apart: the thread's RNG must not be held across the wait.
-                let backoff = self.retry.backoff(attempt - 1, &mut rand::thread_rng());
-                tokio::time::sleep(backoff).await;
-            }
-            let get = self
-                .http
-                .get(url)
-                .timeout(self.retry.timeout_for(blob.size));
-            let mut resp = match get.send().await {
-                Ok(resp) => resp,
-                Err(e) => {
-                    last_error = ClientError::Network(e.to_string());
-                    continue;
-                }
+        self.with_retries(|_| self.try_presigned_get(url, blob, limit))
+            .await
+    }
+
+    /// One attempt of [`ApiClient::presigned_get`].
+    async fn try_presigned_get(
+        &self,
+        url: &str,
+        blob: &BlobDescriptor,
+        limit: BodyLimit,
+    ) -> Attempt {
+        let get = self
+            .http
+            .get(url)
+            .timeout(self.retry.timeout_for(blob.size));
+        let mut resp = match get.send().await {
+            Ok(resp) => resp,
+            Err(e) => return Attempt::network(e.to_string()),
+        };
+        let status = resp.status();
+        if status == StatusCode::NOT_FOUND {
+            return Attempt::Final(Err(ClientError::Api {
+                status: status.as_u16(),
+                error: ApiError::new(
+                    ErrorCode::NotFound,
+                    format!("the store has no object {}", blob.key),
+                ),
+            }));
+        }
+        if !status.is_success() {
+            let error = ClientError::Network(format!("store answered {status} for {}", blob.key));
+            return match is_retryable_status(status) {
+                true => Attempt::Again {
+                    error,
+                    retry_after: retry_after(&resp),
+                },
+                false => Attempt::Final(Err(error)),
             };
-            let status = resp.status();
-            if status == StatusCode::NOT_FOUND {
-                return Err(ClientError::Api {
-                    status: status.as_u16(),
-                    error: ApiError::new(
-                        ErrorCode::NotFound,
-                        format!("the store has no object {}", blob.key),
-                    ),
-                });
-            }
-            if !status.is_success() {
-                last_error =
-                    ClientError::Network(format!("store answered {status} for {}", blob.key));
-                if is_retryable_status(status) {
-                    continue;
-                }
-                return Err(last_error);
-            }
-            match read_body(&mut resp, limit).await {
-                Ok(b) => return Ok(b),
-                Err(BodyError::Network(e)) => last_error = ClientError::Network(e),
-                Err(BodyError::Refused(declared)) => {
-                    return Err(limit.refusal(&blob.key, declared));
-                }
+        }
+        match read_body(&mut resp, limit).await {
+            Ok(b) => Attempt::Final(Ok(b)),
+            Err(BodyError::Network(e)) => Attempt::network(e),
+            Err(BodyError::Refused(declared)) => {
+                Attempt::Final(Err(limit.refusal(&blob.key, declared)))
             }
         }
-        Err(last_error)
     }
 
     /// Reports an object that failed its checks after download.
