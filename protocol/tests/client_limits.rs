@@ -354,6 +354,41 @@ async fn a_presigned_download_is_retried() {
     assert_eq!(seen(&requests), 2);
 }
 
+/// A store that asks for a pause (429 or 503 with Retry-After, as S3-compatible stores may) is
+/// given it before the next attempt, as the orchestrator is; downloads once retried after only
+/// the policy's backoff (10 ms here).
+#[tokio::test]
+async fn a_stores_retry_after_is_waited_for() {
+    let content = vec![3u8; 64];
+    let requests = counter();
+    let (body, n) = (content.clone(), requests.clone());
+    let base = serve(move |_| {
+        if count(&n) == 0 {
+            Answer {
+                status: "503 Service Unavailable",
+                headers: vec!["Content-Length: 0".into(), "Retry-After: 1".into()],
+                body: Body::Bytes(Vec::new()),
+            }
+        } else {
+            Answer::ok(
+                vec![format!("Content-Length: {}", body.len())],
+                Body::Bytes(body.clone()),
+            )
+        }
+    })
+    .await;
+    let b = blob(&content, Some(format!("{base}/bucket/object")));
+    let started = std::time::Instant::now();
+    let got = retrying(&base, 3).download(&b).await.expect("download");
+    assert_eq!(&got[..], &content[..]);
+    assert_eq!(seen(&requests), 2);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "tried again after {:?}",
+        started.elapsed()
+    );
+}
+
 /// An answer that is final stays final when its body is cut off: a 403 whose error body breaks
 /// off is not sent again (it was, up to every attempt).
 #[tokio::test]
