@@ -11,6 +11,7 @@
 //! deadline hold that phase open for a bounded time (see `routing::next_step`).
 
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -1164,27 +1165,30 @@ async fn set_partition(
     Ok(())
 }
 
-/// The results of a partition that count, in the order they came: one per hotkey, its first
-/// (a hotkey that submitted both as an owner and through the validator route is one vote).
-const VOTES_SQL: &str = "SELECT blake3, blob FROM (
-       SELECT DISTINCT ON (coalesce(substring(submitter FROM '^validator:(.*)$'), submitter))
-         blake3, blob, submitted_at, submitter
-       FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-       ORDER BY coalesce(substring(submitter FROM '^validator:(.*)$'), submitter),
-         submitted_at, submitter) votes
-     ORDER BY submitted_at, submitter";
+/// The results that count, by partition, in the order they came: one per hotkey, its first (a
+/// hotkey that submitted both as an owner and through the validator route is one vote), of the
+/// partitions of run `$1` and epoch `$2` that `partitions` picks (a condition on `merge_results
+/// r` and `partitions p`). Rows: stage, partition, blake3, blob.
+fn votes_sql(partitions: &str) -> String {
+    let voter = "coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter)";
+    format!(
+        "SELECT stage, partition, blake3, blob FROM (
+           SELECT DISTINCT ON (r.stage, r.partition, {voter})
+             r.stage, r.partition, r.blake3, r.blob, r.submitted_at, r.submitter
+           FROM merge_results r JOIN partitions p USING (run_id, epoch, stage, partition)
+           WHERE r.run_id = $1 AND r.epoch = $2 AND {partitions}
+           ORDER BY r.stage, r.partition, {voter}, r.submitted_at, r.submitter) votes
+         ORDER BY stage, partition, submitted_at, submitter"
+    )
+}
 
-/// [`VOTES_SQL`] for every partition of an epoch still open or disputed, by partition.
-const OPEN_VOTES_SQL: &str = "SELECT stage, partition, blake3, blob FROM (
-       SELECT DISTINCT ON (r.stage, r.partition,
-           coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter))
-         r.stage, r.partition, r.blake3, r.blob, r.submitted_at, r.submitter
-       FROM merge_results r JOIN partitions p USING (run_id, epoch, stage, partition)
-       WHERE r.run_id = $1 AND r.epoch = $2 AND p.state IN ('open', 'disputed')
-       ORDER BY r.stage, r.partition,
-         coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter),
-         r.submitted_at, r.submitter) votes
-     ORDER BY stage, partition, submitted_at, submitter";
+/// [`votes_sql`] for one partition: stage `$3`, partition `$4`.
+static VOTES_SQL: LazyLock<String> =
+    LazyLock::new(|| votes_sql("r.stage = $3 AND r.partition = $4"));
+
+/// [`votes_sql`] for every partition still open or disputed.
+static OPEN_VOTES_SQL: LazyLock<String> =
+    LazyLock::new(|| votes_sql("p.state IN ('open', 'disputed')"));
 
 /// At the last merge deadline every partition still unsettled takes its most-submitted result
 /// (`single` or `plurality`), or keeps its weights when nobody merged it (`unmerged`). Two reads
@@ -1206,7 +1210,7 @@ async fn settle_at_last_deadline(
         return Ok(());
     }
     let mut votes: HashMap<(i32, i32), Vec<(String, serde_json::Value)>> = HashMap::new();
-    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(OPEN_VOTES_SQL)
+    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(OPEN_VOTES_SQL.as_str())
         .bind(app.run.id)
         .bind(epoch as i64)
         .fetch_all(&mut **tx)
@@ -1415,13 +1419,15 @@ async fn settle(
         stage: stage as i32,
         partition: partition as i32,
     };
-    let results: Vec<(String, serde_json::Value)> = sqlx::query_as(VOTES_SQL)
+    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(VOTES_SQL.as_str())
         .bind(app.run.id)
         .bind(epoch as i64)
         .bind(stage as i32)
         .bind(partition as i32)
         .fetch_all(&mut **tx)
         .await?;
+    let results: Vec<(String, serde_json::Value)> =
+        rows.into_iter().map(|(_, _, h, b)| (h, b)).collect();
     let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
     match verdict(&hashes) {
         Verdict::Pending => {}
