@@ -121,38 +121,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     assert!(answer.contains("bad_request"), "{answer}");
 
     // A forged signature: signed by another key but claiming to be the miner.
-    let forged = {
-        let ts = now_ms();
-        let uuid = Uuid::new_v4();
-        let mut headers = sign_request(
-            &pair(STRANGER),
-            &raw.receiver,
-            "POST",
-            "/v1/miner/heartbeat",
-            b"{}",
-            ts,
-            uuid,
-        )
-        .headers;
-        for h in &mut headers {
-            if h.0 == "epistula-signed-by" {
-                h.1 = pair(MINER).ss58();
-            }
-        }
-        let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
-        for (k, v) in headers {
-            req = req.header(k, v);
-        }
-        let resp = req
-            .header("content-type", "application/json")
-            .body("{}")
-            .send()
-            .await
-            .expect("send");
-        let status = resp.status().as_u16();
-        let err: ApiError = resp.json().await.expect("error body");
-        (status, Some(err))
-    };
+    let forged = forged_heartbeat(&raw).await;
     assert_eq!(
         (forged.0, code(&forged)),
         (401, Some(ErrorCode::Unauthenticated))
@@ -992,7 +961,6 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
     let db = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let orch = start(config(&chain, &db, store.path(), run_config("forgeries"))).await;
-    let receiver = pair(200).ss58();
     let from = |last: u8| Raw {
         http: reqwest::Client::builder()
             .local_address(std::net::IpAddr::from([127, 0, 0, last]))
@@ -1000,41 +968,10 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
             .expect("client"),
         ..Raw::to(&orch.base)
     };
-    let forged = |raw: Raw| {
-        let receiver = receiver.clone();
-        async move {
-            let mut headers = sign_request(
-                &pair(STRANGER),
-                &receiver,
-                "POST",
-                "/v1/miner/heartbeat",
-                b"{}",
-                now_ms(),
-                Uuid::new_v4(),
-            )
-            .headers;
-            for h in &mut headers {
-                if h.0 == "epistula-signed-by" {
-                    h.1 = pair(MINER).ss58();
-                }
-            }
-            let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
-            for (k, v) in headers {
-                req = req.header(k, v);
-            }
-            req.header("content-type", "application/json")
-                .body("{}")
-                .send()
-                .await
-                .expect("send")
-                .status()
-                .as_u16()
-        }
-    };
     let forger = from(5);
     let mut answers = Vec::new();
     for _ in 0..40 {
-        answers.push(forged(forger.clone()).await);
+        answers.push(forged_heartbeat(&forger).await.0);
     }
     assert_eq!(answers[0], 401, "a bad signature is refused as such");
     assert!(
@@ -1086,7 +1023,6 @@ async fn a_forger_on_a_miners_network_does_not_lock_the_miner_out() {
     let mut cfg = config(&chain, &db, store.path(), run_config("neighbours"));
     cfg.trusted_proxies = vec![std::net::IpAddr::from([127, 0, 0, 9])];
     let orch = start(cfg).await;
-    let receiver = pair(200).ss58();
     // Each client is named by the trusted proxy's X-Forwarded-For; all are in 2001:db8:0:7::/64.
     let via = |client: &str| {
         let mut headers = reqwest::header::HeaderMap::new();
@@ -1103,37 +1039,6 @@ async fn a_forger_on_a_miners_network_does_not_lock_the_miner_out() {
             ..Raw::to(&orch.base)
         }
     };
-    let forged = |raw: Raw| {
-        let receiver = receiver.clone();
-        async move {
-            let mut headers = sign_request(
-                &pair(STRANGER),
-                &receiver,
-                "POST",
-                "/v1/miner/heartbeat",
-                b"{}",
-                now_ms(),
-                Uuid::new_v4(),
-            )
-            .headers;
-            for h in &mut headers {
-                if h.0 == "epistula-signed-by" {
-                    h.1 = pair(MINER).ss58();
-                }
-            }
-            let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
-            for (k, v) in headers {
-                req = req.header(k, v);
-            }
-            req.header("content-type", "application/json")
-                .body("{}")
-                .send()
-                .await
-                .expect("send")
-                .status()
-                .as_u16()
-        }
-    };
     let heartbeat = |raw: Raw| async move {
         raw.signed(
             &pair(MINER),
@@ -1148,7 +1053,7 @@ async fn a_forger_on_a_miners_network_does_not_lock_the_miner_out() {
     assert!(![401, 429].contains(&first.0), "{first:?}");
     let mut answers = Vec::new();
     for _ in 0..40 {
-        answers.push(forged(via("2001:db8:0:7::66")).await);
+        answers.push(forged_heartbeat(&via("2001:db8:0:7::66")).await.0);
     }
     assert_eq!(answers[0], 401, "a bad signature is refused as such");
     assert!(
@@ -1167,13 +1072,45 @@ async fn a_forger_on_a_miners_network_does_not_lock_the_miner_out() {
         (429, Some(ErrorCode::RateLimited))
     );
     // A bad signature from the miner's own address ends its exemption.
-    assert_eq!(forged(via(miner)).await, 401);
+    assert_eq!(forged_heartbeat(&via(miner)).await.0, 401);
     let shared = heartbeat(via(miner)).await;
     assert_eq!(
         (shared.0, code(&shared)),
         (429, Some(ErrorCode::RateLimited))
     );
     orch.stop().await;
+}
+
+/// A heartbeat in `MINER`'s name signed by `STRANGER`, sent through `raw`: its status and
+/// error.
+async fn forged_heartbeat(raw: &Raw) -> (u16, Option<ApiError>) {
+    let mut headers = sign_request(
+        &pair(STRANGER),
+        &raw.receiver,
+        "POST",
+        "/v1/miner/heartbeat",
+        b"{}",
+        now_ms(),
+        Uuid::new_v4(),
+    )
+    .headers;
+    for h in &mut headers {
+        if h.0 == "epistula-signed-by" {
+            h.1 = pair(MINER).ss58();
+        }
+    }
+    let mut req = raw.http.post(format!("{}/v1/miner/heartbeat", raw.base));
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    let resp = req
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.ok())
 }
 
 /// Signs a `method` to `path` over `len` bytes as `seed` and sends its head announcing them, but

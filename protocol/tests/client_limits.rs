@@ -145,6 +145,33 @@ fn count(c: &std::sync::atomic::AtomicUsize) -> usize {
     c.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
 }
 
+/// A store that answers its first request 503 with `headers`, and every later one `content`;
+/// `requests` counts them.
+async fn unavailable_once(
+    content: &[u8],
+    headers: &[&str],
+    requests: Arc<std::sync::atomic::AtomicUsize>,
+) -> String {
+    let body = content.to_vec();
+    let mut refusal = vec!["Content-Length: 0".to_owned()];
+    refusal.extend(headers.iter().map(|h| h.to_string()));
+    serve(move |_| {
+        if count(&requests) == 0 {
+            Answer {
+                status: "503 Service Unavailable",
+                headers: refusal.clone(),
+                body: Body::Bytes(Vec::new()),
+            }
+        } else {
+            Answer::ok(
+                vec![format!("Content-Length: {}", body.len())],
+                Body::Bytes(body.clone()),
+            )
+        }
+    })
+    .await
+}
+
 /// A descriptor of `content`, served at `url` (presigned) or by the orchestrator (`None`).
 fn blob(content: &[u8], url: Option<String>) -> BlobDescriptor {
     BlobDescriptor {
@@ -332,22 +359,7 @@ async fn a_run_outside_the_bounds_is_refused_on_connect() {
 async fn a_presigned_download_is_retried() {
     let content = vec![9u8; 64];
     let requests = counter();
-    let (body, n) = (content.clone(), requests.clone());
-    let base = serve(move |_| {
-        if count(&n) == 0 {
-            Answer {
-                status: "503 Service Unavailable",
-                headers: vec!["Content-Length: 0".into()],
-                body: Body::Bytes(Vec::new()),
-            }
-        } else {
-            Answer::ok(
-                vec![format!("Content-Length: {}", body.len())],
-                Body::Bytes(body.clone()),
-            )
-        }
-    })
-    .await;
+    let base = unavailable_once(&content, &[], requests.clone()).await;
     let b = blob(&content, Some(format!("{base}/bucket/object")));
     let got = retrying(&base, 3).download(&b).await.expect("download");
     assert_eq!(&got[..], &content[..]);
@@ -361,22 +373,7 @@ async fn a_presigned_download_is_retried() {
 async fn a_stores_retry_after_is_waited_for() {
     let content = vec![3u8; 64];
     let requests = counter();
-    let (body, n) = (content.clone(), requests.clone());
-    let base = serve(move |_| {
-        if count(&n) == 0 {
-            Answer {
-                status: "503 Service Unavailable",
-                headers: vec!["Content-Length: 0".into(), "Retry-After: 1".into()],
-                body: Body::Bytes(Vec::new()),
-            }
-        } else {
-            Answer::ok(
-                vec![format!("Content-Length: {}", body.len())],
-                Body::Bytes(body.clone()),
-            )
-        }
-    })
-    .await;
+    let base = unavailable_once(&content, &["Retry-After: 1"], requests.clone()).await;
     let b = blob(&content, Some(format!("{base}/bucket/object")));
     let started = std::time::Instant::now();
     let got = retrying(&base, 3).download(&b).await.expect("download");
