@@ -1321,16 +1321,11 @@ pub async fn complete(
                 format!("task {task_id} was completed with a different output"),
             ));
         }
-        let sample_done =
-            sqlx::query_scalar::<_, String>("SELECT status FROM samples WHERE id = $1")
-                .bind(task.sample_id)
-                .fetch_one(&mut *tx)
-                .await?
-                == "done";
+        // The first answer's, not the sample's state now: a later hop may have finished it.
         return Ok(Json(CompleteResponse {
             task_id,
             next_task_id: task.next_task_id,
-            sample_done,
+            sample_done: finishes_sample(task.stage, task.direction, cfg.stages),
         }));
     }
     if task.status != "leased" {
@@ -1487,6 +1482,11 @@ pub async fn complete(
             sample_done = true;
         }
     }
+    debug_assert_eq!(
+        sample_done,
+        finishes_sample(task.stage, task.direction, cfg.stages),
+        "a retried completion answers from finishes_sample"
+    );
     tx.commit().await?;
     metrics::counter!("iota_hops_completed_total", "direction" => task.direction.as_str())
         .increment(1);
@@ -1495,6 +1495,12 @@ pub async fn complete(
         next_task_id,
         sample_done,
     }))
+}
+
+/// Whether completing a hop of `stage` in `direction` finishes its sample: the backward pass
+/// reaching stage 0, or the forward of a model in one stage (which has no backward hop).
+fn finishes_sample(stage: u32, direction: Direction, stages: u32) -> bool {
+    stage == 0 && (direction == Direction::Backward || stage + 1 == stages)
 }
 
 async fn finish_sample(

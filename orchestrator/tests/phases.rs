@@ -2627,6 +2627,33 @@ async fn a_completion_retried_later_names_the_hop_it_routed() {
         .await
         .expect("the completion retried");
     assert_eq!(retried, answer);
+    // Once later hops have finished the sample, a retry still answers that this completion did
+    // not finish it (it answered from the sample's state at the time).
+    for _ in 0..60 {
+        let status: String = sqlx::query_scalar("SELECT status FROM samples WHERE id = $1")
+            .bind(item.sample_id)
+            .fetch_one(&s.db)
+            .await
+            .expect("sample");
+        if status == "done" {
+            break;
+        }
+        for m in miners.iter_mut() {
+            m.step().await.expect("step");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let status: String = sqlx::query_scalar("SELECT status FROM samples WHERE id = $1")
+        .bind(item.sample_id)
+        .fetch_one(&s.db)
+        .await
+        .expect("sample");
+    assert_eq!(status, "done", "the later hops finished the sample");
+    let after_done = client
+        .complete(item.task_id, &complete)
+        .await
+        .expect("the completion retried after its sample was done");
+    assert_eq!(after_done, answer);
 }
 
 /// A hop whose sample is no longer in flight is not completed. A completion that raced with the
