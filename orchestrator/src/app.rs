@@ -45,10 +45,13 @@ pub struct Limits {
     pub json_body_bytes: usize,
     /// Uploads buffered at once (each up to the largest tensor slot).
     pub concurrent_uploads: usize,
-    /// Of those, most from one IP address (0: no limit). Upload slots are taken before the
-    /// signature over the body can be checked, so without it one host sending bodies slowly
-    /// could hold every slot until the body deadline.
+    /// Of those, most from one IP address (0: no limit). A slot is taken once the signature
+    /// over the body's declared hash holds, before the body arrives: without this, one host
+    /// sending bodies slowly could hold every slot until the body deadline.
     pub concurrent_uploads_per_ip: usize,
+    /// Of those, most for one hotkey (0: no limit), from however many addresses: one
+    /// registered hotkey sending slow bodies from a few hosts would otherwise hold every slot.
+    pub concurrent_uploads_per_hotkey: usize,
     /// How long any signed request's body may take to start arriving; after it, the body must
     /// keep the pace of [`MIN_BODY_BYTES_PER_S`] (see [`read_body`]): a client that stops
     /// sending (or vanishes without closing its connection) would otherwise hold its buffer,
@@ -107,6 +110,7 @@ impl Default for Limits {
             json_body_bytes: 1 << 20,
             concurrent_uploads: 64,
             concurrent_uploads_per_ip: 16,
+            concurrent_uploads_per_hotkey: 4,
             body_timeout: Duration::from_secs(30),
             upload_slot_wait: Duration::from_secs(10),
         }
@@ -162,7 +166,9 @@ pub struct AppState {
     per_hotkey: KeyedLimiter<[u8; 32]>,
     per_ip: KeyedLimiter<IpAddr>,
     /// Upload slots held per peer address.
-    uploads_by_ip: Mutex<HashMap<IpAddr, usize>>,
+    uploads_by_ip: HeldSlots<IpAddr>,
+    /// Upload slots held per hotkey.
+    uploads_by_hotkey: HeldSlots<[u8; 32]>,
     /// Reverse proxies whose `X-Forwarded-For` names the client (empty: none).
     pub trusted_proxies: Vec<IpAddr>,
     /// Bad signatures per address and claimed signer: past the quota, that address is refused
@@ -229,7 +235,8 @@ impl AppState {
             max_merge_rounds,
             per_hotkey: RateLimiter::keyed(quota(limits.per_hotkey_rps, limits.per_hotkey_burst)),
             per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
-            uploads_by_ip: Mutex::default(),
+            uploads_by_ip: HeldSlots::default(),
+            uploads_by_hotkey: HeldSlots::default(),
             trusted_proxies: Vec::new(),
             forgeries: RateLimiter::keyed(quota(FORGERIES_PER_S, FORGERIES_BURST)),
             forgers: Mutex::default(),
@@ -571,7 +578,7 @@ async fn check_signed(
             .finish(app, routes)
             .await?;
         let slots = match routes.uploads {
-            true => Some(upload_slots(app, &parts).await?),
+            true => Some(upload_slots(app, &parts, &caller).await?),
             false => None,
         };
         let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
@@ -997,23 +1004,44 @@ pub async fn public_gate(
     next.run(req).await
 }
 
-/// An upload slot held by a peer address, given back on drop.
-struct IpUploadSlot {
-    app: App,
-    ip: IpAddr,
+/// How many upload slots each key (a peer address, a hotkey) holds.
+struct HeldSlots<K>(Arc<Mutex<HashMap<K, usize>>>);
+
+impl<K> Default for HeldSlots<K> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
 }
 
-impl Drop for IpUploadSlot {
+impl<K: std::hash::Hash + Eq + Copy> HeldSlots<K> {
+    /// One more slot for `key`, unless it holds `max` already.
+    fn take(&self, key: K, max: usize) -> Option<HeldSlot<K>> {
+        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = held.entry(key).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(HeldSlot {
+            counts: self.0.clone(),
+            key,
+        })
+    }
+}
+
+/// An upload slot held by a key, given back on drop.
+struct HeldSlot<K: std::hash::Hash + Eq> {
+    counts: Arc<Mutex<HashMap<K, usize>>>,
+    key: K,
+}
+
+impl<K: std::hash::Hash + Eq> Drop for HeldSlot<K> {
     fn drop(&mut self) {
-        let mut held = self
-            .app
-            .uploads_by_ip
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = held.get_mut(&self.ip) {
+        let mut held = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.key) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                held.remove(&self.ip);
+                held.remove(&self.key);
             }
         }
     }
@@ -1041,18 +1069,25 @@ pub async fn object_slot(app: &AppState) -> Result<tokio::sync::OwnedSemaphorePe
 }
 
 /// The upload slots a request holds while its body is read and handled: one of its address's
-/// ([`Limits::concurrent_uploads_per_ip`]; beyond, 429 at once, so one host cannot queue for
-/// every slot) and one of all ([`Limits::concurrent_uploads`], waited for at most
-/// [`Limits::upload_slot_wait`]).
+/// ([`Limits::concurrent_uploads_per_ip`]) and one of its hotkey's
+/// ([`Limits::concurrent_uploads_per_hotkey`]), beyond either 429 at once, so that neither one
+/// host nor one hotkey can queue for every slot; then one of all ([`Limits::concurrent_uploads`],
+/// waited for at most [`Limits::upload_slot_wait`]).
 pub struct UploadSlots {
-    _by_ip: Option<IpUploadSlot>,
+    _by_ip: Option<HeldSlot<IpAddr>>,
+    _by_hotkey: Option<HeldSlot<[u8; 32]>>,
     _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 async fn upload_slots(
     app: &App,
     parts: &axum::http::request::Parts,
+    caller: &Caller,
 ) -> Result<UploadSlots, AppError> {
+    let busy = |scope: &'static str, what: String| {
+        metrics::counter!("iota_rate_limited_total", "scope" => scope).increment(1);
+        AppError::new(ErrorCode::RateLimited, what)
+    };
     let max = app.limits.concurrent_uploads_per_ip;
     let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>();
     let by_ip = match peer {
@@ -1062,28 +1097,34 @@ async fn upload_slots(
                 peer.ip(),
                 &parts.headers,
             ));
-            let mut held = app.uploads_by_ip.lock().unwrap_or_else(|e| e.into_inner());
-            let n = held.entry(ip).or_insert(0);
-            if *n >= max {
-                drop(held);
-                metrics::counter!("iota_rate_limited_total", "scope" => "uploads_per_ip")
-                    .increment(1);
-                return Err(AppError::new(
-                    ErrorCode::RateLimited,
+            let slot = app.uploads_by_ip.take(ip, max).ok_or_else(|| {
+                busy(
+                    "uploads_per_ip",
                     format!("{max} uploads from this address are in progress"),
-                ));
-            }
-            *n += 1;
-            Some(IpUploadSlot {
-                app: app.clone(),
-                ip,
-            })
+                )
+            })?;
+            Some(slot)
         }
         _ => None,
+    };
+    let max = app.limits.concurrent_uploads_per_hotkey;
+    let by_hotkey = match max {
+        0 => None,
+        _ => Some(
+            app.uploads_by_hotkey
+                .take(caller.key.to_bytes(), max)
+                .ok_or_else(|| {
+                    busy(
+                        "uploads_per_hotkey",
+                        format!("{max} uploads of this hotkey are in progress"),
+                    )
+                })?,
+        ),
     };
     let slot = object_slot(app).await?;
     Ok(UploadSlots {
         _by_ip: by_ip,
+        _by_hotkey: by_hotkey,
         _slot: slot,
     })
 }

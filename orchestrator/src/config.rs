@@ -233,6 +233,14 @@ pub struct OrchestratorArgs {
         default_value_t = 16
     )]
     pub max_uploads_per_ip: usize,
+    /// Of those, most for one hotkey, from however many addresses (0: no limit). A miner
+    /// uploads one object at a time.
+    #[arg(
+        long = "max-uploads-per-hotkey",
+        env = "IOTA_MAX_UPLOADS_PER_HOTKEY",
+        default_value_t = 4
+    )]
+    pub max_uploads_per_hotkey: usize,
     /// Addresses of the reverse proxies (load balancers) in front of this orchestrator,
     /// comma-separated. A request from one is counted, for the per-IP limits, by the client
     /// address its `X-Forwarded-For` names (the last one that is not itself a proxy); from any
@@ -363,6 +371,7 @@ impl OrchestratorArgs {
                 per_ip_burst: self.rate_per_ip.saturating_mul(4),
                 concurrent_uploads: self.max_concurrent_uploads,
                 concurrent_uploads_per_ip: self.max_uploads_per_ip,
+                concurrent_uploads_per_hotkey: self.max_uploads_per_hotkey,
                 body_timeout: Duration::from_secs(self.body_timeout_s.max(1)),
                 ..Limits::default()
             },

@@ -735,8 +735,8 @@ async fn signed_requests_are_rate_limited_per_hotkey() {
     orch.stop().await;
 }
 
-/// Upload slots are taken before a body's signature can be checked: one address may hold only
-/// a few of them, so a host that sends bodies slowly cannot keep every miner from uploading.
+/// Upload slots are taken before a body arrives: one address may hold only a few of them, so a
+/// host that sends bodies slowly cannot keep every miner from uploading.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     init_tracing();
@@ -754,48 +754,10 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     assert_eq!(upload(&raw).await.0, 400);
 
     // Two uploads of that miner whose bodies never come hold this address's two slots.
-    let mut held = [
-        stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await,
-        stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await,
-    ];
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let refused = loop {
-        // A stalled head written just before a probe may reach the server after it, and then be
-        // the one refused: such a connection is replaced, so that the probe below only counts
-        // once both stalled uploads hold their slots.
-        for stream in &mut held {
-            use tokio::io::AsyncReadExt;
-            let mut buf = [0u8; 64];
-            if let Ok(answered) =
-                tokio::time::timeout(Duration::from_millis(1), stream.read(&mut buf)).await
-            {
-                tracing::info!(?answered, "a stalled upload was answered; replacing it");
-                *stream =
-                    stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await;
-            }
-        }
-        let answer = upload(&raw).await;
-        if answer.0 == 429 {
-            break answer;
-        }
-        if tokio::time::Instant::now() > deadline {
-            // What the stalled requests were answered, if anything (they should still wait).
-            let mut stalled = Vec::new();
-            for stream in &mut held {
-                use tokio::io::AsyncReadExt;
-                let mut buf = vec![0u8; 512];
-                let read =
-                    tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await;
-                stalled.push(match read {
-                    Ok(Ok(n)) => String::from_utf8_lossy(&buf[..n]).into_owned(),
-                    Ok(Err(e)) => format!("read error: {e}"),
-                    Err(_) => "still waiting".into(),
-                });
-            }
-            panic!("no 429 while two uploads stall; last answer {answer:?}; stalled: {stalled:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let stall =
+        async || stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await;
+    let mut held = [stall().await, stall().await];
+    let refused = refused_while_held(&mut held, stall, || upload(&raw)).await;
     assert_eq!(
         refused.1.as_ref().map(|e| e.code),
         Some(ErrorCode::RateLimited),
@@ -815,6 +777,65 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     eventually("the slots given back", Duration::from_secs(10), || {
         let raw = &raw;
         async move { (upload(raw).await.0 == 400).then_some(()) }
+    })
+    .await;
+    orch.stop().await;
+}
+
+/// One hotkey may hold only a few upload slots, from however many addresses: a registered
+/// hotkey sending bodies slowly from a few hosts cannot keep every other miner from uploading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("hotkey-upload-slots"));
+    // No per-address limit: only the hotkey's can refuse.
+    cfg.limits.concurrent_uploads_per_ip = 0;
+    cfg.limits.concurrent_uploads_per_hotkey = 2;
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let path = "/v1/miner/epochs/0/pseudo-gradients/0";
+    // Past the slots, an upload is judged on its merits (here: not a tensor, 400).
+    let upload = || not_a_tensor(raw.clone(), path);
+    assert_eq!(upload().await.0, 400);
+
+    // Two uploads of that miner's hotkey whose bodies never come, each from its own address.
+    let from = std::sync::atomic::AtomicU8::new(2);
+    let stall = async || {
+        let host = from.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let address = std::net::IpAddr::from([127, 0, 0, host]);
+        stalled_body_from(
+            address,
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "PUT",
+            path,
+            1000,
+        )
+        .await
+    };
+    let mut held = [stall().await, stall().await];
+    let refused = refused_while_held(&mut held, stall, upload).await;
+    assert_eq!(code(&refused), Some(ErrorCode::RateLimited), "{refused:?}");
+    assert!(
+        refused
+            .1
+            .as_ref()
+            .is_some_and(|e| e.message.contains("hotkey")),
+        "{refused:?}"
+    );
+    // Another hotkey, from the same address as the refused upload, is not affected.
+    let other = raw
+        .signed(&pair(MINER), reqwest::Method::PUT, path, b"x".to_vec())
+        .await;
+    assert_eq!(other.0, 400, "{other:?}");
+    // Closing the stalled connections gives the slots back.
+    drop(held);
+    eventually("the slots given back", Duration::from_secs(10), || async {
+        (upload().await.0 == 400).then_some(())
     })
     .await;
     orch.stop().await;
@@ -1123,6 +1144,28 @@ async fn stalled_body(
     path: &str,
     len: usize,
 ) -> tokio::net::TcpStream {
+    stalled_body_from(
+        [127, 0, 0, 1].into(),
+        base,
+        receiver,
+        seed,
+        method,
+        path,
+        len,
+    )
+    .await
+}
+
+/// [`stalled_body`], sent from the local address `from`.
+async fn stalled_body_from(
+    from: std::net::IpAddr,
+    base: &str,
+    receiver: &str,
+    seed: u8,
+    method: &str,
+    path: &str,
+    len: usize,
+) -> tokio::net::TcpStream {
     let headers = sign_request(
         &pair(seed),
         receiver,
@@ -1133,7 +1176,7 @@ async fn stalled_body(
         Uuid::new_v4(),
     )
     .headers;
-    raw_request(base, method, path, len, &headers, b"").await
+    raw_request_from(from, base, method, path, len, &headers, b"").await
 }
 
 /// Signs a POST to `path` over `len` bytes as `seed`, sends its head announcing them, sends no
@@ -1209,9 +1252,34 @@ async fn raw_request(
     headers: &[(&str, String)],
     body: &[u8],
 ) -> tokio::net::TcpStream {
+    raw_request_from(
+        [127, 0, 0, 1].into(),
+        base,
+        method,
+        path,
+        len,
+        headers,
+        body,
+    )
+    .await
+}
+
+/// [`raw_request`], sent from the local address `from`.
+async fn raw_request_from(
+    from: std::net::IpAddr,
+    base: &str,
+    method: &str,
+    path: &str,
+    len: usize,
+    headers: &[(&str, String)],
+    body: &[u8],
+) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt;
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let server: std::net::SocketAddr = addr.parse().expect("the server's address");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind((from, 0).into()).expect("bind");
+    let mut stream = socket.connect(server).await.expect("connect");
     let content_type = if method == "PUT" {
         "application/octet-stream"
     } else {
@@ -1227,6 +1295,50 @@ async fn raw_request(
     stream.write_all(head.as_bytes()).await.expect("write head");
     stream.write_all(body).await.expect("write body");
     stream
+}
+
+/// Probes with `probe` until it is refused 429 while the stalled uploads `held` wait for their
+/// bodies. A stalled head written just before a probe may reach the server after it, and then be
+/// the one refused: such a connection is replaced by `stall()`, so that a refusal only counts
+/// once every stalled upload holds its slot.
+async fn refused_while_held<P: Future<Output = (u16, Option<ApiError>)>>(
+    held: &mut [tokio::net::TcpStream],
+    stall: impl AsyncFn() -> tokio::net::TcpStream,
+    probe: impl Fn() -> P,
+) -> (u16, Option<ApiError>) {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        for stream in held.iter_mut() {
+            let mut buf = [0u8; 64];
+            if let Ok(answered) =
+                tokio::time::timeout(Duration::from_millis(1), stream.read(&mut buf)).await
+            {
+                tracing::info!(?answered, "a stalled upload was answered; replacing it");
+                *stream = stall().await;
+            }
+        }
+        let answer = probe().await;
+        if answer.0 == 429 {
+            return answer;
+        }
+        if tokio::time::Instant::now() > deadline {
+            // What the stalled requests were answered, if anything (they should still wait).
+            let mut stalled = Vec::new();
+            for stream in held.iter_mut() {
+                let mut buf = vec![0u8; 512];
+                let read =
+                    tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await;
+                stalled.push(match read {
+                    Ok(Ok(n)) => String::from_utf8_lossy(&buf[..n]).into_owned(),
+                    Ok(Err(e)) => format!("read error: {e}"),
+                    Err(_) => "still waiting".into(),
+                });
+            }
+            panic!("no 429 while uploads stall; last answer {answer:?}; stalled: {stalled:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The start of the answer on `stream`, if one comes within `wait`.
