@@ -497,9 +497,9 @@ pub struct SignedRoutes {
     pub body_limit: usize,
     /// When the uuid reaches the shared replay cache.
     pub shared_replay: SharedReplay,
-    /// Whether the route takes uploads: it holds one of the upload slots (and one of its
-    /// address's) while the body is read and handled, and its signature is always checked
-    /// before the body is read.
+    /// Whether the route takes uploads: its signature is always checked before the body is
+    /// read. Such a body, and any body over [`MAX_UNCHECKED_BODY`], holds upload slots (see
+    /// [`UploadSlots`]) while it is read and handled.
     pub uploads: bool,
 }
 
@@ -577,10 +577,10 @@ async fn check_signed(
             .with_body_hash(&parts, &body_hash)
             .finish(app, routes)
             .await?;
-        let slots = match routes.uploads {
-            true => Some(upload_slots(app, &parts, &caller).await?),
-            false => None,
-        };
+        // Any body read after its signature holds takes the slots, an upload's or a large JSON
+        // one's: otherwise one registered hotkey could have as many large bodies arriving at
+        // once as its rate limit lets it start while earlier ones still come.
+        let slots = Some(upload_slots(app, &parts, &caller).await?);
         let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
         if body_sha256_hex(&bytes) != body_hash.as_bytes() {
             return Err(AppError::new(
@@ -1068,7 +1068,8 @@ pub async fn object_slot(app: &AppState) -> Result<tokio::sync::OwnedSemaphorePe
     }
 }
 
-/// The upload slots a request holds while its body is read and handled: one of its address's
+/// The upload slots a request whose body is read after its signature holds (an upload, or any
+/// body over [`MAX_UNCHECKED_BODY`]) holds while that body is read and handled: one of its address's
 /// ([`Limits::concurrent_uploads_per_ip`]) and one of its hotkey's
 /// ([`Limits::concurrent_uploads_per_hotkey`]), beyond either 429 at once, so that neither one
 /// host nor one hotkey can queue for every slot; then one of all ([`Limits::concurrent_uploads`],

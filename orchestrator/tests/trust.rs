@@ -841,6 +841,48 @@ async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
     orch.stop().await;
 }
 
+/// A signed JSON body over 64 KiB is read only once its signature holds, and it holds upload
+/// slots while it arrives, as an upload does: one hotkey cannot have more large bodies arriving
+/// at once than its share of the slots, however many requests its rate limit lets it start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_json_bodies_hold_upload_slots() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("json-upload-slots"));
+    cfg.limits.concurrent_uploads_per_ip = 0;
+    cfg.limits.concurrent_uploads_per_hotkey = 1;
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let path = "/v1/miner/epochs/0/pseudo-gradients/0";
+    let upload = || not_a_tensor(raw.clone(), path);
+    assert_eq!(upload().await.0, 400);
+
+    // A heartbeat announcing 100 KiB, whose body never comes, holds the hotkey's one slot.
+    let stall = async || {
+        let heartbeat = "/v1/miner/heartbeat";
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "POST",
+            heartbeat,
+            100 << 10,
+        )
+        .await
+    };
+    let mut held = [stall().await];
+    let refused = refused_while_held(&mut held, stall, upload).await;
+    assert_eq!(code(&refused), Some(ErrorCode::RateLimited), "{refused:?}");
+    drop(held);
+    eventually("the slot given back", Duration::from_secs(10), || async {
+        (upload().await.0 == 400).then_some(())
+    })
+    .await;
+    orch.stop().await;
+}
+
 /// An upload whose body stops coming is cut off once it falls behind the slowest pace taken,
 /// not only when the time its declared length would allow is up, and an upload that finds every
 /// slot busy is told to come back instead of waiting without an answer. Two stalled bodies
