@@ -782,8 +782,10 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     orch.stop().await;
 }
 
-/// One hotkey may hold only a few upload slots, from however many addresses: a registered
-/// hotkey sending bodies slowly from a few hosts cannot keep every other miner from uploading.
+/// One hotkey may hold only a few upload slots, from however many addresses, and a signed JSON
+/// body over 64 KiB holds them as an upload does (it too is read only once its signature
+/// holds): a registered hotkey sending bodies slowly from a few hosts cannot keep every other
+/// miner from uploading, however many requests its rate limit lets it start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
     init_tracing();
@@ -801,85 +803,53 @@ async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
     let upload = || not_a_tensor(raw.clone(), path);
     assert_eq!(upload().await.0, 400);
 
-    // Two uploads of that miner's hotkey whose bodies never come, each from its own address.
     let from = std::sync::atomic::AtomicU8::new(2);
-    let stall = async || {
-        let host = from.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let address = std::net::IpAddr::from([127, 0, 0, host]);
-        stalled_body_from(
-            address,
-            &orch.base,
-            &raw.receiver,
-            OTHER_MINER,
-            "PUT",
-            path,
-            1000,
-        )
-        .await
-    };
-    let mut held = [stall().await, stall().await];
-    let refused = refused_while_held(&mut held, stall, upload).await;
-    assert_eq!(code(&refused), Some(ErrorCode::RateLimited), "{refused:?}");
-    assert!(
-        refused
-            .1
-            .as_ref()
-            .is_some_and(|e| e.message.contains("hotkey")),
-        "{refused:?}"
-    );
-    // Another hotkey, from the same address as the refused upload, is not affected.
-    let other = raw
-        .signed(&pair(MINER), reqwest::Method::PUT, path, b"x".to_vec())
+    // Uploads, then heartbeats announcing 100 KiB.
+    for (method, route, len) in [
+        ("PUT", path, 1000),
+        ("POST", "/v1/miner/heartbeat", 100 << 10),
+    ] {
+        // Two requests in that miner's name whose bodies never come, each from its own address.
+        let stall = async || {
+            let host = from.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let address = std::net::IpAddr::from([127, 0, 0, host]);
+            stalled_body_from(
+                address,
+                &orch.base,
+                &raw.receiver,
+                OTHER_MINER,
+                method,
+                route,
+                len,
+            )
+            .await
+        };
+        let mut held = [stall().await, stall().await];
+        let refused = refused_while_held(&mut held, stall, upload).await;
+        assert_eq!(
+            code(&refused),
+            Some(ErrorCode::RateLimited),
+            "{route}: {refused:?}"
+        );
+        assert!(
+            refused
+                .1
+                .as_ref()
+                .is_some_and(|e| e.message.contains("hotkey")),
+            "{route}: {refused:?}"
+        );
+        // Another hotkey, from the address of the refused upload, is not affected.
+        let other = raw
+            .signed(&pair(MINER), reqwest::Method::PUT, path, b"x".to_vec())
+            .await;
+        assert_eq!(other.0, 400, "{route}: {other:?}");
+        // Closing the stalled connections gives the slots back.
+        drop(held);
+        eventually("the slots given back", Duration::from_secs(10), || async {
+            (upload().await.0 == 400).then_some(())
+        })
         .await;
-    assert_eq!(other.0, 400, "{other:?}");
-    // Closing the stalled connections gives the slots back.
-    drop(held);
-    eventually("the slots given back", Duration::from_secs(10), || async {
-        (upload().await.0 == 400).then_some(())
-    })
-    .await;
-    orch.stop().await;
-}
-
-/// A signed JSON body over 64 KiB is read only once its signature holds, and it holds upload
-/// slots while it arrives, as an upload does: one hotkey cannot have more large bodies arriving
-/// at once than its share of the slots, however many requests its rate limit lets it start.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_json_bodies_hold_upload_slots() {
-    init_tracing();
-    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
-    let db = fresh_db().await;
-    let store = tempfile::tempdir().expect("tempdir");
-    let mut cfg = config(&chain, &db, store.path(), run_config("json-upload-slots"));
-    cfg.limits.concurrent_uploads_per_ip = 0;
-    cfg.limits.concurrent_uploads_per_hotkey = 1;
-    let orch = start(cfg).await;
-    let raw = Raw::to(&orch.base);
-    let path = "/v1/miner/epochs/0/pseudo-gradients/0";
-    let upload = || not_a_tensor(raw.clone(), path);
-    assert_eq!(upload().await.0, 400);
-
-    // A heartbeat announcing 100 KiB, whose body never comes, holds the hotkey's one slot.
-    let stall = async || {
-        let heartbeat = "/v1/miner/heartbeat";
-        stalled_body(
-            &orch.base,
-            &raw.receiver,
-            OTHER_MINER,
-            "POST",
-            heartbeat,
-            100 << 10,
-        )
-        .await
-    };
-    let mut held = [stall().await];
-    let refused = refused_while_held(&mut held, stall, upload).await;
-    assert_eq!(code(&refused), Some(ErrorCode::RateLimited), "{refused:?}");
-    drop(held);
-    eventually("the slot given back", Duration::from_secs(10), || async {
-        (upload().await.0 == 400).then_some(())
-    })
-    .await;
+    }
     orch.stop().await;
 }
 
