@@ -222,7 +222,15 @@ async fn upload_download_scenario(store: StoreConfig) {
             blake3_hex(&oversized),
         )
         .await;
-        assert_eq!(err_code(r), Some(ErrorCode::InvalidTensor));
+        // Refused by the size bound before the object is read whole, not only by the tensor
+        // checks that any garbage fails after it was.
+        let e = r.expect_err("an oversized presigned upload was committed");
+        assert_eq!(e.code(), Some(ErrorCode::InvalidTensor), "{e}");
+        let bound = format!("{} is {} bytes, more than", target.key, oversized.len());
+        assert!(
+            e.to_string().contains(&bound),
+            "not refused by the store's size bound: {e}"
+        );
         assert_eq!(
             all().await,
             before,
