@@ -1554,32 +1554,62 @@ impl PermitHolderOwner {
 /// A hotkey with a validator permit that also joined as a miner does not judge a partition it
 /// has a stake in: its merge through the validator route is refused (it was a second vote for
 /// its own result as an owner, which agreement then accepted with no other merge), and so is
-/// its settlement of the partition's dispute.
+/// its settlement of the partition's dispute. Each stake counts alone: being an active miner,
+/// owning the partition, and having submitted a result for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_validator_does_not_judge_a_partition_it_has_a_stake_in() {
     init_tracing();
-    let t = PermitHolderOwner::new(&[211u8, 212, 213, 214, 215, FIRST_VALIDATOR + 3]).await;
+    let seeds = [211u8, 212, 213, 214, 215, FIRST_VALIDATOR + 3];
+    let t = PermitHolderOwner::new(&seeds).await;
     let (stage, partition, merged) = (t.stage, t.partition, &t.merged);
     let client = t.miners[t.both].client().clone();
+    let hotkey = pair(seeds[t.both]).ss58_of();
+    let set_status = |status: &'static str| {
+        let (db, hotkey) = (&t.s.db, &hotkey);
+        async move {
+            sqlx::query("UPDATE miners SET status = $2 WHERE hotkey = $1")
+                .bind(hotkey)
+                .bind(status)
+                .execute(db)
+                .await
+                .expect("miner status");
+        }
+    };
+    let votes = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM merge_results WHERE epoch = 0 AND stage = $1 AND partition = $2",
+        )
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .fetch_one(&t.s.db)
+        .await
+        .expect("results")
+    };
+    let as_validator = || client.validator_merge(0, stage, partition, merged(0.25));
+
+    // Released as a miner, it still owns the partition.
+    set_status("released").await;
+    let owner_only = as_validator()
+        .await
+        .expect_err("an owner's merge as a validator");
+    assert_eq!(
+        owner_only.code(),
+        Some(ErrorCode::Forbidden),
+        "{owner_only}"
+    );
+    assert_eq!(votes().await, 0, "the refused merge left a result");
+    set_status("active").await;
+
     client
         .upload_merge(0, stage, partition, merged(0.25))
         .await
         .expect("its merge as an owner");
-    let second = client
-        .validator_merge(0, stage, partition, merged(0.25))
+    let second = as_validator()
         .await
         .expect_err("the same bytes again as a validator");
     assert_eq!(second.code(), Some(ErrorCode::Forbidden), "{second}");
     assert_eq!(t.state().await, "open", "one hotkey agreed with itself");
-    let votes: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM merge_results WHERE epoch = 0 AND stage = $1 AND partition = $2",
-    )
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_one(&t.s.db)
-    .await
-    .expect("results");
-    assert_eq!(votes, 1, "the refused merge left a result");
+    assert_eq!(votes().await, 1, "the refused merge left a result");
 
     // The other owner disagrees: a dispute, which the permit holder may not settle.
     t.miners[t.other]
@@ -1601,6 +1631,24 @@ async fn a_validator_does_not_judge_a_partition_it_has_a_stake_in() {
         .await
         .expect_err("settling its own dispute");
     assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
+    // Released, and no longer an owner (as after a reassignment), it still submitted a result.
+    set_status("released").await;
+    sqlx::query("DELETE FROM partition_owners WHERE miner = $1 AND epoch = 0 AND stage = $2 AND partition = $3")
+        .bind(&hotkey)
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .execute(&t.s.db)
+        .await
+        .expect("no longer an owner");
+    let submitter_only = client
+        .settle(dispute.id, &own_hash)
+        .await
+        .expect_err("settling the dispute over its own result");
+    assert_eq!(
+        submitter_only.code(),
+        Some(ErrorCode::Forbidden),
+        "{submitter_only}"
+    );
     assert_eq!(t.state().await, "disputed");
 }
 
