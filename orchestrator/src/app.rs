@@ -1270,7 +1270,9 @@ mod tests {
     #[test]
     fn limits_count_a_host_once() {
         let key = |s: &str| address_key(s.parse().expect("address"));
-        assert_eq!(key("203.0.113.7"), key("203.0.113.7"));
+        // An IPv4 address is its own key: no mask.
+        let v4: IpAddr = "203.0.113.7".parse().expect("address");
+        assert_eq!(key("203.0.113.7"), v4);
         assert_ne!(key("203.0.113.7"), key("203.0.113.8"));
         // IPv4 arriving on an IPv6 socket is the same host.
         assert_eq!(key("::ffff:203.0.113.7"), key("203.0.113.7"));

@@ -511,6 +511,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     );
 
     // The validator recomputes each merge from the contributions and settles.
+    let mut settled_with = Vec::new();
     for d in &disputes {
         let p = &d.partition;
         let range = run.partition_range(p.stage, p.partition).expect("range");
@@ -529,8 +530,8 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         let settled = v.settle(d.id, &hash).await.expect("settle");
         assert_eq!(settled.state, PartitionState::Accepted);
         assert_eq!(
-            settled.accepted.as_ref().map(|b| b.blake3.clone()),
-            Some(hash)
+            settled.accepted.as_ref().map(|b| b.blake3.as_str()),
+            Some(hash.as_str())
         );
         assert!(
             settled
@@ -547,17 +548,27 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             cheat_result.blake3.as_ref(),
             settled.accepted.as_ref().map(|b| &b.blake3)
         );
+        let cheat_hash = cheat_result.blake3.clone().expect("cheat's hash");
+        settled_with.push((d.id, hash, cheat_hash));
     }
     assert!(
         v.disputes().await.expect("disputes").is_empty(),
         "all settled"
     );
-    // A settled dispute is not settled again with another hash.
+    // A settled dispute is not settled again with another submitted result's hash; the same
+    // settlement again (a retry) is answered as the first was.
+    let (id, accepted, cheat_hash) = &settled_with[0];
     let other = v
-        .settle(disputes[0].id, &unknown)
+        .settle(*id, cheat_hash)
         .await
-        .expect_err("another hash for a settled dispute");
+        .expect_err("another result's hash for a settled dispute");
     assert_eq!(other.code(), Some(iota_protocol::ErrorCode::Conflict));
+    assert!(other.to_string().contains("already settled"), "{other}");
+    let again = v
+        .settle(*id, accepted)
+        .await
+        .expect("the settlement retried");
+    assert_eq!(again.state, PartitionState::Accepted);
 
     // With everything settled the epoch ends without waiting for the merge deadline.
     let mut rounds = 0;
