@@ -46,6 +46,31 @@ struct Served {
     _metagraph: tokio::sync::watch::Sender<Arc<MetagraphIndex>>,
 }
 
+/// Waits until `n` lock requests on this database are waiting (advisory locks only, when
+/// `advisory`): the concurrent step under test has reached the lock it must wait for, so what
+/// the test does next races with it for certain, not only when it happened to be quick.
+async fn until_waiting_for_locks(db: &sqlx::PgPool, n: i64, advisory: bool) {
+    eventually(
+        "the step under test waits for a lock",
+        std::time::Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                // By the waiting session's database: a row lock's wait is on a transaction
+                // id, which names no database.
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                 WHERE a.datname = current_database() AND NOT l.granted
+                   AND (l.locktype = 'advisory' OR NOT $1)",
+            )
+            .bind(advisory)
+            .fetch_one(db)
+            .await
+            .expect("locks");
+            (waiting >= n).then_some(())
+        },
+    )
+    .await;
+}
+
 /// Handlers served over a fixed metagraph; no phase driver runs on its own.
 async fn serve(seeds: &[u8], run: RunConfig) -> Served {
     serve_with(seeds, run, None).await
@@ -613,21 +638,8 @@ async fn a_step_taken_twice_from_one_view_changes_the_phase_once() {
             tokio::spawn(async move { driver::step(&app, t).await })
         })
         .collect();
-    eventually(
-        "both steps wait for the phase lock",
-        std::time::Duration::from_secs(10),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
-                 WHERE d.datname = current_database() AND l.locktype = 'advisory' AND NOT l.granted",
-            )
-            .fetch_one(&s.db)
-            .await
-            .expect("locks");
-            (waiting == 2).then_some(())
-        },
-    )
-    .await;
+    // Both steps wait for the phase lock.
+    until_waiting_for_locks(&s.db, 2, true).await;
     holder.commit().await.expect("release");
     for step in steps {
         step.await.expect("join").expect("step");
@@ -2759,8 +2771,8 @@ async fn no_sample_starts_after_training_has_ended() {
         .await
         .expect("phase lock");
     let poll = tokio::spawn(async move { client.work(4).await });
-    // The poll reads the training phase and waits to start samples.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // The poll reads the training phase and waits for the phase lock to start samples.
+    until_waiting_for_locks(&s.db, 1, true).await;
     sqlx::query("UPDATE runs SET phase = 'uploading' WHERE id = $1")
         .bind(s.app.run.id)
         .execute(&mut *driver)
@@ -3155,7 +3167,8 @@ async fn releasing_a_miner_and_completing_its_hop_do_not_deadlock() {
         let app = s.app.clone();
         async move { driver::step(&app, Utc::now()).await }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // The release waits for the hop held here (with the old order, holding the miner's row).
+    until_waiting_for_locks(&s.db, 1, false).await;
     let row = sqlx::query("SELECT ended_epoch FROM miners WHERE hotkey = $1 FOR SHARE")
         .bind(&hotkey)
         .execute(&mut *completing)
