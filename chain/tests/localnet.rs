@@ -186,6 +186,17 @@ async fn wallets_to_emission_on_a_timed_chain() {
         .await
         .expect("add_stake");
 
+    // No serving rate limit (the owner's hyperparameter), so each change below is served at once.
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::ServingRateLimit(0),
+            false,
+            &tx(),
+        )
+        .await
+        .expect("owner sets the serving rate limit");
     // The miner serves its axon.
     let axon = AxonEndpoint::new("10.1.2.3".parse().expect("ip"), 8091);
     chain
@@ -208,6 +219,21 @@ async fn wallets_to_emission_on_a_timed_chain() {
             .map(|a| a.port),
         Some(8091)
     );
+    // A new address alone, a new port alone, and back: each is submitted.
+    for (ip, port) in [("10.1.2.4", 8091), ("10.1.2.4", 8092), ("10.1.2.3", 8091)] {
+        let changed = AxonEndpoint::new(ip.parse().expect("ip"), port);
+        let sent = chain
+            .serve_axon_if_changed(&miner_hot, netuid, &changed, &tx())
+            .await
+            .expect("changed axon");
+        assert!(sent.is_some(), "{changed} was not submitted");
+        let now = chain
+            .axon_of(netuid, &miner_hot.public())
+            .await
+            .expect("axon")
+            .map(|a| (a.ip, a.port));
+        assert_eq!(now, Some((changed.ip, changed.port)));
+    }
 
     // The metagraph has them all.
     let mg = chain.metagraph(netuid).await.expect("metagraph");

@@ -151,5 +151,17 @@ mod tests {
         assert_eq!(uids, vec![2, 3]);
         assert!((w[0] - 0.75).abs() < 1e-12 && (w[1] - 0.25).abs() < 1e-12);
         assert_eq!(stake_weighted_mean(&m, &rows[2..], 4), None);
+        // Another validator's weight on us, and on a uid the metagraph does not hold, is
+        // dropped: a third of validator 0's row each, leaving it a third on uid 2.
+        let rows = vec![
+            (0, vec![(2, 65_535), (4, 65_535), (9, 65_535)]),
+            (1, vec![(3, 65_535)]),
+        ];
+        let (uids, w) = stake_weighted_mean(&m, &rows, 4).expect("mean");
+        assert_eq!(uids, vec![2, 3]);
+        assert!(
+            (w[0] - 0.5).abs() < 1e-12 && (w[1] - 0.5).abs() < 1e-12,
+            "{w:?}"
+        );
     }
 }

@@ -258,6 +258,15 @@ mod tests {
         let var = "BT_PW_X";
         let password = "a password much longer than the variable name";
         let encoded = encode_env_password(var, password);
+        // btcli's XOR cycles the variable's name over the whole password: past the name's
+        // length too (a round trip alone would pass with the tail left in clear).
+        let raw = BASE64.decode(&encoded).unwrap();
+        let expected: Vec<u8> = password
+            .bytes()
+            .enumerate()
+            .map(|(i, p)| p ^ var.as_bytes()[i % var.len()])
+            .collect();
+        assert_eq!(raw, expected);
         assert_eq!(
             decode_env_password(var, &encoded).unwrap().as_str(),
             password

@@ -920,3 +920,45 @@ fn run_epoch(exec: &mut Exec<'_>, netuid: u16) {
         },
     ));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NETUID: u16 = 1;
+
+    /// A subnet whose uid `i` registered at `registered[i]` and earned `emission[i]`; uid 0 is
+    /// the owner's.
+    fn subnet(registered: &[u64], emission: &[u64], immunity: u16) -> State {
+        let mut state = State::default();
+        let key = |uid: u16| AccountId32::new([uid as u8 + 1; 32]);
+        SubnetworkN::insert(&mut state, &NETUID, &(registered.len() as u16));
+        SubnetOwnerHotkey::insert(&mut state, &NETUID, &key(0));
+        ImmunityPeriod::insert(&mut state, &NETUID, &immunity);
+        Emission::insert(&mut state, &NETUID, &emission.to_vec());
+        for (uid, block) in registered.iter().enumerate() {
+            let uid = uid as u16;
+            Keys::insert(&mut state, &NETUID, &uid, &key(uid));
+            BlockAtRegistration::insert(&mut state, &NETUID, &uid, block);
+        }
+        state
+    }
+
+    #[test]
+    fn a_full_subnet_gives_up_the_lowest_emission_among_the_non_immune() {
+        // The lowest emission, not the lowest uid; the owner (earning nothing) never.
+        let state = subnet(&[0, 10, 10, 10], &[0, 7, 2, 5], 100);
+        assert_eq!(neuron_to_prune(&state, NETUID, 200), Some(2));
+        // Ties go to the lowest uid.
+        let state = subnet(&[0, 10, 10, 10], &[0, 4, 2, 2], 100);
+        assert_eq!(neuron_to_prune(&state, NETUID, 200), Some(2));
+        // Uid 2 is still immune at block 150 (registered at 60, immunity 100): uid 3 goes.
+        let state = subnet(&[0, 10, 60, 10], &[0, 7, 2, 5], 100);
+        assert_eq!(neuron_to_prune(&state, NETUID, 150), Some(3));
+        // Immunity ends after exactly its length.
+        assert_eq!(neuron_to_prune(&state, NETUID, 160), Some(2));
+        // Every neuron but the owner's immune: none can go.
+        let state = subnet(&[0, 90, 95, 99], &[0, 7, 2, 5], 100);
+        assert_eq!(neuron_to_prune(&state, NETUID, 150), None);
+    }
+}
