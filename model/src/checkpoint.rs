@@ -315,8 +315,11 @@ mod tests {
             "encoding is deterministic"
         );
         let b = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let v0 = b.weights_version();
         load_weights_bytes(&b, &bytes).unwrap();
         assert_eq!(flatten_params(&b).unwrap(), flat);
+        // A load is a change of weights: a forward cached before it is stale.
+        assert_eq!(b.weights_version(), v0 + 1);
 
         let s0 = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
         assert!(matches!(

@@ -405,5 +405,32 @@ mod tests {
         assert_eq!(p[0], s[0]);
         let last = p.len() - 1;
         assert!((p[last] / s[last] - 32.0).abs() < 0.5);
+        // Every frequency against Llama 3.1's rule, written out here as the share of the
+        // original frequency kept: none past the long wavelength (only 1/factor of it), all of it
+        // below the short one, and in between a share linear in context / wavelength.
+        let sc = cfg.rope_scaling.clone().unwrap();
+        let hd = cfg.head_dim() as f64;
+        let mut blended = 0;
+        for (i, got) in s.iter().enumerate() {
+            let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd);
+            let waves_in_context = sc.original_context as f64 * f / std::f64::consts::TAU;
+            let kept = ((waves_in_context - sc.low_freq_factor)
+                / (sc.high_freq_factor - sc.low_freq_factor))
+                .clamp(0.0, 1.0);
+            if kept > 0.0 && kept < 1.0 {
+                blended += 1;
+            }
+            let expected = f * (kept + (1.0 - kept) / sc.factor);
+            // At position 1 the angle is the frequency (all under pi/2).
+            let got = f64::from(*got).asin();
+            assert!(
+                (got - expected).abs() <= 1e-5 * expected,
+                "frequency {i}: {got} against {expected} (kept {kept})"
+            );
+        }
+        assert!(
+            blended >= 3,
+            "only {blended} frequencies in the blended band"
+        );
     }
 }

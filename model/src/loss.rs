@@ -212,14 +212,20 @@ mod tests {
         let w = Tensor::randn(0f64, 1.0, (13, 5), &dev).unwrap();
         let t = Tensor::new(&[0u32, 12, 3, 3, 7, 1, 12], &dev).unwrap();
         let (l_ref, gh_ref, gw_ref) = reference(&h, &w, &t);
-        for chunk in [1, 4, 13, 100] {
-            let f = ce_forward(&h, &w, &t, chunk).unwrap();
-            let l = f.loss.to_scalar::<f64>().unwrap();
-            assert!((l - l_ref).abs() < 1e-12, "chunk {chunk}: {l} vs {l_ref}");
-            let (gh, gw) = ce_backward(&h, &w, &t, &f.lse, chunk, 1.0 / 7.0).unwrap();
-            assert!(max_diff(&gh, &gh_ref) < 1e-12);
-            assert!(max_diff(&gw, &gw_ref) < 1e-12);
-            assert_eq!(gw.dtype(), DType::F64);
+        // The fused kernels (the CPU's path) and the composed ops (every other device's).
+        for composed in [false, true] {
+            crate::fused::COMPOSED_ONLY.with(|c| c.set(composed));
+            for chunk in [1, 4, 13, 100] {
+                let f = ce_forward(&h, &w, &t, chunk).unwrap();
+                let l = f.loss.to_scalar::<f64>().unwrap();
+                let case = format!("composed {composed}, chunk {chunk}");
+                assert!((l - l_ref).abs() < 1e-12, "{case}: {l} vs {l_ref}");
+                let (gh, gw) = ce_backward(&h, &w, &t, &f.lse, chunk, 1.0 / 7.0).unwrap();
+                assert!(max_diff(&gh, &gh_ref) < 1e-12, "{case}");
+                assert!(max_diff(&gw, &gw_ref) < 1e-12, "{case}");
+                assert_eq!(gw.dtype(), DType::F64);
+            }
         }
+        crate::fused::COMPOSED_ONLY.with(|c| c.set(false));
     }
 }

@@ -569,13 +569,18 @@ mod tests {
         let flat = flatten_params(&s).unwrap();
         assert_eq!(flat.len(), layout.total);
         let shifted: Vec<f32> = flat.iter().map(|v| v + 1.0).collect();
+        let v0 = s.weights_version();
         load_flat_params(&s, &shifted).unwrap();
         assert_eq!(flatten_params(&s).unwrap(), shifted);
+        // A load is a change of weights (a forward cached before it is stale); a refused load
+        // changes nothing.
+        assert_eq!(s.weights_version(), v0 + 1);
         assert!(load_flat_params(&s, &shifted[1..]).is_err());
         let mut bad = shifted.clone();
         bad[3] = f32::INFINITY;
         assert!(load_flat_params(&s, &bad).is_err());
         assert_eq!(flatten_params(&s).unwrap(), shifted);
+        assert_eq!(s.weights_version(), v0 + 1);
         let other = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
         assert_eq!(layout.fingerprint(), FlatLayout::of(&other).fingerprint());
         let s0 = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();

@@ -763,6 +763,60 @@ mod tests {
             .unwrap()
     }
 
+    /// The step is on the token mean of what was accumulated (the hand-checked tests above set
+    /// one token's gradient), and a gradient under the clipping norm is left as it is.
+    #[test]
+    fn adamw_steps_on_the_token_mean_and_clips_only_above_the_norm() {
+        use crate::data::{GrammarCorpus, make_batch};
+        use candle_core::Device;
+        let cfg = ModelConfig::tiny();
+        let corpus = GrammarCorpus::new(3, 12).unwrap();
+        for max_grad_norm in [None, Some(1e6)] {
+            let mut pipeline = crate::pipeline::Pipeline::new(&cfg, &StageOptions::cpu()).unwrap();
+            for ids in [&[10u64][..], &[11, 12, 13]] {
+                let b = make_batch(&corpus, ids, &Device::Cpu).unwrap();
+                pipeline.forward_backward(&b.inputs, &b.targets).unwrap();
+            }
+            let stage = &mut pipeline.stages_mut()[0];
+            assert!(stage.backward_tokens() > 1);
+            let c = AdamWConfig {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                max_grad_norm,
+            };
+            let means: Vec<Option<Tensor>> = (0..stage.params().len())
+                .map(|i| stage.mean_grad(i).unwrap())
+                .collect();
+            let mut opt = AdamW::new(stage, c, LrSchedule::constant()).unwrap();
+            let out = opt.step(stage).unwrap();
+            assert!(
+                matches!(out, StepOutcome::Applied { step: 1, .. }),
+                "{out:?}"
+            );
+            let mut checked = 0;
+            for (i, mean) in means.iter().enumerate() {
+                let Some(mean) = mean else { continue };
+                // First moment after one step: (1 - beta1) times the gradient stepped on.
+                let (m, want) = (values(&opt.m[i]), values(&(mean * 0.1).unwrap()));
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-12);
+                let worst = m
+                    .iter()
+                    .zip(&want)
+                    .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+                assert!(
+                    worst <= 1e-5 * scale,
+                    "{max_grad_norm:?}, {}: off by {worst} of {scale}",
+                    stage.params()[i].name()
+                );
+                checked += 1;
+            }
+            assert!(checked > 0);
+        }
+    }
+
     #[test]
     fn adamw_matches_hand_computation_and_clips() {
         let cfg = ModelConfig::tiny();

@@ -1293,6 +1293,14 @@ mod tests {
                 assert_eq!(d, 0.0);
             }
         }
+        // And it saves what it is for: with recompute, a forward keeps no output graph.
+        for recompute in [false, true] {
+            let mut opts = StageOptions::cpu();
+            opts.recompute = recompute;
+            let stage = Stage::new(&cfg, 0, opts).unwrap();
+            let (_, cache) = stage.forward(&b.inputs, None).unwrap();
+            assert_eq!(cache.output.is_none(), recompute, "recompute {recompute}");
+        }
     }
 
     #[test]
