@@ -1080,6 +1080,17 @@ async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .bind(epoch as i64)
     .execute(&mut *tx)
     .await?;
+    // Every open hop of the epoch before any sample or the epoch's row (see `abandon_sample`):
+    // abandoning sample by sample took the epoch's row with the first, and then waited for a
+    // later sample's hop that a completion held while it waited for that row.
+    sqlx::query(
+        "SELECT id FROM tasks WHERE run_id = $1 AND epoch = $2 AND status IN ('pending', 'leased')
+         ORDER BY id FOR UPDATE",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .execute(&mut *tx)
+    .await?;
     let leftover: Vec<i64> = sqlx::query_scalar(
         "SELECT id FROM samples WHERE run_id = $1 AND epoch = $2 AND status IN ('forward', 'backward')",
     )

@@ -1752,6 +1752,13 @@ pub(crate) async fn abandon_sample(
     sample_id: i64,
     why: &str,
 ) -> ApiResult<()> {
+    // Its open hops first, then the sample and the epoch's row: the order a completion takes
+    // them in (its hop, its sample, the epoch's counters), so the two wait for each other
+    // instead of deadlocking.
+    sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
+        .bind(sample_id)
+        .execute(&mut **tx)
+        .await?;
     let ended: Option<(i64, i64)> = sqlx::query_as(
         "UPDATE samples SET status = 'abandoned', completed_at = now()
          WHERE id = $1 AND status IN ('forward', 'backward') RETURNING run_id, epoch",
@@ -1769,10 +1776,6 @@ pub(crate) async fn abandon_sample(
         .execute(&mut **tx)
         .await?;
     }
-    sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
-        .bind(sample_id)
-        .execute(&mut **tx)
-        .await?;
     metrics::counter!("iota_samples_abandoned_total").increment(1);
     tracing::debug!(sample_id, why, "sample abandoned");
     Ok(())

@@ -46,6 +46,21 @@ struct Served {
     _metagraph: tokio::sync::watch::Sender<Arc<MetagraphIndex>>,
 }
 
+/// Lock requests on this database that are waiting (of advisory locks only, when `advisory`).
+async fn lock_waits(db: &sqlx::PgPool, advisory: bool) -> i64 {
+    sqlx::query_scalar(
+        // By the waiting session's database: a row lock's wait is on a transaction id, which
+        // names no database.
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE a.datname = current_database() AND NOT l.granted
+           AND (l.locktype = 'advisory' OR NOT $1)",
+    )
+    .bind(advisory)
+    .fetch_one(db)
+    .await
+    .expect("locks")
+}
+
 /// Waits until `n` lock requests on this database are waiting (advisory locks only, when
 /// `advisory`): the concurrent step under test has reached the lock it must wait for, so what
 /// the test does next races with it for certain, not only when it happened to be quick.
@@ -53,20 +68,7 @@ async fn until_waiting_for_locks(db: &sqlx::PgPool, n: i64, advisory: bool) {
     eventually(
         "the step under test waits for a lock",
         std::time::Duration::from_secs(10),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                // By the waiting session's database: a row lock's wait is on a transaction
-                // id, which names no database.
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-                 WHERE a.datname = current_database() AND NOT l.granted
-                   AND (l.locktype = 'advisory' OR NOT $1)",
-            )
-            .bind(advisory)
-            .fetch_one(db)
-            .await
-            .expect("locks");
-            (waiting >= n).then_some(())
-        },
+        || async { (lock_waits(db, advisory).await >= n).then_some(()) },
     )
     .await;
 }
@@ -3099,6 +3101,170 @@ async fn a_first_hop_output(
         .expect("upload")
         .blob;
     (first, client, item, blob)
+}
+
+/// The end of an epoch abandons the samples still travelling, and takes their open hops before
+/// their samples and the epoch's row: the order a completion takes them in (its hop, its
+/// sample, then the epoch's counters). It took a sample and the epoch's row before the next
+/// sample's hops, so a completion of a hop of that next sample and the epoch's end deadlocked:
+/// PostgreSQL aborted one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ending_an_epoch_and_completing_a_travelling_hop_do_not_deadlock() {
+    init_tracing();
+    let seeds = [231u8, 232, 233];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let first = miners
+        .iter()
+        .position(|m| m.stage == 0)
+        .expect("a miner of stage 0");
+    let items = miners[first].client().work(4).await.expect("poll").items;
+    assert!(items.len() >= 2, "two samples travel: {items:?}");
+    // The completion's hop: of the sample the epoch's end reaches last.
+    let last = items.iter().max_by_key(|i| i.sample_id).expect("an item");
+    let (task, sample) = (last.task_id, last.sample_id);
+    let mut steps = 0;
+    loop {
+        let (epoch, phase, deadline, _) = now_status(&s).await;
+        assert_eq!(epoch, 0, "the epoch ended without a step reaching the hops");
+        steps += 1;
+        assert!(steps < 20, "no step ended the epoch");
+        // A completion's order: the hop, then its sample, and (below) the epoch's row.
+        let mut completing = s.db.begin().await.expect("tx");
+        sqlx::query("SELECT id FROM tasks WHERE id = $1 FOR UPDATE")
+            .bind(task)
+            .execute(&mut *completing)
+            .await
+            .expect("the hop");
+        sqlx::query("SELECT id FROM samples WHERE id = $1 FOR UPDATE")
+            .bind(sample)
+            .execute(&mut *completing)
+            .await
+            .expect("the sample");
+        let step = tokio::spawn({
+            let app = s.app.clone();
+            async move { driver::step(&app, deadline + Duration::seconds(1)).await }
+        });
+        // A step that moves the phase without touching the hops ends on its own.
+        let waits = loop {
+            if step.is_finished() {
+                break false;
+            }
+            if lock_waits(&s.db, false).await > 0 {
+                break true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        };
+        if !waits {
+            completing.rollback().await.expect("rollback");
+            step.await.expect("join").expect("step");
+            continue;
+        }
+        assert_eq!(
+            phase,
+            Phase::Merging,
+            "a step before the epoch's end waited"
+        );
+        let counters =
+            sqlx::query("UPDATE epochs SET samples_abandoned = samples_abandoned WHERE epoch = 0")
+                .execute(&mut *completing)
+                .await;
+        assert!(counters.is_ok(), "the completion's side: {counters:?}");
+        completing.commit().await.expect("commit");
+        let stepped = step.await.expect("join");
+        assert!(
+            stepped.is_ok(),
+            "the epoch's end: {:?}",
+            stepped.err().map(|e| e.0)
+        );
+        break;
+    }
+    assert_eq!(now_status(&s).await.0, 1, "the epoch ended");
+    let travelling: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM samples WHERE epoch = 0 AND status IN ('forward', 'backward')",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("samples");
+    assert_eq!(travelling, 0, "every travelling sample was abandoned");
+}
+
+/// A confirmed bad-object report abandons the sample, and takes the sample's open hops before
+/// the sample: the order a completion of one of those hops takes them in. It took the sample
+/// and the epoch's row first, and a completion holding the consumer's hop then deadlocked with
+/// it over the sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_object_report_and_completing_the_samples_hop_do_not_deadlock() {
+    init_tracing();
+    let seeds = [236u8, 237, 238];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let miners = join_all(&s, &seeds).await;
+    let (_, client, item, blob) = a_first_hop_output(&run, &miners).await;
+    let done = client
+        .complete(
+            item.task_id,
+            &completion(item.lease, Some(blob.clone()), None),
+        )
+        .await
+        .expect("complete");
+    let consumer_hop = done.next_task_id.expect("a hop at stage 1");
+    let reporter = miners
+        .iter()
+        .position(|m| m.stage == 1)
+        .expect("a miner of stage 1");
+    // The object goes bad in the store.
+    let path = s._store.path().join(&blob.key);
+    let mut bytes = std::fs::read(&path).expect("stored object");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&path, &bytes).expect("corrupt it");
+
+    // A completion's order: its hop, then (once the report waits) its sample.
+    let mut completing = s.db.begin().await.expect("tx");
+    sqlx::query("SELECT id FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(consumer_hop)
+        .execute(&mut *completing)
+        .await
+        .expect("the hop");
+    // Sent once (the client would retry a 500, and its retry would hide an aborted attempt).
+    let body = serde_json::to_vec(&BadObjectReport {
+        key: blob.key.clone(),
+        reason: "corrupt".into(),
+    })
+    .expect("json");
+    let report = tokio::spawn({
+        let raw = Raw::to(&s.base);
+        let reporter = pair(seeds[reporter]);
+        async move {
+            raw.send_bytes(Call::new(
+                &reporter,
+                reqwest::Method::POST,
+                "/v1/miner/reports/bad-object",
+                body,
+            ))
+            .await
+        }
+    });
+    until_waiting_for_locks(&s.db, 1, false).await;
+    let sample = sqlx::query("SELECT id FROM samples WHERE id = $1 FOR UPDATE")
+        .bind(item.sample_id)
+        .execute(&mut *completing)
+        .await;
+    assert!(sample.is_ok(), "the completion's side: {sample:?}");
+    completing.commit().await.expect("commit");
+    let (status, answer) = report.await.expect("join");
+    let answer = String::from_utf8_lossy(&answer);
+    assert_eq!(status, 200, "the report's side: {answer}");
+    let verdict: BadObjectVerdict = serde_json::from_str(&answer).expect("verdict");
+    assert!(verdict.confirmed, "{verdict:?}");
+    let status: String = sqlx::query_scalar("SELECT status FROM samples WHERE id = $1")
+        .bind(item.sample_id)
+        .fetch_one(&s.db)
+        .await
+        .expect("sample");
+    assert_eq!(status, "abandoned");
 }
 
 /// An owner added to a partition is drawn at random among the miners that rank the same (same
