@@ -414,7 +414,11 @@ impl From<StoreError> for AppError {
             // Not echoed: a local store names the object by its path on this machine.
             StoreError::NotFound(_) => Self::new(ErrorCode::NotFound, "no such object"),
             StoreError::BadKey(k) => Self::new(ErrorCode::BadRequest, format!("bad key {k:?}")),
-            StoreError::Backend(m) => Self::new(ErrorCode::Internal, format!("store: {m}")),
+            // Not echoed either: it may name the store's files, or its endpoint.
+            StoreError::Backend(m) => {
+                tracing::error!(error = %m, "the object store failed");
+                Self::new(ErrorCode::Internal, "the object store failed")
+            }
             e @ StoreError::TooLarge { .. } => Self::new(ErrorCode::InvalidTensor, e.to_string()),
         }
     }

@@ -114,9 +114,29 @@ impl From<object_store::Error> for StoreError {
     fn from(e: object_store::Error) -> Self {
         match e {
             object_store::Error::NotFound { path, .. } => Self::NotFound(path),
+            // A key the store cannot hold as a name names no object.
+            object_store::Error::InvalidPath { .. } => Self::NotFound(String::new()),
+            other if names_nothing(&other) => Self::NotFound(String::new()),
             other => Self::Backend(other.to_string()),
         }
     }
+}
+
+/// Whether a store's failure says the name cannot be an object's: too long for the file
+/// system, or a path through an existing object (a local store reports neither as not found).
+fn names_nothing(e: &object_store::Error) -> bool {
+    use std::io::ErrorKind;
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                ErrorKind::NotFound | ErrorKind::NotADirectory | ErrorKind::InvalidFilename
+            );
+        }
+        source = cause.source();
+    }
+    false
 }
 
 /// Bytes per chunk when an object from a local directory is streamed.
@@ -177,7 +197,9 @@ impl BlobStore {
     }
 
     fn path(key: &str) -> Result<Path, StoreError> {
-        if key.is_empty() || key.contains("..") || key.starts_with('/') {
+        // `#` ends the names a local store keeps for its own parts of an upload in progress;
+        // no key this service makes has one.
+        if key.is_empty() || key.contains("..") || key.starts_with('/') || key.contains('#') {
             return Err(StoreError::BadKey(key.to_owned()));
         }
         Path::parse(key).map_err(|_| StoreError::BadKey(key.to_owned()))

@@ -853,6 +853,50 @@ async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
     orch.stop().await;
 }
 
+/// A blob key that names no object is the caller's mistake (404, or 400 for a name no object
+/// may have), however the store fails to open it: a name too long for the file system, a path
+/// through an object, a name the store keeps for itself. They were 500s whose message gave the
+/// store's path on this machine, and the client retried each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_key_that_names_no_object_is_a_client_error() {
+    init_tracing();
+    let chain = chain_with(&[MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let orch = start(config(&chain, &db, store.path(), run_config("blob-keys"))).await;
+    let raw = Raw::to(&orch.base);
+    let run: RunInfo = reqwest::get(format!("{}/v1/run", orch.base))
+        .await
+        .expect("run")
+        .json()
+        .await
+        .expect("json");
+    let dir = store.path().join(format!("runs/{}", run.id));
+    std::fs::create_dir_all(&dir).expect("run dir");
+    std::fs::write(dir.join("f"), b"an object").expect("an object");
+    let get = |key: String| {
+        let raw = raw.clone();
+        async move {
+            let path = format!("/v1/blobs/{key}");
+            raw.signed(&pair(MINER), reqwest::Method::GET, &path, Vec::new())
+                .await
+        }
+    };
+    assert_eq!(get(format!("runs/{}/f", run.id)).await.0, 200);
+    let store_dir = store.path().to_string_lossy().into_owned();
+    for key in [
+        format!("runs/{}/{}", run.id, "a".repeat(300)),
+        format!("runs/{}/f/x", run.id),
+        format!("runs/{}/x%231", run.id),
+    ] {
+        let answer = get(key.clone()).await;
+        assert!(matches!(answer.0, 404 | 400), "{key}: {answer:?}");
+        let message = answer.1.map(|e| e.message).unwrap_or_default();
+        assert!(!message.contains(&store_dir), "{key}: {message}");
+    }
+    orch.stop().await;
+}
+
 /// An upload whose body stops coming is cut off once it falls behind the slowest pace taken,
 /// not only when the time its declared length would allow is up, and an upload that finds every
 /// slot busy is told to come back instead of waiting without an answer. Two stalled bodies
