@@ -1526,7 +1526,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     .execute(&mut *tx)
     .await?;
     let row = sqlx::query(
-        "SELECT epoch, stage, partition, state, settled_hash FROM disputes
+        "SELECT epoch, stage, partition, state, settled_hash, settled_by FROM disputes
          WHERE id = $1 AND run_id = $2 FOR UPDATE",
     )
     .bind(id)
@@ -1541,6 +1541,15 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     let settled_hash: Option<String> = row.try_get("settled_hash")?;
     if has_stake(&mut *tx, app.run.id, validator, (epoch, stage, partition)).await? {
         return Err(interested_validator(stage, partition));
+    }
+    let settled_by: Option<String> = row.try_get("settled_by")?;
+    if settled_by.as_deref() == Some("deadline") {
+        // Closed with the epoch, by nobody's settlement: a late one is told so, whatever its
+        // hash (had it named the partition's result, a 200 would say it had settled it).
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!("epoch {epoch}'s merges are closed: dispute {id} closed with them"),
+        ));
     }
     if state == "settled" {
         // A retry of the settlement is answered as the first was; another hash is not.

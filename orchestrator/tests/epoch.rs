@@ -761,12 +761,24 @@ async fn disputes_left_open_close_with_their_epoch() {
         hashes.iter().all(|(d, p)| d.is_some() && d == p),
         "{hashes:?}"
     );
-    // A late settlement is refused (any hash: the epoch's merges are closed).
-    let late = v
-        .settle(open[0].id, &"cd".repeat(32))
+    // A late settlement is refused as late, whatever its hash: even the hash the dispute was
+    // closed with (a 200 would tell the validator it had settled it).
+    let closed_with: String = sqlx::query_scalar("SELECT settled_hash FROM disputes WHERE id = $1")
+        .bind(open[0].id)
+        .fetch_one(&db)
         .await
-        .expect_err("a settlement after the epoch");
-    assert_eq!(late.code(), Some(iota_protocol::ErrorCode::Conflict));
+        .expect("the hash it was closed with");
+    for hash in ["cd".repeat(32), closed_with] {
+        let late = v
+            .settle(open[0].id, &hash)
+            .await
+            .expect_err("a settlement after the epoch");
+        assert_eq!(
+            late.code(),
+            Some(iota_protocol::ErrorCode::WrongPhase),
+            "{late}"
+        );
+    }
     orch.stop().await;
 }
 
