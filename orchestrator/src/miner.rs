@@ -2527,6 +2527,32 @@ pub async fn blob(
         .into_response())
 }
 
+/// What separates a report's reason from the problem that confirmed it, in `bad_objects`.
+const CONFIRMED: &str = "; confirmed: ";
+
+/// The verdict on `key` if a report confirmed it already, as that report was answered.
+async fn confirmed_already(
+    app: &App,
+    key: &str,
+    task_id: i64,
+) -> ApiResult<Option<BadObjectVerdict>> {
+    let reason: Option<String> =
+        sqlx::query_scalar("SELECT reason FROM bad_objects WHERE run_id = $1 AND key = $2")
+            .bind(app.run.id)
+            .bind(key)
+            .fetch_optional(&app.db)
+            .await?;
+    Ok(reason.map(|reason| {
+        let problem = reason
+            .rsplit_once(CONFIRMED)
+            .map_or(reason.as_str(), |(_, problem)| problem);
+        BadObjectVerdict {
+            confirmed: true,
+            detail: format!("confirmed: {problem}; the producer's hop {task_id} failed"),
+        }
+    }))
+}
+
 /// `POST /v1/miner/reports/bad-object`: a consumer says an object failed its checks. The
 /// orchestrator re-checks it; if it is bad, the producer's hop fails and the object is removed.
 #[utoipa::path(post, path = "/v1/miner/reports/bad-object", tag = "miner",
@@ -2553,6 +2579,11 @@ pub async fn report_bad_object(
     };
     let task_id: i64 = row.try_get("id")?;
     let sample_id: i64 = row.try_get("sample_id")?;
+    // Confirmed already (a retry whose first answer was lost, or another consumer's report):
+    // answered as the first was, not from the object, which the first deleted.
+    if let Some(verdict) = confirmed_already(&app, &report.key, task_id).await? {
+        return Ok(Json(verdict));
+    }
     let blob: BlobDescriptor = serde_json::from_value(row.try_get("output")?)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let spec = boundary_spec(app.config());
@@ -2563,10 +2594,12 @@ pub async fn report_bad_object(
     let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
         Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
         Err(StoreError::NotFound(_)) => {
-            return Ok(Json(BadObjectVerdict {
+            // Deleted by a confirmation that committed since the look above, or collected.
+            let verdict = confirmed_already(&app, &report.key, task_id).await?;
+            return Ok(Json(verdict.unwrap_or_else(|| BadObjectVerdict {
                 confirmed: false,
                 detail: "the object is gone (its epoch was collected); nothing to check".into(),
-            }));
+            })));
         }
         Err(e) => return Err(e.into()),
         Ok(bytes) => blob
@@ -2594,7 +2627,7 @@ pub async fn report_bad_object(
     .bind(&report.key)
     .bind(&caller.ss58)
     .bind(format!(
-        "{}; confirmed: {problem}",
+        "{}{CONFIRMED}{problem}",
         report.reason.chars().take(500).collect::<String>()
     ))
     .execute(&mut *tx)

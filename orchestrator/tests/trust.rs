@@ -592,6 +592,16 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         .await
         .expect("report");
     assert!(verdict.confirmed, "{verdict:?}");
+    // A retry (its first answer lost) is answered as the first was, though the object is gone.
+    let again = other
+        .report_bad_object(&input.key, &bad.to_string())
+        .await
+        .expect("the report retried");
+    assert_eq!(
+        (again.confirmed, &again.detail),
+        (true, &verdict.detail),
+        "{again:?}"
+    );
     let pool = sqlx::PgPool::connect(&db).await.expect("db");
     let (task_status, sample_status): (String, String) = sqlx::query_as(
         "SELECT t.status, s.status FROM tasks t JOIN samples s ON s.id = t.sample_id WHERE t.id = $1",
