@@ -1279,6 +1279,10 @@ pub async fn commit_output(
     stage_output(&app, task_id, lease, blob).await
 }
 
+/// How far a sample's loss may be from the mean of its sequences' losses, relative to that
+/// mean (at least 1): rounding, in the miner's f32 arithmetic, and nothing more.
+const LOSS_AGREEMENT: f64 = 1e-3;
+
 /// Largest loss a completion may report. A cross-entropy in nats is never negative and a
 /// language model's starts near ln(vocabulary), about 11; PostgreSQL's `avg` over float8 keeps a
 /// sum of squares, which one loss above about 1e154 overflows, failing the epoch's loss mean (and
@@ -1408,6 +1412,20 @@ pub async fn complete(
             ErrorCode::BadRequest,
             format!("sequence_losses: at most micro_batch values, each from 0 to {MAX_LOSS}"),
         ));
+    }
+    // Every sequence has `seq_len` tokens, so the sample's mean token loss is the mean of its
+    // sequences' losses. CLASP fits the first and a replay checks the second: a loss that
+    // disagrees with its own sequences would pass the replay and still steer CLASP.
+    if let (Some(loss), Some(seq)) = (req.loss, &req.sequence_losses)
+        && !seq.is_empty()
+    {
+        let mean = seq.iter().sum::<f64>() / seq.len() as f64;
+        if (loss - mean).abs() > LOSS_AGREEMENT * mean.abs().max(1.0) {
+            return Err(AppError::new(
+                ErrorCode::BadRequest,
+                format!("loss {loss} is not the mean of sequence_losses ({mean})"),
+            ));
+        }
     }
     if req.weights_digest.len() > 128 {
         return Err(AppError::new(

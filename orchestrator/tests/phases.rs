@@ -2607,7 +2607,27 @@ async fn a_one_stage_run_takes_no_hop_output() {
         .await
         .expect_err("an impossible sequence loss");
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
-    let complete = completion(item.lease, None, Some(2.5));
+    // A loss that is not the mean of the sample's own sequence losses: a replay checks the
+    // sequences and CLASP fits the loss, so it would pass the one and steer the other.
+    let refused = client
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                sequence_losses: Some(vec![2.0, 3.0]),
+                ..completion(item.lease, None, Some(1.0))
+            },
+        )
+        .await
+        .expect_err("a loss other than its sequences' mean");
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    assert!(
+        refused.to_string().contains("mean of sequence_losses"),
+        "{refused}"
+    );
+    let complete = CompleteRequest {
+        sequence_losses: Some(vec![2.0, 3.0]),
+        ..completion(item.lease, None, Some(2.5))
+    };
     let first = client
         .complete(item.task_id, &complete)
         .await
