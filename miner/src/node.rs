@@ -513,7 +513,24 @@ impl Node {
         let handling = Instant::now();
         if !self.pending.contains_key(&task_id) {
             let input = match &item.input {
-                Some(blob) => Some(self.client.download(blob).await?),
+                Some(blob) => match self.client.download(blob).await {
+                    Ok(bytes) => Some(bytes),
+                    // Not the bytes its producer committed (replaced in the store, or damaged):
+                    // the producer's fault, reported so that its hop fails, and this one is
+                    // skipped. Failing the round instead failed every round after it, as the
+                    // lease comes back on every poll until it lapses.
+                    Err(ClientError::BadObject(why)) => {
+                        tracing::warn!(task_id, key = %blob.key, why, "bad input; reporting it");
+                        let _ = self.client.report_bad_object(&blob.key, &why).await;
+                        return Ok(());
+                    }
+                    // Gone (its sample ended, its epoch was collected): nothing to compute.
+                    Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                        tracing::warn!(task_id, key = %blob.key, "input gone; skipping the hop");
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e.into()),
+                },
                 None => None,
             };
             let started = Instant::now();

@@ -225,3 +225,93 @@ async fn miner_waits_out_an_orchestrator_outage_while_joining() {
     h.stop().await.expect("clean stop");
     orch.stop().await;
 }
+
+/// A hop's input that is not what its producer committed (the object was replaced in the
+/// store) is reported and the hop skipped: the producer's hop fails, and the miner goes on. The
+/// download's error failed the miner's whole round instead, on every poll until the lease
+/// lapsed, and nobody reported the object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_input_is_reported_and_skipped() {
+    use iota_protocol::api::{CompleteRequest, Direction};
+    init_tracing();
+    let (producer_seed, miner_seed) = (71u8, 72u8);
+    let run = tiny_run("bad-input", 8);
+    let chain = chain_with(&[producer_seed, miner_seed], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    // A scripted producer at stage 0, and the miner under test after it (at stage 1).
+    let (producer, joined) = registered_miner(&orch.base, producer_seed).await;
+    assert_eq!(joined.stage, 0);
+    let mut cfg = miner_config(&orch.base);
+    cfg.tokens_per_s = Some(1000.0);
+    let miner = spawn(cfg, signer(miner_seed));
+    eventually(
+        "the miner joins stage 1",
+        Duration::from_secs(60),
+        || async { (miner.status().stage == Some(1)).then_some(()) },
+    )
+    .await;
+
+    let item = producer
+        .work(1)
+        .await
+        .expect("poll")
+        .items
+        .pop()
+        .expect("a sample");
+    assert_eq!((item.stage, item.direction), (0, Direction::Forward));
+    let shape = run.boundary_shape();
+    let n = (shape[0] * shape[1] * shape[2]) as usize;
+    let rows = (shape[0] * shape[1]) as usize;
+    let bytes = iota_protocol::tensor::encode_boundary_i8(shape, &vec![1; n], &vec![0.01; rows]);
+    let blob = producer
+        .upload_output(item.task_id, item.lease, bytes::Bytes::from(bytes))
+        .await
+        .expect("upload")
+        .blob;
+    // Replaced in the store after the checks on upload.
+    let path = store.path().join(&blob.key);
+    let mut stored = std::fs::read(&path).expect("stored object");
+    let last = stored.len() - 1;
+    stored[last] ^= 0xff;
+    std::fs::write(&path, &stored).expect("replace it");
+    producer
+        .complete(
+            item.task_id,
+            &CompleteRequest {
+                lease: item.lease,
+                output: Some(blob.clone()),
+                inner_step: 0,
+                weights_digest: "0".repeat(64),
+                loss: None,
+                sequence_losses: None,
+                compute_ms: Some(1),
+            },
+        )
+        .await
+        .expect("complete");
+
+    let pool = sqlx::PgPool::connect(&db).await.expect("db");
+    let reporter: String = eventually(
+        "the bad input reported",
+        Duration::from_secs(60),
+        || async {
+            sqlx::query_scalar("SELECT reporter FROM bad_objects WHERE key = $1")
+                .bind(&blob.key)
+                .fetch_optional(&pool)
+                .await
+                .expect("bad objects")
+        },
+    )
+    .await;
+    assert_eq!(reporter, signer(miner_seed).ss58());
+    let producer_hop: String = sqlx::query_scalar("SELECT status FROM tasks WHERE id = $1")
+        .bind(item.task_id)
+        .fetch_one(&pool)
+        .await
+        .expect("the producer's hop");
+    assert_eq!(producer_hop, "failed");
+    assert!(!miner.is_finished(), "the miner went on");
+    miner.stop().await.expect("the miner stops cleanly");
+}
