@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use iota_model::ModelError;
 use iota_protocol::BlobDescriptor;
 use iota_protocol::ErrorCode;
 use iota_protocol::api::{
@@ -781,12 +782,17 @@ impl Node {
             }
             let bytes = match self.merge_one(&a).await {
                 Ok(b) => b,
-                Err(MinerError::BadInput(why)) => {
+                // A peer's bad contribution, or an outer step that is not finite: this
+                // partition cannot be merged here, the others still can (returning the error
+                // failed every merge round on the same assignment).
+                Err(
+                    e @ (MinerError::BadInput(_) | MinerError::Model(ModelError::NonFinite(_))),
+                ) => {
                     tracing::warn!(
                         epoch = a.epoch,
                         stage = a.stage,
                         partition = a.partition,
-                        why,
+                        error = %e,
                         "cannot merge"
                     );
                     self.merged.insert(key);

@@ -43,6 +43,11 @@ pub enum WireEncoding {
     Int8,
 }
 
+/// Largest magnitude of a pseudo-gradient value (a partition's change of weights over an epoch;
+/// honest ones are far below 1). Finite values near `f32::MAX` overflowed the outer step that
+/// averages them, which failed every merge of the partition, and every validator's recompute.
+pub const MAX_PSEUDO_GRADIENT: f32 = 1e6;
+
 /// What an upload slot expects.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TensorSpec {
@@ -214,7 +219,13 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
             expect_names(&st, &["values"])?;
             expect_dtype(values.dtype(), Dtype::F32)?;
             expect_shape(&shape, &[*len])?;
-            check_f32_finite(values.data(), "values")
+            check_f32_finite(values.data(), "values")?;
+            if f32_values(values.data()).any(|v| v.abs() > MAX_PSEUDO_GRADIENT) {
+                return Err(TensorError::NonFinite(format!(
+                    "values (beyond ±{MAX_PSEUDO_GRADIENT:e})"
+                )));
+            }
+            Ok(())
         }
         TensorSpec::Merged { len } => {
             expect_format(&meta, MERGED_FORMAT)?;
@@ -528,6 +539,17 @@ mod tests {
             check_tensor(&nan, &TensorSpec::Partition { len: 3 }),
             Err(TensorError::NonFinite(_))
         ));
+        // Finite, but a change no epoch makes: its average would overflow the outer step.
+        let huge = encode_partition(&[1.0, -3e38, 3.0]);
+        assert!(matches!(
+            decode_partition(&huge, 3),
+            Err(TensorError::NonFinite(_))
+        ));
+        let edge = encode_partition(&[MAX_PSEUDO_GRADIENT, -MAX_PSEUDO_GRADIENT]);
+        assert_eq!(
+            check_tensor(&edge, &TensorSpec::Partition { len: 2 }),
+            Ok(())
+        );
         assert_eq!(encode_partition(&[1.0, 2.0]), encode_partition(&[1.0, 2.0]));
         // A pseudo-gradient is not a merged partition, and the other way round.
         assert!(check_tensor(&bytes, &TensorSpec::Merged { len: 3 }).is_err());

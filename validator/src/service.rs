@@ -719,11 +719,20 @@ impl Validator {
             .cloned()
             .collect();
         for p in pick(&accepted, self.cfg.merges_per_epoch, &mut rng) {
-            let Some((_, hash)) = self
+            let hash = match self
                 .recompute(&record, p.stage, p.partition, &mut objects)
-                .await?
-            else {
-                continue;
+                .await
+            {
+                Ok(Some((_, hash))) => hash,
+                Ok(None) => continue,
+                // The merge itself cannot be computed (its outer step is not finite): nobody's
+                // result is judged against it, and the epoch is scored all the same.
+                Err(ValidatorError::Model(e)) => {
+                    tracing::warn!(epoch, stage = p.stage, partition = p.partition, error = %e,
+                        "cannot recompute the merge; not judged");
+                    continue;
+                }
+                Err(e) => return Err(e),
             };
             for r in &p.results {
                 let passed = r.blake3.as_deref() == Some(hash.as_str());
@@ -873,16 +882,24 @@ impl Validator {
                 }
             };
             let (stage, partition) = (d.partition.stage, d.partition.partition);
-            let Some((bytes, hash)) = self
+            // One dispute that cannot be recomputed leaves the others to settle.
+            let (bytes, hash) = match self
                 .recompute(record, stage, partition, &mut Objects::default())
-                .await?
-            else {
-                tracing::warn!(
-                    dispute = d.id,
-                    epoch,
-                    "cannot recompute: an object it needs cannot be used"
-                );
-                continue;
+                .await
+            {
+                Ok(Some(merged)) => merged,
+                Ok(None) => {
+                    tracing::warn!(
+                        dispute = d.id,
+                        epoch,
+                        "cannot recompute: an object it needs cannot be used"
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(dispute = d.id, epoch, error = %e, "cannot recompute");
+                    continue;
+                }
             };
             // A dispute is settled by naming a submitted result. When no owner submitted the
             // honest merge, this validator submits it first (the orchestrator refuses a hash
