@@ -70,12 +70,18 @@ pub async fn epoch(
         ));
     }
     let miners = sqlx::query(
-        "SELECT t.miner, m.stage,
+        // The stage a miner worked in that epoch, not the one it is in now (a miner moves to a
+        // stage left empty): its pseudo-gradient's, else its last hop's.
+        "SELECT t.miner,
+            coalesce(
+              (SELECT g.stage FROM pseudo_gradients g
+                WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = t.miner LIMIT 1),
+              (array_agg(t.stage ORDER BY t.completed_at DESC NULLS LAST, t.id DESC))[1]) AS stage,
             count(*) FILTER (WHERE t.direction = 'forward' AND t.status = 'done') AS fwd,
             count(*) FILTER (WHERE t.direction = 'backward' AND t.status = 'done') AS bwd,
             count(*) FILTER (WHERE t.status IN ('expired', 'failed')) AS failed
-         FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
-         WHERE t.run_id = $1 AND t.epoch = $2 GROUP BY t.miner, m.stage ORDER BY m.stage, t.miner",
+         FROM tasks t
+         WHERE t.run_id = $1 AND t.epoch = $2 GROUP BY t.miner ORDER BY stage, t.miner",
     )
     .bind(app.run.id)
     .bind(epoch as i64)
@@ -336,13 +342,21 @@ pub async fn spot_checks(
              SELECT miner FROM pseudo_gradients WHERE run_id = $1 AND epoch = $2
                AND ($3::text IS NULL OR miner > $3)
          ), page AS (SELECT miner FROM workers ORDER BY miner LIMIT $4)
-         SELECT p.miner AS hotkey, m.stage,
+         SELECT p.miner AS hotkey,
+            -- The stage it worked in that epoch, not the one it is in now (a miner moves to a
+            -- stage left empty): its pseudo-gradient's, else its last hop's.
+            coalesce(
+              (SELECT g.stage FROM pseudo_gradients g
+                WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner LIMIT 1),
+              (SELECT t.stage FROM tasks t
+                WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner AND t.status = 'done'
+                ORDER BY t.completed_at DESC, t.id DESC LIMIT 1)) AS stage,
             coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
               WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner
                 AND t.status = 'done'), '{}') AS hops,
             coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
               WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner), '{}') AS pgs
-         FROM page p JOIN miners m ON m.run_id = $1 AND m.hotkey = p.miner
+         FROM page p
          ORDER BY p.miner",
     )
     .bind(app.run.id)

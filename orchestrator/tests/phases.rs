@@ -3287,6 +3287,53 @@ async fn a_bad_object_report_and_completing_the_samples_hop_do_not_deadlock() {
     assert_eq!(status, "abandoned");
 }
 
+/// A validator reads the stage each miner worked in during an epoch, not the stage it is in
+/// now: a miner moved to a stage left empty was replayed on its new stage, against the wrong
+/// weights and shapes, and penalised for honest work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_validator_reads_the_stage_a_miner_worked_in() {
+    init_tracing();
+    let seeds = [241u8, 242, 243, FIRST_VALIDATOR + 6];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds[..3]).await;
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| !w.is_empty()).await;
+    let hotkey = worked.first().expect("a miner with gradient work").clone();
+    let stage: i32 = sqlx::query_scalar("SELECT stage FROM miners WHERE hotkey = $1")
+        .bind(&hotkey)
+        .fetch_one(&s.db)
+        .await
+        .expect("its stage");
+    // It moves on, as a miner released to fill an empty stage does.
+    sqlx::query("UPDATE miners SET stage = $2 WHERE hotkey = $1")
+        .bind(&hotkey)
+        .bind((stage + 1) % run.stages as i32)
+        .execute(&s.db)
+        .await
+        .expect("moved");
+    let validator = iota_protocol::ApiClient::connect(
+        &s.base,
+        signer(FIRST_VALIDATOR + 6),
+        iota_protocol::RetryPolicy::default(),
+    )
+    .await
+    .expect("validator");
+    let record = validator.epoch_record(0).await.expect("epoch record");
+    let work = record
+        .miners
+        .iter()
+        .find(|m| m.hotkey == hotkey)
+        .expect("its work");
+    assert_eq!(work.stage, stage as u32, "{work:?}");
+    let tasks = validator.spot_checks(0).await.expect("spot checks");
+    let candidate = tasks
+        .miners
+        .iter()
+        .find(|m| m.hotkey == hotkey)
+        .expect("a candidate");
+    assert_eq!(candidate.stage, stage as u32, "{candidate:?}");
+}
+
 /// An owner added to a partition is drawn at random among the miners that rank the same (same
 /// stage preference, as few assignments): by hotkey, a miner could know it would be the tie-break
 /// owner of a dispute, and choose a hotkey to be.

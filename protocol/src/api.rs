@@ -861,7 +861,8 @@ pub struct EpochRecord {
 pub struct MinerWork {
     /// Miner.
     pub hotkey: String,
-    /// Stage.
+    /// The stage it worked in during the epoch (its pseudo-gradient's, else its last hop's),
+    /// which may not be the stage it is in now.
     pub stage: u32,
     /// Completed forward hops.
     pub forward_done: u64,
@@ -907,7 +908,8 @@ pub struct SpotCheckTasks {
 pub struct SpotCheckCandidate {
     /// Miner.
     pub hotkey: String,
-    /// Stage.
+    /// The stage it worked in during the epoch (its pseudo-gradient's, else its last hop's),
+    /// which may not be the stage it is in now: the stage to replay it on.
     pub stage: u32,
     /// Completed hops, by completion time (the replay order).
     pub hop_task_ids: Vec<i64>,
