@@ -13,8 +13,8 @@ use iota_chain::{Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
 use iota_protocol::api::limits::MAX_SAMPLES_PER_EPOCH;
 use iota_protocol::api::{
-    Direction, EpochRecord, HopRecord, PartitionState, RunConfig, SampleRecord, SpotCheckReport,
-    SpotCheckResult,
+    Direction, EpochRecord, HopRecord, PartitionState, PartitionStatus, RunConfig, SampleRecord,
+    SpotCheckReport, SpotCheckResult,
 };
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
@@ -159,6 +159,31 @@ fn pick<T: Clone>(items: &[T], n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T>
         return items.to_vec();
     }
     items.choose_multiple(rng, n).cloned().collect()
+}
+
+/// The merges a validator recomputes: every partition whose owners submitted different results
+/// (a dispute, whose losers are penalised on this validator's own recomputation, not on whoever
+/// settled it), and `n` drawn among the other partitions with a result (0: all of them).
+fn merges_to_check(
+    partitions: &[PartitionStatus],
+    n: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> Vec<PartitionStatus> {
+    let (disputed, agreed): (Vec<_>, Vec<_>) = partitions
+        .iter()
+        .filter(|p| p.state == PartitionState::Accepted || !p.results.is_empty())
+        .cloned()
+        .partition(|p| {
+            let hashes: HashSet<&str> = p
+                .results
+                .iter()
+                .filter_map(|r| r.blake3.as_deref())
+                .collect();
+            hashes.len() > 1
+        });
+    let mut checked = disputed;
+    checked.extend(pick(&agreed, n, rng));
+    checked
 }
 
 /// The most sample records read for one epoch: an epoch starts at most the run's
@@ -712,13 +737,7 @@ impl Validator {
 
         // Merges: every owner's submitted hash against the recomputation (none when an object
         // the recomputation needs cannot be used: its producer is blamed instead).
-        let accepted: Vec<_> = record
-            .partitions
-            .iter()
-            .filter(|p| p.state == PartitionState::Accepted || !p.results.is_empty())
-            .cloned()
-            .collect();
-        for p in pick(&accepted, self.cfg.merges_per_epoch, &mut rng) {
+        for p in merges_to_check(&record.partitions, self.cfg.merges_per_epoch, &mut rng) {
             let hash = match self
                 .recompute(&record, p.stage, p.partition, &mut objects)
                 .await
@@ -1222,7 +1241,45 @@ pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send
 #[cfg(test)]
 mod tests {
     use super::*;
+    use iota_protocol::api::MergeResult;
     use iota_protocol::{ApiError, ClientError, ErrorCode};
+
+    /// Every partition whose owners disagreed is checked, however few others are drawn: a dispute
+    /// lost is a merge check failed, as the README says.
+    #[test]
+    fn every_disputed_merge_is_checked_and_a_draw_of_the_others() {
+        use rand::SeedableRng;
+        let partition = |i: u32, hashes: &[&str]| PartitionStatus {
+            epoch: 0,
+            stage: i / 4,
+            partition: i % 4,
+            state: PartitionState::Accepted,
+            owners: Vec::new(),
+            results: hashes
+                .iter()
+                .enumerate()
+                .map(|(k, h)| MergeResult {
+                    hotkey: format!("owner-{i}-{k}"),
+                    blake3: Some((*h).to_owned()),
+                })
+                .collect(),
+            accepted: None,
+            resolved_by: None,
+        };
+        let mut all: Vec<PartitionStatus> = (0..12).map(|i| partition(i, &["aa", "aa"])).collect();
+        all[3] = partition(3, &["aa", "bb"]);
+        all[9] = partition(9, &["aa", "bb", "aa"]);
+        for seed in 0..20 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let checked = merges_to_check(&all, 1, &mut rng);
+            let ids: Vec<u32> = checked.iter().map(|p| p.stage * 4 + p.partition).collect();
+            assert_eq!(checked.len(), 3, "{ids:?}");
+            assert!(ids.contains(&3) && ids.contains(&9), "{ids:?}");
+        }
+        // 0 draws every partition.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        assert_eq!(merges_to_check(&all, 0, &mut rng).len(), 12);
+    }
 
     #[test]
     fn only_a_silent_or_gatewayed_orchestrator_is_unreachable() {
