@@ -583,8 +583,13 @@ async fn check_signed(
             .await?;
         // Any body read after its signature holds takes the slots, an upload's or a large JSON
         // one's: otherwise one registered hotkey could have as many large bodies arriving at
-        // once as its rate limit lets it start while earlier ones still come.
-        let slots = Some(upload_slots(app, &parts, &caller).await?);
+        // once as its rate limit lets it start while earlier ones still come. A request with no
+        // body (a download's GET) takes none: it would wait for uploads to finish.
+        let bodiless = axum::body::HttpBody::size_hint(&body).exact() == Some(0);
+        let slots = match routes.uploads || !bodiless {
+            true => Some(upload_slots(app, &parts, &caller).await?),
+            false => None,
+        };
         let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
         if body_sha256_hex(&bytes) != body_hash.as_bytes() {
             return Err(AppError::new(

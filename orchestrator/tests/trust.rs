@@ -967,6 +967,17 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
     )
     .await;
     assert_eq!(code(&busy), Some(ErrorCode::RateLimited), "{busy:?}");
+    // A request without a body (a download) takes no upload slot: it is answered (here 404, no
+    // such object), not told to come back.
+    let download = raw
+        .signed(
+            &pair(OTHER_MINER),
+            reqwest::Method::GET,
+            "/v1/blobs/runs/1/nothing",
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(download.0, 404, "{download:?}");
     // The stalled bodies are cut off once they fall behind: at the base timeout, since nothing
     // came (the declared length would allow 13 s).
     for stream in &mut held {
