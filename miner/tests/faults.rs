@@ -271,11 +271,7 @@ async fn a_bad_input_is_reported_and_skipped() {
         .expect("upload")
         .blob;
     // Replaced in the store after the checks on upload.
-    let path = store.path().join(&blob.key);
-    let mut stored = std::fs::read(&path).expect("stored object");
-    let last = stored.len() - 1;
-    stored[last] ^= 0xff;
-    std::fs::write(&path, &stored).expect("replace it");
+    corrupt_stored(&store.path().join(&blob.key));
     producer
         .complete(
             item.task_id,

@@ -3235,11 +3235,7 @@ async fn a_bad_object_report_and_completing_the_samples_hop_do_not_deadlock() {
         .position(|m| m.stage == 1)
         .expect("a miner of stage 1");
     // The object goes bad in the store.
-    let path = s._store.path().join(&blob.key);
-    let mut bytes = std::fs::read(&path).expect("stored object");
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0xff;
-    std::fs::write(&path, &bytes).expect("corrupt it");
+    corrupt_stored(&s._store.path().join(&blob.key));
 
     // A completion's order: its hop, then (once the report waits) its sample.
     let mut completing = s.db.begin().await.expect("tx");

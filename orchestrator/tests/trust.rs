@@ -578,10 +578,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
     assert_eq!(task_status, "done");
     pool.close().await;
     std::fs::rename(&aside, &path).expect("put the object back");
-    let mut bytes = std::fs::read(&path).expect("stored object");
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0xff;
-    std::fs::write(&path, &bytes).expect("corrupt it");
+    corrupt_stored(&path);
     let bad = other.download(&input).await.expect_err("corrupt download");
     assert!(
         matches!(bad, iota_protocol::ClientError::BadObject(_)),

@@ -29,6 +29,15 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Flips the last byte of the object stored at `path` (a local store's file): its size and
+/// layout stay, its hash no longer matches what was committed.
+pub fn corrupt_stored(path: &std::path::Path) {
+    let mut bytes = std::fs::read(path).expect("stored object");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(path, &bytes).expect("corrupt it");
+}
+
 /// The S3-protocol store `scripts/test.sh` starts (moto, `scripts/s3.sh`) and exports.
 pub fn s3_store() -> iota_orchestrator::StoreConfig {
     let endpoint = std::env::var("IOTA_TEST_S3_ENDPOINT").expect(
