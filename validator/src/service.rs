@@ -1152,8 +1152,8 @@ impl Validator {
         Ok(report.revealed.len())
     }
 
-    /// One pass: reveals, disputes, every finished epoch not scored yet, then weights if a new
-    /// epoch was scored. Returns the epochs scored. When the orchestrator cannot be reached,
+    /// One pass: reveals, disputes, every finished epoch not scored yet, then weights if the
+    /// latest scored epoch's have not reached the chain ([`Validator::weights_owed`]). Returns the epochs scored. When the orchestrator cannot be reached,
     /// the pass copies the chain's consensus weights at the subnet's cadence instead
     /// ([`Validator::copy_consensus_weights`]).
     pub async fn step(&self) -> Result<Vec<u64>, ValidatorError> {
@@ -1208,14 +1208,59 @@ impl Validator {
                 Err(e) => return Err(e),
             }
         }
-        if self.cfg.set_weights && !scored.is_empty() {
-            match self.submit_weights().await {
-                Ok(_) => {}
+        if self.cfg.set_weights {
+            let sent = match self.weights_owed(o.run_id).await {
+                Ok(true) => self.submit_weights().await.map(|_| ()),
+                Ok(false) => Ok(()),
+                Err(e) => Err(e),
+            };
+            match sent {
+                Ok(()) => {}
                 Err(ValidatorError::Chain(e)) => tracing::warn!(error = %e, "weights not set"),
                 Err(e) => return Err(e),
             }
         }
         Ok(scored)
+    }
+
+    /// Whether to send weights now: the latest scored epoch's have not reached the chain (the
+    /// pass that scored it could not send them, or a send failed) and the subnet's rate limit
+    /// lets this validator set weights at the next block. Without the second check, a pass
+    /// would send into the rate limit and fail; without the first, weights that failed once
+    /// waited for the next epoch to be scored, which a stalled run may never bring.
+    async fn weights_owed(&self, run_id: i64) -> Result<bool, ValidatorError> {
+        let Some(latest) = self.store.latest_scored(run_id).await? else {
+            return Ok(false);
+        };
+        if self
+            .store
+            .submission_for_epoch(run_id, latest)
+            .await?
+            .is_some()
+        {
+            return Ok(false);
+        }
+        let meta = self.chain.metagraph(self.cfg.netuid).await?;
+        let public = self.hotkey.public();
+        let Some(me) = meta.neuron_by_hotkey(&public) else {
+            return Err(iota_chain::ChainError::NotRegistered {
+                hotkey: public.ss58(),
+                netuid: self.cfg.netuid,
+            }
+            .into());
+        };
+        let limit = meta.hyperparams.weights_rate_limit;
+        let allowed = me.last_update == 0 || meta.block + 1 >= me.last_update.saturating_add(limit);
+        if !allowed {
+            tracing::debug!(
+                epoch = latest,
+                block = meta.block,
+                last_update = me.last_update,
+                rate_limit = limit,
+                "weights owed: waiting out the rate limit"
+            );
+        }
+        Ok(allowed)
     }
 }
 

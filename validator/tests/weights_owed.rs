@@ -1,0 +1,145 @@
+//! Weights that did not reach the chain when their epoch was scored are sent by a later pass, as
+//! soon as the subnet's rate limit lets the validator set weights, without waiting for another
+//! epoch to be scored (a stalled run may never bring one), and only once.
+//!
+//! Localnet in-process, an orchestrator with no miners (its run stays in epoch 0), and a
+//! validator whose database holds epoch 0 scored: the state a pass leaves when it scores an
+//! epoch and its weights fail. Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+
+#[path = "../../orchestrator/tests/common/mod.rs"]
+mod common;
+
+use common::*;
+use iota_chain::calls::Hyperparam;
+use iota_chain::commit::MemoryCommitStore;
+use iota_chain::wallet::Keypair;
+use iota_chain::{ConnectOptions, Subtensor, WeightOptions, WeightsOutcome};
+use iota_validator::score::EpochScore;
+use iota_validator::{Store, Validator, ValidatorConfig};
+use sp_core::Pair as _;
+
+const MINERS: [u8; 2] = [21, 22];
+const VALIDATOR: u8 = 29;
+/// Blocks between two weight settings of one uid.
+const RATE_LIMIT: u64 = 20;
+
+fn alice() -> Keypair {
+    Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec()).expect("alice")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let (c, netuid) = (&chain.chain, chain.netuid);
+    // No rate limit until the validator has set weights by hand (below): registration counts
+    // as an update.
+    for setting in [
+        Hyperparam::CommitRevealWeightsEnabled(false),
+        Hyperparam::WeightsRateLimit(0),
+    ] {
+        c.set_hyperparam(&alice(), netuid, setting, true, &tx())
+            .await
+            .expect("hyperparameter");
+    }
+    let db = fresh_db().await;
+    let store_dir = tempfile::tempdir().expect("store");
+    let mut run = run_config("weights-owed");
+    // No epoch ends while the test runs: nothing new to score.
+    run.training_s = 1800;
+    let orch = start(config(&chain, &db, store_dir.path(), run)).await;
+
+    let vdb = fresh_db().await;
+    let store = Store::connect(&vdb).await.expect("validator db");
+    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+        .await
+        .expect("chain");
+    let mut cfg = ValidatorConfig::new(orch.base.clone(), netuid);
+    cfg.tx = tx();
+    let hotkey = Keypair::from_seed([VALIDATOR; 32]);
+    let v = Validator::connect(cfg, hotkey.clone(), vchain, store.clone())
+        .await
+        .expect("validator");
+    let (run_id, _) = v.run_info().await.expect("run");
+    let meta = c.metagraph(netuid).await.expect("metagraph");
+    let uid = |seed: u8| meta.uid_of(&public(&pair(seed))).expect("uid");
+
+    // Epoch 0 scored 1:3, its weights not sent.
+    let scores: Vec<EpochScore> = [(MINERS[0], 1.0), (MINERS[1], 3.0)]
+        .into_iter()
+        .map(|(seed, score)| EpochScore {
+            hotkey: public(&pair(seed)).ss58(),
+            epoch: 0,
+            work: score,
+            quality: 1.0,
+            score,
+            penalty: None,
+        })
+        .collect();
+    store
+        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
+        .await
+        .expect("epoch 0 scored");
+    // The validator has just set weights (by hand): the rate limit holds it back.
+    let by_hand = c
+        .set_weights(
+            &hotkey,
+            netuid,
+            &[uid(MINERS[0])],
+            &[1.0],
+            &MemoryCommitStore::new(),
+            &WeightOptions {
+                tx: tx(),
+                ..WeightOptions::default()
+            },
+        )
+        .await
+        .expect("weights by hand");
+    let WeightsOutcome::Set { block: set_at, .. } = by_hand else {
+        panic!("{by_hand:?}");
+    };
+    c.set_hyperparam(
+        &alice(),
+        netuid,
+        Hyperparam::WeightsRateLimit(RATE_LIMIT),
+        true,
+        &tx(),
+    )
+    .await
+    .expect("rate limit");
+
+    // Within the rate limit: nothing is sent (a send would fail).
+    assert!(v.step().await.expect("step").is_empty());
+    let subs = store.submissions(10).await.expect("submissions");
+    assert!(subs.is_empty(), "sent into the rate limit: {subs:?}");
+
+    // Past it, the owed weights go, though no epoch was scored since.
+    chain.net.produce_blocks(RATE_LIMIT as u32);
+    assert!(v.step().await.expect("step").is_empty());
+    let subs = store.submissions(10).await.expect("submissions");
+    assert_eq!(subs.len(), 1, "{subs:?}");
+    let sent = &subs[0];
+    assert_eq!(
+        (sent.source.as_str(), sent.state.as_str(), sent.epoch),
+        ("scores", "set", Some(0)),
+        "{sent:?}"
+    );
+    let block = sent.block.expect("a block");
+    assert!(block >= set_at + RATE_LIMIT, "{block} after {set_at}");
+    assert_eq!(sent.uids, vec![uid(MINERS[0]), uid(MINERS[1])]);
+    assert!(
+        (sent.weights[1] / sent.weights[0] - 3.0).abs() < 1e-6,
+        "{sent:?}"
+    );
+    let meta = c.metagraph(netuid).await.expect("metagraph");
+    let me = meta
+        .neuron_by_hotkey(&hotkey.public())
+        .expect("the validator");
+    assert_eq!(me.last_update, block, "the weights reached the chain");
+
+    // Sent once: later passes, past the rate limit again, send nothing more.
+    chain.net.produce_blocks(RATE_LIMIT as u32);
+    v.step().await.expect("step");
+    assert_eq!(store.submissions(10).await.expect("subs").len(), 1);
+    orch.stop().await;
+}
