@@ -118,7 +118,8 @@ pub enum ClaspError {
     /// The system could not be solved (a non-positive ridge with unidentifiable effects).
     #[error("the normal equations are singular; use a positive ridge")]
     Singular,
-    /// More distinct miners than a fit takes ([`MAX_MINERS`]).
+    /// More distinct miners (a hotkey at each stage it served) than a fit takes
+    /// ([`MAX_MINERS`]).
     #[error("more than {0} distinct miners on the pathways")]
     TooManyMiners(usize),
 }
@@ -475,7 +476,11 @@ impl HotkeyEffects {
 /// finished or abandoned after its loss; others are skipped. Abandoned samples count because
 /// which ones finish is up to the miners downstream: fitting finished samples only would let a
 /// miner that lets the backwards of a rival's low-loss samples lapse make the rival look worse.
-/// A miner is placed at the stage where it appears; one hotkey on two stages is refused.
+///
+/// A miner is placed at each stage where it appears: one the orchestrator moved to another stage
+/// during the epoch (to fill a stage left empty) is fitted once per stage, and its worst effect
+/// is the one it gets (flagged at any stage is flagged). Refusing such an epoch left every
+/// miner of it unattributed.
 pub fn fit_samples(
     stages: usize,
     samples: &[iota_protocol::api::SampleRecord],
@@ -484,7 +489,7 @@ pub fn fit_samples(
     fit_samples_of_at_most(stages, samples, cfg, MAX_MINERS)
 }
 
-/// [`fit_samples`], refusing more than `max_miners` distinct hotkeys.
+/// [`fit_samples`], refusing more than `max_miners` distinct (hotkey, stage) pairs.
 fn fit_samples_of_at_most(
     stages: usize,
     samples: &[iota_protocol::api::SampleRecord],
@@ -498,44 +503,74 @@ fn fit_samples_of_at_most(
                 && s.loss.is_some()
         })
     };
-    let mut index: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
-    let mut hotkeys: Vec<String> = Vec::new();
+    // One unknown per (hotkey, stage).
+    let mut index: std::collections::HashMap<(&str, u32), u32> = std::collections::HashMap::new();
+    let mut placed: Vec<&str> = Vec::new();
     let mut miner_stage: Vec<u32> = Vec::new();
-    for (n, s) in usable().enumerate() {
+    for s in usable() {
         for (k, h) in s.pathway.iter().enumerate() {
-            match index.get(h.as_str()) {
-                Some(m) if miner_stage[*m as usize] != k as u32 => {
-                    return Err(ClaspError::WrongMiner {
-                        index: n as u64,
-                        miner: *m,
-                        stage: k,
-                    });
-                }
-                Some(_) => {}
-                // Counted before anything is sized from them.
-                None if hotkeys.len() >= max_miners => {
-                    return Err(ClaspError::TooManyMiners(max_miners));
-                }
-                None => {
-                    index.insert(h, hotkeys.len() as u32);
-                    hotkeys.push(h.clone());
-                    miner_stage.push(k as u32);
-                }
+            let key = (h.as_str(), k as u32);
+            if index.contains_key(&key) {
+                continue;
             }
+            // Counted before anything is sized from them.
+            if placed.len() >= max_miners {
+                return Err(ClaspError::TooManyMiners(max_miners));
+            }
+            index.insert(key, placed.len() as u32);
+            placed.push(h);
+            miner_stage.push(k as u32);
         }
     }
     let mut clasp = Clasp::new(stages, miner_stage);
     let mut path = vec![0u32; stages];
     for s in usable() {
-        for (p, h) in path.iter_mut().zip(&s.pathway) {
-            *p = index.get(h.as_str()).copied().unwrap_or_default();
+        for (k, (p, h)) in path.iter_mut().zip(&s.pathway).enumerate() {
+            *p = index
+                .get(&(h.as_str(), k as u32))
+                .copied()
+                .unwrap_or_default();
         }
         clasp.add(s.loss.unwrap_or_default(), &path)?;
     }
-    Ok(HotkeyEffects {
-        fit: clasp.fit(cfg)?,
+    let fit = clasp.fit(cfg)?;
+    Ok(worst_per_hotkey(fit, &placed))
+}
+
+/// `fit` (over `placed[i]` at their stages) with one effect per hotkey: for a hotkey placed at
+/// several stages, a flagged effect before an unflagged one, then the larger.
+fn worst_per_hotkey(fit: ClaspFit, placed: &[&str]) -> HotkeyEffects {
+    let mut hotkeys: Vec<String> = Vec::new();
+    let mut effects: Vec<MinerEffect> = Vec::new();
+    let mut at: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for e in fit.effects {
+        let Some(h) = placed.get(e.miner as usize).copied() else {
+            continue;
+        };
+        match at.get(h) {
+            None => {
+                at.insert(h, effects.len());
+                hotkeys.push(h.to_owned());
+                effects.push(MinerEffect {
+                    miner: effects.len() as u32,
+                    ..e
+                });
+            }
+            Some(&i) => {
+                let kept = &effects[i];
+                if (e.flagged, e.effect) > (kept.flagged, kept.effect) {
+                    effects[i] = MinerEffect {
+                        miner: i as u32,
+                        ..e
+                    };
+                }
+            }
+        }
+    }
+    HotkeyEffects {
+        fit: ClaspFit { effects, ..fit },
         hotkeys,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -597,9 +632,66 @@ mod record_tests {
             .map(|e| fitted.hotkeys[e.miner as usize].as_str())
             .collect();
         assert_eq!(flagged, vec!["b1"]);
-        // A hotkey at two stages is refused rather than silently merged.
-        samples[0].pathway = vec!["a0".into(), "a0".into()];
-        assert!(fit_samples(2, &samples, &ClaspConfig::default()).is_err());
+    }
+
+    /// Samples through `names`, one miner per stage at random; loss 3 plus 0.5 for each
+    /// (hotkey, stage) in `bad` on the pathway, plus noise.
+    fn records(seed: u64, names: &[[&str; 3]; 2], bad: &[(&str, usize)]) -> Vec<SampleRecord> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..3000)
+            .map(|i| {
+                let pathway: Vec<String> = names
+                    .iter()
+                    .map(|stage| stage[rng.gen_range(0..3)].to_owned())
+                    .collect();
+                let harm = bad.iter().filter(|(h, k)| pathway[*k] == *h).count() as f64;
+                SampleRecord {
+                    sample_id: i,
+                    epoch: 0,
+                    status: "done".into(),
+                    loss: Some(3.0 + 0.5 * harm + rng.gen_range(-0.1..0.1)),
+                    sequence_losses: None,
+                    pathway,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_miner_moved_between_stages_is_fitted_at_each_and_keeps_its_worst() {
+        // "m" served stage 0 for the first half of the epoch, then was moved to stage 1.
+        let before = [["a0", "m", "a2"], ["b0", "b1", "b2"]];
+        let after = [["a0", "a1", "a2"], ["b0", "m", "b2"]];
+        for (bad, harmful_at) in [((&"m", 0usize), 0u32), ((&"m", 1), 1)] {
+            let mut samples = records(5, &before, &[(bad.0, bad.1)]);
+            samples.extend(records(6, &after, &[(bad.0, bad.1)]));
+            let fitted = fit_samples(2, &samples, &ClaspConfig::default())
+                .expect("an epoch with a moved miner is fitted");
+            assert_eq!(fitted.fit.samples, 6000);
+            // One effect per hotkey, each pointing at its own hotkey.
+            let mut hotkeys = fitted.hotkeys.clone();
+            hotkeys.sort();
+            hotkeys.dedup();
+            assert_eq!(hotkeys.len(), fitted.hotkeys.len(), "{:?}", fitted.hotkeys);
+            assert_eq!(fitted.fit.effects.len(), fitted.hotkeys.len());
+            for (i, e) in fitted.fit.effects.iter().enumerate() {
+                assert_eq!(e.miner as usize, i);
+            }
+            let by = fitted.by_hotkey();
+            let flagged: Vec<&str> = by
+                .iter()
+                .filter(|(_, (_, f))| *f)
+                .map(|(h, _)| *h)
+                .collect();
+            assert_eq!(flagged, vec!["m"], "harmful at stage {harmful_at}: {by:?}");
+            let m = fitted
+                .fit
+                .effects
+                .iter()
+                .find(|e| fitted.hotkeys[e.miner as usize] == "m")
+                .expect("m");
+            assert_eq!(m.stage, harmful_at, "{m:?}");
+        }
     }
 
     #[test]
