@@ -21,7 +21,6 @@ use iota_protocol::client::RetryPolicy;
 use iota_validator::onchain::{at_number, weights_row};
 use iota_validator::store::SubmissionRow;
 use iota_validator::{Store, Validator, ValidatorConfig};
-use sp_core::Pair as _;
 
 const MINERS: [u8; 3] = [11, 12, 13];
 /// Sets 3:1 by hand and holds three quarters of the stake.
@@ -30,10 +29,6 @@ const OTHER: u8 = 98;
 const THIRD: u8 = 97;
 /// The validator under test.
 const VALIDATOR: u8 = 99;
-
-fn alice() -> Keypair {
-    Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec()).expect("alice")
-}
 
 /// A URL nothing listens on.
 fn dead_url() -> String {
@@ -48,17 +43,17 @@ async fn unreachable_orchestrator_means_consensus_weights_at_the_subnet_cadence(
     init_tracing();
     let chain = chain_with(&MINERS, &[OTHER, THIRD, VALIDATOR]).await;
     let (c, netuid) = (&chain.chain, chain.netuid);
-    for setting in [
-        Hyperparam::CommitRevealWeightsEnabled(false),
-        Hyperparam::WeightsRateLimit(0),
-    ] {
-        c.set_hyperparam(&alice(), netuid, setting, true, &tx())
-            .await
-            .expect("hyperparameter");
-    }
+    set_hyperparams(
+        &chain,
+        [
+            Hyperparam::CommitRevealWeightsEnabled(false),
+            Hyperparam::WeightsRateLimit(0),
+        ],
+    )
+    .await;
     // Stakes 6000 (OTHER), 1000 (THIRD), 1000 (the validator under test).
     c.add_stake(
-        &alice(),
+        &dev("Alice"),
         &public(&pair(OTHER)),
         netuid,
         5_000 * RAO_PER_TAO,

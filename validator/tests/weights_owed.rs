@@ -16,16 +16,11 @@ use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor, WeightOptions, WeightsOutcome};
 use iota_validator::score::EpochScore;
 use iota_validator::{Store, Validator, ValidatorConfig};
-use sp_core::Pair as _;
 
 const MINERS: [u8; 2] = [21, 22];
 const VALIDATOR: u8 = 29;
 /// Blocks between two weight settings of one uid.
 const RATE_LIMIT: u64 = 20;
-
-fn alice() -> Keypair {
-    Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec()).expect("alice")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
@@ -34,14 +29,14 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
     let (c, netuid) = (&chain.chain, chain.netuid);
     // No rate limit until the validator has set weights by hand (below): registration counts
     // as an update.
-    for setting in [
-        Hyperparam::CommitRevealWeightsEnabled(false),
-        Hyperparam::WeightsRateLimit(0),
-    ] {
-        c.set_hyperparam(&alice(), netuid, setting, true, &tx())
-            .await
-            .expect("hyperparameter");
-    }
+    set_hyperparams(
+        &chain,
+        [
+            Hyperparam::CommitRevealWeightsEnabled(false),
+            Hyperparam::WeightsRateLimit(0),
+        ],
+    )
+    .await;
     let db = fresh_db().await;
     let store_dir = tempfile::tempdir().expect("store");
     let mut run = run_config("weights-owed");
@@ -98,15 +93,7 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
     let WeightsOutcome::Set { block: set_at, .. } = by_hand else {
         panic!("{by_hand:?}");
     };
-    c.set_hyperparam(
-        &alice(),
-        netuid,
-        Hyperparam::WeightsRateLimit(RATE_LIMIT),
-        true,
-        &tx(),
-    )
-    .await
-    .expect("rate limit");
+    set_hyperparams(&chain, [Hyperparam::WeightsRateLimit(RATE_LIMIT)]).await;
 
     // Within the rate limit: nothing is sent (a send would fail).
     assert!(v.step().await.expect("step").is_empty());

@@ -86,8 +86,20 @@ pub fn public(p: &sr25519::Pair) -> PublicKey {
     PublicKey::from_bytes(p.public().0)
 }
 
-fn dev(name: &str) -> Keypair {
+/// A development account of the localnet (Alice is its sudo key).
+pub fn dev(name: &str) -> Keypair {
     Keypair::from_private_key(&iota_localnet::dev_pair(name).to_raw_vec()).expect("dev key")
+}
+
+/// Sets each of `settings` on the chain's subnet, as sudo.
+pub async fn set_hyperparams(chain: &Chain, settings: impl IntoIterator<Item = Hyperparam>) {
+    for setting in settings {
+        chain
+            .chain
+            .set_hyperparam(&dev("Alice"), chain.netuid, setting, true, &tx())
+            .await
+            .expect("hyperparameter");
+    }
 }
 
 pub fn tx() -> TxOptions {
