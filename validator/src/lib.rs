@@ -11,6 +11,7 @@
 //!   database and the chain.
 //! * [`fallback`]: the consensus weights set while the orchestrator is unreachable.
 //! * [`onchain`]: reads of the chain's weight storage.
+//! * [`owed`]: when weights that did not reach the chain are tried again.
 
 pub mod audit;
 pub mod clasp;
@@ -19,6 +20,7 @@ mod error;
 pub mod fallback;
 pub mod merges;
 pub mod onchain;
+pub mod owed;
 pub mod replay;
 pub mod score;
 pub mod service;

@@ -30,6 +30,7 @@ use crate::error::ValidatorError;
 use crate::fallback::{consensus_weights, stake_weighted_mean};
 use crate::merges::recompute_merge;
 use crate::onchain::weight_rows;
+use crate::owed::OwedWeights;
 use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
 use crate::score::{EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid};
 use crate::store::{CheckRow, Store, WeightSource};
@@ -113,6 +114,8 @@ pub struct Validator {
     hotkey: Keypair,
     store: Store,
     online: tokio::sync::OnceCell<Online>,
+    /// When owed weights may be tried again ([`Validator::weights_owed`]).
+    owed: std::sync::Mutex<OwedWeights>,
 }
 
 /// Whether `e` means the orchestrator cannot be reached (the network failed on every retry, or a
@@ -324,6 +327,7 @@ impl Validator {
             hotkey,
             store,
             online: tokio::sync::OnceCell::new(),
+            owed: std::sync::Mutex::default(),
         };
         match v.online().await {
             Ok(_) => {}
@@ -1210,8 +1214,17 @@ impl Validator {
         }
         if self.cfg.set_weights {
             let sent = match self.weights_owed(o.run_id).await {
-                Ok(true) => self.submit_weights().await.map(|_| ()),
-                Ok(false) => Ok(()),
+                Ok(Some((epoch, best))) => match self.submit_weights().await {
+                    Ok(outcome) => {
+                        self.owed().settled(outcome.is_none().then_some(epoch));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.owed().failed(best);
+                        Err(e)
+                    }
+                },
+                Ok(None) => Ok(()),
                 Err(e) => Err(e),
             };
             match sent {
@@ -1223,14 +1236,17 @@ impl Validator {
         Ok(scored)
     }
 
-    /// Whether to send weights now: the latest scored epoch's have not reached the chain (the
-    /// pass that scored it could not send them, or a send failed) and the subnet's rate limit
-    /// lets this validator set weights at the next block. Without the second check, a pass
-    /// would send into the rate limit and fail; without the first, weights that failed once
-    /// waited for the next epoch to be scored, which a stalled run may never bring.
-    async fn weights_owed(&self, run_id: i64) -> Result<bool, ValidatorError> {
+    /// The epoch whose weights to send now, and the best block read: the latest scored epoch's
+    /// have not reached the chain (the pass that scored it could not send them, or a send
+    /// failed), and the subnet's rate limit lets this validator set weights at the next block.
+    /// Without the first check, weights that failed once waited for the next epoch to be scored,
+    /// which a stalled run may never bring; without the second, a pass would send into the rate
+    /// limit and fail. Between passes, [`OwedWeights`] keeps the rate limit as last read and the
+    /// back-off after failed sends, so that a pass reads one block number, not the metagraph,
+    /// until a try is due.
+    async fn weights_owed(&self, run_id: i64) -> Result<Option<(u64, u64)>, ValidatorError> {
         let Some(latest) = self.store.latest_scored(run_id).await? else {
-            return Ok(false);
+            return Ok(None);
         };
         if self
             .store
@@ -1238,7 +1254,11 @@ impl Validator {
             .await?
             .is_some()
         {
-            return Ok(false);
+            return Ok(None);
+        }
+        let best = self.chain.best_block_number().await?;
+        if !self.owed().may_try(latest, best) {
+            return Ok(None);
         }
         let meta = self.chain.metagraph(self.cfg.netuid).await?;
         let public = self.hotkey.public();
@@ -1250,17 +1270,27 @@ impl Validator {
             .into());
         };
         let limit = meta.hyperparams.weights_rate_limit;
-        let allowed = me.last_update == 0 || meta.block + 1 >= me.last_update.saturating_add(limit);
-        if !allowed {
+        // The chain lets a uid that never set weights (LastUpdate 0) set them at once.
+        let allowed_from = match me.last_update {
+            0 => 0,
+            last => last.saturating_add(limit),
+        };
+        let mut owed = self.owed();
+        owed.rate_limited_until(allowed_from);
+        if !owed.may_try(latest, meta.block) {
             tracing::debug!(
                 epoch = latest,
                 block = meta.block,
-                last_update = me.last_update,
-                rate_limit = limit,
+                allowed_from,
                 "weights owed: waiting out the rate limit"
             );
+            return Ok(None);
         }
-        Ok(allowed)
+        Ok(Some((latest, meta.block)))
+    }
+
+    fn owed(&self) -> std::sync::MutexGuard<'_, OwedWeights> {
+        self.owed.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
