@@ -1263,6 +1263,8 @@ impl Validator {
         let meta = self.chain.metagraph(self.cfg.netuid).await?;
         let public = self.hotkey.public();
         let Some(me) = meta.neuron_by_hotkey(&public) else {
+            // Not read again at every pass while this hotkey has no uid.
+            self.owed().failed(meta.block);
             return Err(iota_chain::ChainError::NotRegistered {
                 hotkey: public.ss58(),
                 netuid: self.cfg.netuid,
