@@ -384,11 +384,8 @@ impl Subtensor {
         timeout: Duration,
     ) -> Result<(), ChainError> {
         let (last, limit) = (ctx.last_update, ctx.hyperparams.weights_rate_limit);
-        if last == 0 || limit == 0 {
-            return Ok(());
-        }
+        let allowed_from = weights_allowed_from(last, limit);
         // The chain checks `now - last >= limit` with `now` the inclusion block, the next one.
-        let allowed_from = last.saturating_add(limit);
         let next = ctx.best + 1;
         if next >= allowed_from {
             return Ok(());
@@ -628,10 +625,29 @@ impl Subtensor {
     }
 }
 
+/// The first block a transaction from a uid whose `LastUpdate` is `last_update` may land in and
+/// set weights under `WeightsSetRateLimit` = `rate_limit` (0: at once; a uid that never set
+/// weights is not limited).
+pub fn weights_allowed_from(last_update: u64, rate_limit: u64) -> u64 {
+    match last_update {
+        0 => 0,
+        last => last.saturating_add(rate_limit),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::metagraph::epoch_index;
+
+    #[test]
+    fn the_rate_limit_counts_from_the_last_update() {
+        // A uid that never set weights may at once, whatever the limit.
+        assert_eq!(weights_allowed_from(0, 100), 0);
+        assert_eq!(weights_allowed_from(50, 100), 150);
+        assert_eq!(weights_allowed_from(50, 0), 50);
+        assert_eq!(weights_allowed_from(u64::MAX - 1, 100), u64::MAX);
+    }
 
     fn hp(n: u16, min_allowed: u16, max_limit: u16) -> Hyperparams {
         Hyperparams {

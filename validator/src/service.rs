@@ -7,9 +7,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use iota_chain::set_weights::{WeightOptions, WeightsOutcome, convert_as_given, weights_for_chain};
+use iota_chain::set_weights::{
+    WeightOptions, WeightsOutcome, convert_as_given, weights_allowed_from, weights_for_chain,
+};
 use iota_chain::wallet::Keypair;
-use iota_chain::{Subtensor, TxOptions};
+use iota_chain::{Metagraph, Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
 use iota_protocol::api::limits::MAX_SAMPLES_PER_EPOCH;
 use iota_protocol::api::{
@@ -955,10 +957,11 @@ impl Validator {
         Ok(settled)
     }
 
-    /// The weights the stored scores give, by uid (hotkeys not on the subnet are dropped), with
-    /// the latest scored epoch they come from.
+    /// The weights the stored scores give, by the uids of `meta` (hotkeys not on the subnet are
+    /// dropped), with the latest scored epoch they come from.
     pub async fn weights_from_db(
         &self,
+        meta: &Metagraph,
     ) -> Result<Option<(u64, Vec<u16>, Vec<f64>)>, ValidatorError> {
         let o = self.online().await?;
         let Some(latest) = self.store.latest_scored(o.run_id).await? else {
@@ -968,7 +971,6 @@ impl Validator {
             .store
             .recent_scores(o.run_id, self.cfg.score.window)
             .await?;
-        let meta = self.chain.metagraph(self.cfg.netuid).await?;
         let uid_of: BTreeMap<String, u16> = meta
             .neurons
             .iter()
@@ -980,11 +982,14 @@ impl Validator {
         )
     }
 
-    /// Sets weights from the database: the submission is recorded before it is sent and its
-    /// outcome after.
-    pub async fn submit_weights(&self) -> Result<Option<WeightsOutcome>, ValidatorError> {
+    /// Sets weights from the database, mapped to the uids of `meta`: the submission is recorded
+    /// before it is sent and its outcome after.
+    pub async fn submit_weights(
+        &self,
+        meta: &Metagraph,
+    ) -> Result<Option<WeightsOutcome>, ValidatorError> {
         let o = self.online().await?;
-        let Some((epoch, uids, values)) = self.weights_from_db().await? else {
+        let Some((epoch, uids, values)) = self.weights_from_db(meta).await? else {
             return Ok(None);
         };
         self.send_weights(
@@ -1157,9 +1162,9 @@ impl Validator {
     }
 
     /// One pass: reveals, disputes, every finished epoch not scored yet, then weights if the
-    /// latest scored epoch's have not reached the chain ([`Validator::weights_owed`]). Returns the epochs scored. When the orchestrator cannot be reached,
-    /// the pass copies the chain's consensus weights at the subnet's cadence instead
-    /// ([`Validator::copy_consensus_weights`]).
+    /// latest scored epoch's have not reached the chain ([`Validator::weights_owed`]). Returns
+    /// the epochs scored. When the orchestrator cannot be reached, the pass copies the chain's
+    /// consensus weights at the subnet's cadence instead ([`Validator::copy_consensus_weights`]).
     pub async fn step(&self) -> Result<Vec<u64>, ValidatorError> {
         if self.cfg.set_weights
             && let Err(e) = self.reveal().await
@@ -1214,13 +1219,13 @@ impl Validator {
         }
         if self.cfg.set_weights {
             let sent = match self.weights_owed(o.run_id).await {
-                Ok(Some((epoch, best))) => match self.submit_weights().await {
+                Ok(Some((epoch, meta))) => match self.submit_weights(&meta).await {
                     Ok(outcome) => {
                         self.owed().settled(outcome.is_none().then_some(epoch));
                         Ok(())
                     }
                     Err(e) => {
-                        self.owed().failed(best);
+                        self.owed().failed(meta.block);
                         Err(e)
                     }
                 },
@@ -1236,7 +1241,7 @@ impl Validator {
         Ok(scored)
     }
 
-    /// The epoch whose weights to send now, and the best block read: the latest scored epoch's
+    /// The epoch whose weights to send now, and the metagraph read: the latest scored epoch's
     /// have not reached the chain (the pass that scored it could not send them, or a send
     /// failed), and the subnet's rate limit lets this validator set weights at the next block.
     /// Without the first check, weights that failed once waited for the next epoch to be scored,
@@ -1244,7 +1249,7 @@ impl Validator {
     /// limit and fail. Between passes, [`OwedWeights`] keeps the rate limit as last read and the
     /// back-off after failed sends, so that a pass reads one block number, not the metagraph,
     /// until a try is due.
-    async fn weights_owed(&self, run_id: i64) -> Result<Option<(u64, u64)>, ValidatorError> {
+    async fn weights_owed(&self, run_id: i64) -> Result<Option<(u64, Metagraph)>, ValidatorError> {
         let Some(latest) = self.store.latest_scored(run_id).await? else {
             return Ok(None);
         };
@@ -1271,12 +1276,8 @@ impl Validator {
             }
             .into());
         };
-        let limit = meta.hyperparams.weights_rate_limit;
-        // The chain lets a uid that never set weights (LastUpdate 0) set them at once.
-        let allowed_from = match me.last_update {
-            0 => 0,
-            last => last.saturating_add(limit),
-        };
+        let allowed_from =
+            weights_allowed_from(me.last_update, meta.hyperparams.weights_rate_limit);
         let mut owed = self.owed();
         owed.rate_limited_until(allowed_from);
         if !owed.may_try(latest, meta.block) {
@@ -1288,7 +1289,7 @@ impl Validator {
             );
             return Ok(None);
         }
-        Ok(Some((latest, meta.block)))
+        Ok(Some((latest, meta)))
     }
 
     fn owed(&self) -> std::sync::MutexGuard<'_, OwedWeights> {
