@@ -154,6 +154,8 @@ struct Node {
     trainer: Arc<Mutex<StageTrainer>>,
     /// Epoch whose start weights are loaded.
     epoch: u64,
+    /// The trainer is new (a move to another stage) and its weights did not load yet.
+    weights_stale: bool,
     /// The epoch whose work this miner ended (its pseudo-gradient uploaded, or a restart after
     /// completing hops of it): it takes no more of that epoch's hops.
     ended: Option<u64>,
@@ -219,6 +221,24 @@ fn in_computed_order(pending: impl Iterator<Item = (i64, u64)>) -> Vec<i64> {
     let mut waiting: Vec<(u64, i64)> = pending.map(|(id, seq)| (seq, id)).collect();
     waiting.sort_unstable();
     waiting.into_iter().map(|(_, id)| id).collect()
+}
+
+/// A trainer of `stage`, built off the async threads.
+async fn build_trainer(
+    cfg: &MinerConfig,
+    run: &RunConfig,
+    stage: u32,
+) -> Result<StageTrainer, MinerError> {
+    let (run, opts, budget, adv, seed) = (
+        run.clone(),
+        cfg.stage_options()?,
+        cfg.cache_budget.unwrap_or(2 * run.max_in_flight as usize),
+        cfg.adversary,
+        cfg.seed,
+    );
+    tokio::task::spawn_blocking(move || StageTrainer::new(run, stage, opts, budget, adv, seed))
+        .await
+        .map_err(|e| MinerError::Internal(e.to_string()))?
 }
 
 /// How often to say the miner is alive: three times per timeout, at most five times a second.
@@ -317,20 +337,7 @@ impl Node {
             work_ended = ?joined.work_ended,
             "joined the run"
         );
-        let trainer = {
-            let (run, opts, budget, adv, seed) = (
-                run.clone(),
-                cfg.stage_options()?,
-                cfg.cache_budget.unwrap_or(2 * run.max_in_flight as usize),
-                cfg.adversary,
-                cfg.seed,
-            );
-            tokio::task::spawn_blocking(move || {
-                StageTrainer::new(run, stage, opts, budget, adv, seed)
-            })
-            .await
-            .map_err(|e| MinerError::Internal(e.to_string()))??
-        };
+        let trainer = build_trainer(&cfg, &run, stage).await?;
         status.send_modify(|s| {
             s.stage = Some(stage);
             s.uid = Some(joined.uid);
@@ -344,6 +351,7 @@ impl Node {
             stage,
             trainer: Arc::new(Mutex::new(trainer)),
             epoch: joined.status.epoch,
+            weights_stale: false,
             ended: joined.work_ended,
             merged: HashSet::new(),
             merged_blobs: MergedBlobs::default(),
@@ -394,6 +402,7 @@ impl Node {
         })
         .await?;
         self.epoch = epoch;
+        self.weights_stale = false;
         self.pending.clear();
         tracing::info!(epoch, stage = self.stage, weights = %digest, merged_bytes_held = self.merged_blobs.bytes(), "epoch-start weights loaded");
         self.status.send_modify(|s| {
@@ -405,6 +414,26 @@ impl Node {
             }
             s.epoch_hops = 0;
         });
+        Ok(())
+    }
+
+    /// Takes up `stage`, given to this miner when it joined again (the orchestrator moves a
+    /// miner to a stage left with none, so that samples can pass it): a trainer of that stage,
+    /// started from its current weights at the next round. The hops of the old stage computed
+    /// this epoch are dropped with its trainer: their samples were re-routed at the release.
+    async fn move_to(&mut self, stage: u32) -> Result<(), MinerError> {
+        tracing::warn!(
+            from = self.stage,
+            to = stage,
+            "the orchestrator moved this miner to another stage; taking it up"
+        );
+        let trainer = build_trainer(&self.cfg, &self.run, stage).await?;
+        self.trainer = Arc::new(Mutex::new(trainer));
+        self.stage = stage;
+        self.weights_stale = true;
+        self.pending.clear();
+        self.merged_blobs = MergedBlobs::default();
+        self.status.send_modify(|s| s.stage = Some(stage));
         Ok(())
     }
 
@@ -442,16 +471,12 @@ impl Node {
                                 tokens_per_s: self.tokens_per_s,
                             })
                             .await;
-                    if let Ok(j) = &joined {
+                    // Not joined again (the orchestrator is away): the next round asks again.
+                    if let Ok(j) = joined {
                         self.ended = self.ended.max(j.work_ended);
-                    }
-                    if let Ok(j) = joined
-                        && j.stage != self.stage
-                    {
-                        return Err(MinerError::Internal(format!(
-                            "re-joined on stage {} instead of {}: restart the miner",
-                            j.stage, self.stage
-                        )));
+                        if j.stage != self.stage {
+                            self.move_to(j.stage).await?;
+                        }
                     }
                 }
                 Err(e) => {
@@ -476,7 +501,7 @@ impl Node {
         self.last_contact.touch();
         let st = work.status.clone();
         self.observe(&st);
-        if st.epoch > self.epoch {
+        if st.epoch > self.epoch || self.weights_stale {
             self.load_weights(st.epoch).await?;
         }
         let mut busy = false;

@@ -342,21 +342,23 @@ pub async fn spot_checks(
              SELECT miner FROM pseudo_gradients WHERE run_id = $1 AND epoch = $2
                AND ($3::text IS NULL OR miner > $3)
          ), page AS (SELECT miner FROM workers ORDER BY miner LIMIT $4)
-         SELECT p.miner AS hotkey,
-            -- The stage it worked in that epoch, not the one it is in now (a miner moves to a
-            -- stage left empty): its pseudo-gradient's, else its last hop's.
-            coalesce(
+         SELECT p.miner AS hotkey, w.stage,
+            -- Its hops of that stage only: a miner moved mid-epoch started the new stage
+            -- afresh, and a replay of both stages' hops on one would fail it.
+            coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
+              WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner
+                AND t.status = 'done' AND t.stage = w.stage), '{}') AS hops,
+            coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
+              WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner), '{}') AS pgs
+         FROM page p
+         -- The stage it worked in that epoch, not the one it is in now (a miner moves to a
+         -- stage left empty): its pseudo-gradient's, else its last hop's.
+         CROSS JOIN LATERAL (SELECT coalesce(
               (SELECT g.stage FROM pseudo_gradients g
                 WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner LIMIT 1),
               (SELECT t.stage FROM tasks t
                 WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner AND t.status = 'done'
-                ORDER BY t.completed_at DESC, t.id DESC LIMIT 1)) AS stage,
-            coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
-              WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner
-                AND t.status = 'done'), '{}') AS hops,
-            coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
-              WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner), '{}') AS pgs
-         FROM page p
+                ORDER BY t.completed_at DESC, t.id DESC LIMIT 1)) AS stage) w
          ORDER BY p.miner",
     )
     .bind(app.run.id)

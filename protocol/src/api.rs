@@ -911,7 +911,8 @@ pub struct SpotCheckCandidate {
     /// The stage it worked in during the epoch (its pseudo-gradient's, else its last hop's),
     /// which may not be the stage it is in now: the stage to replay it on.
     pub stage: u32,
-    /// Completed hops, by completion time (the replay order).
+    /// Completed hops at `stage`, by completion time (the replay order). Hops of another stage
+    /// (before a move) are left out: the miner began the new stage afresh.
     pub hop_task_ids: Vec<i64>,
     /// Partitions of its pseudo-gradient that were uploaded.
     pub pseudo_gradient_partitions: Vec<u32>,
