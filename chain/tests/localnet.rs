@@ -370,6 +370,51 @@ async fn wallets_to_emission_on_a_timed_chain() {
     net.stop().await;
 }
 
+/// As subtensor's `do_commit_weights`: a commit counts as an update of the uid's weights and
+/// shares their rate limit, so a second commit inside the limit is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_counts_against_the_weights_rate_limit() {
+    init_tracing();
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("spawn");
+    let chain = connect(&net).await;
+    let alice = dev("Alice");
+    let owner_hot = key(4);
+    let limit = 10;
+    let netuid = subnet(&chain, &owner_hot.public(), true, limit).await;
+    for seed in [41u8, 42] {
+        chain
+            .register(&alice, netuid, &key(seed).public(), &tx())
+            .await
+            .expect("register miner");
+    }
+    // Past the limit counted from the owner's registration.
+    net.produce_blocks(limit as u32);
+    let store = MemoryCommitStore::new();
+    let no_wait = WeightOptions {
+        tx: tx(),
+        wait_for_rate_limit: false,
+        ..WeightOptions::default()
+    };
+    let commit = || chain.set_weights(&owner_hot, netuid, &[1, 2], &[0.5, 0.5], &store, &no_wait);
+    let WeightsOutcome::Committed { block, .. } = commit().await.expect("first commit") else {
+        panic!("commit-reveal is on");
+    };
+    let mg = chain.metagraph(netuid).await.expect("metagraph");
+    assert_eq!(mg.neurons[0].last_update, block, "a commit is an update");
+
+    let e = commit().await.expect_err("inside the limit");
+    assert!(matches!(e, ChainError::CommittingWeightsTooFast), "{e}");
+
+    net.produce_blocks(limit as u32);
+    let WeightsOutcome::Committed { block: again, .. } = commit().await.expect("past the limit")
+    else {
+        panic!("commit-reveal is on");
+    };
+    assert!(again >= block + limit, "{again} vs {block}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_reveal_cycle_survives_a_restart_of_the_store() {
     init_tracing();

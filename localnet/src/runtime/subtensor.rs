@@ -658,14 +658,8 @@ fn set_weights(
     if required_key != 0 && version_key < required_key {
         return Err(E::IncorrectWeightVersionKey.into());
     }
-    if rate_limited {
-        let last = LastUpdate::get(state, &netuid)
-            .get(uid as usize)
-            .copied()
-            .unwrap_or(0);
-        if last != 0 && exec.block.saturating_sub(last) < WeightsSetRateLimit::get(state, &netuid) {
-            return Err(E::SettingWeightsTooFast.into());
-        }
+    if rate_limited && !weights_rate_limit_passed(state, netuid, uid, exec.block) {
+        return Err(E::SettingWeightsTooFast.into());
     }
     let self_weight = uids.len() == 1 && uids[0] == uid;
     let is_owner = &SubnetOwnerHotkey::get(state, &netuid) == hotkey;
@@ -701,15 +695,30 @@ fn set_weights(
     }
     let row: Vec<(u16, u16)> = uids.iter().copied().zip(upscaled).collect();
     Weights::insert(exec.state, &netuid, &uid, &row);
-    LastUpdate::mutate(exec.state, &netuid, |v| {
-        if let Some(x) = v.get_mut(uid as usize) {
-            *x = exec.block;
-        }
-    });
+    set_last_update(exec, netuid, uid);
     exec.deposit(RuntimeEvent::SubtensorModule(SubtensorEvent::WeightsSet(
         netuid, uid,
     )));
     Ok(())
+}
+
+/// Subtensor's weights rate limit, for sets and commits alike: `WeightsSetRateLimit` blocks
+/// since the uid's `LastUpdate`; a uid that never set or committed weights is not limited.
+fn weights_rate_limit_passed(state: &State, netuid: u16, uid: u16, block: u64) -> bool {
+    let last = LastUpdate::get(state, &netuid)
+        .get(uid as usize)
+        .copied()
+        .unwrap_or(0);
+    last == 0 || block.saturating_sub(last) >= WeightsSetRateLimit::get(state, &netuid)
+}
+
+fn set_last_update(exec: &mut Exec<'_>, netuid: u16, uid: u16) {
+    let block = exec.block;
+    LastUpdate::mutate(exec.state, &netuid, |v| {
+        if let Some(x) = v.get_mut(uid as usize) {
+            *x = block;
+        }
+    });
 }
 
 /// The commit hash subtensor checks reveals against: blake2-256 of the SCALE tuple.
@@ -735,8 +744,11 @@ fn commit_weights(
     if !CommitRevealWeightsEnabled::get(exec.state, &netuid) {
         return Err(E::CommitRevealDisabled.into());
     }
-    if !Uids::contains(exec.state, &netuid, hotkey) {
-        return Err(E::HotKeyNotRegisteredInSubNet.into());
+    let uid = Uids::get(exec.state, &netuid, hotkey).ok_or(E::HotKeyNotRegisteredInSubNet)?;
+    // As subtensor's `do_commit_weights`: commits share the weights rate limit, and a commit
+    // counts as an update.
+    if !weights_rate_limit_passed(exec.state, netuid, uid, exec.block) {
+        return Err(E::CommittingWeightsTooFast.into());
     }
     let epoch = epoch_index(exec.state, netuid, exec.block);
     let reveal_epoch = epoch + RevealPeriodEpochs::get(exec.state, &netuid);
@@ -748,6 +760,7 @@ fn commit_weights(
     }
     commits.push((hash, epoch, exec.block, reveal_epoch));
     WeightCommits::insert(exec.state, &netuid, hotkey, &commits);
+    set_last_update(exec, netuid, uid);
     exec.deposit(RuntimeEvent::SubtensorModule(
         SubtensorEvent::WeightsCommitted(hotkey.clone(), netuid, hash),
     ));
