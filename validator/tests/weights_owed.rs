@@ -1,6 +1,7 @@
 //! Weights that did not reach the chain when their epoch was scored are sent by a later pass, as
 //! soon as the subnet's rate limit lets the validator set weights, without waiting for another
-//! epoch to be scored (a stalled run may never bring one), and only once.
+//! epoch to be scored (a stalled run may never bring one), and only once. A send the chain
+//! refuses is tried again after a back-off in blocks, not at every pass.
 //!
 //! Localnet in-process, an orchestrator with no miners (its run stays in epoch 0), and a
 //! validator whose database holds epoch 0 scored: the state a pass leaves when it scores an
@@ -128,5 +129,88 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
     chain.net.produce_blocks(RATE_LIMIT as u32);
     v.step().await.expect("step");
     assert_eq!(store.submissions(10).await.expect("subs").len(), 1);
+    orch.stop().await;
+}
+
+/// A send the chain refuses (here: too little stake to set weights) is tried again after a
+/// back-off of 2, then 4 blocks, not at every pass, and goes through once the refusal ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_weights_back_off_and_are_sent_when_the_chain_accepts() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let netuid = chain.netuid;
+    set_hyperparams(
+        &chain,
+        [
+            Hyperparam::CommitRevealWeightsEnabled(false),
+            Hyperparam::WeightsRateLimit(0),
+            Hyperparam::StakeThreshold(u64::MAX / 2),
+        ],
+    )
+    .await;
+    let db = fresh_db().await;
+    let store_dir = tempfile::tempdir().expect("store");
+    let mut run = run_config("weights-refused");
+    run.training_s = 1800;
+    let orch = start(config(&chain, &db, store_dir.path(), run)).await;
+    let vdb = fresh_db().await;
+    let store = Store::connect(&vdb).await.expect("validator db");
+    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+        .await
+        .expect("chain");
+    let mut cfg = ValidatorConfig::new(orch.base.clone(), netuid);
+    cfg.tx = tx();
+    let v = Validator::connect(
+        cfg,
+        Keypair::from_seed([VALIDATOR; 32]),
+        vchain,
+        store.clone(),
+    )
+    .await
+    .expect("validator");
+    let (run_id, _) = v.run_info().await.expect("run");
+    let scores: Vec<EpochScore> = MINERS
+        .iter()
+        .map(|seed| EpochScore {
+            hotkey: public(&pair(*seed)).ss58(),
+            epoch: 0,
+            work: 1.0,
+            quality: 1.0,
+            score: 1.0,
+            penalty: None,
+        })
+        .collect();
+    store
+        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
+        .await
+        .expect("epoch 0 scored");
+    let states = || async {
+        let mut subs = store.submissions(10).await.expect("submissions");
+        subs.reverse();
+        subs.into_iter().map(|s| s.state).collect::<Vec<_>>()
+    };
+    // A pass at block `at` (the chain sealed up to it; a refused send seals nothing).
+    let pass_at = |at: u64| {
+        let best = chain.net.best_number();
+        assert!(best <= at, "the chain is at {best}, past {at}");
+        chain.net.produce_blocks((at - best) as u32);
+        v.step()
+    };
+    let refused_at = chain.net.best_number();
+    pass_at(refused_at).await.expect("step");
+    assert_eq!(states().await, ["failed"], "refused");
+    pass_at(refused_at + 1).await.expect("step");
+    assert_eq!(states().await, ["failed"], "not again within 2 blocks");
+    pass_at(refused_at + 2).await.expect("step");
+    assert_eq!(states().await, ["failed", "failed"], "again 2 blocks on");
+    pass_at(refused_at + 5).await.expect("step");
+    assert_eq!(states().await, ["failed", "failed"], "then 4 blocks on");
+    set_hyperparams(&chain, [Hyperparam::StakeThreshold(0)]).await;
+    pass_at(refused_at + 6).await.expect("step");
+    assert_eq!(
+        states().await,
+        ["failed", "failed", "set"],
+        "sent once accepted"
+    );
     orch.stop().await;
 }
