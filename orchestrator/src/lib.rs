@@ -41,7 +41,6 @@ use axum::routing::{get, post, put};
 use chrono::{DateTime, Utc};
 use iota_chain::{ConnectOptions, MetagraphWatcher, Subtensor, WatchOptions};
 use iota_protocol::api::RunConfig;
-use iota_protocol::tensor::TensorSpec;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
@@ -402,18 +401,7 @@ async fn openapi_route() -> impl IntoResponse {
 
 /// Largest body a signed upload route accepts: the biggest tensor slot of this run.
 pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
-    let boundary = miner::boundary_spec(cfg).max_bytes();
-    let partition = (0..cfg.stages)
-        .filter_map(|s| cfg.partition_range(s, 0))
-        .map(|r| {
-            TensorSpec::Merged {
-                len: r.end - r.start,
-            }
-            .max_bytes()
-        })
-        .max()
-        .unwrap_or(0);
-    boundary.max(partition).min(usize::MAX as u64) as usize
+    cfg.max_object_bytes().min(usize::MAX as u64) as usize
 }
 
 /// The HTTP routes over `app`.

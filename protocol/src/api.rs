@@ -6,7 +6,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::blob::BlobDescriptor;
-use crate::tensor::WireEncoding;
+use crate::tensor::{TensorSpec, WireEncoding};
 
 /// Milliseconds since the Unix epoch, the API's one time format.
 pub type UnixMs = i64;
@@ -118,6 +118,30 @@ impl RunConfig {
             u64::from(self.seq_len),
             u64::from(self.boundary_dim),
         ]
+    }
+
+    /// The largest object of this run, in bytes: a boundary tensor (activation or gradient) or
+    /// a merged partition (weights and momentum) of the largest first partition of any stage
+    /// (the first is never shorter than the others); a pseudo-gradient partition is half of
+    /// one. The orchestrator refuses larger uploads, and [`crate::ApiClient`] refuses to
+    /// download an object whose descriptor says more.
+    pub fn max_object_bytes(&self) -> u64 {
+        let boundary = TensorSpec::Boundary {
+            shape: self.boundary_shape(),
+            encoding: self.wire,
+        }
+        .max_bytes();
+        let merged = (0..self.stages)
+            .filter_map(|s| self.partition_range(s, 0))
+            .map(|r| {
+                TensorSpec::Merged {
+                    len: r.end - r.start,
+                }
+                .max_bytes()
+            })
+            .max()
+            .unwrap_or(0);
+        boundary.max(merged)
     }
 
     /// Flat parameter count of `stage`, if it exists.

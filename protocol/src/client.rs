@@ -117,6 +117,10 @@ pub struct ApiClient {
     signer: Arc<dyn RequestSigner>,
     orchestrator: String,
     retry: RetryPolicy,
+    /// The largest object [`ApiClient::download`] reads: the run's largest
+    /// ([`RunConfig::max_object_bytes`]) once connected, so that a descriptor from a
+    /// misbehaving orchestrator cannot size a download past what the run can hold.
+    max_object_bytes: u64,
 }
 
 fn now_ms() -> u64 {
@@ -277,6 +281,7 @@ impl ApiClient {
             signer,
             orchestrator: orchestrator_ss58.into(),
             retry,
+            max_object_bytes: u64::MAX,
         })
     }
 
@@ -289,6 +294,7 @@ impl ApiClient {
         let mut client = Self::new(base, signer, String::new(), retry)?;
         let run = client.run_info().await?;
         client.orchestrator = run.orchestrator_hotkey;
+        client.max_object_bytes = run.config.max_object_bytes();
         Ok(client)
     }
 
@@ -672,6 +678,12 @@ impl ApiClient {
     /// have is [`ClientError::Api`] with status 404 and [`ErrorCode::NotFound`], however it is
     /// served.
     pub async fn download(&self, blob: &BlobDescriptor) -> Result<Bytes, ClientError> {
+        if blob.size > self.max_object_bytes {
+            return Err(ClientError::BadObject(format!(
+                "{}: the descriptor says {} bytes, more than any object of this run ({})",
+                blob.key, blob.size, self.max_object_bytes
+            )));
+        }
         let limit = BodyLimit::Exact(blob.size);
         let bytes = match &blob.url {
             Some(url) => self.presigned_get(url, blob, limit).await?,

@@ -514,3 +514,59 @@ async fn a_large_download_gets_time_for_its_size() {
         assert_eq!(got.len(), content.len());
     }
 }
+
+/// A connected client bounds every download by the run's largest object: a descriptor that
+/// says more is refused before a byte is asked for, so an orchestrator cannot size a client's
+/// download (and its memory) past what the run can hold.
+#[tokio::test]
+async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
+    let body = serde_json::to_vec(&RunInfo {
+        id: 1,
+        config: run(),
+        orchestrator_hotkey: "orchestrator".into(),
+        netuid: 9,
+        created_ms: 0,
+    })
+    .expect("json");
+    let content = vec![3u8; 64];
+    let blobs = counter();
+    let (served, asked) = (content.clone(), blobs.clone());
+    let base = serve(move |path| {
+        if path == "/v1/run" {
+            return Answer::ok(
+                vec![
+                    format!("Content-Length: {}", body.len()),
+                    "Content-Type: application/json".into(),
+                ],
+                Body::Bytes(body.clone()),
+            );
+        }
+        count(&asked);
+        if path == "/small" {
+            Answer::ok(
+                vec![format!("Content-Length: {}", served.len())],
+                Body::Bytes(served.clone()),
+            )
+        } else {
+            Answer::ok(Vec::new(), Body::Endless)
+        }
+    })
+    .await;
+    let c = ApiClient::connect(&base, signer(), retry())
+        .await
+        .expect("connect");
+    let max = run().max_object_bytes();
+    let mut huge = blob(&content, Some(format!("{base}/huge")));
+    huge.size = max + 1;
+    match c.download(&huge).await {
+        Err(ClientError::BadObject(m)) => {
+            assert!(m.contains("more than any object of this run"), "{m}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(seen(&blobs), 0, "nothing was asked for");
+    // An object within the bound downloads as before.
+    let small = blob(&content, Some(format!("{base}/small")));
+    assert_eq!(c.download(&small).await.expect("download"), content);
+    assert_eq!(seen(&blobs), 1);
+}
