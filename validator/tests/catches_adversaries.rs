@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor};
-use iota_miner::{Adversary, MinerHandle, spawn};
+use iota_miner::Adversary;
 use iota_validator::audit::ChainCheck;
 use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
@@ -32,20 +32,6 @@ const CHEATERS: [(u8, Adversary); 6] = [
 ];
 const VALIDATOR: u8 = 99;
 const EPOCHS: u64 = 2;
-
-async fn join(base: &str, seed: u8, adversary: Option<Adversary>) -> MinerHandle {
-    let mut cfg = miner_config(base);
-    // Equal reported throughput: the orchestrator assigns stages round robin in join order.
-    cfg.tokens_per_s = Some(1000.0);
-    cfg.adversary = adversary;
-    cfg.seed = u64::from(seed);
-    let m = spawn(cfg, signer(seed));
-    eventually("joined", Duration::from_secs(60), || async {
-        m.status().stage.map(|_| ())
-    })
-    .await;
-    m
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
@@ -75,10 +61,10 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         let client = explorer(&orch.base, HONEST[0]).await;
         let mut miners = Vec::new();
         for s in HONEST {
-            miners.push((s, None, join(&orch.base, s, None).await));
+            miners.push((s, None, joined(&orch.base, s, 1000.0, None).await));
         }
         for (s, a) in CHEATERS {
-            miners.push((s, Some(a), join(&orch.base, s, Some(a)).await));
+            miners.push((s, Some(a), joined(&orch.base, s, 1000.0, Some(a)).await));
         }
         for (_, a, m) in &miners {
             let want = match a {

@@ -14,7 +14,6 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use harness::validator;
-use iota_miner::{MinerHandle, spawn};
 use iota_protocol::api::PartitionState;
 use support::*;
 
@@ -22,31 +21,12 @@ const VICTIM: u8 = 71;
 const OTHERS: [u8; 5] = [72, 73, 74, 75, 76];
 const VALIDATOR: u8 = 79;
 
-async fn join(base: &str, seed: u8, tokens_per_s: f64) -> MinerHandle {
-    let mut cfg = miner_config(base);
-    cfg.tokens_per_s = Some(tokens_per_s);
-    cfg.seed = u64::from(seed);
-    let m = spawn(cfg, signer(seed));
-    eventually("joined", Duration::from_secs(60), || async {
-        m.status().stage.map(|_| ())
-    })
-    .await;
-    m
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
     init_tracing();
     let mut all = vec![VICTIM];
     all.extend(OTHERS);
     let chain = chain_with(&all, &[VALIDATOR]).await;
-    let ticking = async {
-        // The localnet seals blocks on demand: the validator's draw waits for a new one.
-        loop {
-            chain.net.produce_blocks(1);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
     let body = async {
         let db = fresh_db().await;
         let store_dir = tempfile::tempdir().expect("store");
@@ -55,11 +35,11 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
         let client = explorer(&orch.base, VALIDATOR).await;
         // Stages go to the least total throughput: the victim alone on stage 0, the others
         // three on stage 1 and two on stage 2.
-        let victim = join(&orch.base, VICTIM, 100_000.0).await;
+        let victim = joined(&orch.base, VICTIM, 100_000.0, None).await;
         assert_eq!(victim.status().stage, Some(0));
         let mut others = Vec::new();
         for s in OTHERS {
-            others.push(join(&orch.base, s, 1000.0).await);
+            others.push(joined(&orch.base, s, 1000.0, None).await);
         }
         let stages: Vec<_> = others.iter().map(|m| m.status().stage).collect();
         assert_eq!(
@@ -154,7 +134,7 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
         orch.stop().await;
     };
     tokio::select! {
-        _ = ticking => unreachable!("ticks for ever"),
+        _ = keep_sealing(&chain.net) => unreachable!("seals for ever"),
         _ = body => {}
     }
 }

@@ -33,13 +33,6 @@ const SAMPLES: u64 = 8;
 async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
     init_tracing();
     let chain = chain_with(&MINERS, &[VALIDATOR]).await;
-    let ticking = async {
-        // The localnet seals blocks on demand: the validator's draw waits for a new one.
-        loop {
-            chain.net.produce_blocks(1);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
     let body = async {
         let db = fresh_db().await;
         let store_dir = tempfile::tempdir().expect("store");
@@ -231,7 +224,7 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
         orch.stop().await;
     };
     tokio::select! {
-        _ = ticking => unreachable!("the ticker never ends"),
+        _ = keep_sealing(&chain.net) => unreachable!("seals for ever"),
         _ = body => {}
     }
 }

@@ -23,6 +23,61 @@ const VALIDATOR: u8 = 29;
 /// Blocks between two weight settings of one uid.
 const RATE_LIMIT: u64 = 20;
 
+/// What a pass leaves when it scores an epoch and its weights fail: an orchestrator whose run
+/// stays in epoch 0 (no miners, so nothing new to score), and a validator whose database holds
+/// epoch 0 scored as `scores` (miner seed, score) with no weights sent.
+struct Scored {
+    orch: Running,
+    _store_dir: tempfile::TempDir,
+    v: Validator,
+    store: Store,
+}
+
+async fn epoch_0_scored(chain: &Chain, name: &str, scores: &[(u8, f64)]) -> Scored {
+    let db = fresh_db().await;
+    let store_dir = tempfile::tempdir().expect("store");
+    let mut run = run_config(name);
+    run.training_s = 1800;
+    let orch = start(config(chain, &db, store_dir.path(), run)).await;
+    let vdb = fresh_db().await;
+    let store = Store::connect(&vdb).await.expect("validator db");
+    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+        .await
+        .expect("chain");
+    let mut cfg = ValidatorConfig::new(orch.base.clone(), chain.netuid);
+    cfg.tx = tx();
+    let v = Validator::connect(
+        cfg,
+        Keypair::from_seed([VALIDATOR; 32]),
+        vchain,
+        store.clone(),
+    )
+    .await
+    .expect("validator");
+    let (run_id, _) = v.run_info().await.expect("run");
+    let scores: Vec<EpochScore> = scores
+        .iter()
+        .map(|(seed, score)| EpochScore {
+            hotkey: public(&pair(*seed)).ss58(),
+            epoch: 0,
+            work: *score,
+            quality: 1.0,
+            score: *score,
+            penalty: None,
+        })
+        .collect();
+    store
+        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
+        .await
+        .expect("epoch 0 scored");
+    Scored {
+        orch,
+        _store_dir: store_dir,
+        v,
+        store,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
     init_tracing();
@@ -38,44 +93,21 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
         ],
     )
     .await;
-    let db = fresh_db().await;
-    let store_dir = tempfile::tempdir().expect("store");
-    let mut run = run_config("weights-owed");
-    // No epoch ends while the test runs: nothing new to score.
-    run.training_s = 1800;
-    let orch = start(config(&chain, &db, store_dir.path(), run)).await;
-
-    let vdb = fresh_db().await;
-    let store = Store::connect(&vdb).await.expect("validator db");
-    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
-        .await
-        .expect("chain");
-    let mut cfg = ValidatorConfig::new(orch.base.clone(), netuid);
-    cfg.tx = tx();
+    let Scored {
+        orch,
+        _store_dir,
+        v,
+        store,
+    } = epoch_0_scored(
+        &chain,
+        "weights-owed",
+        &[(MINERS[0], 1.0), (MINERS[1], 3.0)],
+    )
+    .await;
     let hotkey = Keypair::from_seed([VALIDATOR; 32]);
-    let v = Validator::connect(cfg, hotkey.clone(), vchain, store.clone())
-        .await
-        .expect("validator");
-    let (run_id, _) = v.run_info().await.expect("run");
     let meta = c.metagraph(netuid).await.expect("metagraph");
     let uid = |seed: u8| meta.uid_of(&public(&pair(seed))).expect("uid");
 
-    // Epoch 0 scored 1:3, its weights not sent.
-    let scores: Vec<EpochScore> = [(MINERS[0], 1.0), (MINERS[1], 3.0)]
-        .into_iter()
-        .map(|(seed, score)| EpochScore {
-            hotkey: public(&pair(seed)).ss58(),
-            epoch: 0,
-            work: score,
-            quality: 1.0,
-            score,
-            penalty: None,
-        })
-        .collect();
-    store
-        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
-        .await
-        .expect("epoch 0 scored");
     // The validator has just set weights (by hand): the rate limit holds it back.
     let by_hand = c
         .set_weights(
@@ -138,7 +170,6 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
 async fn refused_weights_back_off_and_are_sent_when_the_chain_accepts() {
     init_tracing();
     let chain = chain_with(&MINERS, &[VALIDATOR]).await;
-    let netuid = chain.netuid;
     set_hyperparams(
         &chain,
         [
@@ -148,42 +179,17 @@ async fn refused_weights_back_off_and_are_sent_when_the_chain_accepts() {
         ],
     )
     .await;
-    let db = fresh_db().await;
-    let store_dir = tempfile::tempdir().expect("store");
-    let mut run = run_config("weights-refused");
-    run.training_s = 1800;
-    let orch = start(config(&chain, &db, store_dir.path(), run)).await;
-    let vdb = fresh_db().await;
-    let store = Store::connect(&vdb).await.expect("validator db");
-    let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
-        .await
-        .expect("chain");
-    let mut cfg = ValidatorConfig::new(orch.base.clone(), netuid);
-    cfg.tx = tx();
-    let v = Validator::connect(
-        cfg,
-        Keypair::from_seed([VALIDATOR; 32]),
-        vchain,
-        store.clone(),
+    let Scored {
+        orch,
+        _store_dir,
+        v,
+        store,
+    } = epoch_0_scored(
+        &chain,
+        "weights-refused",
+        &[(MINERS[0], 1.0), (MINERS[1], 1.0)],
     )
-    .await
-    .expect("validator");
-    let (run_id, _) = v.run_info().await.expect("run");
-    let scores: Vec<EpochScore> = MINERS
-        .iter()
-        .map(|seed| EpochScore {
-            hotkey: public(&pair(*seed)).ss58(),
-            epoch: 0,
-            work: 1.0,
-            quality: 1.0,
-            score: 1.0,
-            penalty: None,
-        })
-        .collect();
-    store
-        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
-        .await
-        .expect("epoch 0 scored");
+    .await;
     let states = || async {
         let mut subs = store.submissions(10).await.expect("submissions");
         subs.reverse();

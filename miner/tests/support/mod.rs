@@ -9,7 +9,7 @@ pub mod common;
 
 use std::time::Duration;
 
-use iota_miner::{DeviceSpec, MinerConfig};
+use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
 use iota_model::Stage;
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
@@ -37,6 +37,27 @@ pub fn miner_config(base: &str) -> MinerConfig {
         timeout: Duration::from_secs(20),
     };
     c
+}
+
+/// A miner with hotkey `seed` (also its seed for data order and adversarial noise) that reports
+/// `tokens_per_s` instead of measuring it, so that the orchestrator's stage assignment follows
+/// the join order; waits until it has joined.
+pub async fn joined(
+    base: &str,
+    seed: u8,
+    tokens_per_s: f64,
+    adversary: Option<Adversary>,
+) -> MinerHandle {
+    let mut cfg = miner_config(base);
+    cfg.tokens_per_s = Some(tokens_per_s);
+    cfg.adversary = adversary;
+    cfg.seed = u64::from(seed);
+    let m = iota_miner::spawn(cfg, signer(seed));
+    eventually("joined", Duration::from_secs(60), || async {
+        m.status().stage.map(|_| ())
+    })
+    .await;
+    m
 }
 
 /// A client for explorer routes that signs blob downloads as the registered hotkey `seed`.

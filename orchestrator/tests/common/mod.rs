@@ -102,6 +102,15 @@ pub async fn set_hyperparams(chain: &Chain, settings: impl IntoIterator<Item = H
     }
 }
 
+/// Seals a block every 100 ms, for ever: the localnet seals blocks on demand, and a
+/// validator's draw waits for a new one, as it would on a real chain.
+pub async fn keep_sealing(net: &Localnet) {
+    loop {
+        net.produce_blocks(1);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 pub fn tx() -> TxOptions {
     TxOptions {
         timeout: Duration::from_secs(30),
