@@ -370,25 +370,35 @@ async fn wallets_to_emission_on_a_timed_chain() {
     net.stop().await;
 }
 
+/// An instant localnet with a commit-reveal subnet whose owner hotkey is `owner_hot` (it may set
+/// weights without a permit), weights rate limit `rate_limit`, and `miners` (seeds) registered.
+async fn commit_reveal_subnet(
+    owner_hot: &Keypair,
+    miners: [u8; 2],
+    rate_limit: u64,
+) -> (Localnet, Subtensor, u16) {
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("spawn");
+    let chain = connect(&net).await;
+    let netuid = subnet(&chain, &owner_hot.public(), true, rate_limit).await;
+    for seed in miners {
+        chain
+            .register(&dev("Alice"), netuid, &key(seed).public(), &tx())
+            .await
+            .expect("register miner");
+    }
+    (net, chain, netuid)
+}
+
 /// As subtensor's `do_commit_weights`: a commit counts as an update of the uid's weights and
 /// shares their rate limit, so a second commit inside the limit is refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_counts_against_the_weights_rate_limit() {
     init_tracing();
-    let net = Localnet::spawn(LocalnetConfig::instant())
-        .await
-        .expect("spawn");
-    let chain = connect(&net).await;
-    let alice = dev("Alice");
     let owner_hot = key(4);
     let limit = 10;
-    let netuid = subnet(&chain, &owner_hot.public(), true, limit).await;
-    for seed in [41u8, 42] {
-        chain
-            .register(&alice, netuid, &key(seed).public(), &tx())
-            .await
-            .expect("register miner");
-    }
+    let (net, chain, netuid) = commit_reveal_subnet(&owner_hot, [41, 42], limit).await;
     // Past the limit counted from the owner's registration.
     net.produce_blocks(limit as u32);
     let store = MemoryCommitStore::new();
@@ -418,20 +428,8 @@ async fn a_commit_counts_against_the_weights_rate_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_reveal_cycle_survives_a_restart_of_the_store() {
     init_tracing();
-    let net = Localnet::spawn(LocalnetConfig::instant())
-        .await
-        .expect("spawn");
-    let chain = connect(&net).await;
-    let alice = dev("Alice");
-    // The owner hotkey may set weights without a permit.
     let owner_hot = key(3);
-    let netuid = subnet(&chain, &owner_hot.public(), true, 1).await;
-    for seed in [31u8, 32] {
-        chain
-            .register(&alice, netuid, &key(seed).public(), &tx())
-            .await
-            .expect("register miner");
-    }
+    let (net, chain, netuid) = commit_reveal_subnet(&owner_hot, [31, 32], 1).await;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("commits.json");
