@@ -52,6 +52,13 @@ pub struct Limits {
     /// Of those, most for one hotkey (0: no limit), from however many addresses: one
     /// registered hotkey sending slow bodies from a few hosts would otherwise hold every slot.
     pub concurrent_uploads_per_hotkey: usize,
+    /// Bodies read before their signature is checked (at most [`MAX_UNCHECKED_BODY`] each)
+    /// that one IP address may have arriving at once (0: no limit). Only a body that is not all
+    /// in when its request's head is (a client that sends slowly, or not at all) takes one of
+    /// these, so a request sent whole never touches the count: without it, one host opening
+    /// connections that announce a body and trickle it would make the server hold a buffer
+    /// for each, for up to [`Limits::body_timeout`], without ever proving it holds a hotkey.
+    pub unchecked_bodies_per_ip: usize,
     /// How long any signed request's body may take to start arriving; after it, the body must
     /// keep the pace of [`MIN_BODY_BYTES_PER_S`] (see [`read_body`]): a client that stops
     /// sending (or vanishes without closing its connection) would otherwise hold its buffer,
@@ -111,6 +118,7 @@ impl Default for Limits {
             concurrent_uploads: 64,
             concurrent_uploads_per_ip: 16,
             concurrent_uploads_per_hotkey: 4,
+            unchecked_bodies_per_ip: 64,
             body_timeout: Duration::from_secs(30),
             upload_slot_wait: Duration::from_secs(10),
         }
@@ -169,6 +177,8 @@ pub struct AppState {
     uploads_by_ip: HeldSlots<IpAddr>,
     /// Upload slots held per hotkey.
     uploads_by_hotkey: HeldSlots<[u8; 32]>,
+    /// Bodies still arriving before their signature is checked, per peer address.
+    unchecked_bodies_by_ip: HeldSlots<IpAddr>,
     /// Reverse proxies whose `X-Forwarded-For` names the client (empty: none).
     pub trusted_proxies: Vec<IpAddr>,
     /// Bad signatures per address and claimed signer: past the quota, that address is refused
@@ -237,6 +247,7 @@ impl AppState {
             per_ip: RateLimiter::keyed(quota(limits.per_ip_rps, limits.per_ip_burst)),
             uploads_by_ip: HeldSlots::default(),
             uploads_by_hotkey: HeldSlots::default(),
+            unchecked_bodies_by_ip: HeldSlots::default(),
             trusted_proxies: Vec::new(),
             forgeries: RateLimiter::keyed(quota(FORGERIES_PER_S, FORGERIES_BURST)),
             forgers: Mutex::default(),
@@ -604,7 +615,8 @@ async fn check_signed(
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(needs_body_hash());
         }
-        let bytes = read_body(body, limit, app.limits.body_timeout)
+        let bytes = checked
+            .read_unchecked_body(app, body, limit)
             .await
             .map_err(|e| match e.0.code {
                 ErrorCode::PayloadTooLarge => needs_body_hash(),
@@ -654,9 +666,24 @@ fn body_sha256_header(parts: &axum::http::request::Parts) -> Result<Option<Strin
 /// soon as it falls behind, not only at the end of the time its declared length would allow: an
 /// upload slot held by a stalled body was held for all of that.
 pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, AppError> {
+    read_body_then_wait(body, limit, timeout, || Ok(())).await
+}
+
+/// [`read_body`], calling `before_waiting` the first time the body is not all in (a frame that
+/// is not there yet) and holding what it returns until the body is read; its error refuses the
+/// request then. A body that came whole with its request's head never calls it.
+async fn read_body_then_wait<G>(
+    body: Body,
+    limit: usize,
+    timeout: Duration,
+    before_waiting: impl FnOnce() -> Result<G, AppError>,
+) -> Result<Bytes, AppError> {
     use axum::body::HttpBody;
+    use futures::FutureExt;
     use http_body_util::BodyExt;
     let start = tokio::time::Instant::now();
+    let mut before_waiting = Some(before_waiting);
+    let mut _held = None;
     // The declared length (if any), within the limit: room for the whole body at once.
     let declared = body
         .size_hint()
@@ -667,7 +694,20 @@ pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<By
     let mut received = 0u64;
     loop {
         let due = start + body_deadline(timeout, received);
-        match tokio::time::timeout_at(due, body.frame()).await {
+        let ready = match before_waiting.is_some() {
+            true => body.frame().now_or_never(),
+            false => None,
+        };
+        let next = match ready {
+            Some(frame) => Ok(frame),
+            None => {
+                if let Some(take) = before_waiting.take() {
+                    _held = Some(take()?);
+                }
+                tokio::time::timeout_at(due, body.frame()).await
+            }
+        };
+        match next {
             Ok(None) => return Ok(gathered.into_bytes()),
             Ok(Some(Ok(frame))) => {
                 if let Ok(data) = frame.into_data() {
@@ -872,6 +912,38 @@ impl CheckedCaller<'_> {
             now: self.now,
             sender: self.sender,
         }
+    }
+
+    /// The request's body, read before its signature is checked (so at most `limit`, itself at
+    /// most [`MAX_UNCHECKED_BODY`]): while it is not all in, it holds one of its address's
+    /// [`Limits::unchecked_bodies_per_ip`], and beyond them it is refused at once (429).
+    pub async fn read_unchecked_body(
+        &self,
+        app: &AppState,
+        body: Body,
+        limit: usize,
+    ) -> Result<Bytes, AppError> {
+        let limit = limit.min(MAX_UNCHECKED_BODY);
+        let max = app.limits.unchecked_bodies_per_ip;
+        let address = self.sender.map(|s| s.forger.0).filter(|_| max > 0);
+        read_body_then_wait(body, limit, app.limits.body_timeout, || match address {
+            None => Ok(None),
+            Some(ip) => match app.unchecked_bodies_by_ip.take(ip, max) {
+                Some(slot) => Ok(Some(slot)),
+                None => {
+                    metrics::counter!("iota_rate_limited_total", "scope" => "unchecked_bodies_per_ip")
+                        .increment(1);
+                    Err(AppError::new(
+                        ErrorCode::RateLimited,
+                        format!(
+                            "{max} request bodies from this address are still arriving: send \
+                             each request whole, or wait"
+                        ),
+                    ))
+                }
+            },
+        })
+        .await
     }
 
     /// The message the signature must cover, with the body.

@@ -241,6 +241,15 @@ pub struct OrchestratorArgs {
         default_value_t = 4
     )]
     pub max_uploads_per_hotkey: usize,
+    /// Signed request bodies (64 KiB at most, read before their signature is checked) that one
+    /// IP address may have still arriving at once (0: no limit). A request sent whole takes
+    /// none; past the limit a slow one is answered 429 at once.
+    #[arg(
+        long = "max-unchecked-bodies-per-ip",
+        env = "IOTA_MAX_UNCHECKED_BODIES_PER_IP",
+        default_value_t = 64
+    )]
+    pub max_unchecked_bodies_per_ip: usize,
     /// Addresses of the reverse proxies (load balancers) in front of this orchestrator,
     /// comma-separated. A request from one is counted, for the per-IP limits, by the client
     /// address its `X-Forwarded-For` names (the last one that is not itself a proxy); from any
@@ -372,6 +381,7 @@ impl OrchestratorArgs {
                 concurrent_uploads: self.max_concurrent_uploads,
                 concurrent_uploads_per_ip: self.max_uploads_per_ip,
                 concurrent_uploads_per_hotkey: self.max_uploads_per_hotkey,
+                unchecked_bodies_per_ip: self.max_unchecked_bodies_per_ip,
                 body_timeout: Duration::from_secs(self.body_timeout_s.max(1)),
                 ..Limits::default()
             },

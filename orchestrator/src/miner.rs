@@ -364,7 +364,7 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     let poll_limit = app.limits.json_body_bytes.min(app::MAX_UNCHECKED_BODY);
     app::check_content_length(&parts, poll_limit)?;
     let checked = app::check_caller(&app, &parts)?;
-    let bytes = app::read_body(body, poll_limit, app.limits.body_timeout).await?;
+    let bytes = checked.read_unchecked_body(&app, body, poll_limit).await?;
     let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the

@@ -789,6 +789,135 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     orch.stop().await;
 }
 
+/// Small bodies are read before their signature is checked, so one address may have only a few
+/// of them still arriving at once: a host opening connections that announce a body and send it
+/// slowly (or never) is refused at once past that, instead of having a buffer held for each
+/// until the body deadline. A request sent whole takes no such slot, so it is served while the
+/// address's slots are all held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_has_a_bounded_number_of_unchecked_bodies_arriving() {
+    init_tracing();
+    let chain = chain_with(&[MINER, OTHER_MINER], &[]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&chain, &db, store.path(), run_config("unchecked-bodies"));
+    cfg.limits.unchecked_bodies_per_ip = 2;
+    // Long enough that no stalled body is cut off for its pace while the test runs.
+    cfg.limits.body_timeout = Duration::from_secs(60);
+    let orch = start(cfg).await;
+    let raw = Raw::to(&orch.base);
+    let register = serde_json::to_vec(&RegisterRequest {
+        capacity: Capacity {
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            tokens_per_s: 100.0,
+        },
+        holds_epoch_state: false,
+    })
+    .expect("json");
+    let post = reqwest::Method::POST;
+    let joined = raw
+        .signed(&pair(MINER), post.clone(), "/v1/miner/register", register)
+        .await;
+    assert_eq!(joined.0, 200, "{joined:?}");
+    // A request whose announced body never comes, from `from`: its status if it is answered
+    // within a second (refused), `None` while it waits for its body.
+    let stall_from = |from: [u8; 4], path: &'static str| {
+        let raw = raw.clone();
+        async move {
+            let mut stream = stalled_body_from(
+                from.into(),
+                &raw.base,
+                &raw.receiver,
+                OTHER_MINER,
+                "POST",
+                path,
+                1000,
+            )
+            .await;
+            let answer = answer_within(&mut stream, Duration::from_secs(1)).await;
+            (answer, stream)
+        }
+    };
+    // The signed gate's routes and the work poll (which reads its body itself) both count.
+    let mut held = [
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "POST",
+            "/v1/miner/heartbeat",
+            1000,
+        )
+        .await,
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "POST",
+            "/v1/miner/work",
+            1000,
+        )
+        .await,
+    ];
+    let stall = async || {
+        stalled_body(
+            &orch.base,
+            &raw.receiver,
+            OTHER_MINER,
+            "POST",
+            "/v1/miner/work",
+            1000,
+        )
+        .await
+    };
+    let probe = || async {
+        let (answer, _stream) = stall_from([127, 0, 0, 1], "/v1/miner/heartbeat").await;
+        let answer = answer.unwrap_or_default();
+        let status = answer.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let error = answer
+            .split_once("\r\n\r\n")
+            .and_then(|(_, body)| serde_json::from_str::<ApiError>(body).ok());
+        (status, error)
+    };
+    let refused = refused_while_held(&mut held, stall, probe).await;
+    assert_eq!(
+        refused.1.as_ref().map(|e| e.code),
+        Some(ErrorCode::RateLimited),
+        "{refused:?}"
+    );
+    // Sent whole, the same address's requests are served meanwhile, the poll's included.
+    let heartbeat = raw
+        .signed(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/heartbeat",
+            br#"{"tokens_per_s":120.0}"#.to_vec(),
+        )
+        .await;
+    assert_eq!(heartbeat.0, 200, "{heartbeat:?}");
+    let poll = raw
+        .signed(
+            &pair(MINER),
+            post.clone(),
+            "/v1/miner/work",
+            br#"{"max_items":1}"#.to_vec(),
+        )
+        .await;
+    assert_eq!(poll.0, 200, "{poll:?}");
+    // Another address is not affected: its slow body waits (the whole of 127/8 is this machine).
+    let (elsewhere, waiting) = stall_from([127, 0, 0, 2], "/v1/miner/work").await;
+    assert_eq!(elsewhere, None, "another address's slow body was answered");
+    // Closing the stalled connections gives the slots back.
+    drop((held, waiting));
+    eventually("the slots given back", Duration::from_secs(10), || async {
+        let (answer, _stream) = stall_from([127, 0, 0, 1], "/v1/miner/heartbeat").await;
+        answer.is_none().then_some(())
+    })
+    .await;
+    orch.stop().await;
+}
+
 /// One hotkey may hold only a few upload slots, from however many addresses, and a signed JSON
 /// body over 64 KiB holds them as an upload does (it too is read only once its signature
 /// holds): a registered hotkey sending bodies slowly from a few hosts cannot keep every other
