@@ -66,3 +66,44 @@ pub fn is_blake3_hex(text: &str) -> bool {
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blake3_digest_is_64_lowercase_hex_digits() {
+        let digest = blake3_hex(b"tensor");
+        assert!(is_blake3_hex(&digest));
+        assert!(is_blake3_hex(&"0123456789abcdef".repeat(4)));
+        for bad in [
+            &digest[..63],
+            &format!("{digest}0"),
+            &digest.to_uppercase(),
+            &format!("{}g", &digest[..63]),
+            &format!("{}/", &digest[..63]),
+            "",
+        ] {
+            assert!(!is_blake3_hex(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn downloaded_bytes_must_match_size_and_hash() {
+        let bytes = b"sixteen bytes ok";
+        let blob = BlobDescriptor {
+            key: "k".into(),
+            size: bytes.len() as u64,
+            dtype: BlobDtype::I8,
+            shape: vec![16],
+            blake3: blake3_hex(bytes),
+            url: None,
+        };
+        assert_eq!(blob.check_bytes(bytes), Ok(()));
+        let tampered = b"sixteen bytes OK";
+        let err = blob.check_bytes(tampered).expect_err("other bytes");
+        assert!(err.contains("BLAKE3"), "{err}");
+        let err = blob.check_bytes(&bytes[..15]).expect_err("short");
+        assert!(err.contains("15 bytes"), "{err}");
+    }
+}

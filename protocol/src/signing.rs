@@ -497,16 +497,6 @@ fn parse_signature(text: &str) -> Result<sr25519::Signature, AuthError> {
     Ok(sr25519::Signature::from_raw(raw))
 }
 
-/// Parses an SS58 address into raw public key bytes.
-pub fn public_key_of(ss58: &str) -> Option<[u8; 32]> {
-    sr25519::Public::from_ss58check(ss58).ok().map(|p| p.0)
-}
-
-/// The SS58 address (prefix 42) of raw public key bytes.
-pub fn ss58_of(public: &[u8; 32]) -> String {
-    sr25519::Public::from_raw(*public).to_ss58check()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,6 +570,57 @@ mod tests {
             Err(AuthError::Future { .. })
         ));
         assert!(verify(&r, "GET", "/v1/x", b"", 995_000).is_ok());
+    }
+
+    /// Every instant at which a request is accepted lies within the replay horizon of every
+    /// other: the first and last accepted instants of one request are the horizon apart.
+    #[test]
+    fn the_replay_horizon_spans_the_whole_window() {
+        let window = SkewWindow {
+            max_age_ms: 7_000,
+            max_future_ms: 3_000,
+        };
+        let ts = 1_000_000;
+        let r = signed("GET", "/v1/x", b"", ts);
+        let accepted = |now: u64| {
+            verify_request(
+                |name| find_header(&r.headers, name),
+                "GET",
+                "/v1/x",
+                b"",
+                &r.receiver,
+                now,
+                window,
+            )
+            .is_ok()
+        };
+        let first = (ts - 10_000..=ts)
+            .find(|&now| accepted(now))
+            .expect("accepted");
+        let last = (ts..=ts + 10_000)
+            .rev()
+            .find(|&now| accepted(now))
+            .expect("accepted");
+        assert_eq!((first, last), (ts - 3_000, ts + 7_000));
+        assert_eq!(window.replay_horizon_ms(), last - first);
+    }
+
+    #[test]
+    fn a_body_hash_header_is_64_lowercase_hex_digits() {
+        let hex = body_sha256_hex(b"{}");
+        let text = std::str::from_utf8(&hex).expect("ascii");
+        assert!(is_sha256_hex(text));
+        assert!(is_sha256_hex(&"0123456789abcdef".repeat(4)));
+        for bad in [
+            &text[..63],
+            &format!("{text}0"),
+            &text.to_uppercase(),
+            &format!("{}g", &text[..63]),
+            &format!("{} ", &text[..63]),
+            "",
+        ] {
+            assert!(!is_sha256_hex(bad), "{bad:?}");
+        }
     }
 
     #[test]

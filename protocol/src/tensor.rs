@@ -614,6 +614,29 @@ mod tests {
         assert!(check_tensor(&bad_q, &spec8).is_err());
         let bad_scale = encode_boundary_i8([2, 3, 4], &[1; 24], &[-0.1; 6]);
         assert!(check_tensor(&bad_scale, &spec8).is_err());
+        // A row of zeros quantises with a scale of zero: valid.
+        let mut zero_row = vec![1i8; 24];
+        zero_row[..4].fill(0);
+        let mut scales = [0.1f32; 6];
+        scales[0] = 0.0;
+        let zero_scale = encode_boundary_i8([2, 3, 4], &zero_row, &scales);
+        assert_eq!(check_tensor(&zero_scale, &spec8), Ok(()));
+        // A tensor besides the ones the format names is refused, not ignored.
+        let extra = serialize(
+            vec![
+                (
+                    "values".to_owned(),
+                    raw_view(Dtype::F32, &[2, 3, 4], f32_le(&[0.5; 24])),
+                ),
+                ("extra".to_owned(), raw_view(Dtype::U8, &[1], vec![0])),
+            ],
+            BOUNDARY_FORMAT,
+            Some(WireEncoding::F32),
+        );
+        assert!(matches!(
+            check_tensor(&extra, &spec),
+            Err(TensorError::Layout(_))
+        ));
         // `iota-model` refuses a boundary tensor that names no encoding, and an empty one, so
         // the check does too.
         let unnamed = encode_f32(BOUNDARY_FORMAT, None, &[2, 3, 4], &[0.5; 24]);
@@ -626,10 +649,19 @@ mod tests {
             encoding: WireEncoding::F32,
         };
         assert!(check_tensor(&encode_boundary_f32([2, 0, 4], &[]), &empty).is_err());
-        // Garbage and oversize.
+        // Garbage and oversize: the size limit is the slot's largest tensor, inclusive.
         assert!(matches!(
             check_tensor(b"not a tensor", &spec),
             Err(TensorError::Unreadable(_))
+        ));
+        let max = spec.max_bytes() as usize;
+        assert!(matches!(
+            check_tensor(&vec![0u8; max], &spec),
+            Err(TensorError::Unreadable(_))
+        ));
+        assert!(matches!(
+            check_tensor(&vec![0u8; max + 1], &spec),
+            Err(TensorError::TooLarge { .. })
         ));
         // An absurd slot saturates its limit instead of overflowing (found by tests/tensor_props.rs).
         for absurd in [

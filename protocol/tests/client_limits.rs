@@ -209,6 +209,11 @@ async fn a_blob_is_never_read_past_its_descriptor() {
             vec![format!("Content-Length: {}", 1u64 << 40)],
             Body::Endless,
         ),
+        // The described length, other bytes (a store whose object was overwritten).
+        "/tampered" => Answer::ok(
+            vec![format!("Content-Length: {}", good.len())],
+            Body::Bytes(vec![2u8; 64]),
+        ),
         // Announces less than the descriptor.
         "/short" => Answer::ok(vec!["Content-Length: 8".into()], Body::Bytes(vec![1u8; 8])),
         // More bytes than announced and described: a chunked body of twice the size.
@@ -239,7 +244,7 @@ async fn a_blob_is_never_read_past_its_descriptor() {
         let got = c.download(&blob(&content, at(p))).await.expect(p);
         assert_eq!(&got[..], &content[..], "{p}");
     }
-    for p in ["/endless", "/huge", "/short", "/chunked"] {
+    for p in ["/endless", "/huge", "/short", "/chunked", "/tampered"] {
         assert_bad_object(c.download(&blob(&content, at(p))).await, p);
     }
     // Through the orchestrator (no presigned URL), the same bound.
