@@ -353,7 +353,7 @@ fn http_metrics() -> &'static HttpMetrics {
     paths(
         miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
         miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
-        miner::merges, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
+        miner::merges, miner::weights, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
         miner::report_bad_object,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
@@ -448,6 +448,7 @@ pub fn router(app: App) -> Router {
             post(miner::commit_pg),
         )
         .route("/v1/miner/merges", get(miner::merges))
+        .route("/v1/miner/stages/{stage}/weights", get(miner::weights))
         .route(
             "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign",
             post(miner::presign_merge),

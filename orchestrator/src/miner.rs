@@ -2158,6 +2158,20 @@ pub async fn commit_pg(
     .await
 }
 
+/// `GET /v1/miner/stages/{stage}/weights?before=…`: as the public route, with a download URL
+/// for each partition when the store presigns (the signed way to the bytes of the weights).
+#[utoipa::path(get, path = "/v1/miner/stages/{stage}/weights", tag = "miner",
+    params(("stage" = u32, Path, description = "Stage"), views::WeightsQuery),
+    responses((status = 200, body = StageWeights), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn weights(
+    State(app): State<App>,
+    ApiPath(stage): ApiPath<u32>,
+    ApiQuery(q): ApiQuery<views::WeightsQuery>,
+) -> ApiResult<Json<StageWeights>> {
+    Ok(Json(views::stage_weights(&app, stage, q.before).await?))
+}
+
 /// `GET /v1/miner/merges`: the partitions the caller owns in the current merging round and has
 /// not yet submitted.
 #[utoipa::path(get, path = "/v1/miner/merges", tag = "miner",

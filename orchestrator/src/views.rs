@@ -70,19 +70,31 @@ pub(crate) fn status_from_row(row: &sqlx::postgres::PgRow) -> ApiResult<EpochSta
 
 /// The latest accepted merge of every partition of `stage` (older epochs fill partitions that
 /// were left unchanged since) from an epoch before `before` (any epoch: `None`): with `before`
-/// an epoch, the weights that epoch started from.
+/// an epoch, the weights that epoch started from. With a presigning store each carries a
+/// download URL (for a signed caller: see [`public_stage_weights`]).
 pub async fn stage_weights(app: &App, stage: u32, before: Option<u64>) -> ApiResult<StageWeights> {
+    let mut weights = public_stage_weights(app, stage, before).await?;
+    for blob in weights.partitions.iter_mut().flatten() {
+        blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
+    }
+    Ok(weights)
+}
+
+/// [`stage_weights`] without download URLs, for anyone: the bytes come from the store to
+/// members of the subnet only, as `GET /v1/blobs/{key}` does (a presigned URL would let anyone
+/// pull the whole model from the bucket, as often as they like, at the run's expense).
+pub async fn public_stage_weights(
+    app: &App,
+    stage: u32,
+    before: Option<u64>,
+) -> ApiResult<StageWeights> {
     if stage >= app.config().stages {
         return Err(AppError::new(
             ErrorCode::NotFound,
             format!("no stage {stage}"),
         ));
     }
-    let mut weights = latest_accepted(app, stage, before).await?;
-    for blob in weights.partitions.iter_mut().flatten() {
-        blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
-    }
-    Ok(weights)
+    latest_accepted(app, stage, before).await
 }
 
 /// Each partition's latest accepted merge of `stage` from an epoch before `before` (any epoch:
@@ -176,7 +188,8 @@ pub struct WeightsQuery {
     pub before: Option<u64>,
 }
 
-/// `GET /v1/stages/{stage}/weights?before=…`.
+/// `GET /v1/stages/{stage}/weights?before=…`: keys, sizes and hashes, no download URLs (those
+/// come signed: `GET /v1/miner/stages/{stage}/weights`).
 #[utoipa::path(get, path = "/v1/stages/{stage}/weights", tag = "explorer",
     params(("stage" = u32, Path, description = "Stage"), WeightsQuery),
     responses((status = 200, body = StageWeights), (status = 404, body = iota_protocol::ApiError)))]
@@ -185,7 +198,7 @@ pub async fn get_stage_weights(
     ApiPath(stage): ApiPath<u32>,
     ApiQuery(q): ApiQuery<WeightsQuery>,
 ) -> ApiResult<Json<StageWeights>> {
-    Ok(Json(stage_weights(&app, stage, q.before).await?))
+    Ok(Json(public_stage_weights(&app, stage, q.before).await?))
 }
 
 /// `GET /v1/miners?after=…&status=…&limit=…`: a page of miners, by hotkey.

@@ -442,6 +442,34 @@ async fn upload_download_scenario(store: StoreConfig) {
             "stage {stage} has unmerged partitions: {:?}",
             weights.partitions
         );
+        // Anyone sees the weights' keys, sizes and hashes, but never a URL that downloads them
+        // from the bucket; a hotkey that is not on the subnet gets none signed either.
+        let public: StageWeights = http
+            .get(format!("{}/v1/stages/{stage}/weights", orch.base))
+            .send()
+            .await
+            .expect("public weights")
+            .json()
+            .await
+            .expect("json");
+        let mut unsigned = weights.clone();
+        unsigned
+            .partitions
+            .iter_mut()
+            .flatten()
+            .for_each(|b| b.url = None);
+        assert_eq!(public, unsigned, "stage {stage}");
+        let stranger = ApiClient::new(
+            orch.base.clone(),
+            signer(99),
+            iota_protocol::signing::RequestSigner::ss58(&pair(200)),
+            iota_protocol::RetryPolicy::default(),
+        )
+        .expect("client");
+        assert_eq!(
+            err_code(stranger.stage_weights(stage).await),
+            Some(ErrorCode::NotRegistered)
+        );
         for blob in weights.partitions.iter().flatten() {
             assert_eq!(blob.url.is_some(), presigned);
             s0.download(blob)

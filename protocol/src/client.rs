@@ -788,20 +788,30 @@ impl ApiClient {
         self.public_get(&format!("/v1/epochs/{epoch}/merges")).await
     }
 
-    /// The latest merged weights of `stage`.
+    /// The latest merged weights of `stage`, with download URLs where the store presigns
+    /// (signed: the public route gives no URLs).
     pub async fn stage_weights(&self, stage: u32) -> Result<StageWeights, ClientError> {
-        self.public_get(&format!("/v1/stages/{stage}/weights"))
-            .await
+        self.signed_raw(
+            Method::GET,
+            &format!("/v1/miner/stages/{stage}/weights"),
+            None,
+        )
+        .await
     }
 
-    /// The weights `stage` started epoch `epoch` from (merges of earlier epochs only).
+    /// The weights `stage` started epoch `epoch` from (merges of earlier epochs only), as
+    /// [`ApiClient::stage_weights`].
     pub async fn epoch_start_weights(
         &self,
         stage: u32,
         epoch: u64,
     ) -> Result<StageWeights, ClientError> {
-        self.public_get(&format!("/v1/stages/{stage}/weights?before={epoch}"))
-            .await
+        self.signed_raw(
+            Method::GET,
+            &format!("/v1/miner/stages/{stage}/weights?before={epoch}"),
+            None,
+        )
+        .await
     }
 
     // ---- validators ----
