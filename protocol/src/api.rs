@@ -161,7 +161,12 @@ impl RunConfig {
     /// (miners, validators recomputing a loss) rebuilds the same batch from the id alone.
     pub fn sequence_ids(&self, sample_id: i64) -> Vec<u64> {
         let mb = u64::from(self.micro_batch);
-        let base = sample_id.unsigned_abs().wrapping_mul(mb) % HELD_OUT_BASE;
+        if mb == 0 {
+            return Vec::new();
+        }
+        // Whole samples below the held-out ids: `id · mb` for any id a run reaches, wrapped
+        // so that no sample straddles `HELD_OUT_BASE` for one it never does.
+        let base = (sample_id.unsigned_abs() % (HELD_OUT_BASE / mb)) * mb;
         (0..mb).map(|i| base + i).collect()
     }
 
@@ -1172,6 +1177,16 @@ mod tests {
             ("uploading_s", Box::new(|r| r.uploading_s = 0)),
             ("merging_s", Box::new(|r| r.merging_s = 0)),
             ("merge_round_s", Box::new(|r| r.merge_round_s = 0)),
+            ("partitions", Box::new(|r| r.stage_params[2] = 3)),
+            ("positive", Box::new(|r| r.micro_batch = 0)),
+            ("positive", Box::new(|r| r.seq_len = 0)),
+            ("positive", Box::new(|r| r.boundary_dim = 0)),
+            ("positive", Box::new(|r| r.lease_s = 0)),
+            ("positive", Box::new(|r| r.heartbeat_timeout_s = 0)),
+            ("inner_lr", Box::new(|r| r.inner_lr = 0.0)),
+            ("inner_lr", Box::new(|r| r.inner_lr = -1e-3)),
+            ("inner_lr", Box::new(|r| r.inner_lr = f64::NAN)),
+            ("inner_lr", Box::new(|r| r.inner_lr = f64::INFINITY)),
         ];
         for (field, change) in cases {
             let mut r = run();
@@ -1181,12 +1196,77 @@ mod tests {
         }
         // The bounds themselves are valid: a run at every limit passes.
         let mut r = run();
+        r.stage_params[2] = u64::from(r.partitions);
+        assert_eq!(r.validate(), Ok(()), "a partition of one parameter");
+        let mut r = run();
         r.partitions = limits::MAX_PARTITIONS;
         r.stage_params = vec![limits::MAX_STAGE_PARAMS; 3];
         r.samples_per_epoch = limits::MAX_SAMPLES_PER_EPOCH;
         r.heartbeat_timeout_s = limits::MAX_DURATION_S;
         r.max_in_flight = limits::MAX_IN_FLIGHT;
         assert_eq!(r.validate(), Ok(()));
+    }
+
+    /// What every party derives from a run alike: shapes, stage sizes, partitions, the
+    /// largest object, a sample's sequences.
+    #[test]
+    fn what_a_run_sizes() {
+        let mut r = run();
+        r.stage_params = vec![1001, 1000, 4003];
+        assert_eq!(r.boundary_shape(), [4, 64, 8]);
+        assert_eq!(r.params_of(2), Some(4003));
+        assert_eq!(r.params_of(3), None);
+        // 4,003 in 4: three of 1,001, then 1,000.
+        assert_eq!(r.partition_range(2, 0), Some(0..1001));
+        assert_eq!(r.partition_range(2, 3), Some(3003..4003));
+        assert_eq!(r.partition_range(3, 0), None);
+        // The largest object: stage 2's first merged partition, then a wide boundary tensor.
+        assert_eq!(
+            r.max_object_bytes(),
+            TensorSpec::Merged { len: 1001 }.max_bytes()
+        );
+        r.boundary_dim = 4096;
+        let boundary = TensorSpec::Boundary {
+            shape: [4, 64, 4096],
+            encoding: WireEncoding::Int8,
+        };
+        assert_eq!(r.max_object_bytes(), boundary.max_bytes());
+        // A sample is `micro_batch` consecutive sequences, whatever the id's sign.
+        assert_eq!(r.sequence_ids(0), [0, 1, 2, 3]);
+        assert_eq!(r.sequence_ids(5), [20, 21, 22, 23]);
+        assert_eq!(r.sequence_ids(-5), r.sequence_ids(5));
+        // No training sequence is a held-out one, for any id and micro-batch.
+        for mb in [1, 3, 4, 7] {
+            r.micro_batch = mb;
+            for id in [i64::MAX, i64::MIN, -1, (HELD_OUT_BASE / 3) as i64] {
+                let ids = r.sequence_ids(id);
+                assert_eq!(ids.len(), mb as usize);
+                assert!(ids.iter().all(|s| *s < HELD_OUT_BASE), "{mb} {id}: {ids:?}");
+            }
+        }
+        assert_eq!(r.held_out_ids(2), [HELD_OUT_BASE, HELD_OUT_BASE + 1]);
+    }
+
+    /// A run served by an orchestrator that predates the inner optimizer's settings reads with
+    /// their defaults.
+    #[test]
+    fn inner_settings_default_when_absent() {
+        let mut json = serde_json::to_value(run()).expect("json");
+        let fields = json.as_object_mut().expect("object");
+        fields.remove("inner_lr");
+        fields.remove("inner_steps_every");
+        let r: RunConfig = serde_json::from_value(json).expect("a run");
+        assert_eq!((r.inner_lr, r.inner_steps_every), (3e-3, 2));
+    }
+
+    /// Every duration may be up to 30 days, and no more.
+    #[test]
+    fn durations_reach_thirty_days() {
+        let mut r = run();
+        r.heartbeat_timeout_s = 30 * 86_400;
+        assert_eq!(r.validate(), Ok(()));
+        r.heartbeat_timeout_s += 1;
+        assert!(r.validate().is_err());
     }
 
     #[test]
