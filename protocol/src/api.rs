@@ -1183,6 +1183,7 @@ mod tests {
             ("positive", Box::new(|r| r.boundary_dim = 0)),
             ("positive", Box::new(|r| r.lease_s = 0)),
             ("positive", Box::new(|r| r.heartbeat_timeout_s = 0)),
+            ("outer_lr", Box::new(|r| r.outer_lr = -0.1)),
             ("inner_lr", Box::new(|r| r.inner_lr = 0.0)),
             ("inner_lr", Box::new(|r| r.inner_lr = -1e-3)),
             ("inner_lr", Box::new(|r| r.inner_lr = f64::NAN)),
@@ -1245,6 +1246,44 @@ mod tests {
             }
         }
         assert_eq!(r.held_out_ids(2), [HELD_OUT_BASE, HELD_OUT_BASE + 1]);
+    }
+
+    /// Partitions tile a stage's values in order, their sizes differing by at most one, the
+    /// first `total % parts` the longer ones; there is no partition past the last, and none of
+    /// a stage too small to cut.
+    #[test]
+    fn partitions_tile_the_values() {
+        for (total, parts) in [
+            (10u64, 1u32),
+            (10, 3),
+            (12, 4),
+            (4003, 4),
+            (7, 7),
+            (1000, 999),
+        ] {
+            let mut next = 0;
+            for j in 0..parts {
+                let r = partition_range(total, parts, j).expect("a partition");
+                assert_eq!(
+                    r.start,
+                    next,
+                    "{total}/{parts}: partition {j} starts where {} ended",
+                    j.max(1) - 1
+                );
+                let long = u64::from(j) < total % u64::from(parts);
+                assert_eq!(
+                    r.end - r.start,
+                    total / u64::from(parts) + u64::from(long),
+                    "{total}/{parts}: {j}"
+                );
+                next = r.end;
+            }
+            assert_eq!(next, total, "{total}/{parts}");
+            assert_eq!(partition_range(total, parts, parts), None);
+        }
+        assert_eq!(partition_range(10, 0, 0), None);
+        assert_eq!(partition_range(3, 4, 0), None);
+        assert_eq!(partition_range(4, 4, 3), Some(3..4));
     }
 
     /// A run served by an orchestrator that predates the inner optimizer's settings reads with
