@@ -135,4 +135,25 @@ mod tests {
             assert_eq!(json, format!("\"{}\"", code.as_str()));
         }
     }
+
+    /// Clients retry by status (429, 5xx) and tell refusals apart by it: each code keeps its
+    /// documented status.
+    #[test]
+    fn codes_travel_with_their_statuses() {
+        for (code, status) in [
+            (ErrorCode::BadRequest, 400),
+            (ErrorCode::InvalidTensor, 400),
+            (ErrorCode::Replayed, 401),
+            (ErrorCode::NotRegistered, 403),
+            (ErrorCode::NotFound, 404),
+            (ErrorCode::RequestTimeout, 408),
+            (ErrorCode::Conflict, 409),
+            (ErrorCode::PayloadTooLarge, 413),
+            (ErrorCode::RateLimited, 429),
+            (ErrorCode::Internal, 500),
+            (ErrorCode::InProgress, 503),
+        ] {
+            assert_eq!(code.status(), status, "{code:?}");
+        }
+    }
 }

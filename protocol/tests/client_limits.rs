@@ -552,6 +552,12 @@ async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
                 vec![format!("Content-Length: {}", served.len())],
                 Body::Bytes(served.clone()),
             )
+        } else if path == "/largest" {
+            let largest = vec![4u8; run().max_object_bytes() as usize];
+            Answer::ok(
+                vec![format!("Content-Length: {}", largest.len())],
+                Body::Bytes(largest),
+            )
         } else {
             Answer::ok(Vec::new(), Body::Endless)
         }
@@ -570,8 +576,246 @@ async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
         other => panic!("expected a refusal, got {other:?}"),
     }
     assert_eq!(seen(&blobs), 0, "nothing was asked for");
-    // An object within the bound downloads as before.
+    // An object within the bound downloads as before, one of exactly the bound too.
     let small = blob(&content, Some(format!("{base}/small")));
     assert_eq!(c.download(&small).await.expect("download"), content);
     assert_eq!(seen(&blobs), 1);
+    let largest = vec![4u8; max as usize];
+    let at_bound = blob(&largest, Some(format!("{base}/largest")));
+    assert_eq!(c.download(&at_bound).await.expect("download"), largest);
+}
+
+/// Answers worth another attempt are tried again: 429 and 408 (a rate limit, a body too slow to
+/// arrive), a 5xx whose body breaks off, and a success whose body breaks off (it was read as the
+/// answer, cut short).
+#[tokio::test]
+async fn answers_worth_another_attempt_are_retried() {
+    let cases: [(&str, &str, Vec<String>, &[u8]); 4] = [
+        (
+            "429",
+            "429 Too Many Requests",
+            vec!["Content-Length: 0".into()],
+            b"",
+        ),
+        (
+            "408",
+            "408 Request Timeout",
+            vec!["Content-Length: 0".into()],
+            b"",
+        ),
+        (
+            "503, cut off",
+            "503 Service Unavailable",
+            vec!["Content-Length: 100".into()],
+            b"{\"code\":",
+        ),
+        (
+            "200, cut off",
+            "200 OK",
+            vec!["Content-Length: 100".into()],
+            b"{\"id\":",
+        ),
+    ];
+    for (what, status, headers, first) in cases {
+        let requests = counter();
+        let n = requests.clone();
+        let first = first.to_vec();
+        let base = serve(move |_| {
+            if count(&n) == 0 {
+                Answer {
+                    status,
+                    headers: headers.clone(),
+                    body: Body::Bytes(first.clone()),
+                }
+            } else {
+                Answer::ok(
+                    vec!["Content-Length: 8".into()],
+                    Body::Bytes(b"{\"id\":1}".to_vec()),
+                )
+            }
+        })
+        .await;
+        let got: Result<serde_json::Value, _> = retrying(&base, 3).public_get("/v1/x").await;
+        assert_eq!(got.ok(), Some(serde_json::json!({"id": 1})), "{what}");
+        assert_eq!(seen(&requests), 2, "{what}");
+    }
+}
+
+/// An error answer keeps its status and code: a small JSON error body is read, a large one is
+/// cut to a note instead of replacing the answer with a client-side refusal.
+#[tokio::test]
+async fn error_answers_keep_their_status_and_code() {
+    let conflict = br#"{"code":"conflict","message":"other bytes"}"#.to_vec();
+    let base = serve(move |path| match path {
+        "/small" => Answer {
+            status: "409 Conflict",
+            headers: vec![format!("Content-Length: {}", conflict.len())],
+            body: Body::Bytes(conflict.clone()),
+        },
+        _ => Answer {
+            status: "403 Forbidden",
+            headers: vec![format!("Content-Length: {}", 100 << 10)],
+            body: Body::Bytes(vec![b' '; 100 << 10]),
+        },
+    })
+    .await;
+    let c = client(&base);
+    match c.public_get::<serde_json::Value>("/small").await {
+        Err(e @ ClientError::Api { status: 409, .. }) => {
+            assert_eq!(e.code(), Some(ErrorCode::Conflict), "{e}")
+        }
+        other => panic!("small error body: {other:?}"),
+    }
+    match c.public_get::<serde_json::Value>("/large").await {
+        Err(e @ ClientError::Api { status: 403, .. }) => {
+            assert!(e.to_string().contains("error body over"), "{e}")
+        }
+        other => panic!("large error body: {other:?}"),
+    }
+}
+
+/// A request as the client sends it passes the server's check: signed now, for the receiver,
+/// over the method, path, query and body that went on the wire.
+#[tokio::test]
+async fn a_signed_request_verifies_as_sent() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            conn.read_exact(&mut byte).await.expect("head");
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        let mut lines = head.split("\r\n");
+        let request_line: Vec<String> = lines
+            .next()
+            .unwrap_or_default()
+            .split(' ')
+            .map(str::to_owned)
+            .collect();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        let len = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0usize);
+        let mut body = vec![0u8; len];
+        conn.read_exact(&mut body).await.expect("body");
+        let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+        conn.write_all(answer).await.expect("answer");
+        let _ = tx.send((request_line, headers, body));
+    });
+    let receiver = RequestSigner::ss58(&sp_core::sr25519::Pair::from_seed(&[9; 32]));
+    let c = ApiClient::new(&base, signer(), &receiver, retry()).expect("client");
+    let sent: serde_json::Value = c
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/heartbeat?x=1",
+            &serde_json::json!({"tokens_per_s": 12.5}),
+        )
+        .await
+        .expect("answered");
+    assert_eq!(sent, serde_json::json!({}));
+    let (request_line, headers, body) = rx.await.expect("captured");
+    let header = |name: &'static str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64;
+    let verified = iota_protocol::signing::verify_request(
+        header,
+        &request_line[0],
+        &request_line[1],
+        &body,
+        &receiver,
+        now,
+        iota_protocol::signing::SkewWindow::default(),
+    )
+    .expect("the server's check passes");
+    assert_eq!(
+        verified.signer,
+        sp_core::sr25519::Pair::from_seed(&[7; 32]).public().0
+    );
+    assert_eq!(request_line[1], "/v1/miner/heartbeat?x=1");
+    assert_eq!(body, br#"{"tokens_per_s":12.5}"#);
+}
+
+/// Spot-check pages are followed to the end and joined; a page that does not follow its cursor
+/// (a miner not after it, miners out of order, a next cursor that is not its last miner) is
+/// refused rather than joined or followed.
+#[tokio::test]
+async fn spot_check_pages_are_joined_in_order_or_refused() {
+    let page = |miners: &[&str], next: Option<&str>| {
+        serde_json::to_vec(&serde_json::json!({
+            "epoch": 0,
+            "miners": miners.iter().map(|m| serde_json::json!({
+                "hotkey": m, "stage": 0, "hop_task_ids": [], "pseudo_gradient_partitions": [],
+            })).collect::<Vec<_>>(),
+            "next_after": next,
+            "partitions": [],
+            "reported": [],
+        }))
+        .expect("json")
+    };
+    // What the page after `b` is, and the miners the whole list then holds (`None`: refused).
+    type Case = (&'static str, Vec<u8>, Option<&'static [&'static str]>);
+    let cases: Vec<Case> = vec![
+        (
+            "in order",
+            page(&["c", "d"], None),
+            Some(&["a", "b", "c", "d"]),
+        ),
+        ("a full last page", page(&["c"], Some("c")), None),
+        ("not after the cursor", page(&["b", "c"], None), None),
+        ("out of order", page(&["d", "c"], None), None),
+        ("a cursor not its last", page(&["c", "d"], Some("c")), None),
+    ];
+    for (what, second, joined) in cases {
+        let first = page(&["a", "b"], Some("b"));
+        let end = page(&[], None);
+        let base = serve(move |path| {
+            let body = if path.ends_with("?after=b") {
+                second.clone()
+            } else if path.contains("?after=") {
+                end.clone()
+            } else {
+                first.clone()
+            };
+            Answer::ok(
+                vec![format!("Content-Length: {}", body.len())],
+                Body::Bytes(body),
+            )
+        })
+        .await;
+        let got = client(&base).spot_checks(0).await;
+        match joined {
+            Some(hotkeys) => {
+                let got = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+                let miners: Vec<&str> = got.miners.iter().map(|m| m.hotkey.as_str()).collect();
+                assert_eq!(miners, hotkeys, "{what}");
+                assert_eq!(got.next_after, None, "{what}");
+            }
+            // A full last page is followed by an empty one, which ends the list.
+            None if what == "a full last page" => {
+                let got = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(got.miners.len(), 3, "{what}");
+            }
+            None => assert!(
+                matches!(got, Err(ClientError::Decode(_))),
+                "{what}: {got:?}"
+            ),
+        }
+    }
 }
