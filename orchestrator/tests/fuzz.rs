@@ -17,7 +17,7 @@ use std::time::Duration;
 use common::*;
 use futures::StreamExt;
 use iota_orchestrator::StoreConfig;
-use iota_protocol::api::{Capacity, RegisterRequest, WorkRequest, WorkResponse};
+use iota_protocol::api::{WorkRequest, WorkResponse};
 use iota_protocol::blob::blake3_hex;
 use iota_protocol::signing::{
     HEADER_SIGNATURE, HEADER_SIGNED_BY, HEADER_SIGNED_FOR, HEADER_TIMESTAMP, HEADER_UUID,
@@ -903,15 +903,7 @@ async fn bad_input_never_gets_a_5xx() {
 
     // A miner that has joined and holds leased work, so ids and leases in the requests can be
     // real and handlers get past "not found".
-    let register = serde_json::to_vec(&RegisterRequest {
-        capacity: Capacity {
-            device: "cpu".into(),
-            memory_bytes: 1 << 30,
-            tokens_per_s: 100.0,
-        },
-        holds_epoch_state: false,
-    })
-    .expect("json");
+    let register = register_body();
     signed_ok(
         &http,
         &orch.base,

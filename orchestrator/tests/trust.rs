@@ -33,15 +33,7 @@ async fn callers_are_checked_and_bad_uploads_leave_nothing() {
         base: orch.base.clone(),
         receiver: pair(200).ss58(),
     };
-    let register_body = serde_json::to_vec(&RegisterRequest {
-        capacity: Capacity {
-            device: "cpu".into(),
-            memory_bytes: 1 << 30,
-            tokens_per_s: 100.0,
-        },
-        holds_epoch_state: false,
-    })
-    .expect("json");
+    let register_body = register_body();
     let post = reqwest::Method::POST;
 
     // A registered miner is accepted; an unregistered hotkey is refused.
@@ -806,15 +798,7 @@ async fn one_address_has_a_bounded_number_of_unchecked_bodies_arriving() {
     cfg.limits.body_timeout = Duration::from_secs(60);
     let orch = start(cfg).await;
     let raw = Raw::to(&orch.base);
-    let register = serde_json::to_vec(&RegisterRequest {
-        capacity: Capacity {
-            device: "cpu".into(),
-            memory_bytes: 1 << 30,
-            tokens_per_s: 100.0,
-        },
-        holds_epoch_state: false,
-    })
-    .expect("json");
+    let register = register_body();
     let post = reqwest::Method::POST;
     let joined = raw
         .signed(&pair(MINER), post.clone(), "/v1/miner/register", register)
@@ -1206,15 +1190,7 @@ async fn an_address_sending_bad_signatures_is_refused_for_a_while() {
     // address (clients behind one NAT), and that hotkey's from another address, do not: they
     // join.
     let join = |client: Raw, seed: u8| async move {
-        let body = serde_json::to_vec(&RegisterRequest {
-            capacity: Capacity {
-                device: "cpu".into(),
-                memory_bytes: 1 << 30,
-                tokens_per_s: 100.0,
-            },
-            holds_epoch_state: false,
-        })
-        .expect("json");
+        let body = register_body();
         client
             .signed(
                 &pair(seed),

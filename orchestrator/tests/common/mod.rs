@@ -12,7 +12,7 @@ use iota_chain::wallet::{Keypair, PublicKey};
 use iota_chain::{ConnectOptions, Subtensor, TxOptions};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_orchestrator::{Config, Limits, StoreConfig};
-use iota_protocol::api::{Capacity, RegisterResponse, RunConfig};
+use iota_protocol::api::{Capacity, RegisterRequest, RegisterResponse, RunConfig};
 use iota_protocol::signing::{RequestSigner, SkewWindow};
 use iota_protocol::tensor::WireEncoding;
 use iota_protocol::{ApiClient, ApiError, ErrorCode, RetryPolicy};
@@ -345,19 +345,31 @@ pub fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-/// A client for the miner of `seed`, registered with 1 GiB and 100 tokens/s.
+/// What the tests' miners report: a CPU, 1 GiB and 100 tokens/s.
+pub fn cpu_capacity() -> Capacity {
+    Capacity {
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        tokens_per_s: 100.0,
+    }
+}
+
+/// The body of a registration with [`cpu_capacity`], holding no epoch state: for requests
+/// signed by hand.
+pub fn register_body() -> Vec<u8> {
+    serde_json::to_vec(&RegisterRequest {
+        capacity: cpu_capacity(),
+        holds_epoch_state: false,
+    })
+    .expect("json")
+}
+
+/// A client for the miner of `seed`, registered with [`cpu_capacity`].
 pub async fn registered_miner(base: &str, seed: u8) -> (ApiClient, RegisterResponse) {
     let client = ApiClient::connect(base, signer(seed), RetryPolicy::default())
         .await
         .expect("connect");
-    let joined = client
-        .register(Capacity {
-            device: "cpu".into(),
-            memory_bytes: 1 << 30,
-            tokens_per_s: 100.0,
-        })
-        .await
-        .expect("register");
+    let joined = client.register(cpu_capacity()).await.expect("register");
     (client, joined)
 }
 
