@@ -1183,6 +1183,13 @@ mod tests {
             ("positive", Box::new(|r| r.boundary_dim = 0)),
             ("positive", Box::new(|r| r.lease_s = 0)),
             ("positive", Box::new(|r| r.heartbeat_timeout_s = 0)),
+            (
+                "tokens",
+                Box::new(|r| {
+                    r.micro_batch = 1 << 12;
+                    r.seq_len = 1 << 13;
+                }),
+            ),
             ("outer_lr", Box::new(|r| r.outer_lr = -0.1)),
             ("inner_lr", Box::new(|r| r.inner_lr = 0.0)),
             ("inner_lr", Box::new(|r| r.inner_lr = -1e-3)),
@@ -1205,6 +1212,15 @@ mod tests {
         r.samples_per_epoch = limits::MAX_SAMPLES_PER_EPOCH;
         r.heartbeat_timeout_s = limits::MAX_DURATION_S;
         r.max_in_flight = limits::MAX_IN_FLIGHT;
+        r.inner_steps_every = limits::MAX_INNER_STEPS_EVERY;
+        r.name = "n".repeat(limits::MAX_NAME_BYTES);
+        r.model = "m".repeat(limits::MAX_NAME_BYTES);
+        assert_eq!(r.validate(), Ok(()));
+        let mut r = run();
+        r.stages = limits::MAX_STAGES;
+        r.stage_params = vec![1000; r.stages as usize];
+        // 2^24 tokens of 16 values: both limits exactly.
+        (r.micro_batch, r.seq_len, r.boundary_dim) = (1 << 12, 1 << 12, 16);
         assert_eq!(r.validate(), Ok(()));
     }
 
@@ -1284,6 +1300,33 @@ mod tests {
         assert_eq!(partition_range(10, 0, 0), None);
         assert_eq!(partition_range(3, 4, 0), None);
         assert_eq!(partition_range(4, 4, 3), Some(3..4));
+    }
+
+    /// Phases and directions are stored and sent by the names serde gives them, and read back.
+    #[test]
+    fn stored_names_round_trip() {
+        for phase in [Phase::Training, Phase::Uploading, Phase::Merging] {
+            assert_eq!(Phase::parse(phase.as_str()), Some(phase));
+            let json = serde_json::to_string(&phase).expect("json");
+            assert_eq!(json, format!("\"{}\"", phase.as_str()));
+        }
+        for direction in [Direction::Forward, Direction::Backward] {
+            assert_eq!(Direction::parse(direction.as_str()), Some(direction));
+            let json = serde_json::to_string(&direction).expect("json");
+            assert_eq!(json, format!("\"{}\"", direction.as_str()));
+        }
+        assert_eq!(Phase::parse("Training"), None);
+        assert_eq!(Direction::parse("sideways"), None);
+    }
+
+    #[test]
+    fn throughput_bounds() {
+        for ok in [0.0, 1.5, MAX_TOKENS_PER_S] {
+            assert!(throughput_in_range(ok), "{ok}");
+        }
+        for bad in [-1.0, MAX_TOKENS_PER_S * 1.5, f64::NAN, f64::INFINITY] {
+            assert!(!throughput_in_range(bad), "{bad}");
+        }
     }
 
     /// A run served by an orchestrator that predates the inner optimizer's settings reads with
