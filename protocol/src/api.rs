@@ -1302,7 +1302,8 @@ mod tests {
         assert_eq!(partition_range(4, 4, 3), Some(3..4));
     }
 
-    /// Phases and directions are stored and sent by the names serde gives them, and read back.
+    /// Phases, directions and partition states are stored and sent by the names serde gives
+    /// them, and read back.
     #[test]
     fn stored_names_round_trip() {
         for phase in [Phase::Training, Phase::Uploading, Phase::Merging] {
@@ -1315,6 +1316,17 @@ mod tests {
             let json = serde_json::to_string(&direction).expect("json");
             assert_eq!(json, format!("\"{}\"", direction.as_str()));
         }
+        for state in [
+            PartitionState::Open,
+            PartitionState::Accepted,
+            PartitionState::Disputed,
+            PartitionState::Unchanged,
+        ] {
+            assert_eq!(PartitionState::parse(state.as_str()), Some(state));
+            let json = serde_json::to_string(&state).expect("json");
+            assert_eq!(json, format!("\"{}\"", state.as_str()));
+        }
+        assert_eq!(PartitionState::parse("closed"), None);
         assert_eq!(Phase::parse("Training"), None);
         assert_eq!(Direction::parse("sideways"), None);
     }

@@ -781,6 +781,7 @@ async fn spot_check_pages_are_joined_in_order_or_refused() {
         ("not after the cursor", page(&["b", "c"], None), None),
         ("out of order", page(&["d", "c"], None), None),
         ("a cursor not its last", page(&["c", "d"], Some("c")), None),
+        ("a miner twice", page(&["c", "c"], None), None),
     ];
     for (what, second, joined) in cases {
         let first = page(&["a", "b"], Some("b"));
@@ -816,6 +817,46 @@ async fn spot_check_pages_are_joined_in_order_or_refused() {
                 matches!(got, Err(ClientError::Decode(_))),
                 "{what}: {got:?}"
             ),
+        }
+    }
+}
+
+/// The joined pages hold at most 65,536 miners (far more than a subnet's uids): a server that
+/// lists more is refused, not followed.
+#[tokio::test]
+async fn spot_check_pages_hold_a_bounded_number_of_miners() {
+    const MAX: usize = 1 << 16;
+    for (second, ok) in [(MAX - 2, true), (MAX - 1, false)] {
+        let miners = |names: Vec<String>, next: Option<&str>| {
+            serde_json::to_vec(&serde_json::json!({
+                "epoch": 0,
+                "miners": names.iter().map(|m| serde_json::json!({
+                    "hotkey": m, "stage": 0, "hop_task_ids": [], "pseudo_gradient_partitions": [],
+                })).collect::<Vec<_>>(),
+                "next_after": next,
+                "partitions": [],
+                "reported": [],
+            }))
+            .expect("json")
+        };
+        let first = miners(vec!["a".into(), "b".into()], Some("b"));
+        let rest = miners((0..second).map(|i| format!("c{i:06}")).collect(), None);
+        let base = serve(move |path| {
+            let body = if path.contains("?after=") {
+                rest.clone()
+            } else {
+                first.clone()
+            };
+            Answer::ok(
+                vec![format!("Content-Length: {}", body.len())],
+                Body::Bytes(body),
+            )
+        })
+        .await;
+        let got = client(&base).spot_checks(0).await;
+        match ok {
+            true => assert_eq!(got.map(|t| t.miners.len()).ok(), Some(MAX)),
+            false => assert!(matches!(got, Err(ClientError::Decode(_))), "{got:?}"),
         }
     }
 }
