@@ -757,18 +757,7 @@ async fn a_signed_request_verifies_as_sent() {
 /// refused rather than joined or followed.
 #[tokio::test]
 async fn spot_check_pages_are_joined_in_order_or_refused() {
-    let page = |miners: &[&str], next: Option<&str>| {
-        serde_json::to_vec(&serde_json::json!({
-            "epoch": 0,
-            "miners": miners.iter().map(|m| serde_json::json!({
-                "hotkey": m, "stage": 0, "hop_task_ids": [], "pseudo_gradient_partitions": [],
-            })).collect::<Vec<_>>(),
-            "next_after": next,
-            "partitions": [],
-            "reported": [],
-        }))
-        .expect("json")
-    };
+    let page = |miners: &[&str], next| spot_check_page(miners, next);
     // What the page after `b` is, and the miners the whole list then holds (`None`: refused).
     type Case = (&'static str, Vec<u8>, Option<&'static [&'static str]>);
     let cases: Vec<Case> = vec![
@@ -827,20 +816,9 @@ async fn spot_check_pages_are_joined_in_order_or_refused() {
 async fn spot_check_pages_hold_a_bounded_number_of_miners() {
     const MAX: usize = 1 << 16;
     for (second, ok) in [(MAX - 2, true), (MAX - 1, false)] {
-        let miners = |names: Vec<String>, next: Option<&str>| {
-            serde_json::to_vec(&serde_json::json!({
-                "epoch": 0,
-                "miners": names.iter().map(|m| serde_json::json!({
-                    "hotkey": m, "stage": 0, "hop_task_ids": [], "pseudo_gradient_partitions": [],
-                })).collect::<Vec<_>>(),
-                "next_after": next,
-                "partitions": [],
-                "reported": [],
-            }))
-            .expect("json")
-        };
-        let first = miners(vec!["a".into(), "b".into()], Some("b"));
-        let rest = miners((0..second).map(|i| format!("c{i:06}")).collect(), None);
+        let first = spot_check_page(&["a", "b"], Some("b"));
+        let names: Vec<String> = (0..second).map(|i| format!("c{i:06}")).collect();
+        let rest = spot_check_page(&names, None);
         let base = serve(move |path| {
             let body = if path.contains("?after=") {
                 rest.clone()
@@ -859,4 +837,18 @@ async fn spot_check_pages_hold_a_bounded_number_of_miners() {
             false => assert!(matches!(got, Err(ClientError::Decode(_))), "{got:?}"),
         }
     }
+}
+
+/// A spot-check page listing `miners` (no hops, partitions or reports), then `next`.
+fn spot_check_page(miners: &[impl AsRef<str>], next: Option<&str>) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "epoch": 0,
+        "miners": miners.iter().map(|m| serde_json::json!({
+            "hotkey": m.as_ref(), "stage": 0, "hop_task_ids": [], "pseudo_gradient_partitions": [],
+        })).collect::<Vec<_>>(),
+        "next_after": next,
+        "partitions": [],
+        "reported": [],
+    }))
+    .expect("json")
 }
