@@ -1601,6 +1601,24 @@ mod tests {
     /// gradients 0.26 off, and 0.07 at 32).
     #[test]
     fn bf16_compute_tracks_f32() {
+        check_bf16_tracks_f32(&Device::Cpu, Stage::new_allowing_cpu_half);
+    }
+
+    /// The same on a GPU, where `cuda:N:bf16` miners compute: cuBLAS's bf16 products and
+    /// candle's CUDA kernels, not the CPU's.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn bf16_compute_tracks_f32_cuda() {
+        let Some(gpu) = crate::cuda_for_checks(0).unwrap() else {
+            return;
+        };
+        check_bf16_tracks_f32(&gpu, Stage::new);
+    }
+
+    fn check_bf16_tracks_f32(
+        device: &Device,
+        build_half: fn(&ModelConfig, usize, StageOptions) -> Result<Stage>,
+    ) {
         let wide = ModelConfig {
             d_model: 1024,
             n_heads: 8,
@@ -1610,14 +1628,19 @@ mod tests {
             ..ModelConfig::tiny()
         };
         for cfg in [ModelConfig::tiny(), wide] {
-            let half = StageOptions {
-                compute_dtype: DType::BF16,
+            let full = StageOptions {
+                device: device.clone(),
                 ..StageOptions::cpu()
             };
-            let mut a = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
-            let mut h = Stage::new_allowing_cpu_half(&cfg, 1, half).unwrap();
-            let x = random_like(&a.input_dims(2, 16), 8, DType::F32);
-            let g = random_like(&a.output_dims(2, 16), 9, DType::F32);
+            let half = StageOptions {
+                compute_dtype: DType::BF16,
+                ..full.clone()
+            };
+            let mut a = Stage::new(&cfg, 1, full).unwrap();
+            let mut h = build_half(&cfg, 1, half).unwrap();
+            let on = |t: Tensor| t.to_device(device).unwrap();
+            let x = on(random_like(&a.input_dims(2, 16), 8, DType::F32));
+            let g = on(random_like(&a.output_dims(2, 16), 9, DType::F32));
             let (oa, ca) = a.forward(&x, None).unwrap();
             let (oh, ch) = h.forward(&x, None).unwrap();
             let (oa, oh) = (oa.activations().unwrap(), oh.activations().unwrap());
@@ -1632,12 +1655,14 @@ mod tests {
             }
             let d = cfg.d_model;
             eprintln!(
-                "bf16 vs f32, width {d}: added {added_err:.2e}, input grad {in_err:.2e}, \
-                 param grad {worst:.2e}"
+                "bf16 vs f32 on {device:?}, width {d}: added {added_err:.2e}, input grad \
+                 {in_err:.2e}, param grad {worst:.2e}"
             );
-            // Measured: added 6.2e-3 and 6.0e-3 (32 and 1,024 wide), input grad 1.5e-4 and
-            // 2.5e-3, param grad 4.0e-2 and 9.0e-2. With the residual in bf16: added 0.52 (32
-            // wide); with the norms in bf16 (1,024 wide): 7.9e-2, 1.5e-2 and 0.26.
+            // Measured on the CPU: added 6.2e-3 and 6.0e-3 (32 and 1,024 wide), input grad
+            // 1.5e-4 and 2.5e-3, param grad 4.0e-2 and 9.0e-2. With the residual in bf16: added
+            // 0.52 (32 wide); with the norms in bf16 (1,024 wide): 7.9e-2, 1.5e-2 and 0.26.
+            // On an H200 (`cuda` feature): the same at 32 wide; added 5.7e-3, input grad 2.3e-3
+            // and param grad 9.0e-2 at 1,024.
             assert!(
                 added_err > 1e-3,
                 "width {d}: no bf16 rounding at all ({added_err:.2e})"
