@@ -852,3 +852,52 @@ fn spot_check_page(miners: &[impl AsRef<str>], next: Option<&str>) -> Vec<u8> {
     }))
     .expect("json")
 }
+
+/// The small wrappers each ask their own route and return what came back; the getters give what
+/// the client was made with.
+#[tokio::test]
+async fn wrappers_ask_their_routes_and_getters_return_the_setup() {
+    use iota_protocol::api::{Dispute, PartitionState, PartitionStatus};
+    let partition = PartitionStatus {
+        epoch: 7,
+        stage: 1,
+        partition: 2,
+        state: PartitionState::Accepted,
+        owners: vec!["owner".into()],
+        results: Vec::new(),
+        accepted: None,
+        resolved_by: Some("agreement".into()),
+    };
+    let dispute = Dispute {
+        id: 3,
+        partition: partition.clone(),
+        contributions: Vec::new(),
+        state: "open".into(),
+    };
+    let merges = serde_json::to_vec(&[&partition]).expect("json");
+    let disputes = serde_json::to_vec(&[&dispute]).expect("json");
+    let base = serve(move |path| {
+        let body = match path {
+            "/v1/epochs/7/merges" => merges.clone(),
+            "/v1/validator/disputes" => disputes.clone(),
+            _ => {
+                return Answer {
+                    status: "404 Not Found",
+                    headers: vec!["Content-Length: 0".into()],
+                    body: Body::Bytes(Vec::new()),
+                };
+            }
+        };
+        let headers = vec![
+            "Content-Type: application/json".into(),
+            format!("Content-Length: {}", body.len()),
+        ];
+        Answer::ok(headers, Body::Bytes(body))
+    })
+    .await;
+    let c = client(&format!("{base}/"));
+    assert_eq!(c.base(), base, "the base URL, without its trailing slash");
+    assert_eq!(c.hotkey(), signer().ss58());
+    assert_eq!(c.merge_status(7).await.expect("merges"), vec![partition]);
+    assert_eq!(c.disputes().await.expect("disputes"), vec![dispute]);
+}
