@@ -45,6 +45,14 @@ impl Answer {
             body,
         }
     }
+
+    /// 200 with these bytes, their length announced.
+    fn sized(body: Vec<u8>) -> Self {
+        Self::ok(
+            vec![format!("Content-Length: {}", body.len())],
+            Body::Bytes(body),
+        )
+    }
 }
 
 /// Serves `answer(path)` to every request on a fresh port; returns `http://127.0.0.1:port`.
@@ -163,10 +171,7 @@ async fn unavailable_once(
                 body: Body::Bytes(Vec::new()),
             }
         } else {
-            Answer::ok(
-                vec![format!("Content-Length: {}", body.len())],
-                Body::Bytes(body.clone()),
-            )
+            Answer::sized(body.clone())
         }
     })
     .await
@@ -197,10 +202,7 @@ async fn a_blob_is_never_read_past_its_descriptor() {
     let good = content.clone();
     let base = serve(move |path| match path {
         // Honest, with and without Content-Length.
-        "/good" => Answer::ok(
-            vec![format!("Content-Length: {}", good.len())],
-            Body::Bytes(good.clone()),
-        ),
+        "/good" => Answer::sized(good.clone()),
         "/good-unsized" => Answer::ok(vec![], Body::Bytes(good.clone())),
         // Overwritten with an endless object, its length not announced.
         "/endless" => Answer::ok(vec![], Body::Endless),
@@ -477,10 +479,7 @@ async fn spot_check_pages_that_do_not_move_on_are_refused() {
         count(&n);
         let body =
             br#"{"epoch":0,"miners":[],"next_after":"a","partitions":[],"reported":[]}"#.to_vec();
-        Answer::ok(
-            vec![format!("Content-Length: {}", body.len())],
-            Body::Bytes(body),
-        )
+        Answer::sized(body)
     })
     .await;
     let r = tokio::time::timeout(Duration::from_secs(10), client(&base).spot_checks(0))
@@ -548,16 +547,10 @@ async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
         }
         count(&asked);
         if path == "/small" {
-            Answer::ok(
-                vec![format!("Content-Length: {}", served.len())],
-                Body::Bytes(served.clone()),
-            )
+            Answer::sized(served.clone())
         } else if path == "/largest" {
             let largest = vec![4u8; run().max_object_bytes() as usize];
-            Answer::ok(
-                vec![format!("Content-Length: {}", largest.len())],
-                Body::Bytes(largest),
-            )
+            Answer::sized(largest)
         } else {
             Answer::ok(Vec::new(), Body::Endless)
         }
@@ -783,10 +776,7 @@ async fn spot_check_pages_are_joined_in_order_or_refused() {
             } else {
                 first.clone()
             };
-            Answer::ok(
-                vec![format!("Content-Length: {}", body.len())],
-                Body::Bytes(body),
-            )
+            Answer::sized(body)
         })
         .await;
         let got = client(&base).spot_checks(0).await;
@@ -825,10 +815,7 @@ async fn spot_check_pages_hold_a_bounded_number_of_miners() {
             } else {
                 first.clone()
             };
-            Answer::ok(
-                vec![format!("Content-Length: {}", body.len())],
-                Body::Bytes(body),
-            )
+            Answer::sized(body)
         })
         .await;
         let got = client(&base).spot_checks(0).await;
@@ -888,11 +875,7 @@ async fn wrappers_ask_their_routes_and_getters_return_the_setup() {
                 };
             }
         };
-        let headers = vec![
-            "Content-Type: application/json".into(),
-            format!("Content-Length: {}", body.len()),
-        ];
-        Answer::ok(headers, Body::Bytes(body))
+        Answer::sized(body)
     })
     .await;
     let c = client(&format!("{base}/"));
