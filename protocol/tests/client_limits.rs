@@ -249,6 +249,18 @@ async fn a_blob_is_never_read_past_its_descriptor() {
     for p in ["/endless", "/huge", "/short", "/chunked", "/tampered"] {
         assert_bad_object(c.download(&blob(&content, at(p))).await, p);
     }
+    // Refused on the announced length alone, without waiting for a body.
+    for (p, announced) in [("/huge", 1u64 << 40), ("/short", 8)] {
+        match c.download(&blob(&content, at(p))).await {
+            Err(ClientError::BadObject(m)) => {
+                assert!(
+                    m.contains(&format!("Content-Length {announced},")),
+                    "{p}: {m}"
+                )
+            }
+            other => panic!("{p}: expected a bad-object refusal, got {other:?}"),
+        }
+    }
     // Through the orchestrator (no presigned URL), the same bound.
     assert_bad_object(c.download(&blob(&content, None)).await, "orchestrator");
     // An object the store does not have reads as the orchestrator's 404 does.
@@ -280,7 +292,10 @@ async fn a_json_answer_is_never_read_past_the_limit() {
     ] {
         match r {
             Err(ClientError::Decode(m)) => {
-                assert!(m.contains(&MAX_RESPONSE_BYTES.to_string()), "{what}: {m}")
+                assert!(m.contains(&MAX_RESPONSE_BYTES.to_string()), "{what}: {m}");
+                // The announced one on its Content-Length, before reading.
+                let on_length = format!("Content-Length {}", MAX_RESPONSE_BYTES + 1);
+                assert_eq!(m.contains(&on_length), what == "announced", "{what}: {m}");
             }
             other => panic!("{what}: expected a refusal, got {other:?}"),
         }
