@@ -10,6 +10,7 @@
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
 //! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
+//! * [`replicas`]: one schema at a time on a database, across upgrades.
 //!
 //! `orchestrator/API.md` describes the API; `orchestrator/openapi.json` is its contract.
 
@@ -21,6 +22,7 @@ pub mod driver;
 pub mod miner;
 pub mod poll_view;
 pub mod replay;
+pub mod replicas;
 pub mod routing;
 pub mod signatures;
 pub mod sim;
@@ -65,6 +67,28 @@ pub enum OrchestratorError {
     /// A migration failed.
     #[error("database migration failed: {0}")]
     Migrate(String),
+    /// A newer orchestrator has migrated the database past this binary's schema.
+    #[error(
+        "the database's schema is at migration {applied}, newer than this orchestrator's {known}: a newer version has migrated it; run that version on every replica"
+    )]
+    SchemaNewer {
+        /// The newest migration applied.
+        applied: i64,
+        /// The newest this binary carries.
+        known: i64,
+    },
+    /// Replicas built for an older schema still serve the database.
+    #[error(
+        "replicas of an older version still serve this database ({replicas}); stop every one before starting this version (schema {known}), or wait {wait_s} s after the last one stopped"
+    )]
+    OlderReplicas {
+        /// Each one, as it recorded itself.
+        replicas: String,
+        /// The schema this binary is built for.
+        known: i64,
+        /// How long a stopped replica still counts as serving.
+        wait_s: u64,
+    },
     /// The stored run differs from the configured one.
     #[error(
         "run {name:?} already exists in this database with a different config; pick another --run-name or the same settings ({detail})"
@@ -95,7 +119,8 @@ pub enum OrchestratorError {
     Io(#[from] std::io::Error),
 }
 
-/// Connects to PostgreSQL and applies the orchestrator's migrations.
+/// Connects to PostgreSQL and applies the orchestrator's migrations (refusing a database that a
+/// newer version migrated, or that replicas built for an older schema still serve).
 pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, OrchestratorError> {
     // The pool asserts on zero.
     if max_connections == 0 {
@@ -109,10 +134,7 @@ pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, Orche
         .connect(url)
         .await
         .map_err(|e| OrchestratorError::Database(e.to_string()))?;
-    sqlx::migrate!("../migrations/orchestrator")
-        .run(&db)
-        .await
-        .map_err(|e| OrchestratorError::Migrate(e.to_string()))?;
+    replicas::migrate(url, &db).await?;
     Ok(db)
 }
 
@@ -567,7 +589,8 @@ async fn method_not_allowed(method: http::Method) -> Response {
 }
 
 /// Serves the run until `shutdown` resolves: migrations, run row, metagraph watcher, phase
-/// driver, HTTP.
+/// driver, HTTP. Stops by itself, with [`OrchestratorError::SchemaNewer`], when a newer version
+/// migrates the database under it.
 pub async fn run(
     config: Config,
     listener: tokio::net::TcpListener,
@@ -621,9 +644,24 @@ pub async fn run(
     let state: App = Arc::new(state);
     metrics_handle();
     state.poll_view.start();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let driver = tokio::spawn(driver::run_driver(state.clone(), config.tick, stop_rx));
     let addr = listener.local_addr()?;
+    let replica = replicas::Replica::join(&state.db, addr.to_string()).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let driver = tokio::spawn(driver::run_driver(
+        state.clone(),
+        config.tick,
+        stop_rx.clone(),
+    ));
+    let (upgraded_tx, upgraded) = tokio::sync::watch::channel(None);
+    let beats = tokio::spawn(replica.keep_alive(state.db.clone(), upgraded_tx, stop_rx));
+    let mut upgrade_seen = upgraded.clone();
+    let shutdown = async move {
+        tokio::select! {
+            () = shutdown => {}
+            // Also when the beats end, which they do only on an upgrade or after the stop.
+            _ = upgrade_seen.wait_for(Option::is_some) => {}
+        }
+    };
     tracing::info!(%addr, run = state.run.id, netuid = config.netuid, "orchestrator serving");
     let served = axum::serve(
         listener,
@@ -633,8 +671,15 @@ pub async fn run(
     .await;
     let _ = stop_tx.send(true);
     let _ = driver.await;
+    let _ = beats.await;
     drop(watcher);
     served?;
+    if let Some(applied) = *upgraded.borrow() {
+        return Err(OrchestratorError::SchemaNewer {
+            applied,
+            known: replicas::schema_version(),
+        });
+    }
     Ok(())
 }
 

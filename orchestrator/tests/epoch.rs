@@ -1,6 +1,6 @@
 //! Scripted epochs with simulated miners (random tensors of the right shapes, no model): every
 //! phase runs, vanished miners' work is re-routed and their partitions reassigned, and two
-//! orchestrators on one database serve one run.
+//! orchestrators on one database serve one run; replicas built for two schemas never do.
 
 mod common;
 
@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use common::*;
 use futures::future::join_all;
+use iota_orchestrator::OrchestratorError;
+use iota_orchestrator::replicas;
 use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::*;
 use iota_protocol::{ApiClient, RetryPolicy};
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 
 async fn validator_client(base: &str, seed: u8) -> ApiClient {
     ApiClient::connect(base, signer(seed), RetryPolicy::default())
@@ -421,6 +423,213 @@ async fn two_orchestrators_serve_one_run_and_fail_over() {
 /// Two runs on one database each have a driver: the leader lock is per run. With one lock for
 /// the database, the process that took it drove its own run and the other run's epochs never
 /// advanced (no deadline, no lease expiry, no garbage collection).
+/// What a newer version leaves in the migrations table: a migration this binary lacks.
+async fn migrate_as_a_newer_version(db: &PgPool) -> i64 {
+    let newer = replicas::schema_version() + 1;
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from a newer version', true, '\\x00'::bytea, 0)",
+    )
+    .bind(newer)
+    .execute(db)
+    .await
+    .expect("record a newer migration");
+    newer
+}
+
+async fn replicas_recorded(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM orchestrator_replicas")
+        .fetch_one(db)
+        .await
+        .expect("count replicas")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_stops_serving_when_a_newer_version_migrates_its_database() {
+    init_tracing();
+    let chain = chain_with(&[], &[]).await;
+    let db_url = fresh_db().await;
+    let store = tempfile::tempdir().expect("tempdir");
+    let running = start(config(
+        &chain,
+        &db_url,
+        store.path(),
+        run_config("upgraded"),
+    ))
+    .await;
+    let base = running.base.clone();
+    let db = PgPool::connect(&db_url).await.expect("db");
+    let known = replicas::schema_version();
+    let row: (i64, String, String, i64) =
+        sqlx::query_as("SELECT schema_version, address, host, pid FROM orchestrator_replicas")
+            .fetch_one(&db)
+            .await
+            .expect("the replica recorded itself");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    let address = base.trim_start_matches("http://").to_owned();
+    let pid = i64::from(std::process::id());
+    assert_eq!(row, (known, address, host.trim().to_owned(), pid));
+    // Its beats, on a database of its own schema, keep it serving.
+    eventually("a beat", replicas::BEAT * 3, || async {
+        let beaten: bool =
+            sqlx::query_scalar("SELECT last_seen > started_at FROM orchestrator_replicas")
+                .fetch_one(&db)
+                .await
+                .ok()?;
+        beaten.then_some(())
+    })
+    .await;
+    let status = reqwest::get(format!("{base}/healthz"))
+        .await
+        .expect("serving");
+    assert!(status.status().is_success());
+
+    let newer = migrate_as_a_newer_version(&db).await;
+    match running.exited(replicas::BEAT * 3).await {
+        Err(OrchestratorError::SchemaNewer { applied, known: k }) => {
+            assert_eq!((applied, k), (newer, known));
+        }
+        other => panic!("expected SchemaNewer, got {other:?}"),
+    }
+    assert!(
+        reqwest::get(format!("{base}/healthz")).await.is_err(),
+        "the stopped replica still answers"
+    );
+    assert_eq!(replicas_recorded(&db).await, 0, "its row outlived it");
+    // And it does not start again on that database.
+    let again = iota_orchestrator::connect_db(&db_url, 2).await;
+    let message = match again {
+        Err(e @ OrchestratorError::SchemaNewer { .. }) => e.to_string(),
+        other => panic!("expected SchemaNewer at start, got {other:?}"),
+    };
+    assert!(
+        message.contains(&format!(
+            "at migration {newer}, newer than this orchestrator's {known}"
+        )),
+        "{message}"
+    );
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_waits_for_replicas_built_for_an_older_schema() {
+    let db_url = fresh_db().await;
+    let pool = iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("first start");
+    let known = replicas::schema_version();
+    let record = |host: &'static str, schema: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO orchestrator_replicas (id, host, address, pid, version, schema_version)
+                 VALUES ($1, $2, '10.0.0.7:8700', 4242, '0.0.9', $3)",
+            )
+            .bind(uuid::Uuid::new_v4())
+            .bind(host)
+            .bind(schema)
+            .execute(&pool)
+            .await
+            .expect("record a replica");
+        }
+    };
+    // A replica of this schema is no obstacle; one built for an older schema is.
+    record("same-box", known).await;
+    iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("beside a replica of this schema");
+    record("old-box", known - 1).await;
+    let message = match iota_orchestrator::connect_db(&db_url, 2).await {
+        Err(e @ OrchestratorError::OlderReplicas { .. }) => e.to_string(),
+        other => panic!("expected OlderReplicas, got {other:?}"),
+    };
+    for part in [
+        "old-box 10.0.0.7:8700 pid 4242, iota 0.0.9",
+        &format!("schema {}", known - 1),
+        "stop every one before starting this version",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    assert!(!message.contains("same-box"), "{message}");
+    // Once it has not been seen for the live window, it is taken as stopped.
+    sqlx::query(
+        "UPDATE orchestrator_replicas SET last_seen = now() - make_interval(secs => $1)
+         WHERE host = 'old-box'",
+    )
+    .bind(replicas::LIVE_WITHIN.as_secs_f64() + 1.0)
+    .execute(&pool)
+    .await
+    .expect("age the old replica");
+    iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("after the old replica stopped");
+    pool.close().await;
+}
+
+async fn upgrade_lock_free(db_url: &str) -> bool {
+    let mut conn = sqlx::PgConnection::connect(db_url).await.expect("connect");
+    let free: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, 0)")
+        .bind(replicas::UPGRADE_LOCK_CLASS)
+        .fetch_one(&mut conn)
+        .await
+        .expect("try the upgrade lock");
+    conn.close().await.expect("close");
+    free
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_ups_take_the_upgrade_lock_in_turn_and_give_it_back() {
+    let db_url = fresh_db().await;
+    let pool = iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("first start");
+    replicas::Replica::join(&pool, "127.0.0.1:1".into())
+        .await
+        .expect("join");
+    // Neither the migration nor the join keeps the lock (a pooled connection would).
+    assert!(
+        upgrade_lock_free(&db_url).await,
+        "the lock outlived the start-up"
+    );
+
+    // While another start-up holds it, both wait.
+    let mut holder = sqlx::PgConnection::connect(&db_url).await.expect("connect");
+    sqlx::query("SELECT pg_advisory_lock($1, 0)")
+        .bind(replicas::UPGRADE_LOCK_CLASS)
+        .execute(&mut holder)
+        .await
+        .expect("hold the upgrade lock");
+    let migrating = tokio::spawn({
+        let url = db_url.clone();
+        async move { iota_orchestrator::connect_db(&url, 2).await.map(|_| ()) }
+    });
+    let joining = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            replicas::Replica::join(&pool, "127.0.0.1:2".into())
+                .await
+                .map(|_| ())
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !migrating.is_finished(),
+        "migrated under another start-up's lock"
+    );
+    assert!(
+        !joining.is_finished(),
+        "joined under another start-up's lock"
+    );
+    holder.close().await.expect("release");
+    migrating
+        .await
+        .expect("task")
+        .expect("migrate after the lock");
+    joining.await.expect("task").expect("join after the lock");
+    assert_eq!(replicas_recorded(&pool).await, 2);
+    pool.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_runs_on_one_database_each_have_a_driver() {
     init_tracing();

@@ -241,6 +241,19 @@ pub struct Running {
 }
 
 impl Running {
+    /// What `run` returned when it stopped by itself, failing if it still serves after
+    /// `timeout`.
+    pub async fn exited(
+        mut self,
+        timeout: Duration,
+    ) -> Result<(), iota_orchestrator::OrchestratorError> {
+        let handle = self.handle.take().expect("running");
+        tokio::time::timeout(timeout, handle)
+            .await
+            .expect("the orchestrator still serves")
+            .expect("the orchestrator's task")
+    }
+
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
