@@ -173,9 +173,10 @@ enum Lead {
     Not,
 }
 
-/// Closes a connection that held (or may hold) the session-level leader lock, so that the
-/// lock goes with it rather than back into the pool.
-async fn release(conn: PoolConnection<Postgres>) {
+/// Closes a connection that held (or may hold) a session-level lock (the leader's, or the
+/// upgrade lock of [`crate::replicas`]), so that the lock goes with it rather than back into
+/// the pool.
+pub(crate) async fn release(conn: PoolConnection<Postgres>) {
     let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
 }
 

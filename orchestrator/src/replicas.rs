@@ -16,11 +16,11 @@
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
-use sqlx::pool::PoolConnection;
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Row};
+use sqlx::{Connection, PgConnection, PgPool, Row};
 use tokio::sync::watch;
 
 use crate::OrchestratorError;
+use crate::driver::release;
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations/orchestrator");
 
@@ -75,11 +75,6 @@ async fn lock(conn: &mut PgConnection) -> Result<(), OrchestratorError> {
         .await
         .map_err(dberr)?;
     Ok(())
-}
-
-/// Closes the connection, and the session-level lock with it, rather than pooling it.
-async fn release(conn: PoolConnection<Postgres>) {
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
 }
 
 /// The newest migration applied to the database; none before the first start.
