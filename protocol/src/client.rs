@@ -65,6 +65,18 @@ impl RetryPolicy {
             .min(self.max);
         cap.mul_f64(rng.gen_range(0.0..=1.0))
     }
+
+    /// The wait before attempt `n`: none before the first (0); before a retry, the backoff for
+    /// the retries before it, and at least the `Retry-After` the last answer gave (the least
+    /// wait, not an extra one).
+    fn wait_before(&self, n: u32, retry_after: Option<Duration>, rng: &mut impl Rng) -> Duration {
+        match n {
+            0 => Duration::ZERO,
+            n => self
+                .backoff(n - 1, rng)
+                .max(retry_after.unwrap_or_default()),
+        }
+    }
 }
 
 /// Most miners a run's spot-check pages may list together (far more than a subnet's uids).
@@ -408,11 +420,12 @@ impl ApiClient {
         let mut last_error = ClientError::Network("no attempt made".into());
         let mut retry_after = None;
         for n in 0..self.retry.attempts.max(1) {
-            if n > 0 {
-                // The server's Retry-After is the least wait, not an extra one. Apart: the
-                // thread's RNG must not be held across the wait.
-                let backoff = self.retry.backoff(n - 1, &mut rand::thread_rng());
-                tokio::time::sleep(backoff.max(retry_after.take().unwrap_or_default())).await;
+            // Apart: the thread's RNG must not be held across the wait.
+            let wait = self
+                .retry
+                .wait_before(n, retry_after.take(), &mut rand::thread_rng());
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
             }
             match attempt(n).await {
                 Attempt::Final(result) => return result,
@@ -966,5 +979,30 @@ mod tests {
         assert!(waits.iter().any(|w| *w < Duration::from_millis(500)));
         assert!(waits.iter().any(|w| *w > Duration::from_millis(500)));
         assert!(p.backoff(0, &mut rng) <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn the_first_retry_waits_the_base_at_most_and_later_ones_longer() {
+        let p = RetryPolicy {
+            attempts: 6,
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(10),
+            timeout: Duration::from_secs(1),
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut draws = |n: u32| -> Vec<Duration> {
+            (0..200).map(|_| p.wait_before(n, None, &mut rng)).collect()
+        };
+        let first = draws(1);
+        assert!(first.iter().all(|w| *w <= p.base), "{first:?}");
+        // The third attempt's cap is four times the base: some waits pass the second's.
+        let third = draws(3);
+        assert!(third.iter().all(|w| *w <= p.base * 4), "{third:?}");
+        assert!(third.iter().any(|w| *w > p.base * 2), "{third:?}");
+        // A server's Retry-After longer than the backoff is what is waited.
+        let asked = Duration::from_secs(5);
+        assert_eq!(p.wait_before(1, Some(asked), &mut rng), asked);
+        // The first attempt goes at once.
+        assert_eq!(p.wait_before(0, Some(asked), &mut rng), Duration::ZERO);
     }
 }
