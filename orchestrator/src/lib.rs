@@ -642,10 +642,11 @@ pub async fn run(
     );
     state.trusted_proxies = config.trusted_proxies.clone();
     let state: App = Arc::new(state);
-    metrics_handle();
-    state.poll_view.start();
+    // Before anything is spawned: a refused join leaves no task behind.
     let addr = listener.local_addr()?;
     let replica = replicas::Replica::join(&state.db, addr.to_string()).await?;
+    metrics_handle();
+    state.poll_view.start();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let driver = tokio::spawn(driver::run_driver(
         state.clone(),

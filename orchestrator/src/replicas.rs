@@ -222,8 +222,9 @@ impl Replica {
                 _ = tokio::time::sleep(BEAT) => {}
                 _ = stop.changed() => break,
             }
-            match self.beat(&db).await {
-                Ok(Some(applied)) => {
+            // Bounded, so that a database that hangs cannot hold up the shutdown.
+            match tokio::time::timeout(BEAT, self.beat(&db)).await {
+                Ok(Ok(Some(applied))) => {
                     tracing::error!(
                         applied,
                         known = schema_version(),
@@ -232,8 +233,9 @@ impl Replica {
                     let _ = upgraded.send(Some(applied));
                     break;
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(error = %e, "could not record this replica as alive"),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "could not record this replica as alive"),
+                Err(_) => tracing::warn!("the database did not answer this replica's beat"),
             }
         }
         let _ = tokio::time::timeout(
