@@ -32,6 +32,7 @@ pub mod views;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -44,7 +45,7 @@ use chrono::{DateTime, Utc};
 use iota_chain::{ConnectOptions, MetagraphWatcher, Subtensor, WatchOptions};
 use iota_protocol::api::RunConfig;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
@@ -120,7 +121,9 @@ pub enum OrchestratorError {
 }
 
 /// Connects to PostgreSQL and applies the orchestrator's migrations (refusing a database that a
-/// newer version migrated, or that replicas built for an older schema still serve).
+/// newer version migrated, or that replicas built for an older schema still serve). Every
+/// connection is named [`replicas::application_name`], in place of any the URL gives: that is how
+/// a later version finds this one's connections.
 pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, OrchestratorError> {
     // The pool asserts on zero.
     if max_connections == 0 {
@@ -128,13 +131,16 @@ pub async fn connect_db(url: &str, max_connections: u32) -> Result<PgPool, Orche
             "a pool of 0 connections: give at least one".into(),
         ));
     }
+    let options = PgConnectOptions::from_str(url)
+        .map_err(|e| OrchestratorError::Database(e.to_string()))?
+        .application_name(&replicas::application_name());
     let db = PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
+        .connect_with(options.clone())
         .await
         .map_err(|e| OrchestratorError::Database(e.to_string()))?;
-    replicas::migrate(url, &db).await?;
+    replicas::migrate(&options, &db).await?;
     Ok(db)
 }
 

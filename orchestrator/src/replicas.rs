@@ -4,7 +4,9 @@
 //!
 //! * [`migrate`] refuses a database that a newer version has already migrated, and refuses to
 //!   start (and so to migrate) while a replica built for an older schema was seen within
-//!   [`LIVE_WITHIN`];
+//!   [`LIVE_WITHIN`], or still holds a connection (each connection carries its schema in its
+//!   `application_name`, see [`application_name`]: a replica that stalls past the live window
+//!   keeps its connections);
 //! * [`Replica::join`] records this process, and [`Replica::keep_alive`] records it again every
 //!   [`BEAT`] and reports when a newer version has migrated the database, upon which `run` stops
 //!   serving with [`OrchestratorError::SchemaNewer`].
@@ -16,6 +18,7 @@
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool, Row};
 use tokio::sync::watch;
 
@@ -42,16 +45,29 @@ pub fn schema_version() -> i64 {
     MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
 }
 
+/// What every connection of this binary is called in `pg_stat_activity`: its version and schema
+/// (at most 63 bytes, PostgreSQL's limit).
+pub fn application_name() -> String {
+    format!(
+        "iota-orchestrator {} schema {}",
+        env!("CARGO_PKG_VERSION"),
+        schema_version()
+    )
+}
+
 fn dberr(e: sqlx::Error) -> OrchestratorError {
     OrchestratorError::Database(e.to_string())
 }
 
 /// Applies the migrations, unless the database is newer than this binary or a replica built for
 /// an older schema still serves it.
-pub(crate) async fn migrate(url: &str, db: &PgPool) -> Result<(), OrchestratorError> {
+pub(crate) async fn migrate(
+    options: &PgConnectOptions,
+    db: &PgPool,
+) -> Result<(), OrchestratorError> {
     // The lock is held on a connection of its own, outside the pool, which the migrator uses:
     // a pool of one connection could not give it a second.
-    let mut conn = PgConnection::connect(url).await.map_err(dberr)?;
+    let mut conn = PgConnection::connect_with(options).await.map_err(dberr)?;
     let out = migrate_locked(&mut conn, db).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
     out
@@ -99,13 +115,26 @@ async fn refuse_newer_schema(conn: &mut PgConnection) -> Result<(), Orchestrator
 }
 
 async fn refuse_older_replicas(conn: &mut PgConnection) -> Result<(), OrchestratorError> {
+    let mut seen = recorded_older_replicas(conn).await.map_err(dberr)?;
+    seen.extend(older_connections(conn).await.map_err(dberr)?);
+    if seen.is_empty() {
+        return Ok(());
+    }
+    Err(OrchestratorError::OlderReplicas {
+        replicas: seen.join("; "),
+        known: schema_version(),
+        wait_s: LIVE_WITHIN.as_secs(),
+    })
+}
+
+/// Replicas built for an older schema that recorded themselves within [`LIVE_WITHIN`].
+async fn recorded_older_replicas(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
     let exists: bool =
         sqlx::query_scalar("SELECT to_regclass('orchestrator_replicas') IS NOT NULL")
             .fetch_one(&mut *conn)
-            .await
-            .map_err(dberr)?;
+            .await?;
     if !exists {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let rows = sqlx::query(
         "SELECT host, address, pid, version, schema_version,
@@ -117,28 +146,50 @@ async fn refuse_older_replicas(conn: &mut PgConnection) -> Result<(), Orchestrat
     .bind(schema_version())
     .bind(LIVE_WITHIN.as_secs_f64())
     .fetch_all(&mut *conn)
-    .await
-    .map_err(dberr)?;
-    if rows.is_empty() {
-        return Ok(());
-    }
-    let mut seen = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let host: String = row.try_get("host").map_err(dberr)?;
-        let address: String = row.try_get("address").map_err(dberr)?;
-        let pid: i64 = row.try_get("pid").map_err(dberr)?;
-        let version: String = row.try_get("version").map_err(dberr)?;
-        let schema: i64 = row.try_get("schema_version").map_err(dberr)?;
-        let ago: f64 = row.try_get("ago").map_err(dberr)?;
-        seen.push(format!(
-            "{host} {address} pid {pid}, iota {version}, schema {schema}, seen {ago:.0} s ago"
-        ));
-    }
-    Err(OrchestratorError::OlderReplicas {
-        replicas: seen.join("; "),
-        known: schema_version(),
-        wait_s: LIVE_WITHIN.as_secs(),
-    })
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let host: String = row.try_get("host")?;
+            let address: String = row.try_get("address")?;
+            let pid: i64 = row.try_get("pid")?;
+            let version: String = row.try_get("version")?;
+            let schema: i64 = row.try_get("schema_version")?;
+            let ago: f64 = row.try_get("ago")?;
+            Ok(format!(
+                "{host} {address} pid {pid}, iota {version}, schema {schema}, seen {ago:.0} s ago"
+            ))
+        })
+        .collect()
+}
+
+/// Connections of orchestrators built for an older schema, by their [`application_name`] and
+/// client address. A replica that stalls longer than [`LIVE_WITHIN`] stops beating but keeps its
+/// connections (its pool, the poll view's `LISTEN`, the run's leader lock), so it is still found.
+async fn older_connections(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT application_name, count(*) AS n,
+                coalesce('from ' || host(client_addr), 'over a local socket') AS client
+         FROM (SELECT application_name, client_addr,
+                      substring(application_name FROM ' schema ([0-9]{1,18})$')::int8 AS schema
+               FROM pg_stat_activity
+               WHERE datname = current_database() AND pid <> pg_backend_pid()
+                 AND application_name LIKE 'iota-orchestrator %') AS orchestrators
+         WHERE schema < $1
+         GROUP BY application_name, client_addr
+         ORDER BY application_name, client",
+    )
+    .bind(schema_version())
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let name: String = row.try_get("application_name")?;
+            let n: i64 = row.try_get("n")?;
+            let client: String = row.try_get("client")?;
+            let plural = if n == 1 { "" } else { "s" };
+            Ok(format!("{n} connection{plural} {client} ({name})"))
+        })
+        .collect()
 }
 
 /// This process, as other replicas see it.

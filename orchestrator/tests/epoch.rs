@@ -514,10 +514,30 @@ async fn a_replica_stops_serving_when_a_newer_version_migrates_its_database() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_waits_for_replicas_built_for_an_older_schema() {
     let db_url = fresh_db().await;
+    let known = replicas::schema_version();
+    let connect_as = |name: String| {
+        let db_url = db_url.clone();
+        async move {
+            let options = db_url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .application_name(&name);
+            sqlx::PgConnection::connect_with(&options)
+                .await
+                .expect("connect")
+        }
+    };
+    let older_name = format!("iota-orchestrator 0.0.9 schema {}", known - 1);
+    // Connections are looked at before the first migration too.
+    let early = connect_as(older_name.clone()).await;
+    match iota_orchestrator::connect_db(&db_url, 2).await {
+        Err(OrchestratorError::OlderReplicas { .. }) => {}
+        other => panic!("expected OlderReplicas before the first migration, got {other:?}"),
+    }
+    early.close().await.expect("close");
     let pool = iota_orchestrator::connect_db(&db_url, 2)
         .await
         .expect("first start");
-    let known = replicas::schema_version();
     let record = |host: &'static str, schema: i64| {
         let pool = pool.clone();
         async move {
@@ -563,6 +583,41 @@ async fn an_upgrade_waits_for_replicas_built_for_an_older_schema() {
     iota_orchestrator::connect_db(&db_url, 2)
         .await
         .expect("after the old replica stopped");
+
+    // Every connection of a start carries its version and schema.
+    let named: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(replicas::application_name())
+    .fetch_one(&pool)
+    .await
+    .expect("count named connections");
+    assert!(named >= 1, "the pool's connections are named");
+    // A replica that stalled past the live window still holds its connections: one of the same
+    // schema is no obstacle, one built for an older schema is, until it closes.
+    let same = connect_as(format!("iota-orchestrator 9.9.9 schema {known}")).await;
+    iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("beside a connection of this schema");
+    let stalled = connect_as(older_name).await;
+    let message = match iota_orchestrator::connect_db(&db_url, 2).await {
+        Err(e @ OrchestratorError::OlderReplicas { .. }) => e.to_string(),
+        other => panic!("expected OlderReplicas, got {other:?}"),
+    };
+    for part in [
+        "1 connection ",
+        &format!("(iota-orchestrator 0.0.9 schema {})", known - 1),
+        "stop every one before starting this version",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    assert!(!message.contains("9.9.9"), "{message}");
+    assert!(!message.contains("old-box"), "{message}");
+    stalled.close().await.expect("close");
+    iota_orchestrator::connect_db(&db_url, 2)
+        .await
+        .expect("once the stalled replica's connections closed");
+    same.close().await.expect("close");
     pool.close().await;
 }
 
