@@ -584,7 +584,14 @@ async fn an_upgrade_waits_for_replicas_built_for_an_older_schema() {
         .await
         .expect("after the old replica stopped");
 
-    // Every connection of a start carries its version and schema.
+    // Every connection of a start carries its version and schema, as a later version reads them.
+    assert_eq!(
+        replicas::application_name(),
+        format!(
+            "iota-orchestrator {} schema {known}",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
     let named: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()",
     )
