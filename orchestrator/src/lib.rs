@@ -80,7 +80,7 @@ pub enum OrchestratorError {
     },
     /// Replicas built for an older schema still serve the database.
     #[error(
-        "replicas of an older version still serve this database ({replicas}); stop every one before starting this version (schema {known}), or wait {wait_s} s after the last one stopped"
+        "replicas of an older version still serve this database ({replicas}); stop every one before starting this version (schema {known}), or wait {wait_s} s after the last one stopped; a connection left by a machine that is gone can be ended with pg_terminate_backend(pid)"
     )]
     OlderReplicas {
         /// Each one, as it recorded itself.

@@ -163,13 +163,16 @@ async fn recorded_older_replicas(conn: &mut PgConnection) -> Result<Vec<String>,
 }
 
 /// Connections of orchestrators built for an older schema, by their [`application_name`] and
-/// client address. A replica that stalls longer than [`LIVE_WITHIN`] stops beating but keeps its
+/// client address, with their server processes' pids: a connection left open by a machine that
+/// is gone lasts until TCP keepalive notices (hours by default), and `pg_terminate_backend(pid)`
+/// ends it sooner. A replica that stalls longer than [`LIVE_WITHIN`] stops beating but keeps its
 /// connections (its pool, the poll view's `LISTEN`, the run's leader lock), so it is still found.
 async fn older_connections(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
     let rows = sqlx::query(
         "SELECT application_name, count(*) AS n,
-                coalesce('from ' || host(client_addr), 'over a local socket') AS client
-         FROM (SELECT application_name, client_addr,
+                coalesce('from ' || host(client_addr), 'over a local socket') AS client,
+                string_agg(pid::text, ', ' ORDER BY pid) AS pids
+         FROM (SELECT application_name, client_addr, pid,
                       substring(application_name FROM ' schema ([0-9]{1,18})$')::int8 AS schema
                FROM pg_stat_activity
                WHERE datname = current_database() AND pid <> pg_backend_pid()
@@ -186,8 +189,11 @@ async fn older_connections(conn: &mut PgConnection) -> Result<Vec<String>, sqlx:
             let name: String = row.try_get("application_name")?;
             let n: i64 = row.try_get("n")?;
             let client: String = row.try_get("client")?;
+            let pids: String = row.try_get("pids")?;
             let plural = if n == 1 { "" } else { "s" };
-            Ok(format!("{n} connection{plural} {client} ({name})"))
+            Ok(format!(
+                "{n} connection{plural} {client} ({name}), server pid{plural} {pids}"
+            ))
         })
         .collect()
 }

@@ -606,14 +606,22 @@ async fn an_upgrade_waits_for_replicas_built_for_an_older_schema() {
     iota_orchestrator::connect_db(&db_url, 2)
         .await
         .expect("beside a connection of this schema");
-    let stalled = connect_as(older_name).await;
+    let mut stalled = connect_as(older_name).await;
+    let stalled_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut stalled)
+        .await
+        .expect("pid");
     let message = match iota_orchestrator::connect_db(&db_url, 2).await {
         Err(e @ OrchestratorError::OlderReplicas { .. }) => e.to_string(),
         other => panic!("expected OlderReplicas, got {other:?}"),
     };
     for part in [
         "1 connection ",
-        &format!("(iota-orchestrator 0.0.9 schema {})", known - 1),
+        &format!(
+            "(iota-orchestrator 0.0.9 schema {}), server pid {stalled_pid}",
+            known - 1
+        ),
+        "pg_terminate_backend(pid)",
         "stop every one before starting this version",
     ] {
         assert!(message.contains(part), "{part:?} not in {message}");
