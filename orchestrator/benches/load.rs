@@ -16,9 +16,11 @@
 //! * CPU time per request of each route: the orchestrator's threads, the client's, the
 //!   localnet's and PostgreSQL's (from Linux's `schedstat`), which a shared machine's other load
 //!   moves less than the request rates;
-//! * what else the machine did in each half-ceiling round: cores busy in all (`/proc/stat`),
-//!   steal, this process's and PostgreSQL's threads waiting for a core, and how late a thread
-//!   that sleeps a millisecond at a time woke (a pause of the whole machine shows there);
+//! * what else the machine did in each closed-loop window and each half-ceiling round: cores busy
+//!   in all (`/proc/stat`), steal, this process's and PostgreSQL's threads waiting for a core,
+//!   and how late a thread that sleeps a millisecond at a time woke (a pause of the whole machine
+//!   shows there); and the cores each side kept busy in each closed-loop window (a route whose
+//!   closed loops leave cores idle is held back by something other than CPU);
 //! * activation upload and download MB/s through the orchestrator (local directory store; the
 //!   uploads read back five times, the median round reported);
 //! * microseconds per signature verified one by one and through the batched verifier;
@@ -1483,6 +1485,20 @@ async fn bench(
             );
         }
     }
+    // The cores this benchmark's threads kept busy over a window.
+    let busy = |w: &Window| {
+        w.cpu.map_or("CPU time unavailable".to_owned(), |c| {
+            let cores = |ns: u64| ns as f64 / WINDOW.as_secs_f64() / 1e9;
+            format!(
+                "{:.2} of {threads} cores (orchestrator {:.2}, client {:.2}, chain {:.2}, PostgreSQL {:.2})",
+                cores(c.total_ns()),
+                cores(c.server_ns),
+                cores(c.client_ns),
+                cores(c.chain_ns),
+                cores(c.postgres_ns),
+            )
+        })
+    };
     for (r, ((fewest, secs), s)) in presigning.iter().zip(&signed).enumerate() {
         println!(
             "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling; {}",
@@ -1491,6 +1507,17 @@ async fn bench(
             s.got_work,
             s.batching()
         );
+    }
+    // Closed loops keep every core busy unless something other than CPU holds a route back.
+    for (r, (n, s)) in noop.iter().zip(&signed).enumerate() {
+        for (name, w) in [("no-op", n), ("signed poll", s)] {
+            println!(
+                "window {}, {name}: CPU busy {}{}",
+                r + 1,
+                busy(w),
+                w.machine.map_or(String::new(), |m| format!("; {m}"))
+            );
+        }
     }
     // CPU per request over all windows of a route: less moved by other load on a shared
     // machine than the request rates are.
@@ -1604,19 +1631,6 @@ async fn bench(
             served.iter().copied().fold(0.0f64, f64::max),
         );
         // How busy the machine was: near all of its cores, queueing alone makes the latency.
-        let busy = |w: &Window| {
-            w.cpu.map_or("CPU time unavailable".to_owned(), |c| {
-                let cores = |ns: u64| ns as f64 / WINDOW.as_secs_f64() / 1e9;
-                format!(
-                    "{:.2} of {threads} cores (orchestrator {:.2}, client {:.2}, chain {:.2}, PostgreSQL {:.2})",
-                    cores(c.total_ns()),
-                    cores(c.server_ns),
-                    cores(c.client_ns),
-                    cores(c.chain_ns),
-                    cores(c.postgres_ns),
-                )
-            })
-        };
         for (r, h) in halves.iter().enumerate() {
             println!(
                 "round {}, signed at half the ceiling: CPU busy {}; {}",
