@@ -420,9 +420,6 @@ async fn two_orchestrators_serve_one_run_and_fail_over() {
     survivor.stop().await;
 }
 
-/// Two runs on one database each have a driver: the leader lock is per run. With one lock for
-/// the database, the process that took it drove its own run and the other run's epochs never
-/// advanced (no deadline, no lease expiry, no garbage collection).
 /// What a newer version leaves in the migrations table: a migration this binary lacks.
 async fn migrate_as_a_newer_version(db: &PgPool) -> i64 {
     let newer = replicas::schema_version() + 1;
@@ -700,6 +697,9 @@ async fn start_ups_take_the_upgrade_lock_in_turn_and_give_it_back() {
     pool.close().await;
 }
 
+/// Two runs on one database each have a driver: the leader lock is per run. With one lock for
+/// the database, the process that took it drove its own run and the other run's epochs never
+/// advanced (no deadline, no lease expiry, no garbage collection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_runs_on_one_database_each_have_a_driver() {
     init_tracing();
