@@ -278,6 +278,75 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn no_batch_is_larger_than_the_limit() {
+        // One slot, batches of at most four: nine items queue while the first is in flight.
+        let batcher = Arc::new(Batcher::new(Held::default(), 4, 1));
+        let held = batcher.flusher.clone();
+        let submit = |item: u32| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(item).await.ok() })
+        };
+        let mut tasks = vec![submit(1)];
+        batches_become(&held, &[vec![1]]).await;
+        tasks.extend((2..=10).map(submit));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        let sizes = |held: &Held| -> Vec<usize> {
+            held.batches
+                .lock()
+                .expect("lock")
+                .iter()
+                .map(Vec::len)
+                .collect()
+        };
+        for want in [vec![1, 4], vec![1, 4, 4], vec![1, 4, 4, 1]] {
+            held.release.notify_one();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while sizes(&held) != want {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "batches {:?}, wanted sizes {want:?}",
+                    held.batches.lock().expect("lock")
+                );
+                tokio::task::yield_now().await;
+            }
+        }
+        held.release.notify_one();
+        for (t, item) in tasks.into_iter().zip(1..) {
+            assert_eq!(t.await.expect("task"), Some(item));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_gathered_for_a_backlog_stops_at_the_limit() {
+        let batcher = Arc::new(Batcher::new(Held::default(), 4, 2).parallel_from(3));
+        let held = batcher.flusher.clone();
+        let submit = |item: u32| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(item).await.ok() })
+        };
+        let mut tasks = vec![submit(1)];
+        batches_become(&held, &[vec![1]]).await;
+        // Beside the first statement, one item is held back for a backlog.
+        tasks.push(submit(2));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        batches_become(&held, &[vec![1]]).await;
+        // Five more at once: the held-back batch takes three of them, up to four.
+        tasks.extend((3..=7).map(submit));
+        batches_become(&held, &[vec![1], vec![2, 3, 4, 5]]).await;
+        held.release.notify_one();
+        held.release.notify_one();
+        batches_become(&held, &[vec![1], vec![2, 3, 4, 5], vec![6, 7]]).await;
+        held.release.notify_one();
+        for (t, item) in tasks.into_iter().zip(1..) {
+            assert_eq!(t.await.expect("task"), Some(item));
+        }
+    }
+
     /// Records each batch and answers at once.
     #[derive(Default)]
     struct Recorded(Mutex<Vec<Vec<u32>>>);
@@ -311,6 +380,34 @@ mod tests {
         assert_eq!(first.ok(), Some(1));
         assert_eq!(second.await.expect("task"), Some(2));
         assert_eq!(*batcher.flusher.0.lock().expect("lock"), [vec![1, 2]]);
+    }
+
+    #[tokio::test]
+    async fn items_that_join_after_the_yield_fill_a_batch_only_to_the_limit() {
+        // As above, with three more woken beside the writer and batches of at most two.
+        let batcher = Arc::new(Batcher::new(Recorded::default(), 2, 1));
+        let go = Arc::new(Notify::new());
+        let others: Vec<_> = (2..=4)
+            .map(|item| {
+                let (batcher, go) = (batcher.clone(), go.clone());
+                tokio::spawn(async move {
+                    go.notified().await;
+                    batcher.submit(item).await.ok()
+                })
+            })
+            .collect();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let (first, ()) = tokio::join!(batcher.submit(1), async { go.notify_waiters() });
+        assert_eq!(first.ok(), Some(1));
+        for (t, item) in others.into_iter().zip(2..) {
+            assert_eq!(t.await.expect("task"), Some(item));
+        }
+        let batches = batcher.flusher.0.lock().expect("lock").clone();
+        assert_eq!(batches.first(), Some(&vec![1, 2]), "batches {batches:?}");
+        assert!(batches.iter().all(|b| b.len() <= 2), "batches {batches:?}");
+        assert_eq!(batches.concat().len(), 4);
     }
 
     #[tokio::test]

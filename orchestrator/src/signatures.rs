@@ -361,6 +361,12 @@ mod tests {
         .expect("well-formed")
     }
 
+    /// Spoils `m`'s signature but keeps it well-formed (`s`'s lowest bit flipped: still
+    /// reduced, `R` untouched), so that only the equation can refuse it.
+    fn forge(m: &mut SignedMessage) {
+        m.signature[32] ^= 1;
+    }
+
     #[test]
     fn a_batch_holds_only_if_every_signature_does() {
         let good: Vec<SignedMessage> = (1..=8).map(|i| signed(i, b"{}")).collect();
@@ -430,6 +436,10 @@ mod tests {
                 sr25519::Pair::from_seed(&seed).public().0
             })
             .collect();
+        // Below the bound, every key is kept (and answers the same again).
+        let some = keys.get_all(signers[..10].iter()).expect("valid keys");
+        assert_eq!(keys.0.lock().expect("lock").len(), 10);
+        assert_eq!(keys.get_all(signers[..10].iter()), Some(some));
         let got = keys.get_all(signers.iter()).expect("valid keys");
         assert_eq!(got.len(), signers.len());
         assert_eq!(
@@ -509,6 +519,46 @@ mod tests {
             matches!(verdict.as_slice(), [Ok(r)] if r.signer == good.request.signer),
             "a good lone signature was refused"
         );
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_gives_each_its_verdict_and_pauses_batching_for_a_while() {
+        // Started a while ago, so that its clock reads far from zero.
+        let verify = Verify {
+            started: Instant::now()
+                .checked_sub(Duration::from_secs(5))
+                .expect("a clock 5 s past boot"),
+            paused_until_ms: AtomicU64::new(0),
+            keys: Arc::default(),
+        };
+        assert!(verify.now_ms() >= 5_000);
+        assert!(verify.batching());
+        let mut forged = signed(2, b"{}");
+        forge(&mut forged);
+        let batch = vec![signed(1, b"{}"), forged, signed(3, b"{}")];
+        let verdicts = verify.flush(batch).await;
+        assert!(
+            matches!(
+                verdicts.as_slice(),
+                [
+                    Ok(_),
+                    Err(VerifyError::Auth(AuthError::BadSignature)),
+                    Ok(_)
+                ]
+            ),
+            "not one verdict each"
+        );
+        assert!(!verify.batching(), "a failed batch left batching on");
+        let now = verify.now_ms();
+        let until = verify.paused_until_ms.load(Ordering::Relaxed);
+        assert!(
+            (now + BATCH_PAUSE.as_millis() as u64 - 100..=now + BATCH_PAUSE.as_millis() as u64)
+                .contains(&until),
+            "paused until {until} ms at {now} ms"
+        );
+        // Once the pause is over, batching is back on.
+        verify.paused_until_ms.store(now - 1, Ordering::Relaxed);
+        assert!(verify.batching());
     }
 
     #[tokio::test]
