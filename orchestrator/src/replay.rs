@@ -172,16 +172,12 @@ impl SeenUuids {
     }
 
     /// How many uuids are held.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).1)
             .sum()
-    }
-
-    /// Whether none is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -253,6 +249,13 @@ mod tests {
             seen.admit(Uuid::from_bytes(other), ts, ts + 1),
             Local::Forgotten
         );
+        // The first second still remembered is not forgotten: a request stamped then is judged.
+        let mut first_kept = *Uuid::new_v4().as_bytes();
+        first_kept[0] = a.as_bytes()[0];
+        let first_kept = Uuid::from_bytes(first_kept);
+        let stamp = (ts / 1000 + 1) * 1000;
+        assert_eq!(seen.admit(first_kept, stamp, later), Local::Fresh);
+        assert_eq!(seen.admit(first_kept, stamp, later), Local::Replayed);
         // Other shards forget on their own admissions.
         let mut elsewhere = *a.as_bytes();
         elsewhere[0] = a.as_bytes()[0].wrapping_add(1);
