@@ -125,6 +125,13 @@ impl Shared {
         self.read_all_soon();
     }
 
+    /// Whether a full read begun when the listener had counted `before` connections can be
+    /// trusted: the listener listens and has neither lost nor made a connection since (what was
+    /// notified meanwhile may be missing from the read).
+    fn read_is_current(&self, before: u64) -> bool {
+        self.listening.load(Ordering::SeqCst) && self.connections.load(Ordering::SeqCst) == before
+    }
+
     /// The listener lost its connection: notifications may have been missed.
     fn lost(&self) {
         self.listening.store(false, Ordering::SeqCst);
@@ -177,11 +184,6 @@ impl PollView {
             tokio::spawn(maintain(self.shared.clone(), rx));
             tx
         });
-    }
-
-    /// Whether the view answers polls now.
-    pub fn is_ready(&self) -> bool {
-        self.shared.view().ready
     }
 
     /// What the view knows of a poll by `hotkey`, or `None` when the poll must read the database
@@ -285,8 +287,7 @@ async fn refresh(shared: &Shared) -> Result<(), String> {
         let mut view = shared.view_mut();
         view.miners = miners;
         view.status = Some(status);
-        view.ready = shared.listening.load(Ordering::SeqCst)
-            && shared.connections.load(Ordering::SeqCst) == connections;
+        view.ready = shared.read_is_current(connections);
         return Ok(());
     }
     if !dirty.miners.is_empty() {
@@ -414,6 +415,21 @@ mod tests {
         assert!(!s.view().ready);
         assert!(!s.listening.load(Ordering::SeqCst));
         assert!(lock(&s.dirty).all);
+    }
+
+    #[tokio::test]
+    async fn a_full_read_is_trusted_only_if_the_listener_stayed_connected() {
+        let s = shared();
+        let before = s.connections.load(Ordering::SeqCst);
+        assert!(!s.read_is_current(before), "trusted before listening");
+        s.connected();
+        let before = s.connections.load(Ordering::SeqCst);
+        assert!(s.read_is_current(before));
+        // Lost during the read, then connected again: neither state can trust it.
+        s.lost();
+        assert!(!s.read_is_current(before), "trusted while not listening");
+        s.connected();
+        assert!(!s.read_is_current(before), "trusted across a reconnection");
     }
 
     #[tokio::test]
