@@ -72,8 +72,9 @@ pub fn weighted_pick<'a, R: Rng + ?Sized>(
         .get(sorted.len().saturating_sub(1) / 2)
         .map_or(MAX_TOKENS_PER_S, |median| median * MAX_WEIGHT_OVER_MEDIAN);
     let weight = |t: f64| bounded(t).min(cap);
+    // Each weight is at least the floor and at most the bound: only an empty list has no total.
     let total: f64 = candidates.iter().map(|(_, t)| weight(*t)).sum();
-    if candidates.is_empty() || !(total > 0.0 && total.is_finite()) {
+    if !(total > 0.0 && total.is_finite()) {
         return None;
     }
     let mut x = rng.gen_range(0.0..total);
@@ -337,6 +338,17 @@ mod tests {
             .map(|_| pick_added_owner(&pool, 1, &[], &mut rng).expect("a pick"))
             .collect();
         assert_eq!(picks, [2, 3].into(), "both equals are drawn, nobody else");
+        // Three equals, each about a third of the time.
+        let equals = [
+            candidate("x", 2, 1),
+            candidate("y", 2, 1),
+            candidate("z", 2, 1),
+        ];
+        let mut counts = [0u32; 3];
+        for _ in 0..3000 {
+            counts[pick_added_owner(&equals, 2, &[], &mut rng).expect("a pick")] += 1;
+        }
+        assert!(counts.iter().all(|n| (900..1100).contains(n)), "{counts:?}");
         let everyone: Vec<&str> = pool.iter().map(|c| c.hotkey.as_str()).collect();
         assert_eq!(pick_added_owner(&pool, 1, &everyone, &mut rng), None);
     }
@@ -436,6 +448,40 @@ mod tests {
         }
         // Capped at 4 times the median (1000): the others take 2 in 6, 1000 ± a few sigma.
         assert!((850..1150).contains(&honest), "{honest}");
+        // Of five, the median is the middle one (100, so a cap of 400), not the least.
+        let c = vec![
+            ("slow".to_owned(), 1.0),
+            ("a".to_owned(), 100.0),
+            ("liar".to_owned(), 1e9),
+            ("b".to_owned(), 100.0),
+            ("c".to_owned(), 100.0),
+        ];
+        let liar = (0..4000)
+            .filter(|_| weighted_pick(&c, &mut rng) == Some("liar"))
+            .count();
+        // 400 of 701: 2282 ± a few sigma (sigma ≈ 31).
+        assert!((2150..2420).contains(&liar), "{liar}");
+    }
+
+    #[test]
+    fn weighted_pick_draws_every_position_in_proportion() {
+        // Equal weights: the first, a middle and the last candidate each about a third.
+        let c: Vec<(String, f64)> = ["a", "b", "c"]
+            .iter()
+            .map(|k| ((*k).to_owned(), 100.0))
+            .collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let mut counts = HashMap::new();
+        for _ in 0..3000 {
+            *counts
+                .entry(weighted_pick(&c, &mut rng).expect("a pick"))
+                .or_insert(0) += 1;
+        }
+        for key in ["a", "b", "c"] {
+            // 1000 ± a few sigma (sigma ≈ 26).
+            let n = counts.get(key).copied().unwrap_or(0);
+            assert!((900..1100).contains(&n), "{key}: {n}");
+        }
     }
 
     #[test]
