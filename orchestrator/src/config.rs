@@ -429,6 +429,50 @@ mod tests {
     }
 
     #[test]
+    fn every_limit_flag_reaches_the_limits() {
+        let c = config(&[
+            "--rate-per-hotkey",
+            "7",
+            "--rate-per-ip",
+            "9",
+            "--max-concurrent-uploads",
+            "5",
+            "--max-uploads-per-ip",
+            "3",
+            "--max-uploads-per-hotkey",
+            "2",
+            "--max-unchecked-bodies-per-ip",
+            "11",
+            "--body-timeout-s",
+            "13",
+        ])
+        .expect("valid limits");
+        let l = &c.limits;
+        assert_eq!((l.per_hotkey_rps, l.per_hotkey_burst), (7, 28));
+        assert_eq!((l.per_ip_rps, l.per_ip_burst), (9, 36));
+        assert_eq!(
+            (
+                l.concurrent_uploads,
+                l.concurrent_uploads_per_ip,
+                l.concurrent_uploads_per_hotkey,
+                l.unchecked_bodies_per_ip
+            ),
+            (5, 3, 2, 11)
+        );
+        assert_eq!(l.body_timeout, Duration::from_secs(13));
+        // The widest clock window allowed each way is accepted.
+        let widest = MAX_SKEW_MS.to_string();
+        let c = config(&[
+            "--max-request-age-ms",
+            &widest,
+            "--max-request-future-ms",
+            &widest,
+        ])
+        .expect("the widest window");
+        assert_eq!(c.skew.max_future_ms, MAX_SKEW_MS);
+    }
+
+    #[test]
     fn too_small_a_pool_or_no_upload_slot_is_a_clear_error() {
         for n in ["0", "2", "3"] {
             let e = config(&["--db-max-connections", n]).expect_err(n);
