@@ -218,6 +218,15 @@ mod tests {
         }
     }
 
+    /// Submits `item` from a task of its own.
+    fn submit_from_task<F: Flush<Item = u32, Output = u32>>(
+        batcher: &Arc<Batcher<F>>,
+        item: u32,
+    ) -> tokio::task::JoinHandle<Option<u32>> {
+        let batcher = batcher.clone();
+        tokio::spawn(async move { batcher.submit(item).await.ok() })
+    }
+
     async fn batches_become(held: &Held, want: &[Vec<u32>]) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         loop {
@@ -237,10 +246,7 @@ mod tests {
     async fn a_second_statement_waits_for_a_backlog_or_the_first_to_end() {
         let batcher = Arc::new(Batcher::new(Held::default(), 8, 2).parallel_from(3));
         let held = batcher.flusher.clone();
-        let submit = |item: u32| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move { batcher.submit(item).await.ok() })
-        };
+        let submit = |item| submit_from_task(&batcher, item);
         // Nothing in flight: one item goes alone.
         let first = submit(1);
         batches_become(&held, &[vec![1]]).await;
@@ -283,35 +289,18 @@ mod tests {
         // One slot, batches of at most four: nine items queue while the first is in flight.
         let batcher = Arc::new(Batcher::new(Held::default(), 4, 1));
         let held = batcher.flusher.clone();
-        let submit = |item: u32| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move { batcher.submit(item).await.ok() })
-        };
+        let submit = |item| submit_from_task(&batcher, item);
         let mut tasks = vec![submit(1)];
         batches_become(&held, &[vec![1]]).await;
         tasks.extend((2..=10).map(submit));
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        let sizes = |held: &Held| -> Vec<usize> {
-            held.batches
-                .lock()
-                .expect("lock")
-                .iter()
-                .map(Vec::len)
-                .collect()
-        };
-        for want in [vec![1, 4], vec![1, 4, 4], vec![1, 4, 4, 1]] {
+        let mut want = vec![vec![1]];
+        for next in [vec![2, 3, 4, 5], vec![6, 7, 8, 9], vec![10]] {
             held.release.notify_one();
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-            while sizes(&held) != want {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "batches {:?}, wanted sizes {want:?}",
-                    held.batches.lock().expect("lock")
-                );
-                tokio::task::yield_now().await;
-            }
+            want.push(next);
+            batches_become(&held, &want).await;
         }
         held.release.notify_one();
         for (t, item) in tasks.into_iter().zip(1..) {
@@ -323,10 +312,7 @@ mod tests {
     async fn a_batch_gathered_for_a_backlog_stops_at_the_limit() {
         let batcher = Arc::new(Batcher::new(Held::default(), 4, 2).parallel_from(3));
         let held = batcher.flusher.clone();
-        let submit = |item: u32| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move { batcher.submit(item).await.ok() })
-        };
+        let submit = |item| submit_from_task(&batcher, item);
         let mut tasks = vec![submit(1)];
         batches_become(&held, &[vec![1]]).await;
         // Beside the first statement, one item is held back for a backlog.
@@ -414,10 +400,7 @@ mod tests {
     async fn without_a_backlog_rule_a_second_statement_starts_at_once() {
         let batcher = Arc::new(Batcher::new(Held::default(), 8, 2));
         let held = batcher.flusher.clone();
-        let submit = |item: u32| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move { batcher.submit(item).await.ok() })
-        };
+        let submit = |item| submit_from_task(&batcher, item);
         let tasks = [submit(1)];
         batches_become(&held, &[vec![1]]).await;
         let second = submit(2);
@@ -435,10 +418,7 @@ mod tests {
         // Two statements allowed, but the runtime has four workers: four go at once.
         let batcher = Arc::new(Batcher::new(Held::default(), 8, 2).a_flush_per_worker());
         let held = batcher.flusher.clone();
-        let submit = |item: u32| {
-            let batcher = batcher.clone();
-            tokio::spawn(async move { batcher.submit(item).await.ok() })
-        };
+        let submit = |item| submit_from_task(&batcher, item);
         let mut tasks = Vec::new();
         for item in 1..=5 {
             tasks.push(submit(item));
