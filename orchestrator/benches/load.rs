@@ -6,9 +6,12 @@
 //! * signed work polls (`POST /v1/miner/work`, the request every miner sends in a loop) per
 //!   second with p50/p99 latency, next to an unsigned no-op (`GET /v1/noop`) as the ceiling, with
 //!   the same client concurrency (one closed loop per miner, or each miner polling once per
-//!   `IOTA_BENCH_POLL_INTERVAL_MS` as idle miners do), alternating in one run;
+//!   `IOTA_BENCH_POLL_INTERVAL_MS` as idle miners do), alternating in one run; each poll signed
+//!   in two ways, in windows of their own: with the miner's session (a MAC, what `ApiClient`
+//!   sends; each miner opens its session after it joins) and with its own sr25519 signature;
 //! * then the target, in three rounds: each runs another closed-loop no-op window, then offers
-//!   the signed poll half the median of every no-op window so far (the ceiling), each miner
+//!   each kind of signed poll in turn half the median of every no-op window so far (the
+//!   ceiling), each miner
 //!   polling on a fixed schedule, with the rate served and the latency counted from when each
 //!   poll was due (so a client or server that falls behind shows as latency, and so does the up
 //!   to a millisecond by which tokio's timer wakes a paced loop late); then the no-op at the
@@ -68,6 +71,7 @@ use iota_localnet::{Localnet, LocalnetConfig};
 use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
+use iota_protocol::session::{ClientSession, HEADER_SESSION_MAC, session_request};
 use iota_protocol::signing::{
     HEADER_SIGNATURE, HEADER_UUID, RequestSigner, SignedMessage, SkewWindow, check_request,
     sign_request,
@@ -350,7 +354,20 @@ impl Half {
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {
     Noop,
+    /// Each poll with its own sr25519 signature.
     SignedPoll,
+    /// Each poll with a MAC under its miner's session key (see `iota_protocol::session`).
+    SessionPoll,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Noop => "no-op",
+            Kind::SignedPoll => "signed poll (sr25519)",
+            Kind::SessionPoll => "signed poll (session)",
+        }
+    }
 }
 
 /// Headers of one signed work poll.
@@ -380,8 +397,48 @@ fn signed_poll(
     )
 }
 
-fn sign_poll(pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) -> Headers {
-    let signed = signed_poll(pair, orchestrator, body, timestamp_ms);
+/// A work poll's headers in `session`, with a fresh uuid.
+fn session_poll(
+    session: &ClientSession,
+    pair: &sr25519::Pair,
+    orchestrator: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+) -> iota_protocol::signing::SignedHeaders {
+    session_request(
+        session,
+        &pair.ss58(),
+        orchestrator,
+        "POST",
+        WORK_PATH,
+        body,
+        timestamp_ms,
+        uuid::Uuid::new_v4(),
+    )
+}
+
+/// A poll's headers: in `session` if given, otherwise signed with sr25519.
+fn poll_headers(
+    pair: &sr25519::Pair,
+    session: Option<&ClientSession>,
+    orchestrator: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+) -> iota_protocol::signing::SignedHeaders {
+    match session {
+        Some(session) => session_poll(session, pair, orchestrator, body, timestamp_ms),
+        None => signed_poll(pair, orchestrator, body, timestamp_ms),
+    }
+}
+
+fn sign_poll(
+    pair: &sr25519::Pair,
+    session: Option<&ClientSession>,
+    orchestrator: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+) -> Headers {
+    let signed = poll_headers(pair, session, orchestrator, body, timestamp_ms);
     let mut headers = Headers::with_capacity(signed.headers.len() + 1);
     headers.insert(
         reqwest::header::CONTENT_TYPE,
@@ -400,6 +457,8 @@ const UUID_HEADER: reqwest::header::HeaderName =
     reqwest::header::HeaderName::from_static(HEADER_UUID);
 const SIGNATURE_HEADER: reqwest::header::HeaderName =
     reqwest::header::HeaderName::from_static(HEADER_SIGNATURE);
+const SESSION_MAC_HEADER: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static(HEADER_SESSION_MAC);
 
 /// A header value that lives as long as the process: handing it to a request copies a pointer,
 /// with no reference count to touch.
@@ -409,18 +468,21 @@ fn static_value(value: &[u8]) -> Option<reqwest::header::HeaderValue> {
 }
 
 /// One miner's polls signed ahead, parsed when signed (as a miner's own machine would). Only a
-/// poll's uuid and signature differ from its neighbours' (one timestamp covers the window): those
-/// two are kept per poll, slices of one buffer; the rest once per miner, in memory that lives as
+/// poll's uuid and signature (or session MAC) differ from its neighbours' (one timestamp covers
+/// the window): those two are kept per poll, slices of one buffer; the rest once per miner, in
+/// memory that lives as
 /// long as the process (a few hundred bytes a miner each window). The loop builds each request's
 /// headers from values already parsed. Kept whole, each poll held six values and their
 /// bookkeeping (about 750 bytes, a window's pools about 300 MB, each read once, cold), and in a
 /// profile taking them apart was the largest item of the client's extra cost for a signed poll.
 #[derive(Default)]
 struct Presigned {
-    /// Content type, version, timestamp, signer and receiver.
+    /// Content type, version, timestamp, signer and receiver (and session).
     fixed: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
-    /// Each poll's uuid and signature.
+    /// Each poll's uuid and signature (or MAC).
     polls: Vec<Option<[reqwest::header::HeaderValue; 2]>>,
+    /// The header the second of each poll's pair goes in.
+    proof: Option<reqwest::header::HeaderName>,
     next: usize,
 }
 
@@ -429,19 +491,28 @@ struct Presigned {
 struct Signing {
     fixed: Vec<(&'static str, String)>,
     values: Vec<u8>,
-    /// Each poll's uuid and signature: their spans in `values`.
+    /// Each poll's uuid and signature (or MAC): their spans in `values`.
     polls: Vec<[(usize, usize); 2]>,
+    session: bool,
 }
 
 impl Signing {
-    fn sign(&mut self, pair: &sr25519::Pair, orchestrator: &str, body: &[u8], timestamp_ms: u64) {
-        let signed = signed_poll(pair, orchestrator, body, timestamp_ms);
+    fn sign(
+        &mut self,
+        pair: &sr25519::Pair,
+        session: Option<&ClientSession>,
+        orchestrator: &str,
+        body: &[u8],
+        timestamp_ms: u64,
+    ) {
+        let signed = poll_headers(pair, session, orchestrator, body, timestamp_ms);
+        self.session = session.is_some();
         let mut spans = [(0, 0); 2];
         let mut fixed = Vec::new();
         for (name, value) in signed.headers {
             let slot = match name {
                 HEADER_UUID => 0,
-                HEADER_SIGNATURE => 1,
+                HEADER_SIGNATURE | HEADER_SESSION_MAC => 1,
                 _ => {
                     fixed.push((name, value));
                     continue;
@@ -480,6 +551,10 @@ impl Signing {
         Presigned {
             fixed,
             polls,
+            proof: Some(match self.session {
+                true => SESSION_MAC_HEADER,
+                false => SIGNATURE_HEADER,
+            }),
             next: 0,
         }
     }
@@ -492,14 +567,14 @@ impl Presigned {
 
     /// The next poll's headers, or `None` when all are used.
     fn next_headers(&mut self) -> Option<Headers> {
-        let [uuid, signature] = self.polls.get_mut(self.next)?.take()?;
+        let [uuid, proof] = self.polls.get_mut(self.next)?.take()?;
         self.next += 1;
         let mut headers = Headers::with_capacity(self.fixed.len() + 2);
         for (name, value) in &self.fixed {
             headers.insert(name.clone(), value.clone());
         }
         headers.insert(UUID_HEADER, uuid);
-        headers.insert(SIGNATURE_HEADER, signature);
+        headers.insert(self.proof.clone().unwrap_or(SIGNATURE_HEADER), proof);
         Some(headers)
     }
 }
@@ -522,12 +597,13 @@ const PRESIGN_LATE_MS: u64 = PRESIGN_LEAD_MS - 300;
 /// rightly refused the last 0.8 s of that window's polls as stale (401).
 fn presign(
     pairs: &[Arc<sr25519::Pair>],
+    sessions: Option<&[ClientSession]>,
     orchestrator: &str,
     per_miner: usize,
 ) -> (Vec<Presigned>, usize, f64) {
     let mut tries = 1;
     loop {
-        let (pools, fewest, secs) = presign_once(pairs, orchestrator, per_miner);
+        let (pools, fewest, secs) = presign_once(pairs, sessions, orchestrator, per_miner);
         if secs * 1000.0 < PRESIGN_LATE_MS as f64 || tries == 3 {
             if tries > 1 {
                 eprintln!(
@@ -540,11 +616,12 @@ fn presign(
     }
 }
 
-/// Signs up to `per_miner` polls for every miner, on every client thread, all stamped
-/// `PRESIGN_LEAD_MS` ahead of now, stopping at `PRESIGN_BUDGET`. Returns the pools, the fewest
-/// polls one miner got and the seconds it took.
+/// Signs up to `per_miner` polls for every miner (in its session, with `sessions`), on every
+/// client thread, all stamped `PRESIGN_LEAD_MS` ahead of now, stopping at `PRESIGN_BUDGET`.
+/// Returns the pools, the fewest polls one miner got and the seconds it took.
 fn presign_once(
     pairs: &[Arc<sr25519::Pair>],
+    sessions: Option<&[ClientSession]>,
     orchestrator: &str,
     per_miner: usize,
 ) -> (Vec<Presigned>, usize, f64) {
@@ -553,24 +630,28 @@ fn presign_once(
     let stamp = now_ms() + PRESIGN_LEAD_MS;
     let body = work_body();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let chunk = pairs.len().div_ceil(threads).max(1);
+    let size = pairs.len().div_ceil(threads).max(1);
     // Each thread signs its miners in rounds of a few polls each, so that the pools stay even
     // when the budget ends the signing early.
     const ROUND: usize = 4;
     let pools = std::thread::scope(|scope| {
         let workers: Vec<_> = pairs
-            .chunks(chunk)
-            .map(|chunk| {
+            .chunks(size)
+            .enumerate()
+            .map(|(c, chunk)| {
                 let body = &body;
+                // This chunk's miners' sessions.
+                let sessions = sessions.map(|s| &s[(c * size).min(s.len())..]);
                 scope.spawn(move || {
                     let mut pools: Vec<Signing> =
                         chunk.iter().map(|_| Signing::default()).collect();
                     let mut signed = 0;
                     while signed < per_miner && Instant::now() < deadline {
                         let n = ROUND.min(per_miner - signed);
-                        for (pool, pair) in pools.iter_mut().zip(chunk) {
+                        for (i, (pool, pair)) in pools.iter_mut().zip(chunk).enumerate() {
+                            let session = sessions.and_then(|s| s.get(i));
                             for _ in 0..n {
-                                pool.sign(pair, orchestrator, body, stamp);
+                                pool.sign(pair, session, orchestrator, body, stamp);
                             }
                         }
                         signed += n;
@@ -595,6 +676,7 @@ fn presign_once(
 /// it, so a client that falls behind shows as latency. A signed loop takes its headers from
 /// `presigned[miner]` while it lasts and signs in the loop after that (counted in
 /// `signed_in_loop`).
+#[allow(clippy::too_many_arguments)]
 async fn miner_loops(
     kind: Kind,
     interval: Duration,
@@ -602,15 +684,10 @@ async fn miner_loops(
     base: &str,
     orchestrator: &str,
     pairs: &[Arc<sr25519::Pair>],
+    sessions: &[ClientSession],
     presigned: Vec<Presigned>,
 ) -> Window {
-    eprintln!(
-        "{} window",
-        match kind {
-            Kind::Noop => "no-op",
-            Kind::SignedPoll => "signed poll",
-        }
-    );
+    eprintln!("{} window", kind.name());
     let start = Instant::now();
     let measure_from = start + WARMUP;
     let end = measure_from + WINDOW;
@@ -622,10 +699,14 @@ async fn miner_loops(
     // Parsed once: both routes build their requests the same way.
     let work_url = reqwest::Url::parse(&format!("{base}{WORK_PATH}")).expect("work URL");
     let noop_url = reqwest::Url::parse(&format!("{base}/v1/noop")).expect("no-op URL");
-    let loops = pairs.iter().map(|pair| {
+    let loops = pairs.iter().enumerate().map(|(i, pair)| {
         let http = http.clone();
         let body = body.clone();
         let pair = pair.clone();
+        let session = match kind {
+            Kind::SessionPoll => sessions.get(i).cloned(),
+            _ => None,
+        };
         let orchestrator = orchestrator.to_owned();
         let mut pool = presigned.next().unwrap_or_default();
         let (work_url, noop_url) = (work_url.clone(), noop_url.clone());
@@ -653,10 +734,16 @@ async fn miner_loops(
                 }
                 let req = match kind {
                     Kind::Noop => reqwest::Request::new(Method::GET, noop_url.clone()),
-                    Kind::SignedPoll => {
+                    Kind::SignedPoll | Kind::SessionPoll => {
                         let headers = pool.next_headers().unwrap_or_else(|| {
                             signed_in_loop += 1;
-                            sign_poll(pair.as_ref(), &orchestrator, &body, now_ms())
+                            sign_poll(
+                                pair.as_ref(),
+                                session.as_ref(),
+                                &orchestrator,
+                                &body,
+                                now_ms(),
+                            )
                         });
                         let mut req = reqwest::Request::new(Method::POST, work_url.clone());
                         *req.headers_mut() = headers;
@@ -671,7 +758,7 @@ async fn miner_loops(
                         let body = resp.bytes().await;
                         // `WorkResponse` serialises `items` first: anything but an empty list
                         // is work leased to this miner.
-                        let leased = kind == Kind::SignedPoll
+                        let leased = kind != Kind::Noop
                             && body
                                 .as_ref()
                                 .is_ok_and(|b| !b.starts_with(br#"{"items":[]"#));
@@ -1089,7 +1176,7 @@ async fn signature_costs(orchestrator: &str, pairs: &[Arc<sr25519::Pair>]) -> Si
             .iter()
             .flat_map(|p| (0..4).map(move |_| p))
             .map(|p| {
-                let headers = sign_poll(p, orchestrator, &body, now);
+                let headers = sign_poll(p, None, orchestrator, &body, now);
                 check_request(
                     |name| headers.get(name).and_then(|v| v.to_str().ok()),
                     "POST",
@@ -1267,13 +1354,14 @@ async fn bench(
     let started = Instant::now();
     let pairs: Vec<Arc<sr25519::Pair>> = pairs.into_iter().map(Arc::new).collect();
     let sigs = signature_costs(&orchestrator_key, &pairs).await;
-    let joined: Vec<(usize, u32)> = futures::stream::iter(pairs.iter().enumerate())
+    let joined: Vec<(usize, u32, ClientSession)> = futures::stream::iter(pairs.iter().enumerate())
         .map(|(i, pair)| {
             let base = base.clone();
             let key = orchestrator_key.clone();
             let signer: Arc<dyn RequestSigner> = pair.clone();
             async move {
-                let client = ApiClient::new(base, signer, key, RetryPolicy::default())?;
+                let client =
+                    ApiClient::new(base, signer, key, RetryPolicy::default())?.with_sessions(false);
                 let r = client
                     .register(Capacity {
                         device: "sim".into(),
@@ -1281,7 +1369,9 @@ async fn bench(
                         tokens_per_s: 100.0,
                     })
                     .await?;
-                anyhow::Ok((i, r.stage))
+                // Each miner's session for the session-signed windows.
+                let session = client.open_session().await?;
+                anyhow::Ok((i, r.stage, session))
             }
         })
         .buffer_unordered(16)
@@ -1290,8 +1380,16 @@ async fn bench(
         .into_iter()
         .collect::<Result<_, _>>()?;
     let per_stage: Vec<usize> = (0..run.stages)
-        .map(|s| joined.iter().filter(|(_, st)| *st == s).count())
+        .map(|s| joined.iter().filter(|(_, st, _)| *st == s).count())
         .collect();
+    let mut sessions: Vec<Option<ClientSession>> = vec![None; MINERS];
+    for (i, _, session) in &joined {
+        sessions[*i] = Some(session.clone());
+    }
+    let sessions: Vec<ClientSession> = sessions
+        .into_iter()
+        .collect::<Option<_>>()
+        .context("a miner without a session")?;
     eprintln!(
         "{MINERS} miners joined in {:.1} s; per stage {per_stage:?}",
         started.elapsed().as_secs_f64()
@@ -1302,9 +1400,9 @@ async fn bench(
     let bytes = boundary(&run);
     let movers: Vec<ApiClient> = joined
         .iter()
-        .filter(|(_, s)| *s == 0)
+        .filter(|(_, s, _)| *s == 0)
         .take(MOVERS)
-        .map(|(i, _)| {
+        .map(|(i, _, _)| {
             let signer: Arc<dyn RequestSigner> = pairs[*i].clone();
             ApiClient::new(
                 base.clone(),
@@ -1373,10 +1471,25 @@ async fn bench(
     let sign_in_loop = std::env::var("IOTA_BENCH_SIGN_IN_LOOP").is_ok_and(|v| v == "1");
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let run_loops = |kind, every, pools| {
-        miner_loops(kind, every, &http, &base, &orchestrator_key, &pairs, pools)
+        miner_loops(
+            kind,
+            every,
+            &http,
+            &base,
+            &orchestrator_key,
+            &pairs,
+            &sessions,
+            pools,
+        )
+    };
+    // The pools for `kind`'s window.
+    let presign_for = |kind, per_miner| {
+        let in_session = (kind == Kind::SessionPoll).then_some(&sessions[..]);
+        presign(&pairs, in_session, &orchestrator_key, per_miner)
     };
     let mut noop = Vec::new();
     let mut signed = Vec::new();
+    let mut in_session = Vec::new();
     let mut presigning = Vec::new();
     for _ in 0..ROUNDS {
         let n = run_loops(Kind::Noop, interval, Vec::new()).await;
@@ -1386,9 +1499,14 @@ async fn bench(
             n.busiest_miner + n.busiest_miner / 10 + 2
         };
         noop.push(n);
-        let (pools, fewest, secs) = presign(&pairs, &orchestrator_key, per_miner);
-        presigning.push((fewest, secs));
-        signed.push(run_loops(Kind::SignedPoll, interval, pools).await);
+        for (kind, windows) in [
+            (Kind::SignedPoll, &mut signed),
+            (Kind::SessionPoll, &mut in_session),
+        ] {
+            let (pools, fewest, secs) = presign_for(kind, per_miner);
+            presigning.push((kind, fewest, secs));
+            windows.push(run_loops(kind, interval, pools).await);
+        }
     }
 
     let mean = |ws: &[Window]| ws.iter().map(Window::rps).sum::<f64>() / ws.len() as f64;
@@ -1400,9 +1518,17 @@ async fn bench(
     // window from setting the rate alone, and the window just before each round keeps the
     // ceiling current. The few miners leased work in the closed windows stop polling here too,
     // so the others' interval is set for the rate to hold without them.
-    let polling = MINERS - signed.iter().map(|w| w.got_work).max().unwrap_or(0);
+    let polling = MINERS
+        - signed
+            .iter()
+            .chain(&in_session)
+            .map(|w| w.got_work)
+            .max()
+            .unwrap_or(0);
     let mut ceilings: Vec<f64> = noop.iter().map(Window::rps).collect();
+    // Each round offers the session-signed poll half the ceiling, then the sr25519-signed one.
     let mut halves: Vec<Half> = Vec::new();
+    let mut halves_signed: Vec<Half> = Vec::new();
     if interval.is_zero() {
         for _ in 0..HALF_ROUNDS {
             let just_before = run_loops(Kind::Noop, Duration::ZERO, Vec::new())
@@ -1417,26 +1543,34 @@ async fn bench(
             let every = Duration::from_secs_f64(polling as f64 / offered);
             let per_miner =
                 ((WARMUP + WINDOW).as_secs_f64() / every.as_secs_f64()).ceil() as usize + 2;
-            let (pools, fewest, _) = presign(&pairs, &orchestrator_key, per_miner);
-            let signed = run_loops(Kind::SignedPoll, every, pools).await;
-            if let Some(previous) = halves.last_mut() {
-                previous.after = just_before;
+            for (kind, rounds) in [
+                (Kind::SessionPoll, &mut halves),
+                (Kind::SignedPoll, &mut halves_signed),
+            ] {
+                let (pools, fewest, _) = presign_for(kind, per_miner);
+                let signed = run_loops(kind, every, pools).await;
+                if let Some(previous) = rounds.last_mut() {
+                    previous.after = just_before;
+                }
+                rounds.push(Half {
+                    just_before,
+                    after: f64::NAN,
+                    ceiling,
+                    offered,
+                    every,
+                    fewest,
+                    signed,
+                });
             }
-            halves.push(Half {
-                just_before,
-                after: f64::NAN,
-                ceiling,
-                offered,
-                every,
-                fewest,
-                signed,
-            });
         }
         // The last round's window after: one more closed-loop no-op window.
-        if let Some(last) = halves.last_mut() {
-            last.after = run_loops(Kind::Noop, Duration::ZERO, Vec::new())
-                .await
-                .rps();
+        let after = run_loops(Kind::Noop, Duration::ZERO, Vec::new())
+            .await
+            .rps();
+        for rounds in [&mut halves, &mut halves_signed] {
+            if let Some(last) = rounds.last_mut() {
+                last.after = after;
+            }
         }
     }
     // The no-op at the rounds' mean pace, for reference: the HTTP path's own latency there.
@@ -1461,16 +1595,17 @@ async fn bench(
         WINDOW.as_secs()
     );
     println!(
-        "{:<28} {:>10} {:>9} {:>9} {:>8}",
+        "{:<30} {:>10} {:>9} {:>9} {:>8}",
         "route", "req/s", "p50 ms", "p99 ms", "errors"
     );
-    for (r, (n, s)) in noop.iter().zip(&signed).enumerate() {
+    for (r, n) in noop.iter().enumerate() {
         for (name, w) in [
             ("GET /v1/noop (unsigned)", n),
-            ("POST /v1/miner/work (signed)", s),
+            ("POST /v1/miner/work (sr25519)", &signed[r]),
+            ("POST /v1/miner/work (session)", &in_session[r]),
         ] {
             println!(
-                "{:<28} {:>10.0} {:>9.2} {:>9.2} {:>8}   (window {}){}",
+                "{:<30} {:>10.0} {:>9.2} {:>9.2} {:>8}   (window {}){}",
                 name,
                 w.rps(),
                 w.percentile_ms(0.50),
@@ -1499,21 +1634,31 @@ async fn bench(
             )
         })
     };
-    for (r, ((fewest, secs), s)) in presigning.iter().zip(&signed).enumerate() {
-        println!(
-            "signed window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling; {}",
-            r + 1,
-            s.signed_in_loop,
-            s.got_work,
-            s.batching()
-        );
+    let windows = |r: usize| {
+        [
+            (Kind::SignedPoll, &signed[r]),
+            (Kind::SessionPoll, &in_session[r]),
+        ]
+    };
+    for (r, pre) in presigning.chunks(2).enumerate() {
+        for ((kind, fewest, secs), (_, s)) in pre.iter().zip(windows(r)) {
+            println!(
+                "{} window {}: at least {fewest} polls per miner signed before it ({secs:.1} s on {threads} threads), {} signed inside it; {} miners were leased work and stopped polling; {}",
+                kind.name(),
+                r + 1,
+                s.signed_in_loop,
+                s.got_work,
+                s.batching()
+            );
+        }
     }
     // Closed loops keep every core busy unless something other than CPU holds a route back.
-    for (r, (n, s)) in noop.iter().zip(&signed).enumerate() {
-        for (name, w) in [("no-op", n), ("signed poll", s)] {
+    for (r, n) in noop.iter().enumerate() {
+        for (kind, w) in [(Kind::Noop, n)].into_iter().chain(windows(r)) {
             println!(
-                "window {}, {name}: CPU busy {}{}",
+                "window {}, {}: CPU busy {}{}",
                 r + 1,
+                kind.name(),
                 busy(w),
                 w.machine.map_or(String::new(), |m| format!("; {m}"))
             );
@@ -1540,35 +1685,58 @@ async fn bench(
             per(sum.postgres_ns),
         ])
     };
-    if let (Some(n), Some(s)) = (cpu_per_request(&noop), cpu_per_request(&signed)) {
-        for (name, [total, server, client, chain, pg]) in [("no-op", n), ("signed poll", s)] {
+    if let (Some(n), Some(s), Some(m)) = (
+        cpu_per_request(&noop),
+        cpu_per_request(&signed),
+        cpu_per_request(&in_session),
+    ) {
+        for (kind, [total, server, client, chain, pg]) in [
+            (Kind::Noop, n),
+            (Kind::SignedPoll, s),
+            (Kind::SessionPoll, m),
+        ] {
             println!(
-                "CPU per request, {name}: {total:.1} us (server {server:.1}, client {client:.1}, chain {chain:.1}, PostgreSQL {pg:.1})"
+                "CPU per request, {}: {total:.1} us (server {server:.1}, client {client:.1}, chain {chain:.1}, PostgreSQL {pg:.1})",
+                kind.name()
             );
         }
         println!(
-            "no-op / signed poll CPU per request: {:.1}%",
-            100.0 * n[0] / s[0]
+            "no-op / signed poll CPU per request: sr25519 {:.1}%, session {:.1}%",
+            100.0 * n[0] / s[0],
+            100.0 * n[0] / m[0]
         );
     }
-    let worst_p99 = signed
-        .iter()
-        .map(|w| w.percentile_ms(0.99))
-        .fold(0.0f64, f64::max);
-    println!(
-        "signed poll / no-op ceiling: {:.1}% (target >= 50%); worst signed p99 {:.2} ms{}",
-        100.0 * mean(&signed) / mean(&noop),
-        worst_p99,
-        if interval.is_zero() {
-            " (closed loops: about miners / throughput)"
-        } else {
-            " (target < 50 ms)"
+    for (kind, windows) in [
+        (Kind::SignedPoll, &signed),
+        (Kind::SessionPoll, &in_session),
+    ] {
+        let worst_p99 = windows
+            .iter()
+            .map(|w| w.percentile_ms(0.99))
+            .fold(0.0f64, f64::max);
+        println!(
+            "{} / no-op ceiling: {:.1}% (target >= 50%); worst p99 {:.2} ms{}",
+            kind.name(),
+            100.0 * mean(windows) / mean(&noop),
+            worst_p99,
+            if interval.is_zero() {
+                " (closed loops: about miners / throughput)"
+            } else {
+                " (target < 50 ms)"
+            }
+        );
+    }
+    for (kind, halves) in [
+        (Kind::SessionPoll, &halves),
+        (Kind::SignedPoll, &halves_signed),
+    ] {
+        if halves.is_empty() {
+            continue;
         }
-    );
-    if !halves.is_empty() {
         println!();
         println!(
-            "at half the no-op ceiling, {} rounds: each a closed-loop no-op window, then {polling} miners offered half the median of every no-op window so far as signed polls on a fixed schedule (latency from when each poll was due), windows of {} s; \"of around\": offered as a share of the mean of the no-op windows just before and just after the round",
+            "{} at half the no-op ceiling, {} rounds: each a closed-loop no-op window, then {polling} miners offered half the median of every no-op window so far as polls on a fixed schedule (latency from when each poll was due), windows of {} s, the session-signed round first; \"of around\": offered as a share of the mean of the no-op windows just before and just after the round",
+            kind.name(),
             halves.len(),
             WINDOW.as_secs()
         );
@@ -1604,15 +1772,6 @@ async fn bench(
                 h.signed.errors
             );
         }
-        if let Some((offered, n)) = &noop_at_half {
-            println!(
-                "GET /v1/noop (unsigned) offered the rounds' mean, {offered:.0} req/s: served {:.0}, p50 {:.2} ms, p99 {:.2} ms, {} errors",
-                n.rps(),
-                n.percentile_ms(0.50),
-                n.percentile_ms(0.99),
-                n.errors
-            );
-        }
         // Polls due in the window's last moments finish after it and are not counted: served
         // trails offered by about the latency over the window even when nothing falls behind.
         let p99s: Vec<f64> = halves
@@ -1625,7 +1784,8 @@ async fn bench(
         let fewest = halves.iter().map(|h| h.fewest).min().unwrap_or(0);
         let signed_in_loop: usize = halves.iter().map(|h| h.signed.signed_in_loop).sum();
         println!(
-            "signed at half the ceiling: p99 < 50 ms in {held} of {} rounds (worst p99 {worst:.2} ms; target < 50 ms); served {:.1}-{:.1}% of offered; at least {fewest} polls per miner pre-signed, {signed_in_loop} signed inside the windows",
+            "{} at half the ceiling: p99 < 50 ms in {held} of {} rounds (worst p99 {worst:.2} ms; target < 50 ms); served {:.1}-{:.1}% of offered; at least {fewest} polls per miner pre-signed, {signed_in_loop} signed inside the windows",
+            kind.name(),
             halves.len(),
             served.iter().copied().fold(f64::INFINITY, f64::min),
             served.iter().copied().fold(0.0f64, f64::max),
@@ -1633,8 +1793,9 @@ async fn bench(
         // How busy the machine was: near all of its cores, queueing alone makes the latency.
         for (r, h) in halves.iter().enumerate() {
             println!(
-                "round {}, signed at half the ceiling: CPU busy {}; {}",
+                "round {}, {} at half the ceiling: CPU busy {}; {}",
                 r + 1,
+                kind.name(),
                 busy(&h.signed),
                 h.signed.batching()
             );
@@ -1642,9 +1803,16 @@ async fn bench(
                 println!("round {}: {machine}", r + 1);
             }
         }
-        if let Some((_, n)) = &noop_at_half {
-            println!("no-op at half the ceiling: CPU busy {}", busy(n));
-        }
+    }
+    if let Some((offered, n)) = &noop_at_half {
+        println!(
+            "GET /v1/noop (unsigned) offered the rounds' mean, {offered:.0} req/s: served {:.0}, p50 {:.2} ms, p99 {:.2} ms, {} errors; CPU busy {}",
+            n.rps(),
+            n.percentile_ms(0.50),
+            n.percentile_ms(0.99),
+            n.errors,
+            busy(n)
+        );
     }
     println!(
         "signature verification per request ({} requests): one by one (schnorrkel) {}; through the verifier one at a time {}; batched, every key new {}; batched, known keys {}; processor has AVX-512 IFMA (the verifier's fastest backend): {}",

@@ -20,7 +20,7 @@ use iota_chain::MetagraphIndex;
 use iota_chain::wallet::PublicKey;
 use iota_protocol::api::RunConfig;
 use iota_protocol::signing::{
-    HEADER_BODY_SHA256, SkewWindow, body_sha256_hex, check_headers, is_sha256_hex,
+    HEADER_BODY_SHA256, SkewWindow, ToVerify, body_sha256_hex, check_headers, is_sha256_hex,
 };
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 use sqlx::PgPool;
@@ -68,6 +68,8 @@ pub struct Limits {
     /// come back (`rate_limited`), so that slots held by slow senders never leave a request
     /// waiting without an answer.
     pub upload_slot_wait: Duration,
+    /// How long a session lasts from when it is opened.
+    pub session_ttl: Duration,
 }
 
 /// A client address as the per-IP limits count it ([`address_key`]) and the signer its request
@@ -121,6 +123,7 @@ impl Default for Limits {
             unchecked_bodies_per_ip: 64,
             body_timeout: Duration::from_secs(30),
             upload_slot_wait: Duration::from_secs(10),
+            session_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -138,6 +141,8 @@ pub struct RunRow {
     pub netuid: u16,
     /// Created.
     pub created_at: DateTime<Utc>,
+    /// The run's secret for session keys (see [`crate::sessions`]).
+    pub session_secret: crate::sessions::SessionSecret,
 }
 
 /// Everything a handler needs. Holds no run state of its own: that is in Postgres and the store.
@@ -455,6 +460,7 @@ impl From<AuthError> for AppError {
         let code = match e {
             AuthError::Stale { .. } | AuthError::Future { .. } => ErrorCode::ClockSkew,
             AuthError::Replayed(_) => ErrorCode::Replayed,
+            AuthError::UnknownSession(_) => ErrorCode::UnknownSession,
             _ => ErrorCode::Unauthenticated,
         };
         Self::new(code, e.to_string())
@@ -475,6 +481,8 @@ pub struct Caller {
     pub uid: u16,
     /// Validator permit.
     pub permit: bool,
+    /// Whether the request carried a session's MAC rather than an sr25519 signature.
+    pub by_session: bool,
 }
 
 /// Which callers a route group admits.
@@ -955,7 +963,7 @@ impl CheckedCaller<'_> {
 
 /// A signed request between [`CheckedCaller::with_body`] and [`Authenticating::finish`].
 pub struct Authenticating {
-    signed: iota_protocol::signing::SignedMessage,
+    signed: iota_protocol::signing::Authenticated,
     signer: crate::signatures::Signer,
     uid: u16,
     permit: bool,
@@ -964,7 +972,8 @@ pub struct Authenticating {
 }
 
 impl Authenticating {
-    /// Verifies the signature (batched with whatever else is waiting), then the validator
+    /// Verifies the signature (batched with whatever else is waiting) or the session's MAC
+    /// (see [`crate::sessions`]), then the validator
     /// permit, the uuid in this process's memory, the per-hotkey rate limit (after the
     /// signature and that replay check, so that nobody can spend another hotkey's quota, not
     /// even by replaying its requests), and the uuid in the shared cache where the route
@@ -974,7 +983,17 @@ impl Authenticating {
         app: &App,
         routes: SignedRoutes,
     ) -> Result<(Caller, PendingUuid), AppError> {
-        let verified = match app.signatures.verify(self.signed).await {
+        let (verified, by_session) = match self.signed.into_verifiable() {
+            ToVerify::Signature(signed) => (app.signatures.verify(signed).await, false),
+            ToVerify::Session(auth) => {
+                let verified =
+                    app.run
+                        .session_secret
+                        .verify(auth, &self.signer.key.to_bytes(), self.now);
+                (verified.map_err(VerifyError::Auth), true)
+            }
+        };
+        let verified = match verified {
             Ok(verified) => verified,
             Err(e) => {
                 if let (VerifyError::Auth(AuthError::BadSignature), Some(sender)) =
@@ -1032,6 +1051,7 @@ impl Authenticating {
             ss58: self.signer.ss58.as_ref().to_owned(),
             uid: self.uid,
             permit: self.permit,
+            by_session,
         };
         Ok((caller, pending))
     }

@@ -66,6 +66,8 @@ pub const MIN_DB_CONNECTIONS: u32 = 4;
 pub const MIN_REQUEST_AGE_MS: u64 = 1_000;
 /// See [`MIN_REQUEST_AGE_MS`].
 pub const MAX_SKEW_MS: u64 = 3_600_000;
+/// Longest a session may last (`--session-ttl-s` is clamped to a minute .. this).
+pub const MAX_SESSION_TTL_S: u64 = 86_400;
 
 /// `iota orchestrator` flags. Every flag can also come from the environment.
 #[derive(Clone, Debug, clap::Args)]
@@ -268,6 +270,14 @@ pub struct OrchestratorArgs {
         default_value_t = 30
     )]
     pub body_timeout_s: u64,
+    /// Seconds a session lasts from when it is opened (`POST /v1/sessions`); its requests carry
+    /// a MAC instead of an sr25519 signature (see the API documentation).
+    #[arg(
+        long = "session-ttl-s",
+        env = "IOTA_SESSION_TTL_S",
+        default_value_t = 3600
+    )]
+    pub session_ttl_s: u64,
     /// Milliseconds between phase-driver steps.
     #[arg(long = "tick-ms", env = "IOTA_TICK_MS", default_value_t = 500)]
     pub tick_ms: u64,
@@ -383,6 +393,7 @@ impl OrchestratorArgs {
                 concurrent_uploads_per_hotkey: self.max_uploads_per_hotkey,
                 unchecked_bodies_per_ip: self.max_unchecked_bodies_per_ip,
                 body_timeout: Duration::from_secs(self.body_timeout_s.max(1)),
+                session_ttl: Duration::from_secs(self.session_ttl_s.clamp(60, MAX_SESSION_TTL_S)),
                 ..Limits::default()
             },
             tick: Duration::from_millis(self.tick_ms.max(10)),
@@ -445,6 +456,8 @@ mod tests {
             "11",
             "--body-timeout-s",
             "13",
+            "--session-ttl-s",
+            "600",
         ])
         .expect("valid limits");
         let l = &c.limits;
@@ -460,6 +473,17 @@ mod tests {
             (5, 3, 2, 11)
         );
         assert_eq!(l.body_timeout, Duration::from_secs(13));
+        assert_eq!(l.session_ttl, Duration::from_secs(600));
+        // A session lasts at least a minute (the client renews one that has less left) and at
+        // most a day.
+        let ttl = |s: &str| {
+            config(&["--session-ttl-s", s])
+                .expect("valid")
+                .limits
+                .session_ttl
+        };
+        assert_eq!(ttl("1"), Duration::from_secs(60));
+        assert_eq!(ttl("999999999"), Duration::from_secs(MAX_SESSION_TTL_S));
         // The widest clock window allowed each way is accepted.
         let widest = MAX_SKEW_MS.to_string();
         let c = config(&[

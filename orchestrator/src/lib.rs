@@ -24,6 +24,7 @@ pub mod poll_view;
 pub mod replay;
 pub mod replicas;
 pub mod routing;
+pub mod sessions;
 pub mod signatures;
 pub mod sim;
 pub mod store;
@@ -168,11 +169,13 @@ pub async fn ensure_run(
     .execute(&mut *tx)
     .await
     .map_err(dberr)?;
-    let row = sqlx::query("SELECT id, config, netuid, created_at FROM runs WHERE name = $1")
-        .bind(&config.name)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(dberr)?;
+    let row = sqlx::query(
+        "SELECT id, config, netuid, created_at, session_secret FROM runs WHERE name = $1",
+    )
+    .bind(&config.name)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(dberr)?;
     let id: i64 = row.try_get("id").map_err(dberr)?;
     let stored: RunConfig = serde_json::from_value(row.try_get("config").map_err(dberr)?)
         .map_err(|e| OrchestratorError::Config(format!("stored run config: {e}")))?;
@@ -200,12 +203,20 @@ pub async fn ensure_run(
     .await
     .map_err(dberr)?;
     let created_at: DateTime<Utc> = row.try_get("created_at").map_err(dberr)?;
+    let secret: Vec<u8> = row.try_get("session_secret").map_err(dberr)?;
+    let session_secret = sessions::SessionSecret::from_slice(&secret).ok_or_else(|| {
+        OrchestratorError::Database(format!(
+            "run {id}'s session secret is {} bytes, not 32",
+            secret.len()
+        ))
+    })?;
     tx.commit().await.map_err(dberr)?;
     Ok(RunRow {
         id,
         config: config.clone(),
         netuid,
         created_at,
+        session_secret,
     })
 }
 
@@ -382,7 +393,7 @@ fn http_metrics() -> &'static HttpMetrics {
         miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
         miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
         miner::merges, miner::weights, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
-        miner::report_bad_object,
+        miner::report_bad_object, sessions::open,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
         validator::spot_checks, validator::report_spot_checks,
@@ -407,6 +418,33 @@ impl utoipa::Modify for EpistulaScheme {
                 "sr25519 signature over sha256(body).uuid.timestamp.signed_for.METHOD.path_and_query, with the other Epistula-* headers and Iota-Body-Sha256 (required on uploads and bodies over 64 KiB)",
             ))),
         );
+        components.add_security_scheme(
+            "session",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "iota-session-mac",
+                "keyed BLAKE3 (the session's key) over the same message as an epistula signature, with Iota-Session naming the session (POST /v1/sessions) and the other Epistula-* headers but Epistula-Request-Signature",
+            ))),
+        );
+        // Every signed route takes a session's MAC too, but the route that opens a session.
+        let epistula =
+            utoipa::openapi::security::SecurityRequirement::new("epistula", Vec::<String>::new());
+        let session =
+            utoipa::openapi::security::SecurityRequirement::new("session", Vec::<String>::new());
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            if path == iota_protocol::session::SESSIONS_PATH {
+                continue;
+            }
+            for operation in [&mut item.get, &mut item.post, &mut item.put]
+                .into_iter()
+                .flatten()
+            {
+                if let Some(security) = &mut operation.security
+                    && security.contains(&epistula)
+                {
+                    security.push(session.clone());
+                }
+            }
+        }
     }
 }
 
@@ -451,6 +489,12 @@ pub fn router(app: App) -> Router {
     // The work poll runs the gate's steps itself (see `miner::work`), and records its uuid in
     // the shared replay cache only when it goes past the poll view (see `replay`).
     let miner_poll = Router::new().route("/v1/miner/work", post(miner::work));
+    let sessions = Router::new()
+        .route("/v1/sessions", post(sessions::open))
+        .route_layer(middleware::from_fn_with_state(
+            signed(Gate::Registered, json_limit, SharedReplay::Before, false),
+            app::signed_gate,
+        ));
     let miner_json = Router::new()
         .route("/v1/miner/register", post(miner::register))
         .route("/v1/miner/heartbeat", post(miner::heartbeat))
@@ -567,6 +611,7 @@ pub fn router(app: App) -> Router {
         ));
     Router::new()
         .merge(miner_poll)
+        .merge(sessions)
         .merge(miner_json)
         .merge(miner_upload)
         .merge(validator_json)

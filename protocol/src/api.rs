@@ -496,6 +496,27 @@ pub struct HeartbeatResponse {
     pub status: EpochStatus,
 }
 
+/// `POST /v1/sessions` (signed with sr25519): open a session whose requests carry a MAC instead
+/// of a signature (see [`crate::session`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct OpenSessionRequest {
+    /// The caller's handshake point `A = a·G`: a compressed Ristretto point, 64 hex digits.
+    pub public_key: String,
+}
+
+/// The answer to an open-session request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct OpenSessionResponse {
+    /// The session's token, sent as `Iota-Session` on each request of the session.
+    pub session: String,
+    /// The server's handshake point `B = b·G`, 64 hex digits.
+    pub public_key: String,
+    /// The session key sealed for the caller (`K ⊕ pad`, see [`crate::session`]), 64 hex digits.
+    pub sealed_key: String,
+    /// When the server stops taking the session, in milliseconds since the Unix epoch.
+    pub expires_at_ms: u64,
+}
+
 /// `POST /v1/miner/work`: ask for leased work.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct WorkRequest {

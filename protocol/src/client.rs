@@ -4,6 +4,12 @@
 //! again (fresh uuid and timestamp), since the server refuses a uuid it has seen. Retries happen on
 //! connection errors, timeouts, 429 and 5xx, with exponential backoff and full jitter, honouring
 //! `Retry-After`. 4xx answers other than 429 are final and come back as [`ClientError::Api`].
+//!
+//! Signed requests go out in a session (see [`crate::session`]) unless
+//! [`ApiClient::with_sessions`] turned that off: the client opens one with an sr25519-signed
+//! handshake on its first signed request, renews it before it expires, opens a new one when the
+//! server no longer holds it (`unknown_session`), and signs with sr25519 alone against a server
+//! without the route.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -18,7 +24,8 @@ use uuid::Uuid;
 use crate::api::*;
 use crate::blob::{BlobDescriptor, blake3_hex};
 use crate::error::{ApiError, ErrorCode};
-use crate::signing::{RequestSigner, sign_request};
+use crate::session::{ClientSession, Handshake, SESSIONS_PATH, decode_public_hex, session_request};
+use crate::signing::{RequestSigner, decode_signer, sign_request};
 
 /// Retry schedule.
 #[derive(Clone, Copy, Debug)]
@@ -133,6 +140,38 @@ pub struct ApiClient {
     /// ([`RunConfig::max_object_bytes`]) once connected, so that a descriptor from a
     /// misbehaving orchestrator cannot size a download past what the run can hold.
     max_object_bytes: u64,
+    /// The session signed requests go out in (shared by the client's clones).
+    sessions: Arc<Sessions>,
+}
+
+/// A client's session, opened when first needed.
+#[derive(Default)]
+struct Sessions {
+    /// Off: every request is signed with sr25519 (set by [`ApiClient::with_sessions`], or when
+    /// the server has no session route).
+    off: std::sync::atomic::AtomicBool,
+    current: std::sync::Mutex<Option<ClientSession>>,
+    /// Held while a session is opened, so that concurrent requests open one, not one each.
+    opening: tokio::sync::Mutex<()>,
+}
+
+impl Sessions {
+    fn usable(&self, now_ms: u64) -> Option<ClientSession> {
+        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        current
+            .as_ref()
+            .filter(|s| !s.needs_renewal(now_ms))
+            .cloned()
+    }
+
+    /// Forgets the session `token` names (the server no longer takes it), unless another
+    /// replaced it.
+    fn forget(&self, token: &str) {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_ref().is_some_and(|s| s.token == token) {
+            *current = None;
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -294,6 +333,102 @@ impl ApiClient {
             orchestrator: orchestrator_ss58.into(),
             retry,
             max_object_bytes: u64::MAX,
+            sessions: Arc::default(),
+        })
+    }
+
+    /// Whether signed requests go out in a session (the default) or each with its own sr25519
+    /// signature. The client then holds a session of its own, not its original's.
+    pub fn with_sessions(mut self, on: bool) -> Self {
+        self.sessions = Arc::new(Sessions {
+            off: (!on).into(),
+            ..Sessions::default()
+        });
+        self
+    }
+
+    /// The session signed requests use now, opened if there is none or it is about to expire;
+    /// `None` when sessions are off or could not be opened (the request is then signed with
+    /// sr25519, and meets whatever refused the session on its own).
+    async fn session(&self) -> Option<ClientSession> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.sessions.off.load(Relaxed) {
+            return None;
+        }
+        if let Some(session) = self.sessions.usable(now_ms()) {
+            return Some(session);
+        }
+        let _opening = self.sessions.opening.lock().await;
+        if let Some(session) = self.sessions.usable(now_ms()) {
+            return Some(session);
+        }
+        match self.open_session().await {
+            Ok(session) => {
+                *self
+                    .sessions
+                    .current
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+                Some(session)
+            }
+            Err(e) => {
+                // A server without the route: sign every request, as before sessions.
+                if matches!(
+                    e.code(),
+                    Some(ErrorCode::NotFound | ErrorCode::MethodNotAllowed)
+                ) {
+                    self.sessions.off.store(true, Relaxed);
+                }
+                tracing::debug!(error = %e, "no session; signing with sr25519");
+                None
+            }
+        }
+    }
+
+    /// `POST /v1/sessions`, signed with sr25519: a new session and its key.
+    pub async fn open_session(&self) -> Result<ClientSession, ClientError> {
+        let opened_at_ms = now_ms();
+        let handshake = Handshake::new();
+        let body = Bytes::from(
+            serde_json::to_vec(&OpenSessionRequest {
+                public_key: handshake.public_hex(),
+            })
+            .map_err(|e| ClientError::Decode(e.to_string()))?,
+        );
+        let url = self.url_of(SESSIONS_PATH)?;
+        let request = Request {
+            method: &Method::POST,
+            url: &url,
+            path_and_query: SESSIONS_PATH,
+            body: Some(&body),
+            signed: true,
+            content_type: "application/json",
+            limit: BodyLimit::Json,
+        };
+        let bytes = self
+            .with_retries(|attempt| self.try_request(&request, None, attempt))
+            .await?;
+        let answer: OpenSessionResponse =
+            serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let bad = |e: String| ClientError::Decode(format!("open session: {e}"));
+        let server_public =
+            decode_public_hex(&answer.public_key).map_err(|e| bad(e.to_string()))?;
+        let sealed = decode_public_hex(&answer.sealed_key).map_err(|e| bad(e.to_string()))?;
+        let caller_key = decode_signer(&self.signer.ss58()).map_err(|e| bad(e.to_string()))?;
+        let key = handshake
+            .finish(
+                &server_public,
+                &sealed,
+                &answer.session,
+                &caller_key,
+                &self.orchestrator,
+            )
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(ClientSession {
+            token: answer.session,
+            key,
+            opened_at_ms,
+            expires_at_ms: answer.expires_at_ms,
         })
     }
 
@@ -406,8 +541,29 @@ impl ApiClient {
             content_type,
             limit,
         };
-        self.with_retries(|attempt| self.try_request(&request, attempt))
-            .await
+        let session = match signed {
+            true => self.session().await,
+            false => None,
+        };
+        let result = self
+            .with_retries(|attempt| self.try_request(&request, session.as_ref(), attempt))
+            .await;
+        match (session, &result) {
+            // The server no longer takes the session (expired by its clock, or its key is not
+            // the server's: a run made anew under the same name): once more in a new one.
+            (Some(old), Err(e))
+                if matches!(
+                    e.code(),
+                    Some(ErrorCode::UnknownSession | ErrorCode::Unauthenticated)
+                ) =>
+            {
+                self.sessions.forget(&old.token);
+                let session = self.session().await;
+                self.with_retries(|attempt| self.try_request(&request, session.as_ref(), attempt))
+                    .await
+            }
+            _ => result,
+        }
     }
 
     /// Makes `attempt` until one is final, at most [`RetryPolicy::attempts`] times, waiting the
@@ -441,8 +597,14 @@ impl ApiClient {
         Err(last_error)
     }
 
-    /// One attempt of a request to the orchestrator, signed afresh.
-    async fn try_request(&self, request: &Request<'_>, attempt: u32) -> Attempt {
+    /// One attempt of a request to the orchestrator, signed afresh (with `session`'s key, if
+    /// given).
+    async fn try_request(
+        &self,
+        request: &Request<'_>,
+        session: Option<&ClientSession>,
+        attempt: u32,
+    ) -> Attempt {
         let path_and_query = request.path_and_query;
         let limit = request.limit;
         let raw = request.body.cloned().unwrap_or_default();
@@ -455,15 +617,27 @@ impl ApiClient {
             .request(request.method.clone(), request.url.clone())
             .timeout(self.retry.timeout_for(moved.max(raw.len() as u64)));
         if request.signed {
-            let headers = sign_request(
-                self.signer.as_ref(),
-                &self.orchestrator,
-                request.method.as_str(),
-                path_and_query,
-                &raw,
-                now_ms(),
-                Uuid::new_v4(),
-            );
+            let headers = match session {
+                Some(session) => session_request(
+                    session,
+                    &self.signer.ss58(),
+                    &self.orchestrator,
+                    request.method.as_str(),
+                    path_and_query,
+                    &raw,
+                    now_ms(),
+                    Uuid::new_v4(),
+                ),
+                None => sign_request(
+                    self.signer.as_ref(),
+                    &self.orchestrator,
+                    request.method.as_str(),
+                    path_and_query,
+                    &raw,
+                    now_ms(),
+                    Uuid::new_v4(),
+                ),
+            };
             for (name, value) in headers.headers {
                 req = req.header(name, value);
             }

@@ -15,6 +15,9 @@ pub enum ErrorCode {
     Replayed,
     /// The timestamp is outside the accepted clock window.
     ClockSkew,
+    /// The request names a session the server does not hold (never opened, expired, or of
+    /// another signer): open a new one (`POST /v1/sessions`).
+    UnknownSession,
     /// The signer is not registered on the subnet.
     NotRegistered,
     /// The endpoint needs a validator permit.
@@ -57,7 +60,7 @@ impl ErrorCode {
     pub fn status(self) -> u16 {
         match self {
             Self::BadRequest | Self::InvalidTensor => 400,
-            Self::Unauthenticated | Self::Replayed | Self::ClockSkew => 401,
+            Self::Unauthenticated | Self::Replayed | Self::ClockSkew | Self::UnknownSession => 401,
             Self::NotRegistered | Self::NotValidator | Self::NotAMiner | Self::Forbidden => 403,
             Self::NotFound => 404,
             Self::MethodNotAllowed => 405,
@@ -77,6 +80,7 @@ impl ErrorCode {
             Self::Unauthenticated => "unauthenticated",
             Self::Replayed => "replayed",
             Self::ClockSkew => "clock_skew",
+            Self::UnknownSession => "unknown_session",
             Self::NotRegistered => "not_registered",
             Self::NotValidator => "not_validator",
             Self::NotAMiner => "not_a_miner",
@@ -130,6 +134,7 @@ mod tests {
             ErrorCode::NotValidator,
             ErrorCode::MethodNotAllowed,
             ErrorCode::InProgress,
+            ErrorCode::UnknownSession,
         ] {
             let json = serde_json::to_string(&code).expect("serialise");
             assert_eq!(json, format!("\"{}\"", code.as_str()));
@@ -144,6 +149,7 @@ mod tests {
             (ErrorCode::BadRequest, 400),
             (ErrorCode::InvalidTensor, 400),
             (ErrorCode::Replayed, 401),
+            (ErrorCode::UnknownSession, 401),
             (ErrorCode::NotRegistered, 403),
             (ErrorCode::NotFound, 404),
             (ErrorCode::RequestTimeout, 408),

@@ -2,6 +2,7 @@
 //!
 //! * [`api`]: request and response types of the orchestrator's HTTP API and the run config.
 //! * [`signing`]: Epistula v2 request signing with the method and path bound in.
+//! * [`session`]: sessions opened by a signed handshake, whose requests carry a MAC instead.
 //! * [`error`]: the one JSON error body with a stable `code`.
 //! * [`blob`]: blob descriptors (key, size, dtype, shape, BLAKE3).
 //! * [`tensor`]: the safetensors layouts on the wire and the checks every upload passes.
@@ -14,6 +15,7 @@ pub mod blob;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod error;
+pub mod session;
 pub mod signing;
 pub mod tensor;
 

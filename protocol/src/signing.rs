@@ -30,6 +30,8 @@ use sp_core::crypto::Ss58Codec;
 use sp_core::{Pair as _, sr25519};
 use uuid::Uuid;
 
+use crate::session::{HEADER_SESSION, HEADER_SESSION_MAC, MAX_TOKEN_LEN};
+
 /// `Epistula-Version`; always `2`.
 pub const HEADER_VERSION: &str = "epistula-version";
 /// `Epistula-Timestamp`: milliseconds since the Unix epoch.
@@ -254,6 +256,10 @@ pub enum AuthError {
     /// The uuid was seen before inside the window.
     #[error("request uuid {0} was already used")]
     Replayed(Uuid),
+    /// The session the request names is not one the receiver takes (expired, or malformed):
+    /// open a new one.
+    #[error("unknown session: {0}; open a new one (POST /v1/sessions)")]
+    UnknownSession(String),
 }
 
 /// A request whose headers and signature checked out (replay is the caller's check).
@@ -267,6 +273,69 @@ pub struct VerifiedRequest {
     pub uuid: Uuid,
     /// The request's timestamp.
     pub timestamp_ms: u64,
+}
+
+/// What authenticates a request: an sr25519 signature, or a session's MAC
+/// (see [`crate::session`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Proof {
+    /// `Epistula-Request-Signature`, decoded.
+    Signature([u8; 64]),
+    /// `Iota-Session` and `Iota-Session-Mac`, decoded.
+    Session {
+        /// The session's token.
+        token: String,
+        /// The keyed BLAKE3 of the message.
+        mac: [u8; 32],
+    },
+}
+
+/// A request whose headers checked out, with the message its proof must cover.
+#[derive(Clone, Debug)]
+pub struct Authenticated {
+    /// The proof as sent.
+    pub proof: Proof,
+    /// The message it must cover (see the module documentation).
+    pub message: String,
+    /// The request, once the proof holds.
+    pub request: VerifiedRequest,
+}
+
+/// What remains to check of an [`Authenticated`] request, by its kind of proof.
+#[derive(Clone, Debug)]
+pub enum ToVerify {
+    /// An sr25519 signature: [`SignedMessage::verify`], or a batch of them.
+    Signature(SignedMessage),
+    /// A session's MAC: [`Authenticated::verify_session`] with the session's key.
+    Session(Authenticated),
+}
+
+impl Authenticated {
+    /// The signed message, if the proof is a signature; otherwise the request as it is.
+    pub fn into_verifiable(self) -> ToVerify {
+        match self.proof {
+            Proof::Signature(signature) => ToVerify::Signature(SignedMessage {
+                signature,
+                message: self.message,
+                request: self.request,
+            }),
+            Proof::Session { .. } => ToVerify::Session(self),
+        }
+    }
+
+    /// Checks a session's MAC with `key`, the key of the session the proof names (the caller
+    /// looked it up, and checked that the session belongs to `request.signer`).
+    pub fn verify_session(
+        self,
+        key: &crate::session::SessionKey,
+    ) -> Result<VerifiedRequest, AuthError> {
+        match self.proof {
+            Proof::Session { mac, .. } if key.verify(self.message.as_bytes(), &mac) => {
+                Ok(self.request)
+            }
+            _ => Err(AuthError::BadSignature),
+        }
+    }
 }
 
 /// A request whose headers checked out, with what its signature must sign: everything
@@ -325,6 +394,8 @@ pub fn verify_request<'a>(
 
 /// Checks everything about a request's Epistula headers but the signature: version, clock
 /// window, uuid, receiver, signer address and signature format. Returns what remains to verify.
+/// A session-signed request is refused here (it needs the session's key: see
+/// [`CheckedHeaders::message`]).
 pub fn check_request<'a>(
     header: impl Fn(&'static str) -> Option<&'a str>,
     method: &str,
@@ -336,7 +407,13 @@ pub fn check_request<'a>(
 ) -> Result<SignedMessage, AuthError> {
     let headers = check_headers(header, receiver_ss58, now_ms, window)?;
     let signer = decode_signer(headers.signed_by)?;
-    Ok(headers.message(signer, method, path_and_query, body))
+    match headers
+        .message(signer, method, path_and_query, body)
+        .into_verifiable()
+    {
+        ToVerify::Signature(signed) => Ok(signed),
+        ToVerify::Session(_) => Err(AuthError::MissingHeader(HEADER_SIGNATURE)),
+    }
 }
 
 /// The public key an `Epistula-Signed-By` address names.
@@ -361,8 +438,8 @@ pub struct CheckedHeaders<'a> {
     pub signed_for: &'a str,
     /// `Epistula-Signed-By` as sent.
     pub signed_by: &'a str,
-    /// `Epistula-Request-Signature`, decoded.
-    pub signature: [u8; 64],
+    /// The signature, or the session and its MAC.
+    pub proof: Proof,
 }
 
 /// The cheap checks of [`check_request`], without decoding the signer's address (a server that
@@ -421,13 +498,25 @@ pub fn check_headers<'a>(
         });
     }
     let signed_by = get(HEADER_SIGNED_BY)?;
-    let signature = parse_signature(get(HEADER_SIGNATURE)?)?;
+    let proof = match header(HEADER_SESSION) {
+        Some(token) if token.len() > MAX_TOKEN_LEN => {
+            return Err(AuthError::MalformedHeader {
+                header: HEADER_SESSION,
+                reason: format!("longer than {MAX_TOKEN_LEN} bytes"),
+            });
+        }
+        Some(token) => Proof::Session {
+            token: token.to_owned(),
+            mac: parse_mac(get(HEADER_SESSION_MAC)?)?,
+        },
+        None => Proof::Signature(parse_signature(get(HEADER_SIGNATURE)?)?.0),
+    };
     Ok(CheckedHeaders {
         timestamp_ms,
         uuid,
         signed_for,
         signed_by,
-        signature: signature.0,
+        proof,
     })
 }
 
@@ -440,7 +529,7 @@ impl CheckedHeaders<'_> {
         method: &str,
         path_and_query: &str,
         body: &[u8],
-    ) -> SignedMessage {
+    ) -> Authenticated {
         let body_hash = body_sha256_hex(body);
         self.message_for_body_hash(
             signer,
@@ -458,7 +547,7 @@ impl CheckedHeaders<'_> {
         method: &str,
         path_and_query: &str,
         body_hash: &str,
-    ) -> SignedMessage {
+    ) -> Authenticated {
         let message = message_for_body_hash(
             body_hash,
             &self.uuid,
@@ -467,8 +556,8 @@ impl CheckedHeaders<'_> {
             method,
             path_and_query,
         );
-        SignedMessage {
-            signature: self.signature,
+        Authenticated {
+            proof: self.proof,
             message,
             request: VerifiedRequest {
                 signer,
@@ -478,6 +567,18 @@ impl CheckedHeaders<'_> {
             },
         }
     }
+}
+
+fn parse_mac(text: &str) -> Result<[u8; 32], AuthError> {
+    let text = text.trim();
+    let mut raw = [0u8; 32];
+    if text.len() != 64 || const_hex::decode_to_slice(text, &mut raw).is_err() {
+        return Err(AuthError::MalformedHeader {
+            header: HEADER_SESSION_MAC,
+            reason: "expected 64 hex digits (32 bytes)".into(),
+        });
+    }
+    Ok(raw)
 }
 
 fn parse_signature(text: &str) -> Result<sr25519::Signature, AuthError> {
@@ -664,6 +765,125 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// A session's MAC binds what a signature binds, under the session's key alone, and a
+    /// receiver that takes signatures only is not fooled into taking it as one.
+    #[test]
+    fn a_session_request_is_bound_like_a_signed_one() {
+        use crate::session::{ClientSession, SessionKey, new_token, session_request};
+        let session = ClientSession {
+            token: new_token(2_000_000),
+            key: SessionKey::from_bytes([5; 32]),
+            opened_at_ms: 0,
+            expires_at_ms: 2_000_000,
+        };
+        let receiver = pair(9).ss58();
+        let sent = session_request(
+            &session,
+            &pair(1).ss58(),
+            &receiver,
+            "POST",
+            "/v1/miner/work?x=1",
+            b"{}",
+            1_000_000,
+            Uuid::new_v4(),
+        );
+        let check = |method: &str, path: &str, body: &[u8], key: &SessionKey| {
+            let headers = check_headers(
+                |name| find_header(&sent.headers, name),
+                &receiver,
+                1_000_500,
+                SkewWindow::default(),
+            )?;
+            assert_eq!(
+                headers.proof,
+                Proof::Session {
+                    token: session.token.clone(),
+                    mac: match &headers.proof {
+                        Proof::Session { mac, .. } => *mac,
+                        Proof::Signature(_) => [0; 32],
+                    },
+                }
+            );
+            headers
+                .message(pair(1).public().0, method, path, body)
+                .verify_session(key)
+        };
+        let ok = check("POST", "/v1/miner/work?x=1", b"{}", &session.key).expect("valid");
+        assert_eq!(ok.signer, pair(1).public().0);
+        for (m, p, b) in [
+            ("GET", "/v1/miner/work?x=1", &b"{}"[..]),
+            ("POST", "/v1/miner/work?x=2", b"{}"),
+            ("POST", "/v1/miner/heartbeat?x=1", b"{}"),
+            ("POST", "/v1/miner/work?x=1", b"{ }"),
+        ] {
+            assert_eq!(
+                check(m, p, b, &session.key),
+                Err(AuthError::BadSignature),
+                "{m} {p}"
+            );
+        }
+        assert_eq!(
+            check(
+                "POST",
+                "/v1/miner/work?x=1",
+                b"{}",
+                &SessionKey::from_bytes([6; 32])
+            ),
+            Err(AuthError::BadSignature)
+        );
+        // A signature-only receiver refuses it by the missing signature.
+        assert_eq!(
+            verify_request(
+                |name| find_header(&sent.headers, name),
+                "POST",
+                "/v1/miner/work?x=1",
+                b"{}",
+                &receiver,
+                1_000_500,
+                SkewWindow::default(),
+            ),
+            Err(AuthError::MissingHeader(HEADER_SIGNATURE))
+        );
+        // A signature is no session proof.
+        let signed = signed("POST", "/v1/miner/work", b"{}", 1_000_000);
+        let headers = check_headers(
+            |name| find_header(&signed.headers, name),
+            &signed.receiver,
+            1_000_000,
+            SkewWindow::default(),
+        )
+        .expect("headers");
+        assert_eq!(
+            headers
+                .message(pair(1).public().0, "POST", "/v1/miner/work", b"{}")
+                .verify_session(&session.key),
+            Err(AuthError::BadSignature)
+        );
+        // A malformed MAC or an oversized token is named.
+        for (name, value) in [
+            (HEADER_SESSION_MAC, "00".repeat(31)),
+            (HEADER_SESSION, "1".repeat(MAX_TOKEN_LEN + 1)),
+        ] {
+            let mut headers = sent.headers.clone();
+            for h in &mut headers {
+                if h.0 == name {
+                    h.1 = value.clone();
+                }
+            }
+            let got = check_headers(
+                |n| find_header(&headers, n),
+                &receiver,
+                1_000_000,
+                SkewWindow::default(),
+            )
+            .map(|_| ());
+            assert!(
+                matches!(got, Err(AuthError::MalformedHeader { header, .. }) if header == name),
+                "{name}: {got:?}"
+            );
+        }
     }
 
     #[test]

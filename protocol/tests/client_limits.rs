@@ -4,7 +4,10 @@
 //!
 //! The servers are hand-written on a `TcpListener`, so a test controls every header and byte: the
 //! endless bodies below would make a client that reads the whole body first hang until its
-//! timeout (and then fail with a network error, not the refusal these tests expect).
+//! timeout (and then fail with a network error, not the refusal these tests expect). Their
+//! clients sign each request with sr25519 (`with_sessions(false)`): these servers serve no
+//! session route, and count or capture each request they see. Sessions are tested against the
+//! orchestrator (`orchestrator/tests/sessions.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -128,7 +131,9 @@ fn retry() -> RetryPolicy {
 }
 
 fn client(base: &str) -> ApiClient {
-    ApiClient::new(base, signer(), "orchestrator", retry()).expect("client")
+    ApiClient::new(base, signer(), "orchestrator", retry())
+        .expect("client")
+        .with_sessions(false)
 }
 
 /// A client that tries `attempts` times, with short waits between.
@@ -137,7 +142,9 @@ fn retrying(base: &str, attempts: u32) -> ApiClient {
         attempts,
         ..retry()
     };
-    ApiClient::new(base, signer(), "orchestrator", policy).expect("client")
+    ApiClient::new(base, signer(), "orchestrator", policy)
+        .expect("client")
+        .with_sessions(false)
 }
 
 /// Counts the requests a server sees.
@@ -523,7 +530,9 @@ async fn a_large_download_gets_time_for_its_size() {
         ..retry()
     };
     assert_eq!(policy.timeout_for(3 << 20), Duration::from_secs(4));
-    let client = ApiClient::new(&base, signer(), "orchestrator", policy).expect("client");
+    let client = ApiClient::new(&base, signer(), "orchestrator", policy)
+        .expect("client")
+        .with_sessions(false);
     for url in [Some(format!("{base}/bucket/object")), None] {
         let presigned = url.is_some();
         let got = client
@@ -573,7 +582,8 @@ async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
     .await;
     let c = ApiClient::connect(&base, signer(), retry())
         .await
-        .expect("connect");
+        .expect("connect")
+        .with_sessions(false);
     let max = run().max_object_bytes();
     let mut huge = blob(&content, Some(format!("{base}/huge")));
     huge.size = max + 1;
@@ -721,7 +731,9 @@ async fn a_signed_request_verifies_as_sent() {
         let _ = tx.send((request_line, headers, body));
     });
     let receiver = RequestSigner::ss58(&sp_core::sr25519::Pair::from_seed(&[9; 32]));
-    let c = ApiClient::new(&base, signer(), &receiver, retry()).expect("client");
+    let c = ApiClient::new(&base, signer(), &receiver, retry())
+        .expect("client")
+        .with_sessions(false);
     let sent: serde_json::Value = c
         .signed_json(
             reqwest::Method::POST,

@@ -415,15 +415,27 @@ impl Raw {
     pub async fn send_bytes(&self, call: Call<'_>) -> (u16, Vec<u8>) {
         let (signed_method, signed_path) =
             call.signed_as.unwrap_or((call.method.as_str(), call.path));
-        let headers = iota_protocol::signing::sign_request(
-            call.signer,
-            &self.receiver,
-            signed_method,
-            signed_path,
-            &call.body,
-            call.ts,
-            call.uuid,
-        );
+        let headers = match call.session {
+            Some(session) => iota_protocol::session::session_request(
+                session,
+                &call.signer.ss58(),
+                &self.receiver,
+                signed_method,
+                signed_path,
+                &call.body,
+                call.ts,
+                call.uuid,
+            ),
+            None => iota_protocol::signing::sign_request(
+                call.signer,
+                &self.receiver,
+                signed_method,
+                signed_path,
+                &call.body,
+                call.ts,
+                call.uuid,
+            ),
+        };
         let mut req = self
             .http
             .request(call.method.clone(), format!("{}{}", self.base, call.path));
@@ -469,6 +481,9 @@ pub struct Call<'a> {
     pub signed_as: Option<(&'a str, &'a str)>,
     pub ts: u64,
     pub uuid: uuid::Uuid,
+    /// The session whose key makes the request's MAC, in place of `signer`'s signature
+    /// (`signer` still names the sender).
+    pub session: Option<&'a iota_protocol::session::ClientSession>,
 }
 
 impl<'a> Call<'a> {
@@ -486,6 +501,7 @@ impl<'a> Call<'a> {
             signed_as: None,
             ts: now_ms(),
             uuid: uuid::Uuid::new_v4(),
+            session: None,
         }
     }
 }
