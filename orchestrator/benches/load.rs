@@ -71,10 +71,10 @@ use iota_localnet::{Localnet, LocalnetConfig};
 use iota_orchestrator::signatures::SignatureVerifier;
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RunConfig, WorkRequest};
-use iota_protocol::session::{ClientSession, HEADER_SESSION_MAC, session_request};
+use iota_protocol::session::{ClientSession, HEADER_SESSION_MAC};
 use iota_protocol::signing::{
-    HEADER_SIGNATURE, HEADER_UUID, RequestSigner, SignedMessage, SkewWindow, check_request,
-    sign_request,
+    HEADER_SIGNATURE, HEADER_UUID, RequestSigner, SignedMessage, SkewWindow, authenticate_request,
+    check_request,
 };
 use iota_protocol::tensor::{WireEncoding, encode_boundary_i8};
 use iota_protocol::{ApiClient, BlobDescriptor, RetryPolicy};
@@ -379,45 +379,8 @@ fn work_body() -> Vec<u8> {
     serde_json::to_vec(&WorkRequest { max_items: 1 }).unwrap_or_default()
 }
 
-/// A work poll's Epistula headers, with a fresh uuid.
-fn signed_poll(
-    pair: &sr25519::Pair,
-    orchestrator: &str,
-    body: &[u8],
-    timestamp_ms: u64,
-) -> iota_protocol::signing::SignedHeaders {
-    sign_request(
-        pair,
-        orchestrator,
-        "POST",
-        WORK_PATH,
-        body,
-        timestamp_ms,
-        uuid::Uuid::new_v4(),
-    )
-}
-
-/// A work poll's headers in `session`, with a fresh uuid.
-fn session_poll(
-    session: &ClientSession,
-    pair: &sr25519::Pair,
-    orchestrator: &str,
-    body: &[u8],
-    timestamp_ms: u64,
-) -> iota_protocol::signing::SignedHeaders {
-    session_request(
-        session,
-        &pair.ss58(),
-        orchestrator,
-        "POST",
-        WORK_PATH,
-        body,
-        timestamp_ms,
-        uuid::Uuid::new_v4(),
-    )
-}
-
-/// A poll's headers: in `session` if given, otherwise signed with sr25519.
+/// A work poll's headers, with a fresh uuid: in `session` if given, otherwise signed with
+/// sr25519.
 fn poll_headers(
     pair: &sr25519::Pair,
     session: Option<&ClientSession>,
@@ -425,10 +388,16 @@ fn poll_headers(
     body: &[u8],
     timestamp_ms: u64,
 ) -> iota_protocol::signing::SignedHeaders {
-    match session {
-        Some(session) => session_poll(session, pair, orchestrator, body, timestamp_ms),
-        None => signed_poll(pair, orchestrator, body, timestamp_ms),
-    }
+    authenticate_request(
+        pair,
+        session,
+        orchestrator,
+        "POST",
+        WORK_PATH,
+        body,
+        timestamp_ms,
+        uuid::Uuid::new_v4(),
+    )
 }
 
 fn sign_poll(

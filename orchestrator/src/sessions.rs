@@ -107,8 +107,9 @@ pub async fn open(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use iota_protocol::session::{ClientSession, session_request};
-    use iota_protocol::signing::{SkewWindow, check_headers, find_header};
+    use iota_protocol::session::ClientSession;
+    use iota_protocol::signing::{SkewWindow, authenticate_request, check_headers, find_header};
+    use sp_core::Pair as _;
 
     fn request(
         secret: &SessionSecret,
@@ -122,9 +123,10 @@ mod tests {
             opened_at_ms: 0,
             expires_at_ms: 0,
         };
-        let sent = session_request(
-            &session,
-            "5Caller",
+        let signer = sp_core::sr25519::Pair::from_seed(&[1; 32]);
+        let sent = authenticate_request(
+            &signer,
+            Some(&session),
             "5Server",
             "POST",
             "/v1/miner/work",

@@ -24,8 +24,8 @@ use uuid::Uuid;
 use crate::api::*;
 use crate::blob::{BlobDescriptor, blake3_hex};
 use crate::error::{ApiError, ErrorCode};
-use crate::session::{ClientSession, Handshake, SESSIONS_PATH, decode_public_hex, session_request};
-use crate::signing::{RequestSigner, decode_signer, sign_request};
+use crate::session::{ClientSession, Handshake, SESSIONS_PATH, decode_public_hex};
+use crate::signing::{RequestSigner, authenticate_request, decode_signer};
 
 /// Retry schedule.
 #[derive(Clone, Copy, Debug)]
@@ -617,27 +617,16 @@ impl ApiClient {
             .request(request.method.clone(), request.url.clone())
             .timeout(self.retry.timeout_for(moved.max(raw.len() as u64)));
         if request.signed {
-            let headers = match session {
-                Some(session) => session_request(
-                    session,
-                    &self.signer.ss58(),
-                    &self.orchestrator,
-                    request.method.as_str(),
-                    path_and_query,
-                    &raw,
-                    now_ms(),
-                    Uuid::new_v4(),
-                ),
-                None => sign_request(
-                    self.signer.as_ref(),
-                    &self.orchestrator,
-                    request.method.as_str(),
-                    path_and_query,
-                    &raw,
-                    now_ms(),
-                    Uuid::new_v4(),
-                ),
-            };
+            let headers = authenticate_request(
+                self.signer.as_ref(),
+                session,
+                &self.orchestrator,
+                request.method.as_str(),
+                path_and_query,
+                &raw,
+                now_ms(),
+                Uuid::new_v4(),
+            );
             for (name, value) in headers.headers {
                 req = req.header(name, value);
             }

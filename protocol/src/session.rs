@@ -30,7 +30,8 @@
 //!
 //! In place of `Epistula-Request-Signature` it carries `Iota-Session` (the token) and
 //! `Iota-Session-Mac`: 64 lowercase hex digits of `BLAKE3-keyed(K, message)`, where `message` is
-//! exactly what [`crate::signing::signing_message`] builds. The server refuses an expired or
+//! exactly what [`crate::signing::signing_message`] builds
+//! ([`crate::signing::authenticate_request`] makes such headers). The server refuses an expired or
 //! malformed token with `unknown_session` (401), and the caller opens a new session.
 //!
 //! A MAC proves the request to the server alone (the server holds the key too), which is all a
@@ -40,13 +41,7 @@ use curve25519_dalek::ristretto::{CompressedRistretto, RistrettoPoint};
 use curve25519_dalek::scalar::Scalar;
 use curve25519_dalek::traits::IsIdentity;
 use rand::RngCore;
-use uuid::Uuid;
 use zeroize::Zeroize;
-
-use crate::signing::{
-    HEADER_BODY_SHA256, HEADER_SIGNED_BY, HEADER_SIGNED_FOR, HEADER_TIMESTAMP, HEADER_UUID,
-    HEADER_VERSION, SignedHeaders, body_sha256_hex, message_for_body_hash,
-};
 
 /// The route that opens a session.
 pub const SESSIONS_PATH: &str = "/v1/sessions";
@@ -276,45 +271,6 @@ impl ClientSession {
 
 /// How long before its expiry a caller renews a session (see [`ClientSession::needs_renewal`]).
 pub const RENEW_BEFORE_MS: u64 = 60_000;
-
-/// The headers of a request signed with a session: the Epistula headers but the signature, with
-/// `Iota-Session` and `Iota-Session-Mac` in its place, and `Iota-Body-Sha256`.
-#[allow(clippy::too_many_arguments)]
-pub fn session_request(
-    session: &ClientSession,
-    signed_by: &str,
-    signed_for: &str,
-    method: &str,
-    path_and_query: &str,
-    body: &[u8],
-    timestamp_ms: u64,
-    uuid: Uuid,
-) -> SignedHeaders {
-    let body_hash = body_sha256_hex(body);
-    let body_hash = std::str::from_utf8(&body_hash).unwrap_or_default();
-    let message = message_for_body_hash(
-        body_hash,
-        &uuid,
-        timestamp_ms,
-        signed_for,
-        method,
-        path_and_query,
-    );
-    let mac = session.key.mac(message.as_bytes());
-    SignedHeaders {
-        headers: vec![
-            (HEADER_VERSION, "2".to_owned()),
-            (HEADER_TIMESTAMP, timestamp_ms.to_string()),
-            (HEADER_UUID, uuid.hyphenated().to_string()),
-            (HEADER_SIGNED_BY, signed_by.to_owned()),
-            (HEADER_SIGNED_FOR, signed_for.to_owned()),
-            (HEADER_SESSION, session.token.clone()),
-            (HEADER_SESSION_MAC, const_hex::encode(mac)),
-            (HEADER_BODY_SHA256, body_hash.to_owned()),
-        ],
-        uuid,
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -30,7 +30,7 @@ use sp_core::crypto::Ss58Codec;
 use sp_core::{Pair as _, sr25519};
 use uuid::Uuid;
 
-use crate::session::{HEADER_SESSION, HEADER_SESSION_MAC, MAX_TOKEN_LEN};
+use crate::session::{ClientSession, HEADER_SESSION, HEADER_SESSION_MAC, MAX_TOKEN_LEN};
 
 /// `Epistula-Version`; always `2`.
 pub const HEADER_VERSION: &str = "epistula-version";
@@ -158,6 +158,32 @@ pub fn sign_request(
     timestamp_ms: u64,
     uuid: Uuid,
 ) -> SignedHeaders {
+    authenticate_request(
+        signer,
+        None,
+        signed_for,
+        method,
+        path_and_query,
+        body,
+        timestamp_ms,
+        uuid,
+    )
+}
+
+/// The headers of a request from `signer`: signed with sr25519, or in `session` (the Epistula
+/// headers but the signature, with `Iota-Session` and `Iota-Session-Mac` in its place; see
+/// [`crate::session`]). Either way with `Iota-Body-Sha256`.
+#[allow(clippy::too_many_arguments)]
+pub fn authenticate_request(
+    signer: &dyn RequestSigner,
+    session: Option<&ClientSession>,
+    signed_for: &str,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    timestamp_ms: u64,
+    uuid: Uuid,
+) -> SignedHeaders {
     let body_hash = body_sha256_hex(body);
     let body_hash = std::str::from_utf8(&body_hash).unwrap_or_default();
     let message = message_for_body_hash(
@@ -168,19 +194,26 @@ pub fn sign_request(
         method,
         path_and_query,
     );
-    let signature = signer.sign(message.as_bytes());
-    SignedHeaders {
-        headers: vec![
-            (HEADER_VERSION, "2".to_owned()),
-            (HEADER_TIMESTAMP, timestamp_ms.to_string()),
-            (HEADER_UUID, uuid.hyphenated().to_string()),
-            (HEADER_SIGNED_BY, signer.ss58()),
-            (HEADER_SIGNED_FOR, signed_for.to_owned()),
-            (HEADER_SIGNATURE, format!("0x{}", hex::encode(signature))),
-            (HEADER_BODY_SHA256, body_hash.to_owned()),
-        ],
-        uuid,
+    let mut headers = vec![
+        (HEADER_VERSION, "2".to_owned()),
+        (HEADER_TIMESTAMP, timestamp_ms.to_string()),
+        (HEADER_UUID, uuid.hyphenated().to_string()),
+        (HEADER_SIGNED_BY, signer.ss58()),
+        (HEADER_SIGNED_FOR, signed_for.to_owned()),
+    ];
+    match session {
+        None => {
+            let signature = signer.sign(message.as_bytes());
+            headers.push((HEADER_SIGNATURE, format!("0x{}", hex::encode(signature))));
+        }
+        Some(session) => {
+            let mac = session.key.mac(message.as_bytes());
+            headers.push((HEADER_SESSION, session.token.clone()));
+            headers.push((HEADER_SESSION_MAC, const_hex::encode(mac)));
+        }
     }
+    headers.push((HEADER_BODY_SHA256, body_hash.to_owned()));
+    SignedHeaders { headers, uuid }
 }
 
 /// How far a request's timestamp may lie from the receiver's clock.
@@ -638,18 +671,21 @@ mod tests {
         )
     }
 
+    /// A request signed as `POST /v1/miner/work?x=1` with body `{}`, each bound part changed.
+    const TAMPERED: [(&str, &str, &[u8]); 4] = [
+        ("GET", "/v1/miner/work?x=1", b"{}"),
+        ("POST", "/v1/miner/work?x=2", b"{}"),
+        ("POST", "/v1/miner/heartbeat?x=1", b"{}"),
+        ("POST", "/v1/miner/work?x=1", b"{ }"),
+    ];
+
     #[test]
     fn round_trip_and_bindings() {
         let r = signed("POST", "/v1/miner/work?x=1", b"{}", 1_000_000);
         let ok = verify(&r, "post", "/v1/miner/work?x=1", b"{}", 1_000_500).expect("valid");
         assert_eq!(ok.signer, pair(1).public().0);
         // Every signed part changes the verdict.
-        for (m, p, b) in [
-            ("GET", "/v1/miner/work?x=1", &b"{}"[..]),
-            ("POST", "/v1/miner/work?x=2", b"{}"),
-            ("POST", "/v1/miner/heartbeat?x=1", b"{}"),
-            ("POST", "/v1/miner/work?x=1", b"{ }"),
-        ] {
+        for (m, p, b) in TAMPERED {
             assert_eq!(
                 verify(&r, m, p, b, 1_000_500),
                 Err(AuthError::BadSignature),
@@ -771,7 +807,7 @@ mod tests {
     /// receiver that takes signatures only is not fooled into taking it as one.
     #[test]
     fn a_session_request_is_bound_like_a_signed_one() {
-        use crate::session::{ClientSession, SessionKey, new_token, session_request};
+        use crate::session::{SessionKey, new_token};
         let session = ClientSession {
             token: new_token(2_000_000),
             key: SessionKey::from_bytes([5; 32]),
@@ -779,9 +815,9 @@ mod tests {
             expires_at_ms: 2_000_000,
         };
         let receiver = pair(9).ss58();
-        let sent = session_request(
-            &session,
-            &pair(1).ss58(),
+        let sent = authenticate_request(
+            &pair(1),
+            Some(&session),
             &receiver,
             "POST",
             "/v1/miner/work?x=1",
@@ -812,12 +848,7 @@ mod tests {
         };
         let ok = check("POST", "/v1/miner/work?x=1", b"{}", &session.key).expect("valid");
         assert_eq!(ok.signer, pair(1).public().0);
-        for (m, p, b) in [
-            ("GET", "/v1/miner/work?x=1", &b"{}"[..]),
-            ("POST", "/v1/miner/work?x=2", b"{}"),
-            ("POST", "/v1/miner/heartbeat?x=1", b"{}"),
-            ("POST", "/v1/miner/work?x=1", b"{ }"),
-        ] {
+        for (m, p, b) in TAMPERED {
             assert_eq!(
                 check(m, p, b, &session.key),
                 Err(AuthError::BadSignature),

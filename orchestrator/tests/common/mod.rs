@@ -415,27 +415,16 @@ impl Raw {
     pub async fn send_bytes(&self, call: Call<'_>) -> (u16, Vec<u8>) {
         let (signed_method, signed_path) =
             call.signed_as.unwrap_or((call.method.as_str(), call.path));
-        let headers = match call.session {
-            Some(session) => iota_protocol::session::session_request(
-                session,
-                &call.signer.ss58(),
-                &self.receiver,
-                signed_method,
-                signed_path,
-                &call.body,
-                call.ts,
-                call.uuid,
-            ),
-            None => iota_protocol::signing::sign_request(
-                call.signer,
-                &self.receiver,
-                signed_method,
-                signed_path,
-                &call.body,
-                call.ts,
-                call.uuid,
-            ),
-        };
+        let headers = iota_protocol::signing::authenticate_request(
+            call.signer,
+            call.session,
+            &self.receiver,
+            signed_method,
+            signed_path,
+            &call.body,
+            call.ts,
+            call.uuid,
+        );
         let mut req = self
             .http
             .request(call.method.clone(), format!("{}{}", self.base, call.path));
