@@ -335,5 +335,12 @@ async fn a_session_stands_in_for_signatures_and_for_nothing_more() {
     signing.heartbeat(None).await.expect("signed heartbeat");
     assert_eq!(sessions_opened(&restarted.base).await - before, 2);
     assert_eq!(signing.hotkey(), pair(OTHER_MINER).ss58());
+    // A refusal that is not about the session (a validator is no miner) opens no other.
+    let outsider = ApiClient::connect(&restarted.base, signer(VALIDATOR), RetryPolicy::default())
+        .await
+        .expect("connect");
+    let refused = outsider.heartbeat(None).await.expect_err("not a miner");
+    assert_eq!(refused.code(), Some(ErrorCode::NotAMiner));
+    assert_eq!(sessions_opened(&restarted.base).await - before, 3);
     restarted.stop().await;
 }

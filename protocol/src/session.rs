@@ -69,14 +69,9 @@ pub enum SessionError {
 pub struct SessionKey([u8; 32]);
 
 impl SessionKey {
-    /// A key from its bytes (as a server stored it).
+    /// A key from its bytes (as a server derives it).
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
-    }
-
-    /// The key's bytes (for a server to store).
-    pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
     }
 
     /// The MAC of `message` under this key.
@@ -292,7 +287,11 @@ mod tests {
         let public = decode_public_hex(&handshake.public_hex()).expect("hex");
         let (server_public, sealed) =
             seal(&key, &public, &token, &caller, "5Server").expect("seal");
-        assert_ne!(&sealed, key.as_bytes(), "the key travels sealed");
+        assert_ne!(
+            SessionKey::from_bytes(sealed),
+            key,
+            "the key travels sealed"
+        );
         let unsealed = copy(&handshake)
             .finish(&server_public, &sealed, &token, &caller, "5Server")
             .expect("finish");
