@@ -7,9 +7,10 @@
 //!
 //! Signed requests go out in a session (see [`crate::session`]) unless
 //! [`ApiClient::with_sessions`] turned that off: the client opens one with an sr25519-signed
-//! handshake on its first signed request, renews it before it expires, opens a new one when the
-//! server no longer holds it (`unknown_session`), and signs with sr25519 alone against a server
-//! without the route.
+//! handshake on its first signed request, renews it before it expires, opens a new one once when
+//! a request in it is refused as `unknown_session` or `unauthenticated` (expired by the server's
+//! clock, or a run made anew with another secret), and signs with sr25519 alone against a server
+//! without the route (404 or 405 on `POST /v1/sessions`).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
