@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod data;
 mod plot;
 mod up;
 
@@ -48,6 +49,11 @@ enum Command {
         #[command(subcommand)]
         command: ValidatorCommand,
     },
+    /// Datasets: prepare token shards from raw text.
+    Data {
+        #[command(subcommand)]
+        command: data::DataCommand,
+    },
     /// Training-core tools.
     Model {
         #[command(subcommand)]
@@ -69,6 +75,10 @@ struct OrchestratorCmd {
     /// Model config: `tiny`, `small`, `iota-1.5b`, `iota-15b` or a JSON file.
     #[arg(long, env = "IOTA_MODEL", default_value = "tiny")]
     model: String,
+    /// A prepared dataset folder (`iota data prepare`) to train on; its manifest's BLAKE3 goes
+    /// into the run's public config. Without it, the embedded grammar corpus.
+    #[arg(long, env = "IOTA_DATA")]
+    data: Option<std::path::PathBuf>,
     /// Print the OpenAPI document and exit.
     #[arg(long = "print-openapi")]
     print_openapi: bool,
@@ -76,9 +86,31 @@ struct OrchestratorCmd {
     args: iota_orchestrator::OrchestratorArgs,
 }
 
-/// The shape of a model as the orchestrator needs it, without loading weights.
-fn model_shape(name: &str) -> anyhow::Result<iota_orchestrator::config::ModelShape> {
+/// The shape of a model as the orchestrator needs it, without loading weights, and the dataset
+/// it trains on: checked whole (every shard's hash) and against the model's vocabulary.
+fn model_shape(
+    name: &str,
+    data: Option<&std::path::Path>,
+) -> anyhow::Result<iota_orchestrator::config::ModelShape> {
     let cfg = iota_model::ModelConfig::load(name)?;
+    let dataset = match data {
+        None => None,
+        Some(dir) => {
+            use iota_model::Dataset as _;
+            let ds = iota_model::data::PreparedDataset::open(dir, None, 1, 0)?;
+            if ds.vocab_size() > cfg.vocab_size {
+                anyhow::bail!(
+                    "--data {}: its tokenizer has {} tokens, more than model {name:?}'s vocabulary \
+                     of {}",
+                    dir.display(),
+                    ds.vocab_size(),
+                    cfg.vocab_size
+                );
+            }
+            ds.verify_all()?;
+            Some(ds.manifest_blake3().to_owned())
+        }
+    };
     let stage_params = (0..cfg.num_stages())
         .map(|k| cfg.stage_param_count(k).map(|n| n as u64))
         .collect::<Result<Vec<_>, _>>()?;
@@ -86,6 +118,7 @@ fn model_shape(name: &str) -> anyhow::Result<iota_orchestrator::config::ModelSha
         model: name.to_owned(),
         stage_params,
         boundary_dim: u32::try_from(cfg.boundary_dim())?,
+        dataset,
     })
 }
 
@@ -96,7 +129,7 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
         let _ = writeln!(std::io::stdout(), "{}", iota_orchestrator::openapi_json());
         return Ok(());
     }
-    let shape = model_shape(&cmd.model)?;
+    let shape = model_shape(&cmd.model, cmd.data.as_deref())?;
     let wallet = cmd.args.wallet.wallet()?;
     let hotkey = wallet.hotkeypub().map_err(|e| {
         anyhow::anyhow!("the orchestrator's hotkey: {e} (create one with `iota wallet new-hotkey`)")
@@ -398,6 +431,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Chain(args) => iota_chain::cli::run(&args, &mut std::io::stdout()).await?,
         Command::Orchestrator(cmd) => orchestrator(cmd).await?,
         Command::Validator { command } => validator(command).await?,
+        Command::Data { command } => tokio::task::block_in_place(|| data::run(command))?,
         Command::Model {
             command:
                 ModelCommand::TrainTokenizer {

@@ -143,7 +143,8 @@ fn local_run(model: &UpModel, samples_per_epoch: u64) -> anyhow::Result<RunConfi
     run.boundary_dim = u32::try_from(m.boundary_dim())?;
     run.seq_len = SEQ_LEN as u32;
     // The corpus must fit the vocabulary; say so now rather than in every miner.
-    iota_miner::trainer::run_dataset(&run, m).with_context(|| format!("--model {}", m.name))?;
+    iota_miner::trainer::run_dataset(&run, m, None)
+        .with_context(|| format!("--model {}", m.name))?;
     Ok(run)
 }
 
@@ -254,7 +255,7 @@ fn tx() -> TxOptions {
 }
 
 async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> anyhow::Result<f32> {
-    Ok(iota_miner::eval::held_out_loss(client, run, epoch).await?)
+    Ok(iota_miner::eval::held_out_loss(client, run, epoch, None).await?)
 }
 
 /// One neuron of the subnet as this command set it up.
@@ -592,8 +593,7 @@ async fn train(
     miners: &[(&Member, MinerHandle)],
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<Option<(Vec<f32>, f32)>> {
-    let floor = iota_miner::trainer::run_dataset(run, &iota_miner::trainer::run_model(run)?)?
-        .entropy_floor();
+    let floor = iota_miner::trainer::grammar_corpus(run)?.entropy_floor();
     let initial = held_out_loss(client, run, 0).await?;
     let mut losses: Vec<f32> = Vec::new();
     // Throughput over the last poll interval.
@@ -663,8 +663,7 @@ async fn finish(
     initial: f32,
 ) -> anyhow::Result<serde_json::Value> {
     let epochs = losses.len() as u64;
-    let floor = iota_miner::trainer::run_dataset(run, &iota_miner::trainer::run_model(run)?)?
-        .entropy_floor();
+    let floor = iota_miner::trainer::grammar_corpus(run)?.entropy_floor();
 
     // Partitions of the trained epochs.
     let (mut total, mut merged, mut agreeing) = (0u64, 0u64, 0u64);

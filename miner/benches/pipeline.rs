@@ -63,7 +63,7 @@ fn run_config(samples: u64, in_flight: u32) -> RunConfig {
 /// all stages as one graph, an AdamW step on every stage at the run's cadence. Tokens/s.
 fn monolithic_tokens_per_s(run: &RunConfig) -> f64 {
     let model = run_model(run).expect("model");
-    let data = run_dataset(run, &model).expect("corpus");
+    let data = run_dataset(run, &model, None).expect("corpus");
     let mut pipe = Pipeline::new(&model, &StageOptions::cpu()).expect("pipeline");
     let mut opts: Vec<AdamW> = pipe
         .stages_mut()
@@ -79,8 +79,9 @@ fn monolithic_tokens_per_s(run: &RunConfig) -> f64 {
             AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
         })
         .collect();
-    let batch =
-        |sample: i64| make_batch(&data, &run.sequence_ids(sample), &Device::Cpu).expect("batch");
+    let batch = |sample: i64| {
+        make_batch(data.as_ref(), &run.sequence_ids(sample), &Device::Cpu).expect("batch")
+    };
     // Warm-up, not timed.
     let b = batch(0);
     pipe.forward_backward_monolithic(&b.inputs, &b.targets)

@@ -141,6 +141,9 @@ pub struct MinerConfig {
     pub retry: RetryPolicy,
     /// Seed of the miner's own randomness (the noise adversary).
     pub seed: u64,
+    /// A local copy of the run's prepared dataset (`iota data prepare`), for a run that names
+    /// one.
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 impl MinerConfig {
@@ -157,6 +160,7 @@ impl MinerConfig {
             adversary: None,
             retry: RetryPolicy::default(),
             seed: 0,
+            data_dir: None,
         }
     }
 
@@ -234,6 +238,10 @@ pub struct MinerArgs {
     /// Cheat in this way (for testing validators only).
     #[arg(long, env = "IOTA_ADVERSARY", value_enum)]
     pub adversary: Option<Adversary>,
+    /// A local copy of the run's prepared dataset folder (`iota data prepare`); needed when the
+    /// run names a dataset, and refused unless its manifest hashes to the run's.
+    #[arg(long = "data-dir", env = "IOTA_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
 }
 
 impl MinerArgs {
@@ -250,6 +258,7 @@ impl MinerArgs {
             adversary: self.adversary,
             retry: RetryPolicy::default(),
             seed: rand::random(),
+            data_dir: self.data_dir.clone(),
         }
     }
 }

@@ -48,6 +48,7 @@ pub fn local_tiny_run(name: &str, samples_per_epoch: u64) -> Result<RunConfig, M
         // stage and 24 samples in 2 of 16 runs; 3e-3 did not in 20.
         inner_lr: 3e-3,
         inner_steps_every: 2,
+        dataset: None,
     })
 }
 
@@ -107,11 +108,13 @@ fn build_stages(
     Ok((stages, digests))
 }
 
-/// Mean loss of `epoch`'s start weights on 32 held-out sequences of the run's corpus.
+/// Mean loss of `epoch`'s start weights on 32 held-out sequences of the run's corpus (fewer
+/// when a prepared dataset holds fewer), read from `data_dir` when the run names a dataset.
 pub async fn held_out_loss(
     client: &ApiClient,
     run: &RunConfig,
     epoch: u64,
+    data_dir: Option<&std::path::Path>,
 ) -> Result<f32, MinerError> {
     let (stages, _) = epoch_start_stages(client, run, epoch).await?;
     let model = stages
@@ -119,10 +122,17 @@ pub async fn held_out_loss(
         .map(|s| s.config().clone())
         .ok_or_else(|| MinerError::RunMismatch("a run without stages".into()))?;
     let run = run.clone();
+    let data_dir = data_dir.map(std::path::Path::to_path_buf);
     tokio::task::spawn_blocking(move || {
-        let ds = run_dataset(&run, &model)?;
+        let ds = run_dataset(&run, &model, data_dir.as_deref())?;
         let pipe = Pipeline::from_stages(stages)?;
-        let batch = make_batch(&ds, &run.held_out_ids(32), &Device::Cpu)?;
+        let n = ds.held_out_windows().unwrap_or(32).min(32);
+        if n == 0 {
+            return Err(MinerError::RunMismatch(
+                "the run's dataset holds no held-out window".into(),
+            ));
+        }
+        let batch = make_batch(ds.as_ref(), &run.held_out_ids(n), &Device::Cpu)?;
         Ok(pipe.eval_loss(&batch.inputs, &batch.targets)?)
     })
     .await

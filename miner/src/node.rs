@@ -229,16 +229,19 @@ async fn build_trainer(
     run: &RunConfig,
     stage: u32,
 ) -> Result<StageTrainer, MinerError> {
-    let (run, opts, budget, adv, seed) = (
+    let (run, opts, budget, adv, seed, data) = (
         run.clone(),
         cfg.stage_options()?,
         cfg.cache_budget.unwrap_or(2 * run.max_in_flight as usize),
         cfg.adversary,
         cfg.seed,
+        cfg.data_dir.clone(),
     );
-    tokio::task::spawn_blocking(move || StageTrainer::new(run, stage, opts, budget, adv, seed))
-        .await
-        .map_err(|e| MinerError::Internal(e.to_string()))?
+    tokio::task::spawn_blocking(move || {
+        StageTrainer::new(run, stage, opts, budget, adv, seed, data.as_deref())
+    })
+    .await
+    .map_err(|e| MinerError::Internal(e.to_string()))?
 }
 
 /// How often to say the miner is alive: three times per timeout, at most five times a second.

@@ -13,11 +13,14 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use iota_model::bottleneck::WireEncoding as ModelWire;
+use iota_model::data::PreparedDataset;
 use iota_model::merge::{digest_f32, flatten_params, flatten_range, load_range};
 use iota_model::{
-    AdamW, AdamWConfig, BoundaryTensor, DType, Device, GrammarCorpus, HeldGradients, Hop,
+    AdamW, AdamWConfig, BoundaryTensor, DType, Dataset, Device, GrammarCorpus, HeldGradients, Hop,
     HopResult, LrSchedule, ModelConfig, ModelError, Stage, StageOptions, StageOutput, StageRunner,
     StepOutcome, Tensor, make_batch, pseudo_gradient_range,
 };
@@ -53,7 +56,9 @@ pub struct StageTrainer {
     stage_index: u32,
     opts: StageOptions,
     runner: StageRunner,
-    dataset: GrammarCorpus,
+    dataset: Arc<dyn Dataset>,
+    /// The highest pass over the run's data seen so far (a new one is logged).
+    data_pass: u64,
     /// Flat epoch-start weights: the base of the pseudo-gradient.
     epoch_start: Vec<f32>,
     /// Epoch whose start weights are loaded.
@@ -122,14 +127,62 @@ pub fn run_model(run: &RunConfig) -> Result<ModelConfig, MinerError> {
     Ok(model)
 }
 
-/// The run's training corpus: the embedded grammar seeded by the run.
-pub fn run_dataset(run: &RunConfig, model: &ModelConfig) -> Result<GrammarCorpus, MinerError> {
-    use iota_model::Dataset as _;
-    let ds = GrammarCorpus::new(run.init_seed, run.seq_len as usize)?;
+/// The embedded grammar corpus seeded by the run (the data of a run that names no dataset).
+pub fn grammar_corpus(run: &RunConfig) -> Result<GrammarCorpus, MinerError> {
+    Ok(GrammarCorpus::new(run.init_seed, run.seq_len as usize)?)
+}
+
+/// Prepared datasets already opened by this process, shared by its trainers and replays so each
+/// shard is mapped and hashed once.
+type OpenKey = (PathBuf, String, usize, u64);
+static OPEN: Mutex<Vec<(OpenKey, Arc<PreparedDataset>)>> = Mutex::new(Vec::new());
+
+/// The prepared dataset in `dir` whose manifest hashes to `manifest`, windows of `seq_len`
+/// tokens permuted by `seed`; opened once per process.
+pub fn open_prepared(
+    dir: &Path,
+    manifest: &str,
+    seq_len: usize,
+    seed: u64,
+) -> Result<Arc<PreparedDataset>, MinerError> {
+    let key = (
+        dir.to_path_buf(),
+        manifest.to_ascii_lowercase(),
+        seq_len,
+        seed,
+    );
+    let mut open = OPEN
+        .lock()
+        .map_err(|_| MinerError::Internal("the dataset cache is poisoned".into()))?;
+    if let Some((_, ds)) = open.iter().find(|(k, _)| *k == key) {
+        return Ok(ds.clone());
+    }
+    let ds = Arc::new(PreparedDataset::open(dir, Some(manifest), seq_len, seed)?);
+    open.push((key, ds.clone()));
+    Ok(ds)
+}
+
+/// The run's training data: the prepared dataset it names, read from `data_dir`, or the
+/// embedded grammar when it names none. The model's vocabulary must hold the tokenizer's.
+pub fn run_dataset(
+    run: &RunConfig,
+    model: &ModelConfig,
+    data_dir: Option<&Path>,
+) -> Result<Arc<dyn Dataset>, MinerError> {
+    let ds: Arc<dyn Dataset> = match (&run.dataset, data_dir) {
+        (None, _) => Arc::new(grammar_corpus(run)?),
+        (Some(hash), Some(dir)) => open_prepared(dir, hash, run.seq_len as usize, run.init_seed)?,
+        (Some(hash), None) => {
+            return Err(MinerError::Config(format!(
+                "the run trains on the prepared dataset {hash}: give its folder with --data-dir"
+            )));
+        }
+    };
     if ds.vocab_size() > model.vocab_size {
         return Err(MinerError::RunMismatch(format!(
-            "the corpus needs {} tokens, the model has {}",
+            "the data's tokenizer has {} tokens, more than model {:?}'s vocabulary of {}",
             ds.vocab_size(),
+            model.name,
             model.vocab_size
         )));
     }
@@ -156,9 +209,10 @@ impl StageTrainer {
         cache_budget: usize,
         adversary: Option<Adversary>,
         seed: u64,
+        data_dir: Option<&Path>,
     ) -> Result<Self, MinerError> {
         let model = run_model(&run)?;
-        let dataset = run_dataset(&run, &model)?;
+        let dataset = run_dataset(&run, &model, data_dir)?;
         let s = Stage::new(&model, stage as usize, opts.clone())?;
         let adamw = Self::optimizer(&model, &run, &s)?;
         let epoch_start = flatten_params(&s)?;
@@ -169,6 +223,7 @@ impl StageTrainer {
             stage_index: stage,
             opts,
             dataset,
+            data_pass: 0,
             epoch_start,
             epoch: None,
             gradient_hops: 0,
@@ -356,11 +411,19 @@ impl StageTrainer {
         // A re-routed attempt of a sample this miner already holds replaces the old cache.
         self.runner.forget(sample);
         self.held.remove(&sample);
-        let batch = make_batch(
-            &self.dataset,
-            &self.run.sequence_ids(sample_id),
-            &self.opts.device,
-        )?;
+        let ids = self.run.sequence_ids(sample_id);
+        if let Some(pass) = ids.last().map(|i| self.dataset.pass_of(*i))
+            && pass > self.data_pass
+        {
+            self.data_pass = pass;
+            tracing::info!(
+                pass,
+                stage = self.stage_index,
+                "every training window has been used: pass {pass} over the data begins, in a new \
+                 order"
+            );
+        }
+        let batch = make_batch(self.dataset.as_ref(), &ids, &self.opts.device)?;
         let x = match input {
             None if self.stage_index == 0 => batch.inputs.clone(),
             Some(bytes) if self.stage_index > 0 => self.decode(bytes)?,
@@ -596,8 +659,8 @@ mod tests {
     }
 
     fn trainer(stage: u32) -> StageTrainer {
-        let mut t =
-            StageTrainer::new(run(), stage, StageOptions::cpu(), 8, None, 5).expect("trainer");
+        let mut t = StageTrainer::new(run(), stage, StageOptions::cpu(), 8, None, 5, None)
+            .expect("trainer");
         for j in 0..run().partitions {
             t.load_partition(j, None).expect("init");
         }

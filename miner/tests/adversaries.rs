@@ -15,8 +15,8 @@ fn run() -> RunConfig {
 }
 
 fn trainer(stage: u32, adversary: Option<Adversary>) -> StageTrainer {
-    let mut t =
-        StageTrainer::new(run(), stage, StageOptions::cpu(), 8, adversary, 5).expect("trainer");
+    let mut t = StageTrainer::new(run(), stage, StageOptions::cpu(), 8, adversary, 5, None)
+        .expect("trainer");
     for j in 0..run().partitions {
         t.load_partition(j, None).expect("init");
     }

@@ -221,6 +221,7 @@ fn run_config() -> RunConfig {
         outer_momentum: 0.9,
         inner_lr: 3e-3,
         inner_steps_every: 2,
+        dataset: None,
     }
 }
 

@@ -56,6 +56,9 @@ pub struct ModelShape {
     pub stage_params: Vec<u64>,
     /// Width of the boundary tensor between stages.
     pub boundary_dim: u32,
+    /// BLAKE3 of the prepared dataset's manifest, checked by the caller against the model's
+    /// vocabulary; `None` for the embedded grammar corpus.
+    pub dataset: Option<String>,
 }
 
 /// The fewest database connections an orchestrator can work with.
@@ -318,6 +321,7 @@ impl OrchestratorArgs {
             outer_momentum: self.outer_momentum,
             inner_lr: self.inner_lr,
             inner_steps_every: self.inner_steps_every,
+            dataset: shape.dataset,
         }
     }
 
@@ -421,6 +425,7 @@ mod tests {
             model: "tiny".into(),
             stage_params: vec![1000, 1000],
             boundary_dim: 8,
+            dataset: None,
         };
         cli.args.config(shape, "5Grw".into())
     }

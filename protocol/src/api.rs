@@ -65,6 +65,11 @@ pub struct RunConfig {
     /// before each local optimizer step; a remainder is stepped when the epoch's training ends.
     #[serde(default = "default_inner_steps_every")]
     pub inner_steps_every: u32,
+    /// The prepared dataset the run trains on, named by the BLAKE3 (hex) of its
+    /// `manifest.json`; miners and validators refuse a copy whose manifest hashes otherwise.
+    /// `None`: the embedded grammar corpus seeded by `init_seed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<String>,
 }
 
 fn default_inner_lr() -> f64 {
@@ -1147,6 +1152,7 @@ mod tests {
             outer_momentum: 0.9,
             inner_lr: 3e-3,
             inner_steps_every: 2,
+            dataset: None,
         }
     }
 

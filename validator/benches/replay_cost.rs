@@ -38,8 +38,16 @@ fn train_epoch(run: &RunConfig, epoch: u64, samples: i64) -> Vec<MinerEpoch> {
     let stages = run.stages as usize;
     let mut trainers: Vec<StageTrainer> = (0..run.stages)
         .map(|k| {
-            let mut t = StageTrainer::new(run.clone(), k, StageOptions::cpu(), usize::MAX, None, 0)
-                .unwrap_or_else(|e| fail("trainer", e));
+            let mut t = StageTrainer::new(
+                run.clone(),
+                k,
+                StageOptions::cpu(),
+                usize::MAX,
+                None,
+                0,
+                None,
+            )
+            .unwrap_or_else(|e| fail("trainer", e));
             t.begin_epoch(epoch)
                 .unwrap_or_else(|e| fail("begin epoch", e));
             t
@@ -156,6 +164,7 @@ fn main() {
         for (k, m) in miners.iter().enumerate() {
             let report = replay_miner(
                 &run,
+                None,
                 k as u32,
                 epoch,
                 &start,

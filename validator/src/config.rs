@@ -79,6 +79,10 @@ pub struct ValidatorArgs {
     /// Debug logging.
     #[arg(long = "logging.debug", env = "BT_LOGGING_DEBUG")]
     pub debug: bool,
+    /// A local copy of the run's prepared dataset folder (`iota data prepare`); needed to
+    /// replay a run that names a dataset.
+    #[arg(long = "data-dir", env = "IOTA_DATA_DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 impl ValidatorArgs {
@@ -100,6 +104,7 @@ impl ValidatorArgs {
             .filter(|_| self.burn_share > 0.0)
             .map(|u| (u, self.burn_share.clamp(0.0, 0.99)));
         c.set_weights = !self.no_weights;
+        c.data_dir = self.data_dir.clone();
         c
     }
 }

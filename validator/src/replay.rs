@@ -89,9 +89,12 @@ fn boundary(bytes: &[u8]) -> Result<Vec<f32>, ValidatorError> {
 
 /// Replays `hops` of a miner of `stage` from `start` (the epoch-start weights per partition,
 /// `None` for never merged) and compares with what it claimed, including its pseudo-gradient
-/// partitions `claimed_pg` (`(partition, values)`).
+/// partitions `claimed_pg` (`(partition, values)`). `data_dir` holds the run's prepared dataset
+/// when it names one.
+#[allow(clippy::too_many_arguments)]
 pub fn replay_miner(
     run: &RunConfig,
+    data_dir: Option<&std::path::Path>,
     stage: u32,
     epoch: u64,
     start: &[Option<Vec<f32>>],
@@ -100,8 +103,15 @@ pub fn replay_miner(
     t: &ReplayThresholds,
 ) -> Result<ReplayReport, ValidatorError> {
     let started = Instant::now();
-    let mut trainer =
-        StageTrainer::new(run.clone(), stage, StageOptions::cpu(), usize::MAX, None, 0)?;
+    let mut trainer = StageTrainer::new(
+        run.clone(),
+        stage,
+        StageOptions::cpu(),
+        usize::MAX,
+        None,
+        0,
+        data_dir,
+    )?;
     for (j, values) in start.iter().enumerate() {
         trainer.load_partition(j as u32, values.as_deref())?;
     }
@@ -237,8 +247,16 @@ mod tests {
 
     /// Two stage-0 forward hops of an honest miner, as recorded.
     fn honest_hops(run: &RunConfig) -> Vec<RecordedHop> {
-        let mut miner = StageTrainer::new(run.clone(), 0, StageOptions::cpu(), usize::MAX, None, 0)
-            .expect("trainer");
+        let mut miner = StageTrainer::new(
+            run.clone(),
+            0,
+            StageOptions::cpu(),
+            usize::MAX,
+            None,
+            0,
+            None,
+        )
+        .expect("trainer");
         miner.begin_epoch(0).expect("epoch");
         (0..2)
             .map(|i| {
@@ -262,7 +280,7 @@ mod tests {
         let start = vec![None; run.partitions as usize];
         let t = ReplayThresholds::default();
         let honest = honest_hops(&run);
-        let report = replay_miner(&run, 0, 0, &start, &honest, &[], &t).expect("replay");
+        let report = replay_miner(&run, None, 0, 0, &start, &honest, &[], &t).expect("replay");
         assert!(report.passed, "{report:?}");
 
         let shape = run.boundary_shape();
@@ -282,14 +300,14 @@ mod tests {
         ] {
             let mut hops = honest.clone();
             hops[1].output = Some(claim);
-            let report = replay_miner(&run, 0, 0, &start, &hops, &[], &t)
+            let report = replay_miner(&run, None, 0, 0, &start, &hops, &[], &t)
                 .unwrap_or_else(|e| panic!("{what}: the replay failed as a whole: {e}"));
             assert!(!report.passed, "{what}: {report:?}");
             assert_eq!(report.failed_hops, vec![11], "{what}");
         }
         // A pseudo-gradient claim of another length fails the miner too.
-        let report =
-            replay_miner(&run, 0, 0, &start, &honest, &[(0, vec![1.0; 3])], &t).expect("replay");
+        let report = replay_miner(&run, None, 0, 0, &start, &honest, &[(0, vec![1.0; 3])], &t)
+            .expect("replay");
         assert!(!report.passed);
     }
 }

@@ -65,6 +65,8 @@ pub struct ValidatorConfig {
     /// Retries of orchestrator requests; once they are spent the orchestrator counts as
     /// unreachable and the validator copies the chain's consensus weights instead.
     pub retry: RetryPolicy,
+    /// A local copy of the run's prepared dataset, for a run that names one.
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 impl ValidatorConfig {
@@ -83,6 +85,7 @@ impl ValidatorConfig {
             set_weights: true,
             tx: TxOptions::default(),
             retry: RetryPolicy::default(),
+            data_dir: None,
         }
     }
 }
@@ -721,8 +724,18 @@ impl Validator {
             let start: Vec<Option<Vec<f32>>> =
                 start.into_iter().map(|p| p.map(|(v, _)| v)).collect();
             let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
+            let data_dir = self.cfg.data_dir.clone();
             let report = tokio::task::spawn_blocking(move || {
-                replay_miner(&run, stage, epoch, &start, &recorded, &claimed_pg, &t)
+                replay_miner(
+                    &run,
+                    data_dir.as_deref(),
+                    stage,
+                    epoch,
+                    &start,
+                    &recorded,
+                    &claimed_pg,
+                    &t,
+                )
             })
             .await
             .map_err(|e| ValidatorError::Config(format!("replay task: {e}")))??;

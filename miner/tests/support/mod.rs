@@ -80,7 +80,7 @@ pub async fn epoch_start_stages(
 
 /// Mean loss of `epoch`'s start weights on held-out sequences of the run's corpus.
 pub async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> f32 {
-    iota_miner::eval::held_out_loss(client, run, epoch)
+    iota_miner::eval::held_out_loss(client, run, epoch, None)
         .await
         .expect("held-out loss")
 }

@@ -5,12 +5,19 @@
 //!   per-token entropy (the best achievable loss) is computed exactly.
 //! * [`TextDataset`]: local `.txt` / `.jsonl` files tokenized with a Hugging Face `tokenizers`
 //!   file; [`train_bpe_tokenizer`] makes such a file offline.
+//! * [`PreparedDataset`]: token shards and a manifest made once by [`prepare::prepare`] from
+//!   txt, jsonl (plain, gzip, zstd) or parquet inputs; what real runs train on.
 
 mod grammar;
+mod mmap;
+pub mod prepare;
+mod prepared;
+pub mod sources;
 mod text;
 
 pub use grammar::GrammarCorpus;
-pub use text::{TextDataset, read_documents, train_bpe_tokenizer};
+pub use prepared::{HELD_OUT_BASE, PreparedDataset};
+pub use text::{END_OF_TEXT, TextDataset, read_documents, train_bpe_tokenizer};
 
 use candle_core::{Device, Tensor};
 
@@ -27,6 +34,16 @@ pub trait Dataset: Send + Sync {
     /// Identifies the dataset, tokenizer and `seq_len`: equal fingerprints and equal ids give
     /// equal windows.
     fn fingerprint(&self) -> blake3::Hash;
+    /// How many held-out windows exist (ids `HELD_OUT_BASE..HELD_OUT_BASE + n`), where the
+    /// dataset has a fixed number; `None` when every held-out id has one.
+    fn held_out_windows(&self) -> Option<u64> {
+        None
+    }
+    /// The pass over the training data that training id `id` belongs to (a dataset that
+    /// never repeats is always in pass 0).
+    fn pass_of(&self, _id: u64) -> u64 {
+        0
+    }
 }
 
 /// Inputs and next-token targets for a list of sample ids.

@@ -15,6 +15,11 @@ use crate::error::{ModelError, Result};
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 const EOS_CANDIDATES: [&str; 4] = [END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>"];
 
+/// The tokenizer's end-of-text token, if it has one of the usual names.
+pub(crate) fn eos_token(tokenizer: &Tokenizer) -> Option<u32> {
+    EOS_CANDIDATES.iter().find_map(|t| tokenizer.token_to_id(t))
+}
+
 fn tok_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer(e.to_string())
 }
@@ -132,7 +137,7 @@ impl TextDataset {
         if seq_len == 0 {
             return Err(ModelError::Data("seq_len must be positive".into()));
         }
-        let eos = EOS_CANDIDATES.iter().find_map(|t| tokenizer.token_to_id(t));
+        let eos = eos_token(tokenizer);
         let mut tokens = Vec::new();
         let mut h = blake3::Hasher::new();
         h.update(b"iota-model/text/v1");

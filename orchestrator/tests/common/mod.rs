@@ -205,6 +205,7 @@ pub fn run_config(name: &str) -> RunConfig {
         outer_momentum: 0.9,
         inner_lr: 3e-3,
         inner_steps_every: 2,
+        dataset: None,
     }
 }
 
