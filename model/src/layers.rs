@@ -117,15 +117,38 @@ impl Rope {
         Ok(Self { cos, sin, tables })
     }
 
-    /// Rotate `x: [batch, heads, seq, head_dim]`.
+    /// Rotate `x: [batch, heads, seq, head_dim]` (positions `0..seq`).
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        if fused::applies(x) {
-            return Ok(fused::rope(x, &self.tables)?);
-        }
+        self.apply_at(x, 0)
+    }
+
+    /// Rotate `x: [batch, heads, seq, head_dim]` holding positions `offset..offset + seq`.
+    pub(crate) fn apply_at(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, _, t, hd) = x.dims4()?;
+        let positions = self.cos.dim(0)?;
+        if offset + t > positions {
+            return Err(ModelError::InvalidInput(format!(
+                "positions {offset}..{} exceed the {positions} rotary positions (max_seq_len)",
+                offset + t
+            )));
+        }
+        if fused::applies(x) {
+            if offset == 0 {
+                return Ok(fused::rope(x, &self.tables)?);
+            }
+            // The kernel reads rows 0..seq of its tables: hand it the rows from `offset`.
+            let half = self.tables.half;
+            let rows = offset * half..(offset + t) * half;
+            let tables = RopeTables {
+                cos: std::sync::Arc::new(self.tables.cos[rows.clone()].to_vec()),
+                sin: std::sync::Arc::new(self.tables.sin[rows].to_vec()),
+                half,
+            };
+            return Ok(fused::rope(x, &tables)?);
+        }
         let half = hd / 2;
-        let cos = self.cos.narrow(0, 0, t)?;
-        let sin = self.sin.narrow(0, 0, t)?;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
         let x1 = x.narrow(D::Minus1, 0, half)?;
         let x2 = x.narrow(D::Minus1, half, half)?;
         let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
@@ -195,6 +218,98 @@ pub(crate) fn attention(
     let out = matmul(&probs, &v)?
         .transpose(1, 2)?
         .reshape((b, t, h * hd))?;
+    linear(&out, w.wo)
+}
+
+/// Keys (after RoPE) and values of the positions a block has seen, `[batch, kv_heads,
+/// positions, head_dim]` each: the state of incremental (generation) attention.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct KvCache {
+    kv: Option<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Append `n` positions; returns the keys and values of all positions.
+    fn append(&mut self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(2)?;
+        // Contiguous parts make a contiguous concatenation, which the products need.
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let (k, v) = match self.kv.take() {
+            Some((pk, pv)) => (
+                Tensor::cat(&[&pk, &k], 2)?.contiguous()?,
+                Tensor::cat(&[&pv, &v], 2)?.contiguous()?,
+            ),
+            None => (k, v),
+        };
+        self.kv = Some((k.clone(), v.clone()));
+        self.len += n;
+        Ok((k, v))
+    }
+}
+
+/// [`attention`] of `n` new positions `x: [batch, n, d]` that follow the `cache.len()`
+/// positions in `cache`, which receives their keys and values. Query `i` (position
+/// `cache.len() + i`) attends to every position up to its own.
+pub(crate) fn attention_cached(
+    x: &Tensor,
+    w: &AttnWeights<'_>,
+    cfg: &ModelConfig,
+    rope: &Rope,
+    cache: &mut KvCache,
+) -> Result<Tensor> {
+    let (b, n, _) = x.dims3()?;
+    let (h, kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim());
+    let past = cache.len();
+    let heads =
+        |y: Tensor, m: usize| -> Result<Tensor> { Ok(y.reshape((b, n, m, hd))?.transpose(1, 2)?) };
+    let q = rope.apply_at(&heads(linear(x, w.wq)?, h)?, past)?;
+    let k = rope.apply_at(&heads(linear(x, w.wk)?, kv)?, past)?;
+    let v = heads(linear(x, w.wv)?, kv)?;
+    let (k, v) = cache.append(k, v)?;
+    let total = past + n;
+    // Query heads i * rep .. (i + 1) * rep share key/value head i, as in `attention`: stacked
+    // as rows of one product per key/value head.
+    let rep = h / kv;
+    let q = q.contiguous()?.reshape((b, kv, rep * n, hd))?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let scores = (matmul(&q, &k.t()?)? * scale)?.reshape((b, h, n, total))?;
+    // Softmax in f32 under half-precision compute, as in `attention`.
+    let sdtype = match scores.dtype() {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    };
+    let scores = scores.to_dtype(sdtype)?;
+    let scores = if n > 1 {
+        let data: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    if j <= past + i {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(data, (n, total), x.device())?.to_dtype(sdtype)?;
+        scores.broadcast_add(&mask)?
+    } else {
+        // A single new position sees every cached one.
+        scores
+    };
+    let probs = softmax_last(&scores)?
+        .to_dtype(v.dtype())?
+        .reshape((b, kv, rep * n, total))?;
+    let out = matmul(&probs, &v)?
+        .reshape((b, h, n, hd))?
+        .transpose(1, 2)?
+        .reshape((b, n, h * hd))?;
     linear(&out, w.wo)
 }
 

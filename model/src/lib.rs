@@ -70,7 +70,9 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod export;
 mod fused;
+pub mod generate;
 mod layers;
 mod loss;
 pub mod merge;
@@ -87,6 +89,10 @@ pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
 pub use config::{ModelConfig, RopeScaling};
 pub use data::{Batch, Dataset, GrammarCorpus, TextDataset, make_batch, train_bpe_tokenizer};
 pub use error::{ModelError, Result};
+pub use export::{Exported, load_export, write_export};
+pub use generate::{
+    GenerateOptions, Generation, HeldOutLoss, generate, generate_tokens, held_out_loss,
+};
 pub use merge::{
     Contribution, FlatLayout, MergedPartition, flatten_range, load_range, partition_ranges,
     pseudo_gradient_range, weighted_average,

@@ -49,7 +49,7 @@ use candle_core::{D, DType, Device, Tensor, Var, backprop::GradStore};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::{self, AttnWeights, Rope};
+use crate::layers::{self, AttnWeights, KvCache, Rope};
 use crate::loss;
 use crate::rng::SplitMix64;
 
@@ -160,6 +160,13 @@ impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Param({}, {:?})", self.name, self.var.dims())
     }
+}
+
+/// How a block's attention sees the sequence: the whole sequence under a causal mask
+/// (training, evaluation), or new positions against a key/value cache (generation).
+enum Attn<'a> {
+    Full(&'a Tensor),
+    Cached(&'a mut KvCache),
 }
 
 /// Indices into `Stage::params` for one block.
@@ -317,7 +324,22 @@ impl Stage {
     /// `cfg.init_seed` and each parameter's name, so a stage built alone equals the same stage
     /// built as part of the whole model).
     pub fn new(cfg: &ModelConfig, index: usize, opts: StageOptions) -> Result<Self> {
-        Self::build(cfg, index, opts, false)
+        let device = opts.device.clone();
+        Self::build(cfg, index, opts, false, &mut |name, shape| {
+            init_param(cfg, name, shape, &device)
+        })
+    }
+
+    /// Stage `index` of `cfg` holding the weights that `weight(name, shape)` returns (a float
+    /// tensor of that shape on any device; cast to the stage's device and param dtype). No random
+    /// initialisation is run, so loading a large model costs no extra pass.
+    pub(crate) fn with_weights(
+        cfg: &ModelConfig,
+        index: usize,
+        opts: StageOptions,
+        weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Self::build(cfg, index, opts, false, weight)
     }
 
     /// Test hook: a half-precision stage on the CPU (slow, but it exercises the bf16 paths
@@ -328,7 +350,10 @@ impl Stage {
         index: usize,
         opts: StageOptions,
     ) -> Result<Self> {
-        Self::build(cfg, index, opts, true)
+        let device = opts.device.clone();
+        Self::build(cfg, index, opts, true, &mut |name, shape| {
+            init_param(cfg, name, shape, &device)
+        })
     }
 
     fn build(
@@ -336,32 +361,18 @@ impl Stage {
         index: usize,
         opts: StageOptions,
         allow_cpu_half: bool,
+        weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
     ) -> Result<Self> {
         cfg.validate()?;
         opts.validate(allow_cpu_half)?;
         let shapes = cfg.stage_param_shapes(index)?;
-        let n_layers = cfg.n_layers() as f64;
         let mut params = Vec::with_capacity(shapes.len());
         for (name, shape) in shapes {
-            let n: usize = shape.iter().product();
-            let is_gain = name.ends_with("norm.weight");
-            let values: Vec<f64> = if is_gain {
-                vec![1.0; n]
-            } else {
-                let std = if name.ends_with("attn.wo") || name.ends_with("ffn.w_down") {
-                    // Residual-branch outputs scaled down with depth (GPT-2 style).
-                    cfg.init_std / (2.0 * n_layers).sqrt()
-                } else if name.ends_with("decoder.weight") {
-                    // He init: the decoder feeds a ReLU from a b-wide input.
-                    (2.0 / cfg.bottleneck_dim as f64).sqrt()
-                } else {
-                    cfg.init_std
-                };
-                let mut rng = SplitMix64::derived(cfg.init_seed, &name);
-                (0..n).map(|_| rng.next_normal() * std).collect()
-            };
-            let t = Tensor::from_vec(values, shape.clone(), &opts.device)?
-                .to_dtype(opts.param_dtype)?;
+            let t = weight(&name, &shape)?;
+            if t.dims() != shape.as_slice() {
+                return Err(ModelError::shape(name, &shape, t.dims()));
+            }
+            let t = t.to_device(&opts.device)?.to_dtype(opts.param_dtype)?;
             params.push(Param {
                 decay: shape.len() >= 2,
                 var: Var::from_tensor(&t)?,
@@ -614,7 +625,7 @@ impl Stage {
 
     /// One block. The residual stream `x` stays in the param dtype (f32 when computing in
     /// bf16); the branches run in the compute dtype and are added back in the param dtype.
-    fn block(&self, blk: &BlockIdx, x: Tensor, mask: &Tensor, track: bool) -> Result<Tensor> {
+    fn block(&self, blk: &BlockIdx, x: Tensor, attn: Attn<'_>, track: bool) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (d, b) = (cfg.d_model, cfg.bottleneck_dim);
         let (pd, cd) = (self.opts.param_dtype, self.opts.compute_dtype);
@@ -634,18 +645,16 @@ impl Stage {
             .iter()
             .map(|i| self.weight(*i, track))
             .collect::<Result<Vec<_>>>()?;
-        let a = layers::attention(
-            &attn_in,
-            &AttnWeights {
-                wq: &weights[0],
-                wk: &weights[1],
-                wv: &weights[2],
-                wo: &weights[3],
-            },
-            cfg,
-            &self.rope,
-            mask,
-        )?
+        let w = AttnWeights {
+            wq: &weights[0],
+            wk: &weights[1],
+            wv: &weights[2],
+            wo: &weights[3],
+        };
+        let a = match attn {
+            Attn::Full(mask) => layers::attention(&attn_in, &w, cfg, &self.rope, mask)?,
+            Attn::Cached(kv) => layers::attention_cached(&attn_in, &w, cfg, &self.rope, kv)?,
+        }
         .to_dtype(pd)?;
         let h = match skip {
             Some(z) => (a + z.pad_with_zeros(D::Minus1, 0, d - b)?)?,
@@ -704,12 +713,84 @@ impl Stage {
         };
         let mask = self.causal_mask(x.dim(1)?)?;
         for blk in &self.blocks {
-            x = self.block(blk, x, &mask, track)?;
+            x = self.block(blk, x, Attn::Full(&mask), track)?;
         }
         if let Some(i) = self.norm {
             x = layers::rms_norm(&x, &self.master(i, track), self.cfg.norm_eps)?;
         }
         Ok(x)
+    }
+
+    /// Blocks of this stage.
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Generation: the stage on `n` new positions (token ids `[batch, n]` on stage 0, boundary
+    /// activations `[batch, n, b]` otherwise) whose earlier positions are in `caches`, one per
+    /// block; appends the new keys and values. The arithmetic is the evaluation forward's except
+    /// that attention reads the cache. Returns what [`Stage::run`] returns for those positions.
+    pub(crate) fn run_cached(&self, input: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        if caches.len() != self.blocks.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "{} key/value caches for {} blocks",
+                caches.len(),
+                self.blocks.len()
+            )));
+        }
+        let past = caches.first().map_or(0, KvCache::len);
+        let (b, n) = match input.dims() {
+            [b, n] | [b, n, _] => (*b, *n),
+            dims => return Err(ModelError::shape("generation input", &[0, 0], dims)),
+        };
+        if b == 0 || n == 0 || past + n > self.cfg.max_seq_len {
+            return Err(ModelError::InvalidInput(format!(
+                "{n} new positions after {past} in a batch of {b}: need batch >= 1 and \
+                 1 <= positions <= max_seq_len {}",
+                self.cfg.max_seq_len
+            )));
+        }
+        let input = input.to_device(&self.opts.device)?;
+        let mut x = if self.is_first() {
+            self.validate_tokens(&input, "input tokens")?;
+            self.embed_tokens(&input, false)?
+        } else {
+            self.validate_float(&input, &self.input_dims(b, n), "input activations")?;
+            input
+        };
+        for (blk, kv) in self.blocks.iter().zip(caches.iter_mut()) {
+            x = self.block(blk, x, Attn::Cached(kv), false)?;
+        }
+        if let Some(i) = self.norm {
+            x = layers::rms_norm(&x, &self.master(i, false), self.cfg.norm_eps)?;
+        }
+        Ok(x)
+    }
+
+    /// Logits `[batch, n, vocab]` in the param dtype of final hidden states `h: [batch, n, d]`
+    /// (last stage): `h @ head^T`, the product in the dtype the loss uses for it.
+    pub(crate) fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let w = self.head_weight()?;
+        let y = layers::linear(&h.to_dtype(w.dtype())?, &w)?;
+        Ok(y.to_dtype(self.opts.param_dtype)?)
+    }
+
+    /// The last stage's evaluation forward on a whole sequence, ending in the logits of its last
+    /// `n` positions instead of the loss (the training path is untouched).
+    pub(crate) fn last_logits(&self, input: &Tensor, n: usize) -> Result<Tensor> {
+        if !self.is_last() {
+            return Err(ModelError::InvalidInput(
+                "only the last stage computes logits".into(),
+            ));
+        }
+        let (_, t) = self.validate_input(input)?;
+        if n == 0 || n > t {
+            return Err(ModelError::InvalidInput(format!(
+                "logits of the last {n} of {t} positions"
+            )));
+        }
+        let h = self.run_inner(&input.to_device(&self.opts.device)?, false)?;
+        self.logits(&h.narrow(1, t - n, n)?)
     }
 
     /// The LM head weight in the compute dtype (the cached cast under bf16), for the head's
@@ -1079,6 +1160,28 @@ impl HeldGradients {
             _ => Ok(()),
         }
     }
+}
+
+/// The deterministic initial value of parameter `name` (f64 on `device`): seeded by
+/// `cfg.init_seed` and the name, so it does not depend on which stages are built.
+fn init_param(cfg: &ModelConfig, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let values: Vec<f64> = if name.ends_with("norm.weight") {
+        vec![1.0; n]
+    } else {
+        let std = if name.ends_with("attn.wo") || name.ends_with("ffn.w_down") {
+            // Residual-branch outputs scaled down with depth (GPT-2 style).
+            cfg.init_std / (2.0 * cfg.n_layers() as f64).sqrt()
+        } else if name.ends_with("decoder.weight") {
+            // He init: the decoder feeds a ReLU from a b-wide input.
+            (2.0 / cfg.bottleneck_dim as f64).sqrt()
+        } else {
+            cfg.init_std
+        };
+        let mut rng = SplitMix64::derived(cfg.init_seed, name);
+        (0..n).map(|_| rng.next_normal() * std).collect()
+    };
+    Ok(Tensor::from_vec(values, shape, device)?)
 }
 
 /// Error if `t` holds NaN or infinity.
