@@ -43,6 +43,13 @@ if ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas-dev >/dev/null
 fi
 
+if [ -z "${IOTA_TEST_TEXT_CORPUS:-}" ] && [ ! -d /usr/share/doc/python3-doc/html/_sources ]; then
+    echo "== installing python3-doc (Debian package: the English corpus of cli/tests/localnet_up_text.rs)"
+    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-doc >/dev/null
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"

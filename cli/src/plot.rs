@@ -17,19 +17,27 @@ pub const LOSS_COLOR: RGBColor = RGBColor(31, 90, 200);
 pub const FLOOR_COLOR: RGBColor = RGBColor(210, 40, 40);
 
 /// Renders the curve into an RGB buffer (`WIDTH × HEIGHT × 3`). `losses[0]` is the loss before
-/// the first epoch, `losses[e]` after epoch `e`.
-pub fn render(losses: &[f32], floor: f32) -> anyhow::Result<Vec<u8>> {
+/// the first epoch, `losses[e]` after epoch `e`; `floor`, where the corpus has a known one.
+pub fn render(losses: &[f32], floor: Option<f32>) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(!losses.is_empty(), "no loss to plot");
     anyhow::ensure!(
-        losses.iter().chain([&floor]).all(|v| v.is_finite()),
+        losses.iter().chain(&floor).all(|v| v.is_finite()),
         "losses must be finite to plot"
     );
     let mut buf = vec![0u8; (WIDTH * HEIGHT * 3) as usize];
     {
         let root = BitMapBackend::with_buffer(&mut buf, (WIDTH, HEIGHT)).into_drawing_area();
         root.fill(&WHITE).map_err(plot_err)?;
-        let lo = losses.iter().copied().fold(floor, f32::min) as f64;
-        let hi = losses.iter().copied().fold(floor, f32::max) as f64;
+        let lo = losses
+            .iter()
+            .chain(&floor)
+            .copied()
+            .fold(f32::INFINITY, f32::min) as f64;
+        let hi = losses
+            .iter()
+            .chain(&floor)
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max) as f64;
         let pad = ((hi - lo) * 0.08).max(0.05);
         let (y0, y1) = (lo - pad, hi + pad);
         let x1 = (losses.len() - 1).max(1) as f64;
@@ -77,8 +85,10 @@ pub fn render(losses: &[f32], floor: f32) -> anyhow::Result<Vec<u8>> {
             &BLACK,
         )?;
         // Legend above the frame.
-        for (i, (name, color)) in [("loss", LOSS_COLOR), ("floor", FLOOR_COLOR)]
-            .into_iter()
+        let legend = [("loss", LOSS_COLOR), ("floor", FLOOR_COLOR)];
+        for (i, (name, color)) in legend[..1 + usize::from(floor.is_some())]
+            .iter()
+            .copied()
             .enumerate()
         {
             let x = px0 + 10 + 110 * i as i32;
@@ -89,12 +99,14 @@ pub fn render(losses: &[f32], floor: f32) -> anyhow::Result<Vec<u8>> {
             .map_err(plot_err)?;
             text(&root, name, x + 32, 10, &color)?;
         }
-        chart
-            .draw_series(LineSeries::new(
-                [(0.0, f64::from(floor)), (x1, f64::from(floor))],
-                FLOOR_COLOR.stroke_width(2),
-            ))
-            .map_err(plot_err)?;
+        if let Some(floor) = floor {
+            chart
+                .draw_series(LineSeries::new(
+                    [(0.0, f64::from(floor)), (x1, f64::from(floor))],
+                    FLOOR_COLOR.stroke_width(2),
+                ))
+                .map_err(plot_err)?;
+        }
         let points: Vec<(f64, f64)> = losses
             .iter()
             .enumerate()
@@ -132,7 +144,7 @@ pub fn encode_png(rgb: &[u8]) -> anyhow::Result<Vec<u8>> {
 }
 
 /// Renders the curve and writes it to `path` as PNG.
-pub fn write_loss_png(path: &Path, losses: &[f32], floor: f32) -> anyhow::Result<()> {
+pub fn write_loss_png(path: &Path, losses: &[f32], floor: Option<f32>) -> anyhow::Result<()> {
     let png = encode_png(&render(losses, floor)?)?;
     std::fs::write(path, png).with_context(|| format!("writing {}", path.display()))
 }
@@ -219,7 +231,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("loss.png");
         let losses = [4.16, 3.69, 3.27, 3.15];
-        write_loss_png(&path, &losses, 1.89).expect("plot");
+        write_loss_png(&path, &losses, Some(1.89)).expect("plot");
         let bytes = std::fs::read(&path).expect("written");
         // Signature, then the IHDR chunk with the picture's size.
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
@@ -234,7 +246,7 @@ mod tests {
         let info = reader.next_frame(&mut decoded).expect("frame");
         assert_eq!((info.width, info.height), (WIDTH, HEIGHT));
         assert_eq!(info.color_type, png::ColorType::Rgb);
-        let rendered = render(&losses, 1.89).expect("render");
+        let rendered = render(&losses, Some(1.89)).expect("render");
         assert_eq!(&decoded[..info.buffer_size()], &rendered[..]);
         // The curve is there, and so is the floor.
         assert!(curve_pixels(&rendered).len() > 500);
@@ -249,20 +261,31 @@ mod tests {
 
     #[test]
     fn different_losses_draw_different_curves() {
-        let a = render(&[4.0, 3.5, 3.2], 1.9).expect("a");
-        let b = render(&[4.0, 3.0, 3.4], 1.9).expect("b");
+        let a = render(&[4.0, 3.5, 3.2], Some(1.9)).expect("a");
+        let b = render(&[4.0, 3.0, 3.4], Some(1.9)).expect("b");
         let (ca, cb) = (curve_pixels(&a), curve_pixels(&b));
         assert!(!ca.is_empty() && !cb.is_empty());
         assert_ne!(ca, cb, "the curve does not follow the losses");
         // Same input, same picture.
-        assert_eq!(a, render(&[4.0, 3.5, 3.2], 1.9).expect("again"));
+        assert_eq!(a, render(&[4.0, 3.5, 3.2], Some(1.9)).expect("again"));
+    }
+
+    #[test]
+    fn a_corpus_without_a_floor_draws_none() {
+        let red = |buf: &[u8]| {
+            buf.chunks_exact(3)
+                .filter(|p| *p == [FLOOR_COLOR.0, FLOOR_COLOR.1, FLOOR_COLOR.2])
+                .count()
+        };
+        assert_eq!(red(&render(&[4.0, 3.0], None).expect("none")), 0);
+        assert!(red(&render(&[4.0, 3.0], Some(3.5)).expect("floor")) > 100);
     }
 
     #[test]
     fn refuses_what_it_cannot_plot() {
-        assert!(render(&[], 1.0).is_err());
-        assert!(render(&[f32::NAN], 1.0).is_err());
+        assert!(render(&[], Some(1.0)).is_err());
+        assert!(render(&[f32::NAN], Some(1.0)).is_err());
         // A single point (no epoch finished yet) still plots.
-        assert!(render(&[4.0], 1.9).is_ok());
+        assert!(render(&[4.0], Some(1.9)).is_ok());
     }
 }

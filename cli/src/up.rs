@@ -48,9 +48,23 @@ pub struct UpArgs {
     /// Pipeline stages: the model's blocks re-split into N stages (default: the model's own).
     #[arg(long, env = "IOTA_UP_STAGES")]
     pub stages: Option<u32>,
+    /// Train on real text: a prepared dataset folder (`iota data prepare`), or raw text files
+    /// and folders to prepare into the run directory with `--tokenizer`. A preset model's
+    /// vocabulary is widened to hold the tokenizer. Default: the embedded grammar corpus.
+    #[arg(long, env = "IOTA_UP_DATA", num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// The tokenizer for raw `--data` (default: a 1,024-token byte-level BPE trained on its
+    /// `.txt` and `.jsonl` files).
+    #[arg(long, env = "IOTA_UP_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl UpArgs {
+    /// The prepared dataset folder, once [`up`] has resolved `--data`.
+    fn data_dir(&self) -> Option<&Path> {
+        self.data.first().map(PathBuf::as_path)
+    }
+
     /// Models that train or replay at once in this process: every miner (the adversary
     /// included) and the two validators. An unreadable `--model` counts three stages here; it is
     /// reported properly when the run starts.
@@ -73,9 +87,100 @@ pub struct UpModel {
 /// Sequence length of the local run; the model must accept it.
 const SEQ_LEN: usize = 32;
 
+/// The prepared dataset of a local run: its folder and its manifest's BLAKE3.
+pub struct UpData {
+    pub dir: PathBuf,
+    pub manifest: String,
+    pub vocab_size: usize,
+}
+
+/// Tokenizer size trained for raw `--data` given without `--tokenizer`.
+const UP_TOKENIZER_VOCAB: usize = 1024;
+
+/// `--data`: a prepared dataset as is, or raw text prepared into `dir/data` (replacing what an
+/// earlier run left there).
+pub fn up_data(
+    data: &[PathBuf],
+    tokenizer: Option<&Path>,
+    dir: &Path,
+) -> anyhow::Result<Option<UpData>> {
+    use iota_model::data::prepare::{MANIFEST_FILE, PrepareOptions, prepare};
+    let prepared = match data {
+        [] => return Ok(None),
+        [one] if one.join(MANIFEST_FILE).is_file() => {
+            if tokenizer.is_some() {
+                anyhow::bail!(
+                    "--tokenizer is for raw --data: the prepared dataset {} carries its own",
+                    one.display()
+                );
+            }
+            one.clone()
+        }
+        raw => {
+            let files = iota_model::data::sources::list_inputs(raw).context("--data")?;
+            let tok = match tokenizer {
+                Some(t) => t.to_path_buf(),
+                None => {
+                    let plain: Vec<PathBuf> = files
+                        .iter()
+                        .filter(|f| f.extension().is_some_and(|e| e == "txt" || e == "jsonl"))
+                        .cloned()
+                        .collect();
+                    anyhow::ensure!(
+                        !plain.is_empty(),
+                        "--data has no .txt or .jsonl file to train a tokenizer on: give one \
+                         with --tokenizer"
+                    );
+                    let t = dir.join("tokenizer.json");
+                    println!("training a {UP_TOKENIZER_VOCAB}-token BPE tokenizer on --data");
+                    iota_model::train_bpe_tokenizer(&plain, UP_TOKENIZER_VOCAB, &t)?;
+                    t
+                }
+            };
+            let out = dir.join("data");
+            if out.exists() {
+                std::fs::remove_dir_all(&out)
+                    .with_context(|| format!("removing the earlier {}", out.display()))?;
+            }
+            println!("preparing --data into {}", out.display());
+            // A twentieth held out: a local corpus is small, and the report evaluates on it.
+            let opts = PrepareOptions {
+                held_out_ppm: 50_000,
+                ..PrepareOptions::default()
+            };
+            let (m, _) = prepare(raw, &tok, &out, &opts, &mut |_| {})?;
+            println!(
+                "  {} training and {} held-out tokens",
+                m.train.tokens, m.held_out.tokens
+            );
+            out
+        }
+    };
+    let ds = iota_model::data::PreparedDataset::open(&prepared, None, SEQ_LEN, 0)
+        .with_context(|| format!("--data {}", prepared.display()))?;
+    ds.verify_all()?;
+    anyhow::ensure!(
+        ds.held_out_count() > 0,
+        "--data {}: the held-out split has no window of {} tokens (more text, or a larger \
+         held-out fraction when preparing)",
+        prepared.display(),
+        SEQ_LEN + 1
+    );
+    Ok(Some(UpData {
+        dir: std::fs::canonicalize(&prepared)?,
+        manifest: ds.manifest_blake3().to_owned(),
+        vocab_size: ds.manifest().vocab_size as usize,
+    }))
+}
+
 /// Checks `--model` and `--stages`; writes the effective config to `dir/model.json` when it is
-/// not a preset as is.
-pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<UpModel> {
+/// not a preset as is. A preset's vocabulary is widened (to a multiple of 64) to `min_vocab`.
+pub fn up_model(
+    model: &str,
+    stages: Option<u32>,
+    dir: &Path,
+    min_vocab: usize,
+) -> anyhow::Result<UpModel> {
     let preset = matches!(model, "tiny" | "small");
     if !preset && !Path::new(model).is_file() {
         anyhow::bail!(
@@ -83,6 +188,15 @@ pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<
         );
     }
     let mut config = ModelConfig::load(model).with_context(|| format!("--model {model}"))?;
+    let widened = config.vocab_size < min_vocab;
+    if widened {
+        anyhow::ensure!(
+            preset,
+            "--model {model}: a vocabulary of {} cannot hold the data's {min_vocab} tokens",
+            config.vocab_size
+        );
+        config.vocab_size = min_vocab.div_ceil(64) * 64;
+    }
     let blocks = config.n_layers();
     let own_stages = config.num_stages();
     if let Some(n) = stages {
@@ -116,7 +230,7 @@ pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<
             config.max_seq_len
         );
     }
-    if preset && config.num_stages() == own_stages {
+    if preset && config.num_stages() == own_stages && !widened {
         return Ok(UpModel {
             config,
             name: model.to_owned(),
@@ -131,8 +245,12 @@ pub fn up_model(model: &str, stages: Option<u32>, dir: &Path) -> anyhow::Result<
     })
 }
 
-/// The local run of `model`: the tiny run's phases and optimiser, the model's shapes.
-fn local_run(model: &UpModel, samples_per_epoch: u64) -> anyhow::Result<RunConfig> {
+/// The local run of `model` on `data`: the tiny run's phases and optimiser, the model's shapes.
+fn local_run(
+    model: &UpModel,
+    samples_per_epoch: u64,
+    data: Option<&UpData>,
+) -> anyhow::Result<RunConfig> {
     let mut run = iota_miner::eval::local_tiny_run("localnet-up", samples_per_epoch)?;
     let m = &model.config;
     run.model = model.name.clone();
@@ -142,10 +260,19 @@ fn local_run(model: &UpModel, samples_per_epoch: u64) -> anyhow::Result<RunConfi
         .collect::<Result<Vec<_>, _>>()?;
     run.boundary_dim = u32::try_from(m.boundary_dim())?;
     run.seq_len = SEQ_LEN as u32;
+    run.dataset = data.map(|d| d.manifest.clone());
     // The corpus must fit the vocabulary; say so now rather than in every miner.
-    iota_miner::trainer::run_dataset(&run, m, None)
+    iota_miner::trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))
         .with_context(|| format!("--model {}", m.name))?;
     Ok(run)
+}
+
+/// The grammar corpus's entropy floor, for a run on it; real text has no known floor.
+fn entropy_floor(run: &RunConfig) -> anyhow::Result<Option<f64>> {
+    Ok(match run.dataset {
+        None => Some(iota_miner::trainer::grammar_corpus(run)?.entropy_floor()),
+        Some(_) => None,
+    })
 }
 
 /// A wallet key as a request signer.
@@ -254,8 +381,13 @@ fn tx() -> TxOptions {
     }
 }
 
-async fn held_out_loss(client: &ApiClient, run: &RunConfig, epoch: u64) -> anyhow::Result<f32> {
-    Ok(iota_miner::eval::held_out_loss(client, run, epoch, None).await?)
+async fn held_out_loss(
+    client: &ApiClient,
+    run: &RunConfig,
+    epoch: u64,
+    data_dir: Option<&Path>,
+) -> anyhow::Result<f32> {
+    Ok(iota_miner::eval::held_out_loss(client, run, epoch, data_dir).await?)
 }
 
 /// One neuron of the subnet as this command set it up.
@@ -277,8 +409,18 @@ pub async fn up(
     if args.miners_per_stage == 0 {
         anyhow::bail!("--miners-per-stage must be at least 1");
     }
-    let model = up_model(&args.model, args.stages, &dir)?;
-    let run = local_run(&model, args.samples_per_epoch)?;
+    let data = up_data(&args.data, args.tokenizer.as_deref(), &dir)?;
+    let model = up_model(
+        &args.model,
+        args.stages,
+        &dir,
+        data.as_ref().map_or(0, |d| d.vocab_size),
+    )?;
+    let run = local_run(&model, args.samples_per_epoch, data.as_ref())?;
+    // From here on `--data` names the prepared folder that every miner and validator reads.
+    let mut args = args;
+    args.data = data.map(|d| d.dir).into_iter().collect();
+    args.tokenizer = None;
     let (db_base, _pg) = database()?;
 
     if args.device == DeviceSpec::Cpu {
@@ -496,6 +638,7 @@ async fn with_orchestrator(
         cfg.replays_per_epoch = 0;
         cfg.merges_per_epoch = 0;
         cfg.tx = tx();
+        cfg.data_dir = args.data_dir().map(Path::to_path_buf);
         validators.push(Validator::connect(cfg, m.key.clone(), vchain, store.clone()).await?);
         stores.push((m.key.ss58(), store));
     }
@@ -543,6 +686,7 @@ async fn miners_and_report(
         cfg.tokens_per_s = Some(1000.0);
         cfg.adversary = m.adversary;
         cfg.seed = i as u64 + 1;
+        cfg.data_dir = args.data_dir().map(Path::to_path_buf);
         let h = iota_miner::spawn(cfg, Arc::new(KeySigner(m.key.clone())));
         let deadline = Instant::now() + Duration::from_secs(60);
         while h.status().stage.is_none() {
@@ -593,8 +737,8 @@ async fn train(
     miners: &[(&Member, MinerHandle)],
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<Option<(Vec<f32>, f32)>> {
-    let floor = iota_miner::trainer::grammar_corpus(run)?.entropy_floor();
-    let initial = held_out_loss(client, run, 0).await?;
+    let floor = entropy_floor(run)?;
+    let initial = held_out_loss(client, run, 0, args.data_dir()).await?;
     let mut losses: Vec<f32> = Vec::new();
     // Throughput over the last poll interval.
     let mut last_tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
@@ -611,7 +755,7 @@ async fn train(
         };
         while (losses.len() as u64) < st.epoch.min(args.epochs) {
             let e = losses.len() as u64 + 1;
-            losses.push(held_out_loss(client, run, e).await?);
+            losses.push(held_out_loss(client, run, e, args.data_dir()).await?);
         }
         let tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
         let hops: Vec<String> = miners
@@ -631,8 +775,12 @@ async fn train(
             (last_tokens, last_at) = (tokens, Instant::now());
         }
         let loss = losses.last().copied().unwrap_or(initial);
+        let against = match floor {
+            Some(f) => format!("floor {f:.3}"),
+            None => format!("perplexity {:.1}", loss.exp()),
+        };
         eprint!(
-            "\repoch {} {:<9} samples {}/{}  loss {loss:.3} (floor {floor:.3})  {:.0} tok/s (all stages)  hops {}   ",
+            "\repoch {} {:<9} samples {}/{}  loss {loss:.3} ({against})  {:.0} tok/s (all stages)  hops {}   ",
             st.epoch,
             st.phase.as_str(),
             st.samples_completed,
@@ -663,7 +811,20 @@ async fn finish(
     initial: f32,
 ) -> anyhow::Result<serde_json::Value> {
     let epochs = losses.len() as u64;
-    let floor = iota_miner::trainer::grammar_corpus(run)?.entropy_floor();
+    let floor = entropy_floor(run)?;
+    // The final weights as an export folder, as `iota model export` writes them.
+    let export_dir = dir.join("model");
+    let tokenizer = crate::model_cmd::tokenizer_of(run, args.data_dir())?;
+    iota_miner::eval::export_epoch(client, run, epochs, tokenizer, &export_dir).await?;
+    // A short sample of what the last epoch's merged weights write, for a run on real text.
+    let generation = match args.data_dir() {
+        Some(d) => {
+            let (prompt, text) =
+                iota_miner::eval::sample_text(client, run, epochs, d, 8, 24).await?;
+            Some(serde_json::json!({ "epoch": epochs, "prompt": prompt, "text": text }))
+        }
+        None => None,
+    };
 
     // Partitions of the trained epochs.
     let (mut total, mut merged, mut agreeing) = (0u64, 0u64, 0u64);
@@ -768,7 +929,12 @@ async fn finish(
         "epochs": epochs,
         "initial_loss": initial,
         "loss_per_epoch": losses,
+        "initial_perplexity": initial.exp(),
+        "perplexity_per_epoch": losses.iter().map(|l| l.exp()).collect::<Vec<_>>(),
         "entropy_floor": floor,
+        "dataset": run.dataset,
+        "generation": generation,
+        "export": export_dir.to_string_lossy(),
         "partitions": {"total": total, "merged": merged, "agreeing": agreeing},
         "tokens": tokens,
         "wire_bytes_per_token": if tokens > 0 { wire as f64 / tokens as f64 } else { 0.0 },
@@ -789,19 +955,27 @@ async fn finish(
     let curve: Vec<f32> = std::iter::once(initial)
         .chain(losses.iter().copied())
         .collect();
-    crate::plot::write_loss_png(&plot, &curve, floor as f32)?;
+    crate::plot::write_loss_png(&plot, &curve, floor.map(|f| f as f32))?;
     report["plot"] = serde_json::json!(plot.to_string_lossy());
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
         .with_context(|| format!("writing {}", path.display()))?;
 
     println!("\nsummary after {epochs} epochs:");
     println!(
-        "  held-out loss {initial:.3} -> {} (entropy floor {floor:.3})",
+        "  held-out loss {initial:.3} -> {} ({})",
         losses
             .iter()
             .map(|l| format!("{l:.3}"))
             .collect::<Vec<_>>()
-            .join(" -> ")
+            .join(" -> "),
+        match floor {
+            Some(f) => format!("entropy floor {f:.3}"),
+            None => format!(
+                "perplexity {:.1} -> {:.1}",
+                initial.exp(),
+                losses.last().copied().unwrap_or(initial).exp()
+            ),
+        }
     );
     println!("  partitions: {total} total, {merged} merged, {agreeing} by agreement");
     println!(
@@ -826,6 +1000,19 @@ async fn finish(
     }
     println!("report: {}", path.display());
     println!("loss plot: {}", plot.display());
+    println!(
+        "final weights: {} (`iota model generate --checkpoint {} --prompt …`)",
+        export_dir.display(),
+        export_dir.display()
+    );
+    if let Some(g) = &report["generation"].as_object() {
+        println!(
+            "sample after epoch {}: prompt {:?}, continuation {:?}",
+            g["epoch"],
+            g["prompt"].as_str().unwrap_or(""),
+            g["text"].as_str().unwrap_or("")
+        );
+    }
     Ok(report)
 }
 
@@ -834,7 +1021,7 @@ mod tests {
     use super::*;
 
     fn err(model: &str, stages: Option<u32>, dir: &Path) -> String {
-        match up_model(model, stages, dir) {
+        match up_model(model, stages, dir, 0) {
             Ok(m) => panic!("{model} {stages:?} accepted: {:?}", m.config.stages),
             Err(e) => format!("{e:#}"),
         }
@@ -845,30 +1032,30 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
         // Presets as they are keep their names.
-        let m = up_model("tiny", None, d).expect("tiny");
+        let m = up_model("tiny", None, d, 0).expect("tiny");
         assert_eq!(
             (m.name.as_str(), m.config.stages.clone()),
             ("tiny", vec![1, 1, 1])
         );
-        let m = up_model("tiny", Some(3), d).expect("tiny/3");
+        let m = up_model("tiny", Some(3), d, 0).expect("tiny/3");
         assert_eq!(m.name, "tiny");
-        let m = up_model("small", None, d).expect("small");
+        let m = up_model("small", None, d, 0).expect("small");
         assert_eq!(m.name, "small");
         // A re-split goes to a file every party loads.
-        let m = up_model("tiny", Some(2), d).expect("tiny/2");
+        let m = up_model("tiny", Some(2), d, 0).expect("tiny/2");
         assert_eq!(m.config.stages, vec![2, 1]);
         assert_eq!(
             ModelConfig::load(&m.name).expect("written config"),
             m.config
         );
-        let m = up_model("small", Some(3), d).expect("small/3");
+        let m = up_model("small", Some(3), d, 0).expect("small/3");
         assert_eq!(
             (m.name.as_str(), m.config.stages.clone()),
             ("small", vec![2, 4, 2])
         );
-        let m5 = up_model("small", Some(5), d).expect("small/5");
+        let m5 = up_model("small", Some(5), d, 0).expect("small/5");
         assert_eq!(m5.config.stages, vec![2, 2, 2, 1, 1]);
-        let run = local_run(&m5, 8).expect("run");
+        let run = local_run(&m5, 8, None).expect("run");
         assert_eq!(run.stages, 5);
         assert_eq!(
             iota_miner::trainer::run_model(&run).expect("miners load it"),
@@ -896,13 +1083,13 @@ mod tests {
         let mut cfg = ModelConfig::tiny().with_stages(vec![1, 1]);
         cfg.name = "mine".into();
         std::fs::write(&file, cfg.to_json().expect("json")).expect("write");
-        let m = up_model(file.to_str().expect("utf-8"), None, d).expect("file");
+        let m = up_model(file.to_str().expect("utf-8"), None, d, 0).expect("file");
         assert_eq!(m.config.stages, vec![1, 1]);
         let three = d.join("three.json");
         let mut cfg = ModelConfig::tiny().with_stages(vec![1, 1, 1, 1]);
         cfg.name = "four-blocks".into();
         std::fs::write(&three, cfg.to_json().expect("json")).expect("write");
-        let m = up_model(three.to_str().expect("utf-8"), Some(3), d).expect("file/3");
+        let m = up_model(three.to_str().expect("utf-8"), Some(3), d, 0).expect("file/3");
         assert_eq!(m.config.stages, vec![2, 1, 1]);
         // The corpus must fit the vocabulary.
         let small_vocab = d.join("v.json");
@@ -914,7 +1101,30 @@ mod tests {
                 .expect("json"),
         )
         .expect("write");
-        let m = up_model(small_vocab.to_str().expect("utf-8"), None, d).expect("valid shape");
-        assert!(local_run(&m, 8).is_err());
+        let m = up_model(small_vocab.to_str().expect("utf-8"), None, d, 0).expect("valid shape");
+        assert!(local_run(&m, 8, None).is_err());
+    }
+
+    #[test]
+    fn a_preset_widens_its_vocabulary_for_the_data_and_a_file_does_not() {
+        let dir = tempfile::tempdir().expect("dir");
+        let d = dir.path();
+        let m = up_model("tiny", None, d, 400).expect("tiny for 400 tokens");
+        assert_eq!(m.config.vocab_size, 448);
+        assert_eq!(m.name, d.join("model.json").to_string_lossy());
+        let written = ModelConfig::load(&m.name).expect("written config");
+        assert_eq!(written.vocab_size, 448);
+        // Already wide enough: the preset itself.
+        assert_eq!(
+            up_model("small", None, d, 400).expect("small").name,
+            "small"
+        );
+        let file = d.join("mine.json");
+        std::fs::write(&file, ModelConfig::tiny().to_json().expect("json")).expect("write");
+        let err = up_model(file.to_str().expect("utf-8"), None, d, 400)
+            .err()
+            .expect("a file's vocabulary is the user's")
+            .to_string();
+        assert!(err.contains("400 tokens"), "{err}");
     }
 }

@@ -138,3 +138,56 @@ pub async fn held_out_loss(
     .await
     .map_err(|e| MinerError::Internal(e.to_string()))?
 }
+
+/// A short continuation sampled (seeded) from `epoch`'s start weights, prompted by the first
+/// `prompt_tokens` tokens of the run's first held-out window: `(prompt, continuation)`. For a
+/// run that names a dataset, read from `data_dir` with the dataset's tokenizer.
+pub async fn sample_text(
+    client: &ApiClient,
+    run: &RunConfig,
+    epoch: u64,
+    data_dir: &std::path::Path,
+    prompt_tokens: usize,
+    max_new_tokens: usize,
+) -> Result<(String, String), MinerError> {
+    let (stages, _) = epoch_start_stages(client, run, epoch).await?;
+    let run = run.clone();
+    let data_dir = data_dir.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let hash = run.dataset.as_deref().ok_or_else(|| {
+            MinerError::RunMismatch("the run names no dataset and so no tokenizer".into())
+        })?;
+        let ds =
+            crate::trainer::open_prepared(&data_dir, hash, run.seq_len as usize, run.init_seed)?;
+        let tokenizer = tokenizers::Tokenizer::from_file(ds.tokenizer_path())
+            .map_err(|e| MinerError::BadInput(format!("the dataset's tokenizer: {e}")))?;
+        let window = iota_model::Dataset::window(ds.as_ref(), run.held_out_ids(1)[0])?;
+        let prompt = tokenizer
+            .decode(&window[..prompt_tokens.min(window.len())], true)
+            .map_err(|e| MinerError::BadInput(format!("decoding the prompt: {e}")))?;
+        let opts = iota_model::generate::GenerateOptions::sampled(max_new_tokens, 0.8, 0.95, 0);
+        let text = iota_model::generate::generate(&stages, &tokenizer, &prompt, &opts)?;
+        Ok((prompt, text))
+    })
+    .await
+    .map_err(|e| MinerError::Internal(e.to_string()))?
+}
+
+/// Writes the weights `epoch` starts with (the merges of every earlier epoch) as one export
+/// folder (`iota_model::export`), with `tokenizer_json` when given; returns each stage's BLAKE3.
+pub async fn export_epoch(
+    client: &ApiClient,
+    run: &RunConfig,
+    epoch: u64,
+    tokenizer_json: Option<Vec<u8>>,
+    out: &std::path::Path,
+) -> Result<Vec<String>, MinerError> {
+    let (stages, digests) = epoch_start_stages(client, run, epoch).await?;
+    let out = out.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        iota_model::export::write_export(&out, &stages, tokenizer_json.as_deref())
+    })
+    .await
+    .map_err(|e| MinerError::Internal(e.to_string()))??;
+    Ok(digests)
+}

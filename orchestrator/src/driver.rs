@@ -479,7 +479,9 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     }
     tx.commit().await?;
     metrics::counter!("iota_miners_released_total").increment(released.len() as u64);
-    tracing::warn!(miners = ?released, rerouted = rows.len(), "released miners that stopped heartbeating");
+    // Routine in a permissionless subnet (a miner left, crashed or lost its network) and fully
+    // handled here, so not a warning; `iota_miners_released_total` counts them.
+    tracing::info!(miners = ?released, rerouted = rows.len(), "released miners that stopped heartbeating");
     Ok(())
 }
 
@@ -568,7 +570,8 @@ async fn release_for_an_empty_stage(
     .fetch_optional(&mut **tx)
     .await?;
     if let Some(miner) = &moving {
-        tracing::warn!(%miner, from = fullest, to = empty, "stage {empty} has no miner: released one of stage {fullest} to take it");
+        // Self-healing, and what every departure from a thin stage leads to: not a warning.
+        tracing::info!(%miner, from = fullest, to = empty, "stage {empty} has no miner: released one of stage {fullest} to take it");
     }
     Ok(moving)
 }
