@@ -1,0 +1,286 @@
+//! Convergence at equal tokens: `small` (18.9M parameters) trained on real English by the
+//! decentralized system (3 stages x 2 miners, int8 boundary tensors, a merge every epoch: inner
+//! AdamW and the outer Nesterov step on the averaged pseudo-gradients) against one process
+//! training the same model with AdamW on the same samples in the same order, held-out loss of
+//! both after every epoch on the same windows.
+//!
+//! The corpus is the Python documentation's sources as Debian's `python3-doc` ships them
+//! (`IOTA_BENCH_CORPUS` for another folder of `.txt` files), tokenized with an 8,192-token BPE
+//! trained on it. `CONVERGENCE_EPOCHS` (default 6) and `CONVERGENCE_SAMPLES` (samples per epoch,
+//! default 48) size the run. `cargo bench -p iota-miner --bench convergence` with
+//! `DATABASE_URL` set (`scripts/pg.sh start`), or `scripts/bench.sh convergence`.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use iota_miner::trainer::{run_dataset, run_model};
+use iota_model::data::prepare::{PrepareOptions, prepare};
+use iota_model::data::{Batch, make_batch};
+use iota_model::{
+    AdamW, AdamWConfig, Device, LrSchedule, ModelConfig, Pipeline, StageOptions,
+    train_bpe_tokenizer,
+};
+use iota_protocol::api::RunConfig;
+use support::*;
+
+const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";
+/// Held-out windows both sides are scored on.
+const HELD_OUT: u64 = 64;
+const MINERS: [u8; 6] = [61, 62, 63, 64, 65, 66];
+const VALIDATOR: u8 = 70;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn text_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).expect("corpus folder").flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            text_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "txt") {
+            out.push(p);
+        }
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The corpus prepared with an 8,192-token tokenizer: the folder and its manifest hash.
+fn prepared(tmp: &Path) -> (PathBuf, String) {
+    let corpus = std::env::var_os("IOTA_BENCH_CORPUS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEBIAN_CORPUS));
+    assert!(
+        corpus.is_dir(),
+        "{}: no corpus (apt-get install python3-doc, or set IOTA_BENCH_CORPUS)",
+        corpus.display()
+    );
+    let mut files = Vec::new();
+    text_files(&corpus, &mut files);
+    files.sort();
+    let tok = tmp.join("tokenizer.json");
+    train_bpe_tokenizer(&files, 8192, &tok).expect("tokenizer");
+    let out = tmp.join("data");
+    let opts = PrepareOptions {
+        held_out_ppm: 50_000,
+        ..PrepareOptions::default()
+    };
+    let (_, hash) = prepare(&[corpus], &tok, &out, &opts, &mut |_| {}).expect("prepare");
+    (out, hash)
+}
+
+fn run_config(samples: u64, dataset: String) -> RunConfig {
+    let model = ModelConfig::small();
+    RunConfig {
+        name: "convergence".into(),
+        model: "small".into(),
+        stages: 3,
+        stage_params: (0..3)
+            .map(|k| model.stage_param_count(k).expect("stage") as u64)
+            .collect(),
+        partitions: 4,
+        micro_batch: 4,
+        seq_len: 64,
+        boundary_dim: model.boundary_dim() as u32,
+        samples_per_epoch: samples,
+        max_in_flight: 8,
+        training_s: 1800,
+        uploading_s: 300,
+        merging_s: 300,
+        merge_round_s: 60,
+        lease_s: 300,
+        heartbeat_timeout_s: 120,
+        dataset: Some(dataset),
+        ..tiny_run("convergence", samples)
+    }
+}
+
+/// The decentralized run: held-out loss before training and after each epoch, and the samples
+/// each epoch trained (done end to end), in id order.
+async fn decentralized(
+    run: &RunConfig,
+    data: &Path,
+    held: &Batch,
+    epochs: u64,
+) -> (Vec<f32>, Vec<Vec<i64>>, f64) {
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let db = fresh_db().await;
+    let store = tempfile::tempdir().expect("store");
+    let orch = start(config(&chain, &db, store.path(), run.clone())).await;
+    let validator = explorer(&orch.base, VALIDATOR).await;
+    // The weights epoch `e` starts with, scored on the same windows as the single process.
+    let held = |e: u64| {
+        let (client, run) = (&validator, run);
+        async move {
+            let (stages, _) = epoch_start_stages(client, run, e).await;
+            let pipe = Pipeline::from_stages(stages).expect("pipeline");
+            pipe.eval_loss(&held.inputs, &held.targets).expect("eval")
+        }
+    };
+    let mut losses = vec![held(0).await];
+    let started = Instant::now();
+    let miners: Vec<_> = MINERS
+        .iter()
+        .map(|s| {
+            let mut cfg = miner_config(&orch.base);
+            cfg.tokens_per_s = Some(1000.0);
+            cfg.data_dir = Some(data.to_path_buf());
+            iota_miner::spawn(cfg, signer(*s))
+        })
+        .collect();
+    let mut trained = Vec::new();
+    for e in 1..=epochs {
+        wait_epoch(&validator, e, Duration::from_secs(3600)).await;
+        losses.push(held(e).await);
+        let mut done = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = validator.samples(e - 1, after, 500).await.expect("samples");
+            done.extend(
+                page.samples
+                    .iter()
+                    .filter(|s| s.status == "done")
+                    .map(|s| s.sample_id),
+            );
+            match page.next_after {
+                Some(a) => after = a,
+                None => break,
+            }
+        }
+        done.sort_unstable();
+        eprintln!(
+            "epoch {e}: {} samples done, held-out loss {:.4}",
+            done.len(),
+            losses[e as usize]
+        );
+        trained.push(done);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    for m in miners {
+        let _ = m.stop().await;
+    }
+    orch.stop().await;
+    drop(chain);
+    (losses, trained, seconds)
+}
+
+/// One process: the same model from the same initial weights, AdamW on every stage at the
+/// run's learning rate and step cadence, over the samples the run trained, in id order; the
+/// held-out loss before training and after each epoch's samples.
+fn single_process(
+    run: &RunConfig,
+    data: &Path,
+    held: &Batch,
+    trained: &[Vec<i64>],
+) -> (Vec<f32>, f64) {
+    let model = run_model(run).expect("model");
+    let ds = run_dataset(run, &model, Some(data)).expect("dataset");
+    let mut pipe = Pipeline::new(&model, &StageOptions::cpu()).expect("pipeline");
+    let mut opts: Vec<AdamW> = pipe
+        .stages_mut()
+        .iter()
+        .enumerate()
+        .map(|(k, stage)| {
+            let cfg = AdamWConfig {
+                lr: run.inner_lr,
+                ..AdamWConfig::default()
+            }
+            .for_stage(&model, k)
+            .expect("adamw");
+            AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
+        })
+        .collect();
+    let eval = |pipe: &Pipeline| pipe.eval_loss(&held.inputs, &held.targets).expect("eval");
+    let mut losses = vec![eval(&pipe)];
+    let started = Instant::now();
+    let mut since_step = 0u32;
+    for samples in trained {
+        for s in samples {
+            let b = make_batch(ds.as_ref(), &run.sequence_ids(*s), &Device::Cpu).expect("batch");
+            pipe.forward_backward_monolithic(&b.inputs, &b.targets)
+                .expect("train");
+            since_step += 1;
+            if since_step == run.inner_steps_every {
+                for (stage, opt) in pipe.stages_mut().iter_mut().zip(&mut opts) {
+                    opt.step_with(stage, run.inner_lr).expect("step");
+                }
+                since_step = 0;
+            }
+        }
+        losses.push(eval(&pipe));
+        eprintln!(
+            "single process after {} samples: held-out loss {:.4}",
+            samples.len(),
+            losses.last().copied().unwrap_or(f32::NAN)
+        );
+    }
+    (losses, started.elapsed().as_secs_f64())
+}
+
+fn main() {
+    let epochs = env_or("CONVERGENCE_EPOCHS", 6);
+    let samples = env_or("CONVERGENCE_SAMPLES", 48);
+    println!("load average before: {}", load_average());
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (data, hash) = prepared(tmp.path());
+    let run = run_config(samples, hash);
+    run.validate().expect("run config");
+    init_tracing();
+    let held = {
+        let model = run_model(&run).expect("model");
+        let ds = run_dataset(&run, &model, Some(&data)).expect("dataset");
+        make_batch(ds.as_ref(), &run.held_out_ids(HELD_OUT), &Device::Cpu).expect("held out")
+    };
+    let (dec, trained, dec_s) = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(decentralized(&run, &data, &held, epochs));
+    let (single, single_s) = single_process(&run, &data, &held, &trained);
+    let tokens: usize =
+        trained.iter().map(Vec::len).sum::<usize>() * (run.micro_batch * run.seq_len) as usize;
+    println!(
+        "## Convergence at equal tokens: `small` (18.9M parameters, vocab 8192), {epochs} epochs of up to {samples} samples of {}x{} tokens ({tokens} tokens trained), real English (python3-doc)",
+        run.micro_batch, run.seq_len
+    );
+    println!();
+    println!(
+        "Decentralized: 3 stages x 2 miners, int8 boundary tensors, {} partitions per stage merged every epoch (inner AdamW lr {}, a step every {} gradient hops; outer lr {}, momentum {}), {dec_s:.0} s. Single process: AdamW at the same lr and cadence over the same samples in id order, {single_s:.0} s.",
+        run.partitions, run.inner_lr, run.inner_steps_every, run.outer_lr, run.outer_momentum
+    );
+    println!();
+    println!(
+        "Held-out loss (nats/token) on the same {HELD_OUT} held-out windows, after each epoch:"
+    );
+    println!();
+    println!("| epoch | samples trained | decentralized | single process | ratio |");
+    println!("|---|---|---|---|---|");
+    for e in 0..=epochs as usize {
+        let n = if e == 0 { 0 } else { trained[e - 1].len() };
+        println!(
+            "| {e} | {n} | {:.4} | {:.4} | {:.3} |",
+            dec[e],
+            single[e],
+            dec[e] / single[e]
+        );
+    }
+    println!();
+    println!(
+        "Held-out loss ratio at the end, decentralized / single process: **{:.3}** (goal: at most 1.02).",
+        dec[epochs as usize] / single[epochs as usize]
+    );
+    println!();
+    println!("load average after: {}", load_average());
+}
