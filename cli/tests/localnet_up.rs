@@ -3,8 +3,12 @@
 //! numbers show training, agreement on every merge, weights on chain and the cheater paid least.
 //! Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
+mod support;
+
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use support::wait_within;
 
 #[test]
 fn localnet_up_trains_merges_and_pays_honest_miners_more() {
@@ -22,18 +26,7 @@ fn localnet_up_trains_merges_and_pays_honest_miners_more() {
         .arg(&report_path)
         .spawn()
         .expect("start iota localnet up");
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("iota localnet up took more than 5 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = wait_within(&mut child, Duration::from_secs(300), "iota localnet up");
     assert!(status.success(), "iota localnet up failed: {status}");
 
     let report: serde_json::Value =

@@ -5,9 +5,13 @@
 //! corpus: the Python documentation's sources as Debian's `python3-doc` ships them (about 500
 //! English documents, 12 MB), or another folder in `IOTA_TEST_TEXT_CORPUS`.
 
+mod support;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use support::wait_within;
 
 const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";
 
@@ -66,18 +70,11 @@ fn localnet_up_trains_real_text_and_its_weights_generate() {
         .stderr(std::fs::File::create(&stderr_path).expect("stderr file"))
         .spawn()
         .expect("start iota localnet up");
-    let deadline = Instant::now() + Duration::from_secs(420);
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("iota localnet up --data took more than 7 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = wait_within(
+        &mut child,
+        Duration::from_secs(420),
+        "iota localnet up --data",
+    );
     let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
     assert!(
         status.success(),

@@ -19,10 +19,7 @@ use std::time::{Duration, Instant};
 use iota_miner::trainer::{run_dataset, run_model};
 use iota_model::data::prepare::{PrepareOptions, prepare};
 use iota_model::data::{Batch, make_batch};
-use iota_model::{
-    AdamW, AdamWConfig, Device, LrSchedule, ModelConfig, Pipeline, StageOptions,
-    train_bpe_tokenizer,
-};
+use iota_model::{Device, ModelConfig, Pipeline, StageOptions, train_bpe_tokenizer};
 use iota_protocol::api::RunConfig;
 use support::*;
 
@@ -37,17 +34,6 @@ fn env_or(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn text_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).expect("corpus folder").flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            text_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "txt") {
-            out.push(p);
-        }
-    }
 }
 
 fn load_average() -> String {
@@ -66,9 +52,8 @@ fn prepared(tmp: &Path) -> (PathBuf, String) {
         "{}: no corpus (apt-get install python3-doc, or set IOTA_BENCH_CORPUS)",
         corpus.display()
     );
-    let mut files = Vec::new();
-    text_files(&corpus, &mut files);
-    files.sort();
+    let files = iota_model::data::sources::list_inputs(std::slice::from_ref(&corpus))
+        .expect("corpus files");
     let tok = tmp.join("tokenizer.json");
     train_bpe_tokenizer(&files, 8192, &tok).expect("tokenizer");
     let out = tmp.join("data");
@@ -187,20 +172,7 @@ fn single_process(
     let model = run_model(run).expect("model");
     let ds = run_dataset(run, &model, Some(data)).expect("dataset");
     let mut pipe = Pipeline::new(&model, &StageOptions::cpu()).expect("pipeline");
-    let mut opts: Vec<AdamW> = pipe
-        .stages_mut()
-        .iter()
-        .enumerate()
-        .map(|(k, stage)| {
-            let cfg = AdamWConfig {
-                lr: run.inner_lr,
-                ..AdamWConfig::default()
-            }
-            .for_stage(&model, k)
-            .expect("adamw");
-            AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
-        })
-        .collect();
+    let mut opts = stage_optimizers(run, &model, &mut pipe);
     let eval = |pipe: &Pipeline| pipe.eval_loss(&held.inputs, &held.targets).expect("eval");
     let mut losses = vec![eval(&pipe)];
     let started = Instant::now();

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use iota_miner::trainer::{run_dataset, run_model};
 use iota_model::data::make_batch;
 use iota_model::threads::{self, CpuThreads};
-use iota_model::{AdamW, AdamWConfig, Device, LrSchedule, ModelConfig, Pipeline, StageOptions};
+use iota_model::{Device, ModelConfig, Pipeline, StageOptions};
 use iota_protocol::api::{Phase, RunConfig};
 use support::*;
 
@@ -65,20 +65,7 @@ fn monolithic_tokens_per_s(run: &RunConfig) -> f64 {
     let model = run_model(run).expect("model");
     let data = run_dataset(run, &model, None).expect("corpus");
     let mut pipe = Pipeline::new(&model, &StageOptions::cpu()).expect("pipeline");
-    let mut opts: Vec<AdamW> = pipe
-        .stages_mut()
-        .iter()
-        .enumerate()
-        .map(|(k, stage)| {
-            let cfg = AdamWConfig {
-                lr: run.inner_lr,
-                ..AdamWConfig::default()
-            }
-            .for_stage(&model, k)
-            .expect("adamw");
-            AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
-        })
-        .collect();
+    let mut opts = stage_optimizers(run, &model, &mut pipe);
     let batch = |sample: i64| {
         make_batch(data.as_ref(), &run.sequence_ids(sample), &Device::Cpu).expect("batch")
     };

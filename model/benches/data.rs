@@ -25,18 +25,6 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     std::process::exit(1)
 }
 
-fn text_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| fail(&dir.display().to_string(), e));
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            text_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "txt") {
-            out.push(p);
-        }
-    }
-}
-
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -98,9 +86,8 @@ fn main() {
         "load average before: {}; {threads} threads available",
         load_average()
     );
-    let mut files = Vec::new();
-    text_files(&corpus, &mut files);
-    files.sort();
+    let files = iota_model::data::sources::list_inputs(std::slice::from_ref(&corpus))
+        .unwrap_or_else(|e| fail("corpus", e));
     let docs: Vec<String> = files
         .iter()
         .map(|f| std::fs::read_to_string(f).unwrap_or_else(|e| fail(&f.display().to_string(), e)))

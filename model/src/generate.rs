@@ -20,10 +20,6 @@ use crate::layers::KvCache;
 use crate::rng::SplitMix64;
 use crate::stage::{Stage, StageOutput};
 
-/// End-of-text tokens looked up in a tokenizer, in order (the first the crate's BPE trainer
-/// adds, then Llama 3's, then common ones).
-pub const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
-
 /// The key/value caches of every block of a model: the positions fed so far.
 #[derive(Debug, Clone)]
 pub struct KvState {
@@ -342,9 +338,9 @@ pub fn generate_tokens(
     }
 }
 
-/// The tokenizer's end-of-text token: the first of [`EOS_CANDIDATES`] it knows.
+/// The tokenizer's end-of-text token (the one the datasets append to every document).
 pub fn end_of_text(tokenizer: &Tokenizer) -> Option<u32> {
-    EOS_CANDIDATES.iter().find_map(|t| tokenizer.token_to_id(t))
+    crate::data::eos_token(tokenizer)
 }
 
 /// Continue `prompt`: encode it (without added special tokens, as the text datasets do),

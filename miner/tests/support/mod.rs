@@ -10,7 +10,7 @@ pub mod common;
 use std::time::Duration;
 
 use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
-use iota_model::Stage;
+use iota_model::{AdamW, AdamWConfig, LrSchedule, ModelConfig, Pipeline, Stage};
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
 
@@ -147,4 +147,22 @@ pub async fn swarm(seeds: &[u8], run: RunConfig) -> Swarm {
         _chain: chain,
         _store: store,
     }
+}
+
+/// AdamW on every stage of `pipe` at the run's inner learning rate, each clipped to its stage's
+/// share of the norm: what one process training the run's model steps with.
+pub fn stage_optimizers(run: &RunConfig, model: &ModelConfig, pipe: &mut Pipeline) -> Vec<AdamW> {
+    pipe.stages_mut()
+        .iter()
+        .enumerate()
+        .map(|(k, stage)| {
+            let cfg = AdamWConfig {
+                lr: run.inner_lr,
+                ..AdamWConfig::default()
+            }
+            .for_stage(model, k)
+            .expect("adamw");
+            AdamW::new(stage, cfg, LrSchedule::constant()).expect("adamw")
+        })
+        .collect()
 }

@@ -17,7 +17,7 @@ mod text;
 
 pub use grammar::GrammarCorpus;
 pub use prepared::{HELD_OUT_BASE, PreparedDataset};
-pub use text::{END_OF_TEXT, TextDataset, read_documents, train_bpe_tokenizer};
+pub use text::{END_OF_TEXT, TextDataset, eos_token, read_documents, train_bpe_tokenizer};
 
 use candle_core::{Device, Tensor};
 

@@ -15,8 +15,9 @@ use crate::error::{ModelError, Result};
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 const EOS_CANDIDATES: [&str; 4] = [END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>"];
 
-/// The tokenizer's end-of-text token, if it has one of the usual names.
-pub(crate) fn eos_token(tokenizer: &Tokenizer) -> Option<u32> {
+/// The tokenizer's end-of-text token, if it has one of the usual names (the crate's BPE
+/// trainer's first, then Llama 3's, then common ones).
+pub fn eos_token(tokenizer: &Tokenizer) -> Option<u32> {
     EOS_CANDIDATES.iter().find_map(|t| tokenizer.token_to_id(t))
 }
 
