@@ -77,7 +77,8 @@ struct OrchestratorCmd {
     #[arg(long, env = "IOTA_MODEL", default_value = "tiny")]
     model: String,
     /// A prepared dataset folder (`iota data prepare`) to train on; its manifest's BLAKE3 goes
-    /// into the run's public config. Without it, the embedded grammar corpus.
+    /// into the run's public config and its files into the run's store (`datasets/<BLAKE3>/`),
+    /// where miners and validators fetch them. Without it, the embedded grammar corpus.
     #[arg(long, env = "IOTA_DATA")]
     data: Option<std::path::PathBuf>,
     /// Print the OpenAPI document and exit.
@@ -135,10 +136,12 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
     let hotkey = wallet.hotkeypub().map_err(|e| {
         anyhow::anyhow!("the orchestrator's hotkey: {e} (create one with `iota wallet new-hotkey`)")
     })?;
-    let config = cmd
+    let mut config = cmd
         .args
         .config(shape, hotkey.ss58())
         .map_err(|e| anyhow::anyhow!(e))?;
+    // Published in the run's store at start, for members without a local copy.
+    config.dataset_dir = cmd.data.clone();
     let listener = tokio::net::TcpListener::bind(cmd.args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cmd.args.listen))?;

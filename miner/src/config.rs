@@ -142,8 +142,10 @@ pub struct MinerConfig {
     /// Seed of the miner's own randomness (the noise adversary).
     pub seed: u64,
     /// A local copy of the run's prepared dataset (`iota data prepare`), for a run that names
-    /// one.
+    /// one. Without it, the dataset is fetched from the run's store into `data_cache`.
     pub data_dir: Option<std::path::PathBuf>,
+    /// Where a dataset fetched from the run's store is kept: `<data_cache>/<manifest BLAKE3>/`.
+    pub data_cache: std::path::PathBuf,
 }
 
 impl MinerConfig {
@@ -161,6 +163,7 @@ impl MinerConfig {
             retry: RetryPolicy::default(),
             seed: 0,
             data_dir: None,
+            data_cache: crate::dataset::DEFAULT_DATA_CACHE.into(),
         }
     }
 
@@ -238,10 +241,15 @@ pub struct MinerArgs {
     /// Cheat in this way (for testing validators only).
     #[arg(long, env = "IOTA_ADVERSARY", value_enum)]
     pub adversary: Option<Adversary>,
-    /// A local copy of the run's prepared dataset folder (`iota data prepare`); needed when the
-    /// run names a dataset, and refused unless its manifest hashes to the run's.
+    /// A local copy of the run's prepared dataset folder (`iota data prepare`), refused unless
+    /// its manifest hashes to the run's. Without it, a run's dataset is fetched from its store
+    /// into --data-cache.
     #[arg(long = "data-dir", env = "IOTA_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Where a dataset fetched from the run's store is kept, in a folder named by its
+    /// manifest's BLAKE3; files already there that hash right are not fetched again.
+    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = crate::dataset::DEFAULT_DATA_CACHE)]
+    pub data_cache: PathBuf,
 }
 
 impl MinerArgs {
@@ -259,6 +267,7 @@ impl MinerArgs {
             retry: RetryPolicy::default(),
             seed: rand::random(),
             data_dir: self.data_dir.clone(),
+            data_cache: self.data_cache.clone(),
         }
     }
 }

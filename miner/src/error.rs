@@ -34,6 +34,9 @@ pub enum MinerError {
         /// Subnet.
         netuid: u16,
     },
+    /// The run's dataset could not be fetched, or a file of it was refused.
+    #[error("{0}")]
+    Dataset(#[from] crate::dataset::DatasetError),
     /// Bad configuration.
     #[error("configuration: {0}")]
     Config(String),
@@ -49,6 +52,7 @@ impl MinerError {
         match self {
             Self::Api(ClientError::Network(_)) => true,
             Self::Api(ClientError::Api { status, .. }) => *status == 429 || *status >= 500,
+            Self::Dataset(e) => e.is_transient(),
             _ => false,
         }
     }

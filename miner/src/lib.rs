@@ -10,6 +10,7 @@
 //! * [`run`] / [`spawn`]: the loop, as a library (several miners can share a process).
 //! * [`StageTrainer`]: the compute half, blocking, replayable by validators.
 //! * [`startup::prepare`]: wallet, registration and axon for the `iota miner` command.
+//! * [`dataset`]: fetching the run's prepared dataset from its store into a cache folder.
 //! * [`Adversary`]: dishonest behaviours for testing validators, off by default.
 //!
 //! The orchestrator's API is described in `orchestrator/API.md`.
@@ -18,6 +19,7 @@ pub mod adversary;
 mod blobs;
 pub mod capacity;
 pub mod config;
+pub mod dataset;
 mod error;
 pub mod eval;
 pub mod merge;

@@ -270,7 +270,7 @@ impl Node {
     /// Connects, measures, registers and loads the stage's current weights. `None` when asked
     /// to stop before joining.
     async fn join(
-        cfg: MinerConfig,
+        mut cfg: MinerConfig,
         signer: Arc<dyn RequestSigner>,
         status: watch::Sender<MinerStatus>,
         flag: &std::sync::atomic::AtomicBool,
@@ -295,6 +295,14 @@ impl Node {
         // Checked against the protocol's bounds: the run sizes what this miner allocates.
         let run = client.run_info().await?.config;
         let model = run_model(&run)?;
+        // Before registering: the orchestrator expects work from a miner once it has joined.
+        if let (Some(hash), None) = (&run.dataset, &cfg.data_dir) {
+            let dir = crate::dataset::cache_dir(&cfg.data_cache, hash);
+            let fetched = crate::dataset::fetch_dataset(&client, hash, &dir).await?;
+            tracing::info!(dataset = %hash, dir = %dir.display(), downloaded = fetched.downloaded.len(),
+                kept = fetched.kept.len(), "the run's dataset is in the cache");
+            cfg.data_dir = Some(dir);
+        }
         let device = cfg.device.clone();
         let measured = if let Some(t) = cfg.tokens_per_s {
             t

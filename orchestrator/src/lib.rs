@@ -10,6 +10,7 @@
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
 //! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
+//! * [`dataset`]: the run's prepared dataset, published in the store and listed for members.
 //! * [`replicas`]: one schema at a time on a database, across upgrades.
 //!
 //! `orchestrator/API.md` describes the API; `orchestrator/openapi.json` is its contract.
@@ -18,6 +19,7 @@ pub mod app;
 mod batch;
 pub mod config;
 pub mod dashboard;
+pub mod dataset;
 pub mod driver;
 pub mod miner;
 pub mod poll_view;
@@ -116,6 +118,9 @@ pub enum OrchestratorError {
     /// The object store could not be opened.
     #[error("cannot open the object store: {0}; check --store")]
     Store(String),
+    /// The dataset folder could not be published in the store.
+    #[error("cannot publish the dataset: {0}")]
+    Dataset(String),
     /// Serving failed.
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
@@ -393,7 +398,7 @@ fn http_metrics() -> &'static HttpMetrics {
         miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
         miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
         miner::merges, miner::weights, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
-        miner::report_bad_object, sessions::open,
+        miner::report_bad_object, dataset::files, sessions::open,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
         validator::spot_checks, validator::report_spot_checks,
@@ -534,6 +539,7 @@ pub fn router(app: App) -> Router {
             post(miner::report_bad_object),
         )
         .route("/v1/blobs/{*key}", get(miner::blob))
+        .route("/v1/dataset", get(dataset::files))
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, json_limit, SharedReplay::Before, false),
             app::signed_gate,
@@ -652,6 +658,20 @@ pub async fn run(
         BlobStore::open(&config.store).map_err(|e| OrchestratorError::Store(e.to_string()))?;
     let db = connect_db(&config.database_url, config.db_max_connections).await?;
     let run = ensure_run(&db, &config.run, config.netuid, &config.hotkey).await?;
+    if let Some(dir) = &config.dataset_dir {
+        // Before serving: a member that finds the run finds its dataset.
+        let Some(hash) = config.run.dataset.as_deref() else {
+            return Err(OrchestratorError::Config(format!(
+                "a dataset folder ({}) for a run that names no dataset",
+                dir.display()
+            )));
+        };
+        let done = dataset::publish(&store, dir, hash)
+            .await
+            .map_err(|e| OrchestratorError::Dataset(e.to_string()))?;
+        tracing::info!(dataset = %hash, uploaded = done.uploaded.len(), kept = done.kept.len(),
+            "dataset published in the run's store");
+    }
     let chain_err = |reason: String| OrchestratorError::Chain {
         url: config.chain_endpoint.clone(),
         netuid: config.netuid,

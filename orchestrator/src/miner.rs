@@ -2501,17 +2501,19 @@ pub async fn blob(
     ApiPath(key): ApiPath<String>,
 ) -> ApiResult<axum::response::Response> {
     let prefix = format!("runs/{}/", app.run.id);
-    let Some(in_run) = key.strip_prefix(&prefix) else {
+    let in_run = key.strip_prefix(&prefix);
+    // Besides the run's own objects: its dataset's files, for every member.
+    if in_run.is_none() && !crate::dataset::is_run_dataset_key(&app, &key) {
         return Err(AppError::new(
             ErrorCode::NotFound,
             format!("no object {key}"),
         ));
-    };
+    }
     // An owner that could read another owner's merged result before the partition is settled
     // could submit it as its own instead of merging, and the two would agree.
     // Validators read them at any time (to settle disputes), unless they have a stake in the
     // partition themselves (a hotkey with a permit may also have joined as a miner).
-    if let Some((epoch, stage, partition)) = merged_partition_of(in_run) {
+    if let Some((epoch, stage, partition)) = in_run.and_then(merged_partition_of) {
         let state: Option<String> = sqlx::query_scalar(
             "SELECT state FROM partitions
              WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",

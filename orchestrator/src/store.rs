@@ -141,6 +141,8 @@ fn names_nothing(e: &object_store::Error) -> bool {
 
 /// Bytes per chunk when an object from a local directory is streamed.
 const STREAM_CHUNK_BYTES: usize = 1 << 20;
+/// Bytes per part of a multipart upload of a file (S3's smallest part but the last is 5 MiB).
+const UPLOAD_PART_BYTES: usize = 8 << 20;
 
 /// The blob store.
 #[derive(Clone, Debug)]
@@ -211,6 +213,54 @@ impl BlobStore {
             .put(&Self::path(key)?, PutPayload::from_bytes(bytes))
             .await?;
         Ok(())
+    }
+
+    /// Writes the file at `file` to `key`, streamed in parts (a multipart upload on S3), so a
+    /// file of any size passes through a part's worth of memory; readers see all of it or none.
+    /// Returns its size and BLAKE3 (hex), computed on the way.
+    pub async fn put_file(
+        &self,
+        key: &str,
+        file: &std::path::Path,
+    ) -> Result<(u64, String), StoreError> {
+        use tokio::io::AsyncReadExt;
+        let path = Self::path(key)?;
+        let io = |e: std::io::Error| StoreError::Backend(format!("{}: {e}", file.display()));
+        let mut input = tokio::fs::File::open(file).await.map_err(io)?;
+        let upload = self.inner.put_multipart(&path).await?;
+        let mut writer =
+            object_store::WriteMultipart::new_with_chunk_size(upload, UPLOAD_PART_BYTES);
+        let mut hasher = blake3::Hasher::new();
+        let mut size = 0u64;
+        let mut buf = vec![0u8; STREAM_CHUNK_BYTES];
+        loop {
+            let n = match input.read(&mut buf).await {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = writer.abort().await;
+                    return Err(io(e));
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            size += n as u64;
+            // At most two parts in flight: memory stays bounded whatever the file's size.
+            writer.wait_for_capacity(2).await?;
+            writer.write(&buf[..n]);
+        }
+        writer.finish().await?;
+        Ok((size, hasher.finalize().to_hex().to_string()))
+    }
+
+    /// The size of an object, `None` when there is none.
+    pub async fn size_of(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        match self.inner.head(&Self::path(key)?).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Reads an object.

@@ -24,6 +24,7 @@ use uuid::Uuid;
 
 use crate::api::*;
 use crate::blob::{BlobDescriptor, blake3_hex};
+use crate::dataset::{DatasetFile, DatasetFiles};
 use crate::error::{ApiError, ErrorCode};
 use crate::session::{ClientSession, Handshake, SESSIONS_PATH, decode_public_hex};
 use crate::signing::{RequestSigner, authenticate_request, decode_signer};
@@ -117,6 +118,9 @@ pub enum ClientError {
     /// A request path that would not be sent as given (see `ApiClient::url_of`).
     #[error("request path: {0}")]
     BadPath(String),
+    /// A local file could not be written (a download to disk).
+    #[error("file: {0}")]
+    Io(String),
 }
 
 impl ClientError {
@@ -934,6 +938,169 @@ impl ApiClient {
                 Attempt::Final(Err(limit.refusal(&blob.key, declared)))
             }
         }
+    }
+
+    /// The files of the run's prepared dataset in its store, with download URLs where the store
+    /// presigns (`GET /v1/dataset`).
+    pub async fn dataset_files(&self) -> Result<DatasetFiles, ClientError> {
+        self.signed_raw(Method::GET, "/v1/dataset", None).await
+    }
+
+    /// Downloads a dataset file (presigned URL or the orchestrator) into `dest`, streamed: the
+    /// bytes go to a temporary sibling (`dest` with `.part` appended) while they are hashed,
+    /// and it is renamed to `dest` only once its size and BLAKE3 are the descriptor's. Memory
+    /// stays a chunk's whatever the size, and a body longer than the descriptor's size is cut
+    /// off. The caller checks the descriptor itself (its size and hash against the manifest)
+    /// first: this is how a shard, larger than any object of the run, is fetched.
+    pub async fn download_file(
+        &self,
+        file: &DatasetFile,
+        dest: &std::path::Path,
+    ) -> Result<(), ClientError> {
+        let mut part = dest.as_os_str().to_owned();
+        part.push(".part");
+        let part = std::path::PathBuf::from(part);
+        let session = match &file.url {
+            None => self.session().await,
+            Some(_) => None,
+        };
+        let mut result = self
+            .with_retries(|_| self.try_download_file(file, session.as_ref(), &part))
+            .await;
+        if let (Some(old), Err(e)) = (&session, &result)
+            && matches!(
+                e.code(),
+                Some(ErrorCode::UnknownSession | ErrorCode::Unauthenticated)
+            )
+        {
+            self.sessions.forget(&old.token);
+            let session = self.session().await;
+            result = self
+                .with_retries(|_| self.try_download_file(file, session.as_ref(), &part))
+                .await;
+        }
+        if let Err(e) = result {
+            let _ = tokio::fs::remove_file(&part).await;
+            return Err(e);
+        }
+        tokio::fs::rename(&part, dest)
+            .await
+            .map_err(|e| ClientError::Io(format!("{} -> {}: {e}", part.display(), dest.display())))
+    }
+
+    /// One attempt of [`ApiClient::download_file`]: the whole file again, into `part`.
+    async fn try_download_file(
+        &self,
+        file: &DatasetFile,
+        session: Option<&ClientSession>,
+        part: &std::path::Path,
+    ) -> Attempt {
+        use tokio::io::AsyncWriteExt;
+        let timeout = self.retry.timeout_for(file.size);
+        let path_and_query = format!("/v1/blobs/{}", file.key);
+        let req = match &file.url {
+            Some(url) => self.http.get(url).timeout(timeout),
+            None => {
+                let url = match self.url_of(&path_and_query) {
+                    Ok(u) => u,
+                    Err(e) => return Attempt::Final(Err(e)),
+                };
+                let headers = authenticate_request(
+                    self.signer.as_ref(),
+                    session,
+                    &self.orchestrator,
+                    "GET",
+                    &path_and_query,
+                    &[],
+                    now_ms(),
+                    Uuid::new_v4(),
+                );
+                let mut req = self.http.get(url).timeout(timeout);
+                for (name, value) in headers.headers {
+                    req = req.header(name, value);
+                }
+                req
+            }
+        };
+        let mut resp = match req.send().await {
+            Ok(resp) => resp,
+            Err(e) => return Attempt::network(e.to_string()),
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let retry_after = retry_after(&resp);
+            let body = read_body(&mut resp, BodyLimit::ErrorBody)
+                .await
+                .unwrap_or_default();
+            let error = serde_json::from_slice::<ApiError>(&body).unwrap_or_else(|_| {
+                let code = match status {
+                    StatusCode::NOT_FOUND => ErrorCode::NotFound,
+                    _ => ErrorCode::Internal,
+                };
+                ApiError::new(
+                    code,
+                    format!("the store answered {status} for {}", file.key),
+                )
+            });
+            let error = ClientError::Api {
+                status: status.as_u16(),
+                error,
+            };
+            return match is_retryable_status(status) {
+                true => Attempt::Again { error, retry_after },
+                false => Attempt::Final(Err(error)),
+            };
+        }
+        if let Some(n) = resp.content_length()
+            && n != file.size
+        {
+            return Attempt::Final(Err(BodyLimit::Exact(file.size).refusal(&file.key, Some(n))));
+        }
+        let io = |e: std::io::Error| {
+            Attempt::Final(Err(ClientError::Io(format!("{}: {e}", part.display()))))
+        };
+        let mut out = match tokio::fs::File::create(part).await {
+            Ok(f) => f,
+            Err(e) => return io(e),
+        };
+        let mut hasher = blake3::Hasher::new();
+        let mut got = 0u64;
+        loop {
+            let chunk = match resp.chunk().await {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) => return Attempt::network(e.to_string()),
+            };
+            got = got.saturating_add(chunk.len() as u64);
+            if got > file.size {
+                return Attempt::Final(Err(BodyLimit::Exact(file.size).refusal(&file.key, None)));
+            }
+            hasher.update(&chunk);
+            if let Err(e) = out.write_all(&chunk).await {
+                return io(e);
+            }
+        }
+        if let Err(e) = out.flush().await {
+            return io(e);
+        }
+        if let Err(e) = out.sync_all().await {
+            return io(e);
+        }
+        if got != file.size {
+            // A body cut short: the connection failed, worth another attempt.
+            return Attempt::network(format!(
+                "{}: {got} bytes arrived, the descriptor says {}",
+                file.key, file.size
+            ));
+        }
+        let hash = hasher.finalize().to_hex();
+        if hash.as_str() != file.blake3 {
+            return Attempt::Final(Err(ClientError::BadObject(format!(
+                "{}: BLAKE3 {hash}, expected {}",
+                file.key, file.blake3
+            ))));
+        }
+        Attempt::Final(Ok(Bytes::new()))
     }
 
     /// Reports an object that failed its checks after download.

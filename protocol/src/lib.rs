@@ -5,6 +5,7 @@
 //! * [`session`]: sessions opened by a signed handshake, whose requests carry a MAC instead.
 //! * [`error`]: the one JSON error body with a stable `code`.
 //! * [`blob`]: blob descriptors (key, size, dtype, shape, BLAKE3).
+//! * [`dataset`]: a run's prepared dataset in its store (file list, keys, size bounds).
 //! * [`tensor`]: the safetensors layouts on the wire and the checks every upload passes.
 //! * [`client`] (feature `client`, on by default): the typed reqwest client with retries.
 //!
@@ -14,6 +15,7 @@ pub mod api;
 pub mod blob;
 #[cfg(feature = "client")]
 pub mod client;
+pub mod dataset;
 pub mod error;
 pub mod session;
 pub mod signing;

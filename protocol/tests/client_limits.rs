@@ -912,3 +912,53 @@ async fn wrappers_ask_their_routes_and_getters_return_the_setup() {
     assert_eq!(c.merge_status(7).await.expect("merges"), vec![partition]);
     assert_eq!(c.disputes().await.expect("disputes"), vec![dispute]);
 }
+
+#[tokio::test]
+async fn a_dataset_file_is_streamed_to_disk_and_never_past_its_descriptor() {
+    use iota_protocol::dataset::DatasetFile;
+    let content = vec![7u8; 3 << 20];
+    let good = content.clone();
+    let base = serve(move |path| match path {
+        "/good" => Answer::sized(good.clone()),
+        "/endless" => Answer::ok(vec![], Body::Endless),
+        "/huge" => Answer::ok(
+            vec![format!("Content-Length: {}", 1u64 << 40)],
+            Body::Endless,
+        ),
+        "/tampered" => {
+            let mut bad = good.clone();
+            bad[100] ^= 1;
+            Answer::sized(bad)
+        }
+        _ => Answer::sized(Vec::new()),
+    })
+    .await;
+    let c = client(&base);
+    let dir = std::env::temp_dir().join(format!("iota-dataset-file-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = |path: &str| DatasetFile {
+        name: "train-00000.tok".into(),
+        key: "datasets/x/train-00000.tok".into(),
+        size: content.len() as u64,
+        blake3: blake3_hex(&content),
+        url: Some(format!("{base}{path}")),
+    };
+    let dest = dir.join("train-00000.tok");
+    let part = dir.join("train-00000.tok.part");
+    for (path, what) in [
+        ("/endless", "descriptor says"),
+        ("/huge", "descriptor says"),
+        ("/tampered", "BLAKE3"),
+    ] {
+        match c.download_file(&file(path), &dest).await {
+            Err(ClientError::BadObject(m)) => assert!(m.contains(what), "{path}: {m}"),
+            other => panic!("{path}: expected a bad-object refusal, got {other:?}"),
+        }
+        assert!(!dest.exists() && !part.exists(), "{path} left a file");
+    }
+    c.download_file(&file("/good"), &dest).await.expect("good");
+    assert_eq!(std::fs::read(&dest).expect("written"), content);
+    assert!(!part.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -79,10 +79,15 @@ pub struct ValidatorArgs {
     /// Debug logging.
     #[arg(long = "logging.debug", env = "BT_LOGGING_DEBUG")]
     pub debug: bool,
-    /// A local copy of the run's prepared dataset folder (`iota data prepare`); needed to
-    /// replay a run that names a dataset.
+    /// A local copy of the run's prepared dataset folder (`iota data prepare`), to replay a run
+    /// that names a dataset. Without it, the dataset is fetched from the run's store into
+    /// --data-cache.
     #[arg(long = "data-dir", env = "IOTA_DATA_DIR")]
     pub data_dir: Option<std::path::PathBuf>,
+    /// Where a dataset fetched from the run's store is kept, in a folder named by its
+    /// manifest's BLAKE3; files already there that hash right are not fetched again.
+    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = iota_miner::dataset::DEFAULT_DATA_CACHE)]
+    pub data_cache: std::path::PathBuf,
 }
 
 impl ValidatorArgs {
@@ -105,6 +110,7 @@ impl ValidatorArgs {
             .map(|u| (u, self.burn_share.clamp(0.0, 0.99)));
         c.set_weights = !self.no_weights;
         c.data_dir = self.data_dir.clone();
+        c.data_cache = self.data_cache.clone();
         c
     }
 }

@@ -40,6 +40,9 @@ pub enum ValidatorError {
         /// What is gone.
         reason: String,
     },
+    /// The run's dataset could not be fetched, or a file of it was refused.
+    #[error("{0}")]
+    Dataset(#[from] iota_miner::dataset::DatasetError),
     /// Bad configuration.
     #[error("configuration: {0}")]
     Config(String),

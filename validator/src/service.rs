@@ -65,8 +65,11 @@ pub struct ValidatorConfig {
     /// Retries of orchestrator requests; once they are spent the orchestrator counts as
     /// unreachable and the validator copies the chain's consensus weights instead.
     pub retry: RetryPolicy,
-    /// A local copy of the run's prepared dataset, for a run that names one.
+    /// A local copy of the run's prepared dataset, for a run that names one (without it, the
+    /// dataset is fetched from the run's store into `data_cache`).
     pub data_dir: Option<std::path::PathBuf>,
+    /// Where a dataset fetched from the run's store is kept: `<data_cache>/<manifest BLAKE3>/`.
+    pub data_cache: std::path::PathBuf,
 }
 
 impl ValidatorConfig {
@@ -86,6 +89,7 @@ impl ValidatorConfig {
             tx: TxOptions::default(),
             retry: RetryPolicy::default(),
             data_dir: None,
+            data_cache: iota_miner::dataset::DEFAULT_DATA_CACHE.into(),
         }
     }
 }
@@ -110,6 +114,8 @@ struct Online {
     client: ApiClient,
     run_id: i64,
     run: RunConfig,
+    /// The run's prepared dataset: the configured copy, or the one fetched into the cache.
+    data_dir: Option<std::path::PathBuf>,
 }
 
 /// A validator with its clients and database.
@@ -132,6 +138,8 @@ pub fn orchestrator_unreachable(e: &ValidatorError) -> bool {
         ValidatorError::Api(iota_protocol::ClientError::Api { status, .. }) => {
             matches!(status, 502..=504)
         }
+        // Fetched again on the next connection attempt.
+        ValidatorError::Dataset(e) => e.is_transient(),
         _ => false,
     }
 }
@@ -354,10 +362,20 @@ impl Validator {
                     ApiClient::connect(&self.cfg.orchestrator_url, signer, self.cfg.retry).await?;
                 // Checked: the run sizes what the validator allocates.
                 let info = client.run_info().await?;
+                let mut data_dir = self.cfg.data_dir.clone();
+                if let (Some(hash), None) = (&info.config.dataset, &data_dir) {
+                    let dir = iota_miner::dataset::cache_dir(&self.cfg.data_cache, hash);
+                    let fetched = iota_miner::dataset::fetch_dataset(&client, hash, &dir).await?;
+                    tracing::info!(dataset = %hash, dir = %dir.display(),
+                        downloaded = fetched.downloaded.len(), kept = fetched.kept.len(),
+                        "the run's dataset is in the cache");
+                    data_dir = Some(dir);
+                }
                 Ok(Online {
                     client,
                     run_id: info.id,
                     run: info.config,
+                    data_dir,
                 })
             })
             .await
@@ -724,7 +742,7 @@ impl Validator {
             let start: Vec<Option<Vec<f32>>> =
                 start.into_iter().map(|p| p.map(|(v, _)| v)).collect();
             let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
-            let data_dir = self.cfg.data_dir.clone();
+            let data_dir = o.data_dir.clone();
             let report = tokio::task::spawn_blocking(move || {
                 replay_miner(
                     &run,
