@@ -246,6 +246,14 @@ impl RunConfig {
         if self.inner_steps_every == 0 {
             return Err("inner_steps_every must be at least 1".into());
         }
+        // A folder name on every miner and validator: nothing but the hash.
+        if let Some(d) = &self.dataset
+            && !crate::blob::is_blake3_hex(d)
+        {
+            return Err(format!(
+                "dataset {d:?} is not a BLAKE3 hash (64 lowercase hex digits)"
+            ));
+        }
         self.validate_bounds()
     }
 
@@ -1370,6 +1378,17 @@ mod tests {
 
     /// A run served by an orchestrator that predates the inner optimizer's settings reads with
     /// their defaults.
+    #[test]
+    fn a_dataset_is_named_by_its_hash_only() {
+        let mut r = run();
+        r.dataset = Some("ab".repeat(32));
+        assert!(r.validate().is_ok());
+        for bad in ["../../etc", "AB".repeat(32).as_str(), "ab", ""] {
+            r.dataset = Some(bad.to_owned());
+            assert!(r.validate().is_err(), "{bad:?}");
+        }
+    }
+
     #[test]
     fn inner_settings_default_when_absent() {
         let mut json = serde_json::to_value(run()).expect("json");
