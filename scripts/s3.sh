@@ -5,6 +5,7 @@
 #   eval "$(scripts/s3.sh start)"   # exports IOTA_TEST_S3_ENDPOINT, IOTA_TEST_S3_BUCKET,
 #                                   # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, IOTA_S3_DIR
 #   scripts/s3.sh stop "$IOTA_S3_DIR"
+#   scripts/s3.sh install           # only installs moto (ahead of time)
 #
 # moto is installed into a virtual environment (target/s3-venv, or $IOTA_S3_VENV) on first use.
 # The server listens on 127.0.0.1 on a free port and keeps everything in memory; the credentials
@@ -71,7 +72,8 @@ stop() {
 }
 
 case "${1:-}" in
+    install) ensure_venv ;;
     start) start ;;
     stop) stop "${2:-}" ;;
-    *) echo "usage: $0 start | stop DIR" >&2; exit 2 ;;
+    *) echo "usage: $0 install | start | stop DIR" >&2; exit 2 ;;
 esac

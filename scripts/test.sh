@@ -22,43 +22,63 @@ if [ -z "${DATABASE_URL:-}" ]; then
 fi
 export DATABASE_URL
 
-if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
-    echo "== starting an S3-compatible server (moto, from PyPI)"
-    eval "$(scripts/s3.sh start)"
-    cleanup+=("scripts/s3.sh stop '$IOTA_S3_DIR'")
-fi
-export IOTA_TEST_S3_ENDPOINT
-
-if [ -z "${IOTA_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
-    echo "== installing chromium (Debian package, for the dashboard test)"
+# Installing (Debian packages, moto, the Python SDKs: mostly waiting on the network) runs while
+# the lints compile; its output is shown once it is done.
+install_debian_packages() {
+    local missing=()
+    if [ -z "${IOTA_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
+        missing+=(chromium) # the dashboard test's browser
+    fi
+    if ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
+        missing+=(libopenblas-dev) # iota-model's openblas feature
+    fi
+    if [ -z "${IOTA_TEST_TEXT_CORPUS:-}" ] && [ ! -d /usr/share/doc/python3-doc/html/_sources ]; then
+        missing+=(python3-doc) # the English corpus of cli/tests/localnet_up_text.rs
+    fi
+    if [ "${#missing[@]}" -eq 0 ]; then return; fi
+    echo "== installing Debian packages: ${missing[*]}"
     as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
     as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-fi
-
-if ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
-    echo "== installing libopenblas-dev (Debian package, for iota-model's openblas feature)"
-    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas-dev >/dev/null
-fi
-
-if [ -z "${IOTA_TEST_TEXT_CORPUS:-}" ] && [ ! -d /usr/share/doc/python3-doc/html/_sources ]; then
-    echo "== installing python3-doc (Debian package: the English corpus of cli/tests/localnet_up_text.rs)"
-    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-doc >/dev/null
-fi
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+install_all() {
+    install_debian_packages
+    if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
+        echo "== installing an S3-compatible server (moto, from PyPI)"
+        scripts/s3.sh install
+    fi
+    echo "== Python SDK venvs (bittensor 11.x and 10.x from PyPI, for localnet/tests/python_sdk.rs)"
+    bash scripts/python-sdk-venvs.sh >target/python-sdk.env
+}
+mkdir -p target
+install_all >target/test-install.log 2>&1 &
+install_pid=$!
+cleanup+=("kill $install_pid 2>/dev/null")
 
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== Python SDK venvs (bittensor 11.x and 10.x from PyPI, for localnet/tests/python_sdk.rs)"
-venvs=$(bash scripts/python-sdk-venvs.sh)
-eval "$venvs"
+
+if ! wait "$install_pid"; then
+    cat target/test-install.log
+    echo "installing what the tests need failed" >&2
+    exit 1
+fi
+cat target/test-install.log
+eval "$(cat target/python-sdk.env)"
+
+if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
+    echo "== starting the S3-compatible server"
+    eval "$(scripts/s3.sh start)"
+    cleanup+=("scripts/s3.sh stop '$IOTA_S3_DIR'")
+fi
+export IOTA_TEST_S3_ENDPOINT
+
 echo "== cargo test"
 cargo test --workspace --locked
-echo "== iota-model with the openblas feature"
-cargo clippy -p iota-model --features openblas --all-targets --locked -- -D warnings
-cargo test -p iota-model --features openblas --locked
+# Selected with the whole workspace, so that every dependency keeps the features it was just
+# built with: `-p iota-model` alone resolves them differently and rebuilds nearly everything.
+echo "== iota-model with the openblas feature: lints, and every crate's unit tests"
+cargo clippy --workspace --all-targets --locked --features iota-model/openblas -- -D warnings
+cargo test --workspace --lib --locked --features iota-model/openblas

@@ -96,6 +96,21 @@ pub struct UpData {
 
 /// Tokenizer size trained for raw `--data` given without `--tokenizer`.
 const UP_TOKENIZER_VOCAB: usize = 1024;
+/// About the most text that tokenizer is trained on: its merges are settled long before, and
+/// `--data` may be a real corpus of gigabytes.
+const UP_TOKENIZER_SAMPLE_BYTES: u64 = 4 << 20;
+
+/// Every k-th of `files` (path, size), k chosen so that they add up to about `budget` bytes: a
+/// sample spread over the whole corpus rather than its first folder. All of them when they fit.
+fn spread_sample(files: &[(PathBuf, u64)], budget: u64) -> Vec<PathBuf> {
+    let total: u64 = files.iter().map(|(_, size)| size).sum();
+    let stride = total.div_ceil(budget.max(1)).max(1) as usize;
+    files
+        .iter()
+        .step_by(stride)
+        .map(|(p, _)| p.clone())
+        .collect()
+}
 
 /// `--data`: a prepared dataset as is, or raw text prepared into `dir/data` (replacing what an
 /// earlier run left there).
@@ -121,19 +136,29 @@ pub fn up_data(
             let tok = match tokenizer {
                 Some(t) => t.to_path_buf(),
                 None => {
-                    let plain: Vec<PathBuf> = files
-                        .iter()
-                        .filter(|f| f.extension().is_some_and(|e| e == "txt" || e == "jsonl"))
-                        .cloned()
-                        .collect();
+                    let mut plain = Vec::new();
+                    for f in &files {
+                        if f.extension().is_some_and(|e| e == "txt" || e == "jsonl") {
+                            let size = std::fs::metadata(f)
+                                .with_context(|| format!("--data {}", f.display()))?
+                                .len();
+                            plain.push((f.clone(), size));
+                        }
+                    }
                     anyhow::ensure!(
                         !plain.is_empty(),
                         "--data has no .txt or .jsonl file to train a tokenizer on: give one \
                          with --tokenizer"
                     );
+                    let sample = spread_sample(&plain, UP_TOKENIZER_SAMPLE_BYTES);
                     let t = dir.join("tokenizer.json");
-                    println!("training a {UP_TOKENIZER_VOCAB}-token BPE tokenizer on --data");
-                    iota_model::train_bpe_tokenizer(&plain, UP_TOKENIZER_VOCAB, &t)?;
+                    println!(
+                        "training a {UP_TOKENIZER_VOCAB}-token BPE tokenizer on {} of --data's {} \
+                         text files",
+                        sample.len(),
+                        plain.len()
+                    );
+                    iota_model::train_bpe_tokenizer(&sample, UP_TOKENIZER_VOCAB, &t)?;
                     t
                 }
             };
@@ -1019,6 +1044,26 @@ async fn finish(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_tokenizer_sample_is_spread_over_the_corpus_and_near_its_budget() {
+        use super::spread_sample;
+        use std::path::PathBuf;
+        let files: Vec<(PathBuf, u64)> = (0..100)
+            .map(|i| (PathBuf::from(format!("{i:03}.txt")), 1000))
+            .collect();
+        let names = |s: Vec<PathBuf>| -> Vec<String> {
+            s.iter().map(|p| p.display().to_string()).collect()
+        };
+        assert_eq!(spread_sample(&files, 1 << 30).len(), 100, "all fit");
+        let sample = names(spread_sample(&files, 25_000));
+        assert_eq!(sample.len(), 25);
+        assert_eq!(sample[..3], ["000.txt", "004.txt", "008.txt"]);
+        assert_eq!(sample.last().map(String::as_str), Some("096.txt"));
+        let one = names(spread_sample(&files, 1));
+        assert_eq!(one, ["000.txt"]);
+        assert!(spread_sample(&[], 10).is_empty());
+    }
+
     use super::*;
 
     fn err(model: &str, stages: Option<u32>, dir: &Path) -> String {
