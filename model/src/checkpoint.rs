@@ -250,7 +250,7 @@ pub fn load_adamw_bytes(opt: &mut AdamW, stage: &Stage, bytes: &[u8]) -> Result<
             out.push(Tensor::from_vec(data, var.dims(), var.device())?.to_dtype(var.dtype())?);
         }
     }
-    opt.set_state(meta.step, ms, vs);
+    opt.set_state(meta.step, ms, vs)?;
     Ok(())
 }
 
@@ -403,7 +403,7 @@ mod tests {
             .iter()
             .map(|p| p.var().as_tensor().sqr().unwrap())
             .collect();
-        opt.set_state(7, m, v);
+        opt.set_state(7, m, v).unwrap();
         let bytes = adamw_to_bytes(&opt, &s).unwrap();
         let mut back = AdamW::new(&s, AdamWConfig::default(), LrSchedule::constant()).unwrap();
         load_adamw_bytes(&mut back, &s, &bytes).unwrap();

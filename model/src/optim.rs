@@ -2,8 +2,11 @@
 //! averaged pseudo-gradients at merge time (DiLoCo).
 //!
 //! AdamW keeps its moments in the master-weight dtype (f32), whatever the compute dtype. A step is
-//! transactional: new weights and moments are computed aside, checked for NaN/Inf, and only then
-//! written, so a bad step leaves the stage exactly at its last good state.
+//! transactional: a first pass computes every new weight and moment and checks it for NaN/Inf
+//! without keeping it, and only then a second pass computes them again and writes them in place,
+//! so a bad step leaves the stage exactly at its last good state. Both passes go a chunk of
+//! [`STEP_CHUNK`] elements at a time: the step's temporaries are a few chunks, never a copy of
+//! the model (for a 1.5B stage, three such copies were gigabytes).
 
 use std::ops::Range;
 
@@ -12,6 +15,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 use crate::stage::Stage;
+
+/// Elements of a tensor that one AdamW chunk updates: the step's temporaries are a few of these
+/// (16 MiB each in f32), whatever the size of the stage's largest tensor.
+pub const STEP_CHUNK: usize = 1 << 22;
 
 /// Inner optimizer hyper-parameters.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -168,9 +175,87 @@ enum Prepared {
         step: u64,
         lr: f64,
         grad_norm: f64,
-        staged: Vec<Option<(Tensor, Tensor, Tensor)>>,
+        coefficients: Coefficients,
     },
     Skip(SkipReason),
+}
+
+/// What one step multiplies by, fixed before any element is touched.
+#[derive(Clone, Copy, Debug)]
+struct Coefficients {
+    /// From the accumulated gradient to the clipped token-mean one.
+    grad_scale: f64,
+    beta1: f64,
+    beta2: f64,
+    inv_bias1: f64,
+    inv_bias2: f64,
+    eps: f64,
+    lr: f64,
+    weight_decay: f64,
+}
+
+impl Coefficients {
+    /// New weights, first and second moments for one chunk (`w`, its gradient `g`, moments `m`,
+    /// `v`); `decays` for matrices.
+    fn update(
+        &self,
+        decays: bool,
+        w: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b1, b2) = (self.beta1, self.beta2);
+        let g = (g * self.grad_scale)?;
+        let m = ((m * b1)? + (&g * (1.0 - b1))?)?;
+        let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+        let denom = ((&v * self.inv_bias2)?.sqrt()? + self.eps)?;
+        let update = ((&m * self.inv_bias1)? / denom)?;
+        let decay = if decays {
+            1.0 - self.lr * self.weight_decay
+        } else {
+            1.0
+        };
+        let w = ((w * decay)? - (update * self.lr)?)?;
+        Ok((w, m, v))
+    }
+}
+
+/// Calls `f(offset, len)` for consecutive chunks of at most `chunk` elements covering `total`.
+fn for_each_chunk(
+    total: usize,
+    chunk: usize,
+    mut f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<()> {
+    let chunk = chunk.max(1);
+    let mut offset = 0;
+    while offset < total {
+        let len = chunk.min(total - offset);
+        f(offset, len)?;
+        offset += len;
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` are views of one storage (candle keeps its own check private).
+fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
+    // One lock at a time: the first guard is dropped before the second is taken.
+    let first = {
+        let (storage, _) = a.storage_and_layout();
+        &*storage as *const candle_core::Storage
+    };
+    let (second, _) = b.storage_and_layout();
+    std::ptr::eq(first, &*second)
+}
+
+/// `t` as one dimension, sharing its storage, so that writing into the view writes into `t`.
+fn flat_view(t: &Tensor, what: &str) -> Result<Tensor> {
+    if !t.is_contiguous() {
+        return Err(ModelError::InvalidInput(format!(
+            "{what} is not contiguous: it cannot be updated in place"
+        )));
+    }
+    Ok(t.flatten_all()?)
 }
 
 impl PreparedStep {
@@ -204,6 +289,7 @@ pub struct AdamW {
     skipped: u64,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
+    chunk: usize,
 }
 
 impl AdamW {
@@ -211,18 +297,22 @@ impl AdamW {
     pub fn new(stage: &Stage, cfg: AdamWConfig, schedule: LrSchedule) -> Result<Self> {
         cfg.validate()?;
         schedule.validate()?;
-        let zeros = stage
-            .params()
-            .iter()
-            .map(|p| Ok(p.var().as_tensor().zeros_like()?))
-            .collect::<Result<Vec<_>>>()?;
+        // Separate allocations: the moments are written in place.
+        let zeros = || {
+            stage
+                .params()
+                .iter()
+                .map(|p| Ok(p.var().as_tensor().zeros_like()?))
+                .collect::<Result<Vec<_>>>()
+        };
         Ok(Self {
             cfg,
             schedule,
             step: 0,
             skipped: 0,
-            v: zeros.clone(),
-            m: zeros,
+            m: zeros()?,
+            v: zeros()?,
+            chunk: STEP_CHUNK,
         })
     }
 
@@ -245,10 +335,18 @@ impl AdamW {
     pub(crate) fn moments(&self) -> (&[Tensor], &[Tensor]) {
         (&self.m, &self.v)
     }
-    pub(crate) fn set_state(&mut self, step: u64, m: Vec<Tensor>, v: Vec<Tensor>) {
+    pub(crate) fn set_state(&mut self, step: u64, m: Vec<Tensor>, v: Vec<Tensor>) -> Result<()> {
+        // The moments are written in place: no two may share storage.
+        let mut v = v;
+        for (m, v) in m.iter().zip(v.iter_mut()) {
+            if shares_storage(m, v) {
+                *v = v.copy()?;
+            }
+        }
         self.step = step;
         self.m = m;
         self.v = v;
+        Ok(())
     }
 
     /// Record a skipped step: drop the stage's gradients, count and log it.
@@ -293,21 +391,35 @@ impl AdamW {
                 "prepared step belongs to another stage".into(),
             ));
         }
-        let (t, lr, grad_norm, staged) = match prepared.kind {
+        let (t, lr, grad_norm, coefficients) = match prepared.kind {
             Prepared::Skip(reason) => return Ok(self.skip(stage, reason)),
             Prepared::Update {
                 step,
                 lr,
                 grad_norm,
-                staged,
-            } => (step, lr, grad_norm, staged),
+                coefficients,
+            } => (step, lr, grad_norm, coefficients),
         };
-        for (i, s) in staged.into_iter().enumerate() {
-            if let Some((w, m, v)) = s {
-                stage.params()[i].var().set(&w)?;
-                self.m[i] = m;
-                self.v[i] = v;
-            }
+        let chunk = self.chunk;
+        for (i, p) in stage.params().iter().enumerate() {
+            let Some(g) = stage.grad(i) else { continue };
+            let w = flat_view(p.var().as_tensor(), p.name())?;
+            let m = flat_view(&self.m[i], "a first moment")?;
+            let v = flat_view(&self.v[i], "a second moment")?;
+            let g = g.flatten_all()?;
+            for_each_chunk(w.elem_count(), chunk, |at, len| {
+                let (nw, nm, nv) = coefficients.update(
+                    p.decay(),
+                    &w.narrow(0, at, len)?,
+                    &g.narrow(0, at, len)?,
+                    &m.narrow(0, at, len)?,
+                    &v.narrow(0, at, len)?,
+                )?;
+                w.slice_set(&nw, 0, at)?;
+                m.slice_set(&nm, 0, at)?;
+                v.slice_set(&nv, 0, at)?;
+                Ok(())
+            })?;
         }
         stage.mark_weights_changed();
         self.step = t;
@@ -365,46 +477,53 @@ impl AdamW {
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(t.min(i32::MAX as u64) as i32);
         let bc2 = 1.0 - b2.powi(t.min(i32::MAX as u64) as i32);
-        let mut staged = Vec::with_capacity(stage.params().len());
-        for (i, p) in stage.params().iter().enumerate() {
-            let w = p.var().as_tensor();
-            let Some(g) = stage.grad(i) else {
-                // No gradient reached this tensor; AdamW would still decay moments, keep it simple
-                // and leave it untouched.
-                staged.push(None);
-                continue;
-            };
-            let g = (g * (inv_n * clip))?;
-            let m = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
-            let v = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-            let denom = ((&v * (1.0 / bc2))?.sqrt()? + self.cfg.eps)?;
-            let update = ((&m * (1.0 / bc1))? / denom)?;
-            let decay = if p.decay() {
-                1.0 - lr * self.cfg.weight_decay
-            } else {
-                1.0
-            };
-            let new_w = ((w * decay)? - (update * lr)?)?;
-            staged.push(Some((new_w, m, v)));
-        }
+        let coefficients = Coefficients {
+            grad_scale: inv_n * clip,
+            beta1: b1,
+            beta2: b2,
+            inv_bias1: 1.0 / bc1,
+            inv_bias2: 1.0 / bc2,
+            eps: self.cfg.eps,
+            lr,
+            weight_decay: self.cfg.weight_decay,
+        };
+        // The check pass: every new value is computed and dropped; one NaN/Inf skips the step.
+        // A tensor no gradient reached is left untouched (its moments are not decayed either).
         let mut check = 0f32;
-        for (w, m, v) in staged.iter().flatten() {
-            for t in [w, m, v] {
-                check += (t * 0.0)?
-                    .sum_all()?
-                    .to_dtype(DType::F32)?
-                    .to_scalar::<f32>()?;
+        for (i, p) in stage.params().iter().enumerate() {
+            let Some(g) = stage.grad(i) else { continue };
+            let w = p.var().as_tensor().flatten_all()?;
+            let (m, v, g) = (
+                self.m[i].flatten_all()?,
+                self.v[i].flatten_all()?,
+                g.flatten_all()?,
+            );
+            for_each_chunk(w.elem_count(), self.chunk, |at, len| {
+                let new = coefficients.update(
+                    p.decay(),
+                    &w.narrow(0, at, len)?,
+                    &g.narrow(0, at, len)?,
+                    &m.narrow(0, at, len)?,
+                    &v.narrow(0, at, len)?,
+                )?;
+                for t in [&new.0, &new.1, &new.2] {
+                    check += (t * 0.0)?
+                        .sum_all()?
+                        .to_dtype(DType::F32)?
+                        .to_scalar::<f32>()?;
+                }
+                Ok(())
+            })?;
+            if !check.is_finite() {
+                return Ok(skip(SkipReason::NonFiniteUpdate));
             }
-        }
-        if !check.is_finite() {
-            return Ok(skip(SkipReason::NonFiniteUpdate));
         }
         Ok(PreparedStep {
             kind: Prepared::Update {
                 step: t,
                 lr,
                 grad_norm,
-                staged,
+                coefficients,
             },
             params,
         })
@@ -1033,6 +1152,150 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    /// The step as it was before it went in place: whole tensors computed aside, then set.
+    /// The in-place step must give exactly these bits.
+    fn reference_step(
+        cfg: &AdamWConfig,
+        t: u64,
+        lr: f64,
+        stage: &Stage,
+        m: &mut [Tensor],
+        v: &mut [Tensor],
+    ) -> Vec<Option<Tensor>> {
+        let inv_n = 1.0 / stage.backward_tokens() as f64;
+        let mut sq = 0f64;
+        for i in 0..stage.params().len() {
+            if let Some(g) = stage.grad(i) {
+                sq += g
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+            }
+        }
+        let grad_norm = sq.sqrt() * inv_n;
+        let clip = match cfg.max_grad_norm {
+            Some(c) if grad_norm > c => c / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let (b1, b2) = (cfg.beta1, cfg.beta2);
+        let bc1 = 1.0 - b1.powi(t as i32);
+        let bc2 = 1.0 - b2.powi(t as i32);
+        let mut out = Vec::new();
+        for (i, p) in stage.params().iter().enumerate() {
+            let Some(g) = stage.grad(i) else {
+                out.push(None);
+                continue;
+            };
+            let w = p.var().as_tensor();
+            let g = (g * (inv_n * clip)).unwrap();
+            let nm = ((&m[i] * b1).unwrap() + (&g * (1.0 - b1)).unwrap()).unwrap();
+            let nv = ((&v[i] * b2).unwrap() + (g.sqr().unwrap() * (1.0 - b2)).unwrap()).unwrap();
+            let denom = ((&nv * (1.0 / bc2)).unwrap().sqrt().unwrap() + cfg.eps).unwrap();
+            let update = ((&nm * (1.0 / bc1)).unwrap() / denom).unwrap();
+            let decay = if p.decay() {
+                1.0 - lr * cfg.weight_decay
+            } else {
+                1.0
+            };
+            let nw = ((w * decay).unwrap() - (update * lr).unwrap()).unwrap();
+            m[i] = nm;
+            v[i] = nv;
+            out.push(Some(nw));
+        }
+        out
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        values(t).iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Chunks of 7 elements cut every tensor at odd places: an offset or length off by one would
+    /// move or miss elements, and the bits would differ.
+    #[test]
+    fn the_in_place_step_gives_the_bits_of_the_whole_tensor_step() {
+        use crate::data::{GrammarCorpus, make_batch};
+        use candle_core::Device;
+        let cfg = ModelConfig::tiny();
+        let corpus = GrammarCorpus::new(3, 12).unwrap();
+        let c = AdamWConfig {
+            lr: 0.05,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            max_grad_norm: Some(0.5),
+        };
+        for chunk in [7, STEP_CHUNK] {
+            let mut pipeline = crate::pipeline::Pipeline::new(&cfg, &StageOptions::cpu()).unwrap();
+            let stages = pipeline.stages_mut().len();
+            let mut opts: Vec<AdamW> = pipeline
+                .stages_mut()
+                .iter()
+                .map(|s| AdamW::new(s, c.clone(), LrSchedule::constant()).unwrap())
+                .collect();
+            for o in &mut opts {
+                o.chunk = chunk;
+            }
+            let mut moments: Vec<(Vec<Tensor>, Vec<Tensor>)> =
+                opts.iter().map(|o| (o.m.clone(), o.v.clone())).collect();
+            for step in 1..=3u64 {
+                let b = make_batch(&corpus, &[step, step + 10], &Device::Cpu).unwrap();
+                pipeline.forward_backward(&b.inputs, &b.targets).unwrap();
+                for k in 0..stages {
+                    let stage = &mut pipeline.stages_mut()[k];
+                    let (m, v) = &mut moments[k];
+                    let want = reference_step(&c, step, c.lr, stage, m, v);
+                    let out = opts[k].step(stage).unwrap();
+                    assert!(matches!(out, StepOutcome::Applied { .. }), "{out:?}");
+                    let mut compared = 0;
+                    for (i, w) in want.iter().enumerate() {
+                        let Some(w) = w else { continue };
+                        let p = &stage.params()[i];
+                        assert_eq!(bits(p.var().as_tensor()), bits(w), "{}", p.name());
+                        assert_eq!(bits(&opts[k].m[i]), bits(&m[i]), "m of {}", p.name());
+                        assert_eq!(bits(&opts[k].v[i]), bits(&v[i]), "v of {}", p.name());
+                        compared += 1;
+                    }
+                    assert!(compared > 0);
+                }
+            }
+        }
+    }
+
+    /// Moments handed over as one shared tensor (a checkpoint loader could) must not be written
+    /// through each other.
+    #[test]
+    fn moments_restored_as_one_tensor_are_kept_apart() {
+        let cfg = ModelConfig::tiny();
+        let mut s = Stage::new(&cfg, 1, StageOptions::cpu()).unwrap();
+        let c = AdamWConfig::default();
+        let mut opt = AdamW::new(&s, c.clone(), LrSchedule::constant()).unwrap();
+        let shared: Vec<Tensor> = s
+            .params()
+            .iter()
+            .map(|p| (p.var().as_tensor().ones_like().unwrap() * 1e-3).unwrap())
+            .collect();
+        opt.set_state(4, shared.clone(), shared.clone()).unwrap();
+        let (mut m, mut v) = (shared.clone(), shared.clone());
+        for i in 0..s.params().len() {
+            let g = (s.params()[i].var().as_tensor().ones_like().unwrap() * 0.3).unwrap();
+            s.set_grad_for_test(i, g);
+        }
+        let want = reference_step(&c, 5, c.lr, &s, &mut m, &mut v);
+        opt.step(&mut s).unwrap();
+        for (i, w) in want.iter().enumerate() {
+            let w = w.as_ref().unwrap();
+            assert_eq!(bits(s.params()[i].var().as_tensor()), bits(w));
+            assert_eq!(bits(&opt.m[i]), bits(&m[i]));
+            assert_eq!(bits(&opt.v[i]), bits(&v[i]));
+        }
     }
 
     #[test]
