@@ -63,6 +63,9 @@
 //! composed from differentiable primitives and a test checks that every parameter gets a
 //! non-zero gradient.
 
+#[cfg(test)]
+#[allow(unsafe_code)] // a global allocator's interface is unsafe
+mod alloc_count;
 #[cfg(feature = "openblas")]
 mod blas;
 pub mod bottleneck;
@@ -118,6 +121,10 @@ pub fn matmul_backend() -> String {
         "candle gemm".into()
     }
 }
+
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: alloc_count::Counting = alloc_count::Counting;
 
 /// candle's tensor, device and dtype types, re-exported so callers need no direct dependency.
 pub use candle_core::{DType, Device, Tensor};
