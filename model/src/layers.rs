@@ -165,6 +165,10 @@ pub(crate) struct AttnWeights<'a> {
     pub wo: &'a Tensor,
 }
 
+/// Query rows per block of the tiled attention, which sequences longer than this use on the CPU:
+/// their score matrices are never whole (`crate::tiled_attention`).
+pub(crate) const TILED_ATTENTION_ROWS: usize = 128;
+
 /// Causal grouped-query self-attention on a normalised input `x: [batch, seq, d]`.
 pub(crate) fn attention(
     x: &Tensor,
@@ -181,6 +185,12 @@ pub(crate) fn attention(
     let k = rope.apply(&heads(linear(x, w.wk)?, kv)?)?;
     let v = heads(linear(x, w.wv)?, kv)?.contiguous()?;
     let scale = 1.0 / (hd as f64).sqrt();
+    if fused::applies(&q) && t > TILED_ATTENTION_ROWS {
+        let out = crate::tiled_attention::attention(&q, &k, &v, mask, scale, TILED_ATTENTION_ROWS)?
+            .transpose(1, 2)?
+            .reshape((b, t, h * hd))?;
+        return linear(&out, w.wo);
+    }
     if fused::applies(&q) {
         // The h/kv query heads that share a key/value head are adjacent, so they stack into the
         // rows of one product per key/value head: no copies of k and v, and larger products.

@@ -86,6 +86,7 @@ pub mod rng;
 mod st;
 pub mod stage;
 pub mod threads;
+mod tiled_attention;
 pub mod train;
 
 pub use bottleneck::{BoundaryTensor, Payload, WireEncoding};
