@@ -66,6 +66,11 @@ pub struct StageOptions {
     pub compute_dtype: DType,
     /// Keep only the input in the cache and redo the forward in backward, bounding memory.
     pub recompute: bool,
+    /// Activation checkpointing per block: the forward keeps each block's input and no graph,
+    /// and the backward recomputes the blocks one at a time, last first, so that at most one
+    /// block's graph exists (with `recompute`, the block inputs too are recomputed). The
+    /// gradients are those of the whole graph.
+    pub checkpoint_blocks: bool,
 }
 
 impl Default for StageOptions {
@@ -82,6 +87,7 @@ impl StageOptions {
             param_dtype: DType::F32,
             compute_dtype: DType::F32,
             recompute: false,
+            checkpoint_blocks: false,
         }
     }
 
@@ -244,6 +250,9 @@ pub struct StageCache {
     input: CachedInput,
     /// Output of the block stack with its graph; `None` when recomputing.
     output: Option<Tensor>,
+    /// Under [`StageOptions::checkpoint_blocks`] without `recompute`: each block's input and the
+    /// last block's output, without graphs.
+    block_inputs: Option<Vec<Tensor>>,
     targets: Option<Tensor>,
     /// Per-token log-sum-exp of the head (last stage).
     lse: Option<Tensor>,
@@ -721,6 +730,36 @@ impl Stage {
         Ok(x)
     }
 
+    /// Without a graph: the input of every block and the last block's output (`blocks + 1`
+    /// tensors in the param dtype), from a validated input.
+    fn block_inputs(&self, input: &Tensor) -> Result<Vec<Tensor>> {
+        let mut x = if self.is_first() {
+            self.embed_tokens(input, false)?
+        } else {
+            input.detach()
+        };
+        let mask = self.causal_mask(x.dim(1)?)?;
+        let mut xs = Vec::with_capacity(self.blocks.len() + 1);
+        for blk in &self.blocks {
+            xs.push(x.clone());
+            x = self.block(blk, x, Attn::Full(&mask), false)?;
+        }
+        xs.push(x);
+        Ok(xs)
+    }
+
+    /// The stage's output from [`Stage::block_inputs`]: the last block's output, final-normed
+    /// on the last stage.
+    fn finish(&self, xs: &[Tensor], track: bool) -> Result<Tensor> {
+        let x = xs
+            .last()
+            .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?;
+        Ok(match self.norm {
+            Some(i) => layers::rms_norm(x, &self.master(i, track), self.cfg.norm_eps)?,
+            None => x.clone(),
+        })
+    }
+
     /// Blocks of this stage.
     pub(crate) fn num_blocks(&self) -> usize {
         self.blocks.len()
@@ -981,7 +1020,15 @@ impl Stage {
             CachedInput::Tokens(t) => t.clone(),
             CachedInput::Activations(v) => v.as_tensor().clone(),
         };
-        let out = self.run(&graph_input)?;
+        let (out, block_inputs) = if self.opts.checkpoint_blocks {
+            let xs = self.block_inputs(&graph_input)?;
+            (
+                self.finish(&xs, false)?,
+                (!self.opts.recompute).then_some(xs),
+            )
+        } else {
+            (self.run(&graph_input)?, None)
+        };
         let (output, lse) = match &targets {
             Some(tg) => {
                 let (l, lse) = self.head_forward(&out, tg)?;
@@ -994,7 +1041,12 @@ impl Stage {
             weights_version: self.weights_version(),
             input: cached_input,
             output_dims: out.dims().to_vec(),
-            output: if self.opts.recompute { None } else { Some(out) },
+            output: if self.opts.recompute || self.opts.checkpoint_blocks {
+                None
+            } else {
+                Some(out)
+            },
+            block_inputs,
             targets,
             lse,
         };
@@ -1046,6 +1098,13 @@ impl Stage {
                 weights_version = self.weights_version(),
                 "stale cache: recomputing the forward with the current weights"
             );
+        }
+        if self.opts.checkpoint_blocks {
+            let xs = match (&cache.block_inputs, stale) {
+                (Some(xs), false) => xs.clone(),
+                _ => self.block_inputs(&graph_input)?,
+            };
+            return self.backward_by_block(&cache, &graph_input, xs, grad_output, stale, tokens);
         }
         let cached_output = if stale { None } else { cache.output.clone() };
         // Every backward yields gradients of the micro-batch's summed token loss: the last stage
@@ -1110,6 +1169,97 @@ impl Stage {
                 // Unreachable for a real stage, but a zero gradient is the right answer.
                 None => v.as_tensor().zeros_like()?,
             }),
+        };
+        Ok((grad_input, held))
+    }
+
+    /// [`Stage::backward_held`] under [`StageOptions::checkpoint_blocks`]: from the top down, the
+    /// gradient at each block's output is back-propagated through that block alone, recomputed
+    /// from its input `xs[i]`; then through the embedding (stage 0) or out as the input's.
+    fn backward_by_block(
+        &self,
+        cache: &StageCache,
+        graph_input: &Tensor,
+        xs: Vec<Tensor>,
+        grad_output: Option<&Tensor>,
+        stale: bool,
+        tokens: usize,
+    ) -> Result<(Option<Tensor>, HeldGradients)> {
+        let mut parts: Vec<(usize, Tensor)> = Vec::new();
+        let take = |grads: &GradStore, parts: &mut Vec<(usize, Tensor)>| {
+            for (i, p) in self.params.iter().enumerate() {
+                if let Some(g) = grads.get(p.var.as_tensor()) {
+                    parts.push((i, g.detach()));
+                }
+            }
+        };
+        let top = Var::from_tensor(
+            xs.last()
+                .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?,
+        )?;
+        // The same surrogates as the whole-graph backward, on the top block's output.
+        let surrogate = match (self.is_last(), grad_output) {
+            (true, None) => {
+                let Some(targets) = &cache.targets else {
+                    return Err(ModelError::InvalidInput(
+                        "last-stage cache lacks targets".into(),
+                    ));
+                };
+                let h = self.finish(std::slice::from_ref(top.as_tensor()), true)?;
+                let lse = match (&cache.lse, stale) {
+                    (Some(lse), false) => lse.clone(),
+                    _ => self.head_forward(&h, targets)?.1,
+                };
+                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
+                parts.push((head, gw.detach()));
+                (h * gh)?.sum_all()?
+            }
+            (false, Some(g)) => {
+                self.validate_float(g, &cache.output_dims, "output gradient")?;
+                let g = g.to_device(&self.opts.device)?.detach();
+                ((top.as_tensor() * g)?.sum_all()? * tokens as f64)?
+            }
+            (true, Some(_)) => {
+                return Err(ModelError::InvalidInput(
+                    "the last stage takes no output gradient".into(),
+                ));
+            }
+            (false, None) => {
+                return Err(ModelError::InvalidInput(
+                    "a non-last stage needs the output gradient".into(),
+                ));
+            }
+        };
+        let grads = surrogate.backward()?;
+        take(&grads, &mut parts);
+        let mut g = grads
+            .get(top.as_tensor())
+            .cloned()
+            .ok_or_else(|| ModelError::InvalidInput("no gradient reached the stage".into()))?;
+        drop(grads);
+        let mask = self.causal_mask(top.dim(1)?)?;
+        for (blk, x) in self.blocks.iter().zip(&xs).rev() {
+            let input = Var::from_tensor(x)?;
+            let y = self.block(blk, input.as_tensor().clone(), Attn::Full(&mask), true)?;
+            let grads = (y * g.detach())?.sum_all()?.backward()?;
+            take(&grads, &mut parts);
+            g = match grads.get(input.as_tensor()) {
+                Some(gi) => gi.clone(),
+                None => input.as_tensor().zeros_like()?,
+            };
+        }
+        let grad_input = if self.is_first() {
+            let x = self.embed_tokens(graph_input, true)?;
+            let grads = (x * g.detach())?.sum_all()?.backward()?;
+            take(&grads, &mut parts);
+            None
+        } else {
+            Some((g / tokens as f64)?)
+        };
+        let held = HeldGradients {
+            stage_uid: self.uid,
+            parts,
+            tokens,
         };
         Ok((grad_input, held))
     }
@@ -1404,6 +1554,71 @@ mod tests {
             let (_, cache) = stage.forward(&b.inputs, None).unwrap();
             assert_eq!(cache.output.is_none(), recompute, "recompute {recompute}");
         }
+    }
+
+    /// Per-block checkpointing, alone and with recompute, on every kind of stage (embedding,
+    /// middle, head) gives the whole graph's loss and the same gradient bits; a block left out of
+    /// the recompute, or recomputed from the wrong input, would change them.
+    #[test]
+    fn checkpointed_blocks_give_identical_gradients() {
+        let cfg = ModelConfig::tiny().with_stages(vec![2, 3, 2]);
+        let b = batch(12, 2);
+        let mut whole = Pipeline::new(&cfg, &StageOptions::cpu()).unwrap();
+        let lw = whole.forward_backward(&b.inputs, &b.targets).unwrap();
+        for recompute in [false, true] {
+            let mut opts = StageOptions::cpu();
+            opts.checkpoint_blocks = true;
+            opts.recompute = recompute;
+            let mut p = Pipeline::new(&cfg, &opts).unwrap();
+            let l = p.forward_backward(&b.inputs, &b.targets).unwrap();
+            assert_eq!(l, lw, "recompute {recompute}");
+            for (sw, sc) in whole.stages().iter().zip(p.stages()) {
+                assert!(sc.num_blocks() > 0);
+                for i in 0..sw.params().len() {
+                    let (gw, gc) = (sw.grad(i).unwrap(), sc.grad(i).unwrap());
+                    assert_eq!(
+                        gw.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        gc.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        "stage {} {} (recompute {recompute})",
+                        sw.index(),
+                        sw.params()[i].name()
+                    );
+                }
+            }
+            // What it keeps: block inputs without graphs, or with recompute nothing but the input.
+            let stage = Stage::new(&cfg, 1, opts).unwrap();
+            let x = Tensor::zeros(stage.input_dims(2, 12), DType::F32, &Device::Cpu).unwrap();
+            let (_, cache) = stage.forward(&x, None).unwrap();
+            assert!(cache.output.is_none());
+            assert_eq!(
+                cache.block_inputs.as_ref().map(Vec::len),
+                (!recompute).then_some(stage.num_blocks() + 1)
+            );
+        }
+    }
+
+    /// What checkpointing is for: a training step of eight blocks holds far less at its peak.
+    #[test]
+    fn checkpointed_blocks_bound_the_peak() {
+        let cfg = ModelConfig::tiny().with_stages(vec![8]);
+        let b = batch(64, 8);
+        let peak = |checkpoint_blocks: bool| {
+            let opts = StageOptions {
+                checkpoint_blocks,
+                ..StageOptions::cpu()
+            };
+            let mut stage = Stage::new(&cfg, 0, opts).unwrap();
+            crate::alloc_count::peak_during(|| {
+                let (_, cache) = stage.forward(&b.inputs, Some(&b.targets)).unwrap();
+                stage.backward(cache, None).unwrap();
+            })
+            .1
+        };
+        let (whole, checkpointed) = (peak(false), peak(true));
+        assert!(
+            checkpointed * 2 < whole,
+            "checkpointed {checkpointed} bytes at the peak, whole graph {whole}"
+        );
     }
 
     #[test]
