@@ -131,6 +131,10 @@ pub struct MinerConfig {
     /// Forward caches kept for pending backward passes before recomputing instead (default:
     /// twice the run's in-flight limit).
     pub cache_budget: Option<usize>,
+    /// Keep only each block's input between a forward and its backward, which recomputes the
+    /// blocks one at a time: far less memory per sample in flight for about one more forward
+    /// (the gradients are the same bits).
+    pub checkpoint_blocks: bool,
     /// Memory to report; measured when `None`.
     pub memory_bytes: Option<u64>,
     /// Throughput to report at registration; measured when `None`.
@@ -157,6 +161,7 @@ impl MinerConfig {
             poll_interval: Duration::from_millis(200),
             max_items: 4,
             cache_budget: None,
+            checkpoint_blocks: false,
             memory_bytes: None,
             tokens_per_s: None,
             adversary: None,
@@ -169,7 +174,10 @@ impl MinerConfig {
 
     /// The stage options for the configured device.
     pub fn stage_options(&self) -> Result<StageOptions, MinerError> {
-        self.device.stage_options()
+        Ok(StageOptions {
+            checkpoint_blocks: self.checkpoint_blocks,
+            ..self.device.stage_options()?
+        })
     }
 }
 
@@ -235,6 +243,10 @@ pub struct MinerArgs {
     /// Forward caches kept before recomputing (default: twice the run's in-flight limit).
     #[arg(long = "cache-budget", env = "IOTA_CACHE_BUDGET")]
     pub cache_budget: Option<usize>,
+    /// Activation checkpointing: keep each block's input only and recompute the blocks one at a
+    /// time in the backward (much less memory per sample in flight, about one more forward).
+    #[arg(long = "checkpoint-blocks", env = "IOTA_CHECKPOINT_BLOCKS")]
+    pub checkpoint_blocks: bool,
     /// Memory to report to the orchestrator, in GB (measured when absent).
     #[arg(long = "memory-gb", env = "IOTA_MEMORY_GB")]
     pub memory_gb: Option<f64>,
@@ -261,6 +273,7 @@ impl MinerArgs {
             poll_interval: Duration::from_millis(self.poll_interval_ms),
             max_items: self.max_items.clamp(1, 32),
             cache_budget: self.cache_budget,
+            checkpoint_blocks: self.checkpoint_blocks,
             memory_bytes: self.memory_gb.map(|g| (g * 1e9) as u64),
             tokens_per_s: None,
             adversary: self.adversary,

@@ -727,6 +727,36 @@ mod tests {
         }
     }
 
+    /// A miner that checkpoints its blocks (`--checkpoint-blocks`) trains to the same bits as
+    /// one that keeps whole graphs, so validators replay it without knowing.
+    #[test]
+    fn checkpointed_blocks_train_to_the_same_bits() {
+        // The hops below feed boundary tensors: the stages after the first (the model's tests
+        // cover stage 0).
+        for stage in 1..run().stages {
+            let mut whole = trainer(stage);
+            let opts = StageOptions {
+                checkpoint_blocks: true,
+                ..StageOptions::cpu()
+            };
+            let mut checkpointed =
+                StageTrainer::new(run(), stage, opts, 8, None, 5, None).expect("trainer");
+            for j in 0..run().partitions {
+                checkpointed.load_partition(j, None).expect("init");
+            }
+            checkpointed.begin_epoch(0).expect("epoch");
+            epoch(&mut whole, None, None, None);
+            epoch(&mut checkpointed, None, None, None);
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let (a, b) = (
+                bits(pseudo_gradient(&mut whole)),
+                bits(pseudo_gradient(&mut checkpointed)),
+            );
+            assert!(a.iter().any(|x| *x != 0), "stage {stage} did not train");
+            assert_eq!(a, b, "stage {stage}");
+        }
+    }
+
     #[test]
     fn a_hop_the_orchestrator_refused_leaves_no_trace() {
         // A middle stage, and the last, whose LM head has its own gradient path.
