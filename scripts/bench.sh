@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 BENCHES=(
   "model|cargo bench -p iota-model --bench model|Training core: per-stage and monolithic forward+backward tokens/s of \`small\`, and the bottleneck compression table"
   "data|cargo bench -p iota-model --bench data|Data: \`data prepare\` tokens/s and peak resident memory on over 100 MB of English (Debian's python3-doc sources, repeated), and the prepared-dataset loader's windows/s against a stage-0 miner's consumption"
+  "memory|cargo bench -p iota-model --bench memory|Memory: peak resident memory of one training step (forward, backward, AdamW) of each \`iota-1.5b\` stage at 1x800 and 4x800 tokens on the CPU with per-block checkpointing, beside the equation of \`iota_model::memory\` (goal: at most 16 GB at 4x800)"
   "overhead|cargo bench -p iota-miner --bench overhead|Miner overhead: a miner's tokens/s through the whole protocol against the training core alone"
   "pipeline|cargo bench -p iota-miner --bench pipeline|Pipeline against monolithic: end-to-end tokens/s of three miners against one process training the same model"
   "convergence|cargo bench -p iota-miner --bench convergence|Convergence at equal tokens: \`small\` on real English (Debian's python3-doc) trained by 3 stages x 2 miners (int8 wire, a merge every epoch) against one process with AdamW on the same samples in the same order; held-out loss of both after every epoch"

@@ -53,3 +53,8 @@ pub fn peak_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let peak = PEAK.with(Cell::get);
     (out, (peak - base).max(0) as usize)
 }
+
+/// Bytes this thread holds now (allocated here and not yet freed).
+pub fn held() -> isize {
+    HELD.with(Cell::get)
+}

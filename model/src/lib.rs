@@ -78,6 +78,7 @@ mod fused;
 pub mod generate;
 mod layers;
 mod loss;
+pub mod memory;
 pub mod merge;
 pub mod optim;
 pub mod pipeline;
