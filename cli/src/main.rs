@@ -93,6 +93,8 @@ struct OrchestratorCmd {
 fn model_shape(
     name: &str,
     data: Option<&std::path::Path>,
+    micro_batch: usize,
+    seq_len: usize,
 ) -> anyhow::Result<iota_orchestrator::config::ModelShape> {
     let cfg = iota_model::ModelConfig::load(name)?;
     let dataset = match data {
@@ -116,9 +118,14 @@ fn model_shape(
     let stage_params = (0..cfg.num_stages())
         .map(|k| cfg.stage_param_count(k).map(|n| n as u64))
         .collect::<Result<Vec<_>, _>>()?;
+    // What a miner needs per stage at the run's micro-batch, which the orchestrator admits by.
+    let stage_memory = (0..cfg.num_stages())
+        .map(|k| iota_model::memory::miner_stage_bytes(&cfg, k, micro_batch, seq_len))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(iota_orchestrator::config::ModelShape {
         model: name.to_owned(),
         stage_params,
+        stage_memory,
         boundary_dim: u32::try_from(cfg.boundary_dim())?,
         dataset,
     })
@@ -131,7 +138,12 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
         let _ = writeln!(std::io::stdout(), "{}", iota_orchestrator::openapi_json());
         return Ok(());
     }
-    let shape = model_shape(&cmd.model, cmd.data.as_deref())?;
+    let shape = model_shape(
+        &cmd.model,
+        cmd.data.as_deref(),
+        cmd.args.micro_batch as usize,
+        cmd.args.seq_len as usize,
+    )?;
     let wallet = cmd.args.wallet.wallet()?;
     let hotkey = wallet.hotkeypub().map_err(|e| {
         anyhow::anyhow!("the orchestrator's hotkey: {e} (create one with `iota wallet new-hotkey`)")

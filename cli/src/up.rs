@@ -285,6 +285,9 @@ fn local_run(
         .collect::<Result<Vec<_>, _>>()?;
     run.boundary_dim = u32::try_from(m.boundary_dim())?;
     run.seq_len = SEQ_LEN as u32;
+    run.stage_memory = (0..m.num_stages())
+        .map(|k| iota_model::memory::miner_stage_bytes(m, k, run.micro_batch as usize, SEQ_LEN))
+        .collect::<Result<Vec<_>, _>>()?;
     run.dataset = data.map(|d| d.manifest.clone());
     // The corpus must fit the vocabulary; say so now rather than in every miner.
     iota_miner::trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))

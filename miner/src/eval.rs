@@ -49,6 +49,7 @@ pub fn local_tiny_run(name: &str, samples_per_epoch: u64) -> Result<RunConfig, M
         inner_lr: 3e-3,
         inner_steps_every: 2,
         dataset: None,
+        stage_memory: Vec::new(),
     })
 }
 

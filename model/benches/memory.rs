@@ -157,7 +157,7 @@ fn main() {
                 .next()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_else(|| fail("child output", &text));
-            let predicted_peak = predicted.peak(1) as f64;
+            let predicted_peak = predicted.first_step_peak() as f64;
             worst = worst.max(peak);
             println!(
                 "| {k} | {} | {batch}x{seq} | {:.2} | {:.2} | {:.2} | {seconds:.0} | {:.0} |",

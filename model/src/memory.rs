@@ -3,7 +3,8 @@
 //! Three parts, each what the code holds (f32 master weights):
 //!
 //! * **state**, held all the time: weights, accumulated gradients and AdamW's two moments,
-//!   16 bytes a parameter (plus a compute-dtype copy of the weights under bf16);
+//!   16 bytes a parameter (plus a compute-dtype copy of the weights under bf16); before a stage's
+//!   first backward there are no accumulated gradients yet, and that backward's become them;
 //! * **kept per sample in flight**, from a forward until its backward: with
 //!   [`crate::StageOptions::checkpoint_blocks`] each block's input and the last block's output,
 //!   about `blocks · tokens · d` floats; without, every block's graph, about
@@ -39,9 +40,16 @@ pub struct StageMemory {
 }
 
 impl StageMemory {
-    /// The peak of a training step with `in_flight` samples between forward and backward.
+    /// The peak of a training step with `in_flight` samples between forward and backward, while
+    /// gradients are being accumulated (a miner between optimizer steps).
     pub fn peak(&self, in_flight: u64) -> u64 {
         self.state + self.per_sample * in_flight.max(1) + self.backward
+    }
+
+    /// The peak of a stage's first step from zeroed gradients, one sample in flight: that
+    /// backward's gradients are the accumulated ones, not held beside them.
+    pub fn first_step_peak(&self) -> u64 {
+        self.peak(1) - self.params * F32
     }
 
     /// Samples that fit in flight within `budget` bytes (0 when not even one does).
@@ -114,6 +122,24 @@ pub fn stage_memory(
         per_sample,
         backward: params * F32 + block_transient.max(head),
     })
+}
+
+/// What a miner needs to train stage `k` at `batch × seq` with per-block checkpointing: the
+/// step's peak with one sample in flight while gradients accumulate, plus the copy of the
+/// epoch's starting weights its pseudo-gradient is taken against. The figure a run publishes per
+/// stage, and the orchestrator admits by.
+pub fn miner_stage_bytes(cfg: &ModelConfig, k: usize, batch: usize, seq: usize) -> Result<u64> {
+    let m = stage_memory(
+        cfg,
+        k,
+        batch,
+        seq,
+        MemoryOptions {
+            checkpoint_blocks: true,
+            half_compute_bytes: 0,
+        },
+    )?;
+    Ok(m.peak(1) + m.params * F32)
 }
 
 #[cfg(test)]
@@ -195,6 +221,16 @@ mod tests {
         assert!(off.is_empty(), "{}", off.join("\n"));
     }
 
+    /// Every stage of `iota-1.5b` at IOTA's 4x800 fits a 16 GB card by the equation.
+    #[test]
+    fn iota_1_5b_stages_fit_16_gb() {
+        let cfg = ModelConfig::iota_1_5b();
+        for k in 0..cfg.num_stages() {
+            let bytes = miner_stage_bytes(&cfg, k, 4, 800).unwrap();
+            assert!(bytes < 16_000_000_000, "stage {k}: {bytes} bytes");
+        }
+    }
+
     #[test]
     fn samples_within_a_budget() {
         let m = StageMemory {
@@ -204,6 +240,7 @@ mod tests {
             backward: 50,
         };
         assert_eq!(m.peak(3), 180);
+        assert_eq!(m.first_step_peak(), 160 - 40);
         assert_eq!(m.samples_within(159), 0);
         assert_eq!(m.samples_within(160), 1);
         assert_eq!(m.samples_within(185), 3);

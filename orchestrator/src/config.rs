@@ -62,6 +62,9 @@ pub struct ModelShape {
     /// BLAKE3 of the prepared dataset's manifest, checked by the caller against the model's
     /// vocabulary; `None` for the embedded grammar corpus.
     pub dataset: Option<String>,
+    /// Bytes a miner needs for each stage at the run's micro-batch (see
+    /// [`RunConfig::stage_memory`]); empty to count parameters only.
+    pub stage_memory: Vec<u64>,
 }
 
 /// The fewest database connections an orchestrator can work with.
@@ -325,6 +328,7 @@ impl OrchestratorArgs {
             inner_lr: self.inner_lr,
             inner_steps_every: self.inner_steps_every,
             dataset: shape.dataset,
+            stage_memory: shape.stage_memory,
         }
     }
 
@@ -430,6 +434,7 @@ mod tests {
             stage_params: vec![1000, 1000],
             boundary_dim: 8,
             dataset: None,
+            stage_memory: Vec::new(),
         };
         cli.args.config(shape, "5Grw".into())
     }

@@ -533,11 +533,7 @@ async fn release_for_an_empty_stage(
     if coming {
         return Ok(None);
     }
-    let needs = cfg
-        .params_of(empty)
-        .unwrap_or(0)
-        .saturating_mul(crate::routing::BYTES_PER_PARAM)
-        .min(i64::MAX as u64) as i64;
+    let needs = cfg.memory_needed(empty).unwrap_or(0).min(i64::MAX as u64) as i64;
     let Some(candidate): Option<String> = sqlx::query_scalar(
         "SELECT hotkey FROM miners WHERE run_id = $1 AND status = 'active' AND stage = $2
            AND memory_bytes >= $3

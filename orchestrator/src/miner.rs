@@ -18,7 +18,7 @@ use crate::app::{
     self, ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller, Gate, SharedReplay,
     SignedRoutes,
 };
-use crate::routing::{StageLoad, choose_stage, weighted_pick};
+use crate::routing::{StageLoad, admit, weighted_pick};
 use crate::store::StoreError;
 use crate::views;
 
@@ -107,10 +107,9 @@ pub async fn register(
             let loads = stage_loads(&mut tx, &app).await?;
             let me = u32::from(row.try_get::<bool, _>("active")?);
             let others_stay = loads.get(stage as usize).is_some_and(|l| l.miners > me);
-            let empty = loads.iter().find(|l| {
-                l.miners == 0
-                    && l.params.saturating_mul(crate::routing::BYTES_PER_PARAM) <= cap.memory_bytes
-            });
+            let empty = loads
+                .iter()
+                .find(|l| l.miners == 0 && l.memory_needed <= cap.memory_bytes);
             let stage = match empty.map(|l| l.stage) {
                 Some(empty) if others_stay && empty != stage as u32 => {
                     tracing::info!(miner = %caller.ss58, from = stage, to = empty, "a miner joining again takes a stage with no miner");
@@ -135,17 +134,8 @@ pub async fn register(
         }
         None => {
             let loads = stage_loads(&mut tx, &app).await?;
-            let stage = choose_stage(&loads, cap.memory_bytes).ok_or_else(|| {
-                let smallest = loads.iter().map(|l| l.params).min().unwrap_or(0);
-                AppError::new(
-                    ErrorCode::Forbidden,
-                    format!(
-                        "{} bytes of memory fit no stage: the smallest needs {}",
-                        cap.memory_bytes,
-                        smallest.saturating_mul(crate::routing::BYTES_PER_PARAM)
-                    ),
-                )
-            })?;
+            let stage = admit(&loads, cap.memory_bytes)
+                .map_err(|why| AppError::new(ErrorCode::Forbidden, why))?;
             sqlx::query(
                 "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
                  tokens_per_s, joined_epoch) VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8)",
@@ -202,7 +192,7 @@ async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult
     let mut loads: Vec<StageLoad> = (0..cfg.stages)
         .map(|s| StageLoad {
             stage: s,
-            params: cfg.params_of(s).unwrap_or(0),
+            memory_needed: cfg.memory_needed(s).unwrap_or(0),
             miners: 0,
             tokens_per_s: 0.0,
         })

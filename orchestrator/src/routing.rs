@@ -7,30 +7,26 @@ use chrono::{DateTime, Utc};
 use iota_protocol::api::{MAX_TOKENS_PER_S, Phase};
 use rand::Rng;
 
-/// Bytes of memory a miner needs per stage parameter: f32 weights, gradients, two AdamW moments,
-/// plus the epoch-start copy for the pseudo-gradient.
-pub const BYTES_PER_PARAM: u64 = 20;
-
 /// Load of one stage as the assigner sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageLoad {
     /// Stage index.
     pub stage: u32,
-    /// Flat parameter count.
-    pub params: u64,
+    /// Bytes of memory a miner needs to train it ([`iota_protocol::api::RunConfig::memory_needed`]).
+    pub memory_needed: u64,
     /// Active miners.
     pub miners: u32,
     /// Sum of their throughput (tokens/s).
     pub tokens_per_s: f64,
 }
 
-/// Picks the stage for a new miner: among stages whose parameters fit in its memory, the one
-/// with the least total throughput (then fewest miners, then lowest index), so the slowest stage
-/// of the pipeline gets help first. `None` when no stage fits.
+/// Picks the stage for a new miner: among stages it has the memory to train, the one with the
+/// least total throughput (then fewest miners, then lowest index), so the slowest stage of the
+/// pipeline gets help first. `None` when no stage fits.
 pub fn choose_stage(loads: &[StageLoad], memory_bytes: u64) -> Option<u32> {
     loads
         .iter()
-        .filter(|l| l.params.saturating_mul(BYTES_PER_PARAM) <= memory_bytes)
+        .filter(|l| l.memory_needed <= memory_bytes)
         .min_by(|a, b| {
             a.tokens_per_s
                 .total_cmp(&b.tokens_per_s)
@@ -38,6 +34,24 @@ pub fn choose_stage(loads: &[StageLoad], memory_bytes: u64) -> Option<u32> {
                 .then(a.stage.cmp(&b.stage))
         })
         .map(|l| l.stage)
+}
+
+/// [`choose_stage`], or why a miner with `memory_bytes` is refused: what it has and what the
+/// stage that needs least would need.
+pub fn admit(loads: &[StageLoad], memory_bytes: u64) -> Result<u32, String> {
+    choose_stage(loads, memory_bytes).ok_or_else(|| {
+        let gb = |b: u64| b as f64 / 1e9;
+        match loads.iter().min_by_key(|l| l.memory_needed) {
+            Some(l) => format!(
+                "{:.2} GB of memory fit no stage of this run: the smallest, stage {}, needs {:.2} GB \
+                 (weights, gradients, optimizer moments and the activations of one sample)",
+                gb(memory_bytes),
+                l.stage,
+                gb(l.memory_needed)
+            ),
+            None => "the run has no stage".into(),
+        }
+    })
 }
 
 /// Floor on the routing weight, so a miner that reported no throughput still gets some work and
@@ -376,10 +390,10 @@ mod tests {
         assert_eq!(owners[&(2, 9)].len(), 2);
     }
 
-    fn load(stage: u32, params: u64, miners: u32, tps: f64) -> StageLoad {
+    fn load(stage: u32, memory_needed: u64, miners: u32, tps: f64) -> StageLoad {
         StageLoad {
             stage,
-            params,
+            memory_needed,
             miners,
             tokens_per_s: tps,
         }
@@ -388,17 +402,39 @@ mod tests {
     #[test]
     fn stage_choice_balances_throughput_and_respects_memory() {
         let loads = [
-            load(0, 1000, 2, 500.0),
-            load(1, 1000, 1, 100.0),
-            load(2, 10_000, 0, 0.0),
+            load(0, 20_000, 2, 500.0),
+            load(1, 20_000, 1, 100.0),
+            load(2, 200_000, 0, 0.0),
         ];
         // Stage 2 is empty but too big for 50 kB.
         assert_eq!(choose_stage(&loads, 50_000), Some(1));
-        assert_eq!(choose_stage(&loads, 1_000_000), Some(2));
+        assert_eq!(choose_stage(&loads, 200_000), Some(2));
+        assert_eq!(choose_stage(&loads, 199_999), Some(1));
         assert_eq!(choose_stage(&loads, 100), None);
         // Ties go to fewer miners, then the lower index.
         let tie = [load(0, 1, 2, 0.0), load(1, 1, 1, 0.0), load(2, 1, 1, 0.0)];
         assert_eq!(choose_stage(&tie, 1 << 30), Some(1));
+    }
+
+    /// Needs of the kind the model's memory equation gives (iota-1.5b at 4x800 with
+    /// checkpointing is 13.4-13.8 GB a stage): a card is admitted to the slowest stage it can
+    /// hold, and one too small is refused with what it would need.
+    #[test]
+    fn a_card_too_small_is_refused_with_what_it_needs() {
+        let gb = |g: f64| (g * 1e9) as u64;
+        let loads = [
+            load(0, gb(15.3), 1, 900.0),
+            load(1, gb(13.7), 3, 800.0),
+            load(2, gb(15.1), 1, 700.0),
+        ];
+        assert_eq!(admit(&loads, gb(16.0)), Ok(2), "the slowest stage it fits");
+        assert_eq!(admit(&loads, gb(14.0)), Ok(1), "the only stage it fits");
+        let refused = admit(&loads, gb(12.0)).unwrap_err();
+        assert!(
+            refused.contains("12.00 GB") && refused.contains("stage 1, needs 13.70 GB"),
+            "{refused}"
+        );
+        assert_eq!(admit(&[], gb(80.0)).unwrap_err(), "the run has no stage");
     }
 
     #[test]

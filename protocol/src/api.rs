@@ -70,7 +70,17 @@ pub struct RunConfig {
     /// `None`: the embedded grammar corpus seeded by `init_seed`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataset: Option<String>,
+    /// Bytes of memory a miner needs to train each stage at this run's micro-batch (length
+    /// `stages`, or empty): the model's state, a sample in flight with per-block checkpointing,
+    /// the backward's peak and the epoch-start copy, as the model's memory equation gives them.
+    /// Empty: [`RunConfig::memory_needed`] falls back to 20 bytes a parameter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_memory: Vec<u64>,
 }
+
+/// Bytes a stage parameter needs when a run gives no memory figures: f32 weights, gradients, two
+/// AdamW moments and the epoch-start copy, and nothing for activations.
+pub const BYTES_PER_PARAM: u64 = 20;
 
 fn default_inner_lr() -> f64 {
     3e-3
@@ -154,6 +164,15 @@ impl RunConfig {
         self.stage_params.get(stage as usize).copied()
     }
 
+    /// Bytes of memory a miner needs to train `stage` (see [`RunConfig::stage_memory`]); `None`
+    /// for a stage the run does not have.
+    pub fn memory_needed(&self, stage: u32) -> Option<u64> {
+        match self.stage_memory.get(stage as usize) {
+            Some(bytes) => Some(*bytes),
+            None => Some(self.params_of(stage)?.saturating_mul(BYTES_PER_PARAM)),
+        }
+    }
+
     /// The value range of partition `partition` of `stage`: contiguous, sizes differing by at
     /// most one, the first `total % partitions` one longer.
     pub fn partition_range(&self, stage: u32, partition: u32) -> Option<std::ops::Range<u64>> {
@@ -190,6 +209,13 @@ impl RunConfig {
             return Err(format!(
                 "{} stage parameter counts for {} stages",
                 self.stage_params.len(),
+                self.stages
+            ));
+        }
+        if !self.stage_memory.is_empty() && self.stage_memory.len() != self.stages as usize {
+            return Err(format!(
+                "{} stage memory figures for {} stages",
+                self.stage_memory.len(),
                 self.stages
             ));
         }
@@ -1161,7 +1187,23 @@ mod tests {
             inner_lr: 3e-3,
             inner_steps_every: 2,
             dataset: None,
+            stage_memory: Vec::new(),
         }
+    }
+
+    /// A run's published memory figures are what admission uses; without them, 20 bytes a
+    /// parameter.
+    #[test]
+    fn memory_needed_is_the_published_figure_or_the_parameter_rule() {
+        let mut r = run();
+        assert_eq!(
+            r.memory_needed(1),
+            Some(r.stage_params[1] * BYTES_PER_PARAM)
+        );
+        r.stage_memory = (0..r.stages).map(|k| 1000 + u64::from(k)).collect();
+        assert_eq!(r.validate(), Ok(()));
+        assert_eq!(r.memory_needed(1), Some(1001));
+        assert_eq!(r.memory_needed(r.stages), None);
     }
 
     /// Each change gives a run `validate` refuses, with a message naming `field`.
@@ -1179,6 +1221,7 @@ mod tests {
                 }),
             ),
             ("parameters", Box::new(|r| r.stage_params[1] = u64::MAX)),
+            ("memory", Box::new(|r| r.stage_memory = vec![1 << 30])),
             (
                 "seq_len",
                 Box::new(|r| {

@@ -335,6 +335,7 @@ fn run() -> RunConfig {
         inner_lr: 3e-3,
         inner_steps_every: 2,
         dataset: None,
+        stage_memory: Vec::new(),
     }
 }
 

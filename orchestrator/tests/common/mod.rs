@@ -206,6 +206,7 @@ pub fn run_config(name: &str) -> RunConfig {
         inner_lr: 3e-3,
         inner_steps_every: 2,
         dataset: None,
+        stage_memory: Vec::new(),
     }
 }
 
