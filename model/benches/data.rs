@@ -14,34 +14,14 @@ use iota_model::data::prepare::{PrepareOptions, prepare};
 use iota_model::data::{Dataset, PreparedDataset};
 use iota_model::{Device, ModelConfig, Stage, StageOptions, make_batch, train_bpe_tokenizer};
 
+mod support;
+use support::{fail, load_average, peak_rss_bytes};
+
 const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";
 const CHILD: &str = "IOTA_BENCH_DATA_CHILD";
 const MIN_BYTES: u64 = 100 << 20;
 const SEQ: usize = 128;
 const MICRO_BATCH: usize = 4;
-
-fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    eprintln!("data bench: {what}: {e}");
-    std::process::exit(1)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-/// Peak resident memory of this process, from the kernel's high-water mark.
-fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
 
 /// The child: prepares `input` with `tokenizer` into `out` and prints what it measured.
 fn child(spec: &str) {

@@ -14,32 +14,12 @@ use iota_model::{
     AdamW, AdamWConfig, DType, Device, LrSchedule, ModelConfig, Stage, StageOptions, Tensor,
 };
 
+mod support;
+use support::{fail, load_average, peak_rss_bytes};
+
 const CHILD: &str = "IOTA_BENCH_MEMORY_CHILD";
 const MODEL: &str = "iota-1.5b";
 const GB: f64 = 1e9;
-
-fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    eprintln!("memory bench: {what}: {e}");
-    std::process::exit(1)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-/// Peak resident memory of this process, from the kernel's high-water mark.
-fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
 
 /// The child: one step of stage `k` at `batch × seq`; prints `peak seconds`.
 fn child(spec: &str) {

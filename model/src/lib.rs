@@ -86,6 +86,8 @@ pub mod replay;
 pub mod rng;
 mod st;
 pub mod stage;
+#[cfg(test)]
+mod test_util;
 pub mod threads;
 mod tiled_attention;
 pub mod train;

@@ -140,6 +140,7 @@ pub(crate) fn ce_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_diff;
     use candle_core::{DType, Device, Var};
 
     fn reference(h: &Tensor, w: &Tensor, t: &Tensor) -> (f64, Tensor, Tensor) {
@@ -160,19 +161,6 @@ mod tests {
             g.get(hv.as_tensor()).unwrap().clone(),
             g.get(wv.as_tensor()).unwrap().clone(),
         )
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
     }
 
     /// Products in bf16 (weight passed in bf16), arithmetic in f32: close to the f32 result,

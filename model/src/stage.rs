@@ -1113,44 +1113,17 @@ impl Stage {
         // Parameter gradients in the order they are added (the head's first, as `backward` and
         // the monolithic pipeline add them).
         let mut parts: Vec<(usize, Tensor)> = Vec::new();
-        let surrogate = match (self.is_last(), grad_output) {
-            (true, None) => {
-                let Some(targets) = &cache.targets else {
-                    return Err(ModelError::InvalidInput(
-                        "last-stage cache lacks targets".into(),
-                    ));
-                };
-                let h = match cached_output {
-                    Some(h) => h,
-                    None => self.run(&graph_input)?,
-                };
-                let lse = match (&cache.lse, stale) {
-                    (Some(lse), false) => lse.clone(),
-                    _ => self.head_forward(&h, targets)?.1,
-                };
-                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
-                parts.push((head, gw.detach()));
-                (h * gh)?.sum_all()?
-            }
-            (false, Some(g)) => {
-                self.validate_float(g, &cache.output_dims, "output gradient")?;
-                let out = match cached_output {
-                    Some(o) => o,
-                    None => self.run(&graph_input)?,
-                };
-                ((out * g.to_device(&self.opts.device)?.detach())?.sum_all()? * tokens as f64)?
-            }
-            (true, Some(_)) => {
-                return Err(ModelError::InvalidInput(
-                    "the last stage takes no output gradient".into(),
-                ));
-            }
-            (false, None) => {
-                return Err(ModelError::InvalidInput(
-                    "a non-last stage needs the output gradient".into(),
-                ));
-            }
-        };
+        let surrogate = self.surrogate(
+            &cache,
+            || match cached_output {
+                Some(out) => Ok(out),
+                None => self.run(&graph_input),
+            },
+            grad_output,
+            stale,
+            tokens,
+            &mut parts,
+        )?;
         let grads = surrogate.backward()?;
         for (i, p) in self.params.iter().enumerate() {
             if let Some(g) = grads.get(p.var.as_tensor()) {
@@ -1171,6 +1144,50 @@ impl Stage {
             }),
         };
         Ok((grad_input, held))
+    }
+
+    /// The scalar a backward differentiates, from the stage's `output` (computed only once the
+    /// arguments are known good): on the last stage the sum of token losses through the loss
+    /// head, whose weight gradient goes to `parts`; elsewhere the output times the gradient the
+    /// next stage sent, scaled from its micro-batch mean to the sum.
+    fn surrogate(
+        &self,
+        cache: &StageCache,
+        output: impl FnOnce() -> Result<Tensor>,
+        grad_output: Option<&Tensor>,
+        stale: bool,
+        tokens: usize,
+        parts: &mut Vec<(usize, Tensor)>,
+    ) -> Result<Tensor> {
+        match (self.is_last(), grad_output) {
+            (true, None) => {
+                let Some(targets) = &cache.targets else {
+                    return Err(ModelError::InvalidInput(
+                        "last-stage cache lacks targets".into(),
+                    ));
+                };
+                let h = output()?;
+                let lse = match (&cache.lse, stale) {
+                    (Some(lse), false) => lse.clone(),
+                    _ => self.head_forward(&h, targets)?.1,
+                };
+                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
+                parts.push((head, gw.detach()));
+                Ok((h * gh)?.sum_all()?)
+            }
+            (false, Some(g)) => {
+                self.validate_float(g, &cache.output_dims, "output gradient")?;
+                let out = output()?;
+                let g = g.to_device(&self.opts.device)?.detach();
+                Ok(((out * g)?.sum_all()? * tokens as f64)?)
+            }
+            (true, Some(_)) => Err(ModelError::InvalidInput(
+                "the last stage takes no output gradient".into(),
+            )),
+            (false, None) => Err(ModelError::InvalidInput(
+                "a non-last stage needs the output gradient".into(),
+            )),
+        }
     }
 
     /// [`Stage::backward_held`] under [`StageOptions::checkpoint_blocks`]: from the top down, the
@@ -1198,38 +1215,14 @@ impl Stage {
                 .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?,
         )?;
         // The same surrogates as the whole-graph backward, on the top block's output.
-        let surrogate = match (self.is_last(), grad_output) {
-            (true, None) => {
-                let Some(targets) = &cache.targets else {
-                    return Err(ModelError::InvalidInput(
-                        "last-stage cache lacks targets".into(),
-                    ));
-                };
-                let h = self.finish(std::slice::from_ref(top.as_tensor()), true)?;
-                let lse = match (&cache.lse, stale) {
-                    (Some(lse), false) => lse.clone(),
-                    _ => self.head_forward(&h, targets)?.1,
-                };
-                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
-                parts.push((head, gw.detach()));
-                (h * gh)?.sum_all()?
-            }
-            (false, Some(g)) => {
-                self.validate_float(g, &cache.output_dims, "output gradient")?;
-                let g = g.to_device(&self.opts.device)?.detach();
-                ((top.as_tensor() * g)?.sum_all()? * tokens as f64)?
-            }
-            (true, Some(_)) => {
-                return Err(ModelError::InvalidInput(
-                    "the last stage takes no output gradient".into(),
-                ));
-            }
-            (false, None) => {
-                return Err(ModelError::InvalidInput(
-                    "a non-last stage needs the output gradient".into(),
-                ));
-            }
-        };
+        let surrogate = self.surrogate(
+            cache,
+            || self.finish(std::slice::from_ref(top.as_tensor()), true),
+            grad_output,
+            stale,
+            tokens,
+            &mut parts,
+        )?;
         let grads = surrogate.backward()?;
         take(&grads, &mut parts);
         let mut g = grads

@@ -219,6 +219,7 @@ impl CustomOp3 for TiledAttention {
 mod tests {
     use super::*;
     use crate::layers::{causal_mask, softmax_last};
+    use crate::test_util::max_diff;
     use candle_core::{DType, Device, Var};
 
     /// Plain attention through autograd: the whole score matrix, GQA by repeating heads.
@@ -233,21 +234,6 @@ mod tests {
             .broadcast_add(mask)
             .unwrap();
         softmax_last(&s).unwrap().matmul(&v).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
     }
 
     /// Output and gradients of `q`, `k`, `v` (against a fixed random upstream gradient).
