@@ -1269,6 +1269,27 @@ mod tests {
         }
     }
 
+    /// A step holds a few chunks beside the stage, never a copy of it (the step it replaced
+    /// computed every new weight and both moments before writing any: three copies).
+    #[test]
+    fn a_step_holds_chunks_not_copies_of_the_stage() {
+        let cfg = ModelConfig::tiny().with_stages(vec![2]);
+        let mut s = Stage::new(&cfg, 0, StageOptions::cpu()).unwrap();
+        let mut opt = AdamW::new(&s, AdamWConfig::default(), LrSchedule::constant()).unwrap();
+        opt.chunk = 64;
+        for i in 0..s.params().len() {
+            let g = (s.params()[i].var().as_tensor().ones_like().unwrap() * 0.3).unwrap();
+            s.set_grad_for_test(i, g);
+        }
+        let stage_bytes = s.num_parameters() * 4;
+        let (out, peak) = crate::alloc_count::peak_during(|| opt.step(&mut s).unwrap());
+        assert!(matches!(out, StepOutcome::Applied { .. }), "{out:?}");
+        assert!(
+            peak < stage_bytes / 2,
+            "a step held {peak} bytes at once beside a {stage_bytes}-byte stage"
+        );
+    }
+
     /// Moments handed over as one shared tensor (a checkpoint loader could) must not be written
     /// through each other.
     #[test]
