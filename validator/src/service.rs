@@ -127,6 +127,9 @@ pub struct Validator {
     online: tokio::sync::OnceCell<Online>,
     /// When owed weights may be tried again ([`Validator::weights_owed`]).
     owed: std::sync::Mutex<OwedWeights>,
+    /// Held while revealing: [`run`] reveals beside a step that may reveal too, and a commit
+    /// revealed twice would have its second reveal refused and be recorded as failed.
+    revealing: tokio::sync::Mutex<()>,
 }
 
 /// Whether `e` means the orchestrator cannot be reached (the network failed on every retry, or a
@@ -341,6 +344,7 @@ impl Validator {
             store,
             online: tokio::sync::OnceCell::new(),
             owed: std::sync::Mutex::default(),
+            revealing: tokio::sync::Mutex::new(()),
         };
         match v.online().await {
             Ok(_) => {}
@@ -1179,6 +1183,7 @@ impl Validator {
 
     /// Reveals pending commits whose window opened (also those made before a restart).
     pub async fn reveal(&self) -> Result<usize, ValidatorError> {
+        let _one_at_a_time = self.revealing.lock().await;
         let report = self
             .chain
             .reveal_pending(&self.hotkey, &self.store, &self.cfg.tx)
@@ -1329,21 +1334,37 @@ impl Validator {
 }
 
 /// Runs `validator` until `shutdown`: a failed step is logged and retried at the next poll.
+/// Pending commits are also revealed at every poll beside the steps: a commit must be revealed
+/// within one of the subnet's epochs, and a step that scores several epochs (a validator back
+/// from a restart) can take longer than that.
 pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send) {
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            r = validator.step() => match r {
+    let steps = async {
+        loop {
+            match validator.step().await {
                 Ok(scored) if !scored.is_empty() => tracing::info!(?scored, "epochs scored"),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "validator step failed; retrying"),
             }
+            tokio::time::sleep(validator.cfg.poll_interval).await;
         }
-        tokio::select! {
-            _ = &mut shutdown => break,
-            _ = tokio::time::sleep(validator.cfg.poll_interval) => {}
+    };
+    // Polled together with the steps (not run while they wait), so a reveal waiting for a lock
+    // a step holds never stops that step.
+    let reveals = async {
+        if !validator.cfg.set_weights {
+            return std::future::pending().await;
         }
+        loop {
+            tokio::time::sleep(validator.cfg.poll_interval).await;
+            if let Err(e) = validator.reveal().await {
+                tracing::warn!(error = %e, "reveal");
+            }
+        }
+    };
+    tokio::select! {
+        _ = shutdown => {}
+        _ = steps => {}
+        _ = reveals => {}
     }
 }
 
