@@ -195,16 +195,17 @@ struct Coefficients {
 }
 
 impl Coefficients {
-    /// New weights, first and second moments for one chunk (`w`, its gradient `g`, moments `m`,
-    /// `v`); `decays` for matrices.
+    /// New weights, first and second moments for elements `at..at + len` of the flat weights,
+    /// gradient and moments `[w, g, m, v]`; `decays` for matrices.
     fn update(
         &self,
         decays: bool,
-        w: &Tensor,
-        g: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
+        [w, g, m, v]: [&Tensor; 4],
+        at: usize,
+        len: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let [w, g, m, v] = [w, g, m, v].map(|t| t.narrow(0, at, len));
+        let (w, g, m, v) = (w?, g?, m?, v?);
         let (b1, b2) = (self.beta1, self.beta2);
         let g = (g * self.grad_scale)?;
         let m = ((m * b1)? + (&g * (1.0 - b1))?)?;
@@ -408,13 +409,7 @@ impl AdamW {
             let v = flat_view(&self.v[i], "a second moment")?;
             let g = g.flatten_all()?;
             for_each_chunk(w.elem_count(), chunk, |at, len| {
-                let (nw, nm, nv) = coefficients.update(
-                    p.decay(),
-                    &w.narrow(0, at, len)?,
-                    &g.narrow(0, at, len)?,
-                    &m.narrow(0, at, len)?,
-                    &v.narrow(0, at, len)?,
-                )?;
+                let (nw, nm, nv) = coefficients.update(p.decay(), [&w, &g, &m, &v], at, len)?;
                 w.slice_set(&nw, 0, at)?;
                 m.slice_set(&nm, 0, at)?;
                 v.slice_set(&nv, 0, at)?;
@@ -499,13 +494,7 @@ impl AdamW {
                 g.flatten_all()?,
             );
             for_each_chunk(w.elem_count(), self.chunk, |at, len| {
-                let new = coefficients.update(
-                    p.decay(),
-                    &w.narrow(0, at, len)?,
-                    &g.narrow(0, at, len)?,
-                    &m.narrow(0, at, len)?,
-                    &v.narrow(0, at, len)?,
-                )?;
+                let new = coefficients.update(p.decay(), [&w, &g, &m, &v], at, len)?;
                 for t in [&new.0, &new.1, &new.2] {
                     check += (t * 0.0)?
                         .sum_all()?
