@@ -129,7 +129,7 @@ pub struct MinerConfig {
     /// Work items asked for per poll.
     pub max_items: u32,
     /// Forward caches kept for pending backward passes before recomputing instead (default:
-    /// twice the run's in-flight limit).
+    /// what the memory holds, from the start-up test; see [`crate::capacity::cache_budget`]).
     pub cache_budget: Option<usize>,
     /// Keep only each block's input between a forward and its backward, which recomputes the
     /// blocks one at a time: far less memory per sample in flight for about one more forward
@@ -137,7 +137,8 @@ pub struct MinerConfig {
     pub checkpoint_blocks: bool,
     /// Memory to report; measured when `None`.
     pub memory_bytes: Option<u64>,
-    /// Throughput to report at registration; measured when `None`.
+    /// Throughput to report; measured when `None` (a one-block estimate at registration, then
+    /// the start-up test of the miner's own stage).
     pub tokens_per_s: Option<f64>,
     /// A dishonest behaviour, for testing validators.
     pub adversary: Option<Adversary>,
@@ -240,7 +241,9 @@ pub struct MinerArgs {
     /// Work items per poll.
     #[arg(long = "max-items", env = "IOTA_MAX_ITEMS", default_value_t = 4)]
     pub max_items: u32,
-    /// Forward caches kept before recomputing (default: twice the run's in-flight limit).
+    /// Forward caches kept before recomputing (default: as many as the free memory holds beside
+    /// the stage, by the start-up test's measure of one sequence, at most twice the run's
+    /// in-flight limit).
     #[arg(long = "cache-budget", env = "IOTA_CACHE_BUDGET")]
     pub cache_budget: Option<usize>,
     /// Activation checkpointing: keep each block's input only and recompute the blocks one at a

@@ -170,6 +170,8 @@ struct Node {
     /// Heartbeats while the loop is busy; stops when the node is dropped.
     _pulse: Pulse,
     tokens_per_s: f64,
+    /// The memory this miner registered with.
+    memory_bytes: u64,
 }
 
 fn stopping(flag: &std::sync::atomic::AtomicBool) -> bool {
@@ -223,22 +225,58 @@ fn in_computed_order(pending: impl Iterator<Item = (i64, u64)>) -> Vec<i64> {
     waiting.into_iter().map(|(_, id)| id).collect()
 }
 
-/// A trainer of `stage`, built off the async threads.
+/// A trainer of `stage`, built off the async threads, and the throughput to report for it: the
+/// configured figure, or the start-up test's on this very stage, one sequence at a time. Unless
+/// one is configured, its cache budget follows from `memory_bytes` and what the test measured a
+/// forward to hold.
 async fn build_trainer(
     cfg: &MinerConfig,
     run: &RunConfig,
     stage: u32,
-) -> Result<StageTrainer, MinerError> {
-    let (run, opts, budget, adv, seed, data) = (
+    memory_bytes: u64,
+) -> Result<(StageTrainer, f64), MinerError> {
+    let (run, opts, adv, seed, data, device) = (
         run.clone(),
         cfg.stage_options()?,
-        cfg.cache_budget.unwrap_or(2 * run.max_in_flight as usize),
         cfg.adversary,
         cfg.seed,
         cfg.data_dir.clone(),
+        cfg.device.clone(),
     );
+    let (fixed_rate, fixed_budget) = (cfg.tokens_per_s, cfg.cache_budget);
     tokio::task::spawn_blocking(move || {
-        StageTrainer::new(run, stage, opts, budget, adv, seed, data.as_deref())
+        let most = 2 * run.max_in_flight as usize;
+        let budget = fixed_budget.unwrap_or(most);
+        let mut t =
+            StageTrainer::new(run.clone(), stage, opts, budget, adv, seed, data.as_deref())?;
+        if let (Some(rate), Some(_)) = (fixed_rate, fixed_budget) {
+            return Ok((t, rate));
+        }
+        let speed = t.measure_speed(&device)?;
+        tracing::info!(
+            stage,
+            tokens_per_s = speed.tokens_per_s,
+            bytes_per_sequence = speed.bytes_per_sequence,
+            "start-up test of this stage"
+        );
+        if fixed_budget.is_none() {
+            let memory = t.memory()?;
+            let budget = capacity::cache_budget(
+                &memory,
+                u64::from(run.micro_batch),
+                speed.bytes_per_sequence,
+                memory_bytes,
+                most,
+            );
+            tracing::info!(
+                stage,
+                budget,
+                memory_gb = memory_bytes as f64 / 1e9,
+                "forward caches kept for pending backwards"
+            );
+            t.set_cache_budget(budget);
+        }
+        Ok((t, fixed_rate.unwrap_or(speed.tokens_per_s)))
     })
     .await
     .map_err(|e| MinerError::Internal(e.to_string()))?
@@ -303,25 +341,27 @@ impl Node {
                 kept = fetched.kept.len(), "the run's dataset is in the cache");
             cfg.data_dir = Some(dir);
         }
-        let device = cfg.device.clone();
-        let measured = if let Some(t) = cfg.tokens_per_s {
+        let memory_bytes = cfg
+            .memory_bytes
+            .unwrap_or_else(|| capacity::available_memory(&cfg.device));
+        // The stage is not known before registering: a one-block estimate places this miner,
+        // and its own stage's figure follows in the heartbeats.
+        let estimate = if let Some(t) = cfg.tokens_per_s {
             t
         } else {
-            let run = run.clone();
+            let (run, device) = (run.clone(), cfg.device.clone());
             tokio::task::spawn_blocking(move || {
-                capacity::measure_tokens_per_s(&run, &model, &device)
+                capacity::estimate_tokens_per_s(&run, &model, &device)
             })
             .await
             .map_err(|e| MinerError::Internal(e.to_string()))??
         };
         let capacity = Capacity {
             device: cfg.device.name(),
-            memory_bytes: cfg
-                .memory_bytes
-                .unwrap_or_else(|| capacity::available_memory(&cfg.device)),
-            tokens_per_s: measured,
+            memory_bytes,
+            tokens_per_s: estimate,
         };
-        tracing::info!(device = %capacity.device, memory_gb = capacity.memory_bytes as f64 / 1e9, tokens_per_s = measured, "capacity");
+        tracing::info!(device = %capacity.device, memory_gb = capacity.memory_bytes as f64 / 1e9, tokens_per_s = estimate, "capacity");
         if cfg.device.compute_dtype() == iota_model::DType::BF16 {
             tracing::warn!(
                 device = %capacity.device,
@@ -348,7 +388,7 @@ impl Node {
             work_ended = ?joined.work_ended,
             "joined the run"
         );
-        let trainer = build_trainer(&cfg, &run, stage).await?;
+        let (trainer, measured) = build_trainer(&cfg, &run, stage, memory_bytes).await?;
         status.send_modify(|s| {
             s.stage = Some(stage);
             s.uid = Some(joined.uid);
@@ -372,6 +412,7 @@ impl Node {
             last_contact,
             _pulse: pulse,
             tokens_per_s: measured,
+            memory_bytes,
         };
         node.load_weights(joined.status.epoch).await?;
         node.observe(&joined.status);
@@ -438,13 +479,18 @@ impl Node {
             to = stage,
             "the orchestrator moved this miner to another stage; taking it up"
         );
-        let trainer = build_trainer(&self.cfg, &self.run, stage).await?;
+        let (trainer, measured) =
+            build_trainer(&self.cfg, &self.run, stage, self.memory_bytes).await?;
         self.trainer = Arc::new(Mutex::new(trainer));
+        self.tokens_per_s = measured;
         self.stage = stage;
         self.weights_stale = true;
         self.pending.clear();
         self.merged_blobs = MergedBlobs::default();
-        self.status.send_modify(|s| s.stage = Some(stage));
+        self.status.send_modify(|s| {
+            s.stage = Some(stage);
+            s.tokens_per_s = measured;
+        });
         Ok(())
     }
 

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use iota_model::bottleneck::WireEncoding as ModelWire;
 use iota_model::data::PreparedDataset;
+use iota_model::memory::{MemoryOptions, StageMemory, stage_memory};
 use iota_model::merge::{digest_f32, flatten_params, flatten_range, load_range};
 use iota_model::{
     AdamW, AdamWConfig, BoundaryTensor, DType, Dataset, Device, GrammarCorpus, HeldGradients, Hop,
@@ -30,6 +31,8 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::adversary::{Adversary, LAZY_LOSS_FACTOR, add_noise};
+use crate::capacity::{StageSpeed, measure_stage};
+use crate::config::DeviceSpec;
 use crate::error::MinerError;
 
 /// The result of one hop, ready to upload.
@@ -267,6 +270,29 @@ impl StageTrainer {
     /// Inner steps taken this epoch.
     pub fn inner_steps(&self) -> u64 {
         self.inner_steps
+    }
+    /// Forward caches kept for pending backwards before recomputing instead.
+    pub fn cache_budget(&self) -> usize {
+        self.cache_budget
+    }
+    /// Sets [`StageTrainer::cache_budget`] (at least one).
+    pub fn set_cache_budget(&mut self, budget: usize) {
+        self.cache_budget = budget.max(1);
+    }
+    /// What the stage needs by the memory equation, at the run's micro-batch.
+    pub fn memory(&self) -> Result<StageMemory, MinerError> {
+        Ok(stage_memory(
+            &self.model,
+            self.stage_index as usize,
+            self.run.micro_batch as usize,
+            self.run.seq_len as usize,
+            MemoryOptions::of(&self.opts),
+        )?)
+    }
+    /// The start-up speed test on this stage ([`crate::capacity::measure_stage`]); call it
+    /// before training: it drops accumulated gradients.
+    pub fn measure_speed(&mut self, device: &DeviceSpec) -> Result<StageSpeed, MinerError> {
+        measure_stage(self.runner.stage_mut(), self.run.seq_len as usize, device)
     }
     /// Forward caches waiting for their backward.
     pub fn in_flight(&self) -> usize {

@@ -54,8 +54,8 @@ impl StageMemory {
 
     /// Samples that fit in flight within `budget` bytes (0 when not even one does).
     pub fn samples_within(&self, budget: u64) -> u64 {
-        let fixed = self.state + self.backward;
-        if budget < fixed + self.per_sample {
+        let fixed = self.state.saturating_add(self.backward);
+        if budget < fixed.saturating_add(self.per_sample) {
             return 0;
         }
         (budget - fixed) / self.per_sample.max(1)
@@ -69,6 +69,21 @@ pub struct MemoryOptions {
     pub checkpoint_blocks: bool,
     /// Bytes of the compute dtype when it is not the master weights' f32 (2 for bf16), else 0.
     pub half_compute_bytes: u64,
+}
+
+impl MemoryOptions {
+    /// How a stage built with `opts` runs.
+    pub fn of(opts: &crate::StageOptions) -> Self {
+        let half = opts.compute_dtype != crate::DType::F32;
+        Self {
+            checkpoint_blocks: opts.checkpoint_blocks,
+            half_compute_bytes: if half {
+                opts.compute_dtype.size_in_bytes() as u64
+            } else {
+                0
+            },
+        }
+    }
 }
 
 /// The memory stage `k` of `cfg` needs to train micro-batches of `batch × seq` tokens.
