@@ -5,8 +5,8 @@
 #   scripts/cuda-run.sh DIR [OUT]
 #
 # DIR holds `model-tests` and `miner-tests` (the crates' release test binaries), `replay_error`
-# (model example) and `model-bench` (model bench); with `training` (the miner's integration
-# test) and DATABASE_URL set, it also trains a real run with every miner on GPU 0. The CUDA 13 libraries are taken from where
+# (model example) and `model-bench` (model bench); with `miner-integration` (the miner's
+# integration tests, whose `training::` ones run) and DATABASE_URL set, it also trains a real run with every miner on GPU 0. The CUDA 13 libraries are taken from where
 # the machine has them (a system toolkit or the nvidia-* Python wheels); IOTA_REQUIRE_CUDA makes
 # every GPU test fail rather than skip when the device does not answer. Logs go to OUT
 # (default: a temporary directory); a summary is printed last.
@@ -36,12 +36,12 @@ step() {
 
 step model-tests 150 "$bin/model-tests" --test-threads 8
 step miner-cuda 60 "$bin/miner-tests" cuda_memory_and_throughput_are_measured --nocapture
-if [ -x "$bin/training" ] && [ -n "${DATABASE_URL:-}" ]; then
+if [ -x "$bin/miner-integration" ] && [ -n "${DATABASE_URL:-}" ]; then
     # Evidence that the miners' tensors live on the GPU: its per-process memory while they train.
     (while sleep 1; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done) \
         >"$out/gpu-apps.log" 2>&1 &
     sampler=$!
-    step training-cuda 200 env IOTA_TEST_DEVICE=cuda:0 "$bin/training" --test-threads 1
+    step training-cuda 200 env IOTA_TEST_DEVICE=cuda:0 "$bin/miner-integration" training:: --test-threads 1
     kill "$sampler"
     echo "GPU memory of the training process, largest sample: $(sort -t, -k2 -n "$out/gpu-apps.log" | tail -n 1)"
 fi

@@ -75,10 +75,22 @@ if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
 fi
 export IOTA_TEST_S3_ENDPOINT
 
-echo "== cargo test"
-cargo test --workspace --locked
+# cargo-nextest, where installed, runs tests of different binaries side by side (most of the
+# long ones wait on a chain or a phase), each in its own process; it skips doctests.
+run_tests() {
+    if cargo nextest --version >/dev/null 2>&1; then
+        cargo nextest run --locked --no-fail-fast "$@"
+    else
+        cargo test --locked "$@"
+    fi
+}
+echo "== tests"
+run_tests --workspace
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo test --workspace --doc --locked
+fi
 # Selected with the whole workspace, so that every dependency keeps the features it was just
 # built with: `-p iota-model` alone resolves them differently and rebuilds nearly everything.
 echo "== iota-model with the openblas feature: lints, and every crate's unit tests"
 cargo clippy --workspace --all-targets --locked --features iota-model/openblas -- -D warnings
-cargo test --workspace --lib --locked --features iota-model/openblas
+run_tests --workspace --lib --features iota-model/openblas

@@ -172,7 +172,7 @@ fn password_is_read_from_the_bt_pw_environment_variable() {
     let output = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "env_password_child",
+            "wallet::env_password_child",
             "--test-threads=1",
             "--nocapture",
         ])

@@ -3,7 +3,7 @@
 //! numbers show training, agreement on every merge, weights on chain and the cheater paid least.
 //! Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

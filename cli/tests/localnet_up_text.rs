@@ -5,7 +5,7 @@
 //! corpus: the Python documentation's sources as Debian's `python3-doc` ships them (about 500
 //! English documents, 12 MB), or another folder in `IOTA_TEST_TEXT_CORPUS`.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -2,8 +2,7 @@
 //! with the same hotkey rejoins its stage and loads the current weights. Needs PostgreSQL
 //! (`DATABASE_URL`, started by scripts/test.sh).
 
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
+use crate::miner_support as support;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

@@ -309,7 +309,7 @@ fn committed_metadata_is_fresh() {
     let committed = std::fs::read(&path).unwrap_or_default();
     assert!(
         committed == iota_localnet::metadata::metadata_bytes(),
-        "{} is stale or missing: regenerate it with `cargo run -p iota-cli -- localnet metadata` or `IOTA_BLESS=1 cargo test -p iota-localnet --test metadata_fidelity`",
+        "{} is stale or missing: regenerate it with `cargo run -p iota-cli -- localnet metadata` or `IOTA_BLESS=1 cargo test -p iota-localnet --test integration metadata_fidelity`",
         path.display()
     );
 }

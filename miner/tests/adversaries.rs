@@ -2,7 +2,7 @@
 //! encoded outputs, reported losses, pseudo-gradients and merged partitions), next to an honest
 //! miner given the same inputs. No network: the trainer and the merge arithmetic directly.
 
-mod support;
+use crate::support;
 
 use iota_miner::merge::merged_partition;
 use iota_miner::{Adversary, StageTrainer};

@@ -3,7 +3,7 @@
 //! (each checked against the run's manifest hash), refuses a tampered object naming the file,
 //! and does not download again what its cache already holds.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::Path;

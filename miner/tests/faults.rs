@@ -1,7 +1,7 @@
 //! Faults during a real run: an orchestrator restarted mid-epoch, and a miner that crashes and
 //! comes back. Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

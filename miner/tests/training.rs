@@ -1,7 +1,7 @@
 //! A real run: localnet + PostgreSQL + orchestrator + 3 stages × 2 miners training the `tiny`
 //! model on the CPU for several epochs. Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -458,7 +458,7 @@ fn two_processes_read_the_same_windows() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "two_processes_child",
+            "prepared_data::two_processes_child",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -6,7 +6,7 @@
 //! Chromium is Debian's `chromium` package (`scripts/test.sh` installs it); `IOTA_CHROMIUM` names
 //! another binary. Without it this test fails: it never skips.
 
-mod common;
+use crate::common;
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};

@@ -8,7 +8,7 @@
 //! `IOTA_FUZZ_REQUESTS_PER_OP` (default [`DEFAULT_PER_OP`]). The totals are printed; run with
 //! `--nocapture` to see them.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

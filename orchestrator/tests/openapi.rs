@@ -1,7 +1,7 @@
 //! The checked-in `orchestrator/openapi.json` is the API's contract: it must equal what the code
 //! generates, document every route the router serves, and reference only schemas it defines.
 //!
-//! To regenerate it after an API change: `IOTA_BLESS=1 cargo test -p iota-orchestrator --test openapi`.
+//! To regenerate it after an API change: `IOTA_BLESS=1 cargo test -p iota-orchestrator --test integration openapi`.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -54,7 +54,7 @@ fn checked_in_document_is_current() {
             .unwrap_or_else(|| stored.lines().count().min(fresh.lines().count()));
         panic!(
             "{} is stale (first difference at line {}).\nRegenerate it with:\n    \
-             IOTA_BLESS=1 cargo test -p iota-orchestrator --test openapi\nand commit the result.",
+             IOTA_BLESS=1 cargo test -p iota-orchestrator --test integration openapi\nand commit the result.",
             path.display(),
             first_diff + 1
         );

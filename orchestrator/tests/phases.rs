@@ -4,7 +4,7 @@
 //! The orchestrator's handlers are served in-process over a metagraph the test builds; the phase
 //! driver is stepped by hand with `driver::step(app, now)` at chosen times.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! a miner within a poll or two, such polls keep their miner alive, and a lost listener is
 //! replaced. One test, so that no other test moves the process-wide poll counters it reads.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

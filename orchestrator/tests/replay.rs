@@ -2,7 +2,7 @@
 //! localnet): every process refuses a uuid it has seen, and a request that may change run state
 //! is refused by every process once one has admitted it.
 
-mod common;
+use crate::common;
 
 use common::*;
 use iota_protocol::ErrorCode;

@@ -2,7 +2,7 @@
 //! more. Against a real PostgreSQL and a localnet. One test, so that the process-wide metrics it
 //! reads count only its own requests.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! through presigned URLs or the orchestrator, refused uploads that leave nothing in the store,
 //! and the retention of old epochs' objects.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,6 +1,6 @@
 //! Who may call what, and what an upload must be: against a real PostgreSQL and a localnet.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -6,8 +6,7 @@
 //! and reports tampered scores or another epoch's records. Needs `DATABASE_URL`
 //! (scripts/test.sh starts PostgreSQL).
 
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};

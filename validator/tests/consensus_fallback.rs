@@ -5,8 +5,7 @@
 //! mean of their rows (19:9); once one has, it is the metagraph's consensus, the stake-weighted
 //! median (3:1). Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-#[path = "../../orchestrator/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

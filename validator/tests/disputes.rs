@@ -7,9 +7,8 @@
 //! averages without the outer step, so none of them is what the validator computes. Needs
 //! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-mod harness;
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
+use crate::harness;
+use crate::support;
 
 use std::time::Duration;
 

@@ -6,9 +6,8 @@
 //! A real run: localnet, PostgreSQL, orchestrator, 6 `tiny` miners on the CPU, a validator.
 //! Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-mod harness;
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
+use crate::harness;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -8,9 +8,8 @@
 //! stage, then a validator that joins late. Needs `DATABASE_URL` (scripts/test.sh starts
 //! PostgreSQL).
 
-mod harness;
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
+use crate::harness;
+use crate::support;
 
 use std::time::Duration;
 

@@ -7,8 +7,7 @@
 //! validator whose database holds epoch 0 scored: the state a pass leaves when it scores an
 //! epoch and its weights fail. Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
-#[path = "../../orchestrator/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::*;
 use iota_chain::calls::Hyperparam;

@@ -1,0 +1,10 @@
+//! Every integration test of this crate in one binary: one link instead of one per file,
+//! and the shared helpers compiled once.
+
+mod adversaries;
+mod dataset_store;
+mod faults;
+mod prepared_data;
+mod run_bounds;
+mod support;
+mod training;

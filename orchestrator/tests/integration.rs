@@ -1,0 +1,14 @@
+//! Every integration test of this crate in one binary: one link instead of one per file,
+//! and the shared helpers compiled once.
+
+mod common;
+mod dashboard;
+mod epoch;
+mod fuzz;
+mod openapi;
+mod phases;
+mod poll_view;
+mod replay;
+mod sessions;
+mod storage;
+mod trust;
