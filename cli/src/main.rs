@@ -2,6 +2,7 @@
 //! the miner.
 
 use clap::{Parser, Subcommand};
+use iota_orchestrator::dataset::DatasetSource;
 
 mod data;
 mod model_cmd;
@@ -76,11 +77,13 @@ struct OrchestratorCmd {
     /// Model config: `tiny`, `small`, `iota-1.5b`, `iota-15b` or a JSON file.
     #[arg(long, env = "IOTA_MODEL", default_value = "tiny")]
     model: String,
-    /// A prepared dataset folder (`iota data prepare`) to train on; its manifest's BLAKE3 goes
-    /// into the run's public config and its files into the run's store (`datasets/<BLAKE3>/`),
-    /// where miners and validators fetch them. Without it, the embedded grammar corpus.
+    /// A prepared dataset (`iota data prepare`) to train on: its folder, or an object-store
+    /// prefix holding the same files (`s3://bucket/prefix`, with the `--store` URL's options:
+    /// `?endpoint=…&region=…`). Its manifest's BLAKE3 goes into the run's public config and its
+    /// files into the run's store (`datasets/<BLAKE3>/`), where miners and validators fetch them.
+    /// Without it, the embedded grammar corpus.
     #[arg(long, env = "IOTA_DATA")]
-    data: Option<std::path::PathBuf>,
+    data: Option<String>,
     /// Print the OpenAPI document and exit.
     #[arg(long = "print-openapi")]
     print_openapi: bool,
@@ -88,33 +91,15 @@ struct OrchestratorCmd {
     args: iota_orchestrator::OrchestratorArgs,
 }
 
-/// The shape of a model as the orchestrator needs it, without loading weights, and the dataset
-/// it trains on: checked whole (every shard's hash) and against the model's vocabulary.
+/// The shape of a model as the orchestrator needs it, without loading weights, training on the
+/// dataset whose manifest hashes to `dataset` (see [`dataset_hash`]).
 fn model_shape(
     name: &str,
-    data: Option<&std::path::Path>,
+    dataset: Option<String>,
     micro_batch: usize,
     seq_len: usize,
 ) -> anyhow::Result<iota_orchestrator::config::ModelShape> {
     let cfg = iota_model::ModelConfig::load(name)?;
-    let dataset = match data {
-        None => None,
-        Some(dir) => {
-            use iota_model::Dataset as _;
-            let ds = iota_model::data::PreparedDataset::open(dir, None, 1, 0)?;
-            if ds.vocab_size() > cfg.vocab_size {
-                anyhow::bail!(
-                    "--data {}: its tokenizer has {} tokens, more than model {name:?}'s vocabulary \
-                     of {}",
-                    dir.display(),
-                    ds.vocab_size(),
-                    cfg.vocab_size
-                );
-            }
-            ds.verify_all()?;
-            Some(ds.manifest_blake3().to_owned())
-        }
-    };
     let stage_params = (0..cfg.num_stages())
         .map(|k| cfg.stage_param_count(k).map(|n| n as u64))
         .collect::<Result<Vec<_>, _>>()?;
@@ -131,6 +116,35 @@ fn model_shape(
     })
 }
 
+/// The BLAKE3 of the dataset's manifest, once its tokenizer is known to fit model `name`'s
+/// vocabulary. A local folder is checked whole (every shard's hash); in a store, each file is
+/// checked as it is copied into the run's store.
+async fn dataset_hash(source: &DatasetSource, name: &str) -> anyhow::Result<String> {
+    let cfg = iota_model::ModelConfig::load(name)?;
+    let (hash, vocab) = match source {
+        DatasetSource::Dir(dir) => {
+            use iota_model::Dataset as _;
+            let ds = iota_model::data::PreparedDataset::open(dir, None, 1, 0)?;
+            ds.verify_all()?;
+            (ds.manifest_blake3().to_owned(), ds.vocab_size() as u64)
+        }
+        DatasetSource::Store { .. } => {
+            let bytes = source.open()?.manifest().await?;
+            let manifest: iota_model::data::prepare::Manifest = serde_json::from_slice(&bytes)
+                .map_err(|e| anyhow::anyhow!("--data {source}: manifest.json: {e}"))?;
+            (iota_protocol::blob::blake3_hex(&bytes), manifest.vocab_size)
+        }
+    };
+    if vocab > cfg.vocab_size as u64 {
+        anyhow::bail!(
+            "--data {source}: its tokenizer has {vocab} tokens, more than model {name:?}'s \
+             vocabulary of {}",
+            cfg.vocab_size
+        );
+    }
+    Ok(hash)
+}
+
 async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
     if cmd.print_openapi {
         use std::io::Write as _;
@@ -138,9 +152,19 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
         let _ = writeln!(std::io::stdout(), "{}", iota_orchestrator::openapi_json());
         return Ok(());
     }
+    let source = cmd
+        .data
+        .as_deref()
+        .map(DatasetSource::parse)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--data: {e}"))?;
+    let dataset = match &source {
+        Some(s) => Some(dataset_hash(s, &cmd.model).await?),
+        None => None,
+    };
     let shape = model_shape(
         &cmd.model,
-        cmd.data.as_deref(),
+        dataset,
         cmd.args.micro_batch as usize,
         cmd.args.seq_len as usize,
     )?;
@@ -153,7 +177,7 @@ async fn orchestrator(cmd: OrchestratorCmd) -> anyhow::Result<()> {
         .config(shape, hotkey.ss58())
         .map_err(|e| anyhow::anyhow!(e))?;
     // Published in the run's store at start, for members without a local copy.
-    config.dataset_dir = cmd.data.clone();
+    config.dataset = source;
     let listener = tokio::net::TcpListener::bind(cmd.args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cmd.args.listen))?;

@@ -588,7 +588,7 @@ async fn with_chain(
         },
         tick: Duration::from_millis(100),
         max_merge_rounds: 2,
-        dataset_dir: None,
+        dataset: None,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);

@@ -14,6 +14,7 @@ use iota_model::ModelConfig;
 use iota_model::data::PreparedDataset;
 use iota_model::data::prepare::{Manifest, PrepareOptions, prepare};
 use iota_model::train_bpe_tokenizer;
+use iota_orchestrator::dataset::DatasetSource;
 use iota_protocol::dataset::{MANIFEST_FILE, TOKENIZER_FILE, dataset_prefix};
 use support::*;
 
@@ -93,7 +94,7 @@ async fn the_run_dataset_is_fetched_from_its_store_and_checked() {
     let db = fresh_db().await;
     let store = tempfile::tempdir().expect("store");
     let mut cfg = config(&chain, &db, store.path(), run.clone());
-    cfg.dataset_dir = Some(ds_dir.clone());
+    cfg.dataset = Some(DatasetSource::Dir(ds_dir.clone()));
     let orch = start(cfg).await;
 
     // Published: exactly the manifest's files, byte for byte.
@@ -111,15 +112,20 @@ async fn the_run_dataset_is_fetched_from_its_store_and_checked() {
         store.path().into(),
     ))
     .expect("store");
-    let again = iota_orchestrator::dataset::publish(&blobs, &ds_dir, &hash)
-        .await
-        .expect("publish again");
+    let again =
+        iota_orchestrator::dataset::publish(&blobs, &DatasetSource::Dir(ds_dir.clone()), &hash)
+            .await
+            .expect("publish again");
     assert!(again.uploaded.is_empty(), "{again:?}");
     assert_eq!(again.kept.len(), files.len());
     // A folder that is not the run's dataset is refused.
-    let err = iota_orchestrator::dataset::publish(&blobs, &ds_dir, &"ab".repeat(32))
-        .await
-        .expect_err("another dataset");
+    let err = iota_orchestrator::dataset::publish(
+        &blobs,
+        &DatasetSource::Dir(ds_dir.clone()),
+        &"ab".repeat(32),
+    )
+    .await
+    .expect_err("another dataset");
     assert!(err.to_string().contains(&hash), "{err}");
 
     // A member fetches exactly the manifest's files, and the cache opens as the run's dataset.
@@ -205,7 +211,7 @@ async fn with_an_s3_store_the_dataset_comes_through_presigned_urls() {
     let local = tempfile::tempdir().expect("unused");
     let mut cfg = config(&chain, &db, local.path(), run.clone());
     cfg.store = s3_store();
-    cfg.dataset_dir = Some(tmp.path().join("ds"));
+    cfg.dataset = Some(DatasetSource::Dir(tmp.path().join("ds")));
     let orch = start(cfg).await;
 
     let client = explorer(&orch.base, 1).await;
@@ -231,4 +237,81 @@ async fn with_an_s3_store_the_dataset_comes_through_presigned_urls() {
     let again = fetch_dataset(&client, &hash, &cache).await.expect("again");
     assert!(again.downloaded.is_empty(), "{again:?}");
     orch.stop().await;
+}
+
+/// `--data s3://bucket/prefix`: the prepared files under a prefix of a bucket (as `aws s3 cp
+/// --recursive` leaves them) are copied into the run's store, each checked against the manifest
+/// on the way, without a local copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dataset_under_an_s3_prefix_is_copied_into_the_run_store_and_checked() {
+    use iota_orchestrator::dataset::publish;
+    use iota_orchestrator::{BlobStore, StoreConfig};
+    init_tracing();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (manifest, hash) = dataset(tmp.path());
+    let ds_dir = tmp.path().join("ds");
+    let files = manifest_files(&manifest);
+    let s3 = s3_store();
+    let bucket = BlobStore::open(&s3).expect("s3");
+    let prefix = format!("prepared/{}", uuid::Uuid::new_v4().simple());
+    for name in &files {
+        bucket
+            .put_file(&format!("{prefix}/{name}"), &ds_dir.join(name))
+            .await
+            .expect("upload");
+    }
+    let StoreConfig::S3 {
+        bucket: name,
+        endpoint: Some(endpoint),
+        region: Some(region),
+        ..
+    } = &s3
+    else {
+        panic!("the test store is S3 with an endpoint and a region: {s3:?}");
+    };
+    let url = format!("s3://{name}/{prefix}/?endpoint={endpoint}&region={region}");
+    let source = DatasetSource::parse(&url).expect("source");
+
+    let run_dir = tempfile::tempdir().expect("run store");
+    let run_store = BlobStore::open(&StoreConfig::Local(run_dir.path().into())).expect("store");
+    let done = publish(&run_store, &source, &hash).await.expect("publish");
+    assert_eq!(
+        done.uploaded.iter().cloned().collect::<BTreeSet<_>>(),
+        files
+    );
+    let stored = run_dir.path().join(dataset_prefix(&hash));
+    assert_eq!(names_in(&stored), files);
+    for name in &files {
+        assert_eq!(
+            std::fs::read(stored.join(name)).expect("stored"),
+            std::fs::read(ds_dir.join(name)).expect("prepared"),
+            "{name}"
+        );
+    }
+    let again = publish(&run_store, &source, &hash).await.expect("again");
+    assert!(again.uploaded.is_empty(), "{again:?}");
+
+    // Another dataset's hash is refused, naming the manifest's.
+    let err = publish(&run_store, &source, &"ab".repeat(32))
+        .await
+        .expect_err("another dataset");
+    assert!(err.to_string().contains(&hash), "{err}");
+
+    // A shard whose bytes are not the manifest's (same size) is refused and not left behind.
+    let shard = &manifest.train.shards[0].file;
+    let mut bad = std::fs::read(ds_dir.join(shard)).expect("shard");
+    bad[0] ^= 0xff;
+    bucket
+        .put(&format!("{prefix}/{shard}"), bad.into())
+        .await
+        .expect("replace");
+    let fresh_dir = tempfile::tempdir().expect("fresh store");
+    let fresh = BlobStore::open(&StoreConfig::Local(fresh_dir.path().into())).expect("store");
+    let err = publish(&fresh, &source, &hash)
+        .await
+        .expect_err("a corrupt shard");
+    assert!(err.to_string().contains(shard.as_str()), "{err}");
+    let fresh_stored = fresh_dir.path().join(dataset_prefix(&hash));
+    assert!(!fresh_stored.join(shard).exists());
+    assert!(!fresh_stored.join(MANIFEST_FILE).exists());
 }

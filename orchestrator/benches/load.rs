@@ -1290,7 +1290,7 @@ async fn bench(
         },
         tick: Duration::from_millis(500),
         max_merge_rounds: 2,
-        dataset_dir: None,
+        dataset: None,
     };
     // The orchestrator runs on its own runtime, as it would in its own process.
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;

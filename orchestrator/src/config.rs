@@ -44,9 +44,9 @@ pub struct Config {
     pub tick: Duration,
     /// Merge reassignment rounds before the last merge deadline.
     pub max_merge_rounds: u32,
-    /// The run's prepared dataset folder, published in the store at start (`None`: the run
+    /// Where the run's prepared dataset is, copied into the store at start (`None`: the run
     /// names none, or it is in the store already).
-    pub dataset_dir: Option<std::path::PathBuf>,
+    pub dataset: Option<crate::dataset::DatasetSource>,
 }
 
 /// The model-derived parts of a run config, computed by the caller (the orchestrator never
@@ -409,7 +409,7 @@ impl OrchestratorArgs {
             },
             tick: Duration::from_millis(self.tick_ms.max(10)),
             max_merge_rounds: self.merge_rounds,
-            dataset_dir: None,
+            dataset: None,
         })
     }
 }

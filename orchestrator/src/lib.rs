@@ -658,15 +658,14 @@ pub async fn run(
         BlobStore::open(&config.store).map_err(|e| OrchestratorError::Store(e.to_string()))?;
     let db = connect_db(&config.database_url, config.db_max_connections).await?;
     let run = ensure_run(&db, &config.run, config.netuid, &config.hotkey).await?;
-    if let Some(dir) = &config.dataset_dir {
+    if let Some(source) = &config.dataset {
         // Before serving: a member that finds the run finds its dataset.
         let Some(hash) = config.run.dataset.as_deref() else {
             return Err(OrchestratorError::Config(format!(
-                "a dataset folder ({}) for a run that names no dataset",
-                dir.display()
+                "a dataset ({source}) for a run that names no dataset"
             )));
         };
-        let done = dataset::publish(&store, dir, hash)
+        let done = dataset::publish(&store, source, hash)
             .await
             .map_err(|e| OrchestratorError::Dataset(e.to_string()))?;
         tracing::info!(dataset = %hash, uploaded = done.uploaded.len(), kept = done.kept.len(),

@@ -224,31 +224,44 @@ impl BlobStore {
         file: &std::path::Path,
     ) -> Result<(u64, String), StoreError> {
         use tokio::io::AsyncReadExt;
-        let path = Self::path(key)?;
         let io = |e: std::io::Error| StoreError::Backend(format!("{}: {e}", file.display()));
-        let mut input = tokio::fs::File::open(file).await.map_err(io)?;
+        let input = tokio::fs::File::open(file).await.map_err(io)?;
+        let chunks = futures::stream::try_unfold(input, move |mut input| async move {
+            let mut buf = vec![0u8; STREAM_CHUNK_BYTES];
+            let n = input.read(&mut buf).await.map_err(io)?;
+            buf.truncate(n);
+            Ok((n > 0).then(|| (Bytes::from(buf), input)))
+        });
+        self.put_stream(key, chunks).await
+    }
+
+    /// Writes the chunks of `chunks` to `key` as [`BlobStore::put_file`] writes a file: in
+    /// parts, at most two in flight, all or nothing. Returns the size and BLAKE3 (hex).
+    pub async fn put_stream(
+        &self,
+        key: &str,
+        chunks: impl futures::Stream<Item = Result<Bytes, StoreError>>,
+    ) -> Result<(u64, String), StoreError> {
+        let path = Self::path(key)?;
         let upload = self.inner.put_multipart(&path).await?;
         let mut writer =
             object_store::WriteMultipart::new_with_chunk_size(upload, UPLOAD_PART_BYTES);
         let mut hasher = blake3::Hasher::new();
         let mut size = 0u64;
-        let mut buf = vec![0u8; STREAM_CHUNK_BYTES];
-        loop {
-            let n = match input.read(&mut buf).await {
-                Ok(n) => n,
+        let mut chunks = std::pin::pin!(chunks);
+        while let Some(chunk) = chunks.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
                 Err(e) => {
                     let _ = writer.abort().await;
-                    return Err(io(e));
+                    return Err(e);
                 }
             };
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            size += n as u64;
-            // At most two parts in flight: memory stays bounded whatever the file's size.
+            hasher.update(&chunk);
+            size += chunk.len() as u64;
+            // Memory stays bounded whatever the object's size.
             writer.wait_for_capacity(2).await?;
-            writer.write(&buf[..n]);
+            writer.write(&chunk);
         }
         writer.finish().await?;
         Ok((size, hasher.finalize().to_hex().to_string()))

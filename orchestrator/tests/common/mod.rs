@@ -232,7 +232,7 @@ pub fn config(chain: &Chain, db: &str, store: &std::path::Path, run: RunConfig) 
         },
         tick: Duration::from_millis(100),
         max_merge_rounds: 2,
-        dataset_dir: None,
+        dataset: None,
     }
 }
 
