@@ -417,7 +417,7 @@ mod tests {
     }
 
     /// Needs of the kind the model's memory equation gives (iota-1.5b at 4x800 with
-    /// checkpointing is 13.4-13.8 GB a stage): a card is admitted to the slowest stage it can
+    /// checkpointing is 14.3-14.7 GB a stage): a card is admitted to the slowest stage it can
     /// hold, and one too small is refused with what it would need.
     #[test]
     fn a_card_too_small_is_refused_with_what_it_needs() {
