@@ -129,7 +129,11 @@ async fn dataset_hash(source: &DatasetSource, name: &str) -> anyhow::Result<Stri
             (ds.manifest_blake3().to_owned(), ds.vocab_size() as u64)
         }
         DatasetSource::Store { .. } => {
-            let bytes = source.open()?.manifest().await?;
+            let bytes = source
+                .open()?
+                .manifest()
+                .await
+                .map_err(|e| anyhow::anyhow!("--data {source}: {e}"))?;
             let manifest: iota_model::data::prepare::Manifest = serde_json::from_slice(&bytes)
                 .map_err(|e| anyhow::anyhow!("--data {source}: manifest.json: {e}"))?;
             (iota_protocol::blob::blake3_hex(&bytes), manifest.vocab_size)

@@ -90,82 +90,111 @@ async fn counts(db: &PgPool) -> (i64, i64) {
     .expect("counts")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_and_restart_lose_nothing() {
-    let net = Localnet::spawn(LocalnetConfig::instant())
-        .await
-        .expect("localnet");
-    let chain = Subtensor::connect(ConnectOptions::new(net.ws_url()))
-        .await
-        .expect("connect");
-    let alice =
-        Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec()).expect("alice");
-    let netuid = chain
-        .register_network(&alice, &PublicKey::from_bytes(pair(250).public().0), &tx())
-        .await
-        .expect("network")
-        .done()
-        .expect("done");
-    chain
-        .start_call(&alice, netuid, &tx())
-        .await
-        .expect("start");
-    chain
-        .set_hyperparam(&alice, netuid, Hyperparam::MaxAllowedUids(64), true, &tx())
-        .await
-        .expect("uids");
-    let seeds = [31u8, 32, 33, 34, 35, 36];
-    for s in seeds {
-        chain
-            .register(
-                &alice,
-                netuid,
-                &PublicKey::from_bytes(pair(s).public().0),
-                &tx(),
-            )
+/// A localnet with a subnet that has `seeds`' hotkeys registered, and a wallet for the
+/// orchestrator.
+struct Subnet {
+    net: Localnet,
+    netuid: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Subnet {
+    async fn new(seeds: &[u8]) -> Self {
+        let net = Localnet::spawn(LocalnetConfig::instant())
             .await
-            .expect("register");
+            .expect("localnet");
+        let chain = Subtensor::connect(ConnectOptions::new(net.ws_url()))
+            .await
+            .expect("connect");
+        let alice = Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec())
+            .expect("alice");
+        let netuid = chain
+            .register_network(&alice, &PublicKey::from_bytes(pair(250).public().0), &tx())
+            .await
+            .expect("network")
+            .done()
+            .expect("done");
+        chain
+            .start_call(&alice, netuid, &tx())
+            .await
+            .expect("start");
+        chain
+            .set_hyperparam(&alice, netuid, Hyperparam::MaxAllowedUids(64), true, &tx())
+            .await
+            .expect("uids");
+        for s in seeds {
+            chain
+                .register(
+                    &alice,
+                    netuid,
+                    &PublicKey::from_bytes(pair(*s).public().0),
+                    &tx(),
+                )
+                .await
+                .expect("register");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let wallet = Wallet::new(dir.path(), "orchestrator", "default").expect("wallet");
+        wallet.create_hotkey(12, None, false).expect("hotkey");
+        Self { net, netuid, dir }
     }
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let wallet = Wallet::new(dir.path(), "orchestrator", "default").expect("wallet");
-    wallet.create_hotkey(12, None, false).expect("hotkey");
+    /// The store folder the orchestrator of [`Subnet::orchestrator`] uses.
+    fn store(&self) -> std::path::PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// `iota orchestrator` of a small run of `model` on this subnet, listening on `port`.
+    fn orchestrator(&self, port: u16, db_url: &str, model: &str) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_iota"));
+        c.args(["orchestrator", "--model", model])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--database-url", db_url])
+            .args(["--store", self.store().to_str().expect("utf-8 path")])
+            .args(["--subtensor.network", &self.net.ws_url()])
+            .args(["--netuid", &self.netuid.to_string()])
+            .args([
+                "--wallet.path",
+                self.dir.path().to_str().expect("utf-8 path"),
+            ])
+            .args([
+                "--wallet.name",
+                "orchestrator",
+                "--wallet.hotkey",
+                "default",
+            ])
+            .args(["--samples-per-epoch", "16"])
+            .args(["--micro-batch", "2", "--seq-len", "16", "--partitions", "2"])
+            .args([
+                "--training-s",
+                "120",
+                "--uploading-s",
+                "20",
+                "--merging-s",
+                "20",
+            ])
+            .args(["--lease-s", "5", "--heartbeat-timeout-s", "15"])
+            .args(["--metagraph-refresh-s", "1", "--tick-ms", "100"])
+            .args(["--rate-per-hotkey", "1000", "--rate-per-ip", "1000"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        c
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_and_restart_lose_nothing() {
+    let seeds = [31u8, 32, 33, 34, 35, 36];
+    let subnet = Subnet::new(&seeds).await;
     let db_url = fresh_db().await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let store = dir.path().join("store");
     let spawn_on = |port: u16| {
         Proc(
-            Command::new(env!("CARGO_BIN_EXE_iota"))
-                .args(["orchestrator", "--model", "tiny"])
-                .args(["--listen", &format!("127.0.0.1:{port}")])
-                .args(["--database-url", &db_url])
-                .args(["--store", store.to_str().expect("utf-8 path")])
-                .args(["--subtensor.network", &net.ws_url()])
-                .args(["--netuid", &netuid.to_string()])
-                .args(["--wallet.path", dir.path().to_str().expect("utf-8 path")])
-                .args([
-                    "--wallet.name",
-                    "orchestrator",
-                    "--wallet.hotkey",
-                    "default",
-                ])
-                .args(["--run-name", "restart", "--samples-per-epoch", "16"])
-                .args(["--micro-batch", "2", "--seq-len", "16", "--partitions", "2"])
-                .args([
-                    "--training-s",
-                    "120",
-                    "--uploading-s",
-                    "20",
-                    "--merging-s",
-                    "20",
-                ])
-                .args(["--lease-s", "5", "--heartbeat-timeout-s", "15"])
-                .args(["--metagraph-refresh-s", "1", "--tick-ms", "100"])
-                .args(["--rate-per-hotkey", "1000", "--rate-per-ip", "1000"])
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+            subnet
+                .orchestrator(port, &db_url, "tiny")
+                .args(["--run-name", "restart"])
                 .spawn()
                 .expect("spawn iota orchestrator"),
         )
@@ -315,4 +344,106 @@ async fn sigkill_and_restart_lose_nothing() {
     }
     let exit = exit.expect("exited after SIGTERM");
     assert!(exit.success(), "exit status {exit}");
+}
+
+/// `--data s3://bucket/prefix`: the orchestrator copies a prepared dataset from a bucket into the
+/// run's store at start and names its manifest's BLAKE3 in the run; a prefix that holds none
+/// stops it at start with an error that says which file is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataset_in_a_bucket_is_published_at_start() {
+    let endpoint = std::env::var("IOTA_TEST_S3_ENDPOINT").expect(
+        "IOTA_TEST_S3_ENDPOINT is not set: run the tests through scripts/test.sh, which starts an \
+         S3-protocol server",
+    );
+    let bucket = std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into());
+    let region = std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into());
+    let subnet = Subnet::new(&[]).await;
+
+    // A prepared dataset, and a model whose vocabulary holds its tokenizer.
+    let tmp = tempfile::tempdir().expect("tmp");
+    let raw = tmp.path().join("raw.txt");
+    let text: String = (0..200)
+        .map(|i| format!("{i}. The miller watched the water turn the wheel.\n"))
+        .collect();
+    std::fs::write(&raw, text).expect("write");
+    let tok = tmp.path().join("tokenizer.json");
+    iota_model::train_bpe_tokenizer(std::slice::from_ref(&raw), 300, &tok).expect("tokenizer");
+    let ds = tmp.path().join("ds");
+    let opts = iota_model::data::prepare::PrepareOptions {
+        shard_tokens: 2048,
+        held_out_ppm: 100_000,
+        ..Default::default()
+    };
+    let (_, hash) =
+        iota_model::data::prepare::prepare(&[raw], &tok, &ds, &opts, &mut |_| {}).expect("prepare");
+    let model = tmp.path().join("model.json");
+    let config = iota_model::ModelConfig::tiny().with_vocab_size(512);
+    std::fs::write(&model, config.to_json().expect("json")).expect("write");
+    let model = model.to_str().expect("utf-8 path");
+
+    // The files under a fresh prefix of the test bucket.
+    let blobs = iota_orchestrator::BlobStore::open(&iota_orchestrator::StoreConfig::S3 {
+        bucket: bucket.clone(),
+        endpoint: Some(endpoint.clone()),
+        region: Some(region.clone()),
+        presign_ttl: Duration::from_secs(60),
+    })
+    .expect("s3");
+    let prefix = format!("prepared/{}", uuid::Uuid::new_v4().simple());
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&ds).expect("ds") {
+        let name = entry.expect("entry").file_name();
+        let name = name.to_str().expect("utf-8 name").to_owned();
+        blobs
+            .put_file(&format!("{prefix}/{name}"), &ds.join(&name))
+            .await
+            .expect("upload");
+        names.push(name);
+    }
+    assert!(names.len() >= 4, "{names:?}");
+    let url = |prefix: &str| format!("s3://{bucket}/{prefix}?endpoint={endpoint}&region={region}");
+
+    let db_url = fresh_db().await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = Proc(
+        subnet
+            .orchestrator(port, &db_url, model)
+            .args(["--run-name", "bucket", "--data", &url(&prefix)])
+            .spawn()
+            .expect("spawn iota orchestrator"),
+    );
+    wait_up(&base, &mut child).await;
+    let run: iota_protocol::api::RunInfo = reqwest::get(format!("{base}/v1/run"))
+        .await
+        .expect("run")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(run.config.dataset.as_deref(), Some(hash.as_str()));
+    let stored = subnet
+        .store()
+        .join(iota_protocol::dataset::dataset_prefix(&hash));
+    for name in &names {
+        assert_eq!(
+            std::fs::read(stored.join(name)).expect("stored"),
+            std::fs::read(ds.join(name)).expect("prepared"),
+            "{name}"
+        );
+    }
+    drop(child);
+
+    // A prefix without a dataset: a start-up error naming the missing manifest, not a crash.
+    let out = subnet
+        .orchestrator(free_port(), &fresh_db().await, model)
+        .args(["--run-name", "empty", "--data", &url("nothing-here")])
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run iota orchestrator");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("nothing-here/manifest.json") && !err.contains("panicked"),
+        "{err}"
+    );
 }

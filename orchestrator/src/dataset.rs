@@ -34,8 +34,8 @@ pub enum PublishError {
     /// The folder is not the run's dataset, or not a prepared dataset.
     #[error("{0}")]
     Refused(String),
-    /// The store failed.
-    #[error("object store: {0}")]
+    /// The store failed (or has no such file).
+    #[error(transparent)]
     Store(#[from] StoreError),
 }
 
