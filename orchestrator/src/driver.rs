@@ -175,9 +175,25 @@ enum Lead {
 
 /// Closes a connection that held (or may hold) a session-level lock (the leader's, or the
 /// upgrade lock of [`crate::replicas`]), so that the lock goes with it rather than back into
-/// the pool.
-pub(crate) async fn release(conn: PoolConnection<Postgres>) {
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close()).await;
+/// the pool; the locks are given back first ([`unlock_all`]).
+pub(crate) async fn release(mut conn: PoolConnection<Postgres>) {
+    let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+        unlock_all(&mut conn).await;
+        conn.close().await
+    })
+    .await;
+}
+
+/// Gives back every session-level advisory lock `conn` holds, answered before it returns. A
+/// close alone frees them only when the server's backend exits, after the client has moved on:
+/// the next start-up could still find them held.
+pub(crate) async fn unlock_all(conn: &mut sqlx::PgConnection) {
+    if let Err(e) = sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(conn)
+        .await
+    {
+        tracing::warn!(error = %e, "could not give back advisory locks; closing the connection frees them");
+    }
 }
 
 async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
