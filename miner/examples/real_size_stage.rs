@@ -101,13 +101,6 @@ fn boundary(shape: &[usize; 3], scale: f32, seed: i64) -> anyhow::Result<Vec<u8>
     Ok(BoundaryTensor::from_f32(shape, &v, WireEncoding::F32)?.to_bytes()?)
 }
 
-/// `VmHWM` of this process (Linux).
 fn peak_resident_bytes() -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next())
-        .context("no VmHWM in /proc/self/status")?;
-    Ok(kb.parse::<u64>()? * 1024)
+    iota_miner::capacity::peak_resident_memory().context("no VmHWM in /proc/self/status")
 }

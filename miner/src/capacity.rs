@@ -173,6 +173,12 @@ fn resident_memory() -> Option<u64> {
     kib_field(&text, "VmRSS:")
 }
 
+/// The most resident memory this process has held so far (`VmHWM`, Linux).
+pub fn peak_resident_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&text, "VmHWM:")
+}
+
 #[cfg(feature = "cuda")]
 fn cuda_used_memory(ordinal: usize) -> Option<u64> {
     let ctx = cudarc::driver::CudaContext::new(ordinal).ok()?;
@@ -318,6 +324,9 @@ mod tests {
     #[test]
     fn cpu_memory_is_read_on_linux() {
         if cfg!(target_os = "linux") {
+            // Read after the resident memory, the high-water mark is at least that.
+            let now = resident_memory().unwrap();
+            assert!(now > 0 && peak_resident_memory().unwrap() >= now);
             assert!(available_memory(&DeviceSpec::Cpu) > 0);
         }
     }
