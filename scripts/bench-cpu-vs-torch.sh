@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # candle against PyTorch on the CPU, same model (`small` by default), same micro-batch (4x128),
-# f32, forward+backward of the whole model, at 1 and 2 threads, interleaved in one run so that
+# f32, forward+backward of the whole model, at 1 thread and at the machine's core count (`THREADS`), interleaved in one run so that
 # all see the same machine load. candle runs as built by default (its own `gemm` kernel) and
 # with the `openblas` feature (system OpenBLAS; skipped when libopenblas is not installed), the
 # latter once with the kernels OpenBLAS picks itself and, on an AVX-512 CPU, once more with
@@ -14,6 +14,9 @@
 # and, for the OpenBLAS columns, Debian's libopenblas-dev.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cores="$(nproc)"
+# 1 thread and the machine's core count (the count a dedicated miner runs at).
+THREADS="${THREADS:-$( [ "$cores" -gt 1 ] && echo "1 $cores" || echo 1 )}"
 ROUNDS="${ROUNDS:-3}" ITERS="${ITERS:-5}" CONFIG="${CONFIG:-small}" BATCH="${BATCH:-4}" SEQ="${SEQ:-128}"
 PY="${TORCH_PYTHON:-python3}"
 "$PY" -c "import torch" 2>/dev/null || { echo "no torch for $PY; set TORCH_PYTHON" >&2; exit 1; }
@@ -34,9 +37,10 @@ else
 fi
 cfg_json="$tmp/config.json"
 "$tmp/speed-gemm" --print-config "$CONFIG" > "$cfg_json"
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average before: $load_before" >&2
 for r in $(seq "$ROUNDS"); do
-  for t in 1 2; do
+  for t in $THREADS; do
     for v in "${variants[@]}"; do
       IFS='|' read -r name bin extra <<< "$v"
       c=$(env $extra CANDLE_NUM_THREADS=$t RAYON_NUM_THREADS=$t "$bin" "$CONFIG" "$BATCH" "$SEQ" "$ITERS" \
@@ -49,26 +53,29 @@ for r in $(seq "$ROUNDS"); do
     echo "round $r, $t thread(s): torch $p tokens/s" >&2
   done
 done
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
-"$PY" - "$tmp/runs" "$CONFIG" "$BATCH" "$SEQ" <<'PY'
+load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $load_after" >&2
+"$PY" - "$tmp/runs" "$CONFIG" "$BATCH" "$SEQ" "$load_before" "$load_after" <<'PY'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
 names = list(dict.fromkeys(r[0] for r in rows if r[0] != "torch"))
 label = {"gemm": "candle (gemm)", "openblas": "candle + OpenBLAS",
          "openblas-skx": "candle + OpenBLAS SkylakeX"}
+threads = sorted({r[1] for r in rows}, key=int)
 med = {(n, t): statistics.median(float(r[2]) for r in rows if r[0] == n and r[1] == t)
-       for n in names + ["torch"] for t in ("1", "2")}
+       for n in names + ["torch"] for t in threads}
 print(f"## CPU forward+backward, `{sys.argv[2]}`, micro-batch {sys.argv[3]}x{sys.argv[4]}, f32 (median of rounds, tokens/s)\n")
 print("| threads | " + " | ".join(label.get(n, n) for n in names) + " | PyTorch | "
       + " | ".join(f"{label.get(n, n)} / PyTorch" for n in names) + " |")
 print("|---" * (2 * len(names) + 2) + "|")
-for t in ("1", "2"):
+for t in threads:
     p = med[("torch", t)]
     print(f"| {t} | " + " | ".join(f"{med[(n, t)]:.0f}" for n in names) + f" | {p:.0f} | "
           + " | ".join(f"{med[(n, t)] / p:.2f}" for n in names) + " |")
-best_p = max(med[("torch", t)] for t in ("1", "2"))
+best_p = max(med[("torch", t)] for t in threads)
 print()
 for n in names:
-    best = max(med[(n, t)] for t in ("1", "2"))
+    best = max(med[(n, t)] for t in threads)
     print(f"best {label.get(n, n)} / best PyTorch: {best / best_p:.2f}")
+print(f"\nload average before: {sys.argv[5]}; after: {sys.argv[6]}")
 PY

@@ -21,6 +21,7 @@ BENCHES=(
   "model|cargo bench -p iota-model --bench model|Training core: per-stage and monolithic forward+backward tokens/s of \`small\`, and the bottleneck compression table"
   "data|cargo bench -p iota-model --bench data|Data: \`data prepare\` tokens/s and peak resident memory on over 100 MB of English (Debian's python3-doc sources, repeated), and the prepared-dataset loader's windows/s against a stage-0 miner's consumption"
   "memory|cargo bench -p iota-model --bench memory|Memory: peak resident memory of one training step (forward, backward, AdamW) of each \`iota-1.5b\` stage at 1x800 and 4x800 tokens on the CPU with per-block checkpointing, beside the equation of \`iota_model::memory\` (goal: at most 16 GB at 4x800)"
+  "cpu-vs-torch|scripts/bench-cpu-vs-torch.sh|CPU training core against PyTorch: forward+backward tokens/s of the whole \`small\` model at 4x128 in f32, candle (its own gemm, and with the \`openblas\` feature) and PyTorch interleaved at 1 thread and at the machine's core count, median of 3 rounds (needs PyTorch: \`TORCH_PYTHON\`, see \`scripts/reference/README.md\`)"
   "overhead|cargo bench -p iota-miner --bench overhead|Miner overhead: a miner's tokens/s through the whole protocol against the training core alone"
   "pipeline|cargo bench -p iota-miner --bench pipeline|Pipeline against monolithic: end-to-end tokens/s of three miners against one process training the same model"
   "convergence|cargo bench -p iota-miner --bench convergence|Convergence at equal tokens: \`small\` on real English (Debian's python3-doc) trained by 3 stages x 2 miners (int8 wire, a merge every epoch) against one process with AdamW on the same samples in the same order; held-out loss of both after every epoch"
@@ -63,11 +64,18 @@ for entry in "${BENCHES[@]}"; do
     if [ -n "${*:-}" ] && [[ "$wanted" != *" $name "* ]]; then
         continue
     fi
-    bench="${cmd##* }"
-    crate_dir="$(echo "$cmd" | sed -E 's/.*-p iota-([a-z]+).*/\1/')"
-    if [ ! -f "$crate_dir/benches/$bench.rs" ]; then
-        echo "== $name: no $crate_dir/benches/$bench.rs, skipped" >&2
-        continue
+    if [[ "$cmd" == scripts/* ]]; then
+        if [ ! -x "${cmd%% *}" ]; then
+            echo "== $name: no ${cmd%% *}, skipped" >&2
+            continue
+        fi
+    else
+        bench="${cmd##* }"
+        crate_dir="$(echo "$cmd" | sed -E 's/.*-p iota-([a-z]+).*/\1/')"
+        if [ ! -f "$crate_dir/benches/$bench.rs" ]; then
+            echo "== $name: no $crate_dir/benches/$bench.rs, skipped" >&2
+            continue
+        fi
     fi
     echo "== $name: $cmd" >&2
     log="$(mktemp)"
