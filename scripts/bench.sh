@@ -64,6 +64,10 @@ for entry in "${BENCHES[@]}"; do
     if [ -n "${*:-}" ] && [[ "$wanted" != *" $name "* ]]; then
         continue
     fi
+    if [ "$name" = cpu-vs-torch ] && ! "${TORCH_PYTHON:-python3}" -c "import torch" 2>/dev/null; then
+        echo "== $name: no PyTorch for ${TORCH_PYTHON:-python3} (set TORCH_PYTHON), skipped" >&2
+        continue
+    fi
     if [[ "$cmd" == scripts/* ]]; then
         if [ ! -x "${cmd%% *}" ]; then
             echo "== $name: no ${cmd%% *}, skipped" >&2
