@@ -378,6 +378,9 @@ impl AppState {
 /// Shared handle.
 pub type App = Arc<AppState>;
 
+/// The body's message of every `internal` error; what failed is logged instead.
+pub const INTERNAL_MESSAGE: &str = "internal error (the orchestrator's log has the detail)";
+
 /// A handler error: an [`ApiError`] with its status.
 #[derive(Debug)]
 pub struct AppError(pub ApiError);
@@ -402,7 +405,14 @@ impl IntoResponse for AppError {
         if status.is_server_error() && self.0.code != ErrorCode::InProgress {
             tracing::error!(code = self.0.code.as_str(), message = %self.0.message, "request failed");
         }
-        let mut resp = (status, axum::Json(self.0)).into_response();
+        let body = if self.0.code == ErrorCode::Internal {
+            // The detail (a database's or a library's message) stays in the log: it can name
+            // tables, files or endpoints, and tells the client nothing it can act on.
+            ApiError::new(ErrorCode::Internal, INTERNAL_MESSAGE)
+        } else {
+            self.0
+        };
+        let mut resp = (status, axum::Json(body)).into_response();
         if let Some(secs) = retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static(secs));
@@ -1406,6 +1416,33 @@ impl From<axum::extract::rejection::QueryRejection> for AppError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    async fn body_of(e: AppError) -> (StatusCode, ApiError) {
+        let resp = e.into_response();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        (status, serde_json::from_slice(&bytes).expect("an ApiError"))
+    }
+
+    /// A database's message never reaches the client in a 500; a 4xx keeps its message, since
+    /// it tells the client what to fix.
+    #[tokio::test]
+    async fn an_internal_error_sends_a_generic_body() {
+        let leak = "relation \"secret_table\" does not exist";
+        let (status, body) = body_of(sqlx::Error::Protocol(leak.into()).into()).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body.code, ErrorCode::Internal);
+        assert_eq!(body.message, INTERNAL_MESSAGE);
+        let (status, body) = body_of(AppError::new(
+            ErrorCode::BadRequest,
+            "epoch must be a number",
+        ))
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body.message, "epoch must be a number");
+    }
 
     /// A chunk whose release is counted.
     struct Chunk(Vec<u8>, Arc<std::sync::atomic::AtomicUsize>);
