@@ -21,7 +21,7 @@ use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use sqlx::pool::PoolConnection;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Connection, Postgres, Row, Transaction};
 
 use crate::app::{ApiResult, App, AppError};
 use crate::miner::{abandon_sample, reroute, run_now};
@@ -173,27 +173,27 @@ enum Lead {
     Not,
 }
 
-/// Closes a connection that held (or may hold) a session-level lock (the leader's, or the
-/// upgrade lock of [`crate::replicas`]), so that the lock goes with it rather than back into
-/// the pool; the locks are given back first ([`unlock_all`]).
-pub(crate) async fn release(mut conn: PoolConnection<Postgres>) {
+/// Closes a pooled connection that held (or may hold) a session-level lock (the leader's, or
+/// the upgrade lock of [`crate::replicas`]), so that the lock goes with it rather than back into
+/// the pool; the pool may open a replacement.
+pub(crate) async fn release(conn: PoolConnection<Postgres>) {
+    close_unlocked(conn.detach()).await;
+}
+
+/// Gives back every session-level advisory lock `conn` holds, answered, then closes it (within
+/// 5 s). A close alone frees the locks only when the server's backend exits, after the client
+/// has moved on: the next start-up could still find them held.
+pub(crate) async fn close_unlocked(mut conn: sqlx::PgConnection) {
     let _ = tokio::time::timeout(Duration::from_secs(5), async move {
-        unlock_all(&mut conn).await;
+        if let Err(e) = sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut conn)
+            .await
+        {
+            tracing::warn!(error = %e, "could not give back advisory locks; closing the connection frees them");
+        }
         conn.close().await
     })
     .await;
-}
-
-/// Gives back every session-level advisory lock `conn` holds, answered before it returns. A
-/// close alone frees them only when the server's backend exits, after the client has moved on:
-/// the next start-up could still find them held.
-pub(crate) async fn unlock_all(conn: &mut sqlx::PgConnection) {
-    if let Err(e) = sqlx::query("SELECT pg_advisory_unlock_all()")
-        .execute(conn)
-        .await
-    {
-        tracing::warn!(error = %e, "could not give back advisory locks; closing the connection frees them");
-    }
 }
 
 async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {

@@ -23,7 +23,7 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 use tokio::sync::watch;
 
 use crate::OrchestratorError;
-use crate::driver::{release, unlock_all};
+use crate::driver::{close_unlocked, release};
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations/orchestrator");
 
@@ -69,11 +69,7 @@ pub(crate) async fn migrate(
     // a pool of one connection could not give it a second.
     let mut conn = PgConnection::connect_with(options).await.map_err(dberr)?;
     let out = migrate_locked(&mut conn, db).await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), async move {
-        unlock_all(&mut conn).await;
-        conn.close().await
-    })
-    .await;
+    close_unlocked(conn).await;
     out
 }
 
