@@ -67,6 +67,16 @@ async fn status(base: &str) -> Option<EpochStatus> {
         .ok()
 }
 
+/// The JSON body of a GET that must succeed.
+async fn get_json<T: serde::de::DeserializeOwned>(url: String) -> T {
+    reqwest::get(&url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: body: {e}"))
+}
+
 async fn wait_up(base: &str, child: &mut Proc) {
     for _ in 0..600 {
         if status(base).await.is_some() {
@@ -258,12 +268,7 @@ async fn sigkill_and_restart_lose_nothing() {
     for _ in 0..100 {
         leaders.clear();
         for b in [&base, &base2] {
-            let h: iota_protocol::api::Health = reqwest::get(format!("{b}/healthz"))
-                .await
-                .expect("health")
-                .json()
-                .await
-                .expect("json");
+            let h: iota_protocol::api::Health = get_json(format!("{b}/healthz")).await;
             leaders.push(h.leader);
         }
         if leaders.iter().filter(|l| **l).count() == 1 {
@@ -296,12 +301,7 @@ async fn sigkill_and_restart_lose_nothing() {
         rounds += 1;
         assert!(rounds < 4000, "epoch 0 did not complete after the restart");
     }
-    let merges: Vec<PartitionStatus> = reqwest::get(format!("{base}/v1/epochs/0/merges"))
-        .await
-        .expect("merges")
-        .json()
-        .await
-        .expect("json");
+    let merges: Vec<PartitionStatus> = get_json(format!("{base}/v1/epochs/0/merges")).await;
     assert!(!merges.is_empty());
     assert!(
         merges.iter().all(|p| p.state == PartitionState::Accepted),
@@ -414,12 +414,7 @@ async fn a_dataset_in_a_bucket_is_published_at_start() {
             .expect("spawn iota orchestrator"),
     );
     wait_up(&base, &mut child).await;
-    let run: iota_protocol::api::RunInfo = reqwest::get(format!("{base}/v1/run"))
-        .await
-        .expect("run")
-        .json()
-        .await
-        .expect("json");
+    let run: iota_protocol::api::RunInfo = get_json(format!("{base}/v1/run")).await;
     assert_eq!(run.config.dataset.as_deref(), Some(hash.as_str()));
     let stored = subnet
         .store()
