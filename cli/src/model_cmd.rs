@@ -69,24 +69,12 @@ pub struct EvalArgs {
     windows: u64,
 }
 
-/// A wallet key as a request signer.
-struct HotkeySigner(iota_chain::wallet::Keypair);
-
-impl iota_protocol::signing::RequestSigner for HotkeySigner {
-    fn ss58(&self) -> String {
-        self.0.ss58()
-    }
-    fn sign(&self, message: &[u8]) -> [u8; 64] {
-        self.0.sign(message)
-    }
-}
-
 pub async fn export(a: ExportArgs) -> anyhow::Result<()> {
     let password = iota_chain::wallet::PasswordSource::EnvOrPrompt;
     let hotkey = a.wallet.wallet()?.hotkey(&password)?;
     let client = ApiClient::connect(
         &a.orchestrator_url,
-        Arc::new(HotkeySigner(hotkey)),
+        Arc::new(hotkey.as_pair().clone()),
         RetryPolicy::default(),
     )
     .await

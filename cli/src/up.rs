@@ -15,7 +15,7 @@ use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
 use iota_model::ModelConfig;
 use iota_protocol::api::{PartitionState, RunConfig, ThroughputPoint};
 use iota_protocol::client::{ApiClient, RetryPolicy};
-use iota_protocol::signing::{RequestSigner, SkewWindow};
+use iota_protocol::signing::SkewWindow;
 use iota_validator::{Store, Validator, ValidatorConfig};
 
 /// Flags of `iota localnet up`.
@@ -276,7 +276,7 @@ fn local_run(
     samples_per_epoch: u64,
     data: Option<&UpData>,
 ) -> anyhow::Result<RunConfig> {
-    let mut run = iota_miner::eval::local_tiny_run("localnet-up", samples_per_epoch)?;
+    let mut run = iota_trainer::local_tiny_run("localnet-up", samples_per_epoch)?;
     let m = &model.config;
     run.model = model.name.clone();
     run.stages = m.num_stages() as u32;
@@ -290,7 +290,7 @@ fn local_run(
         .collect::<Result<Vec<_>, _>>()?;
     run.dataset = data.map(|d| d.manifest.clone());
     // The corpus must fit the vocabulary; say so now rather than in every miner.
-    iota_miner::trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))
+    iota_trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))
         .with_context(|| format!("--model {}", m.name))?;
     Ok(run)
 }
@@ -298,21 +298,9 @@ fn local_run(
 /// The grammar corpus's entropy floor, for a run on it; real text has no known floor.
 fn entropy_floor(run: &RunConfig) -> anyhow::Result<Option<f64>> {
     Ok(match run.dataset {
-        None => Some(iota_miner::trainer::grammar_corpus(run)?.entropy_floor()),
+        None => Some(iota_trainer::grammar_corpus(run)?.entropy_floor()),
         Some(_) => None,
     })
-}
-
-/// A wallet key as a request signer.
-struct KeySigner(Keypair);
-
-impl RequestSigner for KeySigner {
-    fn ss58(&self) -> String {
-        self.0.ss58()
-    }
-    fn sign(&self, message: &[u8]) -> [u8; 64] {
-        self.0.sign(message)
-    }
 }
 
 /// A throwaway PostgreSQL started by `scripts/pg.sh`, stopped on drop.
@@ -638,7 +626,7 @@ async fn with_orchestrator(
         for _ in 0..600 {
             if let Ok(c) = ApiClient::connect(
                 base,
-                Arc::new(KeySigner(members[0].key.clone())),
+                Arc::new(members[0].key.as_pair().clone()),
                 RetryPolicy::default(),
             )
             .await
@@ -716,7 +704,7 @@ async fn miners_and_report(
         cfg.adversary = m.adversary;
         cfg.seed = i as u64 + 1;
         cfg.data_dir = args.data_dir().map(Path::to_path_buf);
-        let h = iota_miner::spawn(cfg, Arc::new(KeySigner(m.key.clone())));
+        let h = iota_miner::spawn(cfg, Arc::new(m.key.as_pair().clone()));
         let deadline = Instant::now() + Duration::from_secs(60);
         while h.status().stage.is_none() {
             if h.is_finished() {
@@ -1106,14 +1094,11 @@ mod tests {
         assert_eq!(m5.config.stages, vec![2, 2, 2, 1, 1]);
         let run = local_run(&m5, 8, None).expect("run");
         assert_eq!(run.stages, 5);
-        assert_eq!(
-            iota_miner::trainer::run_model(&run).expect("miners load it"),
-            {
-                let mut c = m5.config.clone();
-                c.init_seed = run.init_seed;
-                c
-            }
-        );
+        assert_eq!(iota_trainer::run_model(&run).expect("miners load it"), {
+            let mut c = m5.config.clone();
+            c.init_seed = run.init_seed;
+            c
+        });
         // Errors that say what to change.
         assert!(err("tiny", Some(0), d).contains("at least 2 stages"));
         assert!(err("tiny", Some(1), d).contains("at least 2 stages"));

@@ -19,12 +19,12 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use iota_miner::trainer::{run_dataset, run_model};
 use iota_model::data::prepare::{PrepareOptions, prepare};
 use iota_model::data::{Batch, make_batch};
 use iota_model::{Device, ModelConfig, Pipeline, StageOptions, train_bpe_tokenizer};
 use iota_protocol::ApiClient;
 use iota_protocol::api::{PartitionState, RunConfig};
+use iota_trainer::{run_dataset, run_model};
 use support::*;
 
 const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";

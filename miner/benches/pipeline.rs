@@ -20,11 +20,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use iota_miner::trainer::{run_dataset, run_model};
 use iota_model::data::make_batch;
 use iota_model::threads::{self, CpuThreads};
 use iota_model::{Device, ModelConfig, Pipeline, StageOptions};
 use iota_protocol::api::{Phase, RunConfig};
+use iota_trainer::{run_dataset, run_model};
 use support::*;
 
 fn env_or(name: &str, default: u64) -> u64 {

@@ -13,10 +13,10 @@
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use iota_miner::StageTrainer;
 use iota_model::bottleneck::WireEncoding;
 use iota_model::memory::miner_stage_bytes;
 use iota_model::{BoundaryTensor, ModelConfig, StageOptions};
+use iota_trainer::StageTrainer;
 
 const MODEL: &str = "iota-1.5b";
 const SEQ_LEN: u32 = 800;
@@ -32,7 +32,7 @@ fn main() -> anyhow::Result<()> {
     if stage as usize >= model.num_stages() {
         bail!("{MODEL} has {} stages", model.num_stages());
     }
-    let mut run = iota_miner::eval::local_tiny_run("real-size", u64::from(hops))?;
+    let mut run = iota_trainer::local_tiny_run("real-size", u64::from(hops))?;
     run.model = MODEL.into();
     run.stages = model.num_stages() as u32;
     run.stage_params = (0..model.num_stages())
@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
         ..StageOptions::cpu()
     };
     let started = Instant::now();
-    let mut trainer = StageTrainer::new(run.clone(), stage, opts, 1, None, 1, None)?;
+    let mut trainer = StageTrainer::new(run.clone(), stage, opts, 1, None)?;
     for j in 0..run.partitions {
         trainer.load_partition(j, None)?;
     }

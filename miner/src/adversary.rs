@@ -2,8 +2,12 @@
 //! path never consults this module except through [`Adversary`] checks at the points where a
 //! cheater would deviate.
 
+use iota_protocol::api::RunConfig;
+use iota_protocol::tensor::encode_merged;
 use rand::Rng;
 use rand::rngs::StdRng;
+
+use crate::error::MinerError;
 
 /// One way of cheating.
 #[derive(
@@ -83,6 +87,23 @@ pub fn corrupt_merge(values: &mut [f32]) {
     if let Some(first) = values.first_mut() {
         *first += 1.0;
     }
+}
+
+/// A partition owner's merge ([`iota_trainer::merged_values`]) as published bytes, corrupted
+/// when `adversary` is [`Adversary::WrongMerge`].
+pub fn merged_partition(
+    run: &RunConfig,
+    contributions: &[(f64, Vec<f32>)],
+    weights: Vec<f32>,
+    momentum: Vec<f32>,
+    adversary: Option<Adversary>,
+) -> Result<Vec<u8>, MinerError> {
+    let (mut weights, momentum) =
+        iota_trainer::merged_values(run, contributions, weights, momentum)?;
+    if adversary == Some(Adversary::WrongMerge) {
+        corrupt_merge(&mut weights);
+    }
+    Ok(encode_merged(&weights, &momentum))
 }
 
 #[cfg(test)]

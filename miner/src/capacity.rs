@@ -240,7 +240,7 @@ mod tests {
         }
         let free = available_memory(&DeviceSpec::Cuda(0));
         assert!(free > 1 << 30, "free GPU memory {free} bytes");
-        let run = crate::eval::local_tiny_run("gpu", 8).unwrap();
+        let run = iota_trainer::local_tiny_run("gpu", 8).unwrap();
         let model = ModelConfig::tiny();
         let gpu = estimate_tokens_per_s(&run, &model, &DeviceSpec::Cuda(0)).unwrap();
         let cpu = estimate_tokens_per_s(&run, &model, &DeviceSpec::Cpu).unwrap();

@@ -169,7 +169,7 @@ impl MinerConfig {
             retry: RetryPolicy::default(),
             seed: 0,
             data_dir: None,
-            data_cache: crate::dataset::DEFAULT_DATA_CACHE.into(),
+            data_cache: iota_protocol::dataset_cache::DEFAULT_DATA_CACHE.into(),
         }
     }
 
@@ -263,7 +263,7 @@ pub struct MinerArgs {
     pub data_dir: Option<PathBuf>,
     /// Where a dataset fetched from the run's store is kept, in a folder named by its
     /// manifest's BLAKE3; files already there that hash right are not fetched again.
-    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = crate::dataset::DEFAULT_DATA_CACHE)]
+    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = iota_protocol::dataset_cache::DEFAULT_DATA_CACHE)]
     pub data_cache: PathBuf,
 }
 

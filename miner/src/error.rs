@@ -1,6 +1,7 @@
 //! The miner library's errors.
 
 use iota_protocol::client::ClientError;
+use iota_trainer::TrainerError;
 
 /// What can stop a miner or drop a hop.
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +37,7 @@ pub enum MinerError {
     },
     /// The run's dataset could not be fetched, or a file of it was refused.
     #[error("{0}")]
-    Dataset(#[from] crate::dataset::DatasetError),
+    Dataset(#[from] iota_protocol::dataset_cache::DatasetError),
     /// Bad configuration.
     #[error("configuration: {0}")]
     Config(String),
@@ -54,6 +55,19 @@ impl MinerError {
             Self::Api(ClientError::Api { status, .. }) => *status == 429 || *status >= 500,
             Self::Dataset(e) => e.is_transient(),
             _ => false,
+        }
+    }
+}
+
+impl From<TrainerError> for MinerError {
+    fn from(e: TrainerError) -> Self {
+        match e {
+            TrainerError::Model(e) => Self::Model(e),
+            TrainerError::RunMismatch(m) => Self::RunMismatch(m),
+            TrainerError::BadInput(m) => Self::BadInput(m),
+            TrainerError::NonFinite(m) => Self::NonFinite(m),
+            TrainerError::Config(m) => Self::Config(m),
+            TrainerError::Internal(m) => Self::Internal(m),
         }
     }
 }

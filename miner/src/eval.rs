@@ -8,50 +8,10 @@ use iota_model::merge::{digest_f32, flatten_params, load_range};
 use iota_model::{Device, ModelConfig, Pipeline, Stage, StageOptions, make_batch};
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::ApiClient;
-use iota_protocol::tensor::{WireEncoding, decode_merged};
+use iota_protocol::tensor::decode_merged;
 
 use crate::error::MinerError;
-use crate::trainer::run_dataset;
-
-/// A run of the `tiny` model for one machine: 3 stages, 2 partitions each, short phases.
-pub fn local_tiny_run(name: &str, samples_per_epoch: u64) -> Result<RunConfig, MinerError> {
-    let model = ModelConfig::tiny();
-    let stage_params = (0..model.num_stages())
-        .map(|k| model.stage_param_count(k).map(|n| n as u64))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(RunConfig {
-        name: name.into(),
-        model: "tiny".into(),
-        stages: model.num_stages() as u32,
-        stage_params,
-        partitions: 2,
-        micro_batch: 4,
-        seq_len: 32,
-        boundary_dim: model.boundary_dim() as u32,
-        wire: WireEncoding::Int8,
-        samples_per_epoch,
-        max_in_flight: 4,
-        training_s: 90,
-        uploading_s: 30,
-        merging_s: 30,
-        merge_round_s: 10,
-        lease_s: 10,
-        heartbeat_timeout_s: 6,
-        retention_epochs: 100,
-        init_seed: 7,
-        outer_lr: 0.7,
-        // IOTA ramps the momentum from 0.5; epochs of a few inner steps overshoot at 0.9.
-        outer_momentum: 0.5,
-        // The inner AdamW starts afresh each epoch (so a validator can replay an epoch alone),
-        // and its first steps move every weight by about the learning rate. With the outer
-        // momentum on top, 5e-3 made the held-out loss rise in the third epoch of 2 miners per
-        // stage and 24 samples in 2 of 16 runs; 3e-3 did not in 20.
-        inner_lr: 3e-3,
-        inner_steps_every: 2,
-        dataset: None,
-        stage_memory: Vec::new(),
-    })
-}
+use iota_trainer::run_dataset;
 
 /// The stages `epoch` starts with (each partition's latest accepted merge before `epoch`,
 /// initial weights where none) and the BLAKE3 (hex) of each stage's flat weights. Merged blobs
@@ -158,8 +118,7 @@ pub async fn sample_text(
         let hash = run.dataset.as_deref().ok_or_else(|| {
             MinerError::RunMismatch("the run names no dataset and so no tokenizer".into())
         })?;
-        let ds =
-            crate::trainer::open_prepared(&data_dir, hash, run.seq_len as usize, run.init_seed)?;
+        let ds = iota_trainer::open_prepared(&data_dir, hash, run.seq_len as usize, run.init_seed)?;
         let tokenizer = tokenizers::Tokenizer::from_file(ds.tokenizer_path())
             .map_err(|e| MinerError::BadInput(format!("the dataset's tokenizer: {e}")))?;
         let window = iota_model::Dataset::window(ds.as_ref(), run.held_out_ids(1)[0])?;

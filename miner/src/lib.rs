@@ -8,9 +8,9 @@
 //! order, outer Nesterov step) and publish them; then load the next epoch's weights.
 //!
 //! * [`run`] / [`spawn`]: the loop, as a library (several miners can share a process).
-//! * [`StageTrainer`]: the compute half, blocking, replayable by validators.
+//! * [`MinerTrainer`]: the compute half, blocking: `iota-trainer`'s honest stage trainer (what
+//!   validators replay) with the `--adversary` behaviours wrapped around it.
 //! * [`startup::prepare`]: wallet, registration and axon for the `iota miner` command.
-//! * [`dataset`]: fetching the run's prepared dataset from its store into a cache folder.
 //! * [`Adversary`]: dishonest behaviours for testing validators, off by default.
 //!
 //! The orchestrator's API is described in `orchestrator/API.md`.
@@ -19,10 +19,8 @@ pub mod adversary;
 mod blobs;
 pub mod capacity;
 pub mod config;
-pub mod dataset;
 mod error;
 pub mod eval;
-pub mod merge;
 mod node;
 pub mod progress;
 mod pulse;
@@ -35,4 +33,4 @@ pub use config::{DeviceSpec, MinerArgs, MinerConfig, ProgressMode};
 pub use error::MinerError;
 pub use node::{MinerHandle, run, spawn};
 pub use status::{AllReduceBytes, MinerStatus};
-pub use trainer::{HopOutput, StageTrainer};
+pub use trainer::MinerTrainer;

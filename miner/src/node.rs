@@ -33,7 +33,8 @@ use crate::config::MinerConfig;
 use crate::error::MinerError;
 use crate::pulse::{LastContact, Pulse};
 use crate::status::{AllReduceBytes, MinerStatus};
-use crate::trainer::{HopOutput, StageTrainer, initial_range, run_model};
+use crate::trainer::MinerTrainer;
+use iota_trainer::{HopOutput, StageTrainer, initial_range, run_model};
 
 /// A miner running on the tokio runtime (see [`spawn`]).
 pub struct MinerHandle {
@@ -151,7 +152,7 @@ struct Node {
     client: ApiClient,
     run: RunConfig,
     stage: u32,
-    trainer: Arc<Mutex<StageTrainer>>,
+    trainer: Arc<Mutex<MinerTrainer>>,
     /// Epoch whose start weights are loaded.
     epoch: u64,
     /// The trainer is new (a move to another stage) and its weights did not load yet.
@@ -186,10 +187,10 @@ async fn pause(d: Duration, flag: &std::sync::atomic::AtomicBool) {
     }
 }
 
-async fn blocking<T, F>(trainer: &Arc<Mutex<StageTrainer>>, f: F) -> Result<T, MinerError>
+async fn blocking<T, F>(trainer: &Arc<Mutex<MinerTrainer>>, f: F) -> Result<T, MinerError>
 where
     T: Send + 'static,
-    F: FnOnce(&mut StageTrainer) -> Result<T, MinerError> + Send + 'static,
+    F: FnOnce(&mut MinerTrainer) -> Result<T, MinerError> + Send + 'static,
 {
     let t = trainer.clone();
     tokio::task::spawn_blocking(move || {
@@ -234,7 +235,7 @@ async fn build_trainer(
     run: &RunConfig,
     stage: u32,
     memory_bytes: u64,
-) -> Result<(StageTrainer, f64), MinerError> {
+) -> Result<(MinerTrainer, f64), MinerError> {
     let (run, opts, adv, seed, data, device) = (
         run.clone(),
         cfg.stage_options()?,
@@ -247,8 +248,8 @@ async fn build_trainer(
     tokio::task::spawn_blocking(move || {
         let most = 2 * run.max_in_flight as usize;
         let budget = fixed_budget.unwrap_or(most);
-        let mut t =
-            StageTrainer::new(run.clone(), stage, opts, budget, adv, seed, data.as_deref())?;
+        let honest = StageTrainer::new(run.clone(), stage, opts, budget, data.as_deref())?;
+        let mut t = MinerTrainer::new(honest, adv, seed);
         if let (Some(rate), Some(_)) = (fixed_rate, fixed_budget) {
             return Ok((t, rate));
         }
@@ -335,8 +336,8 @@ impl Node {
         let model = run_model(&run)?;
         // Before registering: the orchestrator expects work from a miner once it has joined.
         if let (Some(hash), None) = (&run.dataset, &cfg.data_dir) {
-            let dir = crate::dataset::cache_dir(&cfg.data_cache, hash);
-            let fetched = crate::dataset::fetch_dataset(&client, hash, &dir).await?;
+            let dir = iota_protocol::dataset_cache::cache_dir(&cfg.data_cache, hash);
+            let fetched = iota_protocol::dataset_cache::fetch_dataset(&client, hash, &dir).await?;
             tracing::info!(dataset = %hash, dir = %dir.display(), downloaded = fetched.downloaded.len(),
                 kept = fetched.kept.len(), "the run's dataset is in the cache");
             cfg.data_dir = Some(dir);
@@ -976,14 +977,14 @@ impl Node {
                     } else {
                         run_model(&run)?
                     };
-                    initial_range(&model, stage, range)
+                    Ok(initial_range(&model, stage, range)?)
                 })
                 .await
                 .map_err(|e| MinerError::Internal(e.to_string()))??;
                 (init, vec![0.0; len as usize])
             }
         };
-        crate::merge::merged_partition(&self.run, &parts, weights, momentum, self.cfg.adversary)
+        crate::adversary::merged_partition(&self.run, &parts, weights, momentum, self.cfg.adversary)
     }
 }
 

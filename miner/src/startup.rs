@@ -5,24 +5,12 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 
 use iota_chain::calls::{self, AxonEndpoint};
-use iota_chain::wallet::{Keypair, PasswordSource};
+use iota_chain::wallet::PasswordSource;
 use iota_chain::{Subtensor, TxOptions};
 use iota_protocol::signing::RequestSigner;
 
 use crate::config::MinerArgs;
 use crate::error::MinerError;
-
-/// A wallet hotkey as a request signer (miners and validators sign with it).
-pub struct HotkeySigner(pub Keypair);
-
-impl RequestSigner for HotkeySigner {
-    fn ss58(&self) -> String {
-        self.0.ss58()
-    }
-    fn sign(&self, message: &[u8]) -> [u8; 64] {
-        self.0.sign(message)
-    }
-}
 
 /// What start-up found.
 pub struct Ready {
@@ -115,7 +103,7 @@ pub async fn prepare(args: &MinerArgs, password: &PasswordSource) -> Result<Read
         }
     }
     Ok(Ready {
-        signer: Arc::new(HotkeySigner(hotkey)),
+        signer: Arc::new(hotkey.as_pair().clone()),
         uid,
     })
 }

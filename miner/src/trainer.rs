@@ -1,32 +1,9 @@
-//! The compute half of a miner: one stage, its inner optimizer and the epoch's bookkeeping.
-//! Blocking code (candle); the loop in [`crate::node`] runs it on a blocking thread.
-//!
-//! Every epoch is replayable from public data: it starts from the merged weights with a fresh
-//! inner optimizer, each hop records how many inner steps preceded it, and a step follows every
-//! [`RunConfig::inner_steps_every`] gradient hops (plus one for a remainder when training ends).
-//!
-//! A validator replays exactly the hops the orchestrator recorded as done, in the order it
-//! recorded them. So a gradient hop (a backward, or the last stage's forward) holds its
-//! gradients until [`StageTrainer::commit`], which the miner calls once the orchestrator has
-//! taken the hop; a hop it refused (a lapsed lease) is [`StageTrainer::discard`]ed and leaves no
-//! trace, and one whose gradients are not finite is dropped before it is ever submitted.
+//! The miner's trainer: the honest [`StageTrainer`] that validators replay, with the dishonest
+//! behaviour of `--adversary` (if any) wrapped around it, and the non-finite events counted as a
+//! metric.
 
-use std::collections::HashMap;
-use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-
-use iota_model::bottleneck::WireEncoding as ModelWire;
-use iota_model::data::PreparedDataset;
-use iota_model::memory::{MemoryOptions, StageMemory, stage_memory};
-use iota_model::merge::{digest_f32, flatten_params, flatten_range, load_range};
-use iota_model::{
-    AdamW, AdamWConfig, BoundaryTensor, DType, Dataset, Device, GrammarCorpus, HeldGradients, Hop,
-    HopResult, LrSchedule, ModelConfig, ModelError, Stage, StageOptions, StageOutput, StageRunner,
-    StepOutcome, Tensor, make_batch, pseudo_gradient_range,
-};
-use iota_protocol::api::RunConfig;
-use iota_protocol::tensor::WireEncoding;
+use iota_model::memory::StageMemory;
+use iota_trainer::{HopOutput, StageTrainer, TrainerError};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -35,795 +12,216 @@ use crate::capacity::{StageSpeed, measure_stage};
 use crate::config::DeviceSpec;
 use crate::error::MinerError;
 
-/// The result of one hop, ready to upload.
-#[derive(Clone, Debug)]
-pub struct HopOutput {
-    /// Encoded boundary tensor (`None` for stage 0's backward).
-    pub bytes: Option<Vec<u8>>,
-    /// Inner steps taken this epoch before the hop ran.
-    pub inner_step: u64,
-    /// BLAKE3 (hex) of the stage's flat weights the hop ran with.
-    pub weights_digest: String,
-    /// Mean token loss (last stage's forward).
-    pub loss: Option<f32>,
-    /// Per-sequence losses (last stage's forward).
-    pub sequence_losses: Option<Vec<f32>>,
-    /// Tokens processed.
-    pub tokens: u64,
-}
-
-/// A stage being trained for the orchestrator.
-pub struct StageTrainer {
-    run: RunConfig,
-    model: ModelConfig,
-    stage_index: u32,
-    opts: StageOptions,
-    runner: StageRunner,
-    dataset: Arc<dyn Dataset>,
-    /// The highest pass over the run's data seen so far (a new one is logged).
-    data_pass: u64,
-    /// Flat epoch-start weights: the base of the pseudo-gradient.
-    epoch_start: Vec<f32>,
-    /// Epoch whose start weights are loaded.
-    epoch: Option<u64>,
-    gradient_hops: u64,
-    pending_gradients: u32,
-    /// Gradients of hops computed and not yet taken by the orchestrator, by sample.
-    held: HashMap<u64, HeldGradients>,
-    inner_steps: u64,
-    digest: Option<(u64, String)>,
-    cache_budget: usize,
+/// A stage trained for the orchestrator: honest unless an adversary is set.
+#[derive(Debug)]
+pub struct MinerTrainer {
+    honest: StageTrainer,
     adversary: Option<Adversary>,
     rng: StdRng,
-    /// Initial weights, kept while an epoch start loads partitions never merged.
-    initial: Option<Vec<f32>>,
-    /// Non-finite results rolled back (hops dropped, steps skipped).
-    pub nonfinite_events: u64,
+    /// Backward hops a freeloader claimed without computing them.
+    claimed_hops: u64,
 }
 
-impl std::fmt::Debug for StageTrainer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StageTrainer")
-            .field("stage", &self.stage_index)
-            .field("epoch", &self.epoch)
-            .field("inner_steps", &self.inner_steps)
-            .finish_non_exhaustive()
-    }
-}
-
-fn model_wire(w: WireEncoding) -> ModelWire {
-    match w {
-        WireEncoding::F32 => ModelWire::F32,
-        WireEncoding::Int8 => ModelWire::Int8,
-    }
-}
-
-/// The model config a run names, with the run's initialisation seed, checked against the
-/// run's stage shapes so a miner never trains a model the orchestrator does not describe.
-pub fn run_model(run: &RunConfig) -> Result<ModelConfig, MinerError> {
-    let mut model = ModelConfig::load(&run.model)?;
-    model.init_seed = run.init_seed;
-    if model.num_stages() != run.stages as usize {
-        return Err(MinerError::RunMismatch(format!(
-            "model {:?} has {} stages, the run {}",
-            run.model,
-            model.num_stages(),
-            run.stages
-        )));
-    }
-    for (k, want) in run.stage_params.iter().enumerate() {
-        let have = model.stage_param_count(k)? as u64;
-        if have != *want {
-            return Err(MinerError::RunMismatch(format!(
-                "stage {k} of {:?} has {have} parameters, the run {want}",
-                run.model
-            )));
-        }
-    }
-    if model.boundary_dim() as u64 != u64::from(run.boundary_dim) {
-        return Err(MinerError::RunMismatch(format!(
-            "boundary width {} against the run's {}",
-            model.boundary_dim(),
-            run.boundary_dim
-        )));
-    }
-    Ok(model)
-}
-
-/// The embedded grammar corpus seeded by the run (the data of a run that names no dataset).
-pub fn grammar_corpus(run: &RunConfig) -> Result<GrammarCorpus, MinerError> {
-    Ok(GrammarCorpus::new(run.init_seed, run.seq_len as usize)?)
-}
-
-/// Prepared datasets already opened by this process, shared by its trainers and replays so each
-/// shard is mapped and hashed once.
-type OpenKey = (PathBuf, String, usize, u64);
-static OPEN: Mutex<Vec<(OpenKey, Arc<PreparedDataset>)>> = Mutex::new(Vec::new());
-
-/// The prepared dataset in `dir` whose manifest hashes to `manifest`, windows of `seq_len`
-/// tokens permuted by `seed`; opened once per process.
-pub fn open_prepared(
-    dir: &Path,
-    manifest: &str,
-    seq_len: usize,
-    seed: u64,
-) -> Result<Arc<PreparedDataset>, MinerError> {
-    let key = (
-        dir.to_path_buf(),
-        manifest.to_ascii_lowercase(),
-        seq_len,
-        seed,
-    );
-    let mut open = OPEN
-        .lock()
-        .map_err(|_| MinerError::Internal("the dataset cache is poisoned".into()))?;
-    if let Some((_, ds)) = open.iter().find(|(k, _)| *k == key) {
-        return Ok(ds.clone());
-    }
-    let ds = Arc::new(PreparedDataset::open(dir, Some(manifest), seq_len, seed)?);
-    open.push((key, ds.clone()));
-    Ok(ds)
-}
-
-/// The run's training data: the prepared dataset it names, read from `data_dir`, or the
-/// embedded grammar when it names none. The model's vocabulary must hold the tokenizer's.
-pub fn run_dataset(
-    run: &RunConfig,
-    model: &ModelConfig,
-    data_dir: Option<&Path>,
-) -> Result<Arc<dyn Dataset>, MinerError> {
-    let ds: Arc<dyn Dataset> = match (&run.dataset, data_dir) {
-        (None, _) => Arc::new(grammar_corpus(run)?),
-        (Some(hash), Some(dir)) => open_prepared(dir, hash, run.seq_len as usize, run.init_seed)?,
-        (Some(hash), None) => {
-            return Err(MinerError::Config(format!(
-                "the run trains on the prepared dataset {hash}: give its folder with --data-dir"
-            )));
-        }
-    };
-    if ds.vocab_size() > model.vocab_size {
-        return Err(MinerError::RunMismatch(format!(
-            "the data's tokenizer has {} tokens, more than model {:?}'s vocabulary of {}",
-            ds.vocab_size(),
-            model.name,
-            model.vocab_size
-        )));
-    }
-    Ok(ds)
-}
-
-/// Initial weights of `range` of `stage`, from the run's seed.
-pub fn initial_range(
-    model: &ModelConfig,
-    stage: u32,
-    range: Range<usize>,
-) -> Result<Vec<f32>, MinerError> {
-    let s = Stage::new(model, stage as usize, StageOptions::cpu())?;
-    Ok(flatten_range(&s, range)?)
-}
-
-impl StageTrainer {
-    /// Stage `stage` of the run with its initial weights; call [`StageTrainer::start_epoch`]
-    /// before training.
-    pub fn new(
-        run: RunConfig,
-        stage: u32,
-        opts: StageOptions,
-        cache_budget: usize,
-        adversary: Option<Adversary>,
-        seed: u64,
-        data_dir: Option<&Path>,
-    ) -> Result<Self, MinerError> {
-        let model = run_model(&run)?;
-        let dataset = run_dataset(&run, &model, data_dir)?;
-        let s = Stage::new(&model, stage as usize, opts.clone())?;
-        let adamw = Self::optimizer(&model, &run, &s)?;
-        let epoch_start = flatten_params(&s)?;
-        Ok(Self {
-            runner: StageRunner::new(s, adamw, usize::MAX),
-            run,
-            model,
-            stage_index: stage,
-            opts,
-            dataset,
-            data_pass: 0,
-            epoch_start,
-            epoch: None,
-            gradient_hops: 0,
-            pending_gradients: 0,
-            held: HashMap::new(),
-            inner_steps: 0,
-            digest: None,
-            cache_budget: cache_budget.max(1),
+impl MinerTrainer {
+    /// Wraps `honest`; `seed` drives the noise of [`Adversary::Noise`].
+    pub fn new(honest: StageTrainer, adversary: Option<Adversary>, seed: u64) -> Self {
+        Self {
+            honest,
             adversary,
             rng: StdRng::seed_from_u64(seed),
-            initial: None,
-            nonfinite_events: 0,
-        })
-    }
-
-    fn optimizer(model: &ModelConfig, run: &RunConfig, s: &Stage) -> Result<AdamW, MinerError> {
-        let cfg = AdamWConfig {
-            lr: run.inner_lr,
-            ..AdamWConfig::default()
+            claimed_hops: 0,
         }
-        .for_stage(model, s.index())?;
-        Ok(AdamW::new(s, cfg, LrSchedule::constant())?)
     }
 
-    /// The model.
-    pub fn model(&self) -> &ModelConfig {
-        &self.model
-    }
-    /// The stage index.
-    pub fn stage_index(&self) -> u32 {
-        self.stage_index
-    }
-    /// Epoch whose start weights are loaded.
-    pub fn epoch(&self) -> Option<u64> {
-        self.epoch
-    }
-    /// Gradient hops committed this epoch (the merge weight the orchestrator counts).
-    pub fn gradient_hops(&self) -> u64 {
-        self.gradient_hops
-    }
-    /// Inner steps taken this epoch.
-    pub fn inner_steps(&self) -> u64 {
-        self.inner_steps
-    }
-    /// Forward caches kept for pending backwards before recomputing instead.
-    pub fn cache_budget(&self) -> usize {
-        self.cache_budget
-    }
-    /// Sets [`StageTrainer::cache_budget`] (at least one).
-    pub fn set_cache_budget(&mut self, budget: usize) {
-        self.cache_budget = budget.max(1);
-    }
-    /// What the stage needs by the memory equation, at the run's micro-batch.
-    pub fn memory(&self) -> Result<StageMemory, MinerError> {
-        Ok(stage_memory(
-            &self.model,
-            self.stage_index as usize,
-            self.run.micro_batch as usize,
-            self.run.seq_len as usize,
-            MemoryOptions::of(&self.opts),
-        )?)
-    }
-    /// The start-up speed test on this stage ([`crate::capacity::measure_stage`]); call it
-    /// before training: it drops accumulated gradients.
-    pub fn measure_speed(&mut self, device: &DeviceSpec) -> Result<StageSpeed, MinerError> {
-        measure_stage(self.runner.stage_mut(), self.run.seq_len as usize, device)
-    }
-    /// Forward caches waiting for their backward.
-    pub fn in_flight(&self) -> usize {
-        self.runner.in_flight()
-    }
-    /// The stage.
-    pub fn stage(&self) -> &Stage {
-        self.runner.stage()
+    /// The honest trainer underneath.
+    pub fn honest(&self) -> &StageTrainer {
+        &self.honest
     }
 
-    /// Loads partition `j` of the next epoch's start weights: its merged values, or `None` for
-    /// a partition never merged (initial weights from the run's seed). Call
-    /// [`StageTrainer::begin_epoch`] once every partition is loaded.
-    pub fn load_partition(&mut self, j: u32, values: Option<&[f32]>) -> Result<(), MinerError> {
-        if self.adversary == Some(Adversary::StaleWeights) && self.epoch.is_some() {
-            return Ok(());
+    fn is(&self, a: Adversary) -> bool {
+        self.adversary == Some(a)
+    }
+
+    /// Counts what the honest trainer rolled back during `f` as a metric.
+    fn counted<T>(
+        &mut self,
+        f: impl FnOnce(&mut StageTrainer) -> Result<T, TrainerError>,
+    ) -> Result<T, MinerError> {
+        let before = self.honest.nonfinite_events();
+        let result = f(&mut self.honest);
+        let rolled_back = self.honest.nonfinite_events().saturating_sub(before);
+        if rolled_back > 0 {
+            metrics::counter!("iota_miner_nonfinite_total").increment(rolled_back);
         }
-        let range = self.partition(j)?;
-        match values {
-            Some(v) => load_range(self.runner.stage(), range, v)?,
-            None => {
-                if self.initial.is_none() {
-                    let s =
-                        Stage::new(&self.model, self.stage_index as usize, StageOptions::cpu())?;
-                    self.initial = Some(flatten_params(&s)?);
-                }
-                let init = self
-                    .initial
-                    .as_ref()
-                    .and_then(|v| v.get(range.clone()))
-                    .ok_or_else(|| {
-                        MinerError::Internal("initial weights shorter than the stage".into())
-                    })?;
-                load_range(self.runner.stage(), range, init)?;
-            }
-        }
-        Ok(())
+        Ok(result?)
     }
 
-    /// Starts epoch `epoch` from the loaded weights: caches and gradients dropped, a fresh inner
-    /// optimizer, the weights kept as the pseudo-gradient's base.
-    pub fn begin_epoch(&mut self, epoch: u64) -> Result<(), MinerError> {
-        self.runner.stage_mut().zero_grad();
-        let adamw = Self::optimizer(&self.model, &self.run, self.runner.stage())?;
-        self.runner.reset(adamw);
-        self.epoch_start = flatten_params(self.runner.stage())?;
-        self.initial = None;
-        self.epoch = Some(epoch);
-        self.gradient_hops = 0;
-        self.pending_gradients = 0;
-        self.held.clear();
-        self.inner_steps = 0;
-        self.digest = None;
-        Ok(())
-    }
-
-    /// Drops the forward cache of a sample whose lease lapsed.
-    pub fn forget(&mut self, sample: u64) -> bool {
-        self.runner.forget(sample)
-    }
-
-    /// The flat range of partition `j` of this stage.
-    pub fn partition(&self, j: u32) -> Result<Range<usize>, MinerError> {
-        let r = self
-            .run
-            .partition_range(self.stage_index, j)
-            .ok_or_else(|| MinerError::RunMismatch(format!("no partition {j}")))?;
-        Ok(r.start as usize..r.end as usize)
-    }
-
-    /// Epoch-start values of `range`.
-    pub fn epoch_start_range(&self, range: Range<usize>) -> Option<&[f32]> {
-        self.epoch_start.get(range)
-    }
-
-    /// BLAKE3 (hex) of the current flat weights, recomputed only after they change.
-    pub fn weights_digest(&mut self) -> Result<String, MinerError> {
-        let version = self.runner.stage().weights_version();
-        if let Some((v, d)) = &self.digest
-            && *v == version
-        {
-            return Ok(d.clone());
-        }
-        let d = digest_f32(&flatten_params(self.runner.stage())?)
-            .to_hex()
-            .to_string();
-        self.digest = Some((version, d.clone()));
-        Ok(d)
-    }
-
-    fn dims(&self) -> [usize; 3] {
-        [
-            self.run.micro_batch as usize,
-            self.run.seq_len as usize,
-            self.run.boundary_dim as usize,
-        ]
-    }
-
-    fn encode(&mut self, t: &Tensor, zero: bool, noise: bool) -> Result<Vec<u8>, MinerError> {
-        let mut values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        if zero {
-            values.iter_mut().for_each(|v| *v = 0.0);
-        } else if noise {
+    /// The bytes a cheater sends instead of `bytes`: zeros, or the values with noise added.
+    fn tamper(
+        &mut self,
+        bytes: Option<Vec<u8>>,
+        noise: bool,
+    ) -> Result<Option<Vec<u8>>, MinerError> {
+        let Some(bytes) = bytes else {
+            return Ok(None);
+        };
+        let (dims, mut values) = self.honest.decode_boundary(&bytes)?;
+        if noise {
             add_noise(&mut values, &mut self.rng);
+        } else {
+            values.iter_mut().for_each(|v| *v = 0.0);
         }
-        let b = BoundaryTensor::from_f32(t.dims(), &values, model_wire(self.run.wire)).map_err(
-            |e| match e {
-                ModelError::NonFinite(what) => {
-                    self.nonfinite_events += 1;
-                    metrics::counter!("iota_miner_nonfinite_total").increment(1);
-                    MinerError::NonFinite(what)
-                }
-                e => e.into(),
-            },
-        )?;
-        Ok(b.to_bytes()?)
+        Ok(Some(self.honest.encode_boundary(&dims, &values)?))
     }
 
-    fn decode(&self, bytes: &[u8]) -> Result<Tensor, MinerError> {
-        let b = BoundaryTensor::from_bytes(bytes, Some(&self.dims()))
-            .map_err(|e| MinerError::BadInput(e.to_string()))?;
-        Ok(b.to_tensor(&self.opts.device)?)
+    fn zeros_like_output(&self) -> Result<Vec<u8>, MinerError> {
+        let run = self.honest.run();
+        let dims = [
+            run.micro_batch as usize,
+            run.seq_len as usize,
+            run.boundary_dim as usize,
+        ];
+        let zeros = vec![0.0f32; dims.iter().product()];
+        Ok(self.honest.encode_boundary(&dims, &zeros)?)
     }
 
-    fn is_last(&self) -> bool {
-        self.stage_index + 1 == self.run.stages
-    }
-
-    fn record(&mut self) -> Result<(u64, String), MinerError> {
-        Ok((self.inner_steps, self.weights_digest()?))
-    }
-
-    /// A forward hop of `sample_id`: `input` is the previous stage's activation (none on
-    /// stage 0). On the last stage this is forward and backward at once, and the output is the
-    /// input gradient.
+    /// See [`StageTrainer::forward`].
     pub fn forward(
         &mut self,
         sample_id: i64,
         input: Option<&[u8]>,
     ) -> Result<HopOutput, MinerError> {
-        let sample = sample_id as u64;
-        // A re-routed attempt of a sample this miner already holds replaces the old cache.
-        self.runner.forget(sample);
-        self.held.remove(&sample);
-        let ids = self.run.sequence_ids(sample_id);
-        if let Some(pass) = ids.last().map(|i| self.dataset.pass_of(*i))
-            && pass > self.data_pass
-        {
-            self.data_pass = pass;
-            tracing::info!(
-                pass,
-                stage = self.stage_index,
-                "every training window has been used: pass {pass} over the data begins, in a new \
-                 order"
-            );
-        }
-        let batch = make_batch(self.dataset.as_ref(), &ids, &self.opts.device)?;
-        let x = match input {
-            None if self.stage_index == 0 => batch.inputs.clone(),
-            Some(bytes) if self.stage_index > 0 => self.decode(bytes)?,
-            _ => {
-                return Err(MinerError::BadInput(
-                    "a forward input is needed exactly on stages after the first".into(),
-                ));
-            }
-        };
-        let tokens = (self.run.micro_batch * self.run.seq_len) as u64;
-        let (inner_step, weights_digest) = self.record()?;
-        let last = self.is_last();
-        let recompute = self.runner.in_flight() >= self.cache_budget;
-        self.runner.stage_mut().set_recompute(recompute);
-        let targets = last.then(|| batch.targets.clone());
-        if last && self.adversary == Some(Adversary::Freeload) {
+        let last = self.honest.stage_index() + 1 == self.honest.run().stages;
+        if last && self.is(Adversary::Freeload) {
             // Computes the loss only; claims the backward with a zero gradient.
-            let out = self.runner.stage().forward_eval(&x, targets.as_ref())?;
-            let l = out.loss_output()?.clone();
-            let zeros = Tensor::zeros(self.dims().to_vec(), DType::F32, &Device::Cpu)?;
-            self.gradient_hops += 1;
-            return Ok(HopOutput {
-                bytes: Some(self.encode(&zeros, true, false)?),
-                inner_step,
-                weights_digest,
-                loss: Some(l.mean),
-                sequence_losses: Some(l.per_sequence),
-                tokens,
-            });
+            let mut out = self.counted(|t| t.evaluate(sample_id, input))?;
+            out.bytes = Some(self.zeros_like_output()?);
+            self.claimed_hops += 1;
+            return Ok(out);
         }
-        let result = self.runner.apply(&Hop::Forward {
-            sample,
-            input: x,
-            targets,
-        });
-        let output = match self.nonfinite_guard(result)? {
-            HopResult::Forward { output, .. } => output,
-            _ => {
-                return Err(MinerError::Internal(
-                    "forward gave no forward result".into(),
-                ));
-            }
-        };
-        match output {
-            StageOutput::Activations(a) => {
-                let zeros = self.adversary == Some(Adversary::Zeros);
-                let noise = self.adversary == Some(Adversary::Noise);
-                Ok(HopOutput {
-                    bytes: Some(self.encode(&a, zeros, noise)?),
-                    inner_step,
-                    weights_digest,
-                    loss: None,
-                    sequence_losses: None,
-                    tokens,
-                })
-            }
-            StageOutput::Loss(l) => {
-                let grad = match self.backward_inner(sample, None)? {
-                    Some(g) => g,
-                    None => return Err(MinerError::Internal("no input gradient".into())),
-                };
-                let zeros = self.adversary == Some(Adversary::Zeros);
-                let bytes = self
-                    .encode(&grad, zeros, false)
-                    .inspect_err(|_| self.discard(sample_id))?;
-                let (mut loss, mut seq) = (l.mean, l.per_sequence);
-                if self.adversary == Some(Adversary::LazyLoss) {
-                    loss *= LAZY_LOSS_FACTOR;
-                    seq.iter_mut().for_each(|v| *v *= LAZY_LOSS_FACTOR);
-                }
-                Ok(HopOutput {
-                    bytes: Some(bytes),
-                    inner_step,
-                    weights_digest,
-                    loss: Some(loss),
-                    sequence_losses: Some(seq),
-                    tokens,
-                })
+        let mut out = self.counted(|t| t.forward(sample_id, input))?;
+        if self.is(Adversary::Zeros) || (!last && self.is(Adversary::Noise)) {
+            let noise = self.is(Adversary::Noise);
+            out.bytes = self.tamper(out.bytes.take(), noise)?;
+        }
+        if self.is(Adversary::LazyLoss) {
+            out.loss = out.loss.map(|l| l * LAZY_LOSS_FACTOR);
+            if let Some(seq) = out.sequence_losses.as_mut() {
+                seq.iter_mut().for_each(|v| *v *= LAZY_LOSS_FACTOR);
             }
         }
+        Ok(out)
     }
 
-    /// A backward hop: `grad` is the gradient of the loss with respect to this stage's output.
+    /// See [`StageTrainer::backward`].
     pub fn backward(&mut self, sample_id: i64, grad: &[u8]) -> Result<HopOutput, MinerError> {
-        let sample = sample_id as u64;
-        let g = self.decode(grad)?;
-        let tokens = (self.run.micro_batch * self.run.seq_len) as u64;
-        let (inner_step, weights_digest) = self.record()?;
-        if self.adversary == Some(Adversary::Freeload) {
-            if !self.runner.forget(sample) {
+        if self.is(Adversary::Freeload) {
+            // The gradient is read (a malformed one is refused as from an honest miner), then
+            // nothing is computed.
+            self.honest.decode_boundary(grad)?;
+            if !self.honest.forget(sample_id as u64) {
                 return Err(MinerError::BadInput(format!(
                     "backward of sample {sample_id} with no forward"
                 )));
             }
-            self.gradient_hops += 1;
-            let bytes = if self.stage_index == 0 {
-                None
-            } else {
-                let zeros = Tensor::zeros(self.dims().to_vec(), DType::F32, &Device::Cpu)?;
-                Some(self.encode(&zeros, true, false)?)
+            self.claimed_hops += 1;
+            let bytes = match self.honest.stage_index() {
+                0 => None,
+                _ => Some(self.zeros_like_output()?),
             };
+            let inner_step = self.honest.inner_steps();
+            let run = self.honest.run();
+            let tokens = u64::from(run.micro_batch) * u64::from(run.seq_len);
             return Ok(HopOutput {
                 bytes,
                 inner_step,
-                weights_digest,
+                weights_digest: self.honest.weights_digest()?,
                 loss: None,
                 sequence_losses: None,
                 tokens,
             });
         }
-        let grad_input = self.backward_inner(sample, Some(g))?;
-        let zeros = self.adversary == Some(Adversary::Zeros);
-        let bytes = match grad_input {
-            Some(t) => Some(
-                self.encode(&t, zeros, false)
-                    .inspect_err(|_| self.discard(sample_id))?,
-            ),
-            None => None,
-        };
-        Ok(HopOutput {
-            bytes,
-            inner_step,
-            weights_digest,
-            loss: None,
-            sequence_losses: None,
-            tokens,
-        })
-    }
-
-    /// The backward of `sample`, its gradients held until [`StageTrainer::commit`].
-    fn backward_inner(
-        &mut self,
-        sample: u64,
-        grad_output: Option<Tensor>,
-    ) -> Result<Option<Tensor>, MinerError> {
-        let result = self.runner.backward_held(sample, grad_output.as_ref());
-        let (grad_input, held) = self.nonfinite_guard(result)?;
-        // Finite inputs can still overflow here (a peer's huge gradient): such a hop is dropped
-        // before it is submitted, and nothing accumulated so far is touched. (The input
-        // gradient is checked when it is encoded.)
-        self.nonfinite_guard(held.check_finite())?;
-        self.held.insert(sample, held);
-        Ok(grad_input)
-    }
-
-    /// Takes in the gradients of `sample_id`'s hop once the orchestrator has recorded it, and
-    /// steps when `inner_steps_every` hops have accumulated; whether it held any.
-    pub fn commit(&mut self, sample_id: i64) -> Result<bool, MinerError> {
-        let Some(held) = self.held.remove(&(sample_id as u64)) else {
-            return Ok(false);
-        };
-        self.runner.commit(held)?;
-        self.gradient_hops += 1;
-        self.pending_gradients += 1;
-        if self.pending_gradients >= self.run.inner_steps_every {
-            self.inner_step()?;
+        let mut out = self.counted(|t| t.backward(sample_id, grad))?;
+        if self.is(Adversary::Zeros) {
+            out.bytes = self.tamper(out.bytes.take(), false)?;
         }
-        Ok(true)
+        Ok(out)
     }
 
-    /// Drops the held gradients of `sample_id`'s hop (the orchestrator did not take it).
-    pub fn discard(&mut self, sample_id: i64) {
-        self.held.remove(&(sample_id as u64));
-    }
-
-    /// Hops whose gradients are held, waiting for [`StageTrainer::commit`].
-    pub fn held(&self) -> usize {
-        self.held.len()
-    }
-
-    /// A non-finite result: the hop is dropped and never submitted. The gradients accumulated
-    /// so far are only ever those of committed hops, so nothing else changes.
-    fn nonfinite_guard<T>(&mut self, r: iota_model::Result<T>) -> Result<T, MinerError> {
-        match r {
-            Err(ModelError::NonFinite(what)) => {
-                self.nonfinite_events += 1;
-                metrics::counter!("iota_miner_nonfinite_total").increment(1);
-                tracing::warn!(
-                    stage = self.stage_index,
-                    what,
-                    "non-finite values: hop dropped"
-                );
-                Err(MinerError::NonFinite(what))
-            }
-            other => Ok(other?),
-        }
-    }
-
-    fn inner_step(&mut self) -> Result<(), MinerError> {
-        self.pending_gradients = 0;
-        if self.adversary == Some(Adversary::Freeload) {
+    /// See [`StageTrainer::load_partition`]; a stale-weights cheater keeps its own weights after
+    /// its first epoch.
+    pub fn load_partition(&mut self, j: u32, values: Option<&[f32]>) -> Result<(), MinerError> {
+        if self.is(Adversary::StaleWeights) && self.honest.epoch().is_some() {
             return Ok(());
         }
-        let outcome = self.runner.apply(&Hop::InnerStep {
-            lr: self.run.inner_lr,
-        })?;
-        self.inner_steps += 1;
-        if let HopResult::InnerStep(StepOutcome::Skipped(reason)) = &outcome {
-            self.nonfinite_events += 1;
-            metrics::counter!("iota_miner_nonfinite_total").increment(1);
-            tracing::warn!(stage = self.stage_index, ?reason, "inner step skipped");
-        }
-        Ok(())
+        Ok(self.honest.load_partition(j, values)?)
     }
 
-    /// Ends the epoch's training: steps the remaining accumulated gradients. Held gradients of
-    /// hops never taken by the orchestrator are dropped.
+    /// See [`StageTrainer::begin_epoch`].
+    pub fn begin_epoch(&mut self, epoch: u64) -> Result<(), MinerError> {
+        self.claimed_hops = 0;
+        Ok(self.honest.begin_epoch(epoch)?)
+    }
+
+    /// See [`StageTrainer::commit`].
+    pub fn commit(&mut self, sample_id: i64) -> Result<bool, MinerError> {
+        self.counted(|t| t.commit(sample_id))
+    }
+
+    /// See [`StageTrainer::discard`].
+    pub fn discard(&mut self, sample_id: i64) {
+        self.honest.discard(sample_id);
+    }
+
+    /// See [`StageTrainer::forget`].
+    pub fn forget(&mut self, sample: u64) -> bool {
+        self.honest.forget(sample)
+    }
+
+    /// See [`StageTrainer::finish_training`].
     pub fn finish_training(&mut self) -> Result<(), MinerError> {
-        self.held.clear();
-        if self.pending_gradients > 0 {
-            self.inner_step()?;
-        }
-        self.runner.forget_all();
-        Ok(())
+        self.counted(StageTrainer::finish_training)
     }
 
-    /// Pseudo-gradient (epoch-start minus current weights) of partition `j`.
+    /// See [`StageTrainer::pseudo_gradient`].
     pub fn pseudo_gradient(&self, j: u32) -> Result<Vec<f32>, MinerError> {
-        let range = self.partition(j)?;
-        let start = self.epoch_start.get(range.clone()).ok_or_else(|| {
-            MinerError::Internal("epoch-start weights shorter than the stage".into())
-        })?;
-        Ok(pseudo_gradient_range(self.runner.stage(), range, start)?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run() -> RunConfig {
-        crate::eval::local_tiny_run("held-gradients", 8).expect("run")
+        Ok(self.honest.pseudo_gradient(j)?)
     }
 
-    fn trainer(stage: u32) -> StageTrainer {
-        let mut t = StageTrainer::new(run(), stage, StageOptions::cpu(), 8, None, 5, None)
-            .expect("trainer");
-        for j in 0..run().partitions {
-            t.load_partition(j, None).expect("init");
-        }
-        t.begin_epoch(0).expect("epoch");
-        t
+    /// See [`StageTrainer::weights_digest`].
+    pub fn weights_digest(&mut self) -> Result<String, MinerError> {
+        Ok(self.honest.weights_digest()?)
     }
 
-    fn boundary(scale: f32, seed: u64) -> Vec<u8> {
-        let r = run();
-        let shape = [
-            r.micro_batch as usize,
-            r.seq_len as usize,
-            r.boundary_dim as usize,
-        ];
-        let v: Vec<f32> = (0..shape.iter().product::<usize>())
-            .map(|i| ((((i as u64 * 7919 + seed) % 200) as f32) - 100.0) * scale)
-            .collect();
-        BoundaryTensor::from_f32(&shape, &v, ModelWire::F32)
-            .expect("boundary")
-            .to_bytes()
-            .expect("bytes")
+    /// Gradient hops this epoch: committed ones, and those a freeloader claimed.
+    pub fn gradient_hops(&self) -> u64 {
+        self.honest.gradient_hops() + self.claimed_hops
     }
 
-    fn pseudo_gradient(t: &mut StageTrainer) -> Vec<f32> {
-        t.finish_training().expect("finish");
-        (0..run().partitions)
-            .flat_map(|j| t.pseudo_gradient(j).expect("pg"))
-            .collect()
+    /// See [`StageTrainer::inner_steps`].
+    pub fn inner_steps(&self) -> u64 {
+        self.honest.inner_steps()
     }
 
-    /// Samples 0..6 through a stage's hops (a middle stage: forward and backward; the last: its
-    /// forward, which trains), each committed, except `skip` (not run at all) and `refuse` (run,
-    /// then discarded as a refused hop is), with `huge` sent a gradient that overflows.
-    fn epoch(t: &mut StageTrainer, skip: Option<i64>, refuse: Option<i64>, huge: Option<i64>) {
-        let last = t.stage_index() + 1 == run().stages;
-        for s in 0..6i64 {
-            if Some(s) == skip {
-                continue;
-            }
-            let out = t.forward(s, Some(&boundary(1e-2, s as u64))).expect("fwd");
-            if last {
-                assert!(out.loss.is_some());
-                if Some(s) == refuse {
-                    t.discard(s);
-                } else {
-                    assert!(t.commit(s).expect("commit"));
-                }
-                continue;
-            }
-            if Some(s) == huge {
-                let dropped = t.backward(s, &boundary(1e36, s as u64));
-                assert!(
-                    matches!(dropped, Err(MinerError::NonFinite(_))),
-                    "an overflowing backward was not dropped: {dropped:?}"
-                );
-                continue;
-            }
-            t.backward(s, &boundary(1e-4, 100 + s as u64)).expect("bwd");
-            if Some(s) == refuse {
-                t.discard(s);
-            } else {
-                assert!(t.commit(s).expect("commit"));
-            }
-        }
+    /// See [`StageTrainer::memory`].
+    pub fn memory(&self) -> Result<StageMemory, MinerError> {
+        Ok(self.honest.memory()?)
     }
 
-    /// A miner that checkpoints its blocks (`--checkpoint-blocks`) trains to the same bits as
-    /// one that keeps whole graphs, so validators replay it without knowing.
-    #[test]
-    fn checkpointed_blocks_train_to_the_same_bits() {
-        // The hops below feed boundary tensors: the stages after the first (the model's tests
-        // cover stage 0).
-        for stage in 1..run().stages {
-            let mut whole = trainer(stage);
-            let opts = StageOptions {
-                checkpoint_blocks: true,
-                ..StageOptions::cpu()
-            };
-            let mut checkpointed =
-                StageTrainer::new(run(), stage, opts, 8, None, 5, None).expect("trainer");
-            for j in 0..run().partitions {
-                checkpointed.load_partition(j, None).expect("init");
-            }
-            checkpointed.begin_epoch(0).expect("epoch");
-            epoch(&mut whole, None, None, None);
-            epoch(&mut checkpointed, None, None, None);
-            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-            let (a, b) = (
-                bits(pseudo_gradient(&mut whole)),
-                bits(pseudo_gradient(&mut checkpointed)),
-            );
-            assert!(a.iter().any(|x| *x != 0), "stage {stage} did not train");
-            assert_eq!(a, b, "stage {stage}");
-        }
+    /// See [`StageTrainer::set_cache_budget`].
+    pub fn set_cache_budget(&mut self, budget: usize) {
+        self.honest.set_cache_budget(budget);
     }
 
-    #[test]
-    fn a_hop_the_orchestrator_refused_leaves_no_trace() {
-        // A middle stage, and the last, whose LM head has its own gradient path.
-        for stage in [1, run().stages - 1] {
-            let (mut refused, mut never) = (trainer(stage), trainer(stage));
-            epoch(&mut refused, None, Some(2), None);
-            epoch(&mut never, Some(2), None, None);
-            assert_eq!(refused.gradient_hops(), 5);
-            assert_eq!(refused.held(), 0);
-            assert_eq!(refused.inner_steps(), never.inner_steps());
-            let pg = pseudo_gradient(&mut refused);
-            assert!(
-                pg.iter().any(|v| *v != 0.0),
-                "stage {stage} trained nothing"
-            );
-            let other = pseudo_gradient(&mut never);
-            let worst = pg
-                .iter()
-                .zip(&other)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(
-                pg == other,
-                "stage {stage}: pseudo-gradients differ by up to {worst}"
-            );
-        }
+    /// The start-up speed test on this stage ([`measure_stage`]); call it before training: it
+    /// drops accumulated gradients.
+    pub fn measure_speed(&mut self, device: &DeviceSpec) -> Result<StageSpeed, MinerError> {
+        let seq = self.honest.run().seq_len as usize;
+        measure_stage(self.honest.stage_mut(), seq, device)
     }
 
-    #[test]
-    fn an_overflowing_gradient_is_dropped_and_touches_nothing_else() {
-        let (mut hit, mut never) = (trainer(1), trainer(1));
-        epoch(&mut hit, None, None, Some(3));
-        epoch(&mut never, Some(3), None, None);
-        assert!(hit.nonfinite_events >= 1);
-        assert_eq!(hit.held(), 0, "the dropped hop's gradients are held");
-        assert_eq!(hit.inner_steps(), never.inner_steps());
-        let pg = pseudo_gradient(&mut hit);
-        assert!(pg.iter().any(|v| *v != 0.0), "nothing trained");
-        assert!(
-            pg == pseudo_gradient(&mut never),
-            "the dropped hop changed the pseudo-gradient"
-        );
+    /// The model.
+    pub fn model(&self) -> &iota_model::ModelConfig {
+        self.honest.model()
     }
 }

@@ -4,19 +4,20 @@
 
 use crate::support;
 
-use iota_miner::merge::merged_partition;
-use iota_miner::{Adversary, StageTrainer};
+use iota_miner::MinerTrainer;
+use iota_miner::adversary::{Adversary, merged_partition};
 use iota_model::{BoundaryTensor, StageOptions};
 use iota_protocol::api::RunConfig;
 use iota_protocol::tensor::decode_merged;
+use iota_trainer::StageTrainer;
 
 fn run() -> RunConfig {
     support::tiny_run("adversaries", 8)
 }
 
-fn trainer(stage: u32, adversary: Option<Adversary>) -> StageTrainer {
-    let mut t = StageTrainer::new(run(), stage, StageOptions::cpu(), 8, adversary, 5, None)
-        .expect("trainer");
+fn trainer(stage: u32, adversary: Option<Adversary>) -> MinerTrainer {
+    let honest = StageTrainer::new(run(), stage, StageOptions::cpu(), 8, None).expect("trainer");
+    let mut t = MinerTrainer::new(honest, adversary, 5);
     for j in 0..run().partitions {
         t.load_partition(j, None).expect("init");
     }
@@ -104,8 +105,9 @@ fn stale_weights_ignores_the_merged_weights() {
     assert_eq!(honest.weights_digest().ok(), stale.weights_digest().ok());
     // The next epoch's merged weights differ from the initial ones.
     for j in 0..run().partitions {
-        let r = honest.partition(j).expect("range");
+        let r = honest.honest().partition(j).expect("range");
         let merged: Vec<f32> = honest
+            .honest()
             .epoch_start_range(r)
             .expect("start")
             .iter()

@@ -9,13 +9,13 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
-use iota_miner::dataset::{DatasetError, cache_dir, fetch_dataset};
 use iota_model::ModelConfig;
 use iota_model::data::PreparedDataset;
 use iota_model::data::prepare::{Manifest, PrepareOptions, prepare};
 use iota_model::train_bpe_tokenizer;
 use iota_orchestrator::dataset::DatasetSource;
 use iota_protocol::dataset::{MANIFEST_FILE, TOKENIZER_FILE, dataset_prefix};
+use iota_protocol::dataset_cache::{DatasetError, cache_dir, fetch_dataset};
 use support::*;
 
 /// A small prepared dataset in `dir/ds` (several train shards), and its manifest's hash.

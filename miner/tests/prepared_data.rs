@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use iota_miner::trainer::{StageTrainer, run_dataset};
 use iota_model::data::prepare::{PrepareOptions, prepare};
 use iota_model::{Dataset, ModelConfig, StageOptions, make_batch, train_bpe_tokenizer};
 use iota_protocol::api::RunConfig;
+use iota_trainer::{StageTrainer, run_dataset};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("iota-miner-data-{tag}-{}", std::process::id()));
@@ -38,7 +38,7 @@ fn dataset(dir: &Path) -> String {
 
 /// The local tiny run on `model`.
 fn run_on(model: &ModelConfig, name: String, dataset: Option<String>) -> RunConfig {
-    let mut run = iota_miner::eval::local_tiny_run("prepared", 8).expect("run");
+    let mut run = iota_trainer::local_tiny_run("prepared", 8).expect("run");
     run.model = name;
     run.stage_params = (0..model.num_stages())
         .map(|k| model.stage_param_count(k).expect("params") as u64)
@@ -71,16 +71,8 @@ fn a_run_on_a_prepared_dataset_trains_its_windows() {
         direct.window(ids[0]).expect("window")[..32]
     );
 
-    let mut t = StageTrainer::new(
-        run.clone(),
-        0,
-        StageOptions::cpu(),
-        8,
-        None,
-        1,
-        Some(&ds_dir),
-    )
-    .expect("trainer");
+    let mut t =
+        StageTrainer::new(run.clone(), 0, StageOptions::cpu(), 8, Some(&ds_dir)).expect("trainer");
     for j in 0..run.partitions {
         t.load_partition(j, None).expect("init");
     }
@@ -103,17 +95,9 @@ fn a_run_on_a_prepared_dataset_trains_its_windows() {
     assert!(err.contains("manifest.json"), "{err}");
     let tiny = ModelConfig::tiny();
     let small_vocab = run_on(&tiny, "tiny".into(), Some(hash));
-    let err = StageTrainer::new(
-        small_vocab,
-        0,
-        StageOptions::cpu(),
-        8,
-        None,
-        1,
-        Some(&ds_dir),
-    )
-    .expect_err("vocabulary")
-    .to_string();
+    let err = StageTrainer::new(small_vocab, 0, StageOptions::cpu(), 8, Some(&ds_dir))
+        .expect_err("vocabulary")
+        .to_string();
     assert!(err.contains("400 tokens") && err.contains("64"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

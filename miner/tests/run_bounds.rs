@@ -52,7 +52,7 @@ async fn orchestrator_serving(run: RunConfig) -> String {
 }
 
 fn tiny() -> RunConfig {
-    iota_miner::eval::local_tiny_run("bounds", 8).expect("tiny run")
+    iota_trainer::local_tiny_run("bounds", 8).expect("tiny run")
 }
 
 /// Runs a miner against `run` until it gives up (a bounded wait: a miner that kept retrying a
@@ -100,10 +100,12 @@ fn a_run_naming_a_device_as_its_model_is_refused() {
     // `/dev/zero` never ends: reading it whole would fill the miner's memory.
     let mut run = tiny();
     run.model = "/dev/zero".into();
-    match iota_miner::trainer::run_model(&run) {
-        Err(MinerError::Model(e)) => assert!(e.to_string().contains("not a regular file"), "{e}"),
+    match iota_trainer::run_model(&run) {
+        Err(iota_trainer::TrainerError::Model(e)) => {
+            assert!(e.to_string().contains("not a regular file"), "{e}")
+        }
         other => panic!("expected a refusal, got {other:?}"),
     }
     // A preset name is what a run normally names.
-    assert!(iota_miner::trainer::run_model(&tiny()).is_ok());
+    assert!(iota_trainer::run_model(&tiny()).is_ok());
 }

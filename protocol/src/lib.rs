@@ -6,6 +6,8 @@
 //! * [`error`]: the one JSON error body with a stable `code`.
 //! * [`blob`]: blob descriptors (key, size, dtype, shape, BLAKE3).
 //! * [`dataset`]: a run's prepared dataset in its store (file list, keys, size bounds).
+//! * [`dataset_cache`] (feature `client`): fetching that dataset into a local cache, every file
+//!   checked against the run's manifest hash.
 //! * [`tensor`]: the safetensors layouts on the wire and the checks every upload passes.
 //! * [`client`] (feature `client`, on by default): the typed reqwest client with retries.
 //!
@@ -16,6 +18,8 @@ pub mod blob;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod dataset;
+#[cfg(feature = "client")]
+pub mod dataset_cache;
 pub mod error;
 pub mod session;
 pub mod signing;

@@ -1,7 +1,7 @@
 //! What a replay spot check costs next to the miner's own compute for the same epoch.
 //!
 //! `cargo bench -p iota-validator --bench replay_cost [-- SAMPLES RUNS]` trains one epoch of the
-//! `tiny` run (3 stages, `iota_miner::eval::local_tiny_run`) with one honest miner per stage,
+//! `tiny` run (3 stages, `iota_trainer::local_tiny_run`) with one honest miner per stage,
 //! driving the miners' own `StageTrainer` hop by hop as the orchestrator would route a sample
 //! (forward through the stages, the last stage's loss and gradient, backward), and times each
 //! miner's compute: its hops, the end-of-epoch inner step and its pseudo-gradients. Then it
@@ -13,9 +13,9 @@
 
 use std::time::Instant;
 
-use iota_miner::StageTrainer;
 use iota_model::StageOptions;
 use iota_protocol::api::{Direction, RunConfig};
+use iota_trainer::StageTrainer;
 use iota_validator::replay::{RecordedHop, ReplayThresholds, replay_miner};
 
 /// One miner's epoch: what it sent and received, and what computing it took.
@@ -38,16 +38,8 @@ fn train_epoch(run: &RunConfig, epoch: u64, samples: i64) -> Vec<MinerEpoch> {
     let stages = run.stages as usize;
     let mut trainers: Vec<StageTrainer> = (0..run.stages)
         .map(|k| {
-            let mut t = StageTrainer::new(
-                run.clone(),
-                k,
-                StageOptions::cpu(),
-                usize::MAX,
-                None,
-                0,
-                None,
-            )
-            .unwrap_or_else(|e| fail("trainer", e));
+            let mut t = StageTrainer::new(run.clone(), k, StageOptions::cpu(), usize::MAX, None)
+                .unwrap_or_else(|e| fail("trainer", e));
             t.begin_epoch(epoch)
                 .unwrap_or_else(|e| fail("begin epoch", e));
             t
@@ -144,7 +136,7 @@ fn main() {
     let samples = nums.first().copied().unwrap_or(32);
     let runs = nums.get(1).copied().unwrap_or(5).max(1);
     let run =
-        iota_miner::eval::local_tiny_run("replay-cost", samples).unwrap_or_else(|e| fail("run", e));
+        iota_trainer::local_tiny_run("replay-cost", samples).unwrap_or_else(|e| fail("run", e));
     let stages = run.stages as usize;
     let start = vec![None; run.partitions as usize];
     let t = ReplayThresholds::default();

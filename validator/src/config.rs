@@ -86,7 +86,7 @@ pub struct ValidatorArgs {
     pub data_dir: Option<std::path::PathBuf>,
     /// Where a dataset fetched from the run's store is kept, in a folder named by its
     /// manifest's BLAKE3; files already there that hash right are not fetched again.
-    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = iota_miner::dataset::DEFAULT_DATA_CACHE)]
+    #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = iota_protocol::dataset_cache::DEFAULT_DATA_CACHE)]
     pub data_cache: std::path::PathBuf,
 }
 

@@ -18,9 +18,9 @@ pub enum ValidatorError {
     /// The training core failed.
     #[error("model: {0}")]
     Model(#[from] iota_model::ModelError),
-    /// The miner code the replay runs failed.
+    /// The trainer the replay runs (an honest miner's) failed.
     #[error("replay: {0}")]
-    Replay(#[from] iota_miner::MinerError),
+    Replay(#[from] iota_trainer::TrainerError),
     /// CLASP could not be fitted.
     #[error("clasp: {0}")]
     Clasp(#[from] crate::clasp::ClaspError),
@@ -42,7 +42,7 @@ pub enum ValidatorError {
     },
     /// The run's dataset could not be fetched, or a file of it was refused.
     #[error("{0}")]
-    Dataset(#[from] iota_miner::dataset::DatasetError),
+    Dataset(#[from] iota_protocol::dataset_cache::DatasetError),
     /// Bad configuration.
     #[error("configuration: {0}")]
     Config(String),

@@ -2,7 +2,7 @@
 //! PostgreSQL and sets weights on chain.
 //!
 //! * [`clasp`]: the pathway loss attribution (ridge least squares with faer).
-//! * [`replay`]: replay spot checks of a miner's epoch with the miner's own trainer code.
+//! * [`replay`]: replay spot checks of a miner's epoch with the honest trainer miners run (`iota-trainer`).
 //! * [`merges`]: re-deriving a partition's merge.
 //! * [`score`]: the scoring formula.
 //! * [`store`]: the database (`migrations/validator/`), including the commit-reveal store.

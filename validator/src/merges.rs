@@ -1,9 +1,8 @@
 //! Merge checks: re-derive a partition's merge from the contributions the orchestrator froze and
 //! the partition's base, with the miners' own arithmetic, and compare hashes.
 
-use iota_miner::merge::merged_partition;
-use iota_miner::trainer::{initial_range, run_model};
 use iota_protocol::api::RunConfig;
+use iota_trainer::{initial_range, merged_partition, run_model};
 
 use crate::error::ValidatorError;
 
@@ -33,7 +32,7 @@ pub fn recompute_merge(
     };
     contributions.sort_by(|a, b| a.0.cmp(&b.0));
     let parts: Vec<(f64, Vec<f32>)> = contributions.into_iter().map(|(_, w, v)| (w, v)).collect();
-    let bytes = merged_partition(run, &parts, weights, momentum, None)?;
+    let bytes = merged_partition(run, &parts, weights, momentum)?;
     let hash = blake3::hash(&bytes).to_hex().to_string();
     Ok((bytes, hash))
 }

@@ -9,10 +9,10 @@
 
 use std::time::Instant;
 
-use iota_miner::StageTrainer;
 use iota_model::replay::{Comparison, compare};
 use iota_model::{BoundaryTensor, StageOptions};
 use iota_protocol::api::{Direction, RunConfig};
+use iota_trainer::StageTrainer;
 
 use crate::error::ValidatorError;
 
@@ -108,8 +108,6 @@ pub fn replay_miner(
         stage,
         StageOptions::cpu(),
         usize::MAX,
-        None,
-        0,
         data_dir,
     )?;
     for (j, values) in start.iter().enumerate() {
@@ -139,7 +137,7 @@ pub fn replay_miner(
             Direction::Forward => trainer.forward(hop.sample_id, hop.input.as_deref()),
             Direction::Backward => match &hop.input {
                 Some(g) => trainer.backward(hop.sample_id, g),
-                None => Err(iota_miner::MinerError::BadInput("no gradient".into())),
+                None => Err(iota_trainer::TrainerError::BadInput("no gradient".into())),
             },
         };
         // Recorded as done, so the miner's trainer took its gradients in (see
@@ -247,16 +245,8 @@ mod tests {
 
     /// Two stage-0 forward hops of an honest miner, as recorded.
     fn honest_hops(run: &RunConfig) -> Vec<RecordedHop> {
-        let mut miner = StageTrainer::new(
-            run.clone(),
-            0,
-            StageOptions::cpu(),
-            usize::MAX,
-            None,
-            0,
-            None,
-        )
-        .expect("trainer");
+        let mut miner = StageTrainer::new(run.clone(), 0, StageOptions::cpu(), usize::MAX, None)
+            .expect("trainer");
         miner.begin_epoch(0).expect("epoch");
         (0..2)
             .map(|i| {
@@ -275,7 +265,7 @@ mod tests {
 
     #[test]
     fn an_unreadable_claim_fails_the_hop_not_the_replay() {
-        let mut run = iota_miner::eval::local_tiny_run("replay-test", 4).expect("run");
+        let mut run = iota_trainer::local_tiny_run("replay-test", 4).expect("run");
         run.wire = WireEncoding::F32;
         let start = vec![None; run.partitions as usize];
         let t = ReplayThresholds::default();

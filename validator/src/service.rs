@@ -25,8 +25,6 @@ use iota_protocol::{ClientError, ErrorCode};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
-use iota_miner::startup::HotkeySigner;
-
 use crate::clasp::{ClaspConfig, HotkeyEffects, fit_samples};
 use crate::error::ValidatorError;
 use crate::fallback::{consensus_weights, stake_weighted_mean};
@@ -89,7 +87,7 @@ impl ValidatorConfig {
             tx: TxOptions::default(),
             retry: RetryPolicy::default(),
             data_dir: None,
-            data_cache: iota_miner::dataset::DEFAULT_DATA_CACHE.into(),
+            data_cache: iota_protocol::dataset_cache::DEFAULT_DATA_CACHE.into(),
         }
     }
 }
@@ -361,15 +359,16 @@ impl Validator {
     async fn online(&self) -> Result<&Online, ValidatorError> {
         self.online
             .get_or_try_init(|| async {
-                let signer: Arc<dyn RequestSigner> = Arc::new(HotkeySigner(self.hotkey.clone()));
+                let signer: Arc<dyn RequestSigner> = Arc::new(self.hotkey.as_pair().clone());
                 let client =
                     ApiClient::connect(&self.cfg.orchestrator_url, signer, self.cfg.retry).await?;
                 // Checked: the run sizes what the validator allocates.
                 let info = client.run_info().await?;
                 let mut data_dir = self.cfg.data_dir.clone();
                 if let (Some(hash), None) = (&info.config.dataset, &data_dir) {
-                    let dir = iota_miner::dataset::cache_dir(&self.cfg.data_cache, hash);
-                    let fetched = iota_miner::dataset::fetch_dataset(&client, hash, &dir).await?;
+                    let dir = iota_protocol::dataset_cache::cache_dir(&self.cfg.data_cache, hash);
+                    let fetched =
+                        iota_protocol::dataset_cache::fetch_dataset(&client, hash, &dir).await?;
                     tracing::info!(dataset = %hash, dir = %dir.display(),
                         downloaded = fetched.downloaded.len(), kept = fetched.kept.len(),
                         "the run's dataset is in the cache");

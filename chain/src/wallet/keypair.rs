@@ -221,6 +221,12 @@ impl Keypair {
         })
     }
 
+    /// The key as sp-core's pair: what signs the orchestrator's requests (`iota-protocol`
+    /// implements its `RequestSigner` for it).
+    pub fn as_pair(&self) -> &sr25519::Pair {
+        &self.pair
+    }
+
     /// The public key.
     #[must_use]
     pub fn public(&self) -> PublicKey {

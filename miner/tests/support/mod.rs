@@ -18,7 +18,7 @@ pub use common::*;
 
 /// A real run of the `tiny` model: 3 stages, 2 partitions each, small epochs.
 pub fn tiny_run(name: &str, samples_per_epoch: u64) -> RunConfig {
-    iota_miner::eval::local_tiny_run(name, samples_per_epoch).expect("tiny run")
+    iota_trainer::local_tiny_run(name, samples_per_epoch).expect("tiny run")
 }
 
 /// Miner settings for tests: fast polls, quick retries; the CPU unless `IOTA_TEST_DEVICE` names

@@ -10,9 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
-use iota_protocol::blob::is_blake3_hex;
-use iota_protocol::client::{ApiClient, ClientError};
-use iota_protocol::dataset::{
+use crate::blob::is_blake3_hex;
+use crate::client::{ApiClient, ClientError};
+use crate::dataset::{
     DatasetFile, MANIFEST_FILE, MAX_MANIFEST_BYTES, MAX_TOKENIZER_BYTES, ManifestFiles,
 };
 
@@ -141,7 +141,7 @@ pub async fn fetch_dataset(
     let mpath = dir.join(MANIFEST_FILE);
     let bytes = tokio::fs::read(&mpath).await.map_err(io(&mpath))?;
     // Checked again as read: the cache may have changed since it was verified.
-    if iota_protocol::blob::blake3_hex(&bytes) != manifest_blake3 {
+    if crate::blob::blake3_hex(&bytes) != manifest_blake3 {
         return Err(refused(
             MANIFEST_FILE,
             "changed in the cache while it was fetched".into(),
