@@ -8,6 +8,7 @@
 //! The seed is printed; `IOTA_FAULT_SEED=N` replays a schedule. Needs PostgreSQL
 //! (`DATABASE_URL`, started by scripts/test.sh).
 
+use crate::miner_support::{fresh_db, tx};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
 use iota_chain::wallet::{Keypair, Wallet};
-use iota_chain::{ConnectOptions, Subtensor, TxOptions};
+use iota_chain::{ConnectOptions, Subtensor};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_protocol::api::{EpochStatus, Phase, ThroughputPoint};
 use rand::{Rng as _, SeedableRng as _};
@@ -35,30 +36,8 @@ const ORCH_SEED: u8 = 90;
 const VALIDATOR_SEED: u8 = 91;
 const MINER_SEEDS: [u8; MINERS] = [92, 93, 94, 95];
 
-fn tx() -> TxOptions {
-    TxOptions {
-        timeout: Duration::from_secs(30),
-        ..TxOptions::default()
-    }
-}
-
 fn key(seed: u8) -> Keypair {
     Keypair::from_seed([seed; 32])
-}
-
-async fn fresh_db() -> String {
-    let base = std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
-    );
-    let name = format!("iota_faults_{}", uuid::Uuid::new_v4().simple());
-    let admin = PgPool::connect(&base).await.expect("connect");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&admin)
-        .await
-        .expect("create database");
-    admin.close().await;
-    let (prefix, _) = base.rsplit_once('/').expect("database name");
-    format!("{prefix}/{name}")
 }
 
 fn free_port() -> u16 {

@@ -5,7 +5,8 @@ mod faults;
 mod localnet_up;
 mod localnet_up_text;
 mod miner_process;
-#[path = "../../miner/tests/support/mod.rs"]
-mod miner_support;
 mod orchestrator_process;
 mod support;
+
+// The workspace's shared set-up, as `crate::miner_support` for every module.
+use iota_testkit as miner_support;

@@ -1,44 +1,23 @@
 //! `iota orchestrator` as a process: SIGKILL mid-epoch and a restart lose nothing, and SIGTERM
 //! exits cleanly. Needs PostgreSQL (`DATABASE_URL`, started by scripts/test.sh).
 
+use crate::miner_support::{fresh_db, tx};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use iota_chain::calls::Hyperparam;
 use iota_chain::wallet::{Keypair, PublicKey, Wallet};
-use iota_chain::{ConnectOptions, Subtensor, TxOptions};
+use iota_chain::{ConnectOptions, Subtensor};
 use iota_localnet::{Localnet, LocalnetConfig};
-use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::{EpochStatus, PartitionState, PartitionStatus, Phase};
+use iota_testkit::sim::SimMiner;
 use sp_core::Pair as _;
 use sp_core::sr25519;
 use sqlx::PgPool;
 
 fn pair(seed: u8) -> sr25519::Pair {
     sr25519::Pair::from_seed(&[seed; 32])
-}
-
-fn tx() -> TxOptions {
-    TxOptions {
-        timeout: Duration::from_secs(30),
-        ..TxOptions::default()
-    }
-}
-
-async fn fresh_db() -> String {
-    let base = std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
-    );
-    let name = format!("iota_test_{}", uuid::Uuid::new_v4().simple());
-    let admin = PgPool::connect(&base).await.expect("connect");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&admin)
-        .await
-        .expect("create database");
-    admin.close().await;
-    let (prefix, _) = base.rsplit_once('/').expect("database name");
-    format!("{prefix}/{name}")
 }
 
 /// Kills the child on drop, so a failing test leaves no process behind.

@@ -7,8 +7,7 @@
 //! partitions = miners per stage, two owners per partition. The second epoch is measured (the
 //! first merges onto the initial weights). `BUTTERFLY_SIZES=2,4` picks the sizes.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use iota_testkit as support;
 
 use std::time::{Duration, Instant};
 

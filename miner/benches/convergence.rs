@@ -13,8 +13,7 @@
 //! default 48) size the run. `cargo bench -p iota-miner --bench convergence` with
 //! `DATABASE_URL` set (`scripts/pg.sh start`), or `scripts/bench.sh convergence`.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use iota_testkit as support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -9,8 +9,7 @@
 //! at any moment and the miners do not compete for the cores; the miner's figure counts the
 //! time it spent handling its hops, from receiving a work item to the accepted completion.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use iota_testkit as support;
 
 use std::time::{Duration, Instant};
 

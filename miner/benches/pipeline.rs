@@ -15,8 +15,7 @@
 //! (candle's defaults among them) before and after the pipeline, and the best monolithic mean is
 //! the baseline. The pipeline also runs once more with candle's defaults, for reference.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use iota_testkit as support;
 
 use std::time::{Duration, Instant};
 

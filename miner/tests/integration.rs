@@ -6,5 +6,7 @@ mod dataset_store;
 mod faults;
 mod prepared_data;
 mod run_bounds;
-mod support;
 mod training;
+
+// The shared set-up, as `crate::support` for every module.
+use iota_testkit as support;

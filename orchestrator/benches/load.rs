@@ -55,8 +55,7 @@
 //! for a new block: a read at every second shows what a refresh costs the rounds.
 //! The process uses the `iota` binary's allocator.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use iota_testkit::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

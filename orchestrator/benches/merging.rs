@@ -8,15 +8,14 @@
 //!
 //! `cargo bench -p iota-orchestrator --bench merging` (needs `DATABASE_URL`, as the tests do).
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+use iota_testkit::common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
 use futures::future::join_all;
-use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::{EpochStatus, Phase};
+use iota_testkit::sim::SimMiner;
 
 const SEEDS: [u8; 6] = [1, 2, 3, 4, 5, 6];
 

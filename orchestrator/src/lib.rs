@@ -28,7 +28,6 @@ pub mod replicas;
 pub mod routing;
 pub mod sessions;
 pub mod signatures;
-pub mod sim;
 pub mod store;
 pub mod validator;
 pub mod views;

@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use common::*;
 use iota_orchestrator::Limits;
-use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::*;
 use iota_protocol::{ApiClient, ErrorCode, RetryPolicy};
+use iota_testkit::sim::SimMiner;
 use serde_json::Value;
 
 const MINERS: [u8; 6] = [1, 2, 3, 4, 5, 6];

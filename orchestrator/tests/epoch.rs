@@ -11,9 +11,9 @@ use common::*;
 use futures::future::join_all;
 use iota_orchestrator::OrchestratorError;
 use iota_orchestrator::replicas;
-use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::*;
 use iota_protocol::{ApiClient, RetryPolicy};
+use iota_testkit::sim::SimMiner;
 use sqlx::{Connection, PgPool};
 
 async fn validator_client(base: &str, seed: u8) -> ApiClient {
@@ -825,7 +825,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
                 iota_protocol::tensor::decode_partition(&bytes, len).expect("decode"),
             ));
         }
-        let merged = iota_orchestrator::sim::average(&parts, len as usize);
+        let merged = iota_testkit::sim::average(&parts, len as usize);
         let bytes = iota_protocol::tensor::encode_merged(&merged, &vec![0.0; len as usize]);
         let hash = iota_protocol::blob::blake3_hex(&bytes);
         let settled = v.settle(d.id, &hash).await.expect("settle");

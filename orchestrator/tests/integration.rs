@@ -1,7 +1,6 @@
 //! Every integration test of this crate in one binary: one link instead of one per file,
 //! and the shared helpers compiled once.
 
-mod common;
 mod dashboard;
 mod epoch;
 mod fuzz;
@@ -12,3 +11,6 @@ mod replay;
 mod sessions;
 mod storage;
 mod trust;
+
+// The shared set-up, as `crate::common` for every module.
+use iota_testkit::common;

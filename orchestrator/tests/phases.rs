@@ -11,12 +11,12 @@ use std::sync::Arc;
 use chrono::{DateTime, Duration, Utc};
 use common::*;
 use iota_chain::{Member, Members, MetagraphIndex};
-use iota_orchestrator::sim::SimMiner;
 use iota_orchestrator::{App, AppState, BlobStore, Limits, StoreConfig, driver};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use iota_protocol::signing::SkewWindow;
+use iota_testkit::sim::SimMiner;
 use sqlx::PgPool;
 
 /// Seeds from this one on have validator permits.
@@ -1187,8 +1187,8 @@ async fn step_until(
 /// may still see the phase before it (the miner's next poll sees the new one).
 async fn step_until_report(
     miner: &mut SimMiner,
-    done: impl Fn(&iota_orchestrator::sim::StepReport) -> bool,
-) -> iota_orchestrator::sim::StepReport {
+    done: impl Fn(&iota_testkit::sim::StepReport) -> bool,
+) -> iota_testkit::sim::StepReport {
     for _ in 0..100 {
         let report = miner.step().await.expect("step");
         if done(&report) {

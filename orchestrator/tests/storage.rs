@@ -513,7 +513,7 @@ fn simulated_miners(base: &str, stop: &Arc<AtomicBool>) -> Vec<tokio::task::Join
             let stop = stop.clone();
             tokio::spawn(async move {
                 let mut miner =
-                    iota_orchestrator::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
+                    iota_testkit::sim::SimMiner::join(&base, signer(seed), 100.0, i as u64)
                         .await
                         .expect("sim join");
                 while !stop.load(Ordering::Relaxed) {

@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use crate::support::Adversary;
 use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor};
-use iota_miner::Adversary;
 use iota_validator::audit::ChainCheck;
 use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;

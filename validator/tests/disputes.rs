@@ -3,7 +3,7 @@
 //! partition is accepted with the honest weights (the orchestrator refuses a settlement that
 //! names no submitted result).
 //!
-//! Simulated miners (`iota_orchestrator::sim`) on a real `tiny` run: their merges are plain
+//! Simulated miners (`iota_testkit::sim`) on a real `tiny` run: their merges are plain
 //! averages without the outer step, so none of them is what the validator computes. Needs
 //! `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
 
@@ -13,9 +13,9 @@ use crate::support;
 use std::time::Duration;
 
 use harness::validator;
-use iota_orchestrator::sim::SimMiner;
 use iota_protocol::api::PartitionState;
 use iota_protocol::{ApiClient, RetryPolicy};
+use iota_testkit::sim::SimMiner;
 use support::*;
 
 const MINERS: [u8; 3] = [51, 52, 53];

@@ -9,9 +9,8 @@ mod harness;
 mod moved_miner;
 mod object_faults;
 mod submission_recovery;
-#[path = "../../miner/tests/support/mod.rs"]
-mod support;
 mod weights_owed;
 
-// The orchestrator's helpers, as the miner's helpers include them.
-use support::common;
+// The shared set-up, as `crate::support` (and `crate::common`) for every module.
+use iota_testkit as support;
+use iota_testkit::common;

@@ -47,7 +47,7 @@ async fn a_bad_object_fails_its_producer_and_collected_epochs_are_skipped() {
             let mut cfg = miner_config(&orch.base);
             cfg.tokens_per_s = Some(1000.0);
             cfg.seed = u64::from(s);
-            miners.push(iota_miner::spawn(cfg, signer(s)));
+            miners.push(spawn_miner(cfg, signer(s)));
         }
         wait_epoch(&client, EPOCHS, Duration::from_secs(600)).await;
         for m in miners {

@@ -6,18 +6,7 @@ use iota_chain::wallet::PublicKey;
 use iota_validator::{Store, WeightSource};
 
 async fn fresh_store() -> Store {
-    let base = std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
-    );
-    let name = format!("iota_test_{}", uuid::Uuid::new_v4().simple());
-    let admin = sqlx::PgPool::connect(&base).await.expect("connect");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&admin)
-        .await
-        .expect("create database");
-    admin.close().await;
-    let (prefix, _) = base.rsplit_once('/').expect("database name");
-    Store::connect(&format!("{prefix}/{name}"))
+    Store::connect(&crate::support::fresh_db().await)
         .await
         .expect("store")
 }

@@ -1,20 +1,26 @@
-//! Shared set-up of the miner's integration tests: the orchestrator's test harness (fresh
-//! PostgreSQL database, localnet subnet, orchestrator in-process) with a real `tiny` run, and
-//! helpers that read what the run produced.
+//! Shared set-up of the workspace's integration tests and benchmarks, in one place instead of
+//! files included by path.
+//!
+//! * [`common`]: a fresh PostgreSQL database per test, a localnet chain with a subnet and
+//!   registered hotkeys, orchestrators started in-process on port 0, raw signed requests, the
+//!   polling helper [`eventually`]; re-exported here.
+//! * [`sim`]: simulated miners (the real client and wire formats, no model).
+//! * Here: real miners on a `tiny` run, and helpers that read what the run produced.
 
-#![allow(dead_code)]
-
-#[path = "../../../orchestrator/tests/common/mod.rs"]
 pub mod common;
+pub mod sim;
 
 use std::time::Duration;
 
-use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
+use iota_miner::{DeviceSpec, MinerConfig};
 use iota_model::{AdamW, AdamWConfig, LrSchedule, ModelConfig, Pipeline, Stage};
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
 
 pub use common::*;
+/// The miner as tests drive it (crates whose tests need real miners, such as the validator's,
+/// reach it through here rather than depending on it).
+pub use iota_miner::{Adversary, MinerHandle, spawn as spawn_miner};
 
 /// A real run of the `tiny` model: 3 stages, 2 partitions each, small epochs.
 pub fn tiny_run(name: &str, samples_per_epoch: u64) -> RunConfig {

@@ -220,7 +220,7 @@ impl SimMiner {
         };
         let target: PresignResponse = match self
             .client
-            .signed_json(http::Method::POST, &format!("{path}/presign"), &request)
+            .signed_json(reqwest::Method::POST, &format!("{path}/presign"), &request)
             .await
         {
             Ok(target) => target,
@@ -243,7 +243,7 @@ impl SimMiner {
         };
         Some(
             self.client
-                .signed_json(http::Method::POST, &format!("{path}/commit"), &commit)
+                .signed_json(reqwest::Method::POST, &format!("{path}/commit"), &commit)
                 .await,
         )
     }

@@ -1,8 +1,6 @@
-//! Shared set-up of the orchestrator's integration tests: a fresh PostgreSQL database per test
+//! The orchestrator's side of a test: a fresh PostgreSQL database per test
 //! (on the server `DATABASE_URL` names; `scripts/test.sh` starts one), a localnet chain with a
 //! subnet and registered hotkeys, and orchestrators started in-process on port 0.
-
-#![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
