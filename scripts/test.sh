@@ -60,6 +60,10 @@ cargo fmt --all --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+echo "== module cycles"
+python3 scripts/module-cycles.py --self-test
+python3 scripts/module-cycles.py
+
 if ! wait "$install_pid"; then
     cat target/test-install.log
     echo "installing what the tests need failed" >&2

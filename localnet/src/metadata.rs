@@ -285,21 +285,6 @@ fn extension<T: TypeInfo + 'static, I: TypeInfo + 'static>(
     }
 }
 
-/// The runtime APIs the localnet answers, with finney's trait names, method names, parameter
-/// names and types. `runtime_version()` advertises the same traits.
-pub const RUNTIME_APIS: &[(&str, u32)] = &[
-    ("Core", 5),
-    ("Metadata", 2),
-    ("TaggedTransactionQueue", 3),
-    ("AccountNonceApi", 1),
-    ("TransactionPaymentApi", 4),
-    ("NeuronInfoRuntimeApi", 1),
-    ("SubnetInfoRuntimeApi", 1),
-    ("SubnetRegistrationRuntimeApi", 1),
-    ("StakeInfoRuntimeApi", 1),
-    ("SwapRuntimeApi", 1),
-];
-
 fn runtime_apis() -> Vec<RuntimeApiMetadata> {
     use crate::runtime::rpc_info as info;
     let netuid = || ("netuid", meta_type::<u16>());
@@ -428,7 +413,7 @@ fn runtime_apis() -> Vec<RuntimeApiMetadata> {
             _ => vec![],
         }
     };
-    RUNTIME_APIS
+    crate::runtime::RUNTIME_APIS
         .iter()
         .map(|(name, version)| api(name, *version, methods(name)))
         .collect()

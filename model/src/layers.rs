@@ -10,19 +10,7 @@ use candle_core::{D, DType, Device, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::fused::{self, RopeTables};
-
-/// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]`: through OpenBLAS with the `openblas` feature
-/// (f32 and f64 on the CPU), candle's matmul otherwise.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    #[cfg(feature = "openblas")]
-    {
-        crate::blas::matmul(a, b)
-    }
-    #[cfg(not(feature = "openblas"))]
-    {
-        a.matmul(b)
-    }
-}
+use crate::product::matmul;
 
 /// `x @ w^T` for `x: [..., in]` and `w: [out, in]`, folding leading dims into one matmul.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -82,6 +82,7 @@ pub mod memory;
 pub mod merge;
 pub mod optim;
 pub mod pipeline;
+mod product;
 pub mod replay;
 pub mod rng;
 mod st;

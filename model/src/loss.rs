@@ -18,7 +18,7 @@ use candle_core::{D, Tensor};
 
 use crate::error::Result;
 use crate::fused;
-use crate::layers::matmul;
+use crate::product::matmul;
 
 /// Result of the forward pass: the mean loss, the per-token losses and the per-token
 /// log-sum-exp needed by backward.

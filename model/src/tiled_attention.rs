@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, D, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
-use crate::layers::matmul;
+use crate::product::matmul;
 
 /// Causal attention of `q` over `k`, `v` with scores scaled by `scale` and the additive mask
 /// `mask: [t, t]` (0 where a row may look, -inf elsewhere), `block` query rows at a time.

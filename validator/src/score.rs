@@ -22,7 +22,21 @@ use std::collections::{BTreeMap, HashMap};
 use iota_protocol::api::EpochRecord;
 
 use crate::clasp::HotkeyEffects;
-use crate::store::CheckRow;
+
+/// One check's outcome as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckRow {
+    /// Miner checked.
+    pub hotkey: String,
+    /// `replay` or `merge`.
+    pub kind: String,
+    /// What was checked.
+    pub target: String,
+    /// Whether it passed.
+    pub passed: bool,
+    /// Measurements.
+    pub detail: serde_json::Value,
+}
 
 /// Scoring settings.
 #[derive(Clone, Copy, Debug, PartialEq)]

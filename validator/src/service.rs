@@ -32,8 +32,10 @@ use crate::merges::recompute_merge;
 use crate::onchain::weight_rows;
 use crate::owed::OwedWeights;
 use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
-use crate::score::{EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid};
-use crate::store::{CheckRow, Store, WeightSource};
+use crate::score::{
+    CheckRow, EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid,
+};
+use crate::store::{Store, WeightSource};
 
 /// Settings of a validator.
 #[derive(Clone, Debug)]

@@ -7,22 +7,7 @@ use sqlx::{PgPool, Row};
 
 use crate::clasp::ClaspFit;
 use crate::error::ValidatorError;
-use crate::score::EpochScore;
-
-/// One check's outcome as stored.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CheckRow {
-    /// Miner checked.
-    pub hotkey: String,
-    /// `replay` or `merge`.
-    pub kind: String,
-    /// What was checked.
-    pub target: String,
-    /// Whether it passed.
-    pub passed: bool,
-    /// Measurements.
-    pub detail: serde_json::Value,
-}
+use crate::score::{CheckRow, EpochScore};
 
 /// Where a weight submission came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,8 +16,8 @@ use std::time::Duration;
 use harness::validator;
 use iota_protocol::api::{Direction, Phase};
 use iota_protocol::{ApiClient, RetryPolicy};
+use iota_validator::score::CheckRow;
 use iota_validator::service::objects_collected;
-use iota_validator::store::CheckRow;
 use support::*;
 
 const MINERS: [u8; 3] = [61, 62, 63];
