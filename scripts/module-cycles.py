@@ -8,22 +8,13 @@ module's `mod` and `pub use` lines make it a facade, not a dependent, so they ar
 a path to an item a module re-exports counts as a path to the module that defines it.
 `#[cfg(test)]` modules are left out (a test module may use what it tests).
 
-The orchestrator's modules still import each other (issue 53 restructures them into layers).
-Until then its one known cycle is pinned in PENDING: the check fails if the cycle takes in any
-other module, or if any other crate has a cycle.
-
-Usage: scripts/module-cycles.py [workspace root]   (prints each cycle; exit 1 on a new one)
+Usage: scripts/module-cycles.py [workspace root]   (prints each cycle; exit 1 if any)
        scripts/module-cycles.py --self-test        (the checker finds planted cycles)
 """
 
 import re
 import sys
 from pathlib import Path
-
-# crate folder -> the modules of its one known cycle (names under the crate root).
-PENDING = {
-    "orchestrator": {"app", "dataset", "driver", "miner", "poll_view", "sessions", "views"},
-}
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 PUB_USE = r"(?m)^\s*(?:#\[[^\]]*\]\s*)*pub(?:\([^)]*\))?\s+use\s+([^;]+);"
@@ -187,8 +178,11 @@ def edges(crate):
             crate.expand_use(here, m.group(1), lambda name, t: add(t, name))
         for m in re.finditer(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", code):
             segs = tuple(m.group(1).split("::"))
-            add(crate.resolve(here, segs[:-1]) if len(segs) > 1 else None, segs[-1])
-            add(crate.resolve(here, segs), None)
+            target = crate.resolve(here, segs)
+            # The first name past the modules: an item, perhaps one the module re-exports.
+            depth = len(target) - len(crate.resolve(here, segs[:1]) or ())
+            rest = segs[1 + depth:]
+            add(target, rest[0] if rest else None)
     return out
 
 
@@ -231,7 +225,7 @@ def name(crate_name, path):
 
 
 def check(root):
-    """Prints every cycle; returns how many are not pinned in PENDING."""
+    """Prints every cycle; returns how many there are."""
     members = re.search(r"members\s*=\s*\[([^\]]*)\]", (root / "Cargo.toml").read_text()).group(1)
     new = 0
     for member in re.findall(r'"([^"]+)"', members):
@@ -242,11 +236,9 @@ def check(root):
             crate = Crate(f)
             graph = edges(crate)
             for comp in cycles(graph):
-                pinned = all(len(p) == 1 and p[0] in PENDING.get(member, ()) for p in comp)
-                new += 0 if pinned else 1
+                new += 1
                 mods = ", ".join(name(member, p) for p in comp)
-                label = "known (issue 53)" if pinned else "NEW"
-                print(f"{member}/{entry}: {label}: modules that import each other: {mods}")
+                print(f"{member}/{entry}: modules that import each other: {mods}")
                 for a in comp:
                     back = sorted(b for b in graph[a] if b in comp)
                     print(f"    {name(member, a)} -> {', '.join(name(member, b) for b in back)}")
@@ -296,9 +288,9 @@ def main():
         return self_test()
     new = check(Path(sys.argv[1] if len(sys.argv) > 1 else "."))
     if new:
-        print(f"{new} new import cycle(s): break them (the crate map in README.md says which way each crate points)")
+        print(f"{new} import cycle(s): break them (the crate map in README.md says which way each crate points)")
         return 1
-    print("no module imports a module that imports it back, beyond the pinned cycle above")
+    print("no module imports a module that imports it back")
     return 0
 
 

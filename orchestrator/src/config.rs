@@ -384,7 +384,7 @@ impl OrchestratorArgs {
             trusted_proxies: self
                 .trusted_proxies
                 .iter()
-                .map(|ip| crate::app::unmapped(*ip))
+                .map(|ip| crate::auth::unmapped(*ip))
                 .collect(),
             netuid,
             hotkey,

@@ -15,7 +15,8 @@ use iota_protocol::dataset::{
     DatasetFile, DatasetFiles, MANIFEST_FILE, MAX_MANIFEST_BYTES, ManifestFiles, dataset_prefix,
 };
 
-use crate::app::{ApiResult, App, AppError};
+use crate::app::App;
+use crate::error::{ApiResult, AppError};
 use crate::store::{BlobStore, StoreConfig, StoreError};
 use bytes::Bytes;
 use tokio::io::AsyncReadExt;

@@ -23,12 +23,15 @@ use iota_protocol::blob::BlobDescriptor;
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Postgres, Row, Transaction};
 
-use crate::app::{ApiResult, App, AppError};
-use crate::miner::{abandon_sample, reroute, run_now};
+use crate::app::App;
+use crate::error::{ApiResult, AppError};
+use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::routing::{
     OwnerCandidate, PhaseStep, PhaseView, Verdict, final_pick, initial_owners, next_step,
     pick_added_owners, verdict,
 };
+use crate::routing::{pickup_s, reservations_hold_until, secs};
+use crate::samples::{RunNow, abandon_sample, reroute, run_now};
 
 /// The leader lock's class; its other key is the run's id, so that each run on a database has
 /// a driver of its own (one key for all let one run's driver leave every other run undriven).
@@ -55,10 +58,6 @@ async fn phase_lock_exclusive(tx: &mut Transaction<'_, Postgres>, run: i64) -> A
         .execute(&mut **tx)
         .await?;
     Ok(())
-}
-
-pub(crate) fn secs(s: u64) -> chrono::Duration {
-    chrono::Duration::seconds(s.min(i64::MAX as u64 / 1000) as i64)
 }
 
 /// Runs the driver until `shutdown` resolves. `tick` is the time between steps.
@@ -279,14 +278,14 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
          WHERE run_id = $1 AND status = 'pending'",
     )
     .bind(app.run.id)
-    .bind(now + secs(crate::miner::pickup_s(app.config())))
+    .bind(now + secs(pickup_s(app.config())))
     .execute(&mut *tx)
     .await?;
     tx.commit().await
 }
 
 async fn housekeeping(app: &App, now: DateTime<Utc>) {
-    match crate::app::prune_replay_cache(&app.db).await {
+    match crate::auth::prune_replay_cache(&app.db).await {
         Ok(n) if n > 0 => tracing::debug!(pruned = n, "replay cache pruned"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
@@ -643,7 +642,7 @@ async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseVi
         uploads_received: row.try_get::<i64, _>("received")? as u64,
         partitions_open: row.try_get::<i64, _>("open_partitions")? as u64,
         uploads_reserved: row.try_get::<i64, _>("reserved")? as u64,
-        reserved_until: crate::miner::reservations_hold_until(cfg, now.phase_deadline),
+        reserved_until: reservations_hold_until(cfg, now.phase_deadline),
     })
 }
 
@@ -1368,8 +1367,7 @@ pub async fn record_merge_result(
     let cur = run_now(&mut *tx, app.run.id).await?;
     if cur.epoch != epoch || cur.phase != Phase::Merging {
         drop(tx);
-        crate::miner::delete_unless_recorded(app, crate::miner::SealedIn::MergeResults, &blob.key)
-            .await?;
+        delete_unless_recorded(app, SealedIn::MergeResults, &blob.key).await?;
         return Err(AppError::new(
             ErrorCode::WrongPhase,
             "the merging phase ended while this result was in flight",
@@ -1391,12 +1389,7 @@ pub async fn record_merge_result(
         let slot = (epoch as i64, stage as i32, partition as i32);
         if has_stake(&mut *tx, app.run.id, validator, slot).await? {
             drop(tx);
-            crate::miner::delete_unless_recorded(
-                app,
-                crate::miner::SealedIn::MergeResults,
-                &blob.key,
-            )
-            .await?;
+            delete_unless_recorded(app, SealedIn::MergeResults, &blob.key).await?;
             return Err(interested_validator(stage, partition));
         }
     }
@@ -1436,7 +1429,7 @@ pub async fn record_merge_result(
 async fn settle(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
-    cur: &crate::miner::RunNow,
+    cur: &RunNow,
     stage: u32,
     partition: u32,
 ) -> ApiResult<()> {

@@ -16,18 +16,24 @@
 //! `orchestrator/API.md` describes the API; `orchestrator/openapi.json` is its contract.
 
 pub mod app;
+pub mod auth;
 mod batch;
 pub mod config;
 pub mod dashboard;
 pub mod dataset;
 pub mod driver;
+pub mod error;
+pub mod extract;
 pub mod miner;
+mod objects;
 pub mod poll_view;
 pub mod replay;
 pub mod replicas;
 pub mod routing;
+mod samples;
 pub mod sessions;
 pub mod signatures;
+mod status;
 pub mod store;
 pub mod validator;
 pub mod views;
@@ -52,78 +58,11 @@ use sqlx::{PgPool, Row};
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
-pub use app::{App, AppState, Gate, Limits, RunRow, SharedReplay, SignedRoutes};
+pub use app::{App, AppState, Limits, RunRow, max_upload_bytes};
+pub use auth::{Gate, SharedReplay, SignedRoutes};
 pub use config::{Config, OrchestratorArgs};
+pub use error::OrchestratorError;
 pub use store::{BlobStore, StoreConfig};
-
-/// Start-up errors, each saying what to fix.
-#[derive(Debug, thiserror::Error)]
-pub enum OrchestratorError {
-    /// The run config is inconsistent.
-    #[error("invalid run config: {0}")]
-    Config(String),
-    /// PostgreSQL is unreachable or refused.
-    #[error(
-        "cannot use the database ({0}); check --database-url / DATABASE_URL and that PostgreSQL is running"
-    )]
-    Database(String),
-    /// A migration failed.
-    #[error("database migration failed: {0}")]
-    Migrate(String),
-    /// A newer orchestrator has migrated the database past this binary's schema.
-    #[error(
-        "the database's schema is at migration {applied}, newer than this orchestrator's {known}: a newer version has migrated it; run that version on every replica"
-    )]
-    SchemaNewer {
-        /// The newest migration applied.
-        applied: i64,
-        /// The newest this binary carries.
-        known: i64,
-    },
-    /// Replicas built for an older schema still serve the database.
-    #[error(
-        "replicas of an older version still serve this database ({replicas}); stop every one before starting this version (schema {known}), or wait {wait_s} s after the last one stopped; a connection left by a machine that is gone can be ended with pg_terminate_backend(pid)"
-    )]
-    OlderReplicas {
-        /// Each one, as it recorded itself.
-        replicas: String,
-        /// The schema this binary is built for.
-        known: i64,
-        /// How long a stopped replica still counts as serving.
-        wait_s: u64,
-    },
-    /// The stored run differs from the configured one.
-    #[error(
-        "run {name:?} already exists in this database with a different config; pick another --run-name or the same settings ({detail})"
-    )]
-    RunMismatch {
-        /// Run name.
-        name: String,
-        /// First difference.
-        detail: String,
-    },
-    /// The chain did not answer.
-    #[error(
-        "cannot read subnet {netuid} from the chain at {url}: {reason}; check --subtensor.network / --subtensor.chain_endpoint and --netuid"
-    )]
-    Chain {
-        /// Endpoint.
-        url: String,
-        /// Subnet.
-        netuid: u16,
-        /// What failed.
-        reason: String,
-    },
-    /// The object store could not be opened.
-    #[error("cannot open the object store: {0}; check --store")]
-    Store(String),
-    /// The dataset folder could not be published in the store.
-    #[error("cannot publish the dataset: {0}")]
-    Dataset(String),
-    /// Serving failed.
-    #[error("server: {0}")]
-    Io(#[from] std::io::Error),
-}
 
 /// Connects to PostgreSQL and applies the orchestrator's migrations (refusing a database that a
 /// newer version migrated, or that replicas built for an older schema still serve). Every
@@ -275,7 +214,7 @@ async fn metrics_text(State(app): State<App>) -> Response {
             text,
         )
             .into_response(),
-        Err(e) => app::AppError::new(
+        Err(e) => crate::error::AppError::new(
             iota_protocol::ErrorCode::Internal,
             format!("rendering the metrics: {e}"),
         )
@@ -397,7 +336,7 @@ fn http_metrics() -> &'static HttpMetrics {
         miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
         miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
         miner::merges, miner::weights, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
-        miner::report_bad_object, dataset::files, sessions::open,
+        miner::report_bad_object, dataset::files, auth::open,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
         validator::spot_checks, validator::report_spot_checks,
@@ -469,11 +408,6 @@ async fn openapi_route() -> impl IntoResponse {
     )
 }
 
-/// Largest body a signed upload route accepts: the biggest tensor slot of this run.
-pub fn max_upload_bytes(cfg: &RunConfig) -> usize {
-    cfg.max_object_bytes().min(usize::MAX as u64) as usize
-}
-
 /// The HTTP routes over `app`.
 pub fn router(app: App) -> Router {
     let json_limit = app.limits.json_body_bytes;
@@ -482,7 +416,7 @@ pub fn router(app: App) -> Router {
     let signed = |gate, body_limit, shared_replay, uploads| {
         (
             app.clone(),
-            app::SignedRoutes {
+            crate::auth::SignedRoutes {
                 gate,
                 body_limit,
                 shared_replay,
@@ -494,10 +428,10 @@ pub fn router(app: App) -> Router {
     // the shared replay cache only when it goes past the poll view (see `replay`).
     let miner_poll = Router::new().route("/v1/miner/work", post(miner::work));
     let sessions = Router::new()
-        .route("/v1/sessions", post(sessions::open))
+        .route("/v1/sessions", post(auth::open))
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, json_limit, SharedReplay::Before, false),
-            app::signed_gate,
+            crate::auth::signed_gate,
         ));
     let miner_json = Router::new()
         .route("/v1/miner/register", post(miner::register))
@@ -541,7 +475,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/dataset", get(dataset::files))
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, json_limit, SharedReplay::Before, false),
-            app::signed_gate,
+            crate::auth::signed_gate,
         ));
     let miner_upload = Router::new()
         .route(
@@ -558,7 +492,7 @@ pub fn router(app: App) -> Router {
         )
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, upload_limit, SharedReplay::Before, true),
-            app::signed_gate,
+            crate::auth::signed_gate,
         ));
     let validator_json = Router::new()
         .route("/v1/validator/epochs/{epoch}/hops", get(validator::hops))
@@ -582,7 +516,7 @@ pub fn router(app: App) -> Router {
         )
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Validator, json_limit, SharedReplay::Before, false),
-            app::signed_gate,
+            crate::auth::signed_gate,
         ));
     let validator_upload = Router::new()
         .route(
@@ -591,7 +525,7 @@ pub fn router(app: App) -> Router {
         )
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Validator, upload_limit, SharedReplay::Before, true),
-            app::signed_gate,
+            crate::auth::signed_gate,
         ));
     let public = Router::new()
         .route("/v1/run", get(views::get_run))
@@ -612,7 +546,7 @@ pub fn router(app: App) -> Router {
         .route("/dashboard", get(dashboard::page))
         .route_layer(middleware::from_fn_with_state(
             app.clone(),
-            app::public_gate,
+            crate::auth::public_gate,
         ));
     Router::new()
         .merge(miner_poll)
@@ -632,12 +566,12 @@ pub fn router(app: App) -> Router {
 }
 
 async fn not_found(State(_): State<App>) -> Response {
-    app::AppError::new(iota_protocol::ErrorCode::NotFound, "no such route").into_response()
+    crate::error::AppError::new(iota_protocol::ErrorCode::NotFound, "no such route").into_response()
 }
 
 /// The error body for a known path with the wrong method (axum adds the `Allow` header).
 async fn method_not_allowed(method: http::Method) -> Response {
-    app::AppError::new(
+    crate::error::AppError::new(
         iota_protocol::ErrorCode::MethodNotAllowed,
         format!("this route does not take {method}"),
     )

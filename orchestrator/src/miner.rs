@@ -14,40 +14,15 @@ use serde::Deserialize;
 use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use crate::app::{
-    self, ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller, Gate, SharedReplay,
-    SignedRoutes,
-};
-use crate::routing::{StageLoad, admit, weighted_pick};
+use crate::app::App;
+use crate::auth::{Caller, Gate, SharedReplay, SignedRoutes};
+use crate::error::{ApiResult, AppError};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::objects::{SealedIn, delete_unless_recorded};
+use crate::routing::{StageLoad, admit, pickup_s, reservations_hold_until, secs};
+use crate::samples::{abandon_sample, close_epoch, route_forward_sample, run_now};
 use crate::store::StoreError;
 use crate::views;
-
-/// The current epoch row of the run.
-pub(crate) struct RunNow {
-    pub epoch: u64,
-    pub phase: Phase,
-    pub phase_started: DateTime<Utc>,
-    pub phase_deadline: DateTime<Utc>,
-    pub merge_round: u32,
-}
-
-pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> ApiResult<RunNow> {
-    let row = sqlx::query(
-        "SELECT epoch, phase, phase_started, phase_deadline, merge_round FROM runs WHERE id = $1",
-    )
-    .bind(run)
-    .fetch_one(db)
-    .await?;
-    let phase: String = row.try_get("phase")?;
-    Ok(RunNow {
-        epoch: row.try_get::<i64, _>("epoch")? as u64,
-        phase: Phase::parse(&phase)
-            .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad phase {phase}")))?,
-        phase_started: row.try_get("phase_started")?,
-        phase_deadline: row.try_get("phase_deadline")?,
-        merge_round: row.try_get::<i32, _>("merge_round")? as u32,
-    })
-}
 
 /// `POST /v1/miner/register`: join the run (idempotent).
 #[utoipa::path(post, path = "/v1/miner/register", tag = "miner",
@@ -351,15 +326,18 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     // The signed gate's steps, inline: this is the request every miner sends in a loop.
     let (parts, body) = request.into_parts();
     // A poll is a few bytes: read before its signature is checked, as any body that small is.
-    let poll_limit = app.limits.json_body_bytes.min(app::MAX_UNCHECKED_BODY);
-    app::check_content_length(&parts, poll_limit)?;
-    let checked = app::check_caller(&app, &parts)?;
+    let poll_limit = app
+        .limits
+        .json_body_bytes
+        .min(crate::auth::MAX_UNCHECKED_BODY);
+    crate::auth::check_content_length(&parts, poll_limit)?;
+    let checked = crate::auth::check_caller(&app, &parts)?;
     let bytes = checked.read_unchecked_body(&app, body, poll_limit).await?;
     let auth = checked.with_body(&parts, &bytes);
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the
     // signature holds, and a bad body is reported only then, as behind the gate.
-    let parsed: ApiResult<WorkRequest> = app::json_body(&parts.headers, &bytes);
+    let parsed: ApiResult<WorkRequest> = crate::extract::json_body(&parts.headers, &bytes);
     // Freed now, while in this core's cache, rather than after the batch wait (cold, and
     // perhaps on another thread).
     drop((parts, bytes));
@@ -400,7 +378,7 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
 async fn lease(
     app: &App,
     caller: &Caller,
-    mut uuid: app::PendingUuid,
+    mut uuid: crate::auth::PendingUuid,
     max: i64,
 ) -> ApiResult<WorkResponse> {
     let cfg = app.config();
@@ -455,7 +433,7 @@ async fn poll(
             continue;
         };
         let stage = first.try_get::<i32, _>("miner_stage")? as u32;
-        let status = views::status_from_row(first)?;
+        let status = crate::status::status_from_row(first)?;
         let mut items = Vec::with_capacity(rows.len());
         for row in &rows {
             if row.try_get::<Option<i64>, _>("id")?.is_some() {
@@ -1065,7 +1043,7 @@ const PENDING: &str = ".pending-";
 /// taken as abandoned: two minutes (longer than the client's 60 s request timeout, after which
 /// it retries), plus a second per 10 MB (a store read at 10 MB/s).
 fn abandoned_after(max_bytes: u64) -> chrono::Duration {
-    crate::driver::secs(120 + max_bytes / 10_000_000)
+    secs(120 + max_bytes / 10_000_000)
 }
 
 /// What became of a slot's object that another attempt of the commit moved.
@@ -1156,7 +1134,7 @@ async fn sealed_earlier(
         return Ok(None);
     }
     let sealed = sealed_key(slot_key, &commit.blake3);
-    let _slot = app::object_slot(app).await?;
+    let _slot = crate::auth::object_slot(app).await?;
     let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Ok(None),
@@ -1205,7 +1183,7 @@ async fn check_stored_if_there(
     };
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
-    let _slot = app::object_slot(app).await?;
+    let _slot = crate::auth::object_slot(app).await?;
     let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(e @ StoreError::TooLarge { .. }) => return refuse(e.into()).await,
@@ -1532,15 +1510,6 @@ async fn finish_sample(
     Ok(())
 }
 
-/// Seconds a routed hop waits for its miner to lease it (`leased_until` of a pending hop): two
-/// leases; past that it moves unless the miner is working (holds a live lease; see
-/// `driver::expire_leases`). A miner that heartbeats but does not poll (its work loop hung, or it
-/// only claims throughput to draw hops) would otherwise hold every hop routed to it until the
-/// epoch ended, each one a sample in flight that a stage-0 miner may not replace.
-pub(crate) fn pickup_s(cfg: &RunConfig) -> u64 {
-    cfg.lease_s.saturating_mul(2)
-}
-
 /// Routes a forward hop of the sample to a miner of `stage`, drawn by throughput. With no miner
 /// on that stage the sample is abandoned. `exclude` keeps a re-route off the miner that failed.
 pub(crate) async fn route_forward(
@@ -1562,72 +1531,6 @@ pub(crate) async fn route_forward(
         exclude,
     )
     .await
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn route_forward_sample(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    epoch: u64,
-    sample_id: i64,
-    stage: u32,
-    attempt: i32,
-    input: Option<serde_json::Value>,
-    exclude: Option<&str>,
-) -> ApiResult<Option<i64>> {
-    // Not to a miner whose work in the epoch has ended (see `close_epoch`).
-    let rows = sqlx::query(
-        "SELECT hotkey, tokens_per_s FROM miners
-         WHERE run_id = $1 AND stage = $2 AND status = 'active'
-           AND ended_epoch IS DISTINCT FROM $3
-         ORDER BY hotkey",
-    )
-    .bind(app.run.id)
-    .bind(stage as i32)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?;
-    let all: Vec<(String, f64)> = rows
-        .iter()
-        .map(|r| Ok((r.try_get("hotkey")?, r.try_get("tokens_per_s")?)))
-        .collect::<Result<_, sqlx::Error>>()?;
-    let preferred: Vec<(String, f64)> = all
-        .iter()
-        .filter(|(k, _)| Some(k.as_str()) != exclude)
-        .cloned()
-        .collect();
-    let pool = if preferred.is_empty() {
-        &all
-    } else {
-        &preferred
-    };
-    let picked = weighted_pick(pool, &mut rand::thread_rng()).map(str::to_owned);
-    let Some(miner) = picked else {
-        abandon_sample(
-            tx,
-            sample_id,
-            "no miner of the next stage is active and still training this epoch",
-        )
-        .await?;
-        return Ok(None);
-    };
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
-             leased_until)
-         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7, now() + make_interval(secs => $8))
-         RETURNING id",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(sample_id)
-    .bind(stage as i32)
-    .bind(attempt)
-    .bind(&miner)
-    .bind(input)
-    .bind(pickup_s(app.config()) as f64)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(Some(id))
 }
 
 /// Routes a backward hop to the miner that ran the sample's forward at `stage` (it holds the
@@ -1678,115 +1581,6 @@ async fn route_backward(
     .fetch_one(&mut **tx)
     .await?;
     Ok(Some(id))
-}
-
-/// Ends `miner`'s work in `epoch`: when it uploads a pseudo-gradient, or registers from a new
-/// process after completing hops of the epoch (it no longer holds the state they left, so it
-/// could neither upload a pseudo-gradient that matches them nor train on consistently).
-/// Validators replay every hop it completed in the epoch and compare the result with its
-/// pseudo-gradient, and its merge weight counts those hops, so no hop of the epoch may complete
-/// after this: its open hops move as lapsed ones do (forward hops to another miner of the stage,
-/// backward hops' samples end), and routing and leasing pass it over for the rest of the epoch.
-/// An honest miner uploads only once a poll finds it nothing to do, so that takes nothing from
-/// it.
-///
-/// A hop routed to the miner by a completion that raced with this is moved by the phase
-/// driver's next step (`driver::expire_leases`); polls never lease it meanwhile.
-pub(crate) async fn close_epoch(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    miner: &str,
-    epoch: u64,
-) -> ApiResult<()> {
-    // Tasks before the miner's row: a poll locks its tasks, then the row (`POLL_SQL`).
-    let rows = sqlx::query(
-        "UPDATE tasks SET status = 'expired'
-         WHERE run_id = $1 AND miner = $2 AND epoch = $3 AND status IN ('pending', 'leased')
-         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
-    )
-    .bind(app.run.id)
-    .bind(miner)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?;
-    sqlx::query(
-        "UPDATE miners SET ended_epoch = $3
-         WHERE run_id = $1 AND hotkey = $2 AND (ended_epoch IS NULL OR ended_epoch < $3)",
-    )
-    .bind(app.run.id)
-    .bind(miner)
-    .bind(epoch as i64)
-    .execute(&mut **tx)
-    .await?;
-    for row in &rows {
-        reroute(tx, app, row, "its miner ended its epoch").await?;
-    }
-    Ok(())
-}
-
-/// Moves an expired hop (`row`: its epoch, sample, stage, direction, attempt, miner and input):
-/// a forward hop to another miner of its stage as the next attempt; a backward hop cannot move
-/// (only its miner holds the activation cache), so its sample is abandoned.
-pub(crate) async fn reroute(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    row: &sqlx::postgres::PgRow,
-    why: &str,
-) -> ApiResult<()> {
-    let direction: String = row.try_get("direction")?;
-    let sample_id: i64 = row.try_get("sample_id")?;
-    if direction == "forward" {
-        let miner: String = row.try_get("miner")?;
-        route_forward_sample(
-            tx,
-            app,
-            row.try_get::<i64, _>("epoch")? as u64,
-            sample_id,
-            row.try_get::<i32, _>("stage")? as u32,
-            row.try_get::<i32, _>("attempt")? + 1,
-            row.try_get("input")?,
-            Some(&miner),
-        )
-        .await?;
-    } else {
-        abandon_sample(tx, sample_id, why).await?;
-    }
-    Ok(())
-}
-
-/// Gives up on a sample: its open hops are closed and it no longer counts as in flight.
-pub(crate) async fn abandon_sample(
-    tx: &mut Transaction<'_, Postgres>,
-    sample_id: i64,
-    why: &str,
-) -> ApiResult<()> {
-    // Its open hops first, then the sample and the epoch's row: the order a completion takes
-    // them in (its hop, its sample, the epoch's counters), so the two wait for each other
-    // instead of deadlocking.
-    sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
-        .bind(sample_id)
-        .execute(&mut **tx)
-        .await?;
-    let ended: Option<(i64, i64)> = sqlx::query_as(
-        "UPDATE samples SET status = 'abandoned', completed_at = now()
-         WHERE id = $1 AND status IN ('forward', 'backward') RETURNING run_id, epoch",
-    )
-    .bind(sample_id)
-    .fetch_optional(&mut **tx)
-    .await?;
-    if let Some((run, epoch)) = ended {
-        sqlx::query(
-            "UPDATE epochs SET samples_abandoned = samples_abandoned + 1
-             WHERE run_id = $1 AND epoch = $2",
-        )
-        .bind(run)
-        .bind(epoch)
-        .execute(&mut **tx)
-        .await?;
-    }
-    metrics::counter!("iota_samples_abandoned_total").increment(1);
-    tracing::debug!(sample_id, why, "sample abandoned");
-    Ok(())
 }
 
 /// Weight of a miner's pseudo-gradient: its completed hops this epoch that updated its
@@ -1948,12 +1742,6 @@ pub async fn reserve_pg(
         holds_until_ms: reservations_hold_until(app.config(), now.phase_deadline)
             .timestamp_millis(),
     }))
-}
-
-/// The latest an uploading phase with reservations outstanding stays open: its deadline plus
-/// one more phase length.
-pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) -> DateTime<Utc> {
-    deadline + crate::driver::secs(run.uploading_s)
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock
@@ -2248,35 +2036,6 @@ pub(crate) async fn merge_base(
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     blob.url = app.store.presign(http::Method::GET, &blob.key).await?;
     Ok(Some(blob))
-}
-
-/// Which table records a sealed object.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum SealedIn {
-    PseudoGradients,
-    MergeResults,
-}
-
-/// Deletes a sealed object that lost its race to be recorded, unless a row records that very
-/// key: a retry of an accepted submission seals to the same key as the accepted one.
-pub(crate) async fn delete_unless_recorded(app: &App, table: SealedIn, key: &str) -> ApiResult<()> {
-    let sql = match table {
-        SealedIn::PseudoGradients => {
-            "SELECT 1 FROM pseudo_gradients WHERE run_id = $1 AND blob->>'key' = $2 LIMIT 1"
-        }
-        SealedIn::MergeResults => {
-            "SELECT 1 FROM merge_results WHERE run_id = $1 AND blob->>'key' = $2 LIMIT 1"
-        }
-    };
-    let recorded: Option<i32> = sqlx::query_scalar(sql)
-        .bind(app.run.id)
-        .bind(key)
-        .fetch_optional(&app.db)
-        .await?;
-    if recorded.is_none() {
-        app.store.delete(key).await?;
-    }
-    Ok(())
 }
 
 fn merged_key(app: &App, epoch: u64, stage: u32, partition: u32, who: &str) -> String {
@@ -2614,7 +2373,7 @@ pub async fn report_bad_object(
     // Only the object's own faults confirm a report. A missing object was collected with its
     // epoch (no presigned URL deletes), and a failing store is nobody's hop's fault: neither may
     // let a reporter fail another miner's hop.
-    let _slot = app::object_slot(&app).await?;
+    let _slot = crate::auth::object_slot(&app).await?;
     let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
         Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
         Err(StoreError::NotFound(_)) => {

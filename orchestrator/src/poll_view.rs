@@ -28,8 +28,6 @@ use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
 use tokio::sync::{Notify, oneshot};
 
-use crate::views;
-
 /// The notification channel of the triggers.
 pub const CHANNEL: &str = "iota_poll_view";
 /// Everything is read again this often, notified or not.
@@ -342,7 +340,7 @@ async fn read_miners(
 }
 
 async fn read_status(shared: &Shared) -> Result<EpochStatus, String> {
-    views::read_epoch_status(&shared.db, shared.run)
+    crate::status::read_epoch_status(&shared.db, shared.run)
         .await
         .map_err(|e| e.0.message)
 }

@@ -22,8 +22,8 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool, Row};
 use tokio::sync::watch;
 
-use crate::OrchestratorError;
 use crate::driver::{close_unlocked, release};
+use crate::error::OrchestratorError;
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations/orchestrator");
 

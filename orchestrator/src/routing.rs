@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use iota_protocol::api::{MAX_TOKENS_PER_S, Phase};
+use iota_protocol::api::{MAX_TOKENS_PER_S, Phase, RunConfig};
 use rand::Rng;
 
 /// Load of one stage as the assigner sees it.
@@ -316,6 +316,25 @@ pub fn final_pick(results: &[String]) -> Option<String> {
         }
     }
     best.map(|(h, _)| h.to_owned())
+}
+
+/// Seconds a routed hop waits for its miner to lease it (`leased_until` of a pending hop): two
+/// leases; past that it moves unless the miner is working (holds a live lease; see
+/// `driver::expire_leases`). A miner that heartbeats but does not poll (its work loop hung, or it
+/// only claims throughput to draw hops) would otherwise hold every hop routed to it until the
+/// epoch ended, each one a sample in flight that a stage-0 miner may not replace.
+pub(crate) fn pickup_s(cfg: &RunConfig) -> u64 {
+    cfg.lease_s.saturating_mul(2)
+}
+
+/// The latest an uploading phase with reservations outstanding stays open: its deadline plus
+/// one more phase length.
+pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) -> DateTime<Utc> {
+    deadline + secs(run.uploading_s)
+}
+
+pub(crate) fn secs(s: u64) -> chrono::Duration {
+    chrono::Duration::seconds(s.min(i64::MAX as u64 / 1000) as i64)
 }
 
 #[cfg(test)]

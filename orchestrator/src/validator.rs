@@ -14,8 +14,12 @@ use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use sqlx::Row;
 
-use crate::app::{ApiJson, ApiPath, ApiQuery, ApiResult, App, AppError, Caller};
-use crate::miner::{UploadQuery, run_now, upload_merge_as};
+use crate::app::App;
+use crate::auth::Caller;
+use crate::error::{ApiResult, AppError};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::miner::{UploadQuery, upload_merge_as};
+use crate::samples::run_now;
 
 /// Most uids in a submission's weights (and scores per submission): more than a subnet holds.
 const MAX_UIDS: usize = 4096;
