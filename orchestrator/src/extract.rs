@@ -130,6 +130,28 @@ impl From<axum::extract::rejection::QueryRejection> for AppError {
     }
 }
 
+/// An epoch, id or bound from a path or query: a non-negative integer that fits the database's
+/// `bigint`. The document declares that range for every unsigned 64-bit parameter, so a value
+/// above it is refused here (400) as the document says, never wrapped into a negative one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "u64")]
+pub struct Bigint(pub u64);
+
+impl TryFrom<u64> for Bigint {
+    type Error = String;
+
+    fn try_from(v: u64) -> Result<Self, String> {
+        if v > i64::MAX as u64 {
+            Err(format!(
+                "{v} is above {}, the largest this API takes",
+                i64::MAX
+            ))
+        } else {
+            Ok(Self(v))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +193,18 @@ mod tests {
         assert!(!has_nul_escape(br#"{"a":"\u0001","b":"u0000"}"#));
         assert!(!has_nul_escape(b""));
         assert!(!has_nul_escape(b"\\"));
+    }
+
+    /// A value above the database's range is refused, and the largest one is taken.
+    #[test]
+    fn a_bigint_above_the_database_range_is_refused() {
+        let parse = |text: &str| serde_json::from_str::<Bigint>(text);
+        assert_eq!(
+            parse("9223372036854775807").ok(),
+            Some(Bigint(i64::MAX as u64))
+        );
+        assert!(parse("9223372036854775808").is_err());
+        assert!(parse("18446744073709551615").is_err());
+        assert!(parse("-1").is_err());
     }
 }

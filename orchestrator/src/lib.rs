@@ -344,7 +344,7 @@ fn http_metrics() -> &'static HttpMetrics {
         views::get_miners, views::get_loss, views::get_throughput, views::get_sample,
         views::get_merges, views::get_scores, views::health,
     ),
-    modifiers(&EpistulaScheme),
+    modifiers(&EpistulaScheme, &UnsignedRanges),
 )]
 pub struct ApiDoc;
 
@@ -385,6 +385,56 @@ impl utoipa::Modify for EpistulaScheme {
                     && security.contains(&epistula)
                 {
                     security.push(session.clone());
+                }
+            }
+        }
+    }
+}
+
+/// Declares the range the server takes for unsigned path and query integers. utoipa writes a
+/// `u64` as `int64` from 0 and a `u32` as `int32` from 0; the server parses a `u64` parameter as an
+/// [`extract::Bigint`] (at most `i64::MAX`, the database's `bigint`) and a `u32` up to
+/// `u32::MAX`, which `int32` would not allow. So a client (or a fuzzer) reading the document
+/// knows exactly which values are refused.
+struct UnsignedRanges;
+
+impl utoipa::Modify for UnsignedRanges {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::Number;
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::schema::{KnownFormat, Schema, SchemaFormat};
+        for item in openapi.paths.paths.values_mut() {
+            let operations = [
+                &mut item.get,
+                &mut item.post,
+                &mut item.put,
+                &mut item.delete,
+            ];
+            for op in operations.into_iter().flatten() {
+                for param in op.parameters.iter_mut().flatten() {
+                    let RefOr::T(param) = param else { continue };
+                    let Some(RefOr::T(Schema::Object(o))) = param.schema.as_mut() else {
+                        continue;
+                    };
+                    let from_zero = match o.minimum {
+                        Some(Number::UInt(n)) => n == 0,
+                        Some(Number::Int(n)) => n == 0,
+                        Some(Number::Float(n)) => n == 0.0,
+                        None => false,
+                    };
+                    if !from_zero || o.maximum.is_some() {
+                        continue;
+                    }
+                    match &o.format {
+                        Some(SchemaFormat::KnownFormat(KnownFormat::Int64)) => {
+                            o.maximum = Some(Number::UInt(i64::MAX as usize));
+                        }
+                        Some(SchemaFormat::KnownFormat(KnownFormat::Int32)) => {
+                            o.format = Some(SchemaFormat::KnownFormat(KnownFormat::Int64));
+                            o.maximum = Some(Number::UInt(u32::MAX as usize));
+                        }
+                        _ => {}
+                    }
                 }
             }
         }

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use crate::app::App;
 use crate::auth::{Caller, Gate, SharedReplay, SignedRoutes};
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::routing::{StageLoad, admit, pickup_s, reservations_hold_until, secs};
 use crate::samples::{abandon_sample, close_epoch, route_forward_sample, run_now};
@@ -1695,7 +1695,7 @@ async fn may_contribute(app: &App, caller: &Caller, epoch: u64) -> ApiResult<()>
 pub async fn reserve_pg(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
 ) -> ApiResult<Json<ReservationResponse>> {
     miner_stage(&app.db, &app, &caller).await?;
     may_contribute(&app, &caller, epoch).await?;
@@ -1809,7 +1809,7 @@ async fn record_pg(
 pub async fn upload_pg(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
@@ -1900,7 +1900,7 @@ async fn already_recorded(
 pub async fn presign_pg(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let stage = miner_stage(&app.db, &app, &caller).await?;
@@ -1918,7 +1918,7 @@ pub async fn presign_pg(
 pub async fn commit_pg(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, partition)): ApiPath<(u64, u32)>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
     let stage = miner_stage(&app.db, &app, &caller).await?;
@@ -1947,7 +1947,9 @@ pub async fn weights(
     ApiPath(stage): ApiPath<u32>,
     ApiQuery(q): ApiQuery<views::WeightsQuery>,
 ) -> ApiResult<Json<StageWeights>> {
-    Ok(Json(views::stage_weights(&app, stage, q.before).await?))
+    Ok(Json(
+        views::stage_weights(&app, stage, q.before.map(|b| b.0)).await?,
+    ))
 }
 
 /// `GET /v1/miner/merges`: the partitions the caller owns in the current merging round and has
@@ -2117,7 +2119,7 @@ pub(crate) async fn merge_slot(
 pub async fn upload_merge(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
@@ -2177,7 +2179,7 @@ async fn already_merged(
 pub async fn presign_merge(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
@@ -2207,7 +2209,7 @@ pub async fn presign_merge(
 pub async fn commit_merge(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
-    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
     // Before the phase check, as in `upload_merge_as`.

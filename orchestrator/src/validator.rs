@@ -17,7 +17,7 @@ use sqlx::Row;
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::miner::{UploadQuery, upload_merge_as};
 use crate::samples::run_now;
 
@@ -35,7 +35,7 @@ use crate::views::{self, PageQuery};
 pub async fn hops(
     State(app): State<App>,
     Extension(_v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiQuery(q): ApiQuery<PageQuery>,
 ) -> ApiResult<Json<HopPage>> {
     Ok(Json(views::hops_page(&app, epoch, &q).await?))
@@ -49,7 +49,7 @@ pub async fn hops(
 pub async fn samples(
     State(app): State<App>,
     Extension(_v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiQuery(q): ApiQuery<PageQuery>,
 ) -> ApiResult<Json<SamplePage>> {
     Ok(Json(views::samples_page(&app, epoch, &q).await?))
@@ -64,7 +64,7 @@ pub async fn samples(
 pub async fn epoch(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
 ) -> ApiResult<Json<EpochRecord>> {
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
@@ -230,7 +230,7 @@ pub async fn settle(
 pub async fn upload_merge(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
-    ApiPath((epoch, stage, partition)): ApiPath<(u64, u32, u32)>,
+    ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
@@ -248,7 +248,7 @@ pub async fn upload_merge(
 pub async fn scores(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiJson(sub): ApiJson<ScoreSubmission>,
 ) -> ApiResult<Json<ScoreRecord>> {
     if sub.scores.len() > MAX_UIDS
@@ -317,9 +317,10 @@ pub struct SpotCheckQuery {
     /// Only miners whose hotkey sorts after this one (the page before's `next_after`).
     #[serde(default)]
     pub after: Option<String>,
-    /// At most this many miners (1–5000, default 1000).
+    /// At most this many miners (default 1000).
     #[serde(default)]
-    pub limit: Option<u32>,
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
+    pub limit: Option<crate::views::PageSize>,
 }
 
 /// `GET /v1/validator/epochs/{epoch}/spot-checks`: the replayable work of the miners that did
@@ -332,7 +333,7 @@ pub struct SpotCheckQuery {
 pub async fn spot_checks(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiQuery(q): ApiQuery<SpotCheckQuery>,
 ) -> ApiResult<Json<SpotCheckTasks>> {
     let limit = views::page_limit(q.limit);
@@ -440,7 +441,7 @@ pub async fn spot_checks(
 pub async fn report_spot_checks(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiJson(mut report): ApiJson<SpotCheckReport>,
 ) -> ApiResult<Json<SpotCheckReport>> {
     if report.checks.len() > 10_000 || report.seed.len() > 256 {

@@ -11,7 +11,7 @@ use sqlx::Row;
 
 use crate::app::App;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiPath, ApiQuery};
+use crate::extract::{ApiPath, ApiQuery, Bigint};
 use crate::samples::run_now;
 
 fn json_err(e: serde_json::Error) -> AppError {
@@ -151,20 +151,24 @@ pub struct WeightsQuery {
     /// trains the epoch from. Without it, the latest merges, including those the running epoch
     /// has accepted while merging.
     #[serde(default)]
-    pub before: Option<u64>,
+    #[param(value_type = Option<u64>)]
+    pub before: Option<Bigint>,
 }
 
 /// `GET /v1/stages/{stage}/weights?before=…`: keys, sizes and hashes, no download URLs (those
 /// come signed: `GET /v1/miner/stages/{stage}/weights`).
 #[utoipa::path(get, path = "/v1/stages/{stage}/weights", tag = "explorer",
     params(("stage" = u32, Path, description = "Stage"), WeightsQuery),
-    responses((status = 200, body = StageWeights), (status = 404, body = iota_protocol::ApiError)))]
+    responses((status = 200, body = StageWeights), (status = 400, body = iota_protocol::ApiError),
+        (status = 404, body = iota_protocol::ApiError)))]
 pub async fn get_stage_weights(
     State(app): State<App>,
     ApiPath(stage): ApiPath<u32>,
     ApiQuery(q): ApiQuery<WeightsQuery>,
 ) -> ApiResult<Json<StageWeights>> {
-    Ok(Json(public_stage_weights(&app, stage, q.before).await?))
+    Ok(Json(
+        public_stage_weights(&app, stage, q.before.map(|b| b.0)).await?,
+    ))
 }
 
 /// `GET /v1/miners?after=…&status=…&limit=…`: a page of miners, by hotkey.
@@ -174,21 +178,60 @@ pub struct MinersQuery {
     /// Only miners whose hotkey sorts after this one (the last of the page before).
     #[serde(default)]
     pub after: Option<String>,
-    /// Only miners in this status: `active` or `released`.
+    /// Only miners in this status.
     #[serde(default)]
-    pub status: Option<String>,
-    /// At most this many (1–5000, default 1000).
+    #[param(inline)]
+    pub status: Option<MinerStatusFilter>,
+    /// At most this many (default 1000).
     #[serde(default)]
-    pub limit: Option<u32>,
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
+    pub limit: Option<PageSize>,
+}
+
+/// A miner's status, as `GET /v1/miners?status=` filters it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum MinerStatusFilter {
+    /// Serving the run.
+    Active,
+    /// Gone: timed out, or left.
+    Released,
+}
+
+impl MinerStatusFilter {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Released => "released",
+        }
+    }
 }
 
 /// The most rows a page of an explorer list holds, and how many unless asked.
 const MAX_PAGE: u32 = 5000;
 const DEFAULT_PAGE: u32 = 1000;
 
-/// A page's size: `limit` within 1 to the most a page holds, the default unless given.
-pub(crate) fn page_limit(limit: Option<u32>) -> i64 {
-    i64::from(limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE))
+/// How many rows a page holds, as a request asks: 1 to [`MAX_PAGE`] (the document says so;
+/// anything else is a 400).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "u32")]
+pub struct PageSize(u32);
+
+impl TryFrom<u32> for PageSize {
+    type Error = String;
+
+    fn try_from(n: u32) -> Result<Self, String> {
+        if (1..=MAX_PAGE).contains(&n) {
+            Ok(Self(n))
+        } else {
+            Err(format!("limit {n}: a page holds 1 to {MAX_PAGE} rows"))
+        }
+    }
+}
+
+/// A page's size: `limit`, or the default.
+pub(crate) fn page_limit(limit: Option<PageSize>) -> i64 {
+    i64::from(limit.map_or(DEFAULT_PAGE, |l| l.0))
 }
 
 /// `GET /v1/miners`: every miner that joined the run (active or released), by hotkey, a page at
@@ -199,14 +242,6 @@ pub async fn get_miners(
     State(app): State<App>,
     ApiQuery(q): ApiQuery<MinersQuery>,
 ) -> ApiResult<Json<Vec<MinerInfo>>> {
-    if let Some(status) = q.status.as_deref()
-        && !matches!(status, "active" | "released")
-    {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            format!("status {status:?}: miners are active or released"),
-        ));
-    }
     let now = run_now(&app.db, app.run.id).await?;
     let rows = sqlx::query(
         "SELECT m.hotkey, m.uid, m.stage, m.status, m.device, m.memory_bytes, m.tokens_per_s,
@@ -221,7 +256,7 @@ pub async fn get_miners(
     .bind(app.run.id)
     .bind(now.epoch as i64)
     .bind(q.after.as_deref())
-    .bind(q.status.as_deref())
+    .bind(q.status.map(MinerStatusFilter::as_str))
     .bind(page_limit(q.limit))
     .fetch_all(&app.db)
     .await?;
@@ -252,16 +287,18 @@ pub async fn get_miners(
 pub struct EpochsQuery {
     /// Only epochs before this one (the first of the page after).
     #[serde(default)]
-    pub before: Option<u64>,
-    /// At most this many, the latest (1–5000, default 1000); in epoch order.
+    #[param(value_type = Option<u64>)]
+    pub before: Option<Bigint>,
+    /// At most this many, the latest (default 1000); in epoch order.
     #[serde(default)]
-    pub limit: Option<u32>,
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
+    pub limit: Option<PageSize>,
 }
 
 impl EpochsQuery {
     fn before(&self) -> i64 {
-        self.before
-            .map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64)
+        // Within i64 by `Bigint`.
+        self.before.map_or(i64::MAX, |e| e.0 as i64)
     }
 }
 
@@ -366,7 +403,8 @@ fn sample_from_row(r: &sqlx::postgres::PgRow) -> ApiResult<SampleRecord> {
 /// `GET /v1/samples/{id}`: a sample's pathway and loss.
 #[utoipa::path(get, path = "/v1/samples/{id}", tag = "explorer",
     params(("id" = i64, Path, description = "Sample")),
-    responses((status = 200, body = SampleRecord), (status = 404, body = iota_protocol::ApiError)))]
+    responses((status = 200, body = SampleRecord), (status = 400, body = iota_protocol::ApiError),
+        (status = 404, body = iota_protocol::ApiError)))]
 pub async fn get_sample(
     State(app): State<App>,
     ApiPath(id): ApiPath<i64>,
@@ -468,10 +506,10 @@ pub async fn partitions_of(
 /// `GET /v1/epochs/{epoch}/merges`.
 #[utoipa::path(get, path = "/v1/epochs/{epoch}/merges", tag = "explorer",
     params(("epoch" = u64, Path, description = "Epoch")),
-    responses((status = 200, body = Vec<PartitionStatus>)))]
+    responses((status = 200, body = Vec<PartitionStatus>), (status = 400, body = iota_protocol::ApiError)))]
 pub async fn get_merges(
     State(app): State<App>,
-    ApiPath(epoch): ApiPath<u64>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
 ) -> ApiResult<Json<Vec<PartitionStatus>>> {
     Ok(Json(partitions_of(&app, epoch, Audience::Public).await?))
 }
@@ -543,9 +581,10 @@ pub struct PageQuery {
     /// Return records after this id.
     #[serde(default)]
     pub after: i64,
-    /// At most this many (1–5000, default 1000).
+    /// At most this many (default 1000).
     #[serde(default)]
-    pub limit: Option<u32>,
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
+    pub limit: Option<crate::views::PageSize>,
 }
 
 impl PageQuery {

@@ -580,6 +580,68 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
             .expect("released");
     assert!(released.is_empty(), "{released:?}");
     get("/v1/miners", "/v1/miners?status=gone".into(), 400).await;
+    get("/v1/samples/{id}", "/v1/samples/first".into(), 400).await;
+    get(
+        "/v1/epochs/{epoch}/merges",
+        "/v1/epochs/last/merges".into(),
+        400,
+    )
+    .await;
+
+    // Every integer parameter of the explorer's routes takes what the document declares and
+    // refuses (with a 400 the document lists) one past it.
+    let mut bounded = 0;
+    for (template, item) in doc["paths"].as_object().expect("paths") {
+        let op = &item["get"];
+        if !op.is_object() || op.get("security").is_some() {
+            continue;
+        }
+        let params = op["parameters"].as_array().cloned().unwrap_or_default();
+        for p in &params {
+            let schema = &p["schema"];
+            if schema["type"] != "integer" {
+                continue;
+            }
+            let name = p["name"].as_str().expect("name");
+            let url = |value: &str| {
+                let mut path = template.clone();
+                for q in &params {
+                    let n = q["name"].as_str().expect("name");
+                    if q["in"] == "path" {
+                        let v = if n == name { value } else { "0" };
+                        path = path.replace(&format!("{{{n}}}"), v);
+                    }
+                }
+                if p["in"] == "query" {
+                    path = format!("{path}?{name}={value}");
+                }
+                path
+            };
+            let template: &'static str = template.clone().leak();
+            // Without a declared bound, the format's.
+            let (low, high) = match schema["format"].as_str() {
+                Some("int32") => (i128::from(i32::MIN), i128::from(i32::MAX)),
+                _ => (i128::from(i64::MIN), i128::from(i64::MAX)),
+            };
+            let min = schema["minimum"].as_i64().map_or(low, i128::from);
+            let max = schema["maximum"].as_u64().map_or(high, i128::from);
+            get(template, url(&(max + 1).to_string()), 400).await;
+            get(template, url(&(min - 1).to_string()), 400).await;
+            let at = http
+                .get(format!("{base}{}", url(&max.to_string())))
+                .send()
+                .await
+                .expect("request")
+                .status()
+                .as_u16();
+            assert!(
+                at != 400 && op["responses"].get(at.to_string()).is_some(),
+                "{template}: {name}={max} (the declared maximum) answered {at}"
+            );
+            bounded += 1;
+        }
+    }
+    assert!(bounded >= 6, "only {bounded} bounded parameters checked");
     let merges: Vec<PartitionStatus> = serde_json::from_value(
         get(
             "/v1/epochs/{epoch}/merges",
