@@ -4,8 +4,8 @@
 # Installs and starts what the tests need, and stops it afterwards: a throwaway PostgreSQL from
 # the system's binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead), an
 # S3-compatible server for the object-store tests (scripts/s3.sh: moto from PyPI in a venv; set
-# IOTA_TEST_S3_ENDPOINT to use your own) and Debian's Chromium for the dashboard test (set
-# IOTA_CHROMIUM to use another browser binary).
+# IOTA_TEST_S3_ENDPOINT to use your own), Debian's Chromium for the dashboard test (set
+# IOTA_CHROMIUM to use another browser binary) and schemathesis (PyPI, in a venv) for the API's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +49,8 @@ install_all() {
     fi
     echo "== Python SDK venvs (bittensor 11.x and 10.x from PyPI, for localnet/tests/python_sdk.rs)"
     bash scripts/python-sdk-venvs.sh >target/python-sdk.env
+    echo "== schemathesis (from PyPI, for orchestrator/tests/schemathesis.rs)"
+    scripts/schemathesis-venv.sh
 }
 mkdir -p target
 install_all >target/test-install.log 2>&1 &

@@ -8,6 +8,7 @@ mod openapi;
 mod phases;
 mod poll_view;
 mod replay;
+mod schemathesis;
 mod sessions;
 mod storage;
 mod trust;
