@@ -343,11 +343,11 @@ async fn advance(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     Ok(())
 }
 
-/// Lapsed leases, and routed hops their miner did not lease in time (see `miner::pickup_s`): a
+/// Lapsed leases, and routed hops their miner did not lease in time (see `routing::pickup_s`): a
 /// forward hop is re-routed to another miner of its stage as a new attempt; a backward hop cannot
 /// move (only its miner holds the activation cache), so its sample is abandoned. The old attempt's late result is refused with `lease_expired`. Hops routed to a
 /// miner that had already ended its epoch (a completion that raced with its pseudo-gradient, see
-/// `miner::close_epoch`) move the same way.
+/// `samples::close_epoch`) move the same way.
 async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     // Open hops of an epoch that has ended (`next_epoch` closes them all; one routed by a
@@ -502,7 +502,7 @@ async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 
 /// With a stage that has no active miner (its last one left) and another with two or more, the
 /// slowest miner of the fullest stage that can hold the empty one is released: when it joins again
-/// it is given the empty stage (see `miner::register`). A stage is never emptied so. Without it an
+/// it is given the empty stage (see `miner::join::register`). A stage is never emptied so. Without it an
 /// empty stage stayed empty for good (a miner keeps its stage when it joins again, and only new
 /// hotkeys chose one), and the run trained nothing: no sample passes a stage with no miner. The
 /// released miner's work of the epoch was lost anyway, since none of its samples can finish.

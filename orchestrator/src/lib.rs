@@ -333,10 +333,10 @@ fn http_metrics() -> &'static HttpMetrics {
         description = "Signed routes carry Epistula v2 headers with the method and path bound into the signature (see API.md)."
     ),
     paths(
-        miner::register, miner::heartbeat, miner::work, miner::upload_output, miner::presign_output,
-        miner::commit_output, miner::complete, miner::reserve_pg, miner::upload_pg, miner::presign_pg, miner::commit_pg,
-        miner::merges, miner::weights, miner::upload_merge, miner::presign_merge, miner::commit_merge, miner::blob,
-        miner::report_bad_object, dataset::files, auth::open,
+        miner::join::register, miner::join::heartbeat, miner::work::work, miner::uploads::upload_output, miner::uploads::presign_output,
+        miner::uploads::commit_output, miner::complete::complete, miner::pseudo_gradients::reserve_pg, miner::pseudo_gradients::upload_pg, miner::pseudo_gradients::presign_pg, miner::pseudo_gradients::commit_pg,
+        miner::merges::merges, miner::merges::weights, miner::merges::upload_merge, miner::merges::presign_merge, miner::merges::commit_merge, miner::blobs::blob,
+        miner::blobs::report_bad_object, dataset::files, auth::open,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
         validator::spot_checks, validator::report_spot_checks,
@@ -474,9 +474,9 @@ pub fn router(app: App) -> Router {
             },
         )
     };
-    // The work poll runs the gate's steps itself (see `miner::work`), and records its uuid in
+    // The work poll runs the gate's steps itself (see `miner::work::work`), and records its uuid in
     // the shared replay cache only when it goes past the poll view (see `replay`).
-    let miner_poll = Router::new().route("/v1/miner/work", post(miner::work));
+    let miner_poll = Router::new().route("/v1/miner/work", post(miner::work::work));
     let sessions = Router::new()
         .route("/v1/sessions", post(auth::open))
         .route_layer(middleware::from_fn_with_state(
@@ -484,44 +484,50 @@ pub fn router(app: App) -> Router {
             crate::auth::signed_gate,
         ));
     let miner_json = Router::new()
-        .route("/v1/miner/register", post(miner::register))
-        .route("/v1/miner/heartbeat", post(miner::heartbeat))
-        .route("/v1/miner/tasks/{task_id}/complete", post(miner::complete))
+        .route("/v1/miner/register", post(miner::join::register))
+        .route("/v1/miner/heartbeat", post(miner::join::heartbeat))
+        .route(
+            "/v1/miner/tasks/{task_id}/complete",
+            post(miner::complete::complete),
+        )
         .route(
             "/v1/miner/tasks/{task_id}/output/presign",
-            post(miner::presign_output),
+            post(miner::uploads::presign_output),
         )
         .route(
             "/v1/miner/tasks/{task_id}/output/commit",
-            post(miner::commit_output),
+            post(miner::uploads::commit_output),
         )
         .route(
             "/v1/miner/epochs/{epoch}/pseudo-gradients/reserve",
-            post(miner::reserve_pg),
+            post(miner::pseudo_gradients::reserve_pg),
         )
         .route(
             "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign",
-            post(miner::presign_pg),
+            post(miner::pseudo_gradients::presign_pg),
         )
         .route(
             "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit",
-            post(miner::commit_pg),
+            post(miner::pseudo_gradients::commit_pg),
         )
-        .route("/v1/miner/merges", get(miner::merges))
-        .route("/v1/miner/stages/{stage}/weights", get(miner::weights))
+        .route("/v1/miner/merges", get(miner::merges::merges))
+        .route(
+            "/v1/miner/stages/{stage}/weights",
+            get(miner::merges::weights),
+        )
         .route(
             "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/presign",
-            post(miner::presign_merge),
+            post(miner::merges::presign_merge),
         )
         .route(
             "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit",
-            post(miner::commit_merge),
+            post(miner::merges::commit_merge),
         )
         .route(
             "/v1/miner/reports/bad-object",
-            post(miner::report_bad_object),
+            post(miner::blobs::report_bad_object),
         )
-        .route("/v1/blobs/{*key}", get(miner::blob))
+        .route("/v1/blobs/{*key}", get(miner::blobs::blob))
         .route("/v1/dataset", get(dataset::files))
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, json_limit, SharedReplay::Before, false),
@@ -530,15 +536,15 @@ pub fn router(app: App) -> Router {
     let miner_upload = Router::new()
         .route(
             "/v1/miner/tasks/{task_id}/output",
-            put(miner::upload_output),
+            put(miner::uploads::upload_output),
         )
         .route(
             "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}",
-            put(miner::upload_pg),
+            put(miner::pseudo_gradients::upload_pg),
         )
         .route(
             "/v1/miner/epochs/{epoch}/merges/{stage}/{partition}",
-            put(miner::upload_merge),
+            put(miner::merges::upload_merge),
         )
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, upload_limit, SharedReplay::Before, true),

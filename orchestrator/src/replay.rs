@@ -15,7 +15,7 @@
 //! returns the epoch status that `GET /v1/status` gives anyone. Such a poll replayed to another
 //! process (or after a restart) within the clock window can do no more than the signer's own poll
 //! did, so its uuid stays in memory; a poll that goes on to the database records its uuid in the
-//! shared cache before its statement runs (see `miner::work`).
+//! shared cache before its statement runs (see `miner::work::work`).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;

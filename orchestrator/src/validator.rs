@@ -18,7 +18,8 @@ use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
-use crate::miner::{UploadQuery, upload_merge_as};
+use crate::miner::merges::upload_merge_as;
+use crate::miner::uploads::UploadQuery;
 use crate::samples::run_now;
 
 /// Most uids in a submission's weights (and scores per submission): more than a subnet holds.

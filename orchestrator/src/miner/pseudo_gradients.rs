@@ -1,0 +1,378 @@
+//! Pseudo-gradient partitions: reserving the uploading phase, uploads, presigned commits, what each contribution weighs.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use chrono::Utc;
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use iota_protocol::blob::BlobDescriptor;
+use iota_protocol::tensor::TensorSpec;
+
+use super::join::miner_stage;
+use super::uploads::Placement;
+use super::uploads::UploadQuery;
+use super::uploads::accept_committed;
+use super::uploads::accept_upload;
+use super::uploads::check_presign_size;
+use super::uploads::presign;
+use crate::app::App;
+use crate::auth::Caller;
+use crate::error::{ApiResult, AppError};
+use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
+use crate::objects::{SealedIn, delete_unless_recorded};
+use crate::routing::reservations_hold_until;
+use crate::samples::{close_epoch, run_now};
+
+/// Weight of a miner's pseudo-gradient: its completed hops this epoch that updated its
+/// gradients: every backward hop, and the last stage's forward hops (the last stage runs its
+/// backward in the same hop).
+pub(crate) async fn backward_work<'e, E: sqlx::PgExecutor<'e>>(
+    db: E,
+    app: &App,
+    epoch: u64,
+    miner: &str,
+) -> ApiResult<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE run_id = $1 AND epoch = $2 AND miner = $3
+           AND status = 'done' AND (direction = 'backward' OR stage = $4)",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(miner)
+    .bind(app.config().stages as i32 - 1)
+    .fetch_one(db)
+    .await?)
+}
+
+fn pg_key(app: &App, epoch: u64, stage: u32, partition: u32, miner: &str) -> String {
+    format!(
+        "runs/{}/epoch-{epoch}/pseudo-gradients/s{stage}/p{partition}/{miner}.safetensors",
+        app.run.id
+    )
+}
+
+/// Checks that a pseudo-gradient upload to `stage` (the caller's) fits the current phase and the
+/// miner's work; returns the slot key and the spec.
+async fn pg_slot(
+    app: &App,
+    caller: &Caller,
+    stage: u32,
+    epoch: u64,
+    partition: u32,
+) -> ApiResult<(String, TensorSpec)> {
+    let now = run_now(&app.db, app.run.id).await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "pseudo-gradients of epoch {epoch} are taken in its uploading phase; the run is in epoch {} {}",
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    let range = app
+        .config()
+        .partition_range(stage, partition)
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotFound,
+                format!("stage {stage} has no partition {partition}"),
+            )
+        })?;
+    may_contribute(app, caller, epoch).await?;
+    Ok((
+        pg_key(app, epoch, stage, partition, &caller.ss58),
+        TensorSpec::Partition {
+            len: range.end - range.start,
+        },
+    ))
+}
+
+/// Whether the caller has a pseudo-gradient to give for `epoch`: gradient work in it, by this
+/// process.
+async fn may_contribute(app: &App, caller: &Caller, epoch: u64) -> ApiResult<()> {
+    let work = backward_work(&app.db, app, epoch, &caller.ss58).await?;
+    if work == 0 {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            "no completed backward pass this epoch: there is nothing to contribute",
+        ));
+    }
+    let ended_without_upload: bool = sqlx::query_scalar(
+        "SELECT m.ended_epoch IS NOT DISTINCT FROM $3
+             AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = m.run_id
+                               AND g.epoch = $3 AND g.miner = m.hotkey)
+         FROM miners m WHERE m.run_id = $1 AND m.hotkey = $2",
+    )
+    .bind(app.run.id)
+    .bind(&caller.ss58)
+    .bind(epoch as i64)
+    .fetch_optional(&app.db)
+    .await?
+    .unwrap_or(false);
+    if ended_without_upload {
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            format!(
+                "your work in epoch {epoch} ended when a new process registered: its hops were \
+                 done by an earlier one, and no pseudo-gradient is taken for them"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/reserve`: before the uploading phase's
+/// deadline, hold the phase open for the caller's partitions. While a miner that reserved has not
+/// uploaded every partition, the phase goes on past its deadline, for at most one more phase
+/// length, so that an upload that started in time is not lost to the deadline. Retrying is
+/// harmless.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/reserve", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = ReservationResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn reserve_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
+) -> ApiResult<Json<ReservationResponse>> {
+    miner_stage(&app.db, &app, &caller).await?;
+    may_contribute(&app, &caller, epoch).await?;
+    let mut tx = app.db.begin().await?;
+    // Atomic with the switch to merging, which counts the reservations again under its
+    // exclusive lock.
+    crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
+    let now = run_now(&mut *tx, app.run.id).await?;
+    let at = Utc::now();
+    // A retry of a reservation made in time (its answer lost) holds as the first did.
+    let held: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM upload_reservations
+                        WHERE run_id = $1 AND epoch = $2 AND miner = $3)",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .fetch_one(&mut *tx)
+    .await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading || (at >= now.phase_deadline && !held) {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "uploads of epoch {epoch} are reserved before its uploading phase's deadline; \
+                 the run is in epoch {} {}",
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    sqlx::query(
+        "INSERT INTO upload_reservations (run_id, epoch, miner, reserved_at)
+         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .bind(at)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Json(ReservationResponse {
+        epoch,
+        holds_until_ms: reservations_hold_until(app.config(), now.phase_deadline)
+            .timestamp_millis(),
+    }))
+}
+
+/// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock
+/// makes a commit land wholly before the switch to merging (and count) or after it (refused).
+/// The miner's work in the epoch ends first (see [`close_epoch`]), so the merge weight counted
+/// after it is final: every partition carries the same one.
+async fn record_pg(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    blob: BlobDescriptor,
+) -> ApiResult<Json<UploadResponse>> {
+    let mut tx = app.db.begin().await?;
+    crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
+    let now = run_now(&mut *tx, app.run.id).await?;
+    if now.epoch != epoch || now.phase != Phase::Uploading {
+        drop(tx);
+        delete_unless_recorded(app, SealedIn::PseudoGradients, &blob.key).await?;
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            "the uploading phase ended while this partition was in flight",
+        ));
+    }
+    close_epoch(&mut tx, app, &caller.ss58, epoch).await?;
+    let weight = backward_work(&mut *tx, app, epoch, &caller.ss58).await? as f64;
+    let value = serde_json::to_value(&blob)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let existing: Option<String> = sqlx::query_scalar(
+        "INSERT INTO pseudo_gradients (run_id, epoch, stage, partition, miner, blob, blake3, weight)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (run_id, epoch, stage, partition, miner) DO UPDATE SET weight = pseudo_gradients.weight
+         RETURNING blake3",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .bind(&caller.ss58)
+    .bind(value)
+    .bind(&blob.blake3)
+    .bind(weight)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if existing.as_deref() != Some(blob.blake3.as_str()) {
+        drop(tx);
+        // Sealed under its own hash, so not the accepted object's key.
+        app.store.delete(&blob.key).await?;
+        return Err(AppError::new(
+            ErrorCode::Conflict,
+            "a different pseudo-gradient was already accepted for this partition",
+        ));
+    }
+    tx.commit().await?;
+    Ok(Json(UploadResponse { blob }))
+}
+
+/// `PUT /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}?blake3=…`.
+#[utoipa::path(put, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    // Before the phase check: a retry whose first attempt was recorded (its answer lost) is
+    // answered from the record after the phase has changed too.
+    if let Some(same) =
+        already_accepted_pg(&app, &caller, epoch, stage, partition, &q.blake3).await?
+    {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
+    to_completion(async move {
+        let blob = accept_upload(&app, key, &spec, body, &q.blake3, Placement::Sealed).await?;
+        record_pg(&app, &caller, epoch, stage, partition, blob).await
+    })
+    .await
+}
+
+/// Runs a stored upload's store-then-record steps in a task of its own. A client that closes
+/// its connection makes the server drop the handler with whatever it awaits: between the two
+/// steps, that left the stored object without its row, and nothing then refused the next upload
+/// to the slot (each left another object until the epoch was collected).
+pub(crate) async fn to_completion<T: Send + 'static>(
+    steps: impl std::future::Future<Output = ApiResult<T>> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::spawn(steps)
+        .await
+        .map_err(|e| AppError::new(ErrorCode::Internal, format!("upload task: {e}")))?
+}
+
+async fn already_accepted_pg(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+    blake3: &str,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let slot = (epoch, stage, partition);
+    already_recorded(app, SealedIn::PseudoGradients, &caller.ss58, slot, blake3).await
+}
+
+/// The object `who` has recorded in `table` for this slot if it has this hash (a retried
+/// submission, answered from the record), or a conflict if it has another; `None` if none yet.
+pub(crate) async fn already_recorded(
+    app: &App,
+    table: SealedIn,
+    who: &str,
+    (epoch, stage, partition): (u64, u32, u32),
+    blake3: &str,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let (sql, conflict) = match table {
+        SealedIn::PseudoGradients => (
+            "SELECT blob, blake3 FROM pseudo_gradients
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND miner = $5",
+            "a different pseudo-gradient was already accepted for this partition",
+        ),
+        SealedIn::MergeResults => (
+            "SELECT blob, blake3 FROM merge_results
+             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
+            "you already submitted a different result for this partition",
+        ),
+    };
+    let row: Option<(serde_json::Value, String)> = sqlx::query_as(sql)
+        .bind(app.run.id)
+        .bind(epoch as i64)
+        .bind(stage as i32)
+        .bind(partition as i32)
+        .bind(who)
+        .fetch_optional(&app.db)
+        .await?;
+    match row {
+        None => Ok(None),
+        Some((blob, hash)) if hash == blake3 => serde_json::from_value(blob)
+            .map(Some)
+            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string())),
+        Some(_) => Err(AppError::new(ErrorCode::Conflict, conflict)),
+    }
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/presign", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition")),
+    request_body = PresignRequest,
+    responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn presign_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
+    ApiJson(req): ApiJson<PresignRequest>,
+) -> ApiResult<Json<PresignResponse>> {
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
+    check_presign_size(&req, &spec)?;
+    presign(&app, key).await
+}
+
+/// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit`.
+#[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit", tag = "miner",
+    params(("epoch" = u64, Path, description = "Epoch"), ("partition" = u32, Path, description = "Partition")),
+    request_body = CommitRequest,
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn commit_pg(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
+    ApiJson(req): ApiJson<CommitRequest>,
+) -> ApiResult<Json<UploadResponse>> {
+    let stage = miner_stage(&app.db, &app, &caller).await?;
+    // Before the phase check, as in `upload_pg`.
+    if let Some(same) =
+        already_accepted_pg(&app, &caller, epoch, stage, partition, &req.blake3).await?
+    {
+        return Ok(Json(UploadResponse { blob: same }));
+    }
+    let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
+    to_completion(async move {
+        let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
+        record_pg(&app, &caller, epoch, stage, partition, blob).await
+    })
+    .await
+}

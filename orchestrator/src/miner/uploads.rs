@@ -1,0 +1,729 @@
+//! A hop's output: uploaded through the orchestrator or presigned into the store, checked, sealed and committed.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, State};
+use chrono::{DateTime, Utc};
+use iota_protocol::ErrorCode;
+use iota_protocol::api::*;
+use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
+use iota_protocol::tensor::{TensorSpec, check_tensor};
+
+use serde::Deserialize;
+use sqlx::{Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::app::App;
+use crate::auth::Caller;
+use crate::error::{ApiResult, AppError};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::routing::secs;
+use crate::store::StoreError;
+
+/// Query of a direct upload.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct UploadQuery {
+    /// The lease (task outputs only).
+    #[serde(default)]
+    pub lease: Option<Uuid>,
+    /// BLAKE3 (hex) of the body.
+    pub blake3: String,
+}
+
+/// A leased task, locked for update.
+pub(crate) struct LeasedTask {
+    pub(crate) epoch: u64,
+    pub(crate) sample_id: i64,
+    pub(crate) stage: u32,
+    pub(crate) direction: Direction,
+    pub(crate) attempt: i32,
+    pub(crate) status: String,
+    pub(crate) lease: Option<Uuid>,
+    pub(crate) miner: String,
+    pub(crate) staged: Option<serde_json::Value>,
+    pub(crate) output: Option<serde_json::Value>,
+    pub(crate) next_task_id: Option<i64>,
+}
+
+pub(crate) async fn lock_task(
+    tx: &mut Transaction<'_, Postgres>,
+    run: i64,
+    id: i64,
+) -> ApiResult<LeasedTask> {
+    let row = sqlx::query(
+        "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
+                output,
+                (SELECT min(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
+                   AND n.attempt = 0) AS next_task_id
+         FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
+    )
+    .bind(id)
+    .bind(run)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no task {id}")))?;
+    let direction: String = row.try_get("direction")?;
+    Ok(LeasedTask {
+        epoch: row.try_get::<i64, _>("epoch")? as u64,
+        sample_id: row.try_get("sample_id")?,
+        stage: row.try_get::<i32, _>("stage")? as u32,
+        direction: Direction::parse(&direction)
+            .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?,
+        attempt: row.try_get("attempt")?,
+        status: row.try_get("status")?,
+        lease: row.try_get("lease")?,
+        miner: row.try_get("miner")?,
+        staged: row.try_get("staged_output")?,
+        output: row.try_get("output")?,
+        next_task_id: row.try_get("next_task_id")?,
+    })
+}
+
+pub(crate) fn check_lease(
+    task: &LeasedTask,
+    caller: &Caller,
+    lease: Uuid,
+    id: i64,
+) -> ApiResult<()> {
+    if task.miner != caller.ss58 {
+        return Err(AppError::new(
+            ErrorCode::Forbidden,
+            format!("task {id} is not routed to you"),
+        ));
+    }
+    if task.lease != Some(lease) {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("lease {lease} of task {id} is not current: the hop was re-routed"),
+        ));
+    }
+    Ok(())
+}
+
+/// The task `task_id` if the caller holds `lease` on it (read without locking: the write that
+/// follows re-checks the lease).
+async fn leased_task(
+    app: &App,
+    caller: &Caller,
+    task_id: i64,
+    lease: Option<Uuid>,
+) -> ApiResult<(LeasedTask, Uuid)> {
+    let lease = lease.ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
+    let mut tx = app.db.begin().await?;
+    let task = lock_task(&mut tx, app.run.id, task_id).await?;
+    tx.commit().await?;
+    check_lease(&task, caller, lease, task_id)?;
+    Ok((task, lease))
+}
+
+/// Refuses a presigned upload larger than its slot before handing out a URL.
+pub(crate) fn check_presign_size(req: &PresignRequest, spec: &TensorSpec) -> ApiResult<()> {
+    if req.size > spec.max_bytes() {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "{} bytes, this slot takes at most {}",
+                req.size,
+                spec.max_bytes()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn boundary_spec(cfg: &RunConfig) -> TensorSpec {
+    TensorSpec::Boundary {
+        shape: cfg.boundary_shape(),
+        encoding: cfg.wire,
+    }
+}
+
+/// Where an accepted object is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// At its slot's key. For hop outputs: a producer that replaces its own output after the
+    /// commit only fails its own hop (the consumer reports the object).
+    Slot,
+    /// At a key named by its hash ([`sealed_key`]), which no presigned URL names. For merged
+    /// partitions and pseudo-gradients, which others build on: once accepted, their bytes
+    /// cannot be replaced by the uploader.
+    Sealed,
+}
+
+/// The key of an accepted object of `slot_key` with this hash (see [`Placement::Sealed`]).
+pub(crate) fn sealed_key(slot_key: &str, blake3: &str) -> String {
+    match slot_key.strip_suffix(".safetensors") {
+        Some(stem) => format!("{stem}.{blake3}.safetensors"),
+        None => format!("{slot_key}.{blake3}"),
+    }
+}
+
+/// Checks an upload's bytes against its slot and declared hash, then stores it. Nothing is
+/// written unless every check passes.
+pub(crate) async fn accept_upload(
+    app: &App,
+    key: String,
+    spec: &TensorSpec,
+    bytes: Bytes,
+    declared_blake3: &str,
+    placement: Placement,
+) -> ApiResult<BlobDescriptor> {
+    if !is_blake3_hex(declared_blake3) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "blake3 must be 64 lowercase hex digits",
+        ));
+    }
+    let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
+    if placement == Placement::Sealed {
+        blob.key = sealed_key(&blob.key, &blob.blake3);
+    }
+    app.store.put(&blob.key, bytes).await?;
+    metrics::counter!("iota_upload_bytes_total").increment(blob.size);
+    Ok(blob)
+}
+
+pub(crate) fn check_bytes(
+    spec: &TensorSpec,
+    key: String,
+    bytes: &[u8],
+    declared_blake3: &str,
+) -> ApiResult<BlobDescriptor> {
+    let max = spec.max_bytes();
+    if bytes.len() as u64 > max {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("{} bytes, this slot takes at most {max}", bytes.len()),
+        ));
+    }
+    let actual = blake3::hash(bytes).to_hex().to_string();
+    if actual != declared_blake3 {
+        return Err(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!("BLAKE3 of the body is {actual}, the request declared {declared_blake3}"),
+        ));
+    }
+    check_tensor(bytes, spec)
+        .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
+    let (dtype, shape) = spec.dtype_and_shape();
+    Ok(BlobDescriptor {
+        key,
+        size: bytes.len() as u64,
+        dtype,
+        shape,
+        blake3: actual,
+        url: None,
+    })
+}
+
+fn task_output_key(app: &App, task_id: i64, t: &LeasedTask) -> String {
+    format!(
+        "runs/{}/epoch-{}/samples/{}/s{}-{}-a{}-t{}.safetensors",
+        app.run.id,
+        t.epoch,
+        t.sample_id,
+        t.stage,
+        t.direction.as_str(),
+        t.attempt,
+        task_id
+    )
+}
+
+/// `PUT /v1/miner/tasks/{task_id}/output?lease=…&blake3=…`: upload a hop's output tensor.
+#[utoipa::path(put, path = "/v1/miner/tasks/{task_id}/output", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn upload_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    body: Bytes,
+) -> ApiResult<Json<UploadResponse>> {
+    // Check the lease before touching the store.
+    let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
+    if task.status == "done" {
+        return recorded_output(&task, task_id, None, &q.blake3);
+    }
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}", task.status),
+        ));
+    }
+    check_expects_output(&app, &task)?;
+    let key = task_output_key(&app, task_id, &task);
+    let blob = accept_upload(
+        &app,
+        key,
+        &boundary_spec(app.config()),
+        body,
+        &q.blake3,
+        Placement::Slot,
+    )
+    .await?;
+    stage_output(&app, task_id, lease, blob).await
+}
+
+async fn stage_output(
+    app: &App,
+    task_id: i64,
+    lease: Uuid,
+    blob: BlobDescriptor,
+) -> ApiResult<Json<UploadResponse>> {
+    let value = serde_json::to_value(&blob)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let updated = sqlx::query(
+        "UPDATE tasks SET staged_output = $3 WHERE id = $1 AND lease = $2 AND status = 'leased'",
+    )
+    .bind(task_id)
+    .bind(lease)
+    .bind(value)
+    .execute(&app.db)
+    .await?;
+    if updated.rows_affected() == 0 {
+        // An earlier attempt of this same upload (a client that timed out and retried) may have
+        // been staged and the hop completed meanwhile: the object at this key is then the hop's
+        // output, which consumers read, and it stays.
+        let recorded: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT output->>'blake3' FROM tasks WHERE id = $1 AND lease = $2 AND status = 'done'
+               AND output->>'key' = $3",
+        )
+        .bind(task_id)
+        .bind(lease)
+        .bind(&blob.key)
+        .fetch_optional(&app.db)
+        .await?;
+        return match recorded {
+            Some(Some(hash)) if hash == blob.blake3 => Ok(Json(UploadResponse { blob })),
+            Some(_) => Err(AppError::new(
+                ErrorCode::Conflict,
+                format!("task {task_id} was completed with a different output"),
+            )),
+            None => {
+                // The lease lapsed while the bytes were in flight: leave nothing behind.
+                app.store.delete(&blob.key).await?;
+                Err(AppError::new(
+                    ErrorCode::LeaseExpired,
+                    format!("task {task_id}'s lease lapsed during the upload"),
+                ))
+            }
+        };
+    }
+    Ok(Json(UploadResponse { blob }))
+}
+
+/// `POST /v1/miner/tasks/{task_id}/output/presign`: a URL to PUT the output straight to the
+/// store (S3-compatible stores only).
+#[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/presign", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body = PresignRequest,
+    responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn presign_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiJson(req): ApiJson<PresignRequest>,
+) -> ApiResult<Json<PresignResponse>> {
+    let (task, _) = leased_task(&app, &caller, task_id, q.lease).await?;
+    if task.status != "leased" {
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}", task.status),
+        ));
+    }
+    check_expects_output(&app, &task)?;
+    let spec = boundary_spec(app.config());
+    check_presign_size(&req, &spec)?;
+    presign(&app, task_output_key(&app, task_id, &task)).await
+}
+
+pub(crate) async fn presign(app: &App, key: String) -> ApiResult<Json<PresignResponse>> {
+    let url = app
+        .store
+        .presign(http::Method::PUT, &key)
+        .await?
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::BadRequest,
+                "this orchestrator's store does not presign: PUT the bytes to the orchestrator",
+            )
+        })?;
+    let ttl = chrono::Duration::from_std(app.store.presign_ttl())
+        .unwrap_or_else(|_| chrono::Duration::seconds(900));
+    Ok(Json(PresignResponse {
+        url,
+        key,
+        expires_ms: (Utc::now() + ttl).timestamp_millis(),
+    }))
+}
+
+/// Reads a presigned upload back, checks it in full, and deletes it if it fails. With
+/// [`Placement::Sealed`], the object is first moved to a key no presigned URL names and checked
+/// there, so a PUT that lands after the check cannot change what is accepted; it is then kept at
+/// its [`sealed_key`].
+pub(crate) async fn accept_committed(
+    app: &App,
+    expected_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+    placement: Placement,
+) -> ApiResult<BlobDescriptor> {
+    if commit.key != expected_key {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("key {} is not this slot's {expected_key}", commit.key),
+        ));
+    }
+    if placement == Placement::Slot {
+        return check_stored(app, expected_key, spec, commit).await;
+    }
+    // Its callers run it in a task of their own (`to_completion`): a client that stops waiting
+    // (a large object takes long to read) closes its connection and the server drops the
+    // handler, which would leave the object aside until it counts as abandoned, and every retry
+    // `in_progress` meanwhile. The task moves, checks, seals and records it whatever the client
+    // does, and a retry finds it recorded.
+    seal_committed(app, expected_key, spec, commit).await
+}
+
+/// [`accept_committed`] of a [`Placement::Sealed`] object.
+async fn seal_committed(
+    app: &App,
+    expected_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
+    let pending = pending_key(expected_key, Utc::now());
+    // Where the bytes came from: the slot, or an abandoned attempt's key (taken over).
+    let mut source = None;
+    // Twice: an attempt whose check failed on a store error puts the object back in the slot.
+    for _ in 0..2 {
+        match app.store.rename(expected_key, &pending).await {
+            Ok(()) => {
+                source = Some(expected_key.to_owned());
+                break;
+            }
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        match moved_earlier(app, expected_key, spec, commit).await? {
+            Moved::Sealed(blob) => return Ok(blob),
+            Moved::Checking => return Err(in_progress(expected_key)),
+            Moved::Abandoned(key) => match app.store.rename(&key, &pending).await {
+                Ok(()) => {
+                    source = Some(key);
+                    break;
+                }
+                Err(StoreError::NotFound(_)) => return Err(in_progress(expected_key)),
+                Err(e) => return Err(e.into()),
+            },
+            Moved::Nothing => {}
+        }
+    }
+    let Some(source) = source else {
+        return Err(nothing_uploaded(expected_key));
+    };
+    // Bad bytes from the slot are this commit's upload, and are deleted; an abandoned attempt's
+    // may be another commit's (of the same size), and go back where they were.
+    let bad = if source == expected_key {
+        Bad::Delete
+    } else {
+        Bad::Keep
+    };
+    let checked = match check_stored_if_there(app, &pending, spec, commit, bad).await {
+        Ok(checked) => checked,
+        Err(e) => {
+            // What is left (not bad bytes from the slot, deleted by the check) goes back for a
+            // retry, or stays aside, where a later commit takes it over once it is abandoned:
+            // never deleted here, it may be the only copy.
+            let _ = app.store.rename(&pending, &source).await;
+            return Err(e);
+        }
+    };
+    if let Some(mut blob) = checked {
+        blob.key = sealed_key(expected_key, &blob.blake3);
+        match app.store.rename(&pending, &blob.key).await {
+            Ok(()) => return Ok(blob),
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Taken over while this attempt checked it, by a later one that found it abandoned (this
+    // attempt ran longer than `abandoned_after`): that one seals the same bytes.
+    match sealed_earlier(app, expected_key, spec, commit).await? {
+        Some(blob) => Ok(blob),
+        None => Err(in_progress(expected_key)),
+    }
+}
+
+/// Where a commit moves its slot's object while checking it: beside the slot, named by when
+/// (milliseconds since 1970) and by the attempt, so that another attempt can tell a live check
+/// from one that died (see [`moved_earlier`]).
+fn pending_key(slot_key: &str, at: DateTime<Utc>) -> String {
+    format!(
+        "{slot_key}{PENDING}{}-{}",
+        at.timestamp_millis(),
+        Uuid::new_v4()
+    )
+}
+
+const PENDING: &str = ".pending-";
+
+/// How long a check of an object of at most `max_bytes` may take before its pending object is
+/// taken as abandoned: two minutes (longer than the client's 60 s request timeout, after which
+/// it retries), plus a second per 10 MB (a store read at 10 MB/s).
+fn abandoned_after(max_bytes: u64) -> chrono::Duration {
+    secs(120 + max_bytes / 10_000_000)
+}
+
+/// What became of a slot's object that another attempt of the commit moved.
+enum Moved {
+    /// Checked and sealed.
+    Sealed(BlobDescriptor),
+    /// Being checked now.
+    Checking,
+    /// Left pending by an attempt that stopped before sealing it (its process died): this
+    /// attempt checks it instead.
+    Abandoned(String),
+    /// Nowhere: nothing was uploaded.
+    Nothing,
+}
+
+fn in_progress(slot_key: &str) -> AppError {
+    AppError::new(
+        ErrorCode::InProgress,
+        format!("another attempt of this commit is checking the object of {slot_key}"),
+    )
+}
+
+fn nothing_uploaded(key: &str) -> AppError {
+    AppError::new(
+        ErrorCode::InvalidTensor,
+        format!("nothing was uploaded to {key}"),
+    )
+}
+
+/// A commit that finds nothing in its slot: an earlier attempt moved the object. That attempt
+/// may have sealed it and then failed to record it (the database failed, or the process died);
+/// it may still be checking it (a client retried while its first attempt ran: this one is told
+/// to retry, not that nothing was uploaded); or it may have died while checking, and its pending
+/// object (of the declared size) is taken over.
+async fn moved_earlier(
+    app: &App,
+    slot_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<Moved> {
+    // Listed before the sealed key is looked for: an attempt's pending object goes only once its
+    // sealed key holds the bytes (a rename, or on S3 a copy and then a delete), so one of the two
+    // is seen.
+    let dir = slot_key.rsplit_once('/').map_or("", |(dir, _)| dir);
+    let prefix = format!("{slot_key}{PENDING}");
+    let pending: Vec<(i64, String, u64)> = app
+        .store
+        .list_sizes(dir)
+        .await?
+        .into_iter()
+        .filter_map(|(key, size)| {
+            let rest = key.strip_prefix(&prefix)?;
+            // Pending names of earlier versions carry no time: long abandoned.
+            let ms = rest
+                .split_once('-')
+                .and_then(|(ms, _)| ms.parse().ok())
+                .unwrap_or(0);
+            Some((ms, key, size))
+        })
+        .collect();
+    if let Some(blob) = sealed_earlier(app, slot_key, spec, commit).await? {
+        return Ok(Moved::Sealed(blob));
+    }
+    let abandoned_before =
+        Utc::now().timestamp_millis() - abandoned_after(spec.max_bytes()).num_milliseconds();
+    if pending.iter().any(|(ms, _, _)| *ms > abandoned_before) {
+        return Ok(Moved::Checking);
+    }
+    // Another size is not what this commit declares: left alone, not checked (and deleted).
+    Ok(pending
+        .into_iter()
+        .filter(|(_, _, size)| *size == commit.size)
+        .max()
+        .map_or(Moved::Nothing, |(_, key, _)| Moved::Abandoned(key)))
+}
+
+/// The object an earlier attempt of this commit checked and sealed, if there is one: it was
+/// checked in full before it was sealed, and no presigned URL names its key; it is read and
+/// checked again all the same, and never deleted here (it may be recorded by an attempt still
+/// running).
+async fn sealed_earlier(
+    app: &App,
+    slot_key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<Option<BlobDescriptor>> {
+    if !is_blake3_hex(&commit.blake3) {
+        return Ok(None);
+    }
+    let sealed = sealed_key(slot_key, &commit.blake3);
+    let _slot = crate::auth::object_slot(app).await?;
+    let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if bytes.len() as u64 != commit.size {
+        return Ok(None);
+    }
+    check_bytes(spec, sealed, &bytes, &commit.blake3).map(Some)
+}
+
+/// Reads the object at `key` back (at most the slot's size) and checks it against `commit`'s
+/// size and hash and the slot's tensor spec; deletes it if it fails.
+async fn check_stored(
+    app: &App,
+    key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<BlobDescriptor> {
+    check_stored_if_there(app, key, spec, commit, Bad::Delete)
+        .await?
+        .ok_or_else(|| nothing_uploaded(key))
+}
+
+/// What becomes of an object that fails its check.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Bad {
+    Delete,
+    Keep,
+}
+
+/// [`check_stored`], with `None` when there is no object at `key`, and a bad object deleted
+/// only with [`Bad::Delete`].
+async fn check_stored_if_there(
+    app: &App,
+    key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+    bad: Bad,
+) -> ApiResult<Option<BlobDescriptor>> {
+    let refuse = |e: AppError| async move {
+        if bad == Bad::Delete {
+            app.store.delete(key).await?;
+        }
+        Err(e)
+    };
+    // A presigned PUT is not bounded by the store: an oversized object is refused here, and
+    // deleted like any other bad upload.
+    let _slot = crate::auth::object_slot(app).await?;
+    let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
+        Ok(bytes) => bytes,
+        Err(e @ StoreError::TooLarge { .. }) => return refuse(e.into()).await,
+        Err(StoreError::NotFound(_)) => return Ok(None),
+        // The store failed, not the upload: the object stays for a retried commit.
+        Err(e) => return Err(e.into()),
+    };
+    if bytes.len() as u64 != commit.size {
+        return refuse(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!(
+                "stored object is {} bytes, commit declared {}",
+                bytes.len(),
+                commit.size
+            ),
+        ))
+        .await;
+    }
+    match check_bytes(spec, key.to_owned(), &bytes, &commit.blake3) {
+        Ok(blob) => Ok(Some(blob)),
+        Err(e) => refuse(e).await,
+    }
+}
+
+/// `POST /v1/miner/tasks/{task_id}/output/commit?lease=…`: after a presigned upload.
+#[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/commit", tag = "miner",
+    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    request_body = CommitRequest,
+    responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
+    security(("epistula" = [])))]
+pub async fn commit_output(
+    State(app): State<App>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(task_id): ApiPath<i64>,
+    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiJson(req): ApiJson<CommitRequest>,
+) -> ApiResult<Json<UploadResponse>> {
+    let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
+    let key = task_output_key(&app, task_id, &task);
+    if task.status == "done" {
+        // A failed re-check would delete the hop's output.
+        return recorded_output(&task, task_id, Some(&req.key), &req.blake3);
+    }
+    if task.status != "leased" {
+        // A late upload to a re-routed hop: nobody will read it.
+        app.store.delete(&key).await?;
+        return Err(AppError::new(
+            ErrorCode::LeaseExpired,
+            format!("task {task_id} is {}: the hop was re-routed", task.status),
+        ));
+    }
+    check_expects_output(&app, &task)?;
+    let blob = accept_committed(
+        &app,
+        &key,
+        &boundary_spec(app.config()),
+        &req,
+        Placement::Slot,
+    )
+    .await?;
+    stage_output(&app, task_id, lease, blob).await
+}
+
+/// Every hop produces a tensor except those at stage 0 that have nowhere to send it: the
+/// backward, and in a run of one stage the forward too (its loss is all it gives).
+pub(crate) fn expects_output(direction: Direction, stage: u32, stages: u32) -> bool {
+    !(stage == 0 && (direction == Direction::Backward || stages == 1))
+}
+
+/// Refuses an output for a hop that has none.
+pub(crate) fn check_expects_output(app: &App, task: &LeasedTask) -> ApiResult<()> {
+    if expects_output(task.direction, task.stage, app.config().stages) {
+        Ok(())
+    } else {
+        Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "the {} hop of stage {} has no output",
+                task.direction.as_str(),
+                task.stage
+            ),
+        ))
+    }
+}
+
+/// A hop output sent again after its hop completed (a retry whose answer was lost): answered
+/// from the record when it names the recorded object, never re-checked or rewritten (consumers
+/// may be reading it).
+pub(crate) fn recorded_output(
+    task: &LeasedTask,
+    task_id: i64,
+    key: Option<&str>,
+    blake3: &str,
+) -> ApiResult<Json<UploadResponse>> {
+    let stored = task
+        .output
+        .clone()
+        .and_then(|v| serde_json::from_value::<BlobDescriptor>(v).ok());
+    match stored {
+        Some(blob) if key.is_none_or(|k| k == blob.key) && blob.blake3 == blake3 => {
+            Ok(Json(UploadResponse { blob }))
+        }
+        _ => Err(AppError::new(
+            ErrorCode::Conflict,
+            format!("task {task_id} was completed with a different output"),
+        )),
+    }
+}
