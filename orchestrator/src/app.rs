@@ -51,7 +51,7 @@ pub struct Limits {
     /// for each, for up to [`Limits::body_timeout`], without ever proving it holds a hotkey.
     pub unchecked_bodies_per_ip: usize,
     /// How long any signed request's body may take to start arriving; after it, the body must
-    /// keep the pace of [`MIN_BODY_BYTES_PER_S`] (see [`read_body`]): a client that stops
+    /// keep the pace of [`MIN_BODY_BYTES_PER_S`] (see [`crate::body::read_body`]): a client that stops
     /// sending (or vanishes without closing its connection) would otherwise hold its buffer,
     /// its connection and, on upload routes, one of the upload slots for good.
     pub body_timeout: Duration,
@@ -133,7 +133,7 @@ pub struct RunRow {
     /// Created.
     pub created_at: DateTime<Utc>,
     /// The run's secret for session keys (see [`crate::sessions`]).
-    pub session_secret: crate::sessions::SessionSecret,
+    pub session_secret: crate::session_secret::SessionSecret,
 }
 
 /// Everything a handler needs. Holds no run state of its own: that is in Postgres and the store.
@@ -370,7 +370,7 @@ impl AppState {
 pub type App = Arc<AppState>;
 
 /// How long the shared replay cache keeps a uuid. A request's clock check is passed when its
-/// headers arrive, but its uuid is recorded once its body has (up to [`read_body`]'s deadline
+/// headers arrive, but its uuid is recorded once its body has (up to [`crate::body::read_body`]'s deadline
 /// later): a replay whose headers arrive at the end of the clock window and whose body comes
 /// slowly must still find the original's uuid. So the clock window, the longest body
 /// deadline of any signed route, and 2 s for clocks of processes and database that differ.

@@ -18,6 +18,7 @@
 pub mod app;
 pub mod auth;
 mod batch;
+mod body;
 pub mod config;
 pub mod dashboard;
 pub mod dataset;
@@ -31,6 +32,7 @@ pub mod replay;
 pub mod replicas;
 pub mod routing;
 mod samples;
+pub mod session_secret;
 pub mod sessions;
 pub mod signatures;
 mod status;
@@ -147,7 +149,7 @@ pub async fn ensure_run(
     .map_err(dberr)?;
     let created_at: DateTime<Utc> = row.try_get("created_at").map_err(dberr)?;
     let secret: Vec<u8> = row.try_get("session_secret").map_err(dberr)?;
-    let session_secret = sessions::SessionSecret::from_slice(&secret).ok_or_else(|| {
+    let session_secret = session_secret::SessionSecret::from_slice(&secret).ok_or_else(|| {
         OrchestratorError::Database(format!(
             "run {id}'s session secret is {} bytes, not 32",
             secret.len()
@@ -336,7 +338,7 @@ fn http_metrics() -> &'static HttpMetrics {
         miner::join::register, miner::join::heartbeat, miner::work::work, miner::uploads::upload_output, miner::uploads::presign_output,
         miner::uploads::commit_output, miner::complete::complete, miner::pseudo_gradients::reserve_pg, miner::pseudo_gradients::upload_pg, miner::pseudo_gradients::presign_pg, miner::pseudo_gradients::commit_pg,
         miner::merges::merges, miner::merges::weights, miner::merges::upload_merge, miner::merges::presign_merge, miner::merges::commit_merge, miner::blobs::blob,
-        miner::blobs::report_bad_object, dataset::files, auth::open,
+        miner::blobs::report_bad_object, dataset::files, sessions::open,
         validator::hops, validator::samples, validator::epoch, validator::disputes,
         validator::settle, validator::upload_merge, validator::scores,
         validator::spot_checks, validator::report_spot_checks,
@@ -478,7 +480,7 @@ pub fn router(app: App) -> Router {
     // the shared replay cache only when it goes past the poll view (see `replay`).
     let miner_poll = Router::new().route("/v1/miner/work", post(miner::work::work));
     let sessions = Router::new()
-        .route("/v1/sessions", post(auth::open))
+        .route("/v1/sessions", post(sessions::open))
         .route_layer(middleware::from_fn_with_state(
             signed(Gate::Registered, json_limit, SharedReplay::Before, false),
             crate::auth::signed_gate,

@@ -1,0 +1,201 @@
+//! Reading a request's body at a pace: bounded in size, cut off as soon as its sender falls
+//! behind, its frames let go as they arrive.
+
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use iota_protocol::ErrorCode;
+
+use crate::app::*;
+use crate::error::*;
+
+/// A signed request's body, at most `limit` bytes, arriving at no slower a pace than
+/// [`MIN_BODY_BYTES_PER_S`] after `timeout`: at any time `t` after the headers, at least
+/// `(t - timeout) × MIN_BODY_BYTES_PER_S` bytes must be in. So the whole body takes at most
+/// `timeout` plus its length at that pace, and a sender that stops (or trickles) is cut off as
+/// soon as it falls behind, not only at the end of the time its declared length would allow: an
+/// upload slot held by a stalled body was held for all of that.
+pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, AppError> {
+    read_body_then_wait(body, limit, timeout, || Ok(())).await
+}
+
+/// [`read_body`], calling `before_waiting` the first time the body is not all in (a frame that
+/// is not there yet) and holding what it returns until the body is read; its error refuses the
+/// request then. A body that came whole with its request's head never calls it.
+pub(crate) async fn read_body_then_wait<G>(
+    body: Body,
+    limit: usize,
+    timeout: Duration,
+    before_waiting: impl FnOnce() -> Result<G, AppError>,
+) -> Result<Bytes, AppError> {
+    use axum::body::HttpBody;
+    use futures::FutureExt;
+    use http_body_util::BodyExt;
+    let start = tokio::time::Instant::now();
+    let mut before_waiting = Some(before_waiting);
+    let mut _held = None;
+    // The declared length (if any), within the limit: room for the whole body at once.
+    let declared = body
+        .size_hint()
+        .exact()
+        .map(|n| n.min(limit as u64) as usize);
+    let mut body = http_body_util::Limited::new(body, limit);
+    let mut gathered = Gathered::default();
+    let mut received = 0u64;
+    loop {
+        let due = start + body_deadline(timeout, received);
+        let ready = match before_waiting.is_some() {
+            true => body.frame().now_or_never(),
+            false => None,
+        };
+        let next = match ready {
+            Some(frame) => Ok(frame),
+            None => {
+                if let Some(take) = before_waiting.take() {
+                    _held = Some(take()?);
+                }
+                tokio::time::timeout_at(due, body.frame()).await
+            }
+        };
+        match next {
+            Ok(None) => return Ok(gathered.into_bytes()),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    received += data.len() as u64;
+                    gathered.push(data, declared);
+                }
+            }
+            Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(AppError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("body larger than {limit} bytes"),
+                ));
+            }
+            Ok(Some(Err(e))) => {
+                return Err(AppError::new(
+                    ErrorCode::BadRequest,
+                    format!("the body could not be read: {e}"),
+                ));
+            }
+            Err(_) => {
+                return Err(AppError::new(
+                    ErrorCode::RequestTimeout,
+                    format!(
+                        "the body fell behind the slowest pace taken: {received} bytes in {} s \
+                         (allowed: {} s, then {MIN_BODY_BYTES_PER_S} bytes a second)",
+                        start.elapsed().as_secs(),
+                        timeout.as_secs()
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+/// A body's bytes as they arrive. The first frame is kept as it is (most bodies are one frame,
+/// and cost no copy); from the second on, frames are copied into one buffer and let go. Frames
+/// kept until the end cost a stored frame per chunk and held on to the connection's read
+/// buffers: a body sent a byte per chunk held some 40 times its size.
+#[derive(Default)]
+enum Gathered {
+    #[default]
+    Empty,
+    One(Bytes),
+    Many(Vec<u8>),
+}
+
+impl Gathered {
+    /// Adds `data`; `declared`, the body's declared length, sizes the buffer once.
+    fn push(&mut self, data: Bytes, declared: Option<usize>) {
+        *self = match std::mem::take(self) {
+            Self::Empty => Self::One(data),
+            Self::One(first) => {
+                let room = declared.unwrap_or(0).max(first.len() + data.len());
+                let mut buf = Vec::with_capacity(room);
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&data);
+                Self::Many(buf)
+            }
+            Self::Many(mut buf) => {
+                buf.extend_from_slice(&data);
+                Self::Many(buf)
+            }
+        };
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Self::Empty => Bytes::new(),
+            Self::One(data) => data,
+            Self::Many(mut buf) => {
+                // A body of undeclared length grew the buffer by doubling: the handler holds it
+                // for its whole run, so not with up to half of it unused.
+                if buf.capacity() > buf.len() + buf.len() / 8 {
+                    buf.shrink_to_fit();
+                }
+                Bytes::from(buf)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    /// A chunk whose release is counted.
+    struct Chunk(Vec<u8>, Arc<std::sync::atomic::AtomicUsize>);
+
+    impl AsRef<[u8]> for Chunk {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Drop for Chunk {
+        fn drop(&mut self) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A body sent in many small chunks holds its bytes, not every chunk until it ends (each
+    /// chunk a stored frame pointing into the connection's read buffers).
+    #[tokio::test]
+    async fn a_body_read_in_small_chunks_lets_each_chunk_go() {
+        let released = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        let chunks = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|chunk| (chunk, rx))
+        });
+        let reading = tokio::spawn(read_body(
+            Body::from_stream(chunks),
+            1 << 20,
+            Duration::from_secs(10),
+        ));
+        for i in 0..100u8 {
+            let chunk = Bytes::from_owner(Chunk(vec![i], released.clone()));
+            tx.send(Ok(chunk)).await.expect("the reader is there");
+        }
+        // With a channel of one, at least 98 chunks have been read by now.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while released.load(Ordering::SeqCst) < 98 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "chunks still held while the body is read: {} of 100 let go",
+                released.load(Ordering::SeqCst)
+            );
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        let body = reading.await.expect("join").expect("read");
+        assert_eq!(body, (0..100u8).collect::<Vec<_>>());
+        // One chunk alone is the body itself, not a copy.
+        let one = Bytes::from(vec![7u8; 64]);
+        let read = read_body(Body::from(one.clone()), 1 << 20, Duration::from_secs(1))
+            .await
+            .expect("read");
+        assert_eq!(read.as_ptr(), one.as_ptr());
+    }
+}
