@@ -240,35 +240,13 @@ async fn chain(
     let mut opts = ConnectOptions::new(net.ws_url());
     opts.connect_timeout = Duration::from_secs(20);
     let chain = Subtensor::connect(opts).await?;
-    let alice = iota_chain::wallet::Keypair::from_private_key(
-        &iota_localnet::dev_pair("Alice").to_raw_vec(),
-    )?;
-    let tx = common::tx();
-    let owner = common::public(&common::pair(250));
-    let netuid = chain
-        .register_network(&alice, &owner, &tx)
-        .await?
-        .done()
-        .context("dry run")?;
-    chain.start_call(&alice, netuid, &tx).await?;
     // Room for every miner, at the smallest burn (one registration per block is the default,
     // and the instant localnet makes a block per transaction).
-    for setting in [
-        Hyperparam::MaxAllowedUids(1024),
-        Hyperparam::MaxBurn(500_000),
-    ] {
-        chain
-            .set_hyperparam(&alice, netuid, setting, true, &tx)
-            .await?;
-    }
     let started = Instant::now();
-    for p in pairs {
-        chain
-            .register(&alice, netuid, &common::public(p), &tx)
-            .await?;
-    }
+    let hotkeys: Vec<_> = pairs.iter().map(common::public).collect();
+    let netuid = common::register_subnet(&chain, &hotkeys, &[Hyperparam::MaxBurn(500_000)]).await;
     eprintln!(
-        "registered {} hotkeys in {:.1} s",
+        "registered the subnet and {} hotkeys in {:.1} s",
         pairs.len(),
         started.elapsed().as_secs_f64()
     );

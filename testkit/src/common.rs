@@ -124,17 +124,17 @@ pub struct Chain {
     pub netuid: u16,
 }
 
-pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
-    let net = Localnet::spawn(LocalnetConfig::instant())
-        .await
-        .expect("localnet");
-    let mut opts = ConnectOptions::new(net.ws_url());
-    opts.connect_timeout = Duration::from_secs(20);
-    let chain = Subtensor::connect(opts).await.expect("connect");
+/// A subnet on `chain`, registered and started by Alice with hotkey 250 as its owner, room for
+/// 1,024 uids and `settings` applied, and `hotkeys` registered in order (uids 1, 2, …). Returns
+/// its netuid.
+pub async fn register_subnet(
+    chain: &Subtensor,
+    hotkeys: &[PublicKey],
+    settings: &[Hyperparam],
+) -> u16 {
     let alice = dev("Alice");
-    let owner_hot = public(&pair(250));
     let netuid = chain
-        .register_network(&alice, &owner_hot, &tx())
+        .register_network(&alice, &public(&pair(250)), &tx())
         .await
         .expect("register_network")
         .done()
@@ -143,22 +143,38 @@ pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
         .start_call(&alice, netuid, &tx())
         .await
         .expect("start_call");
-    chain
-        .set_hyperparam(
-            &alice,
-            netuid,
-            Hyperparam::MaxAllowedUids(1024),
-            true,
-            &tx(),
-        )
-        .await
-        .expect("max uids");
-    for seed in miners.iter().chain(validators) {
+    for setting in [Hyperparam::MaxAllowedUids(1024)]
+        .into_iter()
+        .chain(settings.iter().copied())
+    {
         chain
-            .register(&alice, netuid, &public(&pair(*seed)), &tx())
+            .set_hyperparam(&alice, netuid, setting, true, &tx())
+            .await
+            .expect("hyperparameter");
+    }
+    for hotkey in hotkeys {
+        chain
+            .register(&alice, netuid, hotkey, &tx())
             .await
             .expect("register hotkey");
     }
+    netuid
+}
+
+pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
+    let net = Localnet::spawn(LocalnetConfig::instant())
+        .await
+        .expect("localnet");
+    let mut opts = ConnectOptions::new(net.ws_url());
+    opts.connect_timeout = Duration::from_secs(20);
+    let chain = Subtensor::connect(opts).await.expect("connect");
+    let hotkeys: Vec<PublicKey> = miners
+        .iter()
+        .chain(validators)
+        .map(|seed| public(&pair(*seed)))
+        .collect();
+    let netuid = register_subnet(&chain, &hotkeys, &[]).await;
+    let alice = dev("Alice");
     for seed in validators {
         chain
             .add_stake(

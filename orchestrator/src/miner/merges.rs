@@ -17,7 +17,7 @@ use super::uploads::UploadQuery;
 use super::uploads::accept_committed;
 use super::uploads::accept_upload;
 use super::uploads::check_presign_size;
-use super::uploads::presign;
+use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
@@ -146,26 +146,7 @@ pub(crate) async fn merge_slot(
     stage: u32,
     partition: u32,
 ) -> ApiResult<(String, TensorSpec)> {
-    let now = run_now(&app.db, app.run.id).await?;
-    if now.epoch != epoch || now.phase != Phase::Merging {
-        return Err(AppError::new(
-            ErrorCode::WrongPhase,
-            format!(
-                "merges of epoch {epoch} are taken in its merging phase; the run is in epoch {} {}",
-                now.epoch,
-                now.phase.as_str()
-            ),
-        ));
-    }
-    let range = app
-        .config()
-        .partition_range(stage, partition)
-        .ok_or_else(|| {
-            AppError::new(
-                ErrorCode::NotFound,
-                format!("stage {stage} has no partition {partition}"),
-            )
-        })?;
+    let range = partition_in_phase(app, "merges", Phase::Merging, epoch, stage, partition).await?;
     if as_validator {
         let hotkey = who.strip_prefix("validator:").unwrap_or(who);
         let slot = (epoch as i64, stage as i32, partition as i32);

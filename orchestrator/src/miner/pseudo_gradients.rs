@@ -15,7 +15,7 @@ use super::uploads::UploadQuery;
 use super::uploads::accept_committed;
 use super::uploads::accept_upload;
 use super::uploads::check_presign_size;
-use super::uploads::presign;
+use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
@@ -61,26 +61,15 @@ async fn pg_slot(
     epoch: u64,
     partition: u32,
 ) -> ApiResult<(String, TensorSpec)> {
-    let now = run_now(&app.db, app.run.id).await?;
-    if now.epoch != epoch || now.phase != Phase::Uploading {
-        return Err(AppError::new(
-            ErrorCode::WrongPhase,
-            format!(
-                "pseudo-gradients of epoch {epoch} are taken in its uploading phase; the run is in epoch {} {}",
-                now.epoch,
-                now.phase.as_str()
-            ),
-        ));
-    }
-    let range = app
-        .config()
-        .partition_range(stage, partition)
-        .ok_or_else(|| {
-            AppError::new(
-                ErrorCode::NotFound,
-                format!("stage {stage} has no partition {partition}"),
-            )
-        })?;
+    let range = partition_in_phase(
+        app,
+        "pseudo-gradients",
+        Phase::Uploading,
+        epoch,
+        stage,
+        partition,
+    )
+    .await?;
     may_contribute(app, caller, epoch).await?;
     Ok((
         pg_key(app, epoch, stage, partition, &caller.ss58),

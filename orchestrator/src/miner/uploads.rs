@@ -727,3 +727,35 @@ pub(crate) fn recorded_output(
         )),
     }
 }
+
+/// The flat range of `partition` of `stage`, for a submission of `what` that `phase` of `epoch`
+/// takes: a wrong phase or epoch is `wrong_phase`, a partition the stage lacks `not_found`.
+pub(crate) async fn partition_in_phase(
+    app: &App,
+    what: &str,
+    phase: Phase,
+    epoch: u64,
+    stage: u32,
+    partition: u32,
+) -> ApiResult<std::ops::Range<u64>> {
+    let now = crate::samples::run_now(&app.db, app.run.id).await?;
+    if now.epoch != epoch || now.phase != phase {
+        return Err(AppError::new(
+            ErrorCode::WrongPhase,
+            format!(
+                "{what} of epoch {epoch} are taken in its {} phase; the run is in epoch {} {}",
+                phase.as_str(),
+                now.epoch,
+                now.phase.as_str()
+            ),
+        ));
+    }
+    app.config()
+        .partition_range(stage, partition)
+        .ok_or_else(|| {
+            AppError::new(
+                ErrorCode::NotFound,
+                format!("stage {stage} has no partition {partition}"),
+            )
+        })
+}
