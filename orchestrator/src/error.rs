@@ -5,6 +5,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use iota_protocol::{ApiError, AuthError, ErrorCode};
 
+use crate::domain::hops::HopRefusal;
 use crate::replay::ReplayError;
 use crate::signatures::VerifyError;
 use crate::store::StoreError;
@@ -62,6 +63,12 @@ impl From<sqlx::Error> for AppError {
             return Self::new(ErrorCode::BadRequest, "text may not contain U+0000");
         }
         Self::new(ErrorCode::Internal, format!("database: {e}"))
+    }
+}
+
+impl From<HopRefusal> for AppError {
+    fn from(e: HopRefusal) -> Self {
+        Self::new(e.code(), e.to_string())
     }
 }
 

@@ -8,7 +8,8 @@
 //!   cache; [`signatures`]: its batched signature verification. [`miner`], [`validator`],
 //!   [`views`]: routes.
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
-//! * [`routing`]: the pure decisions (stage choice, pathway draws, owners, phase steps).
+//! * [`domain`]: the rules as pure functions (phase steps, stage choice, pathway draws, owners,
+//!   hop and lease transitions, merge verdicts); the driver and the routes apply them.
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
 //! * [`dataset`]: the run's prepared dataset, published in the store and listed for members.
 //! * [`replicas`]: one schema at a time on a database, across upgrades.
@@ -22,6 +23,7 @@ mod body;
 pub mod config;
 pub mod dashboard;
 pub mod dataset;
+pub mod domain;
 pub mod driver;
 pub mod error;
 pub mod extract;
@@ -30,7 +32,7 @@ mod objects;
 pub mod poll_view;
 pub mod replay;
 pub mod replicas;
-pub mod routing;
+
 mod samples;
 pub mod session_secret;
 pub mod sessions;

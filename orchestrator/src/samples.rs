@@ -4,12 +4,13 @@
 
 use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
-use iota_protocol::api::Phase;
+use iota_protocol::api::{Direction, Phase};
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::app::App;
+use crate::domain::leases::{self, Reroute, pickup_s};
+use crate::domain::placement::weighted_pick;
 use crate::error::{ApiResult, AppError};
-use crate::routing::{pickup_s, weighted_pick};
 
 /// The current epoch row of the run.
 pub(crate) struct RunNow {
@@ -158,22 +159,28 @@ pub(crate) async fn reroute(
     why: &str,
 ) -> ApiResult<()> {
     let direction: String = row.try_get("direction")?;
+    let direction = Direction::parse(&direction)
+        .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad direction {direction}")))?;
     let sample_id: i64 = row.try_get("sample_id")?;
-    if direction == "forward" {
-        let miner: String = row.try_get("miner")?;
-        route_forward_sample(
-            tx,
-            app,
-            row.try_get::<i64, _>("epoch")? as u64,
-            sample_id,
-            row.try_get::<i32, _>("stage")? as u32,
-            row.try_get::<i32, _>("attempt")? + 1,
-            row.try_get("input")?,
-            Some(&miner),
-        )
-        .await?;
-    } else {
-        abandon_sample(tx, sample_id, why).await?;
+    let stage = row.try_get::<i32, _>("stage")? as u32;
+    match leases::reroute(direction, stage, row.try_get("attempt")?) {
+        Reroute::Forward { stage, attempt } => {
+            let miner: String = row.try_get("miner")?;
+            let epoch = row.try_get::<i64, _>("epoch")? as u64;
+            let input = row.try_get("input")?;
+            route_forward_sample(
+                tx,
+                app,
+                epoch,
+                sample_id,
+                stage,
+                attempt,
+                input,
+                Some(&miner),
+            )
+            .await?;
+        }
+        Reroute::AbandonSample => abandon_sample(tx, sample_id, why).await?,
     }
     Ok(())
 }

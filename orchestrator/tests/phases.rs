@@ -2160,7 +2160,7 @@ async fn a_commit_whose_check_failed_on_the_store_leaves_the_object_for_its_retr
 /// it: the phase waits for it (a large upload under way when the deadline passed was refused at
 /// the switch to merging, and its epoch's work lost), also across a gap in which nobody drove the
 /// run. A miner that restarted after reserving holds nothing (its uploads are refused), a
-/// reservation after the phase is refused, and the wait is bounded (see `routing::next_step`'s
+/// reservation after the phase is refused, and the wait is bounded (see `domain::phases::next_step`'s
 /// test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserved_upload_lands_after_the_deadline() {

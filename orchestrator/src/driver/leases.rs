@@ -1,90 +1,120 @@
 //! Leases that lapsed, hops not picked up in time, miners gone silent, and stages left empty.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
+use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use sqlx::{Postgres, Row, Transaction};
 
 use super::owners::add_owners;
 use crate::app::App;
-use crate::error::ApiResult;
-use crate::routing::secs;
+use crate::domain::hops::HopStatus;
+use crate::domain::leases::{self, Lapse, OpenHop, secs};
+use crate::error::{ApiResult, AppError};
 use crate::samples::{reroute, run_now};
 
-/// Lapsed leases, and routed hops their miner did not lease in time (see `routing::pickup_s`): a
-/// forward hop is re-routed to another miner of its stage as a new attempt; a backward hop cannot
-/// move (only its miner holds the activation cache), so its sample is abandoned. The old attempt's late result is refused with `lease_expired`. Hops routed to a
-/// miner that had already ended its epoch (a completion that raced with its pseudo-gradient, see
-/// `samples::close_epoch`) move the same way.
+/// Open hops that stop waiting for their miner ([`leases::lapse`]): hops of an ended epoch close
+/// (`next_epoch` closes them all; one routed by a statement that raced with it would otherwise
+/// go on being leased and re-routed for good); lapsed leases, hops their miner did not lease in
+/// time, and hops routed to a miner that had already ended its epoch (a completion that raced
+/// with its pseudo-gradient, see `samples::close_epoch`) move ([`leases::reroute`]). The old
+/// attempt's late result is refused with `lease_expired`.
 pub(crate) async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
-    // Open hops of an epoch that has ended (`next_epoch` closes them all; one routed by a
-    // statement that raced with it would otherwise go on being leased and re-routed for good).
-    // First, so that the sweeps below re-route none of them.
-    let stale = sqlx::query(
-        "UPDATE tasks SET status = 'abandoned' WHERE id IN (
-             SELECT id FROM tasks
-             WHERE run_id = $1 AND status IN ('pending', 'leased')
-               AND epoch < (SELECT epoch FROM runs WHERE id = $1)
-             FOR UPDATE SKIP LOCKED)",
-    )
-    .bind(app.run.id)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if stale > 0 {
-        tracing::warn!(count = stale, "open hops of an ended epoch were closed");
+    let mut closed = Vec::new();
+    let mut moved = HashMap::new();
+    for (id, current_epoch, hop) in hops_that_may_lapse(&mut tx, app.run.id, now).await? {
+        match leases::lapse(&hop, current_epoch, now) {
+            Some(Lapse::EpochOver) => closed.push(id),
+            Some(why) => {
+                moved.insert(id, why);
+            }
+            None => {}
+        }
     }
-    // A routed hop waits past its pick-up time only while its miner works (holds a live
-    // lease): a slow miner with a backlog leases it in turn, and moving its backward hops would
-    // end their samples. One that holds none (its loop hung, or it never polls) gives it up.
+    if !closed.is_empty() {
+        sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE id = ANY($1)")
+            .bind(&closed)
+            .execute(&mut *tx)
+            .await?;
+        tracing::warn!(
+            count = closed.len(),
+            "open hops of an ended epoch were closed"
+        );
+    }
+    let ids: Vec<i64> = moved.keys().copied().collect();
     let rows = sqlx::query(
-        "UPDATE tasks SET status = 'expired' WHERE id IN (
-             SELECT t.id FROM tasks t
-             WHERE t.run_id = $1 AND t.status IN ('pending', 'leased') AND t.leased_until < $2
-               AND t.epoch = (SELECT epoch FROM runs WHERE id = $1)
-               AND (t.status = 'leased'
-                    OR NOT EXISTS (SELECT 1 FROM tasks l
-                                   WHERE l.run_id = t.run_id AND l.miner = t.miner
-                                     AND l.status = 'leased' AND l.leased_until >= $2))
-             FOR UPDATE SKIP LOCKED)
-         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
+        "UPDATE tasks SET status = 'expired' WHERE id = ANY($1)
+         RETURNING id, epoch, sample_id, stage, direction, attempt, miner, input",
     )
-    .bind(app.run.id)
-    .bind(now)
+    .bind(&ids)
     .fetch_all(&mut *tx)
     .await?;
     for row in &rows {
-        reroute(&mut tx, app, row, "lease lapsed").await?;
-    }
-    let stray = sqlx::query(
-        "UPDATE tasks SET status = 'expired' WHERE id IN (
-             SELECT t.id FROM tasks t
-             WHERE t.run_id = $1 AND t.status IN ('pending', 'leased')
-               AND t.epoch = (SELECT epoch FROM runs WHERE id = $1)
-               AND EXISTS (SELECT 1 FROM miners m
-                           WHERE m.run_id = t.run_id AND m.hotkey = t.miner
-                             AND m.ended_epoch = t.epoch)
-             FOR UPDATE SKIP LOCKED)
-         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
-    )
-    .bind(app.run.id)
-    .fetch_all(&mut *tx)
-    .await?;
-    for row in &stray {
-        reroute(&mut tx, app, row, "its miner ended its epoch").await?;
+        let why = moved.get(&row.try_get::<i64, _>("id")?).copied();
+        reroute(&mut tx, app, row, why.map_or("", Lapse::reason)).await?;
     }
     tx.commit().await?;
-    if !rows.is_empty() {
-        metrics::counter!("iota_leases_expired_total").increment(rows.len() as u64);
-        tracing::info!(count = rows.len(), "leases lapsed and were re-routed");
+    let lapsed = moved.values().filter(|&&w| w == Lapse::LeaseLapsed).count();
+    if lapsed > 0 {
+        metrics::counter!("iota_leases_expired_total").increment(lapsed as u64);
+        tracing::info!(count = lapsed, "leases lapsed and were re-routed");
     }
-    if !stray.is_empty() {
+    if moved.len() > lapsed {
         tracing::info!(
-            count = stray.len(),
+            count = moved.len() - lapsed,
             "hops routed to miners that had ended their epoch were re-routed"
         );
     }
     Ok(())
+}
+
+/// Open hops of the run that [`leases::lapse`] may end at `now`, locked (skipping those a
+/// completion holds): its id, the run's epoch, and what the rule reads.
+async fn hops_that_may_lapse(
+    tx: &mut Transaction<'_, Postgres>,
+    run: i64,
+    now: DateTime<Utc>,
+) -> ApiResult<Vec<(i64, u64, OpenHop)>> {
+    let rows = sqlx::query(
+        "SELECT t.id, t.status, t.epoch, t.leased_until, r.epoch AS current_epoch,
+                m.ended_epoch,
+                EXISTS (SELECT 1 FROM tasks l
+                        WHERE l.run_id = t.run_id AND l.miner = t.miner
+                          AND l.status = 'leased' AND l.leased_until >= $2) AS miner_working
+         FROM tasks t
+         JOIN runs r ON r.id = t.run_id
+         LEFT JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
+         WHERE t.run_id = $1 AND t.status IN ('pending', 'leased')
+           AND (t.epoch < r.epoch OR t.leased_until < $2 OR m.ended_epoch = t.epoch)
+         FOR UPDATE OF t SKIP LOCKED",
+    )
+    .bind(run)
+    .bind(now)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let status: String = row.try_get("status")?;
+            let hop = OpenHop {
+                status: HopStatus::parse(&status).ok_or_else(|| {
+                    AppError::new(ErrorCode::Internal, format!("bad task status {status}"))
+                })?,
+                epoch: row.try_get::<i64, _>("epoch")? as u64,
+                leased_until: row.try_get("leased_until")?,
+                miner_working: row.try_get("miner_working")?,
+                miner_ended_epoch: row
+                    .try_get::<Option<i64>, _>("ended_epoch")?
+                    .map(|e| e as u64),
+            };
+            Ok((
+                row.try_get("id")?,
+                row.try_get::<i64, _>("current_epoch")? as u64,
+                hop,
+            ))
+        })
+        .collect()
 }
 
 /// Miners silent for longer than the heartbeat timeout are released: their open hops move (or

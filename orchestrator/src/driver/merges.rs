@@ -13,9 +13,9 @@ use super::locks::phase_lock_shared;
 use super::owners::PARTITIONS_PER_STATEMENT;
 use super::owners::add_owner;
 use crate::app::App;
+use crate::domain::merges::{Verdict, final_pick, verdict};
 use crate::error::{ApiResult, AppError};
 use crate::objects::{SealedIn, delete_unless_recorded};
-use crate::routing::{Verdict, final_pick, verdict};
 use crate::samples::{RunNow, run_now};
 
 /// A partition of the current run, by its key.

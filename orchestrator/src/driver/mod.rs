@@ -8,7 +8,7 @@
 //! the database is, with the phase's time left as it was (see [`forgive_gap`]). Phase changes
 //! take an exclusive transaction-level lock that uploads take in shared mode, so an upload lands
 //! wholly before a phase change or is refused after it; uploads reserved before the uploading
-//! deadline hold that phase open for a bounded time (see `routing::next_step`).
+//! deadline hold that phase open for a bounded time (see `domain::phases::next_step`).
 
 mod gc;
 mod leases;

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
+use crate::domain::placement::{OwnerCandidate, pick_added_owners};
 use crate::error::ApiResult;
-use crate::routing::{OwnerCandidate, pick_added_owners};
 
 /// Partitions written per statement when merging starts, or at an epoch's end.
 pub(crate) const PARTITIONS_PER_STATEMENT: usize = 4096;

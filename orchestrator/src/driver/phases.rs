@@ -14,9 +14,10 @@ use super::owners::PARTITIONS_PER_STATEMENT;
 use super::owners::add_owners;
 use super::owners::insert_owners;
 use crate::app::App;
+use crate::domain::leases::secs;
+use crate::domain::phases::{PhaseStep, PhaseView, next_step, reservations_hold_until};
+use crate::domain::placement::initial_owners;
 use crate::error::{ApiResult, AppError};
-use crate::routing::{PhaseStep, PhaseView, initial_owners, next_step};
-use crate::routing::{reservations_hold_until, secs};
 use crate::samples::{abandon_sample, run_now};
 
 pub(crate) async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseView> {

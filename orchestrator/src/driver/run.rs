@@ -18,9 +18,9 @@ use super::phases::reassign_round;
 use super::phases::start_merging;
 use super::phases::start_uploading;
 use crate::app::App;
+use crate::domain::leases::{pickup_s, secs};
+use crate::domain::phases::{PhaseStep, next_step};
 use crate::error::ApiResult;
-use crate::routing::{PhaseStep, next_step};
-use crate::routing::{pickup_s, secs};
 
 /// Runs the driver until `shutdown` resolves. `tick` is the time between steps.
 pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::Receiver<bool>) {

@@ -9,9 +9,9 @@ use sqlx::{Postgres, Row, Transaction};
 
 use crate::app::App;
 use crate::auth::Caller;
+use crate::domain::placement::{StageLoad, admit};
 use crate::error::{ApiResult, AppError};
 use crate::extract::ApiJson;
-use crate::routing::{StageLoad, admit};
 use crate::samples::{close_epoch, run_now};
 use crate::views;
 
@@ -151,7 +151,7 @@ async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult
          FROM active GROUP BY stage",
     )
     .bind(app.run.id)
-    .bind(crate::routing::MAX_WEIGHT_OVER_MEDIAN)
+    .bind(crate::domain::placement::MAX_WEIGHT_OVER_MEDIAN)
     .fetch_all(&mut **tx)
     .await?;
     let cfg = app.config();

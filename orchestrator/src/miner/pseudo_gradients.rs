@@ -18,10 +18,10 @@ use super::uploads::check_presign_size;
 use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
+use crate::domain::phases::reservations_hold_until;
 use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::objects::{SealedIn, delete_unless_recorded};
-use crate::routing::reservations_hold_until;
 use crate::samples::{close_epoch, run_now};
 
 /// Weight of a miner's pseudo-gradient: its completed hops this epoch that updated its

@@ -15,9 +15,10 @@ use uuid::Uuid;
 
 use crate::app::App;
 use crate::auth::Caller;
+use crate::domain::hops::expects_output;
+use crate::domain::leases::secs;
 use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
-use crate::routing::secs;
 use crate::store::StoreError;
 
 /// Query of a direct upload.
@@ -680,12 +681,6 @@ pub async fn commit_output(
     )
     .await?;
     stage_output(&app, task_id, lease, blob).await
-}
-
-/// Every hop produces a tensor except those at stage 0 that have nowhere to send it: the
-/// backward, and in a run of one stage the forward too (its loss is all it gives).
-pub(crate) fn expects_output(direction: Direction, stage: u32, stages: u32) -> bool {
-    !(stage == 0 && (direction == Direction::Backward || stages == 1))
 }
 
 /// Refuses an output for a hop that has none.

@@ -10,9 +10,9 @@ use iota_protocol::blob::BlobDescriptor;
 use sqlx::{Postgres, Row, Transaction};
 
 use super::join::miner_stage;
-use super::uploads::expects_output;
 use crate::app::App;
 use crate::auth::{Caller, Gate, SharedReplay, SignedRoutes};
+use crate::domain::hops::expects_output;
 use crate::error::{ApiResult, AppError};
 use crate::views;
 

@@ -1,10 +1,9 @@
-//! Pure decisions: which stage a new miner takes, which miner gets the next hop, who owns which
-//! partition, and when a phase ends. No I/O; time and randomness are passed in.
+//! Where work goes: which stage a new miner takes, which miner gets the next hop, and who owns
+//! which partition of a merge.
 
 use std::collections::HashMap;
 
-use chrono::{DateTime, Utc};
-use iota_protocol::api::{MAX_TOKENS_PER_S, Phase, RunConfig};
+use iota_protocol::api::MAX_TOKENS_PER_S;
 use rand::Rng;
 
 /// Load of one stage as the assigner sees it.
@@ -189,158 +188,9 @@ pub fn pick_added_owners(
         .collect()
 }
 
-/// What the phase driver sees of the current phase.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PhaseView {
-    /// Phase.
-    pub phase: Phase,
-    /// Its deadline.
-    pub deadline: DateTime<Utc>,
-    /// Merge reassignment round.
-    pub merge_round: u32,
-    /// Samples started / target this epoch.
-    pub samples_started: u64,
-    /// Target.
-    pub samples_target: u64,
-    /// Samples still travelling (forward or backward).
-    pub samples_in_flight: u64,
-    /// Pseudo-gradient partitions expected from miners that did work.
-    pub uploads_expected: u64,
-    /// Of those, received.
-    pub uploads_received: u64,
-    /// Partitions without an accepted result.
-    pub partitions_open: u64,
-    /// Miners that reserved their pseudo-gradient upload and have not uploaded every partition.
-    pub uploads_reserved: u64,
-    /// The latest the uploading phase waits for them.
-    pub reserved_until: DateTime<Utc>,
-}
-
-/// What the driver does next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PhaseStep {
-    /// Nothing yet.
-    Wait,
-    /// Training → uploading.
-    StartUploading,
-    /// Uploading → merging (freeze contributions, assign owners).
-    StartMerging,
-    /// Merging deadline passed with partitions open: add an owner to each and extend.
-    ReassignRound,
-    /// Merging is over (all accepted, or the last round ended): settle leftovers, next epoch.
-    NextEpoch,
-}
-
-/// Decides the next step. Each phase ends by quorum or by deadline, so an epoch always advances
-/// within `training_s + uploading_s + merging_s + max_rounds · merge_round_s`.
-pub fn next_step(view: &PhaseView, now: DateTime<Utc>, max_rounds: u32) -> PhaseStep {
-    let expired = now >= view.deadline;
-    match view.phase {
-        Phase::Training => {
-            let quorum = view.samples_started >= view.samples_target && view.samples_in_flight == 0;
-            if quorum || expired {
-                PhaseStep::StartUploading
-            } else {
-                PhaseStep::Wait
-            }
-        }
-        Phase::Uploading => {
-            let quorum = view.uploads_received >= view.uploads_expected;
-            // Uploads reserved before the deadline hold it open, for a bounded time.
-            let held = view.uploads_reserved > 0 && now < view.reserved_until;
-            if quorum || (expired && !held) {
-                PhaseStep::StartMerging
-            } else {
-                PhaseStep::Wait
-            }
-        }
-        Phase::Merging => {
-            if view.partitions_open == 0 {
-                PhaseStep::NextEpoch
-            } else if !expired {
-                PhaseStep::Wait
-            } else if view.merge_round < max_rounds {
-                PhaseStep::ReassignRound
-            } else {
-                PhaseStep::NextEpoch
-            }
-        }
-    }
-}
-
-/// How a partition's submitted results settle. `results` are hashes in submission order.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Not enough results yet.
-    Pending,
-    /// Two or more results agree on this hash (`unanimous` when nothing disagreed).
-    Accept {
-        /// The agreed hash.
-        hash: String,
-        /// Whether every result agreed.
-        unanimous: bool,
-    },
-    /// Results disagree with no majority: open a dispute and add a tie-break owner.
-    Dispute,
-}
-
-/// Settles results as they arrive: the first hash reached by two results wins.
-pub fn verdict(results: &[String]) -> Verdict {
-    let mut counts: Vec<(&str, usize)> = Vec::new();
-    for r in results {
-        match counts.iter_mut().find(|(h, _)| *h == r) {
-            Some((_, c)) => *c += 1,
-            None => counts.push((r, 1)),
-        }
-    }
-    if let Some((hash, _)) = counts.iter().find(|(_, c)| *c >= 2) {
-        return Verdict::Accept {
-            hash: (*hash).to_owned(),
-            unanimous: counts.len() == 1,
-        };
-    }
-    if counts.len() >= 2 {
-        Verdict::Dispute
-    } else {
-        Verdict::Pending
-    }
-}
-
-/// At the last deadline: the hash with the most results (earliest on a tie), if any.
-pub fn final_pick(results: &[String]) -> Option<String> {
-    let mut best: Option<(&str, usize)> = None;
-    for r in results {
-        let c = results.iter().filter(|x| *x == r).count();
-        if best.is_none_or(|(_, bc)| c > bc) {
-            best = Some((r, c));
-        }
-    }
-    best.map(|(h, _)| h.to_owned())
-}
-
-/// Seconds a routed hop waits for its miner to lease it (`leased_until` of a pending hop): two
-/// leases; past that it moves unless the miner is working (holds a live lease; see
-/// `driver::expire_leases`). A miner that heartbeats but does not poll (its work loop hung, or it
-/// only claims throughput to draw hops) would otherwise hold every hop routed to it until the
-/// epoch ended, each one a sample in flight that a stage-0 miner may not replace.
-pub(crate) fn pickup_s(cfg: &RunConfig) -> u64 {
-    cfg.lease_s.saturating_mul(2)
-}
-
-/// The latest an uploading phase with reservations outstanding stays open: its deadline plus
-/// one more phase length.
-pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) -> DateTime<Utc> {
-    deadline + secs(run.uploading_s)
-}
-
-pub(crate) fn secs(s: u64) -> chrono::Duration {
-    chrono::Duration::seconds(s.min(i64::MAX as u64 / 1000) as i64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::Duration;
     use rand::SeedableRng;
 
     fn candidate(hotkey: &str, stage: u32, owned: u64) -> OwnerCandidate {
@@ -547,82 +397,5 @@ mod tests {
         assert_eq!(initial_owners(&m, 1, 0), vec!["b", "c"]);
         assert_eq!(initial_owners(&m[..1], 5, 3), vec!["a"]);
         assert!(initial_owners(&[], 0, 0).is_empty());
-    }
-
-    fn view(phase: Phase) -> PhaseView {
-        PhaseView {
-            phase,
-            deadline: DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(100),
-            merge_round: 0,
-            samples_started: 0,
-            samples_target: 10,
-            samples_in_flight: 0,
-            uploads_expected: 4,
-            uploads_received: 0,
-            partitions_open: 3,
-            uploads_reserved: 0,
-            reserved_until: DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(200),
-        }
-    }
-
-    #[test]
-    fn phases_end_by_quorum_or_deadline() {
-        let before = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(50);
-        let after = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(100);
-        let mut v = view(Phase::Training);
-        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
-        assert_eq!(next_step(&v, after, 2), PhaseStep::StartUploading);
-        v.samples_started = 10;
-        v.samples_in_flight = 1;
-        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
-        v.samples_in_flight = 0;
-        assert_eq!(next_step(&v, before, 2), PhaseStep::StartUploading);
-
-        let mut v = view(Phase::Uploading);
-        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
-        v.uploads_received = 4;
-        assert_eq!(next_step(&v, before, 2), PhaseStep::StartMerging);
-        v.uploads_received = 0;
-        assert_eq!(next_step(&v, after, 2), PhaseStep::StartMerging);
-        // A reserved upload holds the deadline, until the hold ends; not the quorum.
-        v.uploads_reserved = 1;
-        assert_eq!(next_step(&v, after, 2), PhaseStep::Wait);
-        let held_to = DateTime::<Utc>::UNIX_EPOCH + Duration::seconds(200);
-        assert_eq!(next_step(&v, held_to, 2), PhaseStep::StartMerging);
-        v.uploads_received = 4;
-        assert_eq!(next_step(&v, before, 2), PhaseStep::StartMerging);
-
-        let mut v = view(Phase::Merging);
-        assert_eq!(next_step(&v, before, 2), PhaseStep::Wait);
-        assert_eq!(next_step(&v, after, 2), PhaseStep::ReassignRound);
-        v.merge_round = 2;
-        assert_eq!(next_step(&v, after, 2), PhaseStep::NextEpoch);
-        v.merge_round = 0;
-        v.partitions_open = 0;
-        assert_eq!(next_step(&v, before, 2), PhaseStep::NextEpoch);
-    }
-
-    #[test]
-    fn verdicts() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(verdict(&s(&["a"])), Verdict::Pending);
-        assert_eq!(
-            verdict(&s(&["a", "a"])),
-            Verdict::Accept {
-                hash: "a".into(),
-                unanimous: true
-            }
-        );
-        assert_eq!(verdict(&s(&["a", "b"])), Verdict::Dispute);
-        assert_eq!(
-            verdict(&s(&["a", "b", "b"])),
-            Verdict::Accept {
-                hash: "b".into(),
-                unanimous: false
-            }
-        );
-        assert_eq!(final_pick(&s(&["a", "b", "b"])), Some("b".into()));
-        assert_eq!(final_pick(&s(&["a", "b"])), Some("a".into()));
-        assert_eq!(final_pick(&[]), None);
     }
 }
