@@ -275,30 +275,7 @@ pub async fn files(State(app): State<App>) -> ApiResult<Json<DatasetFiles>> {
         ));
     };
     let prefix = dataset_prefix(&hash);
-    let not_published = |_| {
-        AppError::new(
-            ErrorCode::NotFound,
-            format!(
-                "dataset {hash} is not in the run's store: the orchestrator publishes it when \
-                 started with --data; meanwhile use a local copy (--data-dir)"
-            ),
-        )
-    };
-    let manifest = match app
-        .store
-        .get_bounded(&format!("{prefix}{MANIFEST_FILE}"), MAX_MANIFEST_BYTES)
-        .await
-    {
-        Err(StoreError::NotFound(k)) => return Err(not_published(k)),
-        r => r?,
-    };
-    if blake3_hex(&manifest) != hash {
-        tracing::error!(dataset = %hash, "the stored manifest has other bytes than the run's");
-        return Err(AppError::new(
-            ErrorCode::Internal,
-            "the stored manifest is not the run's",
-        ));
-    }
+    let manifest = stored_manifest(&app, &hash).await?;
     let expected = ManifestFiles::parse(&manifest)
         .and_then(|m| m.expected())
         .map_err(|e| AppError::new(ErrorCode::Internal, e))?;
@@ -315,9 +292,8 @@ pub async fn files(State(app): State<App>) -> ApiResult<Json<DatasetFiles>> {
     push(MANIFEST_FILE, manifest.len() as u64, &hash);
     for f in &expected {
         let key = format!("{prefix}{}", f.name);
-        let size = match app.store.size_of(&key).await? {
-            Some(s) => s,
-            None => return Err(not_published(key)),
+        let Some(size) = app.store.size_of(&key).await? else {
+            return Err(not_published(&hash));
         };
         push(&f.name, size, &f.blake3);
     }
@@ -328,6 +304,33 @@ pub async fn files(State(app): State<App>) -> ApiResult<Json<DatasetFiles>> {
         dataset: hash,
         files,
     }))
+}
+
+fn not_published(hash: &str) -> AppError {
+    AppError::new(
+        ErrorCode::NotFound,
+        format!(
+            "dataset {hash} is not in the run's store: the orchestrator publishes it when started \
+             with --data; meanwhile use a local copy (--data-dir)"
+        ),
+    )
+}
+
+/// The manifest of the run's dataset `hash` as stored, checked to be the run's.
+async fn stored_manifest(app: &App, hash: &str) -> ApiResult<bytes::Bytes> {
+    let key = format!("{}{MANIFEST_FILE}", dataset_prefix(hash));
+    let manifest = match app.store.get_bounded(&key, MAX_MANIFEST_BYTES).await {
+        Err(StoreError::NotFound(_)) => return Err(not_published(hash)),
+        r => r?,
+    };
+    if blake3_hex(&manifest) != hash {
+        tracing::error!(dataset = %hash, "the stored manifest has other bytes than the run's");
+        return Err(AppError::new(
+            ErrorCode::Internal,
+            "the stored manifest is not the run's",
+        ));
+    }
+    Ok(manifest)
 }
 
 /// Whether `key` is a file of the run's dataset (readable by every member through

@@ -74,7 +74,25 @@ pub async fn epoch(
             format!("epoch {epoch} has not started"),
         ));
     }
-    let miners = sqlx::query(
+    let miners = epoch_work(&app, epoch).await?;
+    let pseudo_gradients = epoch_pseudo_gradients(&app, epoch).await?;
+    let mut start_weights = Vec::new();
+    for stage in 0..app.config().stages {
+        start_weights.push(start_weights_of(&app, stage, epoch).await?);
+    }
+    Ok(Json(EpochRecord {
+        epoch,
+        phase: (epoch == cur.epoch).then_some(cur.phase),
+        miners,
+        pseudo_gradients,
+        partitions: views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58)).await?,
+        start_weights,
+    }))
+}
+
+/// Each miner's hops in `epoch`, with the stage it worked in.
+async fn epoch_work(app: &App, epoch: u64) -> ApiResult<Vec<MinerWork>> {
+    Ok(sqlx::query(
         // The stage a miner worked in that epoch, not the one it is in now (a miner moves to a
         // stage left empty): its pseudo-gradient's, else its last hop's.
         "SELECT t.miner,
@@ -102,8 +120,12 @@ pub async fn epoch(
             failed: r.try_get::<i64, _>("failed")? as u64,
         })
     })
-    .collect::<Result<Vec<_>, sqlx::Error>>()?;
-    let pseudo_gradients = sqlx::query(
+    .collect::<Result<Vec<_>, sqlx::Error>>()?)
+}
+
+/// The pseudo-gradients uploaded in `epoch`.
+async fn epoch_pseudo_gradients(app: &App, epoch: u64) -> ApiResult<Vec<PseudoGradientRecord>> {
+    sqlx::query(
         "SELECT stage, partition, miner, blob, weight FROM pseudo_gradients
          WHERE run_id = $1 AND epoch = $2 ORDER BY stage, partition, miner",
     )
@@ -123,19 +145,7 @@ pub async fn epoch(
             weight: r.try_get("weight")?,
         })
     })
-    .collect::<ApiResult<Vec<_>>>()?;
-    let mut start_weights = Vec::new();
-    for stage in 0..app.config().stages {
-        start_weights.push(start_weights_of(&app, stage, epoch).await?);
-    }
-    Ok(Json(EpochRecord {
-        epoch,
-        phase: (epoch == cur.epoch).then_some(cur.phase),
-        miners,
-        pseudo_gradients,
-        partitions: views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58)).await?,
-        start_weights,
-    }))
+    .collect()
 }
 
 /// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
@@ -252,37 +262,7 @@ pub async fn scores(
     ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiJson(sub): ApiJson<ScoreSubmission>,
 ) -> ApiResult<Json<ScoreRecord>> {
-    if sub.scores.len() > MAX_UIDS
-        || sub
-            .scores
-            .iter()
-            .any(|s| !(s.score.is_finite() && s.score >= 0.0))
-    {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            "scores: at most 4096 finite, non-negative values",
-        ));
-    }
-    if sub.scores.iter().any(|s| s.hotkey.len() > MAX_HOTKEY_LEN) {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            format!("scores: a hotkey is at most {MAX_HOTKEY_LEN} characters"),
-        ));
-    }
-    if let Some(w) = &sub.weights {
-        // What a chain's weights can be: one per uid of a subnet, each uid once. They are
-        // served to anyone (`GET /v1/scores`), so they are kept to that.
-        let mut uids = w.uids.clone();
-        uids.sort_unstable();
-        uids.dedup();
-        if w.uids.len() != w.weights.len() || w.uids.len() > MAX_UIDS || uids.len() != w.uids.len()
-        {
-            return Err(AppError::new(
-                ErrorCode::BadRequest,
-                format!("weights: as many weights as uids, at most {MAX_UIDS}, each uid once"),
-            ));
-        }
-    }
+    check_submission(&sub)?;
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
         return Err(AppError::new(
@@ -305,6 +285,41 @@ pub async fn scores(
     .fetch_one(&app.db)
     .await?;
     Ok(Json(views::score_from_row(&row)?))
+}
+
+/// Scores a validator may submit, and weights a chain could hold: one per uid of a subnet, each
+/// uid once. They are served to anyone (`GET /v1/scores`), so they are kept to that.
+fn check_submission(sub: &ScoreSubmission) -> ApiResult<()> {
+    if sub.scores.len() > MAX_UIDS
+        || sub
+            .scores
+            .iter()
+            .any(|s| !(s.score.is_finite() && s.score >= 0.0))
+    {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "scores: at most 4096 finite, non-negative values",
+        ));
+    }
+    if sub.scores.iter().any(|s| s.hotkey.len() > MAX_HOTKEY_LEN) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("scores: a hotkey is at most {MAX_HOTKEY_LEN} characters"),
+        ));
+    }
+    if let Some(w) = &sub.weights {
+        let mut uids = w.uids.clone();
+        uids.sort_unstable();
+        uids.dedup();
+        if w.uids.len() != w.weights.len() || w.uids.len() > MAX_UIDS || uids.len() != w.uids.len()
+        {
+            return Err(AppError::new(
+                ErrorCode::BadRequest,
+                format!("weights: as many weights as uids, at most {MAX_UIDS}, each uid once"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<serde_json::Value> {
@@ -338,8 +353,38 @@ pub async fn spot_checks(
     ApiQuery(q): ApiQuery<SpotCheckQuery>,
 ) -> ApiResult<Json<SpotCheckTasks>> {
     let limit = views::page_limit(q.limit);
-    // The miners with work in the epoch (from its hops and pseudo-gradients, not every miner
-    // that ever joined), a page of them.
+    let miners = workers_page(&app, epoch, q.after.as_deref(), limit).await?;
+    let next_after = (miners.len() as i64 == limit)
+        .then(|| miners.last().map(|m| m.hotkey.clone()))
+        .flatten();
+    let mut page = SpotCheckTasks {
+        epoch,
+        miners,
+        next_after,
+        partitions: Vec::new(),
+        reported: Vec::new(),
+    };
+    // The epoch's merges and reports come with the first page only: later pages would repeat
+    // them (up to every partition of every stage, and 10,000 checks per validator).
+    if q.after.is_none() {
+        page.partitions = views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58))
+            .await?
+            .into_iter()
+            .filter(|p| p.state == PartitionState::Accepted)
+            .collect();
+        page.reported = reported_checks(&app, epoch).await?;
+    }
+    Ok(Json(page))
+}
+
+/// The miners with work in `epoch` (from its hops and pseudo-gradients, not every miner that
+/// ever joined), a page of them by hotkey after `after`.
+async fn workers_page(
+    app: &App,
+    epoch: u64,
+    after: Option<&str>,
+    limit: i64,
+) -> ApiResult<Vec<SpotCheckCandidate>> {
     let rows = sqlx::query(
         "WITH workers AS (
              SELECT miner FROM tasks WHERE run_id = $1 AND epoch = $2 AND status = 'done'
@@ -369,42 +414,26 @@ pub async fn spot_checks(
     )
     .bind(app.run.id)
     .bind(epoch as i64)
-    .bind(q.after.as_deref())
+    .bind(after)
     .bind(limit)
     .fetch_all(&app.db)
     .await?;
-    let next_after = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|r| r.try_get::<String, _>("hotkey")))
-        .flatten()
-        .transpose()?;
-    let mut miners = Vec::new();
-    for r in rows {
-        let hops: Vec<i64> = r.try_get("hops")?;
-        let pgs: Vec<i32> = r.try_get("pgs")?;
-        miners.push(SpotCheckCandidate {
-            hotkey: r.try_get("hotkey")?,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            hop_task_ids: hops,
-            pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
-        });
-    }
-    // The epoch's merges and reports come with the first page only: later pages would repeat
-    // them (up to every partition of every stage, and 10,000 checks per validator).
-    if q.after.is_some() {
-        return Ok(Json(SpotCheckTasks {
-            epoch,
-            miners,
-            next_after,
-            partitions: Vec::new(),
-            reported: Vec::new(),
-        }));
-    }
-    let partitions = views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58))
-        .await?
-        .into_iter()
-        .filter(|p| p.state == PartitionState::Accepted)
-        .collect();
-    let reported = sqlx::query(
+    rows.iter()
+        .map(|r| {
+            let pgs: Vec<i32> = r.try_get("pgs")?;
+            Ok(SpotCheckCandidate {
+                hotkey: r.try_get("hotkey")?,
+                stage: r.try_get::<i32, _>("stage")? as u32,
+                hop_task_ids: r.try_get("hops")?,
+                pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
+            })
+        })
+        .collect()
+}
+
+/// What validators reported checking in `epoch`.
+async fn reported_checks(app: &App, epoch: u64) -> ApiResult<Vec<SpotCheckReport>> {
+    sqlx::query(
         "SELECT validator, seed, seed_block, checks FROM spot_checks
          WHERE run_id = $1 AND epoch = $2 ORDER BY validator",
     )
@@ -422,14 +451,7 @@ pub async fn spot_checks(
                 .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
         })
     })
-    .collect::<ApiResult<Vec<_>>>()?;
-    Ok(Json(SpotCheckTasks {
-        epoch,
-        miners,
-        next_after,
-        partitions,
-        reported,
-    }))
+    .collect()
 }
 
 /// `POST /v1/validator/epochs/{epoch}/spot-checks`: publish what this validator checked (one
@@ -445,20 +467,7 @@ pub async fn report_spot_checks(
     ApiPath(Bigint(epoch)): ApiPath<Bigint>,
     ApiJson(mut report): ApiJson<SpotCheckReport>,
 ) -> ApiResult<Json<SpotCheckReport>> {
-    if report.checks.len() > 10_000 || report.seed.len() > 256 {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            "at most 10000 checks and a seed of at most 256 characters",
-        ));
-    }
-    // Stored as PostgreSQL's bigint; anything larger would be kept as another block than the
-    // one the draw names.
-    if i64::try_from(report.seed_block).is_err() {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            format!("seed_block must be at most {}", i64::MAX),
-        ));
-    }
+    check_report(&report)?;
     // Only epochs that exist: each report is kept, so any u64 would grow the table without end.
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
@@ -483,4 +492,22 @@ pub async fn report_spot_checks(
     .execute(&app.db)
     .await?;
     Ok(Json(report))
+}
+
+fn check_report(report: &SpotCheckReport) -> ApiResult<()> {
+    if report.checks.len() > 10_000 || report.seed.len() > 256 {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            "at most 10000 checks and a seed of at most 256 characters",
+        ));
+    }
+    // Stored as PostgreSQL's bigint; anything larger would be kept as another block than the
+    // one the draw names.
+    if i64::try_from(report.seed_block).is_err() {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("seed_block must be at most {}", i64::MAX),
+        ));
+    }
+    Ok(())
 }

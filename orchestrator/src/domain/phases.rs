@@ -90,6 +90,21 @@ pub(crate) fn reservations_hold_until(run: &RunConfig, deadline: DateTime<Utc>) 
     deadline + secs(run.uploading_s)
 }
 
+/// Whether a miner may reserve its pseudo-gradient upload of `epoch` at `at`, the run being in
+/// `run_epoch`'s `phase` until `deadline`: during that epoch's uploading phase, before its
+/// deadline; a retry of a reservation made in time (`held`, its answer lost) holds as the first
+/// did.
+pub fn reservation_open(
+    run_epoch: u64,
+    phase: Phase,
+    deadline: DateTime<Utc>,
+    epoch: u64,
+    at: DateTime<Utc>,
+    held: bool,
+) -> bool {
+    run_epoch == epoch && phase == Phase::Uploading && (at < deadline || held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +161,21 @@ mod tests {
         v.merge_round = 0;
         v.partitions_open = 0;
         assert_eq!(next_step(&v, before, 2), PhaseStep::NextEpoch);
+    }
+
+    #[test]
+    fn uploads_are_reserved_in_the_epochs_uploading_phase_before_its_deadline() {
+        let deadline = DateTime::<Utc>::from_timestamp(1_000, 0).expect("a time");
+        let before = deadline - Duration::seconds(1);
+        let open = |e, p, at, held| reservation_open(4, p, deadline, e, at, held);
+        assert!(open(4, Phase::Uploading, before, false));
+        assert!(
+            !open(4, Phase::Uploading, deadline, false),
+            "at the deadline"
+        );
+        assert!(open(4, Phase::Uploading, deadline, true), "a retry holds");
+        assert!(!open(3, Phase::Uploading, before, true), "another epoch");
+        assert!(!open(4, Phase::Training, before, false));
+        assert!(!open(4, Phase::Merging, before, true));
     }
 }

@@ -53,6 +53,51 @@ pub fn admit(loads: &[StageLoad], memory_bytes: u64) -> Result<u32, String> {
     })
 }
 
+/// The stage of a miner joining again from `held`: a stage with no miner that it has the
+/// memory for takes it, if `held` keeps other miners (`active`: whether it is counted in
+/// `held`'s load now); otherwise it keeps `held`.
+pub fn rejoin_stage(loads: &[StageLoad], held: u32, active: bool, memory_bytes: u64) -> u32 {
+    let me = u32::from(active);
+    let others_stay = loads.get(held as usize).is_some_and(|l| l.miners > me);
+    let empty = loads
+        .iter()
+        .find(|l| l.miners == 0 && l.memory_needed <= memory_bytes)
+        .map(|l| l.stage);
+    match empty {
+        Some(empty) if others_stay => empty,
+        _ => held,
+    }
+}
+
+/// What registering again does to a miner's work in the current epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restart {
+    /// It goes on (it holds the state its hops left, or did none).
+    Continues,
+    /// It ended before (a pseudo-gradient, or an earlier restart).
+    Ended,
+    /// This registration ends it: a new process no longer holds the state its completed hops
+    /// left, so it could neither upload a pseudo-gradient that matches them nor train on.
+    EndsWork,
+}
+
+/// [`Restart`] for a miner whose work ended last in `ended`, in `epoch`, saying whether it
+/// `holds_state` of the epoch and having completed hops of it (`worked`) or not.
+pub fn restart_ends_work(
+    ended: Option<u64>,
+    epoch: u64,
+    holds_state: bool,
+    worked: bool,
+) -> Restart {
+    if ended == Some(epoch) {
+        Restart::Ended
+    } else if !holds_state && worked {
+        Restart::EndsWork
+    } else {
+        Restart::Continues
+    }
+}
+
 /// Floor on the routing weight, so a miner that reported no throughput still gets some work and
 /// can prove itself.
 const MIN_ROUTING_WEIGHT: f64 = 1.0;
@@ -397,5 +442,45 @@ mod tests {
         assert_eq!(initial_owners(&m, 1, 0), vec!["b", "c"]);
         assert_eq!(initial_owners(&m[..1], 5, 3), vec!["a"]);
         assert!(initial_owners(&[], 0, 0).is_empty());
+    }
+
+    #[test]
+    fn a_miner_joining_again_fills_an_empty_stage_only_if_its_own_keeps_others() {
+        let loads = vec![
+            load(0, 10, 2, 5.0),
+            load(1, 10, 0, 0.0),
+            load(2, 99, 0, 0.0),
+        ];
+        assert_eq!(rejoin_stage(&loads, 0, true, 10), 1);
+        assert_eq!(rejoin_stage(&loads, 0, false, 10), 1);
+        let alone = vec![load(0, 10, 1, 5.0), load(1, 10, 0, 0.0)];
+        assert_eq!(
+            rejoin_stage(&alone, 0, true, 10),
+            0,
+            "its stage would empty"
+        );
+        assert_eq!(
+            rejoin_stage(&alone, 0, false, 10),
+            1,
+            "it was not counted there"
+        );
+        let big = vec![load(0, 10, 2, 5.0), load(1, 99, 0, 0.0)];
+        assert_eq!(
+            rejoin_stage(&big, 0, true, 10),
+            0,
+            "no memory for the empty one"
+        );
+    }
+
+    #[test]
+    fn a_restart_without_the_epochs_state_ends_the_work_it_did() {
+        assert_eq!(restart_ends_work(None, 4, false, true), Restart::EndsWork);
+        assert_eq!(
+            restart_ends_work(Some(3), 4, false, true),
+            Restart::EndsWork
+        );
+        assert_eq!(restart_ends_work(None, 4, true, true), Restart::Continues);
+        assert_eq!(restart_ends_work(None, 4, false, false), Restart::Continues);
+        assert_eq!(restart_ends_work(Some(4), 4, false, true), Restart::Ended);
     }
 }

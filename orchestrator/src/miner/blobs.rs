@@ -38,40 +38,8 @@ pub async fn blob(
             format!("no object {key}"),
         ));
     }
-    // An owner that could read another owner's merged result before the partition is settled
-    // could submit it as its own instead of merging, and the two would agree.
-    // Validators read them at any time (to settle disputes), unless they have a stake in the
-    // partition themselves (a hotkey with a permit may also have joined as a miner).
-    if let Some((epoch, stage, partition)) = in_run.and_then(merged_partition_of) {
-        let state: Option<String> = sqlx::query_scalar(
-            "SELECT state FROM partitions
-             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
-        )
-        .bind(app.run.id)
-        .bind(epoch)
-        .bind(stage)
-        .bind(partition)
-        .fetch_optional(&app.db)
-        .await?;
-        let unsettled = matches!(state.as_deref(), Some("open" | "disputed"));
-        if unsettled
-            && (!caller.permit
-                || crate::driver::has_stake(
-                    &app.db,
-                    app.run.id,
-                    &caller.ss58,
-                    (epoch, stage, partition),
-                )
-                .await?)
-        {
-            return Err(AppError::new(
-                ErrorCode::Forbidden,
-                format!(
-                    "merged results of partition {stage}/{partition} of epoch {epoch} can be \
-                     read once it is settled (validators that do not own it: at any time)"
-                ),
-            ));
-        }
+    if let Some(partition) = in_run.and_then(merged_partition_of) {
+        check_merge_readable(&app, &caller, partition).await?;
     }
     // Streamed: a presigned PUT is not bounded by the store, so an object here may be larger
     // than any slot, and must not be read into memory whole.
@@ -88,6 +56,42 @@ pub async fn blob(
         axum::body::Body::from_stream(chunks),
     )
         .into_response())
+}
+
+/// An owner that could read another owner's merged result before the partition is settled
+/// could submit it as its own instead of merging, and the two would agree. Validators read them
+/// at any time (to settle disputes), unless they have a stake in the partition themselves (a
+/// hotkey with a permit may also have joined as a miner).
+async fn check_merge_readable(
+    app: &App,
+    caller: &Caller,
+    (epoch, stage, partition): (i64, i32, i32),
+) -> ApiResult<()> {
+    let state: Option<String> = sqlx::query_scalar(
+        "SELECT state FROM partitions
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+    )
+    .bind(app.run.id)
+    .bind(epoch)
+    .bind(stage)
+    .bind(partition)
+    .fetch_optional(&app.db)
+    .await?;
+    let unsettled = matches!(state.as_deref(), Some("open" | "disputed"));
+    if !unsettled {
+        return Ok(());
+    }
+    let stake = (epoch, stage, partition);
+    if caller.permit && !crate::driver::has_stake(&app.db, app.run.id, &caller.ss58, stake).await? {
+        return Ok(());
+    }
+    Err(AppError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "merged results of partition {stage}/{partition} of epoch {epoch} can be read once \
+             it is settled (validators that do not own it: at any time)"
+        ),
+    ))
 }
 
 /// What separates a report's reason from the problem that confirmed it, in `bad_objects`.
@@ -127,36 +131,26 @@ pub async fn report_bad_object(
     Extension(caller): Extension<Caller>,
     ApiJson(report): ApiJson<BadObjectReport>,
 ) -> ApiResult<Json<BadObjectVerdict>> {
-    let row = sqlx::query(
-        "SELECT id, sample_id, output FROM tasks WHERE run_id = $1 AND output->>'key' = $2",
-    )
-    .bind(app.run.id)
-    .bind(&report.key)
-    .fetch_optional(&app.db)
-    .await?;
-    let Some(row) = row else {
+    let Some((task_id, sample_id, blob)) = producer(&app, &report.key).await? else {
         return Ok(Json(BadObjectVerdict {
             confirmed: false,
             detail: "no hop output has this key".into(),
         }));
     };
-    let task_id: i64 = row.try_get("id")?;
-    let sample_id: i64 = row.try_get("sample_id")?;
     // Confirmed already (a retry whose first answer was lost, or another consumer's report):
     // answered as the first was, not from the object, which the first deleted.
     if let Some(verdict) = confirmed_already(&app, &report.key, task_id).await? {
         return Ok(Json(verdict));
     }
-    let blob: BlobDescriptor = serde_json::from_value(row.try_get("output")?)
-        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-    let spec = boundary_spec(app.config());
-    // Only the object's own faults confirm a report. A missing object was collected with its
-    // epoch (no presigned URL deletes), and a failing store is nobody's hop's fault: neither may
-    // let a reporter fail another miner's hop.
-    let _slot = crate::auth::object_slot(&app).await?;
-    let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
-        Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
-        Err(StoreError::NotFound(_)) => {
+    let problem = match recheck(&app, &blob).await? {
+        Recheck::Bad(problem) => problem,
+        Recheck::Good => {
+            return Ok(Json(BadObjectVerdict {
+                confirmed: false,
+                detail: "the object checks out here; download it again".into(),
+            }));
+        }
+        Recheck::Gone => {
             // Deleted by a confirmation that committed since the look above, or collected.
             let verdict = confirmed_already(&app, &report.key, task_id).await?;
             return Ok(Json(verdict.unwrap_or_else(|| BadObjectVerdict {
@@ -164,18 +158,70 @@ pub async fn report_bad_object(
                 detail: "the object is gone (its epoch was collected); nothing to check".into(),
             })));
         }
+    };
+    fail_producer(&app, &caller, &report, task_id, sample_id, &problem).await?;
+    app.store.delete(&blob.key).await?;
+    tracing::warn!(key = %report.key, task_id, %problem, "bad object confirmed; producer's hop failed");
+    Ok(Json(BadObjectVerdict {
+        confirmed: true,
+        detail: format!("confirmed: {problem}; the producer's hop {task_id} failed"),
+    }))
+}
+
+/// The hop whose output is `key`: its id, its sample and the output.
+async fn producer(app: &App, key: &str) -> ApiResult<Option<(i64, i64, BlobDescriptor)>> {
+    let row = sqlx::query(
+        "SELECT id, sample_id, output FROM tasks WHERE run_id = $1 AND output->>'key' = $2",
+    )
+    .bind(app.run.id)
+    .bind(key)
+    .fetch_optional(&app.db)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let blob = serde_json::from_value(row.try_get("output")?)
+        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    Ok(Some((row.try_get("id")?, row.try_get("sample_id")?, blob)))
+}
+
+/// What a second look at a reported object finds.
+enum Recheck {
+    /// Its own fault: too large, not its descriptor, or not a boundary tensor.
+    Bad(String),
+    /// Nothing wrong.
+    Good,
+    /// It is not in the store.
+    Gone,
+}
+
+/// Only the object's own faults confirm a report. A missing object was collected with its epoch
+/// (no presigned URL deletes), and a failing store is nobody's hop's fault: neither may let a
+/// reporter fail another miner's hop.
+async fn recheck(app: &App, blob: &BlobDescriptor) -> ApiResult<Recheck> {
+    let spec = boundary_spec(app.config());
+    let _slot = crate::auth::object_slot(app).await?;
+    let problem = match app.store.get_bounded(&blob.key, spec.max_bytes()).await {
+        Err(e @ StoreError::TooLarge { .. }) => Some(e.to_string()),
+        Err(StoreError::NotFound(_)) => return Ok(Recheck::Gone),
         Err(e) => return Err(e.into()),
         Ok(bytes) => blob
             .check_bytes(&bytes)
             .err()
             .or_else(|| check_tensor(&bytes, &spec).err().map(|e| e.to_string())),
     };
-    let Some(problem) = problem else {
-        return Ok(Json(BadObjectVerdict {
-            confirmed: false,
-            detail: "the object checks out here; download it again".into(),
-        }));
-    };
+    Ok(problem.map_or(Recheck::Good, Recheck::Bad))
+}
+
+/// Fails the producer's hop `task_id`, ends its sample and records the confirmed report.
+async fn fail_producer(
+    app: &App,
+    caller: &Caller,
+    report: &BadObjectReport,
+    task_id: i64,
+    sample_id: i64,
+    problem: &str,
+) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
     sqlx::query("UPDATE tasks SET status = 'failed' WHERE id = $1")
         .bind(task_id)
@@ -196,10 +242,5 @@ pub async fn report_bad_object(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    app.store.delete(&blob.key).await?;
-    tracing::warn!(key = %report.key, task_id, %problem, "bad object confirmed; producer's hop failed");
-    Ok(Json(BadObjectVerdict {
-        confirmed: true,
-        detail: format!("confirmed: {problem}; the producer's hop {task_id} failed"),
-    }))
+    Ok(())
 }

@@ -9,7 +9,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use crate::app::App;
 use crate::auth::Caller;
-use crate::domain::placement::{StageLoad, admit};
+use crate::domain::placement::{Restart, StageLoad, admit, rejoin_stage, restart_ends_work};
 use crate::error::{ApiResult, AppError};
 use crate::extract::ApiJson;
 use crate::samples::{close_epoch, run_now};
@@ -25,16 +25,7 @@ pub async fn register(
     Extension(caller): Extension<Caller>,
     ApiJson(req): ApiJson<RegisterRequest>,
 ) -> ApiResult<Json<RegisterResponse>> {
-    let cap = &req.capacity;
-    if !throughput_in_range(cap.tokens_per_s) || cap.device.len() > 64 {
-        return Err(AppError::new(
-            ErrorCode::BadRequest,
-            format!(
-                "capacity needs tokens_per_s from 0 to {MAX_TOKENS_PER_S:e} and a device name of \
-                 at most 64 bytes"
-            ),
-        ));
-    }
+    check_capacity(&req.capacity)?;
     let run = app.run.id;
     let mut tx = app.db.begin().await?;
     // Serialise joins of one run so two replicas cannot both fill the same emptiest stage.
@@ -46,80 +37,7 @@ pub async fn register(
     // re-routed hops would outlive it).
     crate::driver::phase_lock_shared(&mut tx, run).await?;
     let now = run_now(&mut *tx, run).await?;
-    let existing = sqlx::query(
-        "SELECT stage, ended_epoch, status = 'active' AS active,
-            EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
-                      AND status = 'done') AS worked
-         FROM miners WHERE run_id = $1 AND hotkey = $2",
-    )
-    .bind(run)
-    .bind(&caller.ss58)
-    .bind(now.epoch as i64)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let mut work_ended = false;
-    let stage = match existing {
-        Some(row) => {
-            let stage: i32 = row.try_get("stage")?;
-            let ended: Option<i64> = row.try_get("ended_epoch")?;
-            work_ended = ended == Some(now.epoch as i64);
-            if !work_ended && !req.holds_epoch_state && row.try_get::<bool, _>("worked")? {
-                close_epoch(&mut tx, &app, &caller.ss58, now.epoch).await?;
-                work_ended = true;
-                tracing::info!(miner = %caller.ss58, epoch = now.epoch, "a restarted miner sits out the rest of the epoch");
-            }
-            // A stage with no miner takes one that joins again from a stage that keeps others
-            // (the driver releases one for it, see `driver::release_for_an_empty_stage`).
-            let loads = stage_loads(&mut tx, &app).await?;
-            let me = u32::from(row.try_get::<bool, _>("active")?);
-            let others_stay = loads.get(stage as usize).is_some_and(|l| l.miners > me);
-            let empty = loads
-                .iter()
-                .find(|l| l.miners == 0 && l.memory_needed <= cap.memory_bytes);
-            let stage = match empty.map(|l| l.stage) {
-                Some(empty) if others_stay && empty != stage as u32 => {
-                    tracing::info!(miner = %caller.ss58, from = stage, to = empty, "a miner joining again takes a stage with no miner");
-                    empty as i32
-                }
-                _ => stage,
-            };
-            sqlx::query(
-                "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
-                 tokens_per_s = $6, last_seen = now(), stage = $7 WHERE run_id = $1 AND hotkey = $2",
-            )
-            .bind(run)
-            .bind(&caller.ss58)
-            .bind(i32::from(caller.uid))
-            .bind(&cap.device)
-            .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
-            .bind(cap.tokens_per_s)
-            .bind(stage)
-            .execute(&mut *tx)
-            .await?;
-            stage as u32
-        }
-        None => {
-            let loads = stage_loads(&mut tx, &app).await?;
-            let stage = admit(&loads, cap.memory_bytes)
-                .map_err(|why| AppError::new(ErrorCode::Forbidden, why))?;
-            sqlx::query(
-                "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
-                 tokens_per_s, joined_epoch) VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8)",
-            )
-            .bind(run)
-            .bind(&caller.ss58)
-            .bind(i32::from(caller.uid))
-            .bind(stage as i32)
-            .bind(&cap.device)
-            .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
-            .bind(cap.tokens_per_s)
-            .bind(now.epoch as i64)
-            .execute(&mut *tx)
-            .await?;
-            tracing::info!(miner = %caller.ss58, stage, epoch = now.epoch, "miner joined");
-            stage
-        }
-    };
+    let (stage, work_ended) = join(&mut tx, &app, &caller, &req, now.epoch).await?;
     tx.commit().await?;
     metrics::counter!("iota_miner_registrations_total").increment(1);
     // The weights the epoch in `status` started from: a miner joining while the epoch merges
@@ -135,6 +53,91 @@ pub async fn register(
         weights,
         work_ended: work_ended.then_some(now.epoch),
     }))
+}
+
+fn check_capacity(cap: &Capacity) -> ApiResult<()> {
+    if throughput_in_range(cap.tokens_per_s) && cap.device.len() <= 64 {
+        return Ok(());
+    }
+    Err(AppError::new(
+        ErrorCode::BadRequest,
+        format!(
+            "capacity needs tokens_per_s from 0 to {MAX_TOKENS_PER_S:e} and a device name of at \
+             most 64 bytes"
+        ),
+    ))
+}
+
+/// Admits the caller in `epoch`, or takes it back: its stage, and whether its work in the epoch
+/// has ended.
+async fn join(
+    tx: &mut Transaction<'_, Postgres>,
+    app: &App,
+    caller: &Caller,
+    req: &RegisterRequest,
+    epoch: u64,
+) -> ApiResult<(u32, bool)> {
+    let run = app.run.id;
+    let cap = &req.capacity;
+    let existing = sqlx::query(
+        "SELECT stage, ended_epoch, status = 'active' AS active,
+            EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
+                      AND status = 'done') AS worked
+         FROM miners WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(&caller.ss58)
+    .bind(epoch as i64)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let loads = stage_loads(tx, app).await?;
+    let Some(row) = existing else {
+        let stage = admit(&loads, cap.memory_bytes)
+            .map_err(|why| AppError::new(ErrorCode::Forbidden, why))?;
+        sqlx::query(
+            "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
+             tokens_per_s, joined_epoch) VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8)",
+        )
+        .bind(run)
+        .bind(&caller.ss58)
+        .bind(i32::from(caller.uid))
+        .bind(stage as i32)
+        .bind(&cap.device)
+        .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+        .bind(cap.tokens_per_s)
+        .bind(epoch as i64)
+        .execute(&mut **tx)
+        .await?;
+        tracing::info!(miner = %caller.ss58, stage, epoch, "miner joined");
+        return Ok((stage, false));
+    };
+    let held = row.try_get::<i32, _>("stage")? as u32;
+    let ended = row
+        .try_get::<Option<i64>, _>("ended_epoch")?
+        .map(|e| e as u64);
+    let restart = restart_ends_work(ended, epoch, req.holds_epoch_state, row.try_get("worked")?);
+    if restart == Restart::EndsWork {
+        close_epoch(tx, app, &caller.ss58, epoch).await?;
+        tracing::info!(miner = %caller.ss58, epoch, "a restarted miner sits out the rest of the epoch");
+    }
+    let stage = rejoin_stage(&loads, held, row.try_get("active")?, cap.memory_bytes);
+    if stage != held {
+        tracing::info!(miner = %caller.ss58, from = held, to = stage, "a miner joining again takes a stage with no miner");
+    }
+    sqlx::query(
+        "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
+         tokens_per_s = $6, last_seen = now(), stage = $7 WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(&caller.ss58)
+    .bind(i32::from(caller.uid))
+    .bind(&cap.device)
+    .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+    .bind(cap.tokens_per_s)
+    .bind(stage as i32)
+    .execute(&mut **tx)
+    .await?;
+    Ok((stage, restart != Restart::Continues))
 }
 
 async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult<Vec<StageLoad>> {

@@ -23,7 +23,7 @@ use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::objects::SealedIn;
-use crate::samples::run_now;
+use crate::samples::{RunNow, run_now};
 use crate::views;
 
 /// `GET /v1/miner/stages/{stage}/weights?before=…`: as the public route, with a download URL
@@ -54,52 +54,77 @@ pub async fn merges(
     let now = run_now(&app.db, app.run.id).await?;
     let mut assignments = Vec::new();
     if now.phase == Phase::Merging {
-        let rows = sqlx::query(
-            "SELECT p.stage, p.partition, p.contributions FROM partition_owners o
-             JOIN partitions p ON p.run_id = o.run_id AND p.epoch = o.epoch AND p.stage = o.stage
-                  AND p.partition = o.partition
-             WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = $3
-               AND p.state IN ('open', 'disputed')
-               AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
-                   AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
-                   AND r.submitter = o.miner)
-             ORDER BY p.stage, p.partition",
-        )
-        .bind(app.run.id)
-        .bind(now.epoch as i64)
-        .bind(&caller.ss58)
-        .fetch_all(&app.db)
-        .await?;
-        for row in rows {
-            let stage = row.try_get::<i32, _>("stage")? as u32;
-            let partition = row.try_get::<i32, _>("partition")? as u32;
-            let range = app
-                .config()
-                .partition_range(stage, partition)
-                .ok_or_else(|| AppError::new(ErrorCode::Internal, "partition out of range"))?;
-            let mut contributions: Vec<MergeContribution> =
-                serde_json::from_value(row.try_get("contributions")?)
-                    .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-            for c in &mut contributions {
-                c.blob.url = app.store.presign(http::Method::GET, &c.blob.key).await?;
-            }
-            let base = merge_base(&app, now.epoch, stage, partition).await?;
-            assignments.push(MergeAssignment {
-                epoch: now.epoch,
-                stage,
-                partition,
-                start: range.start,
-                end: range.end,
-                contributions,
-                base,
-                deadline_ms: now.phase_deadline.timestamp_millis(),
-            });
+        for (stage, partition, contributions) in owned_unmerged(&app, &caller, now.epoch).await? {
+            assignments.push(assignment(&app, &now, stage, partition, contributions).await?);
         }
     }
     Ok(Json(MergeAssignments {
         assignments,
         status: views::epoch_status(&app).await?,
     }))
+}
+
+/// The partitions of `epoch` the caller owns, not settled and with no result of its own yet:
+/// stage, partition and contributions.
+async fn owned_unmerged(
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+) -> ApiResult<Vec<(u32, u32, Vec<MergeContribution>)>> {
+    let rows = sqlx::query(
+        "SELECT p.stage, p.partition, p.contributions FROM partition_owners o
+         JOIN partitions p ON p.run_id = o.run_id AND p.epoch = o.epoch AND p.stage = o.stage
+              AND p.partition = o.partition
+         WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = $3
+           AND p.state IN ('open', 'disputed')
+           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+               AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+               AND r.submitter = o.miner)
+         ORDER BY p.stage, p.partition",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .fetch_all(&app.db)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let contributions = serde_json::from_value(row.try_get("contributions")?)
+                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+            Ok((
+                row.try_get::<i32, _>("stage")? as u32,
+                row.try_get::<i32, _>("partition")? as u32,
+                contributions,
+            ))
+        })
+        .collect()
+}
+
+/// One partition to merge, with download URLs for its contributions and its base.
+async fn assignment(
+    app: &App,
+    now: &RunNow,
+    stage: u32,
+    partition: u32,
+    mut contributions: Vec<MergeContribution>,
+) -> ApiResult<MergeAssignment> {
+    let range = app
+        .config()
+        .partition_range(stage, partition)
+        .ok_or_else(|| AppError::new(ErrorCode::Internal, "partition out of range"))?;
+    for c in &mut contributions {
+        c.blob.url = app.store.presign(http::Method::GET, &c.blob.key).await?;
+    }
+    Ok(MergeAssignment {
+        epoch: now.epoch,
+        stage,
+        partition,
+        start: range.start,
+        end: range.end,
+        contributions,
+        base: merge_base(app, now.epoch, stage, partition).await?,
+        deadline_ms: now.phase_deadline.timestamp_millis(),
+    })
 }
 
 /// The latest accepted merge of a partition from an epoch before `epoch`: what a merge of

@@ -18,7 +18,7 @@ use super::uploads::check_presign_size;
 use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
-use crate::domain::phases::reservations_hold_until;
+use crate::domain::phases::{reservation_open, reservations_hold_until};
 use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::objects::{SealedIn, delete_unless_recorded};
@@ -135,17 +135,8 @@ pub async fn reserve_pg(
     crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
     let now = run_now(&mut *tx, app.run.id).await?;
     let at = Utc::now();
-    // A retry of a reservation made in time (its answer lost) holds as the first did.
-    let held: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM upload_reservations
-                        WHERE run_id = $1 AND epoch = $2 AND miner = $3)",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&caller.ss58)
-    .fetch_one(&mut *tx)
-    .await?;
-    if now.epoch != epoch || now.phase != Phase::Uploading || (at >= now.phase_deadline && !held) {
+    let held = holds_reservation(&mut tx, &app, &caller, epoch).await?;
+    if !reservation_open(now.epoch, now.phase, now.phase_deadline, epoch, at, held) {
         return Err(AppError::new(
             ErrorCode::WrongPhase,
             format!(
@@ -172,6 +163,24 @@ pub async fn reserve_pg(
         holds_until_ms: reservations_hold_until(app.config(), now.phase_deadline)
             .timestamp_millis(),
     }))
+}
+
+/// Whether the caller reserved its upload of `epoch` already.
+async fn holds_reservation(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    app: &App,
+    caller: &Caller,
+    epoch: u64,
+) -> ApiResult<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM upload_reservations
+                        WHERE run_id = $1 AND epoch = $2 AND miner = $3)",
+    )
+    .bind(app.run.id)
+    .bind(epoch as i64)
+    .bind(&caller.ss58)
+    .fetch_one(&mut **tx)
+    .await?)
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock

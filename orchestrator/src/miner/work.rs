@@ -11,7 +11,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::join::miner_stage;
 use crate::app::App;
-use crate::auth::{Caller, Gate, SharedReplay, SignedRoutes};
+use crate::auth::{Caller, Gate, PendingUuid, SharedReplay, SignedRoutes};
 use crate::domain::hops::expects_output;
 use crate::error::{ApiResult, AppError};
 use crate::views;
@@ -49,36 +49,7 @@ fn work_item(row: &sqlx::postgres::PgRow, stages: u32) -> ApiResult<WorkItem> {
     responses((status = 200, body = WorkResponse), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
-    // The signed gate's steps, inline: this is the request every miner sends in a loop.
-    let (parts, body) = request.into_parts();
-    // A poll is a few bytes: read before its signature is checked, as any body that small is.
-    let poll_limit = app
-        .limits
-        .json_body_bytes
-        .min(crate::auth::MAX_UNCHECKED_BODY);
-    crate::auth::check_content_length(&parts, poll_limit)?;
-    let checked = crate::auth::check_caller(&app, &parts)?;
-    let bytes = checked.read_unchecked_body(&app, body, poll_limit).await?;
-    let auth = checked.with_body(&parts, &bytes);
-    // Parsed while the request is still in this core's cache (the signature check waits for a
-    // batch, and after it everything here would be read cold). Nothing acts on it until the
-    // signature holds, and a bad body is reported only then, as behind the gate.
-    let parsed: ApiResult<WorkRequest> = crate::extract::json_body(&parts.headers, &bytes);
-    // Freed now, while in this core's cache, rather than after the batch wait (cold, and
-    // perhaps on another thread).
-    drop((parts, bytes));
-    let (caller, uuid) = auth
-        .finish(
-            &app,
-            SignedRoutes {
-                gate: Gate::Registered,
-                body_limit: poll_limit,
-                shared_replay: SharedReplay::ByHandler,
-                uploads: false,
-            },
-        )
-        .await?;
-    let req = parsed?;
+    let (caller, uuid, req) = check_poll(&app, request).await?;
     let max = req.max_items.clamp(1, 32) as i64;
     let cfg = app.config();
     // Most polls find nothing to do: the poll view answers those from memory (see `poll_view`
@@ -98,6 +69,40 @@ pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<Wo
     app.counters().polls_from_database.increment(1);
     // Boxed: the poll's own future stays small (it is moved about on every idle poll).
     Box::pin(lease(&app, &caller, uuid, max)).await.map(Json)
+}
+
+/// The signed gate's steps, inline: this is the request every miner sends in a loop. The
+/// caller, the request's id and the poll.
+async fn check_poll(app: &App, request: Request) -> ApiResult<(Caller, PendingUuid, WorkRequest)> {
+    let (parts, body) = request.into_parts();
+    // A poll is a few bytes: read before its signature is checked, as any body that small is.
+    let poll_limit = app
+        .limits
+        .json_body_bytes
+        .min(crate::auth::MAX_UNCHECKED_BODY);
+    crate::auth::check_content_length(&parts, poll_limit)?;
+    let checked = crate::auth::check_caller(app, &parts)?;
+    let bytes = checked.read_unchecked_body(app, body, poll_limit).await?;
+    let auth = checked.with_body(&parts, &bytes);
+    // Parsed while the request is still in this core's cache (the signature check waits for a
+    // batch, and after it everything here would be read cold). Nothing acts on it until the
+    // signature holds, and a bad body is reported only then, as behind the gate.
+    let parsed: ApiResult<WorkRequest> = crate::extract::json_body(&parts.headers, &bytes);
+    // Freed now, while in this core's cache, rather than after the batch wait (cold, and
+    // perhaps on another thread).
+    drop((parts, bytes));
+    let (caller, uuid) = auth
+        .finish(
+            app,
+            SignedRoutes {
+                gate: Gate::Registered,
+                body_limit: poll_limit,
+                shared_replay: SharedReplay::ByHandler,
+                uploads: false,
+            },
+        )
+        .await?;
+    Ok((caller, uuid, parsed?))
 }
 
 /// A work poll past the poll view: held leases, pending hops and new samples, from the database.
