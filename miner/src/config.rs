@@ -274,7 +274,7 @@ impl MinerArgs {
             orchestrator_url: self.orchestrator_url.clone(),
             device: self.device.clone(),
             poll_interval: Duration::from_millis(self.poll_interval_ms),
-            max_items: self.max_items.clamp(1, 32),
+            max_items: self.max_items.clamp(1, iota_protocol::api::MAX_WORK_ITEMS),
             cache_budget: self.cache_budget,
             checkpoint_blocks: self.checkpoint_blocks,
             memory_bytes: self.memory_gb.map(|g| (g * 1e9) as u64),

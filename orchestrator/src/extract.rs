@@ -55,13 +55,70 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, AppError
             "JSON strings may not contain U+0000",
         ));
     }
-    // serde_json alone first: axum's parse records the path of every key as it goes (an
-    // allocation per key), which only an error message needs.
-    if let Ok(value) = serde_json::from_slice(body) {
+    // Read through a tree, where every struct must be an object (`json_objects`); axum's parse
+    // records the path of every key as it goes (an allocation per key), which only an error
+    // message needs, so it runs only for one.
+    let Ok(mut tree) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Err(refusal::<T>(body, None));
+    };
+    let first = match crate::json_objects::from_value(&tree) {
+        Ok(value) => return Ok(value),
+        Err(e) => e,
+    };
+    // JSON Schema counts `2.0` as the integer 2, and so does the document: read whole numbers
+    // written with a fraction as integers, then try again (only here, off the usual path).
+    if whole_floats_as_integers(&mut tree)
+        && let Ok(value) = crate::json_objects::from_value(&tree)
+    {
         return Ok(value);
     }
-    let axum::Json(value) = axum::Json::<T>::from_bytes(body)?;
-    Ok(value)
+    Err(refusal::<T>(body, Some(first)))
+}
+
+/// Why a body that did not read as `T` is refused: axum's message, which names the field, or,
+/// where serde_json alone reads the body (a struct written as an array), what `json_objects`
+/// found.
+fn refusal<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    strict: Option<serde_json::Error>,
+) -> AppError {
+    match (axum::Json::<T>::from_bytes(body), strict) {
+        (Err(rejection), _) => rejection.into(),
+        (Ok(_), Some(e)) => AppError::new(
+            ErrorCode::BadRequest,
+            format!("the body's objects must be written as JSON objects: {e}"),
+        ),
+        (Ok(_), None) => AppError::new(ErrorCode::BadRequest, "the body could not be read"),
+    }
+}
+
+/// Rewrites every number with a zero fraction that a float holds exactly (within 2^53) as an
+/// integer; whether it changed any.
+fn whole_floats_as_integers(value: &mut serde_json::Value) -> bool {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    match value {
+        serde_json::Value::Number(n) => {
+            let Some(f) = n.as_f64().filter(|_| n.is_f64()) else {
+                return false;
+            };
+            if f.fract() != 0.0 || f.abs() > EXACT {
+                return false;
+            }
+            *n = if f >= 0.0 {
+                serde_json::Number::from(f as u64)
+            } else {
+                serde_json::Number::from(f as i64)
+            };
+            true
+        }
+        serde_json::Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, v| whole_floats_as_integers(v) | changed),
+        serde_json::Value::Object(fields) => fields
+            .values_mut()
+            .fold(false, |changed, v| whole_floats_as_integers(v) | changed),
+        _ => false,
+    }
 }
 
 /// Whether the request says its body is JSON (`application/json` or `application/…+json`), as
@@ -206,5 +263,35 @@ mod tests {
         assert!(parse("9223372036854775808").is_err());
         assert!(parse("18446744073709551615").is_err());
         assert!(parse("-1").is_err());
+    }
+
+    #[test]
+    fn integers_written_with_a_zero_fraction_are_integers() {
+        #[derive(serde::Deserialize, Debug, PartialEq)]
+        struct Body {
+            count: u64,
+            offset: i32,
+            loss: f64,
+            items: Vec<u32>,
+        }
+        let body = br#"{"count": 3.0, "offset": -2.0, "loss": 2.0, "items": [1.0, 2]}"#;
+        let parsed: Body = parse_json(body).expect("whole floats are integers");
+        assert_eq!(
+            parsed,
+            Body {
+                count: 3,
+                offset: -2,
+                loss: 2.0,
+                items: vec![1, 2]
+            }
+        );
+        for refused in [
+            &br#"{"count": 3.5, "offset": 0, "loss": 1, "items": []}"#[..],
+            br#"{"count": 1e300, "offset": 0, "loss": 1, "items": []}"#,
+            br#"{"count": -1.0, "offset": 0, "loss": 1, "items": []}"#,
+        ] {
+            let err = parse_json::<Body>(refused).expect_err("not a u64");
+            assert_eq!(err.0.code, ErrorCode::BadRequest, "{err:?}");
+        }
     }
 }

@@ -27,6 +27,7 @@ pub mod domain;
 pub mod driver;
 pub mod error;
 pub mod extract;
+mod json_objects;
 pub mod miner;
 mod objects;
 pub mod poll_view;

@@ -266,7 +266,7 @@ pub async fn scores(
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
         return Err(AppError::new(
-            ErrorCode::BadRequest,
+            ErrorCode::WrongPhase,
             format!("epoch {epoch} has not started"),
         ));
     }
@@ -301,7 +301,11 @@ fn check_submission(sub: &ScoreSubmission) -> ApiResult<()> {
             "scores: at most 4096 finite, non-negative values",
         ));
     }
-    if sub.scores.iter().any(|s| s.hotkey.len() > MAX_HOTKEY_LEN) {
+    if sub
+        .scores
+        .iter()
+        .any(|s| s.hotkey.chars().count() > MAX_HOTKEY_LEN)
+    {
         return Err(AppError::new(
             ErrorCode::BadRequest,
             format!("scores: a hotkey is at most {MAX_HOTKEY_LEN} characters"),
@@ -311,11 +315,18 @@ fn check_submission(sub: &ScoreSubmission) -> ApiResult<()> {
         let mut uids = w.uids.clone();
         uids.sort_unstable();
         uids.dedup();
-        if w.uids.len() != w.weights.len() || w.uids.len() > MAX_UIDS || uids.len() != w.uids.len()
+        if w.uids.len() != w.weights.len()
+            || w.uids.len() > MAX_UIDS
+            || uids.len() != w.uids.len()
+            || i64::try_from(w.block).is_err()
         {
             return Err(AppError::new(
                 ErrorCode::BadRequest,
-                format!("weights: as many weights as uids, at most {MAX_UIDS}, each uid once"),
+                format!(
+                    "weights: as many weights as uids, at most {MAX_UIDS}, each uid once, and a \
+                     block of at most {}",
+                    i64::MAX
+                ),
             ));
         }
     }
@@ -472,7 +483,7 @@ pub async fn report_spot_checks(
     let cur = run_now(&app.db, app.run.id).await?;
     if epoch > cur.epoch {
         return Err(AppError::new(
-            ErrorCode::BadRequest,
+            ErrorCode::WrongPhase,
             format!("epoch {epoch} has not started"),
         ));
     }
@@ -495,7 +506,7 @@ pub async fn report_spot_checks(
 }
 
 fn check_report(report: &SpotCheckReport) -> ApiResult<()> {
-    if report.checks.len() > 10_000 || report.seed.len() > 256 {
+    if report.checks.len() > 10_000 || report.seed.chars().count() > 256 {
         return Err(AppError::new(
             ErrorCode::BadRequest,
             "at most 10000 checks and a seed of at most 256 characters",
@@ -510,4 +521,17 @@ fn check_report(report: &SpotCheckReport) -> ApiResult<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// PostgreSQL's `jsonb` writes a large float as the integer it equals; a stored score must
+    /// read back as exactly that float (serde_json's `float_roundtrip`), not as an overflow that
+    /// turns `GET /v1/scores` into a 500.
+    #[test]
+    fn the_largest_score_reads_back_as_postgresql_writes_it() {
+        let written = format!("[17976931348623157{}]", "0".repeat(292));
+        let read: Vec<f64> = serde_json::from_str(&written).expect("a finite float");
+        assert_eq!(read, vec![f64::MAX]);
+    }
 }

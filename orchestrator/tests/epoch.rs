@@ -980,7 +980,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         .report_spot_checks(1 << 40, &report)
         .await
         .expect_err("a report for a future epoch");
-    assert_eq!(future.code(), Some(iota_protocol::ErrorCode::BadRequest));
+    assert_eq!(future.code(), Some(iota_protocol::ErrorCode::WrongPhase));
     // Miners may not use validator routes.
     let refused = miners[0]
         .client()

@@ -436,11 +436,14 @@ pub struct EpochStatus {
 /// What a miner reports about its machine.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Capacity {
-    /// `cpu`, `cuda:0`, …
+    /// `cpu`, `cuda:0`, … (at most 64 characters).
+    #[schema(max_length = 64)]
     pub device: String,
-    /// Memory available for training, in bytes.
+    /// Memory available for training, in bytes (at most `i64::MAX`, as stored).
+    #[schema(maximum = 9223372036854775807_u64)]
     pub memory_bytes: u64,
-    /// Measured forward+backward throughput, tokens per second.
+    /// Measured forward+backward throughput, tokens per second (at most [`MAX_TOKENS_PER_S`]).
+    #[schema(minimum = 0.0, maximum = 1e9)]
     pub tokens_per_s: f64,
 }
 
@@ -521,8 +524,9 @@ pub struct RunInfo {
 /// `POST /v1/miner/heartbeat`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct HeartbeatRequest {
-    /// Updated throughput measurement, if any.
+    /// Updated throughput measurement, if any (from 0 to [`MAX_TOKENS_PER_S`]).
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 1e9)]
     pub tokens_per_s: Option<f64>,
 }
 
@@ -540,6 +544,7 @@ pub struct HeartbeatResponse {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct OpenSessionRequest {
     /// The caller's handshake point `A = a·G`: a compressed Ristretto point, 64 hex digits.
+    #[schema(pattern = "^(0x)?[0-9a-fA-F]{64}$")]
     pub public_key: String,
 }
 
@@ -556,10 +561,14 @@ pub struct OpenSessionResponse {
     pub expires_at_ms: u64,
 }
 
+/// The most work items one poll may ask for.
+pub const MAX_WORK_ITEMS: u32 = 32;
+
 /// `POST /v1/miner/work`: ask for leased work.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct WorkRequest {
-    /// At most this many items (1–32).
+    /// At most this many items, from 1 to [`MAX_WORK_ITEMS`].
+    #[schema(minimum = 1, maximum = 32)]
     pub max_items: u32,
 }
 
@@ -635,10 +644,12 @@ pub struct CompleteRequest {
     pub output: Option<BlobDescriptor>,
     /// Inner optimizer steps the miner had taken this epoch when it ran this hop.
     pub inner_step: u64,
-    /// BLAKE3 (hex) of the miner's stage weights when it ran this hop.
+    /// BLAKE3 (hex) of the miner's stage weights when it ran this hop (at most 128 characters).
+    #[schema(max_length = 128)]
     pub weights_digest: String,
-    /// Mean token loss of the sample (required on the last stage's forward).
+    /// Mean token loss of the sample, nats (required on the last stage's forward).
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 1e4)]
     pub loss: Option<f64>,
     /// Per-sequence losses of the sample (last stage, optional).
     #[serde(default)]
@@ -680,7 +691,8 @@ pub struct ReservationResponse {
 pub struct PresignRequest {
     /// Exact size the upload will have.
     pub size: u64,
-    /// BLAKE3 (hex) the bytes will have.
+    /// BLAKE3 the bytes will have (64 lowercase hex digits).
+    #[schema(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
 }
 
@@ -702,7 +714,8 @@ pub struct CommitRequest {
     pub key: String,
     /// Size.
     pub size: u64,
-    /// BLAKE3 (hex).
+    /// BLAKE3 (64 lowercase hex digits).
+    #[schema(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
 }
 
@@ -1029,26 +1042,31 @@ pub struct SpotCheckReport {
     #[serde(default)]
     pub validator: String,
     /// The seed the draw came from (hex), so anyone can redo the draw.
+    #[schema(max_length = 256)]
     pub seed: String,
     /// The chain block whose hash went into the seed.
     pub seed_block: u64,
     /// Results.
+    #[schema(max_items = 10000)]
     pub checks: Vec<SpotCheckResult>,
 }
 
 /// `POST /v1/validator/disputes/{id}/settle`: the hash the validator recomputed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct SettleRequest {
-    /// BLAKE3 of the recomputed merge.
+    /// BLAKE3 of the recomputed merge (64 lowercase hex digits).
+    #[schema(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
 }
 
 /// One miner's score from one validator.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct MinerScore {
-    /// Miner.
+    /// Miner (at most 64 characters).
+    #[schema(max_length = 64)]
     pub hotkey: String,
     /// Score (non-negative).
+    #[schema(minimum = 0.0)]
     pub score: f64,
 }
 
@@ -1056,10 +1074,13 @@ pub struct MinerScore {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct WeightsSet {
     /// Block the weights landed in.
+    #[schema(maximum = 9223372036854775807_u64)]
     pub block: u64,
-    /// Uids.
+    /// Uids, each once.
+    #[schema(max_items = 4096)]
     pub uids: Vec<u16>,
-    /// Weights, u16 as set.
+    /// Weights, u16 as set, one per uid.
+    #[schema(max_items = 4096)]
     pub weights: Vec<u16>,
 }
 
@@ -1067,6 +1088,7 @@ pub struct WeightsSet {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ScoreSubmission {
     /// Scores per miner.
+    #[schema(max_items = 4096)]
     pub scores: Vec<MinerScore>,
     /// The on-chain weights these scores produced, if already set.
     #[serde(default)]

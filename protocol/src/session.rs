@@ -125,7 +125,7 @@ fn decode_point(public: &[u8; 32]) -> Result<RistrettoPoint, SessionError> {
 /// A public half as sent: 64 hex digits.
 pub fn decode_public_hex(text: &str) -> Result<[u8; 32], SessionError> {
     let mut out = [0u8; 32];
-    const_hex::decode_to_slice(text.trim(), &mut out).map_err(|_| SessionError::NotHex)?;
+    const_hex::decode_to_slice(text, &mut out).map_err(|_| SessionError::NotHex)?;
     Ok(out)
 }
 

@@ -22,7 +22,7 @@ pub const LOSS_AGREEMENT: f64 = 1e-3;
 /// with it the step to the next epoch) every time it runs.
 pub const MAX_LOSS: f64 = 1e4;
 
-/// Longest weights digest a completion may carry.
+/// Longest weights digest a completion may carry, in characters.
 pub const MAX_WEIGHTS_DIGEST: usize = 128;
 
 /// Where a hop is in its life (the `tasks.status` column).
@@ -332,7 +332,7 @@ pub fn plan_completion(
     let last = hop.stage + 1 == stages;
     let records_loss = last && hop.direction == Direction::Forward;
     check_losses(req, records_loss, micro_batch)?;
-    if req.weights_digest.len() > MAX_WEIGHTS_DIGEST {
+    if req.weights_digest.chars().count() > MAX_WEIGHTS_DIGEST {
         return Err(HopRefusal::DigestTooLong);
     }
     let then = match hop.direction {

@@ -56,14 +56,18 @@ pub async fn register(
 }
 
 fn check_capacity(cap: &Capacity) -> ApiResult<()> {
-    if throughput_in_range(cap.tokens_per_s) && cap.device.len() <= 64 {
+    if throughput_in_range(cap.tokens_per_s)
+        && cap.device.chars().count() <= 64
+        && i64::try_from(cap.memory_bytes).is_ok()
+    {
         return Ok(());
     }
     Err(AppError::new(
         ErrorCode::BadRequest,
         format!(
-            "capacity needs tokens_per_s from 0 to {MAX_TOKENS_PER_S:e} and a device name of at \
-             most 64 bytes"
+            "capacity needs tokens_per_s from 0 to {MAX_TOKENS_PER_S:e}, a device name of at \
+             most 64 characters and memory_bytes of at most {}",
+            i64::MAX
         ),
     ))
 }
@@ -103,7 +107,7 @@ async fn join(
         .bind(i32::from(caller.uid))
         .bind(stage as i32)
         .bind(&cap.device)
-        .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+        .bind(cap.memory_bytes as i64)
         .bind(cap.tokens_per_s)
         .bind(epoch as i64)
         .execute(&mut **tx)
@@ -132,7 +136,7 @@ async fn join(
     .bind(&caller.ss58)
     .bind(i32::from(caller.uid))
     .bind(&cap.device)
-    .bind(cap.memory_bytes.min(i64::MAX as u64) as i64)
+    .bind(cap.memory_bytes as i64)
     .bind(cap.tokens_per_s)
     .bind(stage as i32)
     .execute(&mut **tx)

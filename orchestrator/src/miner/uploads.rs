@@ -21,15 +21,32 @@ use crate::error::{ApiResult, AppError};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::store::StoreError;
 
-/// Query of a direct upload.
+/// Query of a direct upload of a pseudo-gradient or a merge.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct UploadQuery {
-    /// The lease (task outputs only).
-    #[serde(default)]
-    pub lease: Option<Uuid>,
-    /// BLAKE3 (hex) of the body.
+    /// BLAKE3 of the body (64 lowercase hex digits).
+    #[param(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
+}
+
+/// Query of a direct upload of a hop's output.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct OutputUploadQuery {
+    /// The lease from the work item.
+    pub lease: Uuid,
+    /// BLAKE3 of the body (64 lowercase hex digits).
+    #[param(pattern = "^[0-9a-f]{64}$")]
+    pub blake3: String,
+}
+
+/// Query of a presigned upload's steps for a hop's output.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct LeaseQuery {
+    /// The lease from the work item.
+    pub lease: Uuid,
 }
 
 /// A leased task, locked for update.
@@ -108,9 +125,8 @@ async fn leased_task(
     app: &App,
     caller: &Caller,
     task_id: i64,
-    lease: Option<Uuid>,
+    lease: Uuid,
 ) -> ApiResult<(LeasedTask, Uuid)> {
-    let lease = lease.ok_or_else(|| AppError::new(ErrorCode::BadRequest, "lease is required"))?;
     let mut tx = app.db.begin().await?;
     let task = lock_task(&mut tx, app.run.id, task_id).await?;
     tx.commit().await?;
@@ -233,7 +249,7 @@ fn task_output_key(app: &App, task_id: i64, t: &LeasedTask) -> String {
 
 /// `PUT /v1/miner/tasks/{task_id}/output?lease=…&blake3=…`: upload a hop's output tensor.
 #[utoipa::path(put, path = "/v1/miner/tasks/{task_id}/output", tag = "miner",
-    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    params(("task_id" = i64, Path, description = "Task"), OutputUploadQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
@@ -241,7 +257,7 @@ pub async fn upload_output(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
     ApiPath(task_id): ApiPath<i64>,
-    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiQuery(q): ApiQuery<OutputUploadQuery>,
     body: Bytes,
 ) -> ApiResult<Json<UploadResponse>> {
     // Check the lease before touching the store.
@@ -320,7 +336,7 @@ async fn stage_output(
 /// `POST /v1/miner/tasks/{task_id}/output/presign`: a URL to PUT the output straight to the
 /// store (S3-compatible stores only).
 #[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/presign", tag = "miner",
-    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    params(("task_id" = i64, Path, description = "Task"), LeaseQuery),
     request_body = PresignRequest,
     responses((status = 200, body = PresignResponse), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
@@ -328,7 +344,7 @@ pub async fn presign_output(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
     ApiPath(task_id): ApiPath<i64>,
-    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiQuery(q): ApiQuery<LeaseQuery>,
     ApiJson(req): ApiJson<PresignRequest>,
 ) -> ApiResult<Json<PresignResponse>> {
     let (task, _) = leased_task(&app, &caller, task_id, q.lease).await?;
@@ -646,7 +662,7 @@ async fn check_stored_if_there(
 
 /// `POST /v1/miner/tasks/{task_id}/output/commit?lease=…`: after a presigned upload.
 #[utoipa::path(post, path = "/v1/miner/tasks/{task_id}/output/commit", tag = "miner",
-    params(("task_id" = i64, Path, description = "Task"), UploadQuery),
+    params(("task_id" = i64, Path, description = "Task"), LeaseQuery),
     request_body = CommitRequest,
     responses((status = 200, body = UploadResponse), (status = "4XX", body = iota_protocol::ApiError)),
     security(("epistula" = [])))]
@@ -654,7 +670,7 @@ pub async fn commit_output(
     State(app): State<App>,
     Extension(caller): Extension<Caller>,
     ApiPath(task_id): ApiPath<i64>,
-    ApiQuery(q): ApiQuery<UploadQuery>,
+    ApiQuery(q): ApiQuery<LeaseQuery>,
     ApiJson(req): ApiJson<CommitRequest>,
 ) -> ApiResult<Json<UploadResponse>> {
     let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;

@@ -50,7 +50,7 @@ fn work_item(row: &sqlx::postgres::PgRow, stages: u32) -> ApiResult<WorkItem> {
     security(("epistula" = [])))]
 pub async fn work(State(app): State<App>, request: Request) -> ApiResult<Json<WorkResponse>> {
     let (caller, uuid, req) = check_poll(&app, request).await?;
-    let max = req.max_items.clamp(1, 32) as i64;
+    let max = i64::from(req.max_items);
     let cfg = app.config();
     // Most polls find nothing to do: the poll view answers those from memory (see `poll_view`
     // for why a view a little behind is safe). Read after the signature check, not before: a
@@ -102,7 +102,14 @@ async fn check_poll(app: &App, request: Request) -> ApiResult<(Caller, PendingUu
             },
         )
         .await?;
-    Ok((caller, uuid, parsed?))
+    let req = parsed?;
+    if !(1..=MAX_WORK_ITEMS).contains(&req.max_items) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!("max_items must be from 1 to {MAX_WORK_ITEMS}"),
+        ));
+    }
+    Ok((caller, uuid, req))
 }
 
 /// A work poll past the poll view: held leases, pending hops and new samples, from the database.
