@@ -35,6 +35,9 @@ BENCHES=(
   "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
 )
 
+# Comparisons made by hand (two commits side by side), each a section of its own.
+HAND_MEASURED=(orchestrator/benches/restructure-before-after.md)
+
 out="${BENCH_OUT:-BENCHMARKS.md}"
 wanted=" $* "
 
@@ -114,10 +117,15 @@ done
     echo "Benchmarks run one after another; ratios are taken within one benchmark (both sides in the same run)."
     echo "Figures from a shared or loaded machine move; compare ratios, not absolute rates, across machines."
     echo "Measured by hand on another machine, not by this script: the load benchmark on 16 cores, in \`orchestrator/benches/load-16-cores.md\`."
+    echo "Measured by hand on this machine and copied in last: ${HAND_MEASURED[*]}."
     echo
     for entry in "${BENCHES[@]}"; do
         name="${entry%%|*}"
         if [ -f "$sections/$name.md" ]; then cat "$sections/$name.md"; fi
+    done
+    for hand in "${HAND_MEASURED[@]}"; do
+        cat "$hand"
+        echo
     done
 } >"$out"
 echo "wrote $out" >&2
