@@ -52,8 +52,11 @@ async fn schemathesis_finds_no_disagreement_with_the_document() {
             "false",
             "--checks",
             "all",
+            // One worker: Hypothesis parses lambdas' source with `ast`, and CPython 3.11's AST
+            // conversion keeps its recursion depth in state shared across threads, so two workers
+            // fail at random with "AST constructor recursion depth mismatch" (CPython gh-106905).
             "--workers",
-            "2",
+            "1",
             "--seed",
             "1",
             "--max-examples",
