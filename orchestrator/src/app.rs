@@ -17,6 +17,7 @@ use iota_protocol::signing::SkewWindow;
 use sqlx::PgPool;
 use tokio::sync::watch;
 
+use crate::clock::{Clock, SystemClock};
 use crate::replay::ReplayCache;
 use crate::signatures::{SignatureVerifier, Signers};
 use crate::store::BlobStore;
@@ -167,6 +168,8 @@ pub struct AppState {
     pub signers: Signers,
     /// Work polls' first look, from memory.
     pub poll_view: crate::poll_view::PollView,
+    /// The run's clock (see [`crate::clock`]): handlers and the driver read time only here.
+    clock: Arc<dyn Clock>,
     pub(crate) per_hotkey: KeyedLimiter<[u8; 32]>,
     pub(crate) per_ip: KeyedLimiter<IpAddr>,
     /// Upload slots held per peer address.
@@ -229,7 +232,8 @@ impl AppState {
                 limits.concurrent_uploads.max(1),
             )),
             signers: Signers::default(),
-            poll_view: crate::poll_view::PollView::new(db.clone(), run.id),
+            poll_view: crate::poll_view::PollView::new(db.clone(), run.id, Arc::new(SystemClock)),
+            clock: Arc::new(SystemClock),
             db,
             store,
             run,
@@ -251,6 +255,19 @@ impl AppState {
             proven: RwLock::default(),
             counters: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The same state on another clock (the handlers', the driver's and the poll view's).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.poll_view =
+            crate::poll_view::PollView::new(self.db.clone(), self.run.id, clock.clone());
+        self.clock = clock;
+        self
+    }
+
+    /// Now, by the run's clock.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
     }
 
     /// The run's config.

@@ -4,7 +4,8 @@
 //!
 //! * [`run`] serves one training run on a listener until shutdown; several processes on one
 //!   database serve the same run (the phase driver runs in the one holding an advisory lock).
-//! * [`app`]: state, errors, the request-signing gate; [`replay`]: its group-committed replay
+//! * [`app`]: state, errors, the request-signing gate; [`clock`]: the one time routes and
+//!   driver read; [`replay`]: its group-committed replay
 //!   cache; [`signatures`]: its batched signature verification. [`miner`], [`validator`],
 //!   [`views`]: routes.
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection.
@@ -20,6 +21,7 @@ pub mod app;
 pub mod auth;
 mod batch;
 mod body;
+pub mod clock;
 pub mod config;
 pub mod dashboard;
 pub mod dataset;
@@ -99,14 +101,16 @@ pub async fn ensure_run(
     config: &RunConfig,
     netuid: u16,
     hotkey: &str,
+    now: DateTime<Utc>,
 ) -> Result<RunRow, OrchestratorError> {
     let dberr = |e: sqlx::Error| OrchestratorError::Database(e.to_string());
     let json =
         serde_json::to_value(config).map_err(|e| OrchestratorError::Config(e.to_string()))?;
     let mut tx = db.begin().await.map_err(dberr)?;
     sqlx::query(
-        "INSERT INTO runs (name, config, netuid, orchestrator, phase_deadline)
-         VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+        "INSERT INTO runs (name, config, netuid, orchestrator, created_at, phase_started,
+             phase_deadline)
+         VALUES ($1, $2, $3, $4, $6, $6, $6 + make_interval(secs => $5))
          ON CONFLICT (name) DO NOTHING",
     )
     .bind(&config.name)
@@ -114,6 +118,7 @@ pub async fn ensure_run(
     .bind(i32::from(netuid))
     .bind(hotkey)
     .bind(config.training_s as f64)
+    .bind(now)
     .execute(&mut *tx)
     .await
     .map_err(dberr)?;
@@ -144,9 +149,10 @@ pub async fn ensure_run(
         });
     }
     sqlx::query(
-        "INSERT INTO epochs (run_id, epoch, started_at) VALUES ($1, 0, now()) ON CONFLICT DO NOTHING",
+        "INSERT INTO epochs (run_id, epoch, started_at) VALUES ($1, 0, $2) ON CONFLICT DO NOTHING",
     )
     .bind(id)
+    .bind(now)
     .execute(&mut *tx)
     .await
     .map_err(dberr)?;
@@ -651,7 +657,8 @@ pub async fn run(
     let store =
         BlobStore::open(&config.store).map_err(|e| OrchestratorError::Store(e.to_string()))?;
     let db = connect_db(&config.database_url, config.db_max_connections).await?;
-    let run = ensure_run(&db, &config.run, config.netuid, &config.hotkey).await?;
+    let clock: Arc<dyn clock::Clock> = Arc::new(clock::SystemClock);
+    let run = ensure_run(&db, &config.run, config.netuid, &config.hotkey, clock.now()).await?;
     if let Some(source) = &config.dataset {
         // Before serving: a member that finds the run finds its dataset.
         let Some(hash) = config.run.dataset.as_deref() else {
@@ -705,6 +712,7 @@ pub async fn run(
         config.max_merge_rounds,
     );
     state.trusted_proxies = config.trusted_proxies.clone();
+    let state = state.with_clock(clock);
     let state: App = Arc::new(state);
     // Before anything is spawned: a refused join leaves no task behind.
     let addr = listener.local_addr()?;

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Duration;
 
-use chrono::Utc;
+use crate::clock::Clock;
 use iota_protocol::api::EpochStatus;
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
@@ -73,6 +73,7 @@ struct Dirty {
 struct Shared {
     db: PgPool,
     run: i64,
+    clock: Arc<dyn Clock>,
     view: RwLock<Snapshot>,
     dirty: Mutex<Dirty>,
     wake: Notify,
@@ -90,10 +91,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn new(db: PgPool, run: i64) -> Self {
+    fn new(db: PgPool, run: i64, clock: Arc<dyn Clock>) -> Self {
         Self {
             db,
             run,
+            clock,
             view: RwLock::default(),
             dirty: Mutex::default(),
             wake: Notify::new(),
@@ -168,9 +170,9 @@ pub struct PollView {
 
 impl PollView {
     /// A view of `run` over `db`; it starts on [`PollView::start`] or on the first glance.
-    pub fn new(db: PgPool, run: i64) -> Self {
+    pub fn new(db: PgPool, run: i64, clock: Arc<dyn Clock>) -> Self {
         Self {
-            shared: Arc::new(Shared::new(db, run)),
+            shared: Arc::new(Shared::new(db, run, clock)),
             stop: OnceLock::new(),
         }
     }
@@ -194,7 +196,7 @@ impl PollView {
         }
         let miner = view.miners.get(hotkey)?;
         let mut status = view.status.clone()?;
-        status.server_time_ms = Utc::now().timestamp_millis();
+        status.server_time_ms = self.shared.clock.now().timestamp_millis();
         Some(Glance {
             stage: miner.stage,
             open_tasks: miner.open_tasks,
@@ -340,7 +342,7 @@ async fn read_miners(
 }
 
 async fn read_status(shared: &Shared) -> Result<EpochStatus, String> {
-    crate::status::read_epoch_status(&shared.db, shared.run)
+    crate::status::read_epoch_status(&shared.db, shared.run, shared.clock.now())
         .await
         .map_err(|e| e.0.message)
 }
@@ -357,16 +359,17 @@ async fn touch_seen(shared: &Shared) {
         return;
     }
     let touched = sqlx::query(
-        "UPDATE miners SET last_seen = now()
+        "UPDATE miners SET last_seen = $3
          WHERE ctid = ANY(ARRAY(
              SELECT ctid FROM miners
              WHERE run_id = $1 AND hotkey = ANY($2) AND status = 'active'
-               AND last_seen < now() - interval '1 second'
+               AND last_seen < $3 - interval '1 second'
              ORDER BY hotkey
              FOR UPDATE SKIP LOCKED))",
     )
     .bind(shared.run)
     .bind(&hotkeys)
+    .bind(shared.clock.now())
     .execute(&shared.db)
     .await;
     if let Err(e) = touched {
@@ -382,7 +385,7 @@ mod tests {
         let db = sqlx::postgres::PgPoolOptions::new()
             .connect_lazy("postgres://nobody@127.0.0.1:1/none")
             .expect("lazy pool");
-        Shared::new(db, 7)
+        Shared::new(db, 7, Arc::new(crate::clock::SystemClock))
     }
 
     #[tokio::test]

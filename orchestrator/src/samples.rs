@@ -81,6 +81,7 @@ pub(crate) async fn route_forward_sample(
         abandon_sample(
             tx,
             sample_id,
+            app.now(),
             "no miner of the next stage is active and still training this epoch",
         )
         .await?;
@@ -89,7 +90,7 @@ pub(crate) async fn route_forward_sample(
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
              leased_until)
-         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7, now() + make_interval(secs => $8))
+         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7, $8 + make_interval(secs => $9))
          RETURNING id",
     )
     .bind(app.run.id)
@@ -99,6 +100,7 @@ pub(crate) async fn route_forward_sample(
     .bind(attempt)
     .bind(&miner)
     .bind(input)
+    .bind(app.now())
     .bind(pickup_s(app.config()) as f64)
     .fetch_one(&mut **tx)
     .await?;
@@ -180,7 +182,7 @@ pub(crate) async fn reroute(
             )
             .await?;
         }
-        Reroute::AbandonSample => abandon_sample(tx, sample_id, why).await?,
+        Reroute::AbandonSample => abandon_sample(tx, sample_id, app.now(), why).await?,
     }
     Ok(())
 }
@@ -189,6 +191,7 @@ pub(crate) async fn reroute(
 pub(crate) async fn abandon_sample(
     tx: &mut Transaction<'_, Postgres>,
     sample_id: i64,
+    now: DateTime<Utc>,
     why: &str,
 ) -> ApiResult<()> {
     // Its open hops first, then the sample and the epoch's row: the order a completion takes
@@ -199,10 +202,11 @@ pub(crate) async fn abandon_sample(
         .execute(&mut **tx)
         .await?;
     let ended: Option<(i64, i64)> = sqlx::query_as(
-        "UPDATE samples SET status = 'abandoned', completed_at = now()
+        "UPDATE samples SET status = 'abandoned', completed_at = $2
          WHERE id = $1 AND status IN ('forward', 'backward') RETURNING run_id, epoch",
     )
     .bind(sample_id)
+    .bind(now)
     .fetch_optional(&mut **tx)
     .await?;
     if let Some((run, epoch)) = ended {

@@ -8,7 +8,11 @@ use sqlx::Row;
 use crate::error::{ApiResult, AppError};
 
 /// Where `run` is now, read from `db`.
-pub(crate) async fn read_epoch_status(db: &sqlx::PgPool, run: i64) -> ApiResult<EpochStatus> {
+pub(crate) async fn read_epoch_status(
+    db: &sqlx::PgPool,
+    run: i64,
+    now: DateTime<Utc>,
+) -> ApiResult<EpochStatus> {
     // One round trip: every heartbeat answers with this (work polls read it in their statement).
     let row = sqlx::query(
         "SELECT r.epoch AS status_epoch, r.phase AS status_phase,
@@ -21,11 +25,15 @@ pub(crate) async fn read_epoch_status(db: &sqlx::PgPool, run: i64) -> ApiResult<
     .bind(run)
     .fetch_one(db)
     .await?;
-    status_from_row(&row)
+    status_from_row(&row, now)
 }
 
-/// The epoch status from a row with the `status_*` columns of [`epoch_status`]'s query.
-pub(crate) fn status_from_row(row: &sqlx::postgres::PgRow) -> ApiResult<EpochStatus> {
+/// The epoch status from a row with the `status_*` columns of [`read_epoch_status`]'s query, as
+/// answered at `now`.
+pub(crate) fn status_from_row(
+    row: &sqlx::postgres::PgRow,
+    now: DateTime<Utc>,
+) -> ApiResult<EpochStatus> {
     let phase: String = row.try_get("status_phase")?;
     let phase_started: DateTime<Utc> = row.try_get("status_phase_started")?;
     let phase_deadline: DateTime<Utc> = row.try_get("status_phase_deadline")?;
@@ -39,6 +47,6 @@ pub(crate) fn status_from_row(row: &sqlx::postgres::PgRow) -> ApiResult<EpochSta
         samples_started: row.try_get::<i64, _>("status_samples_started")? as u64,
         samples_completed: row.try_get::<i64, _>("status_samples_completed")? as u64,
         samples_abandoned: row.try_get::<i64, _>("status_samples_abandoned")? as u64,
-        server_time_ms: Utc::now().timestamp_millis(),
+        server_time_ms: now.timestamp_millis(),
     })
 }

@@ -271,10 +271,11 @@ pub async fn scores(
         ));
     }
     let row = sqlx::query(
-        "INSERT INTO validator_scores (run_id, epoch, validator, scores, weights)
-         VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO validator_scores (run_id, epoch, validator, scores, weights, submitted_at)
+         VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (run_id, epoch, validator)
-         DO UPDATE SET scores = EXCLUDED.scores, weights = EXCLUDED.weights, submitted_at = now()
+         DO UPDATE SET scores = EXCLUDED.scores, weights = EXCLUDED.weights,
+           submitted_at = EXCLUDED.submitted_at
          RETURNING validator, epoch, scores, weights, submitted_at",
     )
     .bind(app.run.id)
@@ -282,6 +283,7 @@ pub async fn scores(
     .bind(&v.ss58)
     .bind(to_json(&sub.scores)?)
     .bind(sub.weights.as_ref().map(to_json).transpose()?)
+    .bind(app.now())
     .fetch_one(&app.db)
     .await?;
     Ok(Json(views::score_from_row(&row)?))
@@ -489,10 +491,11 @@ pub async fn report_spot_checks(
     }
     report.validator = v.ss58.clone();
     sqlx::query(
-        "INSERT INTO spot_checks (run_id, epoch, validator, seed, seed_block, checks)
-         VALUES ($1, $2, $3, $4, $5, $6)
+        "INSERT INTO spot_checks (run_id, epoch, validator, seed, seed_block, checks, submitted_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
          ON CONFLICT (run_id, epoch, validator) DO UPDATE SET seed = EXCLUDED.seed,
-           seed_block = EXCLUDED.seed_block, checks = EXCLUDED.checks, submitted_at = now()",
+           seed_block = EXCLUDED.seed_block, checks = EXCLUDED.checks,
+           submitted_at = EXCLUDED.submitted_at",
     )
     .bind(app.run.id)
     .bind(epoch as i64)
@@ -500,6 +503,7 @@ pub async fn report_spot_checks(
     .bind(&report.seed)
     .bind(report.seed_block as i64)
     .bind(to_json(&report.checks)?)
+    .bind(app.now())
     .execute(&app.db)
     .await?;
     Ok(Json(report))

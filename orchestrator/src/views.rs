@@ -31,7 +31,7 @@ pub fn run_info(app: &App) -> RunInfo {
 
 /// Where the run is now.
 pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
-    crate::status::read_epoch_status(&app.db, app.run.id).await
+    crate::status::read_epoch_status(&app.db, app.run.id, app.now()).await
 }
 
 /// The latest accepted merge of every partition of `stage` (older epochs fill partitions that
@@ -350,13 +350,14 @@ pub async fn get_throughput(
     let rows = sqlx::query(
         "SELECT * FROM (
            SELECT epoch, samples_completed, wire_bytes,
-             extract(epoch FROM coalesce(training_ended_at, now()) - started_at)::float8 AS secs
+             extract(epoch FROM coalesce(training_ended_at, $4) - started_at)::float8 AS secs
            FROM epochs WHERE run_id = $1 AND epoch < $2 ORDER BY epoch DESC LIMIT $3) latest
          ORDER BY epoch",
     )
     .bind(app.run.id)
     .bind(q.before())
     .bind(page_limit(q.limit))
+    .bind(app.now())
     .fetch_all(&app.db)
     .await?;
     let tokens_per_sample = u64::from(app.config().micro_batch) * u64::from(app.config().seq_len);

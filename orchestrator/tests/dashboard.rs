@@ -911,9 +911,10 @@ async fn latest_scores_read_one_row_per_validator() {
     let db = fresh_db().await;
     let pool = iota_orchestrator::connect_db(&db, 4).await.expect("db");
     let hotkey = iota_protocol::signing::RequestSigner::ss58(&pair(200));
-    let run = iota_orchestrator::ensure_run(&pool, &run_config("scores"), 7, &hotkey)
-        .await
-        .expect("run");
+    let run =
+        iota_orchestrator::ensure_run(&pool, &run_config("scores"), 7, &hotkey, chrono::Utc::now())
+            .await
+            .expect("run");
     const VALIDATORS: i64 = 8;
     const EPOCHS: i64 = 60;
     // Validator v scored epochs 0..EPOCHS - v; its latest is EPOCHS - v - 1.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Duration, Utc};
 use common::*;
 use iota_chain::{Member, Members, MetagraphIndex};
+use iota_orchestrator::clock::{Clock, OffsetClock, SystemClock};
 use iota_orchestrator::{App, AppState, BlobStore, Limits, StoreConfig, driver};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -80,6 +81,16 @@ async fn serve(seeds: &[u8], run: RunConfig) -> Served {
 
 /// [`serve`], with blobs in `store` (a local directory if `None`).
 async fn serve_with(seeds: &[u8], run: RunConfig, store_config: Option<StoreConfig>) -> Served {
+    serve_on(seeds, run, store_config, Arc::new(SystemClock)).await
+}
+
+/// [`serve_with`], on the run's clock `clock`.
+async fn serve_on(
+    seeds: &[u8],
+    run: RunConfig,
+    store_config: Option<StoreConfig>,
+    clock: Arc<dyn Clock>,
+) -> Served {
     let db_url = fresh_db().await;
     let db = iota_orchestrator::connect_db(&db_url, 8).await.expect("db");
     if store_config.is_some() {
@@ -92,29 +103,32 @@ async fn serve_with(seeds: &[u8], run: RunConfig, store_config: Option<StoreConf
             .await
             .expect("run id");
     }
-    let row = iota_orchestrator::ensure_run(&db, &run, 7, &pair(200).ss58_of())
+    let row = iota_orchestrator::ensure_run(&db, &run, 7, &pair(200).ss58_of(), clock.now())
         .await
         .expect("run");
     let store = tempfile::tempdir().expect("tempdir");
     let store_config = store_config.unwrap_or_else(|| StoreConfig::Local(store.path().into()));
     let blobs = BlobStore::open(&store_config).expect("store");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(metagraph(seeds)));
-    let app: App = Arc::new(AppState::new(
-        db.clone(),
-        blobs,
-        row,
-        pair(200).ss58_of(),
-        rx,
-        SkewWindow::default(),
-        Limits {
-            per_hotkey_rps: 1000,
-            per_hotkey_burst: 1000,
-            per_ip_rps: 1000,
-            per_ip_burst: 1000,
-            ..Limits::default()
-        },
-        2,
-    ));
+    let app: App = Arc::new(
+        AppState::new(
+            db.clone(),
+            blobs,
+            row,
+            pair(200).ss58_of(),
+            rx,
+            SkewWindow::default(),
+            Limits {
+                per_hotkey_rps: 1000,
+                per_hotkey_burst: 1000,
+                per_ip_rps: 1000,
+                per_ip_burst: 1000,
+                ..Limits::default()
+            },
+            2,
+        )
+        .with_clock(clock),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -225,6 +239,50 @@ fn config() -> RunConfig {
 /// moves once it has waited two leases: a forward hop to another miner of its stage. Such a
 /// miner (its work loop hung, or it only claims throughput to draw hops) once held every hop
 /// routed to it until the epoch ended, each a sample in flight that stage 0 could not replace.
+/// Handlers stamp the run's state by the run's clock, the one the driver compares it with: on a
+/// clock ten days ahead of the database's, a lease just taken and its miner's heartbeat are fresh
+/// to the driver's next step (by the database's clock both would be ten days old: the miner
+/// released as silent, its hop taken back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_and_the_driver_read_one_clock() {
+    init_tracing();
+    let ahead = Duration::days(10);
+    let seeds = [111u8, 112, 113];
+    let s = serve_on(&seeds, config(), None, Arc::new(OffsetClock(ahead))).await;
+    let miners = join_all(&s, &seeds).await;
+    let mut leased = Vec::new();
+    for m in &miners {
+        leased.extend(m.client().work(1).await.expect("poll").items);
+    }
+    assert!(!leased.is_empty(), "no miner was given a hop");
+    let (leased_at, last_seen): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
+        "SELECT t.leased_at, m.last_seen FROM tasks t JOIN miners m ON m.hotkey = t.miner
+         WHERE t.status = 'leased' ORDER BY t.id LIMIT 1",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("a leased hop");
+    let ahead_of_wall = Utc::now() + ahead - Duration::minutes(1);
+    assert!(
+        leased_at > ahead_of_wall && last_seen > ahead_of_wall,
+        "stamped by another clock: leased at {leased_at}, miner seen at {last_seen}"
+    );
+    driver::step(&s.app, s.app.now()).await.expect("step");
+    let (leases, active): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM tasks WHERE status = 'leased'),
+                (SELECT count(*) FROM miners WHERE status = 'active')",
+    )
+    .fetch_one(&s.db)
+    .await
+    .expect("counts");
+    assert_eq!(leases, leased.len() as i64, "a fresh lease was taken back");
+    assert_eq!(
+        active,
+        seeds.len() as i64,
+        "a miner that just polled was released"
+    );
+}
+
 /// A miner that is working (it holds a live lease) keeps its backlog however long it waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hop_its_miner_never_leases_moves_after_two_leases() {

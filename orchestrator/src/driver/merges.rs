@@ -258,8 +258,9 @@ pub async fn record_merge_result(
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let stored: String = sqlx::query_scalar(
-        "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
+        "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3,
+             submitted_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
          ON CONFLICT (run_id, epoch, stage, partition, submitter)
          DO UPDATE SET submitter = merge_results.submitter RETURNING blake3",
     )
@@ -270,6 +271,7 @@ pub async fn record_merge_result(
     .bind(submitter)
     .bind(&value)
     .bind(&blob.blake3)
+    .bind(app.now())
     .fetch_one(&mut *tx)
     .await?;
     if stored != blob.blake3 {

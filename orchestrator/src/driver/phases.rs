@@ -422,7 +422,7 @@ pub(crate) async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
     .fetch_all(&mut *tx)
     .await?;
     for id in leftover {
-        abandon_sample(&mut tx, id, "epoch ended").await?;
+        abandon_sample(&mut tx, id, now, "epoch ended").await?;
     }
     // The epoch's samples are final now: its mean loss is stored once, for `GET /v1/loss`.
     sqlx::query(

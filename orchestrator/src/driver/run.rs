@@ -66,7 +66,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                 let mut stepping = true;
                 if failing_since.is_some_and(|t| t.elapsed() >= gap) {
                     tracing::warn!("the run's steps failed for a while; giving that time back");
-                    match forgive_gap(&app, Utc::now()).await {
+                    match forgive_gap(&app, app.now()).await {
                         // Another gap needs as long again.
                         Ok(()) => failing_since = Some(Instant::now()),
                         Err(e) => {
@@ -76,7 +76,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                     }
                 }
                 if stepping {
-                    let now = Utc::now();
+                    let now = app.now();
                     match keep_time(&app, now).await {
                         Ok(()) => {
                             failing_since = None;
@@ -91,7 +91,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                     }
                 }
                 if n.is_multiple_of(50) {
-                    housekeeping(&app, Utc::now()).await;
+                    housekeeping(&app, app.now()).await;
                 }
             }
         }
@@ -153,7 +153,7 @@ async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
     if !got {
         return Lead::Not;
     }
-    if let Err(e) = forgive_gap(app, Utc::now()).await {
+    if let Err(e) = forgive_gap(app, app.now()).await {
         if unforgiven_anyway {
             tracing::error!(error = %e, "could not renew heartbeats and leases after the gap, again; leading anyway");
         } else {

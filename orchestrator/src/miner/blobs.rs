@@ -227,7 +227,7 @@ async fn fail_producer(
         .bind(task_id)
         .execute(&mut *tx)
         .await?;
-    abandon_sample(&mut tx, sample_id, "bad object").await?;
+    abandon_sample(&mut tx, sample_id, app.now(), "bad object").await?;
     sqlx::query(
         "INSERT INTO bad_objects (run_id, key, reporter, reason) VALUES ($1, $2, $3, $4)
          ON CONFLICT DO NOTHING",

@@ -127,13 +127,14 @@ async fn apply(
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     sqlx::query(
         "UPDATE tasks SET status = 'done', output = $2, inner_step = $3, weights_digest = $4,
-             compute_ms = $5, completed_at = now() WHERE id = $1",
+             compute_ms = $5, completed_at = $6 WHERE id = $1",
     )
     .bind(task_id)
     .bind(&output_json)
     .bind(req.inner_step.min(i64::MAX as u64) as i64)
     .bind(&req.weights_digest)
     .bind(req.compute_ms.map(|m| m.min(i64::MAX as u64) as i64))
+    .bind(app.now())
     .execute(&mut **tx)
     .await?;
     if let Some(o) = &close.output {
@@ -178,8 +179,9 @@ async fn finish_sample(
     sample_id: i64,
     epoch: u64,
 ) -> ApiResult<()> {
-    sqlx::query("UPDATE samples SET status = 'done', completed_at = now() WHERE id = $1")
+    sqlx::query("UPDATE samples SET status = 'done', completed_at = $2 WHERE id = $1")
         .bind(sample_id)
+        .bind(app.now())
         .execute(&mut **tx)
         .await?;
     sqlx::query(
@@ -242,6 +244,7 @@ async fn route_backward(
         abandon_sample(
             tx,
             from.sample_id,
+            app.now(),
             "the pathway's miner left, or ended its epoch, before its backward",
         )
         .await?;
@@ -250,7 +253,7 @@ async fn route_backward(
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
              leased_until)
-         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6, now() + make_interval(secs => $7))
+         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6, $8 + make_interval(secs => $7))
          ON CONFLICT (sample_id, stage, direction, attempt) DO UPDATE SET attempt = tasks.attempt
          RETURNING id",
     )
@@ -261,6 +264,7 @@ async fn route_backward(
     .bind(&miner)
     .bind(grad)
     .bind(pickup_s(app.config()) as f64)
+    .bind(app.now())
     .fetch_one(&mut **tx)
     .await?;
     Ok(Some(id))

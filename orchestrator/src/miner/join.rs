@@ -100,7 +100,8 @@ async fn join(
             .map_err(|why| AppError::new(ErrorCode::Forbidden, why))?;
         sqlx::query(
             "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
-             tokens_per_s, joined_epoch) VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8)",
+             tokens_per_s, joined_epoch, registered_at, last_seen)
+             VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8, $9, $9)",
         )
         .bind(run)
         .bind(&caller.ss58)
@@ -110,6 +111,7 @@ async fn join(
         .bind(cap.memory_bytes as i64)
         .bind(cap.tokens_per_s)
         .bind(epoch as i64)
+        .bind(app.now())
         .execute(&mut **tx)
         .await?;
         tracing::info!(miner = %caller.ss58, stage, epoch, "miner joined");
@@ -130,7 +132,7 @@ async fn join(
     }
     sqlx::query(
         "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
-         tokens_per_s = $6, last_seen = now(), stage = $7 WHERE run_id = $1 AND hotkey = $2",
+         tokens_per_s = $6, last_seen = $8, stage = $7 WHERE run_id = $1 AND hotkey = $2",
     )
     .bind(run)
     .bind(&caller.ss58)
@@ -139,6 +141,7 @@ async fn join(
     .bind(cap.memory_bytes as i64)
     .bind(cap.tokens_per_s)
     .bind(stage as i32)
+    .bind(app.now())
     .execute(&mut **tx)
     .await?;
     Ok((stage, restart != Restart::Continues))
@@ -228,12 +231,13 @@ pub async fn heartbeat(
     let stage = miner_stage(&app.db, &app, &caller).await?;
     let tps = req.tokens_per_s;
     sqlx::query(
-        "UPDATE miners SET last_seen = now(), tokens_per_s = coalesce($3, tokens_per_s)
+        "UPDATE miners SET last_seen = $4, tokens_per_s = coalesce($3, tokens_per_s)
          WHERE run_id = $1 AND hotkey = $2",
     )
     .bind(app.run.id)
     .bind(&caller.ss58)
     .bind(tps)
+    .bind(app.now())
     .execute(&app.db)
     .await?;
     Ok(Json(HeartbeatResponse {

@@ -3,7 +3,6 @@
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use chrono::Utc;
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
@@ -134,7 +133,7 @@ pub async fn reserve_pg(
     // exclusive lock.
     crate::driver::phase_lock_shared(&mut tx, app.run.id).await?;
     let now = run_now(&mut *tx, app.run.id).await?;
-    let at = Utc::now();
+    let at = app.now();
     let held = holds_reservation(&mut tx, &app, &caller, epoch).await?;
     if !reservation_open(now.epoch, now.phase, now.phase_deadline, epoch, at, held) {
         return Err(AppError::new(

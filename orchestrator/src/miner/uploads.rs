@@ -415,7 +415,7 @@ async fn seal_committed(
     spec: &TensorSpec,
     commit: &CommitRequest,
 ) -> ApiResult<BlobDescriptor> {
-    let pending = pending_key(expected_key, Utc::now());
+    let pending = pending_key(expected_key, app.now());
     // Where the bytes came from: the slot, or an abandoned attempt's key (taken over).
     let mut source = None;
     // Twice: an attempt whose check failed on a store error puts the object back in the slot.
@@ -560,7 +560,7 @@ async fn moved_earlier(
         return Ok(Moved::Sealed(blob));
     }
     let abandoned_before =
-        Utc::now().timestamp_millis() - abandoned_after(spec.max_bytes()).num_milliseconds();
+        app.now().timestamp_millis() - abandoned_after(spec.max_bytes()).num_milliseconds();
     if pending.iter().any(|(ms, _, _)| *ms > abandoned_before) {
         return Ok(Moved::Checking);
     }

@@ -163,6 +163,7 @@ async fn poll(
             .bind(&caller.ss58)
             .bind(app.config().lease_s as f64)
             .bind(max)
+            .bind(app.now())
             .fetch_all(&app.db)
             .await?;
         let Some(first) = rows.first() else {
@@ -171,7 +172,7 @@ async fn poll(
             continue;
         };
         let stage = first.try_get::<i32, _>("miner_stage")? as u32;
-        let status = crate::status::status_from_row(first)?;
+        let status = crate::status::status_from_row(first, app.now())?;
         let mut items = Vec::with_capacity(rows.len());
         for row in &rows {
             if row.try_get::<Option<i64>, _>("id")?.is_some() {
@@ -196,17 +197,17 @@ WITH me AS (
     SELECT stage, ended_epoch FROM miners
     WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
 ), touched AS (
-    UPDATE miners SET last_seen = now()
+    UPDATE miners SET last_seen = $5
     WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
-      AND last_seen < now() - interval '1 second'
+      AND last_seen < $5 - interval '1 second'
 ), held AS (
     SELECT id, lease, leased_until, epoch, sample_id, stage, direction, input FROM tasks
-    WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > now()
+    WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > $5
       AND EXISTS (SELECT 1 FROM me)
     ORDER BY id LIMIT $4
 ), fresh AS (
-    UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = now(),
-        leased_until = now() + make_interval(secs => $3)
+    UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = $5,
+        leased_until = $5 + make_interval(secs => $3)
     WHERE id IN (
         SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
           AND EXISTS (SELECT 1 FROM me)
@@ -316,8 +317,8 @@ async fn start_samples(
         let row = sqlx::query(
             "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, miner, status, lease,
                  leased_at, leased_until)
-             VALUES ($1, $2, $3, 0, 'forward', $4, 'leased', gen_random_uuid(), now(),
-                 now() + make_interval(secs => $5))
+             VALUES ($1, $2, $3, 0, 'forward', $4, 'leased', gen_random_uuid(), $6,
+                 $6 + make_interval(secs => $5))
              RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input",
         )
         .bind(app.run.id)
@@ -325,6 +326,7 @@ async fn start_samples(
         .bind(sample_id)
         .bind(&caller.ss58)
         .bind(cfg.lease_s as f64)
+        .bind(app.now())
         .fetch_one(&mut **tx)
         .await?;
         items.push(work_item(&row, cfg.stages)?);
