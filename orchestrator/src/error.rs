@@ -118,6 +118,71 @@ impl From<AuthError> for AppError {
 /// Handler result.
 pub type ApiResult<T> = Result<T, AppError>;
 
+/// The error of the run's transitions below the routes (the phase driver, a sample's moves, merge
+/// settlement), its cause kept as its source. A route turns it into an [`AppError`]: a refusal
+/// keeps its code and message; anything else is `internal`, its detail logged and never sent.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// PostgreSQL failed.
+    #[error("database")]
+    Database(#[from] sqlx::Error),
+    /// The object store failed.
+    #[error("object store")]
+    Store(#[from] StoreError),
+    /// A stored JSON value did not encode or decode.
+    #[error("stored JSON")]
+    Json(#[from] serde_json::Error),
+    /// The database holds a value the run's rules do not know.
+    #[error("stored state is invalid: {0}")]
+    Invalid(String),
+    /// The request cannot be done in the run's state (a wrong phase, an unknown partition, ...).
+    #[error("{message}")]
+    Refused {
+        /// What the caller is told.
+        code: ErrorCode,
+        /// Why.
+        message: String,
+    },
+}
+
+impl RunError {
+    /// A refusal with its code.
+    pub fn refused(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::Refused {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The error and each of its causes, for the log.
+    pub fn detail(&self) -> String {
+        let mut detail = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(e) = cause {
+            detail.push_str(": ");
+            detail.push_str(&e.to_string());
+            cause = e.source();
+        }
+        detail
+    }
+}
+
+/// The result of a run transition.
+pub type RunResult<T> = Result<T, RunError>;
+
+impl From<RunError> for AppError {
+    fn from(e: RunError) -> Self {
+        match e {
+            RunError::Database(e) => e.into(),
+            RunError::Store(e) => e.into(),
+            RunError::Refused { code, message } => Self::new(code, message),
+            e @ (RunError::Json(_) | RunError::Invalid(_)) => {
+                Self::new(ErrorCode::Internal, e.detail())
+            }
+        }
+    }
+}
+
 /// Start-up errors, each saying what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum OrchestratorError {
@@ -216,5 +281,29 @@ mod tests {
         .await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(body.message, "epoch must be a number");
+    }
+
+    /// A run transition's refusal reaches the client with its code and reason; its failures
+    /// reach the log with every cause and the client as a generic 500.
+    #[tokio::test]
+    async fn a_run_error_keeps_refusals_and_hides_failures() {
+        let refused = RunError::refused(ErrorCode::WrongPhase, "the merging phase ended");
+        let (status, body) = body_of(refused.into()).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(body.code, ErrorCode::WrongPhase);
+        assert_eq!(body.message, "the merging phase ended");
+
+        let cause = serde_json::from_str::<u8>("\"secret_table\"").expect_err("not a number");
+        let failed = RunError::from(cause);
+        assert!(
+            failed.detail().starts_with("stored JSON: invalid type"),
+            "{}",
+            failed.detail()
+        );
+        let (status, body) = body_of(failed.into()).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body.message, INTERNAL_MESSAGE);
+        let (_, body) = body_of(RunError::Invalid("bad phase secret".into()).into()).await;
+        assert_eq!(body.message, INTERNAL_MESSAGE);
     }
 }

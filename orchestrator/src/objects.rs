@@ -2,7 +2,7 @@
 //! race to be recorded leaves one behind, which is deleted unless a row records its key.
 
 use crate::app::App;
-use crate::error::ApiResult;
+use crate::error::RunResult;
 
 /// Which table records a sealed object.
 #[derive(Clone, Copy, Debug)]
@@ -13,7 +13,7 @@ pub(crate) enum SealedIn {
 
 /// Deletes a sealed object that lost its race to be recorded, unless a row records that very
 /// key: a retry of an accepted submission seals to the same key as the accepted one.
-pub(crate) async fn delete_unless_recorded(app: &App, table: SealedIn, key: &str) -> ApiResult<()> {
+pub(crate) async fn delete_unless_recorded(app: &App, table: SealedIn, key: &str) -> RunResult<()> {
     let sql = match table {
         SealedIn::PseudoGradients => {
             "SELECT 1 FROM pseudo_gradients WHERE run_id = $1 AND blob->>'key' = $2 LIMIT 1"

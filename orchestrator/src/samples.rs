@@ -3,14 +3,13 @@
 //! hop, abandoning a sample. Shared by the miners' routes and the phase driver.
 
 use chrono::{DateTime, Utc};
-use iota_protocol::ErrorCode;
 use iota_protocol::api::{Direction, Phase};
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::app::App;
 use crate::domain::leases::{self, Reroute, pickup_s};
 use crate::domain::placement::weighted_pick;
-use crate::error::{ApiResult, AppError};
+use crate::error::{RunError, RunResult};
 
 /// The current epoch row of the run.
 pub(crate) struct RunNow {
@@ -21,7 +20,7 @@ pub(crate) struct RunNow {
     pub merge_round: u32,
 }
 
-pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> ApiResult<RunNow> {
+pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> RunResult<RunNow> {
     let row = sqlx::query(
         "SELECT epoch, phase, phase_started, phase_deadline, merge_round FROM runs WHERE id = $1",
     )
@@ -32,7 +31,7 @@ pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> Api
     Ok(RunNow {
         epoch: row.try_get::<i64, _>("epoch")? as u64,
         phase: Phase::parse(&phase)
-            .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad phase {phase}")))?,
+            .ok_or_else(|| RunError::Invalid(format!("bad phase {phase}")))?,
         phase_started: row.try_get("phase_started")?,
         phase_deadline: row.try_get("phase_deadline")?,
         merge_round: row.try_get::<i32, _>("merge_round")? as u32,
@@ -49,7 +48,7 @@ pub(crate) async fn route_forward_sample(
     attempt: i32,
     input: Option<serde_json::Value>,
     exclude: Option<&str>,
-) -> ApiResult<Option<i64>> {
+) -> RunResult<Option<i64>> {
     // Not to a miner whose work in the epoch has ended (see `close_epoch`).
     let rows = sqlx::query(
         "SELECT hotkey, tokens_per_s FROM miners
@@ -124,7 +123,7 @@ pub(crate) async fn close_epoch(
     app: &App,
     miner: &str,
     epoch: u64,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     // Tasks before the miner's row: a poll locks its tasks, then the row (`POLL_SQL`).
     let rows = sqlx::query(
         "UPDATE tasks SET status = 'expired'
@@ -159,10 +158,10 @@ pub(crate) async fn reroute(
     app: &App,
     row: &sqlx::postgres::PgRow,
     why: &str,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     let direction: String = row.try_get("direction")?;
     let direction = Direction::parse(&direction)
-        .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad direction {direction}")))?;
+        .ok_or_else(|| RunError::Invalid(format!("bad direction {direction}")))?;
     let sample_id: i64 = row.try_get("sample_id")?;
     let stage = row.try_get::<i32, _>("stage")? as u32;
     match leases::reroute(direction, stage, row.try_get("attempt")?) {
@@ -193,7 +192,7 @@ pub(crate) async fn abandon_sample(
     sample_id: i64,
     now: DateTime<Utc>,
     why: &str,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     // Its open hops first, then the sample and the epoch's row: the order a completion takes
     // them in (its hop, its sample, the epoch's counters), so the two wait for each other
     // instead of deadlocking.

@@ -3254,7 +3254,7 @@ async fn ending_an_epoch_and_completing_a_travelling_hop_do_not_deadlock() {
         assert!(
             stepped.is_ok(),
             "the epoch's end: {:?}",
-            stepped.err().map(|e| e.0)
+            stepped.err().map(|e| e.detail())
         );
         break;
     }
@@ -3466,7 +3466,7 @@ async fn releasing_a_miner_and_completing_its_hop_do_not_deadlock() {
     assert!(
         stepped.is_ok(),
         "the driver's side: {:?}",
-        stepped.err().map(|e| e.0)
+        stepped.err().map(|e| e.detail())
     );
     let status: String = sqlx::query_scalar("SELECT status FROM miners WHERE hotkey = $1")
         .bind(&hotkey)

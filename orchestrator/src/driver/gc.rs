@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 
 use crate::app::App;
-use crate::error::ApiResult;
+use crate::error::RunResult;
 use crate::samples::run_now;
 
 /// Deletes the objects of epochs older than the retention window, keeping the merged partitions
@@ -13,7 +13,7 @@ use crate::samples::run_now;
 /// An epoch is collected only once no presigned URL for its keys can still be used (they are
 /// handed out only while it runs, see [`crate::BlobStore::upload_grace`]): a PUT landing after
 /// its collection would stay in the bucket for good.
-pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let cur = run_now(&app.db, app.run.id).await?;
     let keep = app.config().retention_epochs.max(1);
     if cur.epoch < keep {

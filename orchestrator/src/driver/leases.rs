@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use sqlx::{Postgres, Row, Transaction};
 
@@ -11,7 +10,7 @@ use super::owners::add_owners;
 use crate::app::App;
 use crate::domain::hops::HopStatus;
 use crate::domain::leases::{self, Lapse, OpenHop, secs};
-use crate::error::{ApiResult, AppError};
+use crate::error::{RunError, RunResult};
 use crate::samples::{reroute, run_now};
 
 /// Open hops that stop waiting for their miner ([`leases::lapse`]): hops of an ended epoch close
@@ -20,7 +19,7 @@ use crate::samples::{reroute, run_now};
 /// time, and hops routed to a miner that had already ended its epoch (a completion that raced
 /// with its pseudo-gradient, see `samples::close_epoch`) move ([`leases::reroute`]). The old
 /// attempt's late result is refused with `lease_expired`.
-pub(crate) async fn expire_leases(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn expire_leases(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     let mut closed = Vec::new();
     let mut moved = HashMap::new();
@@ -76,7 +75,7 @@ async fn hops_that_may_lapse(
     tx: &mut Transaction<'_, Postgres>,
     run: i64,
     now: DateTime<Utc>,
-) -> ApiResult<Vec<(i64, u64, OpenHop)>> {
+) -> RunResult<Vec<(i64, u64, OpenHop)>> {
     let rows = sqlx::query(
         "SELECT t.id, t.status, t.epoch, t.leased_until, r.epoch AS current_epoch,
                 m.ended_epoch,
@@ -98,9 +97,8 @@ async fn hops_that_may_lapse(
         .map(|row| {
             let status: String = row.try_get("status")?;
             let hop = OpenHop {
-                status: HopStatus::parse(&status).ok_or_else(|| {
-                    AppError::new(ErrorCode::Internal, format!("bad task status {status}"))
-                })?,
+                status: HopStatus::parse(&status)
+                    .ok_or_else(|| RunError::Invalid(format!("bad task status {status}")))?,
                 epoch: row.try_get::<i64, _>("epoch")? as u64,
                 leased_until: row.try_get("leased_until")?,
                 miner_working: row.try_get("miner_working")?,
@@ -119,7 +117,7 @@ async fn hops_that_may_lapse(
 
 /// Miners silent for longer than the heartbeat timeout are released: their open hops move (or
 /// their samples end) and, while merging, their unsubmitted partitions get a new owner.
-pub(crate) async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let cutoff = now - secs(app.config().heartbeat_timeout_s);
     let mut tx = app.db.begin().await?;
     // Their open hops first, then their rows: the order a completion takes them in (the hop,
@@ -186,7 +184,7 @@ pub(crate) async fn release_silent_miners(app: &App, now: DateTime<Utc>) -> ApiR
                     row.try_get::<i32, _>("partition")? as u32,
                 ))
             })
-            .collect::<ApiResult<Vec<_>>>()?;
+            .collect::<RunResult<Vec<_>>>()?;
         add_owners(&mut tx, app, now_run.epoch, &orphaned, now_run.merge_round).await?;
     }
     tx.commit().await?;
@@ -209,7 +207,7 @@ async fn release_for_an_empty_stage(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
     cutoff: DateTime<Utc>,
-) -> ApiResult<Option<String>> {
+) -> RunResult<Option<String>> {
     let cfg = app.config();
     let counts: Vec<(i32, i64)> = sqlx::query_as(
         "SELECT stage, count(*) FROM miners WHERE run_id = $1 AND status = 'active'

@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Postgres, Transaction};
 
-use crate::error::ApiResult;
+use crate::error::RunResult;
 
 /// The leader lock's class; its other key is the run's id, so that each run on a database has
 /// a driver of its own (one key for all let one run's driver leave every other run undriven).
@@ -16,7 +16,7 @@ pub(crate) const LEADER_LOCK_CLASS: i32 = 0x696f_7464; // "iotd"
 pub const PHASE_LOCK_CLASS: i32 = 0x696f_7461; // "iota"
 
 /// Takes the phase lock in shared mode for the rest of the transaction (uploads).
-pub async fn phase_lock_shared(tx: &mut Transaction<'_, Postgres>, run: i64) -> ApiResult<()> {
+pub async fn phase_lock_shared(tx: &mut Transaction<'_, Postgres>, run: i64) -> RunResult<()> {
     sqlx::query("SELECT pg_advisory_xact_lock_shared($1, $2::int)")
         .bind(PHASE_LOCK_CLASS)
         .bind(run as i32)
@@ -28,7 +28,7 @@ pub async fn phase_lock_shared(tx: &mut Transaction<'_, Postgres>, run: i64) -> 
 pub(crate) async fn phase_lock_exclusive(
     tx: &mut Transaction<'_, Postgres>,
     run: i64,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
         .bind(PHASE_LOCK_CLASS)
         .bind(run as i32)

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
-use axum::Json;
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
@@ -14,7 +13,7 @@ use super::owners::PARTITIONS_PER_STATEMENT;
 use super::owners::add_owner;
 use crate::app::App;
 use crate::domain::merges::{Verdict, final_pick, verdict};
-use crate::error::{ApiResult, AppError};
+use crate::error::{RunError, RunResult};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{RunNow, run_now};
 
@@ -34,7 +33,7 @@ async fn set_partition(
     state: PartitionState,
     accepted: Option<serde_json::Value>,
     resolved_by: Option<&str>,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     sqlx::query(
         "UPDATE partitions SET state = $5, accepted = coalesce($6, accepted),
              resolved_by = coalesce($7, resolved_by)
@@ -85,7 +84,7 @@ pub(crate) async fn settle_at_last_deadline(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
     epoch: u64,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     let open: Vec<(i32, i32)> = sqlx::query_as(
         "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
            AND state IN ('open', 'disputed') ORDER BY stage, partition",
@@ -204,8 +203,8 @@ pub(crate) async fn has_stake(
 pub(crate) fn interested_validator(
     stage: impl std::fmt::Display,
     partition: impl std::fmt::Display,
-) -> AppError {
-    AppError::new(
+) -> RunError {
+    RunError::refused(
         ErrorCode::Forbidden,
         format!(
             "you own or merged partition {stage}/{partition}, or mine in this run (any miner \
@@ -223,14 +222,14 @@ pub async fn record_merge_result(
     stage: u32,
     partition: u32,
     blob: BlobDescriptor,
-) -> ApiResult<Json<UploadResponse>> {
+) -> RunResult<UploadResponse> {
     let mut tx = app.db.begin().await?;
     phase_lock_shared(&mut tx, app.run.id).await?;
     let cur = run_now(&mut *tx, app.run.id).await?;
     if cur.epoch != epoch || cur.phase != Phase::Merging {
         drop(tx);
         delete_unless_recorded(app, SealedIn::MergeResults, &blob.key).await?;
-        return Err(AppError::new(
+        return Err(RunError::refused(
             ErrorCode::WrongPhase,
             "the merging phase ended while this result was in flight",
         ));
@@ -245,7 +244,7 @@ pub async fn record_merge_result(
     .bind(partition as i32)
     .fetch_optional(&mut *tx)
     .await?
-    .ok_or_else(|| AppError::new(ErrorCode::NotFound, "no such partition this epoch"))?;
+    .ok_or_else(|| RunError::refused(ErrorCode::NotFound, "no such partition this epoch"))?;
     // Under the partition's lock, which owner changes take too.
     if let Some(validator) = submitter.strip_prefix("validator:") {
         let slot = (epoch as i64, stage as i32, partition as i32);
@@ -255,8 +254,7 @@ pub async fn record_merge_result(
             return Err(interested_validator(stage, partition));
         }
     }
-    let value = serde_json::to_value(&blob)
-        .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+    let value = serde_json::to_value(&blob)?;
     let stored: String = sqlx::query_scalar(
         "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3,
              submitted_at)
@@ -278,7 +276,7 @@ pub async fn record_merge_result(
         drop(tx);
         // Sealed under its own hash, so not the recorded result's key.
         app.store.delete(&blob.key).await?;
-        return Err(AppError::new(
+        return Err(RunError::refused(
             ErrorCode::Conflict,
             "you already submitted a different result for this partition",
         ));
@@ -287,7 +285,7 @@ pub async fn record_merge_result(
         settle(&mut tx, app, &cur, stage, partition).await?;
     }
     tx.commit().await?;
-    Ok(Json(UploadResponse { blob }))
+    Ok(UploadResponse { blob })
 }
 
 async fn settle(
@@ -296,7 +294,7 @@ async fn settle(
     cur: &RunNow,
     stage: u32,
     partition: u32,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     let epoch = cur.epoch;
     let key = PartitionKey {
         epoch: epoch as i64,
@@ -385,7 +383,7 @@ async fn settle(
 /// accepted. A hash that matches no result settles nothing (the validator submits its own merge
 /// first); neither does one that comes after the epoch's merges closed, when the dispute was
 /// closed by the deadline.
-pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> ApiResult<()> {
+pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_shared(&mut tx, app.run.id).await?;
     // The partition's row first, then the dispute's: the order a merge submission takes them
@@ -406,7 +404,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     .bind(app.run.id)
     .fetch_optional(&mut *tx)
     .await?
-    .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no dispute {id}")))?;
+    .ok_or_else(|| RunError::refused(ErrorCode::NotFound, format!("no dispute {id}")))?;
     let epoch: i64 = row.try_get("epoch")?;
     let stage: i32 = row.try_get("stage")?;
     let partition: i32 = row.try_get("partition")?;
@@ -419,7 +417,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     if settled_by.as_deref() == Some("deadline") {
         // Closed with the epoch, by nobody's settlement: a late one is told so, whatever its
         // hash (had it named the partition's result, a 200 would say it had settled it).
-        return Err(AppError::new(
+        return Err(RunError::refused(
             ErrorCode::WrongPhase,
             format!("epoch {epoch}'s merges are closed: dispute {id} closed with them"),
         ));
@@ -428,7 +426,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
         // A retry of the settlement is answered as the first was; another hash is not.
         return match settled_hash {
             Some(h) if h == hash => Ok(()),
-            settled => Err(AppError::new(
+            settled => Err(RunError::refused(
                 ErrorCode::Conflict,
                 format!(
                     "dispute {id} is already settled ({})",
@@ -439,7 +437,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     }
     let cur = run_now(&mut *tx, app.run.id).await?;
     if cur.epoch != epoch as u64 || cur.phase != Phase::Merging {
-        return Err(AppError::new(
+        return Err(RunError::refused(
             ErrorCode::WrongPhase,
             format!("epoch {epoch}'s merges are closed"),
         ));
@@ -456,7 +454,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     .fetch_optional(&mut *tx)
     .await?;
     let Some(blob) = blob else {
-        return Err(AppError::new(
+        return Err(RunError::refused(
             ErrorCode::Conflict,
             format!(
                 "no merge of {stage}/{partition} has hash {hash}: submit it \

@@ -6,7 +6,7 @@ use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
 use crate::domain::placement::{OwnerCandidate, pick_added_owners};
-use crate::error::ApiResult;
+use crate::error::RunResult;
 
 /// Partitions written per statement when merging starts, or at an epoch's end.
 pub(crate) const PARTITIONS_PER_STATEMENT: usize = 4096;
@@ -19,7 +19,7 @@ pub async fn add_owner(
     stage: u32,
     partition: u32,
     round: u32,
-) -> ApiResult<bool> {
+) -> RunResult<bool> {
     Ok(add_owners(tx, app, epoch, &[(stage, partition)], round).await? == 1)
 }
 
@@ -33,7 +33,7 @@ pub async fn add_owners(
     epoch: u64,
     partitions: &[(u32, u32)],
     round: u32,
-) -> ApiResult<usize> {
+) -> RunResult<usize> {
     if partitions.is_empty() {
         return Ok(0);
     }
@@ -111,7 +111,7 @@ pub(crate) async fn insert_owners(
     epoch: u64,
     owners: &[(u32, u32, String)],
     round: u32,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     for chunk in owners.chunks(OWNERS_PER_STATEMENT) {
         let stages: Vec<i32> = chunk.iter().map(|(s, _, _)| *s as i32).collect();
         let partitions: Vec<i32> = chunk.iter().map(|(_, p, _)| *p as i32).collect();

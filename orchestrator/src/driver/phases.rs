@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use sqlx::{Postgres, Row, Transaction};
@@ -17,10 +16,10 @@ use crate::app::App;
 use crate::domain::leases::secs;
 use crate::domain::phases::{PhaseStep, PhaseView, next_step, reservations_hold_until};
 use crate::domain::placement::initial_owners;
-use crate::error::{ApiResult, AppError};
+use crate::error::RunResult;
 use crate::samples::{abandon_sample, run_now};
 
-pub(crate) async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> ApiResult<PhaseView> {
+pub(crate) async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> RunResult<PhaseView> {
     let cfg = app.config();
     let now = run_now(&mut *db, app.run.id).await?;
     let row = sqlx::query(
@@ -86,7 +85,7 @@ async fn set_phase(
     now: DateTime<Utc>,
     deadline: DateTime<Utc>,
     merge_round: u32,
-) -> ApiResult<()> {
+) -> RunResult<()> {
     sqlx::query(
         "UPDATE runs SET phase = $2, phase_started = $3, phase_deadline = $4, merge_round = $5
          WHERE id = $1",
@@ -109,12 +108,12 @@ async fn still_next(
     tx: &mut Transaction<'_, Postgres>,
     now: DateTime<Utc>,
     step: PhaseStep,
-) -> ApiResult<bool> {
+) -> RunResult<bool> {
     let view = phase_view(app, tx).await?;
     Ok(next_step(&view, now, app.max_merge_rounds) == step)
 }
 
-pub(crate) async fn start_uploading(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn start_uploading(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
     if !still_next(app, &mut tx, now, PhaseStep::StartUploading).await? {
@@ -143,7 +142,7 @@ pub(crate) async fn start_uploading(app: &App, now: DateTime<Utc>) -> ApiResult<
 
 /// Freezes each partition's contributions (in hotkey order, the fixed merge order) and assigns
 /// two owners per partition from the stage's active miners.
-pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let cfg = app.config().clone();
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
@@ -193,8 +192,7 @@ pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> ApiResult<()
         .await?;
         let mut contributed: HashMap<i32, Vec<MergeContribution>> = HashMap::new();
         for r in &rows {
-            let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)
-                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+            let blob: BlobDescriptor = serde_json::from_value(r.try_get("blob")?)?;
             contributed
                 .entry(r.try_get("partition")?)
                 .or_default()
@@ -266,7 +264,7 @@ impl NewPartitions {
         partition: u32,
         contributions: &[MergeContribution],
         owners: Vec<String>,
-    ) -> ApiResult<()> {
+    ) -> RunResult<()> {
         let state = match contributions.is_empty() {
             true => PartitionState::Unchanged,
             false => PartitionState::Open,
@@ -274,8 +272,7 @@ impl NewPartitions {
         self.stages.push(stage as i32);
         self.partitions.push(partition as i32);
         self.states.push(state.as_str());
-        let json = serde_json::to_string(contributions)
-            .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
+        let json = serde_json::to_string(contributions)?;
         self.contribution_bytes += json.len();
         self.contributions.push(json);
         self.resolved_by
@@ -291,7 +288,7 @@ impl NewPartitions {
         tx: &mut Transaction<'_, Postgres>,
         run: i64,
         epoch: u64,
-    ) -> ApiResult<()> {
+    ) -> RunResult<()> {
         let chunk = std::mem::take(self);
         if !chunk.stages.is_empty() {
             sqlx::query(
@@ -317,7 +314,7 @@ impl NewPartitions {
     }
 }
 
-pub(crate) async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn reassign_round(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
     if !still_next(app, &mut tx, now, PhaseStep::ReassignRound).await? {
@@ -378,7 +375,7 @@ pub(crate) async fn reassign_round(app: &App, now: DateTime<Utc>) -> ApiResult<(
 
 /// Ends the epoch: partitions still unsettled take their most-submitted result (or keep their
 /// weights when nobody merged them), travelling samples are closed, the next epoch starts.
-pub(crate) async fn next_epoch(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub(crate) async fn next_epoch(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
     if !still_next(app, &mut tx, now, PhaseStep::NextEpoch).await? {

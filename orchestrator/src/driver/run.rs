@@ -20,7 +20,7 @@ use super::phases::start_uploading;
 use crate::app::App;
 use crate::domain::leases::{pickup_s, secs};
 use crate::domain::phases::{PhaseStep, next_step};
-use crate::error::ApiResult;
+use crate::error::RunResult;
 
 /// Runs the driver until `shutdown` resolves. `tick` is the time between steps.
 pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::Receiver<bool>) {
@@ -81,11 +81,11 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
                         Ok(()) => {
                             failing_since = None;
                             if let Err(e) = advance(&app, now).await {
-                                tracing::warn!(error = ?e.0, "phase step failed; retrying next tick");
+                                tracing::warn!(error = %e.detail(), "phase step failed; retrying next tick");
                             }
                         }
                         Err(e) => {
-                            tracing::warn!(error = ?e.0, "driver step failed; retrying next tick");
+                            tracing::warn!(error = %e.detail(), "driver step failed; retrying next tick");
                             failing_since.get_or_insert_with(Instant::now);
                         }
                     }
@@ -230,18 +230,18 @@ async fn housekeeping(app: &App, now: DateTime<Utc>) {
         Err(e) => tracing::warn!(error = %e, "replay cache prune failed"),
     }
     if let Err(e) = collect_garbage(app, now).await {
-        tracing::warn!(error = ?e.0, "garbage collection failed");
+        tracing::warn!(error = %e.detail(), "garbage collection failed");
     }
 }
 
 /// One driver step at time `now`: leases, heartbeats, then at most one phase change.
-pub async fn step(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+pub async fn step(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     keep_time(app, now).await?;
     advance(app, now).await
 }
 
 /// A step's bookkeeping: the time driven, lapsed leases, silent miners.
-async fn keep_time(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+async fn keep_time(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     sqlx::query("UPDATE runs SET driven_at = $2 WHERE id = $1")
         .bind(app.run.id)
         .bind(now)
@@ -252,7 +252,7 @@ async fn keep_time(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
 }
 
 /// A step's phase change, if one is due.
-async fn advance(app: &App, now: DateTime<Utc>) -> ApiResult<()> {
+async fn advance(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let view = phase_view(app, &mut *app.db.acquire().await?).await?;
     let started = Instant::now();
     let step = next_step(&view, now, app.max_merge_rounds);

@@ -216,6 +216,7 @@ pub(crate) async fn route_forward(
         exclude,
     )
     .await
+    .map_err(Into::into)
 }
 
 /// Routes a backward hop to the miner that ran the sample's forward at `stage` (it holds the

@@ -176,7 +176,7 @@ pub(crate) async fn merge_slot(
         let hotkey = who.strip_prefix("validator:").unwrap_or(who);
         let slot = (epoch as i64, stage as i32, partition as i32);
         if crate::driver::has_stake(&app.db, app.run.id, hotkey, slot).await? {
-            return Err(crate::driver::interested_validator(stage, partition));
+            return Err(crate::driver::interested_validator(stage, partition).into());
         }
     } else {
         let owner: Option<i32> = sqlx::query_scalar(
@@ -249,7 +249,9 @@ pub(crate) async fn upload_merge_as(
     let (app, who, blake3) = (app.clone(), who.to_owned(), blake3.to_owned());
     to_completion(async move {
         let blob = accept_upload(&app, key, &spec, body, &blake3, Placement::Sealed).await?;
-        crate::driver::record_merge_result(&app, &who, epoch, stage, partition, blob).await
+        let recorded =
+            crate::driver::record_merge_result(&app, &who, epoch, stage, partition, blob);
+        Ok(Json(recorded.await?))
     })
     .await
 }
@@ -317,7 +319,9 @@ pub async fn commit_merge(
     let (key, spec) = merge_slot(&app, &caller.ss58, false, epoch, stage, partition).await?;
     to_completion(async move {
         let blob = accept_committed(&app, &key, &spec, &req, Placement::Sealed).await?;
-        crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob).await
+        let recorded =
+            crate::driver::record_merge_result(&app, &caller.ss58, epoch, stage, partition, blob);
+        Ok(Json(recorded.await?))
     })
     .await
 }
