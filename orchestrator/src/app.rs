@@ -133,7 +133,7 @@ pub struct RunRow {
     pub netuid: u16,
     /// Created.
     pub created_at: DateTime<Utc>,
-    /// The run's secret for session keys (see [`crate::sessions`]).
+    /// The run's secret for session keys (see [`crate::http::sessions`]).
     pub session_secret: crate::session_secret::SessionSecret,
 }
 

@@ -379,7 +379,7 @@ pub struct Authenticating {
 
 impl Authenticating {
     /// Verifies the signature (batched with whatever else is waiting) or the session's MAC
-    /// (see [`crate::sessions`]), then the validator
+    /// (see [`crate::http::sessions`]), then the validator
     /// permit, the uuid in this process's memory, the per-hotkey rate limit (after the
     /// signature and that replay check, so that nobody can spend another hotkey's quota, not
     /// even by replaying its requests), and the uuid in the shared cache where the route

@@ -344,7 +344,7 @@ async fn read_miners(
 async fn read_status(shared: &Shared) -> Result<EpochStatus, String> {
     crate::status::read_epoch_status(&shared.db, shared.run, shared.clock.now())
         .await
-        .map_err(|e| e.0.message)
+        .map_err(|e| e.detail())
 }
 
 /// Marks the miners seen by polls answered here (rows another statement holds are skipped:

@@ -1,5 +1,5 @@
 //! A run's secret for session keys (`runs.session_secret`, drawn once per run): every replica
-//! derives a session's key from it and the request alone (see [`crate::sessions`]).
+//! derives a session's key from it and the request alone (see [`crate::http::sessions`]).
 
 use iota_protocol::AuthError;
 use iota_protocol::session::{SessionKey, token_expiry};

@@ -1,18 +1,17 @@
 //! The run's epoch status as stored: what heartbeats, work polls and the explorer answer with.
 
 use chrono::{DateTime, Utc};
-use iota_protocol::ErrorCode;
 use iota_protocol::api::{EpochStatus, Phase};
 use sqlx::Row;
 
-use crate::error::{ApiResult, AppError};
+use crate::error::{RunError, RunResult};
 
 /// Where `run` is now, read from `db`.
 pub(crate) async fn read_epoch_status(
     db: &sqlx::PgPool,
     run: i64,
     now: DateTime<Utc>,
-) -> ApiResult<EpochStatus> {
+) -> RunResult<EpochStatus> {
     // One round trip: every heartbeat answers with this (work polls read it in their statement).
     let row = sqlx::query(
         "SELECT r.epoch AS status_epoch, r.phase AS status_phase,
@@ -33,14 +32,14 @@ pub(crate) async fn read_epoch_status(
 pub(crate) fn status_from_row(
     row: &sqlx::postgres::PgRow,
     now: DateTime<Utc>,
-) -> ApiResult<EpochStatus> {
+) -> RunResult<EpochStatus> {
     let phase: String = row.try_get("status_phase")?;
     let phase_started: DateTime<Utc> = row.try_get("status_phase_started")?;
     let phase_deadline: DateTime<Utc> = row.try_get("status_phase_deadline")?;
     Ok(EpochStatus {
         epoch: row.try_get::<i64, _>("status_epoch")? as u64,
         phase: Phase::parse(&phase)
-            .ok_or_else(|| AppError::new(ErrorCode::Internal, format!("bad phase {phase}")))?,
+            .ok_or_else(|| RunError::Invalid(format!("bad phase {phase}")))?,
         phase_started_ms: phase_started.timestamp_millis(),
         phase_deadline_ms: phase_deadline.timestamp_millis(),
         merge_round: row.try_get::<i32, _>("status_merge_round")? as u32,

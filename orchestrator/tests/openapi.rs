@@ -64,11 +64,11 @@ fn checked_in_document_is_current() {
 /// `(method, path)` of every `.route("path", method(handler))` in the router's source, with axum's
 /// `{*rest}` written as OpenAPI's `{rest}`.
 fn router_routes() -> BTreeSet<(String, String)> {
-    let src_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs");
-    let src = std::fs::read_to_string(&src_path).expect("read src/lib.rs");
+    let src_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/http/mod.rs");
+    let src = std::fs::read_to_string(&src_path).expect("read src/http/mod.rs");
     let body_start = src
         .find("pub fn router(")
-        .expect("src/lib.rs defines `pub fn router(`");
+        .expect("src/http/mod.rs defines `pub fn router(`");
     let body = &src[body_start..];
     let body = &body[..body.find("\n}\n").expect("end of router()")];
     let mut out = BTreeSet::new();

@@ -15,7 +15,7 @@ use super::uploads::boundary_spec;
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath};
+use crate::http::extract::{ApiJson, ApiPath};
 use crate::samples::abandon_sample;
 use crate::store::StoreError;
 

@@ -2,7 +2,7 @@
 
 use axum::response::Html;
 
-const PAGE: &str = include_str!("../assets/dashboard.html");
+const PAGE: &str = include_str!("../../assets/dashboard.html");
 
 /// `GET /` and `GET /dashboard`.
 pub async fn page() -> Html<&'static str> {

@@ -11,7 +11,7 @@ use sqlx::Row;
 
 use crate::app::App;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiPath, ApiQuery, Bigint};
+use crate::http::extract::{ApiPath, ApiQuery, Bigint};
 use crate::samples::run_now;
 
 fn json_err(e: serde_json::Error) -> AppError {
@@ -31,7 +31,7 @@ pub fn run_info(app: &App) -> RunInfo {
 
 /// Where the run is now.
 pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
-    crate::status::read_epoch_status(&app.db, app.run.id, app.now()).await
+    Ok(crate::status::read_epoch_status(&app.db, app.run.id, app.now()).await?)
 }
 
 /// The latest accepted merge of every partition of `stage` (older epochs fill partitions that
@@ -585,7 +585,7 @@ pub struct PageQuery {
     /// At most this many (default 1000).
     #[serde(default)]
     #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
-    pub limit: Option<crate::views::PageSize>,
+    pub limit: Option<crate::http::views::PageSize>,
 }
 
 impl PageQuery {

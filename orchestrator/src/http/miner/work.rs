@@ -14,7 +14,7 @@ use crate::app::App;
 use crate::auth::{Caller, Gate, PendingUuid, SharedReplay, SignedRoutes};
 use crate::domain::hops::expects_output;
 use crate::error::{ApiResult, AppError};
-use crate::views;
+use crate::http::views;
 
 fn work_item(row: &sqlx::postgres::PgRow, stages: u32) -> ApiResult<WorkItem> {
     let direction: String = row.try_get("direction")?;
@@ -87,7 +87,7 @@ async fn check_poll(app: &App, request: Request) -> ApiResult<(Caller, PendingUu
     // Parsed while the request is still in this core's cache (the signature check waits for a
     // batch, and after it everything here would be read cold). Nothing acts on it until the
     // signature holds, and a bad body is reported only then, as behind the gate.
-    let parsed: ApiResult<WorkRequest> = crate::extract::json_body(&parts.headers, &bytes);
+    let parsed: ApiResult<WorkRequest> = crate::http::extract::json_body(&parts.headers, &bytes);
     // Freed now, while in this core's cache, rather than after the batch wait (cold, and
     // perhaps on another thread).
     drop((parts, bytes));

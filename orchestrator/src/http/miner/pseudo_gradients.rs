@@ -19,7 +19,7 @@ use crate::app::App;
 use crate::auth::Caller;
 use crate::domain::phases::{reservation_open, reservations_hold_until};
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{close_epoch, run_now};
 

@@ -19,7 +19,7 @@ use iota_protocol::session::{decode_public_hex, new_token, seal};
 use crate::app::App;
 use crate::auth::{Caller, now_ms};
 use crate::error::{ApiResult, AppError};
-use crate::extract::ApiJson;
+use crate::http::extract::ApiJson;
 
 /// `POST /v1/sessions`: opens a session for the caller (any registered hotkey). Needs an sr25519
 /// signature: a session does not open another. Nothing is stored, so a retried request does

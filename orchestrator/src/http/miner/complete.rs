@@ -16,7 +16,7 @@ use crate::auth::Caller;
 use crate::domain::hops::{self, Close, Completion, HopSnapshot, HopStatus, SampleStatus, Then};
 use crate::domain::leases::pickup_s;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath};
+use crate::http::extract::{ApiJson, ApiPath};
 use crate::samples::{abandon_sample, route_forward_sample};
 use iota_protocol::ErrorCode;
 

@@ -11,9 +11,9 @@ use crate::app::App;
 use crate::auth::Caller;
 use crate::domain::placement::{Restart, StageLoad, admit, rejoin_stage, restart_ends_work};
 use crate::error::{ApiResult, AppError};
-use crate::extract::ApiJson;
+use crate::http::extract::ApiJson;
+use crate::http::views;
 use crate::samples::{close_epoch, run_now};
-use crate::views;
 
 /// `POST /v1/miner/register`: join the run (idempotent).
 #[utoipa::path(post, path = "/v1/miner/register", tag = "miner",

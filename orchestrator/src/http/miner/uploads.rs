@@ -18,7 +18,7 @@ use crate::auth::Caller;
 use crate::domain::hops::expects_output;
 use crate::domain::leases::secs;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::store::StoreError;
 
 /// Query of a direct upload of a pseudo-gradient or a merge.

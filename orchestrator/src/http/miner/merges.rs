@@ -21,10 +21,10 @@ use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
+use crate::http::views;
 use crate::objects::SealedIn;
 use crate::samples::{RunNow, run_now};
-use crate::views;
 
 /// `GET /v1/miner/stages/{stage}/weights?before=…`: as the public route, with a download URL
 /// for each partition when the store presigns (the signed way to the bytes of the weights).

@@ -17,16 +17,16 @@ use sqlx::Row;
 use crate::app::App;
 use crate::auth::Caller;
 use crate::error::{ApiResult, AppError};
-use crate::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
-use crate::miner::merges::upload_merge_as;
-use crate::miner::uploads::UploadQuery;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
+use crate::http::miner::merges::upload_merge_as;
+use crate::http::miner::uploads::UploadQuery;
 use crate::samples::run_now;
 
 /// Most uids in a submission's weights (and scores per submission): more than a subnet holds.
 const MAX_UIDS: usize = 4096;
 /// Longest hotkey in a submission's scores (an SS58 address is 47 or 48 characters).
 const MAX_HOTKEY_LEN: usize = 64;
-use crate::views::{self, PageQuery};
+use crate::http::views::{self, PageQuery};
 
 /// `GET /v1/validator/epochs/{epoch}/hops`: every hop attempt of the epoch, by task id.
 #[utoipa::path(get, path = "/v1/validator/epochs/{epoch}/hops", tag = "validator",
@@ -349,7 +349,7 @@ pub struct SpotCheckQuery {
     /// At most this many miners (default 1000).
     #[serde(default)]
     #[param(value_type = Option<u32>, minimum = 1, maximum = 5000)]
-    pub limit: Option<crate::views::PageSize>,
+    pub limit: Option<crate::http::views::PageSize>,
 }
 
 /// `GET /v1/validator/epochs/{epoch}/spot-checks`: the replayable work of the miners that did
