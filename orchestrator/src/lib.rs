@@ -27,6 +27,7 @@ mod body;
 pub mod clock;
 pub mod config;
 pub mod dataset;
+pub mod db;
 pub mod domain;
 pub mod driver;
 pub mod error;

@@ -358,20 +358,8 @@ async fn touch_seen(shared: &Shared) {
     if hotkeys.is_empty() {
         return;
     }
-    let touched = sqlx::query(
-        "UPDATE miners SET last_seen = $3
-         WHERE ctid = ANY(ARRAY(
-             SELECT ctid FROM miners
-             WHERE run_id = $1 AND hotkey = ANY($2) AND status = 'active'
-               AND last_seen < $3 - interval '1 second'
-             ORDER BY hotkey
-             FOR UPDATE SKIP LOCKED))",
-    )
-    .bind(shared.run)
-    .bind(&hotkeys)
-    .bind(shared.clock.now())
-    .execute(&shared.db)
-    .await;
+    let touched =
+        crate::db::miners::mark_seen(&shared.db, shared.run, &hotkeys, shared.clock.now()).await;
     if let Err(e) = touched {
         tracing::warn!(error = %e, miners = hotkeys.len(), "poll view: could not mark miners seen");
     }

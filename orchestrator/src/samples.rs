@@ -4,10 +4,12 @@
 
 use chrono::{DateTime, Utc};
 use iota_protocol::api::{Direction, Phase};
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
-use crate::domain::leases::{self, Reroute, pickup_s};
+use crate::db;
+use crate::db::hops::{MovedHop, NewForward};
+use crate::domain::leases::{self, Reroute, pickup_s, secs};
 use crate::domain::placement::weighted_pick;
 use crate::error::{RunError, RunResult};
 
@@ -21,20 +23,14 @@ pub(crate) struct RunNow {
 }
 
 pub(crate) async fn run_now<'e, E: sqlx::PgExecutor<'e>>(db: E, run: i64) -> RunResult<RunNow> {
-    let row = sqlx::query(
-        "SELECT epoch, phase, phase_started, phase_deadline, merge_round FROM runs WHERE id = $1",
-    )
-    .bind(run)
-    .fetch_one(db)
-    .await?;
-    let phase: String = row.try_get("phase")?;
+    let row = db::runs::current(db, run).await?;
     Ok(RunNow {
-        epoch: row.try_get::<i64, _>("epoch")? as u64,
-        phase: Phase::parse(&phase)
-            .ok_or_else(|| RunError::Invalid(format!("bad phase {phase}")))?,
-        phase_started: row.try_get("phase_started")?,
-        phase_deadline: row.try_get("phase_deadline")?,
-        merge_round: row.try_get::<i32, _>("merge_round")? as u32,
+        epoch: row.epoch as u64,
+        phase: Phase::parse(&row.phase)
+            .ok_or_else(|| RunError::Invalid(format!("bad phase {}", row.phase)))?,
+        phase_started: row.phase_started,
+        phase_deadline: row.phase_deadline,
+        merge_round: row.merge_round as u32,
     })
 }
 
@@ -50,21 +46,7 @@ pub(crate) async fn route_forward_sample(
     exclude: Option<&str>,
 ) -> RunResult<Option<i64>> {
     // Not to a miner whose work in the epoch has ended (see `close_epoch`).
-    let rows = sqlx::query(
-        "SELECT hotkey, tokens_per_s FROM miners
-         WHERE run_id = $1 AND stage = $2 AND status = 'active'
-           AND ended_epoch IS DISTINCT FROM $3
-         ORDER BY hotkey",
-    )
-    .bind(app.run.id)
-    .bind(stage as i32)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?;
-    let all: Vec<(String, f64)> = rows
-        .iter()
-        .map(|r| Ok((r.try_get("hotkey")?, r.try_get("tokens_per_s")?)))
-        .collect::<Result<_, sqlx::Error>>()?;
+    let all = db::miners::routable(&mut **tx, app.run.id, stage as i32, epoch as i64).await?;
     let preferred: Vec<(String, f64)> = all
         .iter()
         .filter(|(k, _)| Some(k.as_str()) != exclude)
@@ -86,24 +68,17 @@ pub(crate) async fn route_forward_sample(
         .await?;
         return Ok(None);
     };
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
-             leased_until)
-         VALUES ($1, $2, $3, $4, 'forward', $5, $6, 'pending', $7, $8 + make_interval(secs => $9))
-         RETURNING id",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(sample_id)
-    .bind(stage as i32)
-    .bind(attempt)
-    .bind(&miner)
-    .bind(input)
-    .bind(app.now())
-    .bind(pickup_s(app.config()) as f64)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(Some(id))
+    let hop = NewForward {
+        run: app.run.id,
+        epoch: epoch as i64,
+        sample_id,
+        stage: stage as i32,
+        attempt,
+        miner: &miner,
+        input,
+        pickup_by: app.now() + secs(pickup_s(app.config())),
+    };
+    Ok(Some(db::hops::insert_forward(&mut **tx, hop).await?))
 }
 
 /// Ends `miner`'s work in `epoch`: when it uploads a pseudo-gradient, or registers from a new
@@ -125,63 +100,40 @@ pub(crate) async fn close_epoch(
     epoch: u64,
 ) -> RunResult<()> {
     // Tasks before the miner's row: a poll locks its tasks, then the row (`POLL_SQL`).
-    let rows = sqlx::query(
-        "UPDATE tasks SET status = 'expired'
-         WHERE run_id = $1 AND miner = $2 AND epoch = $3 AND status IN ('pending', 'leased')
-         RETURNING epoch, sample_id, stage, direction, attempt, miner, input",
-    )
-    .bind(app.run.id)
-    .bind(miner)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?;
-    sqlx::query(
-        "UPDATE miners SET ended_epoch = $3
-         WHERE run_id = $1 AND hotkey = $2 AND (ended_epoch IS NULL OR ended_epoch < $3)",
-    )
-    .bind(app.run.id)
-    .bind(miner)
-    .bind(epoch as i64)
-    .execute(&mut **tx)
-    .await?;
-    for row in &rows {
-        reroute(tx, app, row, "its miner ended its epoch").await?;
+    let moved = db::hops::expire_of_miner_in(&mut **tx, app.run.id, miner, epoch as i64).await?;
+    db::miners::end_epoch(&mut **tx, app.run.id, miner, epoch as i64).await?;
+    for hop in &moved {
+        reroute(tx, app, hop, "its miner ended its epoch").await?;
     }
     Ok(())
 }
 
-/// Moves an expired hop (`row`: its epoch, sample, stage, direction, attempt, miner and input):
-/// a forward hop to another miner of its stage as the next attempt; a backward hop cannot move
-/// (only its miner holds the activation cache), so its sample is abandoned.
+/// Moves an expired hop: a forward hop to another miner of its stage as the next attempt; a
+/// backward hop cannot move (only its miner holds the activation cache), so its sample is
+/// abandoned.
 pub(crate) async fn reroute(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
-    row: &sqlx::postgres::PgRow,
+    hop: &MovedHop,
     why: &str,
 ) -> RunResult<()> {
-    let direction: String = row.try_get("direction")?;
-    let direction = Direction::parse(&direction)
-        .ok_or_else(|| RunError::Invalid(format!("bad direction {direction}")))?;
-    let sample_id: i64 = row.try_get("sample_id")?;
-    let stage = row.try_get::<i32, _>("stage")? as u32;
-    match leases::reroute(direction, stage, row.try_get("attempt")?) {
+    let direction = Direction::parse(&hop.direction)
+        .ok_or_else(|| RunError::Invalid(format!("bad direction {}", hop.direction)))?;
+    match leases::reroute(direction, hop.stage as u32, hop.attempt) {
         Reroute::Forward { stage, attempt } => {
-            let miner: String = row.try_get("miner")?;
-            let epoch = row.try_get::<i64, _>("epoch")? as u64;
-            let input = row.try_get("input")?;
             route_forward_sample(
                 tx,
                 app,
-                epoch,
-                sample_id,
+                hop.epoch as u64,
+                hop.sample_id,
                 stage,
                 attempt,
-                input,
-                Some(&miner),
+                hop.input.clone(),
+                Some(&hop.miner),
             )
             .await?;
         }
-        Reroute::AbandonSample => abandon_sample(tx, sample_id, app.now(), why).await?,
+        Reroute::AbandonSample => abandon_sample(tx, hop.sample_id, app.now(), why).await?,
     }
     Ok(())
 }
@@ -196,27 +148,9 @@ pub(crate) async fn abandon_sample(
     // Its open hops first, then the sample and the epoch's row: the order a completion takes
     // them in (its hop, its sample, the epoch's counters), so the two wait for each other
     // instead of deadlocking.
-    sqlx::query("UPDATE tasks SET status = 'abandoned' WHERE sample_id = $1 AND status IN ('pending', 'leased')")
-        .bind(sample_id)
-        .execute(&mut **tx)
-        .await?;
-    let ended: Option<(i64, i64)> = sqlx::query_as(
-        "UPDATE samples SET status = 'abandoned', completed_at = $2
-         WHERE id = $1 AND status IN ('forward', 'backward') RETURNING run_id, epoch",
-    )
-    .bind(sample_id)
-    .bind(now)
-    .fetch_optional(&mut **tx)
-    .await?;
-    if let Some((run, epoch)) = ended {
-        sqlx::query(
-            "UPDATE epochs SET samples_abandoned = samples_abandoned + 1
-             WHERE run_id = $1 AND epoch = $2",
-        )
-        .bind(run)
-        .bind(epoch)
-        .execute(&mut **tx)
-        .await?;
+    db::hops::abandon_of_sample(&mut **tx, sample_id).await?;
+    if let Some((run, epoch)) = db::samples::abandon(&mut **tx, sample_id, now).await? {
+        db::epochs::count_abandoned(&mut **tx, run, epoch).await?;
     }
     metrics::counter!("iota_samples_abandoned_total").increment(1);
     tracing::debug!(sample_id, why, "sample abandoned");

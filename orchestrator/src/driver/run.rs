@@ -18,6 +18,7 @@ use super::phases::reassign_round;
 use super::phases::start_merging;
 use super::phases::start_uploading;
 use crate::app::App;
+use crate::db;
 use crate::domain::leases::{pickup_s, secs};
 use crate::domain::phases::{PhaseStep, next_step};
 use crate::error::RunResult;
@@ -175,51 +176,17 @@ async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
 /// back the time it had left at the last leader's last step (`runs.driven_at`), so that a
 /// deadline that passed in the gap does not end it before miners can reach the new leader.
 pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Error> {
+    let (run, cfg) = (app.run.id, app.config());
     let mut tx = app.db.begin().await?;
     // Past its deadline, an uploading phase may still be held open by reservations, for up to
     // `uploading_s` more: that time is given back too.
-    sqlx::query(
-        "UPDATE runs SET phase_deadline = $2 + (phase_deadline - driven_at)
-         WHERE id = $1 AND driven_at < $2
-           AND (phase_deadline > driven_at
-                OR (phase = 'uploading' AND phase_deadline + $3 > driven_at))",
-    )
-    .bind(app.run.id)
-    .bind(now)
-    .bind(secs(app.config().uploading_s))
-    .execute(&mut *tx)
-    .await?;
+    db::runs::give_back_phase_time(&mut *tx, run, now, secs(cfg.uploading_s)).await?;
     // Given back once: a second forgiveness before the next step gives back only what followed.
-    sqlx::query("UPDATE runs SET driven_at = greatest(driven_at, $2) WHERE id = $1")
-        .bind(app.run.id)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "UPDATE miners SET last_seen = greatest(last_seen, $2)
-         WHERE run_id = $1 AND status = 'active'",
-    )
-    .bind(app.run.id)
-    .bind(now)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
-         WHERE run_id = $1 AND status = 'leased'",
-    )
-    .bind(app.run.id)
-    .bind(now + secs(app.config().lease_s))
-    .execute(&mut *tx)
-    .await?;
+    db::runs::advance_driven_at(&mut *tx, run, now).await?;
+    db::miners::seen_by(&mut *tx, run, now).await?;
+    db::hops::extend_leases(&mut *tx, run, now + secs(cfg.lease_s)).await?;
     // Routed hops waiting to be leased get their pick-up time again too.
-    sqlx::query(
-        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
-         WHERE run_id = $1 AND status = 'pending'",
-    )
-    .bind(app.run.id)
-    .bind(now + secs(pickup_s(app.config())))
-    .execute(&mut *tx)
-    .await?;
+    db::hops::extend_pickups(&mut *tx, run, now + secs(pickup_s(cfg))).await?;
     tx.commit().await
 }
 
@@ -242,11 +209,7 @@ pub async fn step(app: &App, now: DateTime<Utc>) -> RunResult<()> {
 
 /// A step's bookkeeping: the time driven, lapsed leases, silent miners.
 async fn keep_time(app: &App, now: DateTime<Utc>) -> RunResult<()> {
-    sqlx::query("UPDATE runs SET driven_at = $2 WHERE id = $1")
-        .bind(app.run.id)
-        .bind(now)
-        .execute(&app.db)
-        .await?;
+    db::runs::set_driven_at(&app.db, app.run.id, now).await?;
     expire_leases(app, now).await?;
     release_silent_miners(app, now).await
 }

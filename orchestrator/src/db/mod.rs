@@ -1,0 +1,25 @@
+//! The run state's queries, one function per statement, grouped by what they read and write.
+//! Each takes any executor (the pool, a connection, or a transaction the caller holds) and
+//! returns plain values; the caller decides what they mean (with the rules of
+//! [`crate::domain`]) and which transaction they share.
+//!
+//! - [`runs`]: the run's row (epoch, phase, deadlines, the time driven).
+//! - [`epochs`]: each epoch's counters and collection.
+//! - [`samples`]: a sample's status.
+//! - [`hops`]: a sample's hops (`tasks`): routing, leases, moves.
+//! - [`miners`]: the run's miners: liveness, release, stage counts.
+//! - [`partitions`]: merged partitions and their collection.
+//! - [`objects`]: which sealed object a row records.
+
+pub mod epochs;
+pub mod hops;
+pub mod miners;
+pub mod objects;
+pub mod partitions;
+pub mod runs;
+pub mod samples;
+
+/// An executor of one statement: `&PgPool`, `&mut PgConnection` or `&mut *tx`.
+pub trait Db<'e>: sqlx::PgExecutor<'e> {}
+
+impl<'e, E: sqlx::PgExecutor<'e>> Db<'e> for E {}

@@ -1,0 +1,83 @@
+//! The run's row: where the run is and when it was last driven.
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+
+use super::Db;
+
+/// The run's row as stored.
+pub struct RunRow {
+    /// The current epoch.
+    pub epoch: i64,
+    /// The phase, as stored.
+    pub phase: String,
+    /// When the phase started.
+    pub phase_started: DateTime<Utc>,
+    /// When the phase ends.
+    pub phase_deadline: DateTime<Utc>,
+    /// The merge round.
+    pub merge_round: i32,
+}
+
+/// The run's current epoch and phase.
+pub async fn current<'e>(db: impl Db<'e>, run: i64) -> sqlx::Result<RunRow> {
+    let row = sqlx::query(
+        "SELECT epoch, phase, phase_started, phase_deadline, merge_round FROM runs WHERE id = $1",
+    )
+    .bind(run)
+    .fetch_one(db)
+    .await?;
+    Ok(RunRow {
+        epoch: row.try_get("epoch")?,
+        phase: row.try_get("phase")?,
+        phase_started: row.try_get("phase_started")?,
+        phase_deadline: row.try_get("phase_deadline")?,
+        merge_round: row.try_get("merge_round")?,
+    })
+}
+
+/// Records that the driver stepped at `now`.
+pub async fn set_driven_at<'e>(db: impl Db<'e>, run: i64, now: DateTime<Utc>) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET driven_at = $2 WHERE id = $1")
+        .bind(run)
+        .bind(now)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Gives the phase back the time it had left at the last step (`driven_at`), from `now`; an
+/// uploading phase past its deadline but held open by reservations (up to `uploading` more) too.
+pub async fn give_back_phase_time<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    now: DateTime<Utc>,
+    uploading: chrono::Duration,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE runs SET phase_deadline = $2 + (phase_deadline - driven_at)
+         WHERE id = $1 AND driven_at < $2
+           AND (phase_deadline > driven_at
+                OR (phase = 'uploading' AND phase_deadline + $3 > driven_at))",
+    )
+    .bind(run)
+    .bind(now)
+    .bind(uploading)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Moves `driven_at` forward to `now` (never back).
+pub async fn advance_driven_at<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    now: DateTime<Utc>,
+) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET driven_at = greatest(driven_at, $2) WHERE id = $1")
+        .bind(run)
+        .bind(now)
+        .execute(db)
+        .await?;
+    Ok(())
+}
