@@ -25,7 +25,7 @@ use std::time::Duration;
 use crate::clock::Clock;
 use iota_protocol::api::EpochStatus;
 use sqlx::postgres::PgListener;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use tokio::sync::{Notify, oneshot};
 
 /// The notification channel of the triggers.
@@ -313,23 +313,11 @@ async fn read_miners(
     shared: &Shared,
     hotkeys: Option<&[String]>,
 ) -> Result<HashMap<String, MinerView>, String> {
-    let rows = sqlx::query(
-        "SELECT m.hotkey, m.stage,
-                EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
-                        AND t.status IN ('pending', 'leased')) AS open_tasks
-         FROM miners m
-         WHERE m.run_id = $1 AND m.status = 'active' AND ($2::text[] IS NULL OR m.hotkey = ANY($2))",
-    )
-    .bind(shared.run)
-    .bind(hotkeys)
-    .fetch_all(&shared.db)
-    .await
-    .map_err(|e| e.to_string())?;
+    let rows = crate::db::miners::active_with_open_hops(&shared.db, shared.run, hotkeys)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut miners = HashMap::with_capacity(rows.len());
-    for row in rows {
-        let hotkey: String = row.try_get("hotkey").map_err(|e| e.to_string())?;
-        let stage: i32 = row.try_get("stage").map_err(|e| e.to_string())?;
-        let open_tasks: bool = row.try_get("open_tasks").map_err(|e| e.to_string())?;
+    for (hotkey, stage, open_tasks) in rows {
         miners.insert(
             hotkey,
             MinerView {

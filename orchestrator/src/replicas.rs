@@ -22,7 +22,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool, Row};
 use tokio::sync::watch;
 
-use crate::driver::{close_unlocked, release};
+use crate::db::locks::{close_unlocked, release};
 use crate::error::OrchestratorError;
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations/orchestrator");

@@ -271,3 +271,16 @@ pub async fn extend_pickups<'e>(
     .await?;
     Ok(())
 }
+
+/// Locks the open hops of `epoch`.
+pub async fn lock_open_of_epoch<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<()> {
+    sqlx::query(
+        "SELECT id FROM tasks WHERE run_id = $1 AND epoch = $2 AND status IN ('pending', 'leased')
+         ORDER BY id FOR UPDATE",
+    )
+    .bind(run)
+    .bind(epoch)
+    .execute(db)
+    .await?;
+    Ok(())
+}

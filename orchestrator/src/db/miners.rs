@@ -151,3 +151,33 @@ pub async fn mark_seen<'e>(
     .await?;
     Ok(())
 }
+
+/// The active miners and their stages, by hotkey.
+pub async fn active_with_stage<'e>(db: impl Db<'e>, run: i64) -> sqlx::Result<Vec<(String, i32)>> {
+    sqlx::query_as(
+        "SELECT hotkey, stage FROM miners WHERE run_id = $1 AND status = 'active' ORDER BY hotkey",
+    )
+    .bind(run)
+    .fetch_all(db)
+    .await
+}
+
+/// The active miners (only those of `hotkeys` if given): (hotkey, stage, whether it has open
+/// hops).
+pub async fn active_with_open_hops<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    hotkeys: Option<&[String]>,
+) -> sqlx::Result<Vec<(String, i32, bool)>> {
+    sqlx::query_as(
+        "SELECT m.hotkey, m.stage,
+                EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
+                        AND t.status IN ('pending', 'leased')) AS open_tasks
+         FROM miners m
+         WHERE m.run_id = $1 AND m.status = 'active' AND ($2::text[] IS NULL OR m.hotkey = ANY($2))",
+    )
+    .bind(run)
+    .bind(hotkeys)
+    .fetch_all(db)
+    .await
+}

@@ -8,16 +8,24 @@
 //! - [`samples`]: a sample's status.
 //! - [`hops`]: a sample's hops (`tasks`): routing, leases, moves.
 //! - [`miners`]: the run's miners: liveness, release, stage counts.
-//! - [`partitions`]: merged partitions and their collection.
+//! - [`partitions`]: an epoch's partitions, their owners and their collection.
 //! - [`objects`]: which sealed object a row records.
+//! - [`uploads`]: pseudo-gradient uploads.
+//! - [`merges`]: merge results, votes, stakes.
+//! - [`disputes`]: partitions put to the validators.
+//! - [`locks`]: the leader's and the phase's advisory locks.
 
+pub mod disputes;
 pub mod epochs;
 pub mod hops;
+pub mod locks;
+pub mod merges;
 pub mod miners;
 pub mod objects;
 pub mod partitions;
 pub mod runs;
 pub mod samples;
+pub mod uploads;
 
 /// An executor of one statement: `&PgPool`, `&mut PgConnection` or `&mut *tx`.
 pub trait Db<'e>: sqlx::PgExecutor<'e> {}

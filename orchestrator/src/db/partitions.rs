@@ -82,3 +82,234 @@ pub async fn unsubmitted_of<'e>(
     .fetch_all(db)
     .await
 }
+
+/// New partitions of an epoch, column by column (one statement writes them all).
+pub struct NewPartitions<'a> {
+    /// Stages.
+    pub stages: &'a [i32],
+    /// Partitions.
+    pub partitions: &'a [i32],
+    /// States.
+    pub states: &'a [&'static str],
+    /// Contributions as JSON text.
+    pub contributions: &'a [String],
+    /// Why each is resolved already, if it is.
+    pub resolved_by: &'a [Option<&'static str>],
+}
+
+/// Inserts partitions of `epoch` (an existing row is left as it is).
+pub async fn insert<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    new: NewPartitions<'_>,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO partitions (run_id, epoch, stage, partition, state, contributions,
+             resolved_by)
+         SELECT $1, $2, s, p, st, c::jsonb, r
+         FROM unnest($3::int4[], $4::int4[], $5::text[], $6::text[], $7::text[])
+             AS t(s, p, st, c, r)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(new.stages)
+    .bind(new.partitions)
+    .bind(new.states)
+    .bind(new.contributions)
+    .bind(new.resolved_by)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// The open or disputed partitions of `epoch`, (stage, partition) in order.
+pub async fn unsettled<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<(i32, i32)>> {
+    sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
+           AND state IN ('open', 'disputed') ORDER BY stage, partition",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await
+}
+
+/// How many partitions of `epoch` each owner owns.
+pub async fn owned_counts<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+) -> sqlx::Result<Vec<(String, i64)>> {
+    sqlx::query_as(
+        "SELECT miner, count(*) FROM partition_owners WHERE run_id = $1 AND epoch = $2
+         GROUP BY miner",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await
+}
+
+/// The owners of the partitions (`stages[i]`, `partitions[i]`) of `epoch`: (stage, partition,
+/// miner).
+pub async fn owners_of<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    (stages, partitions): (&[i32], &[i32]),
+) -> sqlx::Result<Vec<(i32, i32, String)>> {
+    sqlx::query_as(
+        "SELECT o.stage, o.partition, o.miner FROM partition_owners o
+         JOIN unnest($3::int4[], $4::int4[]) AS t(s, p) ON o.stage = t.s AND o.partition = t.p
+         WHERE o.run_id = $1 AND o.epoch = $2",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(stages)
+    .bind(partitions)
+    .fetch_all(db)
+    .await
+}
+
+/// Records owners (`stages[i]`, `partitions[i]`, `miners[i]`) of `round`; an existing one is
+/// left as it is.
+pub async fn insert_owners<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    (stages, partitions, miners): (&[i32], &[i32], &[&str]),
+    round: i32,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
+         SELECT $1, $2, s, p, m, $6
+         FROM unnest($3::int4[], $4::int4[], $5::text[]) AS t(s, p, m)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(stages)
+    .bind(partitions)
+    .bind(miners)
+    .bind(round)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A partition of a run, by its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartitionKey {
+    /// Its epoch.
+    pub epoch: i64,
+    /// Its stage.
+    pub stage: i32,
+    /// Its index in the stage.
+    pub partition: i32,
+}
+
+/// Moves an open or disputed partition to `state`, with its accepted blob and who settled it
+/// (each kept as it was where `None`).
+pub async fn set_state<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+    state: &str,
+    (accepted, resolved_by): (Option<serde_json::Value>, Option<&str>),
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE partitions SET state = $5, accepted = coalesce($6, accepted),
+             resolved_by = coalesce($7, resolved_by)
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
+           AND state IN ('open', 'disputed')",
+    )
+    .bind(run)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .bind(state)
+    .bind(accepted)
+    .bind(resolved_by)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Settlements of unsettled partitions of one epoch, column by column.
+pub struct Settlements<'a> {
+    /// Stages.
+    pub stages: &'a [i32],
+    /// Partitions.
+    pub partitions: &'a [i32],
+    /// New states.
+    pub states: &'a [&'a str],
+    /// Accepted blobs (kept as they were where `None`).
+    pub accepted: &'a [Option<serde_json::Value>],
+    /// How each was settled.
+    pub how: &'a [&'a str],
+}
+
+/// Settles partitions of `epoch` still open or disputed, in one statement.
+pub async fn settle_many<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    s: Settlements<'_>,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE partitions p SET state = t.state, accepted = coalesce(t.accepted, p.accepted),
+             resolved_by = coalesce(t.how, p.resolved_by)
+         FROM unnest($3::int4[], $4::int4[], $5::text[], $6::jsonb[], $7::text[])
+             AS t(stage, partition, state, accepted, how)
+         WHERE p.run_id = $1 AND p.epoch = $2 AND p.stage = t.stage
+           AND p.partition = t.partition AND p.state IN ('open', 'disputed')",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(s.stages)
+    .bind(s.partitions)
+    .bind(s.states)
+    .bind(s.accepted)
+    .bind(s.how)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Locks a partition's row: its state, if it exists.
+pub async fn lock<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "SELECT state FROM partitions WHERE run_id = $1 AND epoch = $2 AND stage = $3
+           AND partition = $4 FOR UPDATE",
+    )
+    .bind(run)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .fetch_optional(db)
+    .await
+}
+
+/// Owners of a partition still active and without a result.
+pub async fn working_owners<'e>(db: impl Db<'e>, run: i64, key: PartitionKey) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM partition_owners o
+         JOIN miners m ON m.run_id = o.run_id AND m.hotkey = o.miner AND m.status = 'active'
+         WHERE o.run_id = $1 AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4
+           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+               AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+               AND r.submitter = o.miner)",
+    )
+    .bind(run)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .fetch_one(db)
+    .await
+}

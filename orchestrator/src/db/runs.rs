@@ -81,3 +81,35 @@ pub async fn advance_driven_at<'e>(
         .await?;
     Ok(())
 }
+
+/// Sets the run's phase, when it started and ends, and its merge round.
+pub async fn set_phase<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    phase: &str,
+    (started, deadline): (DateTime<Utc>, DateTime<Utc>),
+    merge_round: i32,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE runs SET phase = $2, phase_started = $3, phase_deadline = $4, merge_round = $5
+         WHERE id = $1",
+    )
+    .bind(run)
+    .bind(phase)
+    .bind(started)
+    .bind(deadline)
+    .bind(merge_round)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Sets the run's epoch.
+pub async fn set_epoch<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET epoch = $2 WHERE id = $1")
+        .bind(run)
+        .bind(epoch)
+        .execute(db)
+        .await?;
+    Ok(())
+}

@@ -20,3 +20,14 @@ pub async fn abandon<'e>(
     .fetch_optional(db)
     .await
 }
+
+/// The samples of `epoch` still travelling.
+pub async fn in_flight<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<i64>> {
+    sqlx::query_scalar(
+        "SELECT id FROM samples WHERE run_id = $1 AND epoch = $2 AND status IN ('forward', 'backward')",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await
+}

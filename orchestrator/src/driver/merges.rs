@@ -1,29 +1,23 @@
 //! Merge verdicts: partitions settled by agreement, at the last deadline, or by a validator's dispute.
 
 use std::collections::HashMap;
-use std::sync::LazyLock;
 
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
-use super::locks::phase_lock_shared;
 use super::owners::PARTITIONS_PER_STATEMENT;
 use super::owners::add_owner;
 use crate::app::App;
+use crate::db;
+use crate::db::locks::phase_lock_shared;
+use crate::db::merges::NewResult;
+use crate::db::partitions::PartitionKey;
 use crate::domain::merges::{Verdict, final_pick, verdict};
 use crate::error::{RunError, RunResult};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{RunNow, run_now};
-
-/// A partition of the current run, by its key.
-#[derive(Clone, Copy)]
-struct PartitionKey {
-    epoch: i64,
-    stage: i32,
-    partition: i32,
-}
 
 /// Moves an open or disputed partition to `state`, with its accepted blob and who settled it.
 async fn set_partition(
@@ -34,48 +28,10 @@ async fn set_partition(
     accepted: Option<serde_json::Value>,
     resolved_by: Option<&str>,
 ) -> RunResult<()> {
-    sqlx::query(
-        "UPDATE partitions SET state = $5, accepted = coalesce($6, accepted),
-             resolved_by = coalesce($7, resolved_by)
-         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4
-           AND state IN ('open', 'disputed')",
-    )
-    .bind(app.run.id)
-    .bind(key.epoch)
-    .bind(key.stage)
-    .bind(key.partition)
-    .bind(state.as_str())
-    .bind(accepted)
-    .bind(resolved_by)
-    .execute(&mut **tx)
-    .await?;
+    let settled = (accepted, resolved_by);
+    db::partitions::set_state(&mut **tx, app.run.id, key, state.as_str(), settled).await?;
     Ok(())
 }
-
-/// The results that count, by partition, in the order they came: one per hotkey, its first (a
-/// hotkey that submitted both as an owner and through the validator route is one vote), of the
-/// partitions of run `$1` and epoch `$2` that `partitions` picks (a condition on `merge_results
-/// r` and `partitions p`). Rows: stage, partition, blake3, blob.
-fn votes_sql(partitions: &str) -> String {
-    let voter = "coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter)";
-    format!(
-        "SELECT stage, partition, blake3, blob FROM (
-           SELECT DISTINCT ON (r.stage, r.partition, {voter})
-             r.stage, r.partition, r.blake3, r.blob, r.submitted_at, r.submitter
-           FROM merge_results r JOIN partitions p USING (run_id, epoch, stage, partition)
-           WHERE r.run_id = $1 AND r.epoch = $2 AND {partitions}
-           ORDER BY r.stage, r.partition, {voter}, r.submitted_at, r.submitter) votes
-         ORDER BY stage, partition, submitted_at, submitter"
-    )
-}
-
-/// [`votes_sql`] for one partition: stage `$3`, partition `$4`.
-static VOTES_SQL: LazyLock<String> =
-    LazyLock::new(|| votes_sql("r.stage = $3 AND r.partition = $4"));
-
-/// [`votes_sql`] for every partition still open or disputed.
-static OPEN_VOTES_SQL: LazyLock<String> =
-    LazyLock::new(|| votes_sql("p.state IN ('open', 'disputed')"));
 
 /// At the last merge deadline every partition still unsettled takes its most-submitted result
 /// (`single` or `plurality`), or keeps its weights when nobody merged it (`unmerged`). Two reads
@@ -85,24 +41,14 @@ pub(crate) async fn settle_at_last_deadline(
     app: &App,
     epoch: u64,
 ) -> RunResult<()> {
-    let open: Vec<(i32, i32)> = sqlx::query_as(
-        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
-           AND state IN ('open', 'disputed') ORDER BY stage, partition",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?;
+    let open = db::partitions::unsettled(&mut **tx, app.run.id, epoch as i64).await?;
     if open.is_empty() {
         return Ok(());
     }
     let mut votes: HashMap<(i32, i32), Vec<(String, serde_json::Value)>> = HashMap::new();
-    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(OPEN_VOTES_SQL.as_str())
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .fetch_all(&mut **tx)
-        .await?;
-    for (stage, partition, hash, blob) in rows {
+    for (stage, partition, hash, blob) in
+        db::merges::open_votes(&mut **tx, app.run.id, epoch as i64).await?
+    {
         votes
             .entry((stage, partition))
             .or_default()
@@ -139,23 +85,14 @@ pub(crate) async fn settle_at_last_deadline(
         let accepted: Vec<Option<serde_json::Value>> =
             chunk.iter().map(|(_, _, o)| o.1.clone()).collect();
         let how: Vec<&str> = chunk.iter().map(|(_, _, o)| o.2).collect();
-        sqlx::query(
-            "UPDATE partitions p SET state = t.state, accepted = coalesce(t.accepted, p.accepted),
-                 resolved_by = coalesce(t.how, p.resolved_by)
-             FROM unnest($3::int4[], $4::int4[], $5::text[], $6::jsonb[], $7::text[])
-                 AS t(stage, partition, state, accepted, how)
-             WHERE p.run_id = $1 AND p.epoch = $2 AND p.stage = t.stage
-               AND p.partition = t.partition AND p.state IN ('open', 'disputed')",
-        )
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(&stages)
-        .bind(&partitions)
-        .bind(&states)
-        .bind(&accepted)
-        .bind(&how)
-        .execute(&mut **tx)
-        .await?;
+        let settlements = db::partitions::Settlements {
+            stages: &stages,
+            partitions: &partitions,
+            states: &states,
+            accepted: &accepted,
+            how: &how,
+        };
+        db::partitions::settle_many(&mut **tx, app.run.id, epoch as i64, settlements).await?;
     }
     if !unmerged.is_empty() {
         tracing::error!(
@@ -182,21 +119,12 @@ pub(crate) async fn has_stake(
     hotkey: &str,
     (epoch, stage, partition): (i64, i32, i32),
 ) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM partition_owners WHERE run_id = $1 AND epoch = $2
-                          AND stage = $3 AND partition = $4 AND miner = $5)
-             OR EXISTS (SELECT 1 FROM merge_results WHERE run_id = $1 AND epoch = $2
-                          AND stage = $3 AND partition = $4 AND submitter = $5)
-             OR EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $5
-                          AND status = 'active')",
-    )
-    .bind(run_id)
-    .bind(epoch)
-    .bind(stage)
-    .bind(partition)
-    .bind(hotkey)
-    .fetch_one(conn)
-    .await
+    let key = PartitionKey {
+        epoch,
+        stage,
+        partition,
+    };
+    db::merges::has_stake(conn, run_id, hotkey, key).await
 }
 
 /// The refusal of a validator with a stake in the partition (see [`has_stake`]).
@@ -234,17 +162,14 @@ pub async fn record_merge_result(
             "the merging phase ended while this result was in flight",
         ));
     }
-    let state: String = sqlx::query_scalar(
-        "SELECT state FROM partitions WHERE run_id = $1 AND epoch = $2 AND stage = $3
-           AND partition = $4 FOR UPDATE",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_optional(&mut *tx)
-    .await?
-    .ok_or_else(|| RunError::refused(ErrorCode::NotFound, "no such partition this epoch"))?;
+    let key = PartitionKey {
+        epoch: epoch as i64,
+        stage: stage as i32,
+        partition: partition as i32,
+    };
+    let state = db::partitions::lock(&mut *tx, app.run.id, key)
+        .await?
+        .ok_or_else(|| RunError::refused(ErrorCode::NotFound, "no such partition this epoch"))?;
     // Under the partition's lock, which owner changes take too.
     if let Some(validator) = submitter.strip_prefix("validator:") {
         let slot = (epoch as i64, stage as i32, partition as i32);
@@ -255,23 +180,13 @@ pub async fn record_merge_result(
         }
     }
     let value = serde_json::to_value(&blob)?;
-    let stored: String = sqlx::query_scalar(
-        "INSERT INTO merge_results (run_id, epoch, stage, partition, submitter, blob, blake3,
-             submitted_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-         ON CONFLICT (run_id, epoch, stage, partition, submitter)
-         DO UPDATE SET submitter = merge_results.submitter RETURNING blake3",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(submitter)
-    .bind(&value)
-    .bind(&blob.blake3)
-    .bind(app.now())
-    .fetch_one(&mut *tx)
-    .await?;
+    let result = NewResult {
+        submitter,
+        blob: &value,
+        blake3: &blob.blake3,
+        at: app.now(),
+    };
+    let stored = db::merges::record(&mut *tx, app.run.id, key, result).await?;
     if stored != blob.blake3 {
         drop(tx);
         // Sealed under its own hash, so not the recorded result's key.
@@ -301,13 +216,7 @@ async fn settle(
         stage: stage as i32,
         partition: partition as i32,
     };
-    let rows: Vec<(i32, i32, String, serde_json::Value)> = sqlx::query_as(VOTES_SQL.as_str())
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(stage as i32)
-        .bind(partition as i32)
-        .fetch_all(&mut **tx)
-        .await?;
+    let rows = db::merges::votes(&mut **tx, app.run.id, key).await?;
     let results: Vec<(String, serde_json::Value)> =
         rows.into_iter().map(|(_, _, h, b)| (h, b)).collect();
     let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
@@ -320,52 +229,19 @@ async fn settle(
                 .map(|(_, b)| b.clone());
             let how = if unanimous { "agreement" } else { "majority" };
             set_partition(tx, app, key, PartitionState::Accepted, blob, Some(how)).await?;
-            sqlx::query(
-                "UPDATE disputes SET state = 'settled', settled_by = 'majority', settled_hash = $5
-                 WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND state = 'open'",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .bind(&hash)
-            .execute(&mut **tx)
-            .await?;
+            db::disputes::settle_by_majority(&mut **tx, app.run.id, key, &hash).await?;
             metrics::counter!("iota_partitions_accepted_total").increment(1);
         }
         Verdict::Dispute => {
             set_partition(tx, app, key, PartitionState::Disputed, None, None).await?;
-            let opened = sqlx::query(
-                "INSERT INTO disputes (run_id, epoch, stage, partition, state)
-                 VALUES ($1, $2, $3, $4, 'open') ON CONFLICT DO NOTHING",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .execute(&mut **tx)
-            .await?;
+            let opened = db::disputes::open(&mut **tx, app.run.id, key).await?;
             // One tie-break owner per disagreement: an active owner with no result yet is
             // already working on it. Released owners do not count (one released and replaced
             // left more owners than results, and no tie-break until the deadline).
-            let working: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM partition_owners o
-                 JOIN miners m ON m.run_id = o.run_id AND m.hotkey = o.miner AND m.status = 'active'
-                 WHERE o.run_id = $1 AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4
-                   AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
-                       AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
-                       AND r.submitter = o.miner)",
-            )
-            .bind(app.run.id)
-            .bind(epoch as i64)
-            .bind(stage as i32)
-            .bind(partition as i32)
-            .fetch_one(&mut **tx)
-            .await?;
-            if working == 0 {
+            if db::partitions::working_owners(&mut **tx, app.run.id, key).await? == 0 {
                 add_owner(tx, app, epoch, stage, partition, cur.merge_round).await?;
             }
-            if opened.rows_affected() > 0 {
+            if opened {
                 metrics::counter!("iota_disputes_opened_total").increment(1);
                 tracing::warn!(
                     epoch,
@@ -388,33 +264,16 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
     phase_lock_shared(&mut tx, app.run.id).await?;
     // The partition's row first, then the dispute's: the order a merge submission takes them
     // (it settles the partition's dispute when owners agree), so the two never deadlock.
-    sqlx::query(
-        "SELECT 1 FROM partitions p JOIN disputes d USING (run_id, epoch, stage, partition)
-         WHERE d.id = $1 AND d.run_id = $2 FOR UPDATE OF p",
-    )
-    .bind(id)
-    .bind(app.run.id)
-    .execute(&mut *tx)
-    .await?;
-    let row = sqlx::query(
-        "SELECT epoch, stage, partition, state, settled_hash, settled_by FROM disputes
-         WHERE id = $1 AND run_id = $2 FOR UPDATE",
-    )
-    .bind(id)
-    .bind(app.run.id)
-    .fetch_optional(&mut *tx)
-    .await?
-    .ok_or_else(|| RunError::refused(ErrorCode::NotFound, format!("no dispute {id}")))?;
-    let epoch: i64 = row.try_get("epoch")?;
-    let stage: i32 = row.try_get("stage")?;
-    let partition: i32 = row.try_get("partition")?;
-    let state: String = row.try_get("state")?;
-    let settled_hash: Option<String> = row.try_get("settled_hash")?;
-    if has_stake(&mut *tx, app.run.id, validator, (epoch, stage, partition)).await? {
+    db::disputes::lock_partition_of(&mut *tx, app.run.id, id).await?;
+    let dispute = db::disputes::lock(&mut *tx, app.run.id, id)
+        .await?
+        .ok_or_else(|| RunError::refused(ErrorCode::NotFound, format!("no dispute {id}")))?;
+    let key = dispute.key;
+    let (epoch, stage, partition) = (key.epoch, key.stage, key.partition);
+    if db::merges::has_stake(&mut *tx, app.run.id, validator, key).await? {
         return Err(interested_validator(stage, partition));
     }
-    let settled_by: Option<String> = row.try_get("settled_by")?;
-    if settled_by.as_deref() == Some("deadline") {
+    if dispute.settled_by.as_deref() == Some("deadline") {
         // Closed with the epoch, by nobody's settlement: a late one is told so, whatever its
         // hash (had it named the partition's result, a 200 would say it had settled it).
         return Err(RunError::refused(
@@ -422,9 +281,9 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
             format!("epoch {epoch}'s merges are closed: dispute {id} closed with them"),
         ));
     }
-    if state == "settled" {
+    if dispute.state == "settled" {
         // A retry of the settlement is answered as the first was; another hash is not.
-        return match settled_hash {
+        return match dispute.settled_hash {
             Some(h) if h == hash => Ok(()),
             settled => Err(RunError::refused(
                 ErrorCode::Conflict,
@@ -442,18 +301,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
             format!("epoch {epoch}'s merges are closed"),
         ));
     }
-    let blob: Option<serde_json::Value> = sqlx::query_scalar(
-        "SELECT blob FROM merge_results WHERE run_id = $1 AND epoch = $2 AND stage = $3
-           AND partition = $4 AND blake3 = $5 ORDER BY submitted_at LIMIT 1",
-    )
-    .bind(app.run.id)
-    .bind(epoch)
-    .bind(stage)
-    .bind(partition)
-    .bind(hash)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(blob) = blob else {
+    let Some(blob) = db::merges::first_with_hash(&mut *tx, app.run.id, key, hash).await? else {
         return Err(RunError::refused(
             ErrorCode::Conflict,
             format!(
@@ -463,19 +311,7 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
         ));
     };
     let by = format!("validator:{validator}");
-    sqlx::query(
-        "UPDATE disputes SET state = 'settled', settled_by = $2, settled_hash = $3 WHERE id = $1",
-    )
-    .bind(id)
-    .bind(&by)
-    .bind(hash)
-    .execute(&mut *tx)
-    .await?;
-    let key = PartitionKey {
-        epoch,
-        stage,
-        partition,
-    };
+    db::disputes::settle(&mut *tx, id, &by, hash).await?;
     set_partition(
         &mut tx,
         app,

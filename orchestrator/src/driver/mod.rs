@@ -12,15 +12,13 @@
 
 mod gc;
 mod leases;
-mod locks;
 mod merges;
 mod owners;
 mod phases;
 mod run;
 
+pub use crate::db::locks::{PHASE_LOCK_CLASS, phase_lock_shared};
 pub use gc::collect_garbage;
-pub use locks::{PHASE_LOCK_CLASS, phase_lock_shared};
-pub(crate) use locks::{close_unlocked, release};
 pub(crate) use merges::{has_stake, interested_validator};
 pub use merges::{record_merge_result, settle_dispute};
 pub use owners::{add_owner, add_owners};

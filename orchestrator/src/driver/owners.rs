@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
+use crate::db;
 use crate::domain::placement::{OwnerCandidate, pick_added_owners};
 use crate::error::RunResult;
 
@@ -37,37 +38,19 @@ pub async fn add_owners(
     if partitions.is_empty() {
         return Ok(0);
     }
-    let active: Vec<(String, i32)> =
-        sqlx::query_as("SELECT hotkey, stage FROM miners WHERE run_id = $1 AND status = 'active'")
-            .bind(app.run.id)
-            .fetch_all(&mut **tx)
-            .await?;
-    let owned: HashMap<String, i64> = sqlx::query_as(
-        "SELECT miner, count(*) FROM partition_owners WHERE run_id = $1 AND epoch = $2
-         GROUP BY miner",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&mut **tx)
-    .await?
-    .into_iter()
-    .collect();
+    let active = db::miners::active_with_stage(&mut **tx, app.run.id).await?;
+    let owned: HashMap<String, i64> =
+        db::partitions::owned_counts(&mut **tx, app.run.id, epoch as i64)
+            .await?
+            .into_iter()
+            .collect();
     let (stages, parts): (Vec<i32>, Vec<i32>) = partitions
         .iter()
         .map(|(s, p)| (*s as i32, *p as i32))
         .unzip();
     let mut owners: HashMap<(u32, u32), Vec<String>> = HashMap::new();
-    let rows: Vec<(i32, i32, String)> = sqlx::query_as(
-        "SELECT o.stage, o.partition, o.miner FROM partition_owners o
-         JOIN unnest($3::int4[], $4::int4[]) AS t(s, p) ON o.stage = t.s AND o.partition = t.p
-         WHERE o.run_id = $1 AND o.epoch = $2",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&stages)
-    .bind(&parts)
-    .fetch_all(&mut **tx)
-    .await?;
+    let rows =
+        db::partitions::owners_of(&mut **tx, app.run.id, epoch as i64, (&stages, &parts)).await?;
     for (stage, partition, miner) in rows {
         owners
             .entry((stage as u32, partition as u32))
@@ -116,20 +99,8 @@ pub(crate) async fn insert_owners(
         let stages: Vec<i32> = chunk.iter().map(|(s, _, _)| *s as i32).collect();
         let partitions: Vec<i32> = chunk.iter().map(|(_, p, _)| *p as i32).collect();
         let miners: Vec<&str> = chunk.iter().map(|(_, _, m)| m.as_str()).collect();
-        sqlx::query(
-            "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
-             SELECT $1, $2, s, p, m, $6
-             FROM unnest($3::int4[], $4::int4[], $5::text[]) AS t(s, p, m)
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(run)
-        .bind(epoch as i64)
-        .bind(&stages)
-        .bind(&partitions)
-        .bind(&miners)
-        .bind(round as i32)
-        .execute(&mut **tx)
-        .await?;
+        let columns = (&stages[..], &partitions[..], &miners[..]);
+        db::partitions::insert_owners(&mut **tx, run, epoch as i64, columns, round as i32).await?;
     }
     Ok(())
 }

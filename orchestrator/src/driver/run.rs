@@ -10,8 +10,6 @@ use sqlx::pool::PoolConnection;
 use super::gc::collect_garbage;
 use super::leases::expire_leases;
 use super::leases::release_silent_miners;
-use super::locks::LEADER_LOCK_CLASS;
-use super::locks::release;
 use super::phases::next_epoch;
 use super::phases::phase_view;
 use super::phases::reassign_round;
@@ -19,6 +17,7 @@ use super::phases::start_merging;
 use super::phases::start_uploading;
 use crate::app::App;
 use crate::db;
+use crate::db::locks::release;
 use crate::domain::leases::{pickup_s, secs};
 use crate::domain::phases::{PhaseStep, next_step};
 use crate::error::RunResult;
@@ -56,7 +55,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
         if let Some(conn) = &mut leader_conn {
             // Still holding the lock? A broken connection means another replica may lead now;
             // one that does not answer (a half-open socket) may be broken.
-            let check = tokio::time::timeout(gap, sqlx::query("SELECT 1").execute(&mut **conn));
+            let check = tokio::time::timeout(gap, db::locks::ping(conn));
             if !matches!(check.await, Ok(Ok(_))) {
                 tracing::warn!("lost the leader connection; stepping down");
                 app.leader.store(false, Ordering::Relaxed);
@@ -109,10 +108,7 @@ pub async fn run_driver(app: App, tick: Duration, shutdown: tokio::sync::watch::
     if let Some(mut conn) = leader_conn {
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
-            sqlx::query("SELECT pg_advisory_unlock($1, $2::int)")
-                .bind(LEADER_LOCK_CLASS)
-                .bind(app.run.id as i32)
-                .execute(&mut *conn),
+            db::locks::leader_unlock(&mut conn, app.run.id),
         )
         .await;
         app.leader.store(false, Ordering::Relaxed);
@@ -139,12 +135,7 @@ async fn try_lead(app: &App, unforgiven_anyway: bool) -> Lead {
     let Ok(mut conn) = app.db.acquire().await else {
         return Lead::Not;
     };
-    let got: bool = match sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2::int)")
-        .bind(LEADER_LOCK_CLASS)
-        .bind(app.run.id as i32)
-        .fetch_one(&mut *conn)
-        .await
-    {
+    let got = match db::locks::try_leader_lock(&mut conn, app.run.id).await {
         Ok(got) => got,
         Err(_) => {
             release(conn).await;
