@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use crate::clock::Clock;
 use iota_protocol::api::EpochStatus;
-use sqlx::postgres::PgListener;
 use sqlx::PgPool;
+use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, oneshot};
 
 /// The notification channel of the triggers.

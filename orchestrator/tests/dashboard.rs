@@ -442,7 +442,7 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
     // The route's own statement, constant text.
     let plan = plan_of(
         &pool,
-        iota_orchestrator::http::views::LOSS_SQL,
+        iota_orchestrator::db::views::LOSS_SQL,
         &[run_id, i64::MAX, 1000],
     )
     .await;
@@ -935,7 +935,7 @@ async fn latest_scores_read_one_row_per_validator() {
         .expect("analyze");
     let latest: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT validator, epoch FROM ({}) t",
-        iota_orchestrator::http::views::SCORES_SQL
+        iota_orchestrator::db::views::SCORES_SQL
     )))
     .bind(run.id)
     .fetch_all(&pool)
@@ -945,7 +945,7 @@ async fn latest_scores_read_one_row_per_validator() {
         .map(|v| (format!("validator-{v}"), EPOCHS - v - 1))
         .collect();
     assert_eq!(latest, expected);
-    let plan = plan_of(&pool, iota_orchestrator::http::views::SCORES_SQL, &[run.id]).await;
+    let plan = plan_of(&pool, iota_orchestrator::db::views::SCORES_SQL, &[run.id]).await;
     let read = rows_read(&plan, "validator_scores");
     assert!(
         read <= (3 * VALIDATORS) as f64,

@@ -14,6 +14,8 @@
 //! - [`merges`]: merge results, votes, stakes.
 //! - [`disputes`]: partitions put to the validators.
 //! - [`locks`]: the leader's and the phase's advisory locks.
+//! - [`validators`]: what validators read of an epoch and submit.
+//! - [`views`]: the records explorers and validators read, as the API answers with them.
 
 pub mod disputes;
 pub mod epochs;
@@ -26,6 +28,8 @@ pub mod partitions;
 pub mod runs;
 pub mod samples;
 pub mod uploads;
+pub mod validators;
+pub mod views;
 
 /// An executor of one statement: `&PgPool`, `&mut PgConnection` or `&mut *tx`.
 pub trait Db<'e>: sqlx::PgExecutor<'e> {}

@@ -12,10 +12,10 @@ use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
-use sqlx::Row;
 
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::http::miner::merges::upload_merge_as;
@@ -92,60 +92,12 @@ pub async fn epoch(
 
 /// Each miner's hops in `epoch`, with the stage it worked in.
 async fn epoch_work(app: &App, epoch: u64) -> ApiResult<Vec<MinerWork>> {
-    Ok(sqlx::query(
-        // The stage a miner worked in that epoch, not the one it is in now (a miner moves to a
-        // stage left empty): its pseudo-gradient's, else its last hop's.
-        "SELECT t.miner,
-            coalesce(
-              (SELECT g.stage FROM pseudo_gradients g
-                WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = t.miner LIMIT 1),
-              (array_agg(t.stage ORDER BY t.completed_at DESC NULLS LAST, t.id DESC))[1]) AS stage,
-            count(*) FILTER (WHERE t.direction = 'forward' AND t.status = 'done') AS fwd,
-            count(*) FILTER (WHERE t.direction = 'backward' AND t.status = 'done') AS bwd,
-            count(*) FILTER (WHERE t.status IN ('expired', 'failed')) AS failed
-         FROM tasks t
-         WHERE t.run_id = $1 AND t.epoch = $2 GROUP BY t.miner ORDER BY stage, t.miner",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&app.db)
-    .await?
-    .iter()
-    .map(|r| {
-        Ok(MinerWork {
-            hotkey: r.try_get("miner")?,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            forward_done: r.try_get::<i64, _>("fwd")? as u64,
-            backward_done: r.try_get::<i64, _>("bwd")? as u64,
-            failed: r.try_get::<i64, _>("failed")? as u64,
-        })
-    })
-    .collect::<Result<Vec<_>, sqlx::Error>>()?)
+    Ok(db::validators::epoch_work(&app.db, app.run.id, epoch as i64).await?)
 }
 
 /// The pseudo-gradients uploaded in `epoch`.
 async fn epoch_pseudo_gradients(app: &App, epoch: u64) -> ApiResult<Vec<PseudoGradientRecord>> {
-    sqlx::query(
-        "SELECT stage, partition, miner, blob, weight FROM pseudo_gradients
-         WHERE run_id = $1 AND epoch = $2 ORDER BY stage, partition, miner",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&app.db)
-    .await?
-    .iter()
-    .map(|r| {
-        Ok(PseudoGradientRecord {
-            epoch,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            partition: r.try_get::<i32, _>("partition")? as u32,
-            hotkey: r.try_get("miner")?,
-            blob: serde_json::from_value(r.try_get("blob")?)
-                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-            weight: r.try_get("weight")?,
-        })
-    })
-    .collect()
+    Ok(db::validators::epoch_pseudo_gradients(&app.db, app.run.id, epoch as i64).await?)
 }
 
 /// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
@@ -161,21 +113,14 @@ pub async fn disputes(
     State(app): State<App>,
     Extension(v): Extension<Caller>,
 ) -> ApiResult<Json<Vec<Dispute>>> {
-    let rows = sqlx::query(
-        "SELECT d.id, d.epoch, d.stage, d.partition, d.state, p.contributions FROM disputes d
-         JOIN partitions p USING (run_id, epoch, stage, partition)
-         WHERE d.run_id = $1 AND d.state = 'open' ORDER BY d.id",
-    )
-    .bind(app.run.id)
-    .fetch_all(&app.db)
-    .await?;
+    let rows = db::validators::open_disputes(&app.db, app.run.id).await?;
     let mut out = Vec::with_capacity(rows.len());
     // Each epoch's partitions read once, however many of them are disputed.
     let mut epochs: HashMap<u64, Vec<PartitionStatus>> = HashMap::new();
     for r in rows {
-        let epoch = r.try_get::<i64, _>("epoch")? as u64;
-        let stage = r.try_get::<i32, _>("stage")? as u32;
-        let partition = r.try_get::<i32, _>("partition")? as u32;
+        let epoch = r.key.epoch as u64;
+        let stage = r.key.stage as u32;
+        let partition = r.key.partition as u32;
         let partitions = match epochs.entry(epoch) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => e.insert(
@@ -188,11 +133,11 @@ pub async fn disputes(
             .cloned()
             .ok_or_else(|| AppError::new(ErrorCode::Internal, "dispute without partition"))?;
         out.push(Dispute {
-            id: r.try_get("id")?,
+            id: r.id,
             partition: status,
-            contributions: serde_json::from_value(r.try_get("contributions")?)
+            contributions: serde_json::from_value(r.contributions)
                 .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-            state: r.try_get("state")?,
+            state: r.state,
         });
     }
     Ok(Json(out))
@@ -217,15 +162,11 @@ pub async fn settle(
         ));
     }
     crate::driver::settle_dispute(&app, &v.ss58, id, &req.blake3).await?;
-    let (epoch, stage, partition): (i64, i32, i32) =
-        sqlx::query_as("SELECT epoch, stage, partition FROM disputes WHERE id = $1")
-            .bind(id)
-            .fetch_one(&app.db)
-            .await?;
-    views::partitions_of(&app, epoch as u64, views::Audience::Validator(&v.ss58))
+    let key = db::validators::dispute_partition(&app.db, id).await?;
+    views::partitions_of(&app, key.epoch as u64, views::Audience::Validator(&v.ss58))
         .await?
         .into_iter()
-        .find(|p| p.stage == stage as u32 && p.partition == partition as u32)
+        .find(|p| p.stage == key.stage as u32 && p.partition == key.partition as u32)
         .map(Json)
         .ok_or_else(|| AppError::new(ErrorCode::Internal, "partition vanished"))
 }
@@ -270,23 +211,16 @@ pub async fn scores(
             format!("epoch {epoch} has not started"),
         ));
     }
-    let row = sqlx::query(
-        "INSERT INTO validator_scores (run_id, epoch, validator, scores, weights, submitted_at)
-         VALUES ($1, $2, $3, $4, $5, $6)
-         ON CONFLICT (run_id, epoch, validator)
-         DO UPDATE SET scores = EXCLUDED.scores, weights = EXCLUDED.weights,
-           submitted_at = EXCLUDED.submitted_at
-         RETURNING validator, epoch, scores, weights, submitted_at",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&v.ss58)
-    .bind(to_json(&sub.scores)?)
-    .bind(sub.weights.as_ref().map(to_json).transpose()?)
-    .bind(app.now())
-    .fetch_one(&app.db)
-    .await?;
-    Ok(Json(views::score_from_row(&row)?))
+    let new = db::validators::NewScores {
+        validator: v.ss58.clone(),
+        epoch: epoch as i64,
+        scores: to_json(&sub.scores)?,
+        weights: sub.weights.as_ref().map(to_json).transpose()?,
+        at: app.now(),
+    };
+    Ok(Json(
+        db::validators::store_scores(&app.db, app.run.id, new).await?,
+    ))
 }
 
 /// Scores a validator may submit, and weights a chain could hold: one per uid of a subnet, each
@@ -398,73 +332,13 @@ async fn workers_page(
     after: Option<&str>,
     limit: i64,
 ) -> ApiResult<Vec<SpotCheckCandidate>> {
-    let rows = sqlx::query(
-        "WITH workers AS (
-             SELECT miner FROM tasks WHERE run_id = $1 AND epoch = $2 AND status = 'done'
-               AND ($3::text IS NULL OR miner > $3)
-             UNION
-             SELECT miner FROM pseudo_gradients WHERE run_id = $1 AND epoch = $2
-               AND ($3::text IS NULL OR miner > $3)
-         ), page AS (SELECT miner FROM workers ORDER BY miner LIMIT $4)
-         SELECT p.miner AS hotkey, w.stage,
-            -- Its hops of that stage only: a miner moved mid-epoch started the new stage
-            -- afresh, and a replay of both stages' hops on one would fail it.
-            coalesce((SELECT array_agg(t.id ORDER BY t.completed_at, t.id) FROM tasks t
-              WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner
-                AND t.status = 'done' AND t.stage = w.stage), '{}') AS hops,
-            coalesce((SELECT array_agg(g.partition ORDER BY g.partition) FROM pseudo_gradients g
-              WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner), '{}') AS pgs
-         FROM page p
-         -- The stage it worked in that epoch, not the one it is in now (a miner moves to a
-         -- stage left empty): its pseudo-gradient's, else its last hop's.
-         CROSS JOIN LATERAL (SELECT coalesce(
-              (SELECT g.stage FROM pseudo_gradients g
-                WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = p.miner LIMIT 1),
-              (SELECT t.stage FROM tasks t
-                WHERE t.run_id = $1 AND t.epoch = $2 AND t.miner = p.miner AND t.status = 'done'
-                ORDER BY t.completed_at DESC, t.id DESC LIMIT 1)) AS stage) w
-         ORDER BY p.miner",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(after)
-    .bind(limit)
-    .fetch_all(&app.db)
-    .await?;
-    rows.iter()
-        .map(|r| {
-            let pgs: Vec<i32> = r.try_get("pgs")?;
-            Ok(SpotCheckCandidate {
-                hotkey: r.try_get("hotkey")?,
-                stage: r.try_get::<i32, _>("stage")? as u32,
-                hop_task_ids: r.try_get("hops")?,
-                pseudo_gradient_partitions: pgs.into_iter().map(|p| p as u32).collect(),
-            })
-        })
-        .collect()
+    let page = (after, limit);
+    Ok(db::validators::workers_page(&app.db, app.run.id, epoch as i64, page).await?)
 }
 
 /// What validators reported checking in `epoch`.
 async fn reported_checks(app: &App, epoch: u64) -> ApiResult<Vec<SpotCheckReport>> {
-    sqlx::query(
-        "SELECT validator, seed, seed_block, checks FROM spot_checks
-         WHERE run_id = $1 AND epoch = $2 ORDER BY validator",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&app.db)
-    .await?
-    .iter()
-    .map(|r| {
-        Ok(SpotCheckReport {
-            validator: r.try_get("validator")?,
-            seed: r.try_get("seed")?,
-            seed_block: r.try_get::<i64, _>("seed_block")? as u64,
-            checks: serde_json::from_value(r.try_get("checks")?)
-                .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?,
-        })
-    })
-    .collect()
+    Ok(db::validators::reported_checks(&app.db, app.run.id, epoch as i64).await?)
 }
 
 /// `POST /v1/validator/epochs/{epoch}/spot-checks`: publish what this validator checked (one
@@ -490,22 +364,8 @@ pub async fn report_spot_checks(
         ));
     }
     report.validator = v.ss58.clone();
-    sqlx::query(
-        "INSERT INTO spot_checks (run_id, epoch, validator, seed, seed_block, checks, submitted_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
-         ON CONFLICT (run_id, epoch, validator) DO UPDATE SET seed = EXCLUDED.seed,
-           seed_block = EXCLUDED.seed_block, checks = EXCLUDED.checks,
-           submitted_at = EXCLUDED.submitted_at",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&v.ss58)
-    .bind(&report.seed)
-    .bind(report.seed_block as i64)
-    .bind(to_json(&report.checks)?)
-    .bind(app.now())
-    .execute(&app.db)
-    .await?;
+    let stored = (to_json(&report.checks)?, app.now());
+    db::validators::store_spot_checks(&app.db, app.run.id, epoch as i64, &report, stored).await?;
     Ok(Json(report))
 }
 

@@ -2,14 +2,13 @@
 
 use axum::Json;
 use axum::extract::State;
-use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use serde::Deserialize;
-use sqlx::Row;
 
 use crate::app::App;
+use crate::db;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiPath, ApiQuery, Bigint};
 use crate::samples::run_now;
@@ -72,28 +71,15 @@ pub(crate) async fn latest_accepted(
     before: Option<u64>,
 ) -> ApiResult<StageWeights> {
     let count = app.config().partitions;
-    let rows = sqlx::query(
-        "SELECT p.partition, x.epoch, x.accepted
-         FROM generate_series(0, $3 - 1) AS p(partition)
-         CROSS JOIN LATERAL (
-             SELECT epoch, accepted FROM partitions
-             WHERE run_id = $1 AND stage = $2 AND partition = p.partition
-               AND state = 'accepted' AND epoch < $4
-             ORDER BY epoch DESC LIMIT 1) x",
-    )
-    .bind(app.run.id)
-    .bind(stage as i32)
-    .bind(count as i32)
-    .bind(before.map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64))
-    .fetch_all(&app.db)
-    .await?;
+    let before = before.map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64);
+    let slots = (stage as i32, count as i32);
+    let rows = db::views::latest_accepted(&app.db, app.run.id, slots, before).await?;
     let mut partitions: Vec<Option<BlobDescriptor>> = vec![None; count as usize];
     let mut latest: Option<u64> = None;
-    for row in rows {
-        let p = row.try_get::<i32, _>("partition")? as usize;
-        latest = latest.max(Some(row.try_get::<i64, _>("epoch")? as u64));
-        if let Some(slot) = partitions.get_mut(p) {
-            *slot = Some(serde_json::from_value(row.try_get("accepted")?).map_err(json_err)?);
+    for (partition, epoch, accepted) in rows {
+        latest = latest.max(Some(epoch as u64));
+        if let Some(slot) = partitions.get_mut(partition as usize) {
+            *slot = Some(serde_json::from_value(accepted).map_err(json_err)?);
         }
     }
     Ok(StageWeights {
@@ -118,13 +104,7 @@ pub async fn get_status(State(app): State<App>) -> ApiResult<Json<EpochStatus>> 
 /// `GET /v1/stages`.
 #[utoipa::path(get, path = "/v1/stages", tag = "explorer", responses((status = 200, body = Vec<StageInfo>)))]
 pub async fn get_stages(State(app): State<App>) -> ApiResult<Json<Vec<StageInfo>>> {
-    let rows = sqlx::query(
-        "SELECT stage, count(*) AS n, coalesce(sum(tokens_per_s), 0) AS tps FROM miners
-         WHERE run_id = $1 AND status = 'active' GROUP BY stage",
-    )
-    .bind(app.run.id)
-    .fetch_all(&app.db)
-    .await?;
+    let rows = db::views::stage_loads(&app.db, app.run.id).await?;
     let cfg = app.config();
     let mut out: Vec<StageInfo> = (0..cfg.stages)
         .map(|s| StageInfo {
@@ -134,10 +114,10 @@ pub async fn get_stages(State(app): State<App>) -> ApiResult<Json<Vec<StageInfo>
             tokens_per_s: 0.0,
         })
         .collect();
-    for row in rows {
-        if let Some(s) = out.get_mut(row.try_get::<i32, _>("stage")? as usize) {
-            s.active_miners = row.try_get::<i64, _>("n")? as u32;
-            s.tokens_per_s = row.try_get("tps")?;
+    for (stage, miners, tokens_per_s) in rows {
+        if let Some(s) = out.get_mut(stage as usize) {
+            s.active_miners = miners as u32;
+            s.tokens_per_s = tokens_per_s;
         }
     }
     Ok(Json(out))
@@ -243,42 +223,15 @@ pub async fn get_miners(
     ApiQuery(q): ApiQuery<MinersQuery>,
 ) -> ApiResult<Json<Vec<MinerInfo>>> {
     let now = run_now(&app.db, app.run.id).await?;
-    let rows = sqlx::query(
-        "SELECT m.hotkey, m.uid, m.stage, m.status, m.device, m.memory_bytes, m.tokens_per_s,
-                m.last_seen, m.joined_epoch,
-                (SELECT count(*) FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
-                   AND t.epoch = $2 AND t.status = 'done') AS hops
-         FROM miners m
-         WHERE m.run_id = $1 AND ($3::text IS NULL OR m.hotkey > $3)
-           AND ($4::text IS NULL OR m.status = $4)
-         ORDER BY m.hotkey LIMIT $5",
-    )
-    .bind(app.run.id)
-    .bind(now.epoch as i64)
-    .bind(q.after.as_deref())
-    .bind(q.status.map(MinerStatusFilter::as_str))
-    .bind(page_limit(q.limit))
-    .fetch_all(&app.db)
-    .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let last_seen: DateTime<Utc> = r.try_get("last_seen")?;
-        out.push(MinerInfo {
-            hotkey: r.try_get("hotkey")?,
-            uid: r.try_get::<i32, _>("uid")? as u16,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            status: r.try_get("status")?,
-            capacity: Capacity {
-                device: r.try_get("device")?,
-                memory_bytes: r.try_get::<i64, _>("memory_bytes")? as u64,
-                tokens_per_s: r.try_get("tokens_per_s")?,
-            },
-            last_seen_ms: last_seen.timestamp_millis(),
-            joined_epoch: r.try_get::<i64, _>("joined_epoch")? as u64,
-            hops_this_epoch: r.try_get::<i64, _>("hops")? as u64,
-        });
-    }
-    Ok(Json(out))
+    let filter = (q.after.as_deref(), q.status.map(MinerStatusFilter::as_str));
+    let page = db::views::miners_page(
+        &app.db,
+        app.run.id,
+        now.epoch as i64,
+        filter,
+        page_limit(q.limit),
+    );
+    Ok(Json(page.await?))
 }
 
 /// `GET /v1/loss` and `GET /v1/throughput`: the latest epochs, a page at a time.
@@ -302,20 +255,6 @@ impl EpochsQuery {
     }
 }
 
-/// What `GET /v1/loss` runs: finished epochs' stored means, and the running epoch's from its
-/// own samples (so a request reads one row per epoch and one epoch's samples, however long the
-/// run), the latest `$3` epochs before `$2`. Epochs without a loss are left out.
-pub const LOSS_SQL: &str = "SELECT epoch, n, mean FROM (
-       SELECT epoch, loss_samples AS n, loss_mean AS mean FROM epochs
-       WHERE run_id = $1 AND epoch < $2 AND ended_at IS NOT NULL AND loss_samples > 0
-       UNION ALL
-       SELECT epoch, count(loss), avg(loss) FROM samples
-       WHERE run_id = $1 AND epoch = (SELECT epoch FROM runs WHERE id = $1) AND epoch < $2
-         AND loss IS NOT NULL
-       GROUP BY epoch
-       ORDER BY epoch DESC LIMIT $3) latest
-     ORDER BY epoch";
-
 /// `GET /v1/loss`: mean last-stage loss per epoch, the latest epochs.
 #[utoipa::path(get, path = "/v1/loss", tag = "explorer", params(EpochsQuery),
     responses((status = 200, body = Vec<LossPoint>), (status = 400, body = iota_protocol::ApiError)))]
@@ -323,12 +262,7 @@ pub async fn get_loss(
     State(app): State<App>,
     ApiQuery(q): ApiQuery<EpochsQuery>,
 ) -> ApiResult<Json<Vec<LossPoint>>> {
-    let rows: Vec<(i64, i64, f64)> = sqlx::query_as(LOSS_SQL)
-        .bind(app.run.id)
-        .bind(q.before())
-        .bind(page_limit(q.limit))
-        .fetch_all(&app.db)
-        .await?;
+    let rows = db::views::losses(&app.db, app.run.id, q.before(), page_limit(q.limit)).await?;
     Ok(Json(
         rows.into_iter()
             .map(|(epoch, samples, mean_loss)| LossPoint {
@@ -347,58 +281,21 @@ pub async fn get_throughput(
     State(app): State<App>,
     ApiQuery(q): ApiQuery<EpochsQuery>,
 ) -> ApiResult<Json<Vec<ThroughputPoint>>> {
-    let rows = sqlx::query(
-        "SELECT * FROM (
-           SELECT epoch, samples_completed, wire_bytes,
-             extract(epoch FROM coalesce(training_ended_at, $4) - started_at)::float8 AS secs
-           FROM epochs WHERE run_id = $1 AND epoch < $2 ORDER BY epoch DESC LIMIT $3) latest
-         ORDER BY epoch",
-    )
-    .bind(app.run.id)
-    .bind(q.before())
-    .bind(page_limit(q.limit))
-    .bind(app.now())
-    .fetch_all(&app.db)
-    .await?;
+    let page = (q.before(), page_limit(q.limit));
+    let rows = db::views::throughput(&app.db, app.run.id, page, app.now()).await?;
     let tokens_per_sample = u64::from(app.config().micro_batch) * u64::from(app.config().seq_len);
     let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let samples = r.try_get::<i64, _>("samples_completed")? as u64;
+    for (epoch, samples, wire_bytes, seconds) in rows {
+        let samples = samples as u64;
         out.push(ThroughputPoint {
-            epoch: r.try_get::<i64, _>("epoch")? as u64,
+            epoch: epoch as u64,
             samples,
             tokens: samples * tokens_per_sample,
-            seconds: r.try_get("secs")?,
-            wire_bytes: r.try_get::<i64, _>("wire_bytes")? as u64,
+            seconds,
+            wire_bytes: wire_bytes as u64,
         });
     }
     Ok(Json(out))
-}
-
-async fn sample_record(app: &App, id: i64) -> ApiResult<Option<SampleRecord>> {
-    let row = sqlx::query(
-        "SELECT s.id, s.epoch, s.status, s.loss, s.sequence_losses,
-            coalesce((SELECT array_agg(t.miner ORDER BY t.stage) FROM tasks t
-              WHERE t.sample_id = s.id AND t.direction = 'forward' AND t.status = 'done'),
-              '{}') AS pathway
-         FROM samples s WHERE s.run_id = $1 AND s.id = $2",
-    )
-    .bind(app.run.id)
-    .bind(id)
-    .fetch_optional(&app.db)
-    .await?;
-    row.map(|r| sample_from_row(&r)).transpose()
-}
-
-fn sample_from_row(r: &sqlx::postgres::PgRow) -> ApiResult<SampleRecord> {
-    Ok(SampleRecord {
-        sample_id: r.try_get("id")?,
-        epoch: r.try_get::<i64, _>("epoch")? as u64,
-        status: r.try_get("status")?,
-        pathway: r.try_get("pathway")?,
-        loss: r.try_get("loss")?,
-        sequence_losses: r.try_get("sequence_losses")?,
-    })
 }
 
 /// `GET /v1/samples/{id}`: a sample's pathway and loss.
@@ -410,7 +307,7 @@ pub async fn get_sample(
     State(app): State<App>,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<SampleRecord>> {
-    sample_record(&app, id)
+    db::views::sample(&app.db, app.run.id, id)
         .await?
         .map(Json)
         .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no sample {id}")))
@@ -434,46 +331,22 @@ pub async fn partitions_of(
     epoch: u64,
     audience: Audience<'_>,
 ) -> ApiResult<Vec<PartitionStatus>> {
-    let rows = sqlx::query(
-        "SELECT p.stage, p.partition, p.state, p.accepted, p.resolved_by,
-            coalesce((SELECT array_agg(o.miner ORDER BY o.round, o.assigned_at, o.miner)
-              FROM partition_owners o WHERE o.run_id = p.run_id AND o.epoch = p.epoch
-              AND o.stage = p.stage AND o.partition = p.partition), '{}') AS owners,
-            coalesce((SELECT jsonb_agg(jsonb_build_object('hotkey', r.submitter, 'blake3', r.blake3)
-              ORDER BY r.submitted_at, r.submitter)
-              FROM merge_results r WHERE r.run_id = p.run_id AND r.epoch = p.epoch
-              AND r.stage = p.stage AND r.partition = p.partition), '[]'::jsonb) AS results
-         FROM partitions p WHERE p.run_id = $1 AND p.epoch = $2 ORDER BY p.stage, p.partition",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_all(&app.db)
-    .await?;
+    let rows = db::views::partitions(&app.db, app.run.id, epoch as i64).await?;
     // Whether a validator mines too: any miner may be made an owner of any partition (a stage
     // short of miners borrows them, and a reassignment takes whoever has the fewest), so such a
     // validator reads no unsettled hash (see `driver::has_stake`).
     let mines: bool = match audience {
         Audience::Public => false,
         Audience::Validator(hotkey) => {
-            sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM miners WHERE run_id = $1 AND hotkey = $2
-                              AND status = 'active')",
-            )
-            .bind(app.run.id)
-            .bind(hotkey)
-            .fetch_one(&app.db)
-            .await?
+            db::views::is_active_miner(&app.db, app.run.id, hotkey).await?
         }
     };
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
-        let state: String = r.try_get("state")?;
-        let state = PartitionState::parse(&state)
+        let state = PartitionState::parse(&r.state)
             .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad partition state"))?;
-        let accepted: Option<serde_json::Value> = r.try_get("accepted")?;
-        let owners: Vec<String> = r.try_get("owners")?;
-        let mut results: Vec<MergeResult> =
-            serde_json::from_value(r.try_get("results")?).map_err(json_err)?;
+        let owners = r.owners;
+        let mut results: Vec<MergeResult> = serde_json::from_value(r.results).map_err(json_err)?;
         let hidden = match audience {
             Audience::Public => true,
             Audience::Validator(hotkey) => {
@@ -489,16 +362,17 @@ pub async fn partitions_of(
         }
         out.push(PartitionStatus {
             epoch,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            partition: r.try_get::<i32, _>("partition")? as u32,
+            stage: r.stage as u32,
+            partition: r.partition as u32,
             state,
             owners,
             results,
-            accepted: accepted
+            accepted: r
+                .accepted
                 .map(serde_json::from_value)
                 .transpose()
                 .map_err(json_err)?,
-            resolved_by: r.try_get("resolved_by")?,
+            resolved_by: r.resolved_by,
         });
     }
     Ok(out)
@@ -515,49 +389,9 @@ pub async fn get_merges(
     Ok(Json(partitions_of(&app, epoch, Audience::Public).await?))
 }
 
-/// Each validator's latest score submission (`$1`: the run), reading one row per validator: the
-/// validators one after another from the index (a skip scan), and each one's latest epoch. A
-/// `DISTINCT ON` over the table read and sorted every submission of the run, on every request
-/// (the dashboard asks every 2 s), and validators can submit for any past epoch.
-pub const SCORES_SQL: &str = "WITH RECURSIVE validators AS (
-        (SELECT validator FROM validator_scores WHERE run_id = $1 ORDER BY validator LIMIT 1)
-        UNION ALL
-        SELECT (SELECT s.validator FROM validator_scores s
-                WHERE s.run_id = $1 AND s.validator > v.validator
-                ORDER BY s.validator LIMIT 1)
-        FROM validators v WHERE v.validator IS NOT NULL
-    )
-    SELECT l.validator, l.epoch, l.scores, l.weights, l.submitted_at
-    FROM validators v CROSS JOIN LATERAL (
-        SELECT s.validator, s.epoch, s.scores, s.weights, s.submitted_at FROM validator_scores s
-        WHERE s.run_id = $1 AND s.validator = v.validator
-        ORDER BY s.epoch DESC LIMIT 1
-    ) l
-    WHERE v.validator IS NOT NULL
-    ORDER BY l.validator";
-
 /// Latest score submission of every validator.
 pub async fn latest_scores(app: &App) -> ApiResult<Vec<ScoreRecord>> {
-    let rows = sqlx::query(SCORES_SQL)
-        .bind(app.run.id)
-        .fetch_all(&app.db)
-        .await?;
-    rows.iter().map(score_from_row).collect()
-}
-
-pub(crate) fn score_from_row(r: &sqlx::postgres::PgRow) -> ApiResult<ScoreRecord> {
-    let submitted: DateTime<Utc> = r.try_get("submitted_at")?;
-    let weights: Option<serde_json::Value> = r.try_get("weights")?;
-    Ok(ScoreRecord {
-        validator: r.try_get("validator")?,
-        epoch: r.try_get::<i64, _>("epoch")? as u64,
-        scores: serde_json::from_value(r.try_get("scores")?).map_err(json_err)?,
-        weights: weights
-            .map(serde_json::from_value)
-            .transpose()
-            .map_err(json_err)?,
-        submitted_ms: submitted.timestamp_millis(),
-    })
+    Ok(db::views::latest_scores(&app.db, app.run.id).await?)
 }
 
 /// `GET /v1/scores`: each validator's latest scores and weights.
@@ -597,51 +431,8 @@ impl PageQuery {
 /// Hop records of an epoch, by task id.
 pub async fn hops_page(app: &App, epoch: u64, q: &PageQuery) -> ApiResult<HopPage> {
     let limit = q.limit();
-    let rows = sqlx::query(
-        "SELECT id, epoch, sample_id, stage, direction, attempt, miner, status, input, output,
-                inner_step, weights_digest, created_at, leased_at, completed_at, compute_ms
-         FROM tasks WHERE run_id = $1 AND epoch = $2 AND id > $3 ORDER BY id LIMIT $4",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(q.after)
-    .bind(limit)
-    .fetch_all(&app.db)
-    .await?;
-    let mut hops = Vec::with_capacity(rows.len());
-    for r in &rows {
-        let direction: String = r.try_get("direction")?;
-        let input: Option<serde_json::Value> = r.try_get("input")?;
-        let output: Option<serde_json::Value> = r.try_get("output")?;
-        let created: DateTime<Utc> = r.try_get("created_at")?;
-        let leased: Option<DateTime<Utc>> = r.try_get("leased_at")?;
-        let completed: Option<DateTime<Utc>> = r.try_get("completed_at")?;
-        hops.push(HopRecord {
-            task_id: r.try_get("id")?,
-            epoch: r.try_get::<i64, _>("epoch")? as u64,
-            sample_id: r.try_get("sample_id")?,
-            stage: r.try_get::<i32, _>("stage")? as u32,
-            direction: Direction::parse(&direction)
-                .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?,
-            attempt: r.try_get::<i32, _>("attempt")? as u32,
-            miner: r.try_get("miner")?,
-            status: r.try_get("status")?,
-            input: input
-                .map(serde_json::from_value)
-                .transpose()
-                .map_err(json_err)?,
-            output: output
-                .map(serde_json::from_value)
-                .transpose()
-                .map_err(json_err)?,
-            inner_step: r.try_get::<Option<i64>, _>("inner_step")?.map(|v| v as u64),
-            weights_digest: r.try_get("weights_digest")?,
-            created_ms: created.timestamp_millis(),
-            leased_ms: leased.map(|t| t.timestamp_millis()),
-            completed_ms: completed.map(|t| t.timestamp_millis()),
-            compute_ms: r.try_get::<Option<i64>, _>("compute_ms")?.map(|v| v as u64),
-        });
-    }
+    let page = (q.after, limit);
+    let hops = db::views::hops_page(&app.db, app.run.id, epoch as i64, page).await?;
     let next_after = (hops.len() as i64 == limit)
         .then(|| hops.last().map(|h| h.task_id))
         .flatten();
@@ -651,23 +442,8 @@ pub async fn hops_page(app: &App, epoch: u64, q: &PageQuery) -> ApiResult<HopPag
 /// Samples of an epoch with pathways and losses, by id.
 pub async fn samples_page(app: &App, epoch: u64, q: &PageQuery) -> ApiResult<SamplePage> {
     let limit = q.limit();
-    let rows = sqlx::query(
-        "SELECT s.id, s.epoch, s.status, s.loss, s.sequence_losses,
-            coalesce((SELECT array_agg(t.miner ORDER BY t.stage) FROM tasks t
-              WHERE t.sample_id = s.id AND t.direction = 'forward' AND t.status = 'done'),
-              '{}') AS pathway
-         FROM samples s WHERE s.run_id = $1 AND s.epoch = $2 AND s.id > $3 ORDER BY s.id LIMIT $4",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(q.after)
-    .bind(limit)
-    .fetch_all(&app.db)
-    .await?;
-    let samples = rows
-        .iter()
-        .map(sample_from_row)
-        .collect::<ApiResult<Vec<_>>>()?;
+    let page = (q.after, limit);
+    let samples = db::views::samples_page(&app.db, app.run.id, epoch as i64, page).await?;
     let next_after = (samples.len() as i64 == limit)
         .then(|| samples.last().map(|s| s.sample_id))
         .flatten();
