@@ -637,10 +637,7 @@ async fn upload_slots(
 /// (its [`replay_retention`]; run by each run's phase driver, and runs on one database
 /// share the table). By the database's clock, which stamped them: the driver's may differ.
 pub async fn prune_replay_cache(db: &PgPool) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query("DELETE FROM request_uuids WHERE expires_at < now()")
-        .execute(db)
-        .await?;
-    Ok(r.rows_affected())
+    crate::db::requests::prune(db).await
 }
 
 #[cfg(test)]

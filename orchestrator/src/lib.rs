@@ -42,7 +42,6 @@ pub mod replicas;
 mod samples;
 pub mod session_secret;
 pub mod signatures;
-mod status;
 pub mod store;
 
 use std::future::Future;
@@ -54,8 +53,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use iota_chain::{ConnectOptions, MetagraphWatcher, Subtensor, WatchOptions};
 use iota_protocol::api::RunConfig;
+use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Row};
 
 pub use app::{App, AppState, Limits, RunRow, max_upload_bytes};
 pub use auth::{Gate, SharedReplay, SignedRoutes};
@@ -102,32 +101,22 @@ pub async fn ensure_run(
     let json =
         serde_json::to_value(config).map_err(|e| OrchestratorError::Config(e.to_string()))?;
     let mut tx = db.begin().await.map_err(dberr)?;
-    sqlx::query(
-        "INSERT INTO runs (name, config, netuid, orchestrator, created_at, phase_started,
-             phase_deadline)
-         VALUES ($1, $2, $3, $4, $6, $6, $6 + make_interval(secs => $5))
-         ON CONFLICT (name) DO NOTHING",
-    )
-    .bind(&config.name)
-    .bind(&json)
-    .bind(i32::from(netuid))
-    .bind(hotkey)
-    .bind(config.training_s as f64)
-    .bind(now)
-    .execute(&mut *tx)
-    .await
-    .map_err(dberr)?;
-    let row = sqlx::query(
-        "SELECT id, config, netuid, created_at, session_secret FROM runs WHERE name = $1",
-    )
-    .bind(&config.name)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(dberr)?;
-    let id: i64 = row.try_get("id").map_err(dberr)?;
-    let stored: RunConfig = serde_json::from_value(row.try_get("config").map_err(dberr)?)
+    let new = db::runs::NewRun {
+        name: &config.name,
+        config: &json,
+        netuid: i32::from(netuid),
+        orchestrator: hotkey,
+        at: now,
+        training_until: now + domain::leases::secs(config.training_s),
+    };
+    db::runs::create(&mut *tx, new).await.map_err(dberr)?;
+    let row = db::runs::by_name(&mut *tx, &config.name)
+        .await
+        .map_err(dberr)?;
+    let id = row.id;
+    let stored: RunConfig = serde_json::from_value(row.config)
         .map_err(|e| OrchestratorError::Config(format!("stored run config: {e}")))?;
-    let stored_netuid: i32 = row.try_get("netuid").map_err(dberr)?;
+    let stored_netuid = row.netuid;
     if stored != *config || stored_netuid != i32::from(netuid) {
         let detail = if stored_netuid != i32::from(netuid) {
             format!("netuid {stored_netuid} stored, {netuid} given")
@@ -143,16 +132,11 @@ pub async fn ensure_run(
             detail,
         });
     }
-    sqlx::query(
-        "INSERT INTO epochs (run_id, epoch, started_at) VALUES ($1, 0, $2) ON CONFLICT DO NOTHING",
-    )
-    .bind(id)
-    .bind(now)
-    .execute(&mut *tx)
-    .await
-    .map_err(dberr)?;
-    let created_at: DateTime<Utc> = row.try_get("created_at").map_err(dberr)?;
-    let secret: Vec<u8> = row.try_get("session_secret").map_err(dberr)?;
+    db::epochs::start(&mut *tx, id, 0, now)
+        .await
+        .map_err(dberr)?;
+    let created_at = row.created_at;
+    let secret = row.session_secret;
     let session_secret = session_secret::SessionSecret::from_slice(&secret).ok_or_else(|| {
         OrchestratorError::Database(format!(
             "run {id}'s session secret is {} bytes, not 32",

@@ -330,7 +330,7 @@ async fn read_miners(
 }
 
 async fn read_status(shared: &Shared) -> Result<EpochStatus, String> {
-    crate::status::read_epoch_status(&shared.db, shared.run, shared.clock.now())
+    crate::db::status::read_epoch_status(&shared.db, shared.run, shared.clock.now())
         .await
         .map_err(|e| e.detail())
 }

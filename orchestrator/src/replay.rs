@@ -63,16 +63,7 @@ impl Flush for Insert {
         let mut uuids = batch.clone();
         uuids.sort_unstable();
         uuids.dedup();
-        let inserted: Result<Vec<Uuid>, sqlx::Error> = sqlx::query_scalar(
-            "INSERT INTO request_uuids (uuid, seen_at, expires_at)
-             SELECT u, now(), now() + $2 * interval '1 millisecond'
-             FROM unnest($1::uuid[]) AS u ORDER BY u
-             ON CONFLICT DO NOTHING RETURNING uuid",
-        )
-        .bind(&uuids)
-        .bind(self.keep_ms)
-        .fetch_all(&self.db)
-        .await;
+        let inserted = crate::db::requests::record(&self.db, &uuids, self.keep_ms).await;
         match inserted {
             Ok(inserted) => {
                 // Each inserted uuid admits exactly one request: the first that carried it.

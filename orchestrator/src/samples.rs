@@ -8,7 +8,7 @@ use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
 use crate::db;
-use crate::db::hops::{MovedHop, NewForward};
+use crate::db::hops::{MovedHop, NewHop};
 use crate::domain::leases::{self, Reroute, pickup_s, secs};
 use crate::domain::placement::weighted_pick;
 use crate::error::{RunError, RunResult};
@@ -68,7 +68,7 @@ pub(crate) async fn route_forward_sample(
         .await?;
         return Ok(None);
     };
-    let hop = NewForward {
+    let hop = NewHop {
         run: app.run.id,
         epoch: epoch as i64,
         sample_id,

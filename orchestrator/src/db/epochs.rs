@@ -188,3 +188,31 @@ pub async fn start<'e>(
     .await?;
     Ok(())
 }
+
+/// Adds `bytes` to the bytes `epoch`'s hops put on the wire.
+pub async fn add_wire_bytes<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    bytes: i64,
+) -> sqlx::Result<()> {
+    sqlx::query("UPDATE epochs SET wire_bytes = wire_bytes + $3 WHERE run_id = $1 AND epoch = $2")
+        .bind(run)
+        .bind(epoch)
+        .bind(bytes)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Counts one more completed sample in `epoch`.
+pub async fn count_completed<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE epochs SET samples_completed = samples_completed + 1 WHERE run_id = $1 AND epoch = $2",
+    )
+    .bind(run)
+    .bind(epoch)
+    .execute(db)
+    .await?;
+    Ok(())
+}

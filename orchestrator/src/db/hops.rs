@@ -41,8 +41,8 @@ fn moved(row: &PgRow) -> sqlx::Result<MovedHop> {
     })
 }
 
-/// A new forward hop of `sample` at `stage`, routed to `miner`, to be leased before `pickup_by`.
-pub struct NewForward<'a> {
+/// A new hop of `sample` at `stage`, routed to `miner`, to be leased before `pickup_by`.
+pub struct NewHop<'a> {
     /// The run.
     pub run: i64,
     /// The epoch.
@@ -62,7 +62,7 @@ pub struct NewForward<'a> {
 }
 
 /// Routes a forward hop: its id.
-pub async fn insert_forward<'e>(db: impl Db<'e>, hop: NewForward<'_>) -> sqlx::Result<i64> {
+pub async fn insert_forward<'e>(db: impl Db<'e>, hop: NewHop<'_>) -> sqlx::Result<i64> {
     sqlx::query_scalar(
         "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
              leased_until)
@@ -282,5 +282,193 @@ pub async fn lock_open_of_epoch<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sq
     .bind(epoch)
     .execute(db)
     .await?;
+    Ok(())
+}
+
+/// What a completed hop records.
+pub struct Done<'a> {
+    /// Its output blob.
+    pub output: Option<&'a serde_json::Value>,
+    /// The miner's inner step after it.
+    pub inner_step: i64,
+    /// The digest of the weights it ran with.
+    pub weights_digest: &'a str,
+    /// How long it took the miner.
+    pub compute_ms: Option<i64>,
+    /// When it completed.
+    pub at: DateTime<Utc>,
+}
+
+/// Closes hop `id` as done.
+pub async fn close_done<'e>(db: impl Db<'e>, id: i64, done: Done<'_>) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE tasks SET status = 'done', output = $2, inner_step = $3, weights_digest = $4,
+             compute_ms = $5, completed_at = $6 WHERE id = $1",
+    )
+    .bind(id)
+    .bind(done.output)
+    .bind(done.inner_step)
+    .bind(done.weights_digest)
+    .bind(done.compute_ms)
+    .bind(done.at)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// The miner that ran `sample`'s forward at `stage`, if it is still active and training in the
+/// sample's epoch (it holds the activation cache the backward needs).
+pub async fn forward_miner<'e>(
+    db: impl Db<'e>,
+    sample: i64,
+    stage: i32,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "SELECT t.miner FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
+         WHERE t.sample_id = $1 AND t.stage = $2 AND t.direction = 'forward' AND t.status = 'done'
+           AND m.status = 'active' AND m.ended_epoch IS DISTINCT FROM t.epoch",
+    )
+    .bind(sample)
+    .bind(stage)
+    .fetch_optional(db)
+    .await
+}
+
+/// Routes the backward hop of a sample at a stage (the one of attempt 0; an existing one is
+/// kept): its id (`attempt` is not read).
+pub async fn insert_backward<'e>(db: impl Db<'e>, hop: NewHop<'_>) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
+             leased_until)
+         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6, $7)
+         ON CONFLICT (sample_id, stage, direction, attempt) DO UPDATE SET attempt = tasks.attempt
+         RETURNING id",
+    )
+    .bind(hop.run)
+    .bind(hop.epoch)
+    .bind(hop.sample_id)
+    .bind(hop.stage)
+    .bind(hop.miner)
+    .bind(hop.input)
+    .bind(hop.pickup_by)
+    .fetch_one(db)
+    .await
+}
+
+/// A hop as a miner's upload or completion finds it, locked.
+pub struct Locked {
+    /// Its epoch.
+    pub epoch: i64,
+    /// Its sample.
+    pub sample_id: i64,
+    /// Its stage.
+    pub stage: i32,
+    /// `forward` or `backward`, as stored.
+    pub direction: String,
+    /// Its attempt.
+    pub attempt: i32,
+    /// Its status, as stored.
+    pub status: String,
+    /// Its lease, if leased.
+    pub lease: Option<uuid::Uuid>,
+    /// The miner it is routed to.
+    pub miner: String,
+    /// The output staged for it.
+    pub staged: Option<serde_json::Value>,
+    /// Its output, once done.
+    pub output: Option<serde_json::Value>,
+    /// The sample's next hop, if routed.
+    pub next_task_id: Option<i64>,
+}
+
+/// Locks hop `id` of the run.
+pub async fn lock<'e>(db: impl Db<'e>, run: i64, id: i64) -> sqlx::Result<Option<Locked>> {
+    let row = sqlx::query(
+        "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
+                output,
+                (SELECT min(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
+                   AND n.attempt = 0) AS next_task_id
+         FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
+    )
+    .bind(id)
+    .bind(run)
+    .fetch_optional(db)
+    .await?;
+    row.map(|row| {
+        Ok(Locked {
+            epoch: row.try_get("epoch")?,
+            sample_id: row.try_get("sample_id")?,
+            stage: row.try_get("stage")?,
+            direction: row.try_get("direction")?,
+            attempt: row.try_get("attempt")?,
+            status: row.try_get("status")?,
+            lease: row.try_get("lease")?,
+            miner: row.try_get("miner")?,
+            staged: row.try_get("staged_output")?,
+            output: row.try_get("output")?,
+            next_task_id: row.try_get("next_task_id")?,
+        })
+    })
+    .transpose()
+}
+
+/// Stages `blob` as the output of hop `id` while `lease` holds it: whether it was staged.
+pub async fn stage_output<'e>(
+    db: impl Db<'e>,
+    id: i64,
+    lease: uuid::Uuid,
+    blob: &serde_json::Value,
+) -> sqlx::Result<bool> {
+    let updated = sqlx::query(
+        "UPDATE tasks SET staged_output = $3 WHERE id = $1 AND lease = $2 AND status = 'leased'",
+    )
+    .bind(id)
+    .bind(lease)
+    .bind(blob)
+    .execute(db)
+    .await?;
+    Ok(updated.rows_affected() > 0)
+}
+
+/// The hash of hop `id`'s output if it completed under `lease` with the object `key`: `None`
+/// if it did not, `Some(None)` if its output has no hash.
+pub async fn output_hash<'e>(
+    db: impl Db<'e>,
+    id: i64,
+    lease: uuid::Uuid,
+    key: &str,
+) -> sqlx::Result<Option<Option<String>>> {
+    sqlx::query_scalar(
+        "SELECT output->>'blake3' FROM tasks WHERE id = $1 AND lease = $2 AND status = 'done'
+           AND output->>'key' = $3",
+    )
+    .bind(id)
+    .bind(lease)
+    .bind(key)
+    .fetch_optional(db)
+    .await
+}
+
+/// The hop whose output is object `key`: its id, its sample and its output.
+pub async fn producer<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: &str,
+) -> sqlx::Result<Option<(i64, i64, serde_json::Value)>> {
+    sqlx::query_as(
+        "SELECT id, sample_id, output FROM tasks WHERE run_id = $1 AND output->>'key' = $2",
+    )
+    .bind(run)
+    .bind(key)
+    .fetch_optional(db)
+    .await
+}
+
+/// Fails hop `id` (its output was confirmed bad).
+pub async fn fail<'e>(db: impl Db<'e>, id: i64) -> sqlx::Result<()> {
+    sqlx::query("UPDATE tasks SET status = 'failed' WHERE id = $1")
+        .bind(id)
+        .execute(db)
+        .await?;
     Ok(())
 }

@@ -84,3 +84,13 @@ pub async fn close_unlocked(mut conn: sqlx::PgConnection) {
     })
     .await;
 }
+
+/// Serialises joins to run `run` for the rest of the transaction, so two replicas cannot both
+/// fill the same emptiest stage.
+pub async fn join_lock(tx: &mut Transaction<'_, Postgres>, run: i64) -> sqlx::Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('iota-join'), $1::int)")
+        .bind(run as i32)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

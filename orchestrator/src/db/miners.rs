@@ -2,6 +2,8 @@
 
 use chrono::{DateTime, Utc};
 
+use sqlx::Row;
+
 use super::Db;
 
 /// The active miners of `stage` still training in `epoch` (not ended, see
@@ -180,4 +182,172 @@ pub async fn active_with_open_hops<'e>(
     .bind(hotkeys)
     .fetch_all(db)
     .await
+}
+
+/// Locks `miner`'s row shared: the epoch it ended, if it is a miner of the run.
+pub async fn lock_ended_epoch<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+) -> sqlx::Result<Option<Option<i64>>> {
+    sqlx::query_scalar("SELECT ended_epoch FROM miners WHERE run_id = $1 AND hotkey = $2 FOR SHARE")
+        .bind(run)
+        .bind(miner)
+        .fetch_optional(db)
+        .await
+}
+
+/// A miner of the run as joining reads it.
+pub struct Member {
+    /// Its stage.
+    pub stage: i32,
+    /// The epoch it ended its work in, if any.
+    pub ended_epoch: Option<i64>,
+    /// Whether it is active.
+    pub active: bool,
+    /// Whether it completed a hop in the epoch asked about.
+    pub worked: bool,
+}
+
+/// `miner` as joining reads it, with whether it completed a hop in `epoch`.
+pub async fn member<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+    epoch: i64,
+) -> sqlx::Result<Option<Member>> {
+    let row = sqlx::query(
+        "SELECT stage, ended_epoch, status = 'active' AS active,
+            EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
+                      AND status = 'done') AS worked
+         FROM miners WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(miner)
+    .bind(epoch)
+    .fetch_optional(db)
+    .await?;
+    row.map(|row| {
+        Ok(Member {
+            stage: row.try_get("stage")?,
+            ended_epoch: row.try_get("ended_epoch")?,
+            active: row.try_get("active")?,
+            worked: row.try_get("worked")?,
+        })
+    })
+    .transpose()
+}
+
+/// What a miner declares when it joins.
+pub struct Joining<'a> {
+    /// Its hotkey.
+    pub hotkey: &'a str,
+    /// Its uid on the subnet.
+    pub uid: i32,
+    /// The stage it takes.
+    pub stage: i32,
+    /// Its device.
+    pub device: &'a str,
+    /// Its memory.
+    pub memory_bytes: i64,
+    /// Its throughput.
+    pub tokens_per_s: f64,
+    /// When it joined.
+    pub at: DateTime<Utc>,
+}
+
+/// Adds a miner to the run in `epoch`, active.
+pub async fn insert<'e>(db: impl Db<'e>, run: i64, epoch: i64, m: Joining<'_>) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
+         tokens_per_s, joined_epoch, registered_at, last_seen)
+         VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8, $9, $9)",
+    )
+    .bind(run)
+    .bind(m.hotkey)
+    .bind(m.uid)
+    .bind(m.stage)
+    .bind(m.device)
+    .bind(m.memory_bytes)
+    .bind(m.tokens_per_s)
+    .bind(epoch)
+    .bind(m.at)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Takes a miner of the run back, active, with what it declares now.
+pub async fn rejoin<'e>(db: impl Db<'e>, run: i64, m: Joining<'_>) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
+         tokens_per_s = $6, last_seen = $8, stage = $7 WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(m.hotkey)
+    .bind(m.uid)
+    .bind(m.device)
+    .bind(m.memory_bytes)
+    .bind(m.tokens_per_s)
+    .bind(m.stage)
+    .bind(m.at)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Active miners per stage with their throughput summed, each counted up to `cap_over_median`
+/// times the run's median: (stage, miners, tokens/s).
+pub async fn capped_loads<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    cap_over_median: f64,
+) -> sqlx::Result<Vec<(i32, i64, f64)>> {
+    sqlx::query_as(
+        "WITH active AS (SELECT stage, tokens_per_s FROM miners
+                         WHERE run_id = $1 AND status = 'active'),
+              cap AS (SELECT $2 * percentile_disc(0.5) WITHIN GROUP (ORDER BY tokens_per_s)
+                        AS tps FROM active)
+         SELECT stage, count(*) AS miners,
+                coalesce(sum(LEAST(tokens_per_s, (SELECT tps FROM cap))), 0) AS tps
+         FROM active GROUP BY stage",
+    )
+    .bind(run)
+    .bind(cap_over_median)
+    .fetch_all(db)
+    .await
+}
+
+/// `miner`'s stage and status, if it joined the run.
+pub async fn stage_and_status<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+) -> sqlx::Result<Option<(i32, String)>> {
+    sqlx::query_as("SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = $2")
+        .bind(run)
+        .bind(miner)
+        .fetch_optional(db)
+        .await
+}
+
+/// A heartbeat: `miner` seen at `now`, with its throughput if it sent one.
+pub async fn heartbeat<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+    tokens_per_s: Option<f64>,
+    now: DateTime<Utc>,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE miners SET last_seen = $4, tokens_per_s = coalesce($3, tokens_per_s)
+         WHERE run_id = $1 AND hotkey = $2",
+    )
+    .bind(run)
+    .bind(miner)
+    .bind(tokens_per_s)
+    .bind(now)
+    .execute(db)
+    .await?;
+    Ok(())
 }

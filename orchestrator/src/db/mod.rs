@@ -6,6 +6,7 @@
 //! - [`runs`]: the run's row (epoch, phase, deadlines, the time driven).
 //! - [`epochs`]: each epoch's counters and collection.
 //! - [`samples`]: a sample's status.
+//! - [`status`]: the epoch status heartbeats, polls and explorers answer with.
 //! - [`hops`]: a sample's hops (`tasks`): routing, leases, moves.
 //! - [`miners`]: the run's miners: liveness, release, stage counts.
 //! - [`partitions`]: an epoch's partitions, their owners and their collection.
@@ -13,8 +14,10 @@
 //! - [`uploads`]: pseudo-gradient uploads.
 //! - [`merges`]: merge results, votes, stakes.
 //! - [`disputes`]: partitions put to the validators.
+//! - [`requests`]: the shared replay cache of signed requests' uuids.
 //! - [`locks`]: the leader's and the phase's advisory locks.
 //! - [`validators`]: what validators read of an epoch and submit.
+//! - [`work`]: a miner's work poll and the samples it starts.
 //! - [`views`]: the records explorers and validators read, as the API answers with them.
 
 pub mod disputes;
@@ -25,11 +28,14 @@ pub mod merges;
 pub mod miners;
 pub mod objects;
 pub mod partitions;
+pub mod requests;
 pub mod runs;
 pub mod samples;
+pub mod status;
 pub mod uploads;
 pub mod validators;
 pub mod views;
+pub mod work;
 
 /// An executor of one statement: `&PgPool`, `&mut PgConnection` or `&mut *tx`.
 pub trait Db<'e>: sqlx::PgExecutor<'e> {}

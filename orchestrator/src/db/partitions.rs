@@ -313,3 +313,88 @@ pub async fn working_owners<'e>(db: impl Db<'e>, run: i64, key: PartitionKey) ->
     .fetch_one(db)
     .await
 }
+
+/// A partition's state, if it exists.
+pub async fn state<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "SELECT state FROM partitions
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
+    )
+    .bind(run)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .fetch_optional(db)
+    .await
+}
+
+/// The partitions of `epoch` that `miner` owns, unsettled and without a result of its own:
+/// (stage, partition, contributions as stored).
+pub async fn owned_unmerged<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    miner: &str,
+) -> sqlx::Result<Vec<(i32, i32, serde_json::Value)>> {
+    sqlx::query_as(
+        "SELECT p.stage, p.partition, p.contributions FROM partition_owners o
+         JOIN partitions p ON p.run_id = o.run_id AND p.epoch = o.epoch AND p.stage = o.stage
+              AND p.partition = o.partition
+         WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = $3
+           AND p.state IN ('open', 'disputed')
+           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
+               AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
+               AND r.submitter = o.miner)
+         ORDER BY p.stage, p.partition",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(miner)
+    .fetch_all(db)
+    .await
+}
+
+/// The latest accepted merge of a partition (of stage `key.stage`, index `key.partition`) from
+/// an epoch before `key.epoch`: what a merge of that epoch starts from.
+pub async fn base<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+) -> sqlx::Result<Option<serde_json::Value>> {
+    sqlx::query_scalar(
+        "SELECT accepted FROM partitions
+         WHERE run_id = $1 AND stage = $2 AND partition = $3 AND epoch < $4 AND state = 'accepted'
+         ORDER BY epoch DESC LIMIT 1",
+    )
+    .bind(run)
+    .bind(key.stage)
+    .bind(key.partition)
+    .bind(key.epoch)
+    .fetch_optional(db)
+    .await
+}
+
+/// Whether `miner` owns a partition.
+pub async fn is_owner<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+    miner: &str,
+) -> sqlx::Result<bool> {
+    let round: Option<i32> = sqlx::query_scalar(
+        "SELECT round FROM partition_owners WHERE run_id = $1 AND epoch = $2 AND stage = $3
+           AND partition = $4 AND miner = $5",
+    )
+    .bind(run)
+    .bind(key.epoch)
+    .bind(key.stage)
+    .bind(key.partition)
+    .bind(miner)
+    .fetch_optional(db)
+    .await?;
+    Ok(round.is_some())
+}

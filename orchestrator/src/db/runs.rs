@@ -113,3 +113,69 @@ pub async fn set_epoch<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Resul
         .await?;
     Ok(())
 }
+
+/// A run to create.
+pub struct NewRun<'a> {
+    /// Its name.
+    pub name: &'a str,
+    /// Its config, as JSON.
+    pub config: &'a serde_json::Value,
+    /// Its subnet.
+    pub netuid: i32,
+    /// The orchestrator's hotkey.
+    pub orchestrator: &'a str,
+    /// When it is created.
+    pub at: DateTime<Utc>,
+    /// When its first training phase ends.
+    pub training_until: DateTime<Utc>,
+}
+
+/// Creates the run unless one of that name exists.
+pub async fn create<'e>(db: impl Db<'e>, run: NewRun<'_>) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO runs (name, config, netuid, orchestrator, created_at, phase_started,
+             phase_deadline)
+         VALUES ($1, $2, $3, $4, $5, $5, $6)
+         ON CONFLICT (name) DO NOTHING",
+    )
+    .bind(run.name)
+    .bind(run.config)
+    .bind(run.netuid)
+    .bind(run.orchestrator)
+    .bind(run.at)
+    .bind(run.training_until)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A run as stored.
+pub struct Stored {
+    /// Its id.
+    pub id: i64,
+    /// Its config, as JSON.
+    pub config: serde_json::Value,
+    /// Its subnet.
+    pub netuid: i32,
+    /// When it was created.
+    pub created_at: DateTime<Utc>,
+    /// Its secret for session keys.
+    pub session_secret: Vec<u8>,
+}
+
+/// The run named `name`.
+pub async fn by_name<'e>(db: impl Db<'e>, name: &str) -> sqlx::Result<Stored> {
+    let row = sqlx::query(
+        "SELECT id, config, netuid, created_at, session_secret FROM runs WHERE name = $1",
+    )
+    .bind(name)
+    .fetch_one(db)
+    .await?;
+    Ok(Stored {
+        id: row.try_get("id")?,
+        config: row.try_get("config")?,
+        netuid: row.try_get("netuid")?,
+        created_at: row.try_get("created_at")?,
+        session_secret: row.try_get("session_secret")?,
+    })
+}

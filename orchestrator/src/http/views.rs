@@ -30,7 +30,7 @@ pub fn run_info(app: &App) -> RunInfo {
 
 /// Where the run is now.
 pub async fn epoch_status(app: &App) -> ApiResult<EpochStatus> {
-    Ok(crate::status::read_epoch_status(&app.db, app.run.id, app.now()).await?)
+    Ok(crate::db::status::read_epoch_status(&app.db, app.run.id, app.now()).await?)
 }
 
 /// The latest accepted merge of every partition of `stage` (older epochs fill partitions that

@@ -8,12 +8,12 @@ use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use iota_protocol::tensor::check_tensor;
 
-use sqlx::Row;
-
 use super::merges::merged_partition_of;
 use super::uploads::boundary_spec;
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
+use crate::db::partitions::PartitionKey;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::samples::abandon_sample;
@@ -67,16 +67,12 @@ async fn check_merge_readable(
     caller: &Caller,
     (epoch, stage, partition): (i64, i32, i32),
 ) -> ApiResult<()> {
-    let state: Option<String> = sqlx::query_scalar(
-        "SELECT state FROM partitions
-         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4",
-    )
-    .bind(app.run.id)
-    .bind(epoch)
-    .bind(stage)
-    .bind(partition)
-    .fetch_optional(&app.db)
-    .await?;
+    let key = PartitionKey {
+        epoch,
+        stage,
+        partition,
+    };
+    let state = db::partitions::state(&app.db, app.run.id, key).await?;
     let unsettled = matches!(state.as_deref(), Some("open" | "disputed"));
     if !unsettled {
         return Ok(());
@@ -103,12 +99,7 @@ async fn confirmed_already(
     key: &str,
     task_id: i64,
 ) -> ApiResult<Option<BadObjectVerdict>> {
-    let reason: Option<String> =
-        sqlx::query_scalar("SELECT reason FROM bad_objects WHERE run_id = $1 AND key = $2")
-            .bind(app.run.id)
-            .bind(key)
-            .fetch_optional(&app.db)
-            .await?;
+    let reason = db::objects::bad_reason(&app.db, app.run.id, key).await?;
     Ok(reason.map(|reason| {
         let problem = reason
             .rsplit_once(CONFIRMED)
@@ -170,19 +161,12 @@ pub async fn report_bad_object(
 
 /// The hop whose output is `key`: its id, its sample and the output.
 async fn producer(app: &App, key: &str) -> ApiResult<Option<(i64, i64, BlobDescriptor)>> {
-    let row = sqlx::query(
-        "SELECT id, sample_id, output FROM tasks WHERE run_id = $1 AND output->>'key' = $2",
-    )
-    .bind(app.run.id)
-    .bind(key)
-    .fetch_optional(&app.db)
-    .await?;
-    let Some(row) = row else {
+    let Some((id, sample_id, output)) = db::hops::producer(&app.db, app.run.id, key).await? else {
         return Ok(None);
     };
-    let blob = serde_json::from_value(row.try_get("output")?)
+    let blob = serde_json::from_value(output)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-    Ok(Some((row.try_get("id")?, row.try_get("sample_id")?, blob)))
+    Ok(Some((id, sample_id, blob)))
 }
 
 /// What a second look at a reported object finds.
@@ -223,24 +207,13 @@ async fn fail_producer(
     problem: &str,
 ) -> ApiResult<()> {
     let mut tx = app.db.begin().await?;
-    sqlx::query("UPDATE tasks SET status = 'failed' WHERE id = $1")
-        .bind(task_id)
-        .execute(&mut *tx)
-        .await?;
+    db::hops::fail(&mut *tx, task_id).await?;
     abandon_sample(&mut tx, sample_id, app.now(), "bad object").await?;
-    sqlx::query(
-        "INSERT INTO bad_objects (run_id, key, reporter, reason) VALUES ($1, $2, $3, $4)
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(app.run.id)
-    .bind(&report.key)
-    .bind(&caller.ss58)
-    .bind(format!(
+    let reason = format!(
         "{}{CONFIRMED}{problem}",
         report.reason.chars().take(500).collect::<String>()
-    ))
-    .execute(&mut *tx)
-    .await?;
+    );
+    db::objects::record_bad(&mut *tx, app.run.id, &report.key, &caller.ss58, &reason).await?;
     tx.commit().await?;
     Ok(())
 }

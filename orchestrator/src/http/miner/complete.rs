@@ -13,8 +13,9 @@ use super::uploads::check_lease;
 use super::uploads::lock_task;
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
 use crate::domain::hops::{self, Close, Completion, HopSnapshot, HopStatus, SampleStatus, Then};
-use crate::domain::leases::pickup_s;
+use crate::domain::leases::{pickup_s, secs};
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::samples::{abandon_sample, route_forward_sample};
@@ -92,19 +93,9 @@ async fn snapshot(
     if status != HopStatus::Leased {
         return Ok(hop);
     }
-    let ended: Option<Option<i64>> = sqlx::query_scalar(
-        "SELECT ended_epoch FROM miners WHERE run_id = $1 AND hotkey = $2 FOR SHARE",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .fetch_optional(&mut **tx)
-    .await?;
+    let ended = db::miners::lock_ended_epoch(&mut **tx, app.run.id, &caller.ss58).await?;
     hop.miner_ended_epoch = ended.flatten().map(|e| e as u64);
-    let sample: Option<String> =
-        sqlx::query_scalar("SELECT status FROM samples WHERE id = $1 FOR UPDATE")
-            .bind(task.sample_id)
-            .fetch_optional(&mut **tx)
-            .await?;
+    let sample = db::samples::lock(&mut **tx, task.sample_id).await?;
     hop.sample = sample.as_deref().and_then(SampleStatus::parse);
     Ok(hop)
 }
@@ -125,37 +116,20 @@ async fn apply(
         .map(serde_json::to_value)
         .transpose()
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-    sqlx::query(
-        "UPDATE tasks SET status = 'done', output = $2, inner_step = $3, weights_digest = $4,
-             compute_ms = $5, completed_at = $6 WHERE id = $1",
-    )
-    .bind(task_id)
-    .bind(&output_json)
-    .bind(req.inner_step.min(i64::MAX as u64) as i64)
-    .bind(&req.weights_digest)
-    .bind(req.compute_ms.map(|m| m.min(i64::MAX as u64) as i64))
-    .bind(app.now())
-    .execute(&mut **tx)
-    .await?;
+    let done = db::hops::Done {
+        output: output_json.as_ref(),
+        inner_step: req.inner_step.min(i64::MAX as u64) as i64,
+        weights_digest: &req.weights_digest,
+        compute_ms: req.compute_ms.map(|m| m.min(i64::MAX as u64) as i64),
+        at: app.now(),
+    };
+    db::hops::close_done(&mut **tx, task_id, done).await?;
     if let Some(o) = &close.output {
-        sqlx::query(
-            "UPDATE epochs SET wire_bytes = wire_bytes + $3 WHERE run_id = $1 AND epoch = $2",
-        )
-        .bind(app.run.id)
-        .bind(task.epoch as i64)
-        .bind(o.size as i64)
-        .execute(&mut **tx)
-        .await?;
+        db::epochs::add_wire_bytes(&mut **tx, app.run.id, task.epoch as i64, o.size as i64).await?;
     }
     if close.records_loss {
-        sqlx::query(
-            "UPDATE samples SET loss = $2, sequence_losses = $3, status = 'backward' WHERE id = $1",
-        )
-        .bind(task.sample_id)
-        .bind(req.loss)
-        .bind(req.sequence_losses.clone())
-        .execute(&mut **tx)
-        .await?;
+        let losses = req.sequence_losses.as_deref();
+        db::samples::record_loss(&mut **tx, task.sample_id, req.loss, losses).await?;
     }
     match close.then {
         Then::Forward(stage) => {
@@ -179,18 +153,8 @@ async fn finish_sample(
     sample_id: i64,
     epoch: u64,
 ) -> ApiResult<()> {
-    sqlx::query("UPDATE samples SET status = 'done', completed_at = $2 WHERE id = $1")
-        .bind(sample_id)
-        .bind(app.now())
-        .execute(&mut **tx)
-        .await?;
-    sqlx::query(
-        "UPDATE epochs SET samples_completed = samples_completed + 1 WHERE run_id = $1 AND epoch = $2",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .execute(&mut **tx)
-    .await?;
+    db::samples::finish(&mut **tx, sample_id, app.now()).await?;
+    db::epochs::count_completed(&mut **tx, app.run.id, epoch as i64).await?;
     metrics::counter!("iota_samples_completed_total").increment(1);
     Ok(())
 }
@@ -228,19 +192,8 @@ async fn route_backward(
     stage: u32,
     grad: Option<serde_json::Value>,
 ) -> ApiResult<Option<i64>> {
-    sqlx::query("UPDATE samples SET status = 'backward' WHERE id = $1")
-        .bind(from.sample_id)
-        .execute(&mut **tx)
-        .await?;
-    let miner: Option<String> = sqlx::query_scalar(
-        "SELECT t.miner FROM tasks t JOIN miners m ON m.run_id = t.run_id AND m.hotkey = t.miner
-         WHERE t.sample_id = $1 AND t.stage = $2 AND t.direction = 'forward' AND t.status = 'done'
-           AND m.status = 'active' AND m.ended_epoch IS DISTINCT FROM t.epoch",
-    )
-    .bind(from.sample_id)
-    .bind(stage as i32)
-    .fetch_optional(&mut **tx)
-    .await?;
+    db::samples::set_backward(&mut **tx, from.sample_id).await?;
+    let miner = db::hops::forward_miner(&mut **tx, from.sample_id, stage as i32).await?;
     let Some(miner) = miner else {
         abandon_sample(
             tx,
@@ -251,22 +204,15 @@ async fn route_backward(
         .await?;
         return Ok(None);
     };
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, attempt, miner, status, input,
-             leased_until)
-         VALUES ($1, $2, $3, $4, 'backward', 0, $5, 'pending', $6, $8 + make_interval(secs => $7))
-         ON CONFLICT (sample_id, stage, direction, attempt) DO UPDATE SET attempt = tasks.attempt
-         RETURNING id",
-    )
-    .bind(app.run.id)
-    .bind(from.epoch as i64)
-    .bind(from.sample_id)
-    .bind(stage as i32)
-    .bind(&miner)
-    .bind(grad)
-    .bind(pickup_s(app.config()) as f64)
-    .bind(app.now())
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(Some(id))
+    let hop = db::hops::NewHop {
+        run: app.run.id,
+        epoch: from.epoch as i64,
+        sample_id: from.sample_id,
+        stage: stage as i32,
+        attempt: 0,
+        miner: &miner,
+        input: grad,
+        pickup_by: app.now() + secs(pickup_s(app.config())),
+    };
+    Ok(Some(db::hops::insert_backward(&mut **tx, hop).await?))
 }

@@ -5,10 +5,11 @@ use axum::extract::{Extension, State};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
 use crate::domain::placement::{Restart, StageLoad, admit, rejoin_stage, restart_ends_work};
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::ApiJson;
@@ -29,10 +30,7 @@ pub async fn register(
     let run = app.run.id;
     let mut tx = app.db.begin().await?;
     // Serialise joins of one run so two replicas cannot both fill the same emptiest stage.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('iota-join'), $1::int)")
-        .bind(run as i32)
-        .execute(&mut *tx)
-        .await?;
+    db::locks::join_lock(&mut tx, run).await?;
     // A restart closes the miner's epoch and re-routes its hops: not while the epoch ends (its
     // re-routed hops would outlive it).
     crate::driver::phase_lock_shared(&mut tx, run).await?;
@@ -83,87 +81,55 @@ async fn join(
 ) -> ApiResult<(u32, bool)> {
     let run = app.run.id;
     let cap = &req.capacity;
-    let existing = sqlx::query(
-        "SELECT stage, ended_epoch, status = 'active' AS active,
-            EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND epoch = $3 AND miner = $2
-                      AND status = 'done') AS worked
-         FROM miners WHERE run_id = $1 AND hotkey = $2",
-    )
-    .bind(run)
-    .bind(&caller.ss58)
-    .bind(epoch as i64)
-    .fetch_optional(&mut **tx)
-    .await?;
+    let existing = db::miners::member(&mut **tx, run, &caller.ss58, epoch as i64).await?;
     let loads = stage_loads(tx, app).await?;
     let Some(row) = existing else {
         let stage = admit(&loads, cap.memory_bytes)
             .map_err(|why| AppError::new(ErrorCode::Forbidden, why))?;
-        sqlx::query(
-            "INSERT INTO miners (run_id, hotkey, uid, stage, status, device, memory_bytes,
-             tokens_per_s, joined_epoch, registered_at, last_seen)
-             VALUES ($1, $2, $3, $4, 'active', $5, $6, $7, $8, $9, $9)",
-        )
-        .bind(run)
-        .bind(&caller.ss58)
-        .bind(i32::from(caller.uid))
-        .bind(stage as i32)
-        .bind(&cap.device)
-        .bind(cap.memory_bytes as i64)
-        .bind(cap.tokens_per_s)
-        .bind(epoch as i64)
-        .bind(app.now())
-        .execute(&mut **tx)
-        .await?;
+        let joining = joining(app, caller, cap, stage);
+        db::miners::insert(&mut **tx, run, epoch as i64, joining).await?;
         tracing::info!(miner = %caller.ss58, stage, epoch, "miner joined");
         return Ok((stage, false));
     };
-    let held = row.try_get::<i32, _>("stage")? as u32;
-    let ended = row
-        .try_get::<Option<i64>, _>("ended_epoch")?
-        .map(|e| e as u64);
-    let restart = restart_ends_work(ended, epoch, req.holds_epoch_state, row.try_get("worked")?);
+    let held = row.stage as u32;
+    let ended = row.ended_epoch.map(|e| e as u64);
+    let restart = restart_ends_work(ended, epoch, req.holds_epoch_state, row.worked);
     if restart == Restart::EndsWork {
         close_epoch(tx, app, &caller.ss58, epoch).await?;
         tracing::info!(miner = %caller.ss58, epoch, "a restarted miner sits out the rest of the epoch");
     }
-    let stage = rejoin_stage(&loads, held, row.try_get("active")?, cap.memory_bytes);
+    let stage = rejoin_stage(&loads, held, row.active, cap.memory_bytes);
     if stage != held {
         tracing::info!(miner = %caller.ss58, from = held, to = stage, "a miner joining again takes a stage with no miner");
     }
-    sqlx::query(
-        "UPDATE miners SET status = 'active', uid = $3, device = $4, memory_bytes = $5,
-         tokens_per_s = $6, last_seen = $8, stage = $7 WHERE run_id = $1 AND hotkey = $2",
-    )
-    .bind(run)
-    .bind(&caller.ss58)
-    .bind(i32::from(caller.uid))
-    .bind(&cap.device)
-    .bind(cap.memory_bytes as i64)
-    .bind(cap.tokens_per_s)
-    .bind(stage as i32)
-    .bind(app.now())
-    .execute(&mut **tx)
-    .await?;
+    db::miners::rejoin(&mut **tx, run, joining(app, caller, cap, stage)).await?;
     Ok((stage, restart != Restart::Continues))
+}
+
+/// What `caller` declares, joining `stage` now.
+fn joining<'a>(
+    app: &App,
+    caller: &'a Caller,
+    cap: &'a Capacity,
+    stage: u32,
+) -> db::miners::Joining<'a> {
+    db::miners::Joining {
+        hotkey: &caller.ss58,
+        uid: i32::from(caller.uid),
+        stage: stage as i32,
+        device: &cap.device,
+        memory_bytes: cap.memory_bytes as i64,
+        tokens_per_s: cap.tokens_per_s,
+        at: app.now(),
+    }
 }
 
 async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult<Vec<StageLoad>> {
     // Each miner's throughput counts up to `MAX_WEIGHT_OVER_MEDIAN` times the run's median, as
     // in routing: one claiming far more would make its stage look served, and every newcomer
     // would go elsewhere.
-    let rows = sqlx::query(
-        "WITH active AS (SELECT stage, tokens_per_s FROM miners
-                         WHERE run_id = $1 AND status = 'active'),
-              cap AS (SELECT $2 * percentile_disc(0.5) WITHIN GROUP (ORDER BY tokens_per_s)
-                        AS tps FROM active)
-         SELECT stage, count(*) AS miners,
-                coalesce(sum(LEAST(tokens_per_s, (SELECT tps FROM cap))), 0) AS tps
-         FROM active GROUP BY stage",
-    )
-    .bind(app.run.id)
-    .bind(crate::domain::placement::MAX_WEIGHT_OVER_MEDIAN)
-    .fetch_all(&mut **tx)
-    .await?;
+    let cap = crate::domain::placement::MAX_WEIGHT_OVER_MEDIAN;
+    let rows = db::miners::capped_loads(&mut **tx, app.run.id, cap).await?;
     let cfg = app.config();
     let mut loads: Vec<StageLoad> = (0..cfg.stages)
         .map(|s| StageLoad {
@@ -173,11 +139,10 @@ async fn stage_loads(tx: &mut Transaction<'_, Postgres>, app: &App) -> ApiResult
             tokens_per_s: 0.0,
         })
         .collect();
-    for row in rows {
-        let s: i32 = row.try_get("stage")?;
-        if let Some(l) = loads.get_mut(s as usize) {
-            l.miners = row.try_get::<i64, _>("miners")? as u32;
-            l.tokens_per_s = row.try_get("tps")?;
+    for (stage, miners, tokens_per_s) in rows {
+        if let Some(l) = loads.get_mut(stage as usize) {
+            l.miners = miners as u32;
+            l.tokens_per_s = tokens_per_s;
         }
     }
     Ok(loads)
@@ -189,10 +154,7 @@ pub(crate) async fn miner_stage<'e, E: sqlx::PgExecutor<'e>>(
     app: &App,
     caller: &Caller,
 ) -> ApiResult<u32> {
-    let row = sqlx::query("SELECT stage, status FROM miners WHERE run_id = $1 AND hotkey = $2")
-        .bind(app.run.id)
-        .bind(&caller.ss58)
-        .fetch_optional(db)
+    let (stage, status) = db::miners::stage_and_status(db, app.run.id, &caller.ss58)
         .await?
         .ok_or_else(|| {
             AppError::new(
@@ -200,14 +162,13 @@ pub(crate) async fn miner_stage<'e, E: sqlx::PgExecutor<'e>>(
                 "not a miner of this run: call POST /v1/miner/register first",
             )
         })?;
-    let status: String = row.try_get("status")?;
     if status != "active" {
         return Err(AppError::new(
             ErrorCode::NotAMiner,
             "released after missing heartbeats: call POST /v1/miner/register again",
         ));
     }
-    Ok(row.try_get::<i32, _>("stage")? as u32)
+    Ok(stage as u32)
 }
 
 /// `POST /v1/miner/heartbeat`.
@@ -230,16 +191,7 @@ pub async fn heartbeat(
     }
     let stage = miner_stage(&app.db, &app, &caller).await?;
     let tps = req.tokens_per_s;
-    sqlx::query(
-        "UPDATE miners SET last_seen = $4, tokens_per_s = coalesce($3, tokens_per_s)
-         WHERE run_id = $1 AND hotkey = $2",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .bind(tps)
-    .bind(app.now())
-    .execute(&app.db)
-    .await?;
+    db::miners::heartbeat(&app.db, app.run.id, &caller.ss58, tps, app.now()).await?;
     Ok(Json(HeartbeatResponse {
         stage,
         status: views::epoch_status(&app).await?,

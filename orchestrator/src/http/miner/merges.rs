@@ -8,8 +8,6 @@ use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 use iota_protocol::tensor::TensorSpec;
 
-use sqlx::Row;
-
 use super::pseudo_gradients::already_recorded;
 use super::pseudo_gradients::to_completion;
 use super::uploads::Placement;
@@ -20,6 +18,8 @@ use super::uploads::check_presign_size;
 use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
+use crate::db::partitions::PartitionKey;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::http::views;
@@ -71,31 +71,13 @@ async fn owned_unmerged(
     caller: &Caller,
     epoch: u64,
 ) -> ApiResult<Vec<(u32, u32, Vec<MergeContribution>)>> {
-    let rows = sqlx::query(
-        "SELECT p.stage, p.partition, p.contributions FROM partition_owners o
-         JOIN partitions p ON p.run_id = o.run_id AND p.epoch = o.epoch AND p.stage = o.stage
-              AND p.partition = o.partition
-         WHERE o.run_id = $1 AND o.epoch = $2 AND o.miner = $3
-           AND p.state IN ('open', 'disputed')
-           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
-               AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
-               AND r.submitter = o.miner)
-         ORDER BY p.stage, p.partition",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&caller.ss58)
-    .fetch_all(&app.db)
-    .await?;
-    rows.iter()
-        .map(|row| {
-            let contributions = serde_json::from_value(row.try_get("contributions")?)
+    let rows = db::partitions::owned_unmerged(&app.db, app.run.id, epoch as i64, &caller.ss58);
+    rows.await?
+        .into_iter()
+        .map(|(stage, partition, contributions)| {
+            let contributions = serde_json::from_value(contributions)
                 .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-            Ok((
-                row.try_get::<i32, _>("stage")? as u32,
-                row.try_get::<i32, _>("partition")? as u32,
-                contributions,
-            ))
+            Ok((stage as u32, partition as u32, contributions))
         })
         .collect()
 }
@@ -135,18 +117,12 @@ pub(crate) async fn merge_base(
     stage: u32,
     partition: u32,
 ) -> ApiResult<Option<BlobDescriptor>> {
-    let accepted: Option<serde_json::Value> = sqlx::query_scalar(
-        "SELECT accepted FROM partitions
-         WHERE run_id = $1 AND stage = $2 AND partition = $3 AND epoch < $4 AND state = 'accepted'
-         ORDER BY epoch DESC LIMIT 1",
-    )
-    .bind(app.run.id)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(epoch as i64)
-    .fetch_optional(&app.db)
-    .await?;
-    let Some(accepted) = accepted else {
+    let key = PartitionKey {
+        epoch: epoch as i64,
+        stage: stage as i32,
+        partition: partition as i32,
+    };
+    let Some(accepted) = db::partitions::base(&app.db, app.run.id, key).await? else {
         return Ok(None);
     };
     let mut blob: BlobDescriptor = serde_json::from_value(accepted)
@@ -179,18 +155,12 @@ pub(crate) async fn merge_slot(
             return Err(crate::driver::interested_validator(stage, partition).into());
         }
     } else {
-        let owner: Option<i32> = sqlx::query_scalar(
-            "SELECT round FROM partition_owners WHERE run_id = $1 AND epoch = $2 AND stage = $3
-               AND partition = $4 AND miner = $5",
-        )
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(stage as i32)
-        .bind(partition as i32)
-        .bind(who)
-        .fetch_optional(&app.db)
-        .await?;
-        if owner.is_none() {
+        let key = PartitionKey {
+            epoch: epoch as i64,
+            stage: stage as i32,
+            partition: partition as i32,
+        };
+        if !db::partitions::is_owner(&app.db, app.run.id, key, who).await? {
             return Err(AppError::new(
                 ErrorCode::Forbidden,
                 format!("you do not own stage {stage} partition {partition} this epoch"),

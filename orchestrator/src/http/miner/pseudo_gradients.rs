@@ -17,6 +17,8 @@ use super::uploads::check_presign_size;
 use super::uploads::{partition_in_phase, presign};
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
+use crate::db::partitions::PartitionKey;
 use crate::domain::phases::{reservation_open, reservations_hold_until};
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
@@ -32,16 +34,8 @@ pub(crate) async fn backward_work<'e, E: sqlx::PgExecutor<'e>>(
     epoch: u64,
     miner: &str,
 ) -> ApiResult<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM tasks WHERE run_id = $1 AND epoch = $2 AND miner = $3
-           AND status = 'done' AND (direction = 'backward' OR stage = $4)",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(miner)
-    .bind(app.config().stages as i32 - 1)
-    .fetch_one(db)
-    .await?)
+    let last_stage = app.config().stages as i32 - 1;
+    Ok(db::uploads::backward_work(db, app.run.id, (epoch as i64, last_stage), miner).await?)
 }
 
 fn pg_key(app: &App, epoch: u64, stage: u32, partition: u32, miner: &str) -> String {
@@ -88,19 +82,7 @@ async fn may_contribute(app: &App, caller: &Caller, epoch: u64) -> ApiResult<()>
             "no completed backward pass this epoch: there is nothing to contribute",
         ));
     }
-    let ended_without_upload: bool = sqlx::query_scalar(
-        "SELECT m.ended_epoch IS NOT DISTINCT FROM $3
-             AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g WHERE g.run_id = m.run_id
-                               AND g.epoch = $3 AND g.miner = m.hotkey)
-         FROM miners m WHERE m.run_id = $1 AND m.hotkey = $2",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .bind(epoch as i64)
-    .fetch_optional(&app.db)
-    .await?
-    .unwrap_or(false);
-    if ended_without_upload {
+    if db::uploads::ended_without_upload(&app.db, app.run.id, &caller.ss58, epoch as i64).await? {
         return Err(AppError::new(
             ErrorCode::Conflict,
             format!(
@@ -146,16 +128,7 @@ pub async fn reserve_pg(
             ),
         ));
     }
-    sqlx::query(
-        "INSERT INTO upload_reservations (run_id, epoch, miner, reserved_at)
-         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&caller.ss58)
-    .bind(at)
-    .execute(&mut *tx)
-    .await?;
+    db::uploads::reserve(&mut *tx, app.run.id, epoch as i64, &caller.ss58, at).await?;
     tx.commit().await?;
     Ok(Json(ReservationResponse {
         epoch,
@@ -171,15 +144,7 @@ async fn holds_reservation(
     caller: &Caller,
     epoch: u64,
 ) -> ApiResult<bool> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM upload_reservations
-                        WHERE run_id = $1 AND epoch = $2 AND miner = $3)",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&caller.ss58)
-    .fetch_one(&mut **tx)
-    .await?)
+    Ok(db::uploads::is_reserved(&mut **tx, app.run.id, epoch as i64, &caller.ss58).await?)
 }
 
 /// Records a pseudo-gradient partition. Atomic with phase changes: the shared advisory lock
@@ -209,22 +174,18 @@ async fn record_pg(
     let weight = backward_work(&mut *tx, app, epoch, &caller.ss58).await? as f64;
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-    let existing: Option<String> = sqlx::query_scalar(
-        "INSERT INTO pseudo_gradients (run_id, epoch, stage, partition, miner, blob, blake3, weight)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-         ON CONFLICT (run_id, epoch, stage, partition, miner) DO UPDATE SET weight = pseudo_gradients.weight
-         RETURNING blake3",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .bind(&caller.ss58)
-    .bind(value)
-    .bind(&blob.blake3)
-    .bind(weight)
-    .fetch_optional(&mut *tx)
-    .await?;
+    let pg = db::uploads::NewPseudoGradient {
+        key: PartitionKey {
+            epoch: epoch as i64,
+            stage: stage as i32,
+            partition: partition as i32,
+        },
+        miner: &caller.ss58,
+        blob: &value,
+        blake3: &blob.blake3,
+        weight,
+    };
+    let existing = db::uploads::record(&mut *tx, app.run.id, pg).await?;
     if existing.as_deref() != Some(blob.blake3.as_str()) {
         drop(tx);
         // Sealed under its own hash, so not the accepted object's key.
@@ -300,26 +261,18 @@ pub(crate) async fn already_recorded(
     (epoch, stage, partition): (u64, u32, u32),
     blake3: &str,
 ) -> ApiResult<Option<BlobDescriptor>> {
-    let (sql, conflict) = match table {
-        SealedIn::PseudoGradients => (
-            "SELECT blob, blake3 FROM pseudo_gradients
-             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND miner = $5",
-            "a different pseudo-gradient was already accepted for this partition",
-        ),
-        SealedIn::MergeResults => (
-            "SELECT blob, blake3 FROM merge_results
-             WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND submitter = $5",
-            "you already submitted a different result for this partition",
-        ),
+    let conflict = match table {
+        SealedIn::PseudoGradients => {
+            "a different pseudo-gradient was already accepted for this partition"
+        }
+        SealedIn::MergeResults => "you already submitted a different result for this partition",
     };
-    let row: Option<(serde_json::Value, String)> = sqlx::query_as(sql)
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(stage as i32)
-        .bind(partition as i32)
-        .bind(who)
-        .fetch_optional(&app.db)
-        .await?;
+    let key = PartitionKey {
+        epoch: epoch as i64,
+        stage: stage as i32,
+        partition: partition as i32,
+    };
+    let row = db::uploads::recorded(&app.db, app.run.id, table, key, who).await?;
     match row {
         None => Ok(None),
         Some((blob, hash)) if hash == blake3 => serde_json::from_value(blob)

@@ -10,11 +10,12 @@ use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
 use iota_protocol::tensor::{TensorSpec, check_tensor};
 
 use serde::Deserialize;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::app::App;
 use crate::auth::Caller;
+use crate::db;
 use crate::domain::hops::expects_output;
 use crate::domain::leases::secs;
 use crate::error::{ApiResult, AppError};
@@ -69,32 +70,22 @@ pub(crate) async fn lock_task(
     run: i64,
     id: i64,
 ) -> ApiResult<LeasedTask> {
-    let row = sqlx::query(
-        "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
-                output,
-                (SELECT min(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
-                   AND n.attempt = 0) AS next_task_id
-         FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
-    )
-    .bind(id)
-    .bind(run)
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no task {id}")))?;
-    let direction: String = row.try_get("direction")?;
+    let hop = db::hops::lock(&mut **tx, run, id)
+        .await?
+        .ok_or_else(|| AppError::new(ErrorCode::NotFound, format!("no task {id}")))?;
     Ok(LeasedTask {
-        epoch: row.try_get::<i64, _>("epoch")? as u64,
-        sample_id: row.try_get("sample_id")?,
-        stage: row.try_get::<i32, _>("stage")? as u32,
-        direction: Direction::parse(&direction)
+        epoch: hop.epoch as u64,
+        sample_id: hop.sample_id,
+        stage: hop.stage as u32,
+        direction: Direction::parse(&hop.direction)
             .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?,
-        attempt: row.try_get("attempt")?,
-        status: row.try_get("status")?,
-        lease: row.try_get("lease")?,
-        miner: row.try_get("miner")?,
-        staged: row.try_get("staged_output")?,
-        output: row.try_get("output")?,
-        next_task_id: row.try_get("next_task_id")?,
+        attempt: hop.attempt,
+        status: hop.status,
+        lease: hop.lease,
+        miner: hop.miner,
+        staged: hop.staged,
+        output: hop.output,
+        next_task_id: hop.next_task_id,
     })
 }
 
@@ -293,27 +284,11 @@ async fn stage_output(
 ) -> ApiResult<Json<UploadResponse>> {
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
-    let updated = sqlx::query(
-        "UPDATE tasks SET staged_output = $3 WHERE id = $1 AND lease = $2 AND status = 'leased'",
-    )
-    .bind(task_id)
-    .bind(lease)
-    .bind(value)
-    .execute(&app.db)
-    .await?;
-    if updated.rows_affected() == 0 {
+    if !db::hops::stage_output(&app.db, task_id, lease, &value).await? {
         // An earlier attempt of this same upload (a client that timed out and retried) may have
         // been staged and the hop completed meanwhile: the object at this key is then the hop's
         // output, which consumers read, and it stays.
-        let recorded: Option<Option<String>> = sqlx::query_scalar(
-            "SELECT output->>'blake3' FROM tasks WHERE id = $1 AND lease = $2 AND status = 'done'
-               AND output->>'key' = $3",
-        )
-        .bind(task_id)
-        .bind(lease)
-        .bind(&blob.key)
-        .fetch_optional(&app.db)
-        .await?;
+        let recorded = db::hops::output_hash(&app.db, task_id, lease, &blob.key).await?;
         return match recorded {
             Some(Some(hash)) if hash == blob.blake3 => Ok(Json(UploadResponse { blob })),
             Some(_) => Err(AppError::new(

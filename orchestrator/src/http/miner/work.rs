@@ -2,37 +2,35 @@
 
 use axum::Json;
 use axum::extract::{Request, State};
-use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::BlobDescriptor;
 
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use super::join::miner_stage;
 use crate::app::App;
 use crate::auth::{Caller, Gate, PendingUuid, SharedReplay, SignedRoutes};
+use crate::db;
 use crate::domain::hops::expects_output;
 use crate::error::{ApiResult, AppError};
 use crate::http::views;
 
-fn work_item(row: &sqlx::postgres::PgRow, stages: u32) -> ApiResult<WorkItem> {
-    let direction: String = row.try_get("direction")?;
-    let direction = Direction::parse(&direction)
+fn work_item(hop: db::work::Leased, stages: u32) -> ApiResult<WorkItem> {
+    let direction = Direction::parse(&hop.direction)
         .ok_or_else(|| AppError::new(ErrorCode::Internal, "bad direction"))?;
-    let stage = row.try_get::<i32, _>("stage")? as u32;
-    let input: Option<serde_json::Value> = row.try_get("input")?;
-    let input = input
+    let stage = hop.stage as u32;
+    let input = hop
+        .input
         .map(serde_json::from_value::<BlobDescriptor>)
         .transpose()
         .map_err(|e| AppError::new(ErrorCode::Internal, format!("stored blob: {e}")))?;
-    let until: DateTime<Utc> = row.try_get("leased_until")?;
     Ok(WorkItem {
-        task_id: row.try_get("id")?,
-        lease: row.try_get("lease")?,
-        lease_expires_ms: until.timestamp_millis(),
-        epoch: row.try_get::<i64, _>("epoch")? as u64,
-        sample_id: row.try_get("sample_id")?,
+        task_id: hop.id,
+        lease: hop.lease,
+        lease_expires_ms: hop.leased_until.timestamp_millis(),
+        epoch: hop.epoch as u64,
+        sample_id: hop.sample_id,
         stage,
         direction,
         input,
@@ -158,77 +156,26 @@ async fn poll(
     // Twice at most: a caller that was not active when the statement ran but is by the time the
     // full check looks (it registered in between) polls again.
     for _ in 0..2 {
-        let rows = sqlx::query(POLL_SQL)
-            .bind(app.run.id)
-            .bind(&caller.ss58)
-            .bind(app.config().lease_s as f64)
-            .bind(max)
-            .bind(app.now())
-            .fetch_all(&app.db)
-            .await?;
-        let Some(first) = rows.first() else {
+        let lease = (app.config().lease_s as f64, max);
+        let polled = db::work::poll(&app.db, app.run.id, &caller.ss58, lease, app.now()).await?;
+        let Some(polled) = polled else {
             // Not a miner, or released: the full check says which.
             miner_stage(&app.db, app, caller).await?;
             continue;
         };
-        let stage = first.try_get::<i32, _>("miner_stage")? as u32;
-        let status = crate::status::status_from_row(first, app.now())?;
-        let mut items = Vec::with_capacity(rows.len());
-        for row in &rows {
-            if row.try_get::<Option<i64>, _>("id")?.is_some() {
-                items.push(work_item(row, app.config().stages)?);
-            }
-        }
-        return Ok((stage, items, status));
+        let stages = app.config().stages;
+        let items = polled
+            .items
+            .into_iter()
+            .map(|hop| work_item(hop, stages))
+            .collect::<ApiResult<Vec<_>>>()?;
+        return Ok((polled.stage as u32, items, polled.status));
     }
     Err(AppError::new(
         ErrorCode::Internal,
         "the miner's state changed during the poll; poll again",
     ))
 }
-
-/// The work poll as one statement: checks the caller (active miner of this run) and marks it seen
-/// (at most once a second), returns the leases it still holds, leases pending hops routed to it
-/// up to `$4` in all (none of an epoch the caller has ended, see [`close_epoch`]), and reads the
-/// epoch status. One row per item, or one row with null item
-/// columns; no row when the caller is not an active miner (nothing is leased then).
-const POLL_SQL: &str = "
-WITH me AS (
-    SELECT stage, ended_epoch FROM miners
-    WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
-), touched AS (
-    UPDATE miners SET last_seen = $5
-    WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
-      AND last_seen < $5 - interval '1 second'
-), held AS (
-    SELECT id, lease, leased_until, epoch, sample_id, stage, direction, input FROM tasks
-    WHERE run_id = $1 AND miner = $2 AND status = 'leased' AND leased_until > $5
-      AND EXISTS (SELECT 1 FROM me)
-    ORDER BY id LIMIT $4
-), fresh AS (
-    UPDATE tasks SET status = 'leased', lease = gen_random_uuid(), leased_at = $5,
-        leased_until = $5 + make_interval(secs => $3)
-    WHERE id IN (
-        SELECT id FROM tasks WHERE run_id = $1 AND miner = $2 AND status = 'pending'
-          AND EXISTS (SELECT 1 FROM me)
-          AND tasks.epoch IS DISTINCT FROM (SELECT ended_epoch FROM me)
-        ORDER BY (direction = 'backward') DESC, id
-        LIMIT greatest($4 - (SELECT count(*) FROM held), 0)
-        FOR UPDATE SKIP LOCKED)
-    RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input
-), items AS (
-    SELECT 0 AS part, * FROM held UNION ALL SELECT 1 AS part, * FROM fresh
-)
-SELECT me.stage AS miner_stage, r.epoch AS status_epoch, r.phase AS status_phase,
-       r.phase_started AS status_phase_started, r.phase_deadline AS status_phase_deadline,
-       r.merge_round AS status_merge_round, e.samples_started AS status_samples_started,
-       e.samples_completed AS status_samples_completed,
-       e.samples_abandoned AS status_samples_abandoned,
-       i.id, i.lease, i.leased_until, i.epoch, i.sample_id, i.stage, i.direction, i.input
-FROM me CROSS JOIN runs r JOIN epochs e ON e.run_id = r.id AND e.epoch = r.epoch
-LEFT JOIN items i ON true
-WHERE r.id = $1
-ORDER BY i.part, i.part = 1 AND i.direction = 'backward' DESC, i.id";
 
 async fn presign_input(app: &App, item: &mut WorkItem) -> ApiResult<()> {
     if let Some(input) = &mut item.input {
@@ -251,85 +198,33 @@ async fn start_samples(
     // training phase ends or not at all (a poll that raced with `start_uploading` started
     // samples into the uploading phase, where they were abandoned unfinished).
     crate::driver::phase_lock_shared(tx, app.run.id).await?;
-    let training: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM runs WHERE id = $1 AND epoch = $2 AND phase = 'training')",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .fetch_one(&mut **tx)
-    .await?;
-    if !training {
+    if !db::work::is_training(&mut **tx, app.run.id, epoch as i64).await? {
         return Ok(Vec::new());
     }
     // The miner's row first: two polls of one miner (on one process or two) then count its
     // samples in flight one after the other, each seeing what the other started, and a miner
     // whose work in the epoch has ended (`close_epoch`) starts none.
-    let ended: Option<Option<i64>> = sqlx::query_scalar(
-        "SELECT ended_epoch FROM miners WHERE run_id = $1 AND hotkey = $2 AND status = 'active'
-         FOR NO KEY UPDATE",
-    )
-    .bind(app.run.id)
-    .bind(&caller.ss58)
-    .fetch_optional(&mut **tx)
-    .await?;
+    let ended = db::work::lock_active_miner(&mut **tx, app.run.id, &caller.ss58).await?;
     match ended {
         Some(ended) if ended != Some(epoch as i64) => {}
         _ => return Ok(Vec::new()),
     }
-    let in_flight: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM samples s JOIN tasks t
-           ON t.sample_id = s.id AND t.stage = 0 AND t.direction = 'forward'
-              AND t.status IN ('pending', 'leased', 'done')
-         WHERE s.run_id = $1 AND s.epoch = $2 AND s.status IN ('forward', 'backward')
-           AND t.miner = $3",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(&caller.ss58)
-    .fetch_one(&mut **tx)
-    .await?;
+    let in_flight =
+        db::work::started_in_flight(&mut **tx, app.run.id, epoch as i64, &caller.ss58).await?;
     let want = room.min(i64::from(cfg.max_in_flight) - in_flight);
     if want <= 0 {
         return Ok(Vec::new());
     }
-    let granted: Option<i64> = sqlx::query_scalar(
-        "WITH cur AS (SELECT samples_started FROM epochs WHERE run_id = $1 AND epoch = $2 FOR UPDATE)
-         UPDATE epochs e SET samples_started = LEAST(cur.samples_started + $3, $4)
-         FROM cur WHERE e.run_id = $1 AND e.epoch = $2
-         RETURNING e.samples_started - cur.samples_started",
-    )
-    .bind(app.run.id)
-    .bind(epoch as i64)
-    .bind(want)
-    .bind(cfg.samples_per_epoch.min(i64::MAX as u64) as i64)
-    .fetch_optional(&mut **tx)
-    .await?;
-    let granted = granted.unwrap_or(0);
+    let budget = cfg.samples_per_epoch.min(i64::MAX as u64) as i64;
+    let granted =
+        db::work::grant_samples(&mut **tx, app.run.id, epoch as i64, (want, budget)).await?;
     let mut items = Vec::new();
     for _ in 0..granted {
-        let sample_id: i64 = sqlx::query_scalar(
-            "INSERT INTO samples (run_id, epoch, status) VALUES ($1, $2, 'forward') RETURNING id",
-        )
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .fetch_one(&mut **tx)
-        .await?;
-        let row = sqlx::query(
-            "INSERT INTO tasks (run_id, epoch, sample_id, stage, direction, miner, status, lease,
-                 leased_at, leased_until)
-             VALUES ($1, $2, $3, 0, 'forward', $4, 'leased', gen_random_uuid(), $6,
-                 $6 + make_interval(secs => $5))
-             RETURNING id, lease, leased_until, epoch, sample_id, stage, direction, input",
-        )
-        .bind(app.run.id)
-        .bind(epoch as i64)
-        .bind(sample_id)
-        .bind(&caller.ss58)
-        .bind(cfg.lease_s as f64)
-        .bind(app.now())
-        .fetch_one(&mut **tx)
-        .await?;
-        items.push(work_item(&row, cfg.stages)?);
+        let sample_id = db::work::start_sample(&mut **tx, app.run.id, epoch as i64).await?;
+        let slot = (epoch as i64, sample_id);
+        let lease = (cfg.lease_s as f64, app.now());
+        let hop = db::work::lease_first_hop(&mut **tx, app.run.id, slot, &caller.ss58, lease);
+        items.push(work_item(hop.await?, cfg.stages)?);
     }
     Ok(items)
 }

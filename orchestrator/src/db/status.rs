@@ -7,7 +7,7 @@ use sqlx::Row;
 use crate::error::{RunError, RunResult};
 
 /// Where `run` is now, read from `db`.
-pub(crate) async fn read_epoch_status(
+pub async fn read_epoch_status(
     db: &sqlx::PgPool,
     run: i64,
     now: DateTime<Utc>,
@@ -29,10 +29,7 @@ pub(crate) async fn read_epoch_status(
 
 /// The epoch status from a row with the `status_*` columns of [`read_epoch_status`]'s query, as
 /// answered at `now`.
-pub(crate) fn status_from_row(
-    row: &sqlx::postgres::PgRow,
-    now: DateTime<Utc>,
-) -> RunResult<EpochStatus> {
+pub fn status_from_row(row: &sqlx::postgres::PgRow, now: DateTime<Utc>) -> RunResult<EpochStatus> {
     let phase: String = row.try_get("status_phase")?;
     let phase_started: DateTime<Utc> = row.try_get("status_phase_started")?;
     let phase_deadline: DateTime<Utc> = row.try_get("status_phase_deadline")?;
