@@ -12,7 +12,8 @@
 //!   group-committed replay cache; [`signatures`]: batched signature verification.
 //! * [`driver`]: leases, heartbeats, phases, merges, garbage collection; with [`samples`], the
 //!   run's transitions below the routes ([`error::RunError`]).
-//! * [`db`]: the queries below the routes, one function per statement.
+//! * [`db`]: every statement of the run's state, one function per statement (`replicas` keeps
+//!   the schema's own).
 //! * [`domain`]: the rules as pure functions (phase steps, stage choice, pathway draws, owners,
 //!   hop and lease transitions, merge verdicts); the driver and the routes apply them.
 //! * [`store`]: object storage (local directory or S3 with presigned URLs).
