@@ -35,4 +35,4 @@ pub use error::ValidatorError;
 pub use service::{
     EpochOutcome, Validator, ValidatorConfig, draw_seed, orchestrator_unreachable, run,
 };
-pub use store::{Store, WeightSource};
+pub use store::{ScoreTotal, Store, WeightSource};

@@ -28,6 +28,13 @@ impl WeightSource {
     }
 }
 
+/// One hotkey's score summed over the scored epochs.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct ScoreTotal {
+    pub hotkey: String,
+    pub total: f64,
+}
+
 /// A weight submission as stored.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SubmissionRow {
@@ -253,6 +260,16 @@ impl Store {
             "SELECT epoch, hotkey, work, quality, score, penalty FROM scores
              WHERE (run_id, epoch) = (SELECT run_id, epoch FROM scored_epochs ORDER BY scored_at DESC LIMIT 1)
              ORDER BY score DESC, hotkey",
+        )
+        .fetch_all(&self.db)
+        .await?)
+    }
+
+    /// Every hotkey's score summed over all the epochs this validator scored (every run), by
+    /// hotkey: what `localnet up` reports per neuron.
+    pub async fn score_totals(&self) -> Result<Vec<ScoreTotal>, ValidatorError> {
+        Ok(sqlx::query_as(
+            "SELECT hotkey, sum(score) AS total FROM scores GROUP BY hotkey ORDER BY hotkey",
         )
         .fetch_all(&self.db)
         .await?)

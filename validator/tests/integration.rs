@@ -8,6 +8,7 @@ mod disputes;
 mod harness;
 mod moved_miner;
 mod object_faults;
+mod score_totals;
 mod submission_recovery;
 mod weights_owed;
 
