@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
 use iota_chain::wallet::{Keypair, Wallet};
 use iota_chain::{ConnectOptions, Subtensor};
+use iota_devnet::{PermitWait, SubnetPlan, bootstrap};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_protocol::api::{EpochStatus, Phase, ThroughputPoint};
 use rand::{Rng as _, SeedableRng as _};
@@ -235,41 +235,26 @@ async fn subnet() -> (Localnet, Subtensor, u16) {
     let chain = Subtensor::connect(opts).await.expect("connect");
     let alice =
         Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec()).expect("alice");
-    let netuid = chain
-        .register_network(&alice, &key(ORCH_SEED).public(), &tx())
-        .await
-        .expect("network")
-        .done()
-        .expect("not a dry run");
-    chain
-        .start_call(&alice, netuid, &tx())
-        .await
-        .expect("start");
-    chain
-        .set_hyperparam(&alice, netuid, Hyperparam::MaxAllowedUids(64), true, &tx())
-        .await
-        .expect("uids");
-    for s in MINER_SEEDS.iter().chain([&VALIDATOR_SEED]) {
-        chain
-            .register(&alice, netuid, &key(*s).public(), &tx())
-            .await
-            .expect("register");
-    }
-    chain
-        .add_stake(
-            &alice,
-            &key(VALIDATOR_SEED).public(),
-            netuid,
-            1_000 * RAO_PER_TAO,
-            &tx(),
-        )
-        .await
-        .expect("stake");
-    let now = chain.best_block_number().await.expect("block");
-    chain
-        .wait_for_block(now + u64::from(TEMPO) + 2, Duration::from_secs(60))
-        .await
-        .expect("permit epoch");
+    let neurons: Vec<_> = MINER_SEEDS
+        .iter()
+        .chain([&VALIDATOR_SEED])
+        .map(|s| key(*s).public())
+        .collect();
+    let netuid = bootstrap(
+        &chain,
+        &SubnetPlan {
+            sudo: &alice,
+            owner: &key(ORCH_SEED).public(),
+            max_uids: 64,
+            settings: &[],
+            neurons: &neurons,
+            validators: &[key(VALIDATOR_SEED).public()],
+            permits: PermitWait::Await(Duration::from_secs(60)),
+            tx: &tx(),
+        },
+    )
+    .await
+    .expect("subnet bootstrap");
     (net, chain, netuid)
 }
 

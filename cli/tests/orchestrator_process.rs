@@ -6,9 +6,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iota_chain::calls::Hyperparam;
 use iota_chain::wallet::{Keypair, PublicKey, Wallet};
 use iota_chain::{ConnectOptions, Subtensor};
+use iota_devnet::{PermitWait, SubnetPlan, bootstrap};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_protocol::api::{EpochStatus, PartitionState, PartitionStatus, Phase};
 use iota_testkit::sim::SimMiner;
@@ -97,31 +97,25 @@ impl Subnet {
             .expect("connect");
         let alice = Keypair::from_private_key(&iota_localnet::dev_pair("Alice").to_raw_vec())
             .expect("alice");
-        let netuid = chain
-            .register_network(&alice, &PublicKey::from_bytes(pair(250).public().0), &tx())
-            .await
-            .expect("network")
-            .done()
-            .expect("done");
-        chain
-            .start_call(&alice, netuid, &tx())
-            .await
-            .expect("start");
-        chain
-            .set_hyperparam(&alice, netuid, Hyperparam::MaxAllowedUids(64), true, &tx())
-            .await
-            .expect("uids");
-        for s in seeds {
-            chain
-                .register(
-                    &alice,
-                    netuid,
-                    &PublicKey::from_bytes(pair(*s).public().0),
-                    &tx(),
-                )
-                .await
-                .expect("register");
-        }
+        let neurons: Vec<PublicKey> = seeds
+            .iter()
+            .map(|s| PublicKey::from_bytes(pair(*s).public().0))
+            .collect();
+        let netuid = bootstrap(
+            &chain,
+            &SubnetPlan {
+                sudo: &alice,
+                owner: &PublicKey::from_bytes(pair(250).public().0),
+                max_uids: 64,
+                settings: &[],
+                neurons: &neurons,
+                validators: &[],
+                permits: PermitWait::Skip,
+                tx: &tx(),
+            },
+        )
+        .await
+        .expect("subnet bootstrap");
         let dir = tempfile::tempdir().expect("tempdir");
         let wallet = Wallet::new(dir.path(), "orchestrator", "default").expect("wallet");
         wallet.create_hotkey(12, None, false).expect("hotkey");

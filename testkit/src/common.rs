@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
+use iota_chain::calls::Hyperparam;
 use iota_chain::wallet::{Keypair, PublicKey};
 use iota_chain::{ConnectOptions, Subtensor, TxOptions};
+use iota_devnet::{PermitWait, SubnetPlan, bootstrap};
 use iota_localnet::{Localnet, LocalnetConfig};
 use iota_orchestrator::{Config, Limits, StoreConfig};
 use iota_protocol::api::{Capacity, RegisterRequest, RegisterResponse, RunConfig};
@@ -132,33 +133,21 @@ pub async fn register_subnet(
     hotkeys: &[PublicKey],
     settings: &[Hyperparam],
 ) -> u16 {
-    let alice = dev("Alice");
-    let netuid = chain
-        .register_network(&alice, &public(&pair(250)), &tx())
-        .await
-        .expect("register_network")
-        .done()
-        .expect("not dry");
-    chain
-        .start_call(&alice, netuid, &tx())
-        .await
-        .expect("start_call");
-    for setting in [Hyperparam::MaxAllowedUids(1024)]
-        .into_iter()
-        .chain(settings.iter().copied())
-    {
-        chain
-            .set_hyperparam(&alice, netuid, setting, true, &tx())
-            .await
-            .expect("hyperparameter");
-    }
-    for hotkey in hotkeys {
-        chain
-            .register(&alice, netuid, hotkey, &tx())
-            .await
-            .expect("register hotkey");
-    }
-    netuid
+    bootstrap(
+        chain,
+        &SubnetPlan {
+            sudo: &dev("Alice"),
+            owner: &public(&pair(250)),
+            max_uids: 1024,
+            settings,
+            neurons: hotkeys,
+            validators: &[],
+            permits: PermitWait::Skip,
+            tx: &tx(),
+        },
+    )
+    .await
+    .expect("subnet bootstrap")
 }
 
 pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
@@ -168,28 +157,25 @@ pub async fn chain_with(miners: &[u8], validators: &[u8]) -> Chain {
     let mut opts = ConnectOptions::new(net.ws_url());
     opts.connect_timeout = Duration::from_secs(20);
     let chain = Subtensor::connect(opts).await.expect("connect");
-    let hotkeys: Vec<PublicKey> = miners
-        .iter()
-        .chain(validators)
-        .map(|seed| public(&pair(*seed)))
-        .collect();
-    let netuid = register_subnet(&chain, &hotkeys, &[]).await;
-    let alice = dev("Alice");
-    for seed in validators {
-        chain
-            .add_stake(
-                &alice,
-                &public(&pair(*seed)),
-                netuid,
-                1_000 * RAO_PER_TAO,
-                &tx(),
-            )
-            .await
-            .expect("stake");
-    }
-    // Permits are handed out at an epoch.
-    let tempo = chain.hyperparams(netuid).await.expect("hyperparams").tempo;
-    net.produce_blocks(u32::from(tempo) + 2);
+    let keys = |seeds: &[u8]| -> Vec<PublicKey> {
+        seeds.iter().map(|seed| public(&pair(*seed))).collect()
+    };
+    let hotkeys: Vec<PublicKey> = keys(miners).into_iter().chain(keys(validators)).collect();
+    let netuid = bootstrap(
+        &chain,
+        &SubnetPlan {
+            sudo: &dev("Alice"),
+            owner: &public(&pair(250)),
+            max_uids: 1024,
+            settings: &[],
+            neurons: &hotkeys,
+            validators: &keys(validators),
+            permits: PermitWait::Produce(&net),
+            tx: &tx(),
+        },
+    )
+    .await
+    .expect("subnet bootstrap");
     Chain { net, chain, netuid }
 }
 

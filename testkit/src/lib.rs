@@ -5,6 +5,7 @@
 //!   registered hotkeys, orchestrators started in-process on port 0, raw signed requests, the
 //!   polling helper [`eventually`]; re-exported here.
 //! * [`sim`]: simulated miners (the real client and wire formats, no model).
+//! * [`iota_devnet`]: the subnet bootstrap, shared with `iota localnet up`; re-exported.
 //! * Here: real miners on a `tiny` run, and helpers that read what the run produced.
 
 pub mod common;
@@ -18,6 +19,8 @@ use iota_protocol::api::{PartitionState, RunConfig};
 use iota_protocol::client::{ApiClient, RetryPolicy};
 
 pub use common::*;
+/// The subnet bootstrap the tests share with `localnet up`.
+pub use iota_devnet;
 /// The miner as tests drive it (crates whose tests need real miners, such as the validator's,
 /// reach it through here rather than depending on it).
 pub use iota_miner::{Adversary, MinerHandle, spawn as spawn_miner};
