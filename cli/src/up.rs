@@ -3,20 +3,23 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use iota_chain::calls::{Hyperparam, RAO_PER_TAO};
+use iota_chain::TxOptions;
 use iota_chain::wallet::{Keypair, Wallet};
-use iota_chain::{ConnectOptions, Subtensor, TxOptions};
-use iota_localnet::{Localnet, LocalnetConfig};
-use iota_miner::{Adversary, DeviceSpec, MinerConfig, MinerHandle};
+use iota_devnet::{Devnet, DevnetConfig, DevnetMiner, Neuron, Role};
+use iota_localnet::LocalnetConfig;
+use iota_miner::{Adversary, DeviceSpec, MinerConfig};
 use iota_model::ModelConfig;
 use iota_protocol::api::{PartitionState, RunConfig, ThroughputPoint};
-use iota_protocol::client::{ApiClient, RetryPolicy};
+use iota_protocol::client::ApiClient;
 use iota_protocol::signing::SkewWindow;
-use iota_validator::{Store, Validator, ValidatorConfig};
+use iota_validator::ValidatorConfig;
+
+mod report;
+
+pub use report::{Generation, NeuronRow, PartitionCounts, UpReport, WeightsSet};
 
 /// Flags of `iota localnet up`.
 #[derive(Debug, Clone, clap::Args)]
@@ -369,22 +372,6 @@ fn database() -> anyhow::Result<(String, Option<Postgres>)> {
     Ok((url, Some(Postgres { script, dir })))
 }
 
-/// Creates database `name` on the server of `base`; returns its URL.
-async fn create_db(base: &str, name: &str) -> anyhow::Result<String> {
-    let admin = sqlx::PgPool::connect(base)
-        .await
-        .with_context(|| format!("connecting to {base}"))?;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&admin)
-        .await
-        .with_context(|| format!("creating database {name}"))?;
-    admin.close().await;
-    let (prefix, _) = base
-        .rsplit_once('/')
-        .context("DATABASE_URL has no database name")?;
-    Ok(format!("{prefix}/{name}"))
-}
-
 /// A deterministic key per role name, so a rerun in the same directory keeps its wallets.
 fn key_for(name: &str) -> Keypair {
     Keypair::from_seed(*blake3::hash(format!("iota-localnet-up/{name}").as_bytes()).as_bytes())
@@ -397,28 +384,119 @@ fn tx() -> TxOptions {
     }
 }
 
-async fn held_out_loss(
-    client: &ApiClient,
-    run: &RunConfig,
-    epoch: u64,
-    data_dir: Option<&Path>,
-) -> anyhow::Result<f32> {
-    Ok(iota_miner::eval::held_out_loss(client, run, epoch, data_dir).await?)
+/// The subnet's neurons: two validators, `miners_per_stage` miners per stage, and the adversary.
+fn neurons(args: &UpArgs, stages: u32) -> Vec<Neuron> {
+    let neuron = |name: String, role, adversary| Neuron {
+        key: key_for(&name),
+        name,
+        role,
+        adversary,
+    };
+    let validators = (0..2).map(|v| neuron(format!("validator{v}"), Role::Validator, None));
+    let miners =
+        (0..stages * args.miners_per_stage).map(|m| neuron(format!("miner{m}"), Role::Miner, None));
+    let adversary = args.adversary.map(|kind| {
+        neuron(
+            format!("adversary-{}", kind.as_str()),
+            Role::Miner,
+            Some(kind),
+        )
+    });
+    validators.chain(miners).chain(adversary).collect()
 }
 
-/// One neuron of the subnet as this command set it up.
-struct Member {
-    name: String,
-    key: Keypair,
-    role: &'static str,
-    adversary: Option<Adversary>,
+/// Wallets under the run directory: the subnet owner's and every neuron's.
+fn write_wallets(dir: &Path, owner: &Keypair, neurons: &[Neuron]) -> anyhow::Result<()> {
+    let wallets = dir.join("wallets");
+    let owner_wallet = Wallet::new(&wallets, "owner", "default")?;
+    owner_wallet.set_coldkey(&key_for("owner-cold"), None, true)?;
+    owner_wallet.set_hotkey(owner, None, true)?;
+    for n in neurons {
+        let w = Wallet::new(&wallets, &n.name, "default")?;
+        w.set_coldkey(&key_for(&format!("{}-cold", n.name)), None, true)?;
+        w.set_hotkey(&n.key, None, true)?;
+    }
+    Ok(())
+}
+
+/// The devnet of a local run: 250 ms blocks, fast polling, no rate limits that a handful of
+/// local parties could hit.
+fn devnet_config(
+    args: &UpArgs,
+    dir: &Path,
+    database_url: String,
+    run: &RunConfig,
+    neurons: Vec<Neuron>,
+) -> anyhow::Result<DevnetConfig> {
+    let mut chain = LocalnetConfig::with_block_time(Duration::from_millis(250));
+    // 5 s chain epochs: a validator busy replaying on a small machine still reveals its
+    // commit inside the one-epoch window.
+    chain.chain.new_subnet_tempo = 20;
+    let owner = key_for("owner");
+    let orchestrator = iota_orchestrator::Config {
+        // The devnet fills in the database, chain endpoint, netuid and hotkey.
+        database_url: String::new(),
+        db_max_connections: 16,
+        store: iota_orchestrator::StoreConfig::Local(dir.join("store")),
+        chain_endpoint: String::new(),
+        chain_timeout: Duration::from_secs(30),
+        trusted_proxies: Vec::new(),
+        netuid: 0,
+        hotkey: owner.ss58(),
+        run: run.clone(),
+        metagraph_refresh: Duration::from_millis(500),
+        skew: SkewWindow::default(),
+        limits: iota_orchestrator::Limits {
+            per_hotkey_rps: 1000,
+            per_hotkey_burst: 1000,
+            per_ip_rps: 1000,
+            per_ip_burst: 1000,
+            ..iota_orchestrator::Limits::default()
+        },
+        tick: Duration::from_millis(100),
+        max_merge_rounds: 2,
+        dataset: None,
+    };
+    let mut validator = ValidatorConfig::new(String::new(), 0);
+    validator.poll_interval = Duration::from_millis(500);
+    // A handful of miners: replay every one and re-derive every merge, so a cheater is never
+    // missed by the draw.
+    validator.replays_per_epoch = 0;
+    validator.merges_per_epoch = 0;
+    validator.tx = tx();
+    validator.data_dir = args.data_dir().map(Path::to_path_buf);
+    let mut miner = MinerConfig::new(String::new());
+    miner.device = args.device.clone();
+    miner.poll_interval = Duration::from_millis(50);
+    miner.tokens_per_s = Some(1000.0);
+    miner.data_dir = args.data_dir().map(Path::to_path_buf);
+    let database_prefix = format!(
+        "iota_up_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    );
+    Ok(DevnetConfig {
+        chain,
+        permit_timeout: Duration::from_secs(120),
+        owner,
+        neurons,
+        database_url,
+        database_prefix,
+        orchestrator,
+        validator,
+        miner,
+        miner_join_timeout: Duration::from_secs(60),
+        tx: tx(),
+    })
 }
 
 /// Runs the subnet until `epochs` are trained or `shutdown` resolves; writes the report.
 pub async fn up(
     args: UpArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<serde_json::Value> {
+) -> anyhow::Result<UpReport> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir)?;
@@ -447,318 +525,66 @@ pub async fn up(
             var(iota_model::threads::ELEMENTWISE_VAR)
         );
     }
+    let neurons = neurons(&args, run.stages);
+    let config = devnet_config(&args, &dir, db_base, &run, neurons)?;
+    write_wallets(&dir, &config.owner, &config.neurons)?;
     println!("starting the localnet chain");
-    let mut config = LocalnetConfig::with_block_time(Duration::from_millis(250));
-    // 5 s chain epochs: a validator busy replaying on a small machine still reveals its
-    // commit inside the one-epoch window.
-    config.chain.new_subnet_tempo = 20;
-    let net = Localnet::spawn(config).await?;
-    let result = with_chain(&args, &dir, &db_base, &net, &run, shutdown).await;
-    net.stop().await;
-    result
-}
-
-async fn with_chain(
-    args: &UpArgs,
-    dir: &Path,
-    db_base: &str,
-    net: &Localnet,
-    run: &RunConfig,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<serde_json::Value> {
-    let mut opts = ConnectOptions::new(net.ws_url());
-    opts.connect_timeout = Duration::from_secs(20);
-    let chain = Subtensor::connect(opts).await?;
-    let alice = Keypair::from_private_key(&sp_core::Pair::to_raw_vec(&iota_localnet::dev_pair(
-        "Alice",
-    )))?;
-
-    // Wallets under the run directory.
-    let wallets = dir.join("wallets");
-    let owner = key_for("owner");
-    let owner_wallet = Wallet::new(&wallets, "owner", "default")?;
-    owner_wallet.set_coldkey(&key_for("owner-cold"), None, true)?;
-    owner_wallet.set_hotkey(&owner, None, true)?;
-    let mut members = Vec::new();
-    for v in 0..2 {
-        members.push(Member {
-            name: format!("validator{v}"),
-            key: key_for(&format!("validator{v}")),
-            role: "validator",
-            adversary: None,
-        });
-    }
-    let stages = run.stages;
-    for m in 0..stages * args.miners_per_stage {
-        members.push(Member {
-            name: format!("miner{m}"),
-            key: key_for(&format!("miner{m}")),
-            role: "miner",
-            adversary: None,
-        });
-    }
-    if let Some(kind) = args.adversary {
-        members.push(Member {
-            name: format!("adversary-{}", kind.as_str()),
-            key: key_for(&format!("adversary-{}", kind.as_str())),
-            role: "miner",
-            adversary: Some(kind),
-        });
-    }
-    for m in &members {
-        let w = Wallet::new(&wallets, &m.name, "default")?;
-        w.set_coldkey(&key_for(&format!("{}-cold", m.name)), None, true)?;
-        w.set_hotkey(&m.key, None, true)?;
-    }
-
-    // The subnet: registered, started, room for everyone, validators staked.
-    println!("registering the subnet and {} hotkeys", members.len());
-    let netuid = chain
-        .register_network(&alice, &owner.public(), &tx())
-        .await?
-        .done()
-        .context("register_network was a dry run")?;
-    chain.start_call(&alice, netuid, &tx()).await?;
-    chain
-        .set_hyperparam(
-            &alice,
-            netuid,
-            Hyperparam::MaxAllowedUids(1024),
-            true,
-            &tx(),
-        )
-        .await?;
-    for m in &members {
-        chain
-            .register(&alice, netuid, &m.key.public(), &tx())
-            .await?;
-    }
-    for m in members.iter().filter(|m| m.role == "validator") {
-        chain
-            .add_stake(&alice, &m.key.public(), netuid, 1_000 * RAO_PER_TAO, &tx())
-            .await?;
-    }
-    // Validator permits are handed out at an epoch.
-    let tempo = chain.hyperparams(netuid).await?.tempo;
-    let now = chain.best_block_number().await?;
-    chain
-        .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
-        .await?;
-
-    // Databases: one for the orchestrator, one per validator.
-    let tag = format!(
-        "iota_up_{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_millis()
+    println!(
+        "registering the subnet and {} hotkeys",
+        config.neurons.len()
     );
-    let orch_db = create_db(db_base, &format!("{tag}_orchestrator")).await?;
-
-    let config = iota_orchestrator::Config {
-        database_url: orch_db,
-        db_max_connections: 16,
-        store: iota_orchestrator::StoreConfig::Local(dir.join("store")),
-        chain_endpoint: net.ws_url(),
-        chain_timeout: std::time::Duration::from_secs(30),
-        trusted_proxies: Vec::new(),
-        netuid,
-        hotkey: owner.ss58(),
-        run: run.clone(),
-        metagraph_refresh: Duration::from_millis(500),
-        skew: SkewWindow::default(),
-        limits: iota_orchestrator::Limits {
-            per_hotkey_rps: 1000,
-            per_hotkey_burst: 1000,
-            per_ip_rps: 1000,
-            per_ip_burst: 1000,
-            ..iota_orchestrator::Limits::default()
-        },
-        tick: Duration::from_millis(100),
-        max_merge_rounds: 2,
-        dataset: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let (orch_stop, orch_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let orch = tokio::spawn(iota_orchestrator::run(config, listener, async {
-        let _ = orch_stop_rx.await;
-    }));
-    let outcome = with_orchestrator(
-        args,
-        dir,
-        db_base,
-        &tag,
-        &chain,
-        &net.ws_url(),
-        netuid,
-        &base,
-        run,
-        &members,
-        shutdown,
-    )
-    .await;
-    let _ = orch_stop.send(());
-    match orch.await {
-        Ok(Err(e)) => tracing::warn!(error = %e, "orchestrator"),
-        Err(e) => tracing::warn!(error = %e, "orchestrator task"),
-        Ok(Ok(())) => {}
-    }
-    outcome
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn with_orchestrator(
-    args: &UpArgs,
-    dir: &Path,
-    db_base: &str,
-    tag: &str,
-    chain: &Subtensor,
-    ws_url: &str,
-    netuid: u16,
-    base: &str,
-    run: &RunConfig,
-    members: &[Member],
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<serde_json::Value> {
-    // Ready when the public API answers.
-    let http_ok = async {
-        for _ in 0..600 {
-            if let Ok(c) = ApiClient::connect(
-                base,
-                Arc::new(members[0].key.as_pair().clone()),
-                RetryPolicy::default(),
-            )
-            .await
-                && c.status().await.is_ok()
-            {
-                return Ok(c);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        anyhow::bail!("the orchestrator did not start")
-    };
-    let client = http_ok.await?;
-    println!("dashboard: {base}/");
-
-    // Validators, each with its own database.
-    let mut validators = Vec::new();
-    let mut stores = Vec::new();
-    for (i, m) in members.iter().filter(|m| m.role == "validator").enumerate() {
-        let url = create_db(db_base, &format!("{tag}_validator{i}")).await?;
-        let store = Store::connect(&url).await?;
-        let vchain = Subtensor::connect(ConnectOptions::new(ws_url)).await?;
-        let mut cfg = ValidatorConfig::new(base, netuid);
-        cfg.poll_interval = Duration::from_millis(500);
-        // A handful of miners: replay every one and re-derive every merge, so a cheater is
-        // never missed by the draw.
-        cfg.replays_per_epoch = 0;
-        cfg.merges_per_epoch = 0;
-        cfg.tx = tx();
-        cfg.data_dir = args.data_dir().map(Path::to_path_buf);
-        validators.push(Validator::connect(cfg, m.key.clone(), vchain, store.clone()).await?);
-        stores.push((m.key.ss58(), store));
-    }
-
-    // The validators' loops run beside the rest of this function (their futures are not
-    // `Send`-general enough for `tokio::spawn`), until `vstop`.
-    let (vstop, vstop_rx) = tokio::sync::watch::channel(false);
-    let loops = futures::future::join_all(validators.into_iter().map(|v| {
-        let mut rx = vstop_rx.clone();
-        iota_validator::run(v, async move {
-            let _ = rx.changed().await;
-        })
-    }));
-    let body = async {
-        let report = miners_and_report(
-            args, dir, &client, chain, netuid, base, run, members, &stores, shutdown,
-        )
-        .await;
-        let _ = vstop.send(true);
-        report
-    };
-    let (_, report) = tokio::join!(loops, body);
+    let mut devnet = Devnet::start(config).await?;
+    println!("dashboard: {}/", devnet.base);
+    println!("{} miners and 2 validators running", devnet.miners.len());
+    let report = train_and_report(&args, &dir, &run, &mut devnet, shutdown).await;
+    devnet.stop().await;
     report
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn miners_and_report(
+/// Held-out loss before the first epoch and after each trained one.
+struct LossCurve {
+    initial: f32,
+    per_epoch: Vec<f32>,
+}
+
+async fn train_and_report(
     args: &UpArgs,
     dir: &Path,
-    client: &ApiClient,
-    chain: &Subtensor,
-    netuid: u16,
-    base: &str,
     run: &RunConfig,
-    members: &[Member],
-    stores: &[(String, Store)],
+    devnet: &mut Devnet,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<serde_json::Value> {
-    // Miners, joined one at a time so stages fill round robin.
-    let mut miners: Vec<(&Member, MinerHandle)> = Vec::new();
-    for (i, m) in members.iter().filter(|m| m.role == "miner").enumerate() {
-        let mut cfg = MinerConfig::new(base);
-        cfg.device = args.device.clone();
-        cfg.poll_interval = Duration::from_millis(50);
-        cfg.tokens_per_s = Some(1000.0);
-        cfg.adversary = m.adversary;
-        cfg.seed = i as u64 + 1;
-        cfg.data_dir = args.data_dir().map(Path::to_path_buf);
-        let h = iota_miner::spawn(cfg, Arc::new(m.key.as_pair().clone()));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while h.status().stage.is_none() {
-            if h.is_finished() {
-                // Its error says what is wrong (a device without its feature, a refusal).
-                let err = h.stop().await.err().map(|e| e.to_string());
-                anyhow::bail!(
-                    "{} stopped before joining: {}",
-                    m.name,
-                    err.unwrap_or_default()
-                );
-            }
-            anyhow::ensure!(Instant::now() < deadline, "{} did not join", m.name);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        miners.push((m, h));
-    }
-    println!("{} miners and 2 validators running", miners.len());
-
-    let trained = train(args, client, run, &miners, shutdown).await;
-    let mut miner_totals = BTreeMap::new();
-    for (m, h) in miners {
-        match h.stop().await {
-            Ok(st) => {
-                miner_totals.insert(m.key.ss58(), st);
-            }
-            Err(e) => tracing::warn!(miner = %m.name, error = %e, "miner stopped with an error"),
-        }
-    }
-    match trained {
-        Ok(Some((losses, initial))) => {
-            finish(
-                args, dir, client, chain, netuid, run, members, stores, losses, initial,
-            )
-            .await
-        }
-        Ok(None) => Err(anyhow::anyhow!("interrupted before the first epoch ended")),
-        Err(e) => Err(e),
+) -> anyhow::Result<UpReport> {
+    let trained = train(args, &devnet.client, run, &devnet.miners, shutdown).await;
+    devnet.stop_miners().await;
+    match trained? {
+        Some(curve) => finish(args, dir, run, devnet, curve).await,
+        None => Err(anyhow::anyhow!("interrupted before the first epoch ended")),
     }
 }
 
+async fn held_out_loss(
+    client: &ApiClient,
+    run: &RunConfig,
+    epoch: u64,
+    data_dir: Option<&Path>,
+) -> anyhow::Result<f32> {
+    Ok(iota_miner::eval::held_out_loss(client, run, epoch, data_dir).await?)
+}
+
 /// Trains until `args.epochs` epochs are merged or `shutdown`; returns the held-out loss after
-/// each finished epoch and before the first.
+/// each finished epoch and before the first (none when stopped before the first epoch ended).
 async fn train(
     args: &UpArgs,
     client: &ApiClient,
     run: &RunConfig,
-    miners: &[(&Member, MinerHandle)],
+    miners: &[DevnetMiner],
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<Option<(Vec<f32>, f32)>> {
+) -> anyhow::Result<Option<LossCurve>> {
     let floor = entropy_floor(run)?;
     let initial = held_out_loss(client, run, 0, args.data_dir()).await?;
     let mut losses: Vec<f32> = Vec::new();
     // Throughput over the last poll interval.
-    let mut last_tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
+    let mut last_tokens: u64 = miners.iter().map(|m| m.handle.status().tokens).sum();
     let (mut last_at, mut rate) = (Instant::now(), 0.0);
     tokio::pin!(shutdown);
     loop {
@@ -774,11 +600,11 @@ async fn train(
             let e = losses.len() as u64 + 1;
             losses.push(held_out_loss(client, run, e, args.data_dir()).await?);
         }
-        let tokens: u64 = miners.iter().map(|(_, h)| h.status().tokens).sum();
+        let tokens: u64 = miners.iter().map(|m| m.handle.status().tokens).sum();
         let hops: Vec<String> = miners
             .iter()
-            .map(|(_, h)| {
-                let s = h.status();
+            .map(|m| {
+                let s = m.handle.status();
                 format!(
                     "{}:{}",
                     s.stage.map(|k| k.to_string()).unwrap_or("-".into()),
@@ -811,22 +637,27 @@ async fn train(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Ok((!losses.is_empty()).then_some((losses, initial)))
+    Ok((!losses.is_empty()).then_some(LossCurve {
+        initial,
+        per_epoch: losses,
+    }))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// After training: the final weights exported, the partitions and throughput of the trained
+/// epochs, the validators' weights on the chain and their scores; writes the report and its
+/// loss plot and prints the summary.
 async fn finish(
     args: &UpArgs,
     dir: &Path,
-    client: &ApiClient,
-    chain: &Subtensor,
-    netuid: u16,
     run: &RunConfig,
-    members: &[Member],
-    stores: &[(String, Store)],
-    losses: Vec<f32>,
-    initial: f32,
-) -> anyhow::Result<serde_json::Value> {
+    devnet: &Devnet,
+    curve: LossCurve,
+) -> anyhow::Result<UpReport> {
+    let LossCurve {
+        initial,
+        per_epoch: losses,
+    } = curve;
+    let client = &devnet.client;
     let epochs = losses.len() as u64;
     let floor = entropy_floor(run)?;
     // The final weights as an export folder, as `iota model export` writes them.
@@ -838,29 +669,16 @@ async fn finish(
         Some(d) => {
             let (prompt, text) =
                 iota_miner::eval::sample_text(client, run, epochs, d, 8, 24).await?;
-            Some(serde_json::json!({ "epoch": epochs, "prompt": prompt, "text": text }))
+            Some(Generation {
+                epoch: epochs,
+                prompt,
+                text,
+            })
         }
         None => None,
     };
 
-    // Partitions of the trained epochs.
-    let (mut total, mut merged, mut agreeing) = (0u64, 0u64, 0u64);
-    for e in 0..epochs {
-        for p in client.merge_status(e).await? {
-            total += 1;
-            if p.state == PartitionState::Accepted {
-                merged += 1;
-                let hashes: std::collections::HashSet<&str> = p
-                    .results
-                    .iter()
-                    .filter_map(|r| r.blake3.as_deref())
-                    .collect();
-                if p.resolved_by.as_deref() == Some("agreement") && hashes.len() == 1 {
-                    agreeing += 1;
-                }
-            }
-        }
-    }
+    let partitions = partition_counts(client, epochs).await?;
     let throughput: Vec<ThroughputPoint> = client.public_get("/v1/throughput").await?;
     let done: Vec<&ThroughputPoint> = throughput.iter().filter(|t| t.epoch < epochs).collect();
     let tokens: u64 = done.iter().map(|t| t.tokens).sum();
@@ -871,94 +689,40 @@ async fn finish(
 
     // Every validator scores the trained epochs and gets its weights onto the chain.
     println!("waiting for both validators to score {epochs} epochs and set weights");
-    let settle = async {
-        let deadline = Instant::now() + Duration::from_secs(240);
-        let mut weights_set = Vec::new();
-        for (hotkey, store) in stores {
-            loop {
-                // Weights that count the last trained epoch, landed in a block.
-                let subs = store.submissions(20).await?;
-                let landed = subs.iter().find(|s| {
-                    (s.state == "set" || s.state == "revealed")
-                        && s.block.is_some()
-                        && s.epoch.is_some_and(|e| e + 1 >= epochs)
-                });
-                if let Some(s) = landed {
-                    weights_set.push(serde_json::json!({
-                        "validator": hotkey, "block": s.block, "epoch": s.epoch, "state": s.state,
-                    }));
-                    break;
-                }
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "validator {hotkey} did not set weights for epoch {} in time",
-                    epochs - 1
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-        // Yuma runs at the next tempo boundary.
-        let tempo = chain.hyperparams(netuid).await?.tempo;
-        let now = chain.best_block_number().await?;
-        chain
-            .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
-            .await?;
-        anyhow::Ok(weights_set)
-    };
     // A second Ctrl-C gives up on the validators (and the report).
     let weights_set = tokio::select! {
-        r = settle => r?,
+        r = weights_landed(devnet, epochs) => r?,
         _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted while waiting for the validators: no report"),
     };
-    let meta = chain.metagraph(netuid).await?;
+    let meta = devnet.chain.metagraph(devnet.netuid).await?;
 
     let mut scores: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for (_, store) in stores {
-        let rows: Vec<(String, f64)> =
-            sqlx::query_as("SELECT hotkey, sum(score) FROM scores GROUP BY hotkey")
-                .fetch_all(store.pool())
-                .await?;
-        for (h, s) in rows {
-            scores.entry(h).or_default().push(s);
+    for v in &devnet.validators {
+        for total in v.store.score_totals().await? {
+            scores.entry(total.hotkey).or_default().push(total.total);
         }
     }
-    let mut neurons = Vec::new();
-    for m in members {
-        let ss58 = m.key.ss58();
-        let n = meta.neurons.iter().find(|n| n.hotkey.ss58() == ss58);
-        let score = scores
-            .get(&ss58)
-            .map(|v| v.iter().sum::<f64>() / v.len() as f64);
-        neurons.push(serde_json::json!({
-            "uid": n.map(|n| n.uid),
-            "hotkey": ss58,
-            "name": m.name,
-            "role": m.role,
-            "adversary": m.adversary.map(|a| a.as_str()),
-            "score": score,
-            "incentive": n.map(|n| f64::from(n.incentive) / f64::from(u16::MAX)),
-            "emission": n.map(|n| n.emission),
-        }));
-    }
-    let mut report = serde_json::json!({
-        "model": run.model,
-        "stages": run.stages,
-        "epochs": epochs,
-        "initial_loss": initial,
-        "loss_per_epoch": losses,
-        "initial_perplexity": initial.exp(),
-        "perplexity_per_epoch": losses.iter().map(|l| l.exp()).collect::<Vec<_>>(),
-        "entropy_floor": floor,
-        "dataset": run.dataset,
-        "generation": generation,
-        "export": export_dir.to_string_lossy(),
-        "partitions": {"total": total, "merged": merged, "agreeing": agreeing},
-        "tokens": tokens,
-        "wire_bytes_per_token": if tokens > 0 { wire as f64 / tokens as f64 } else { 0.0 },
-        "fp32_bytes_per_token": fp32_per_token,
-        "weights_set": weights_set,
-        "neurons": neurons,
-    });
+    let neurons = devnet
+        .neurons
+        .iter()
+        .map(|m| {
+            let hotkey = m.key.ss58();
+            let n = meta.neurons.iter().find(|n| n.hotkey.ss58() == hotkey);
+            NeuronRow {
+                uid: n.map(|n| n.uid),
+                score: scores
+                    .get(&hotkey)
+                    .map(|v| v.iter().sum::<f64>() / v.len() as f64),
+                hotkey,
+                name: m.name.clone(),
+                role: m.role.as_str().to_owned(),
+                adversary: m.adversary.map(|a| a.as_str().to_owned()),
+                incentive: n.map(|n| f64::from(n.incentive) / f64::from(u16::MAX)),
+                emission: n.map(|n| n.emission),
+            }
+        })
+        .collect();
+
     let path = args
         .report
         .clone()
@@ -973,64 +737,100 @@ async fn finish(
         .chain(losses.iter().copied())
         .collect();
     crate::plot::write_loss_png(&plot, &curve, floor.map(|f| f as f32))?;
-    report["plot"] = serde_json::json!(plot.to_string_lossy());
-    std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-
-    println!("\nsummary after {epochs} epochs:");
-    println!(
-        "  held-out loss {initial:.3} -> {} ({})",
-        losses
-            .iter()
-            .map(|l| format!("{l:.3}"))
-            .collect::<Vec<_>>()
-            .join(" -> "),
-        match floor {
-            Some(f) => format!("entropy floor {f:.3}"),
-            None => format!(
-                "perplexity {:.1} -> {:.1}",
-                initial.exp(),
-                losses.last().copied().unwrap_or(initial).exp()
-            ),
-        }
-    );
-    println!("  partitions: {total} total, {merged} merged, {agreeing} by agreement");
-    println!(
-        "  {tokens} tokens, {:.1} wire bytes/token vs {fp32_per_token} in f32",
-        if tokens > 0 {
+    let report = UpReport {
+        model: run.model.clone(),
+        stages: run.stages,
+        epochs,
+        initial_loss: initial,
+        initial_perplexity: initial.exp(),
+        perplexity_per_epoch: losses.iter().map(|l| l.exp()).collect(),
+        loss_per_epoch: losses,
+        entropy_floor: floor,
+        dataset: run.dataset.clone(),
+        generation,
+        export: export_dir.to_string_lossy().into_owned(),
+        partitions,
+        tokens,
+        wire_bytes_per_token: if tokens > 0 {
             wire as f64 / tokens as f64
         } else {
             0.0
-        }
-    );
-    for n in &neurons {
-        println!(
-            "  {:<22} uid {:>3} score {:>10} incentive {:.4}",
-            n["name"].as_str().unwrap_or(""),
-            n["uid"],
-            n["score"]
-                .as_f64()
-                .map(|s| format!("{s:.1}"))
-                .unwrap_or("-".into()),
-            n["incentive"].as_f64().unwrap_or(0.0)
-        );
-    }
-    println!("report: {}", path.display());
-    println!("loss plot: {}", plot.display());
-    println!(
-        "final weights: {} (`iota model generate --checkpoint {} --prompt …`)",
-        export_dir.display(),
-        export_dir.display()
-    );
-    if let Some(g) = &report["generation"].as_object() {
-        println!(
-            "sample after epoch {}: prompt {:?}, continuation {:?}",
-            g["epoch"],
-            g["prompt"].as_str().unwrap_or(""),
-            g["text"].as_str().unwrap_or("")
-        );
-    }
+        },
+        fp32_bytes_per_token: fp32_per_token,
+        weights_set,
+        neurons,
+        plot: plot.to_string_lossy().into_owned(),
+    };
+    report.write(&path)?;
+    report.print_summary(&path);
     Ok(report)
+}
+
+/// Partitions of the trained epochs: all, merged, and merged with every result agreeing.
+async fn partition_counts(client: &ApiClient, epochs: u64) -> anyhow::Result<PartitionCounts> {
+    let mut counts = PartitionCounts {
+        total: 0,
+        merged: 0,
+        agreeing: 0,
+    };
+    for e in 0..epochs {
+        for p in client.merge_status(e).await? {
+            counts.total += 1;
+            if p.state == PartitionState::Accepted {
+                counts.merged += 1;
+                let hashes: std::collections::HashSet<&str> = p
+                    .results
+                    .iter()
+                    .filter_map(|r| r.blake3.as_deref())
+                    .collect();
+                if p.resolved_by.as_deref() == Some("agreement") && hashes.len() == 1 {
+                    counts.agreeing += 1;
+                }
+            }
+        }
+    }
+    Ok(counts)
+}
+
+/// Waits for every validator's weights that count the last of `epochs` to land in a block,
+/// then for the tempo boundary at which Yuma runs on them.
+async fn weights_landed(devnet: &Devnet, epochs: u64) -> anyhow::Result<Vec<WeightsSet>> {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut weights_set = Vec::new();
+    for v in &devnet.validators {
+        let hotkey = v.neuron.key.ss58();
+        loop {
+            let subs = v.store.submissions(20).await?;
+            let landed = subs.iter().find(|s| {
+                (s.state == "set" || s.state == "revealed")
+                    && s.block.is_some()
+                    && s.epoch.is_some_and(|e| e + 1 >= epochs)
+            });
+            if let Some(s) = landed {
+                weights_set.push(WeightsSet {
+                    validator: hotkey,
+                    block: s.block,
+                    epoch: s.epoch,
+                    state: s.state.clone(),
+                });
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "validator {hotkey} did not set weights for epoch {} in time",
+                epochs - 1
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    // Yuma runs at the next tempo boundary.
+    let chain = &devnet.chain;
+    let tempo = chain.hyperparams(devnet.netuid).await?.tempo;
+    let now = chain.best_block_number().await?;
+    chain
+        .wait_for_block(now + u64::from(tempo) + 2, Duration::from_secs(120))
+        .await?;
+    Ok(weights_set)
 }
 
 #[cfg(test)]
