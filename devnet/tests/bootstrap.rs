@@ -21,9 +21,9 @@ async fn bootstrap_registers_in_order_and_the_validator_gets_its_permit() {
     let mut opts = ConnectOptions::new(net.ws_url());
     opts.connect_timeout = Duration::from_secs(20);
     let chain = Subtensor::connect(opts).await.expect("connect");
-    let alice = Keypair::from_private_key(&sp_core::Pair::to_raw_vec(
-        &iota_localnet::dev_pair("Alice"),
-    ))
+    let alice = Keypair::from_private_key(&sp_core::Pair::to_raw_vec(&iota_localnet::dev_pair(
+        "Alice",
+    )))
     .expect("alice");
     let neurons: Vec<PublicKey> = [1, 2, 3].iter().map(|s| key(*s).public()).collect();
     let tx = TxOptions {
