@@ -59,18 +59,9 @@ pub async fn fresh_db() -> String {
         "DATABASE_URL is not set: run the tests through scripts/test.sh, which starts PostgreSQL",
     );
     let name = format!("iota_test_{}", uuid::Uuid::new_v4().simple());
-    let admin = sqlx::PgPool::connect(&base)
+    iota_devnet::create_database(&base, &name)
         .await
-        .expect("connect to DATABASE_URL");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&admin)
-        .await
-        .expect("create test database");
-    admin.close().await;
-    let (prefix, _) = base
-        .rsplit_once('/')
-        .expect("DATABASE_URL has a database name");
-    format!("{prefix}/{name}")
+        .expect("create a test database on DATABASE_URL's server")
 }
 
 pub fn pair(seed: u8) -> sr25519::Pair {
