@@ -238,34 +238,20 @@ pub async fn lock_open_of_miner<'e>(db: impl Db<'e>, run: i64, miner: &str) -> s
     Ok(())
 }
 
-/// Every live lease lasts at least until `until`.
-pub async fn extend_leases<'e>(
+/// Every open hop in `status` (`leased`: its lease; `pending`: its pick-up time) lasts at least
+/// until `until`.
+pub async fn extend_open<'e>(
     db: impl Db<'e>,
     run: i64,
+    status: &str,
     until: DateTime<Utc>,
 ) -> sqlx::Result<()> {
     sqlx::query(
-        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
-         WHERE run_id = $1 AND status = 'leased'",
+        "UPDATE tasks SET leased_until = greatest(leased_until, $3)
+         WHERE run_id = $1 AND status = $2",
     )
     .bind(run)
-    .bind(until)
-    .execute(db)
-    .await?;
-    Ok(())
-}
-
-/// Every routed hop waiting to be leased waits at least until `until`.
-pub async fn extend_pickups<'e>(
-    db: impl Db<'e>,
-    run: i64,
-    until: DateTime<Utc>,
-) -> sqlx::Result<()> {
-    sqlx::query(
-        "UPDATE tasks SET leased_until = greatest(leased_until, $2)
-         WHERE run_id = $1 AND status = 'pending'",
-    )
-    .bind(run)
+    .bind(status)
     .bind(until)
     .execute(db)
     .await?;

@@ -210,6 +210,18 @@ pub struct PartitionKey {
     pub partition: i32,
 }
 
+impl PartitionKey {
+    /// The key of partition `partition` of `stage` in `epoch`, as the database stores them
+    /// (epochs within `i64` by the API's bounds).
+    pub fn new(epoch: u64, stage: u32, partition: u32) -> Self {
+        Self {
+            epoch: epoch as i64,
+            stage: stage as i32,
+            partition: partition as i32,
+        }
+    }
+}
+
 /// Moves an open or disputed partition to `state`, with its accepted blob and who settled it
 /// (each kept as it was where `None`).
 pub async fn set_state<'e>(

@@ -162,11 +162,7 @@ pub async fn record_merge_result(
             "the merging phase ended while this result was in flight",
         ));
     }
-    let key = PartitionKey {
-        epoch: epoch as i64,
-        stage: stage as i32,
-        partition: partition as i32,
-    };
+    let key = PartitionKey::new(epoch, stage, partition);
     let state = db::partitions::lock(&mut *tx, app.run.id, key)
         .await?
         .ok_or_else(|| RunError::refused(ErrorCode::NotFound, "no such partition this epoch"))?;
@@ -211,11 +207,7 @@ async fn settle(
     partition: u32,
 ) -> RunResult<()> {
     let epoch = cur.epoch;
-    let key = PartitionKey {
-        epoch: epoch as i64,
-        stage: stage as i32,
-        partition: partition as i32,
-    };
+    let key = PartitionKey::new(epoch, stage, partition);
     let rows = db::merges::votes(&mut **tx, app.run.id, key).await?;
     let results: Vec<(String, serde_json::Value)> =
         rows.into_iter().map(|(_, _, h, b)| (h, b)).collect();

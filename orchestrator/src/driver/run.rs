@@ -175,9 +175,9 @@ pub async fn forgive_gap(app: &App, now: DateTime<Utc>) -> Result<(), sqlx::Erro
     // Given back once: a second forgiveness before the next step gives back only what followed.
     db::runs::advance_driven_at(&mut *tx, run, now).await?;
     db::miners::seen_by(&mut *tx, run, now).await?;
-    db::hops::extend_leases(&mut *tx, run, now + secs(cfg.lease_s)).await?;
+    db::hops::extend_open(&mut *tx, run, "leased", now + secs(cfg.lease_s)).await?;
     // Routed hops waiting to be leased get their pick-up time again too.
-    db::hops::extend_pickups(&mut *tx, run, now + secs(pickup_s(cfg))).await?;
+    db::hops::extend_open(&mut *tx, run, "pending", now + secs(pickup_s(cfg))).await?;
     tx.commit().await
 }
 

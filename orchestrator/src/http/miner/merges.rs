@@ -117,11 +117,7 @@ pub(crate) async fn merge_base(
     stage: u32,
     partition: u32,
 ) -> ApiResult<Option<BlobDescriptor>> {
-    let key = PartitionKey {
-        epoch: epoch as i64,
-        stage: stage as i32,
-        partition: partition as i32,
-    };
+    let key = PartitionKey::new(epoch, stage, partition);
     let Some(accepted) = db::partitions::base(&app.db, app.run.id, key).await? else {
         return Ok(None);
     };
@@ -155,11 +151,7 @@ pub(crate) async fn merge_slot(
             return Err(crate::driver::interested_validator(stage, partition).into());
         }
     } else {
-        let key = PartitionKey {
-            epoch: epoch as i64,
-            stage: stage as i32,
-            partition: partition as i32,
-        };
+        let key = PartitionKey::new(epoch, stage, partition);
         if !db::partitions::is_owner(&app.db, app.run.id, key, who).await? {
             return Err(AppError::new(
                 ErrorCode::Forbidden,

@@ -175,11 +175,7 @@ async fn record_pg(
     let value = serde_json::to_value(&blob)
         .map_err(|e| AppError::new(ErrorCode::Internal, e.to_string()))?;
     let pg = db::uploads::NewPseudoGradient {
-        key: PartitionKey {
-            epoch: epoch as i64,
-            stage: stage as i32,
-            partition: partition as i32,
-        },
+        key: PartitionKey::new(epoch, stage, partition),
         miner: &caller.ss58,
         blob: &value,
         blake3: &blob.blake3,
@@ -267,11 +263,7 @@ pub(crate) async fn already_recorded(
         }
         SealedIn::MergeResults => "you already submitted a different result for this partition",
     };
-    let key = PartitionKey {
-        epoch: epoch as i64,
-        stage: stage as i32,
-        partition: partition as i32,
-    };
+    let key = PartitionKey::new(epoch, stage, partition);
     let row = db::uploads::recorded(&app.db, app.run.id, table, key, who).await?;
     match row {
         None => Ok(None),
