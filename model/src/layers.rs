@@ -173,6 +173,13 @@ pub(crate) fn attention(
     let k = rope.apply(&heads(linear(x, w.wk)?, kv)?)?;
     let v = heads(linear(x, w.wv)?, kv)?.contiguous()?;
     let scale = 1.0 / (hd as f64).sqrt();
+    #[cfg(feature = "cuda")]
+    if crate::cuda_attention::applies(&q) {
+        let out = crate::cuda_attention::attention(&q, &k, &v, scale)?
+            .transpose(1, 2)?
+            .reshape((b, t, h * hd))?;
+        return linear(&out, w.wo);
+    }
     if fused::applies(&q) && t > TILED_ATTENTION_ROWS {
         let out = crate::tiled_attention::attention(&q, &k, &v, mask, scale, TILED_ATTENTION_ROWS)?
             .transpose(1, 2)?

@@ -71,6 +71,8 @@ mod blas;
 pub mod bottleneck;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda_attention;
 pub mod data;
 pub mod error;
 pub mod export;
