@@ -35,7 +35,9 @@ step() {
 }
 
 step model-tests 150 "$bin/model-tests" --test-threads 8
-step miner-cuda 60 "$bin/miner-tests" cuda_memory_and_throughput_are_measured --nocapture
+if [ -x "$bin/miner-tests" ]; then
+    step miner-cuda 60 "$bin/miner-tests" cuda_memory_and_throughput_are_measured --nocapture
+fi
 if [ -x "$bin/miner-integration" ] && [ -n "${DATABASE_URL:-}" ]; then
     # Evidence that the miners' tensors live on the GPU: its per-process memory while they train.
     (while sleep 1; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done) \
@@ -46,11 +48,27 @@ if [ -x "$bin/miner-integration" ] && [ -n "${DATABASE_URL:-}" ]; then
     echo "GPU memory of the training process, largest sample: $(sort -t, -k2 -n "$out/gpu-apps.log" | tail -n 1)"
 fi
 
-step replay-error 150 "$bin/replay_error" --rounds "${ROUNDS:-8}"
-step bench-device 150 env BENCH_ITERS="${BENCH_ITERS:-5}" "$bin/model-bench" --bench device
+if [ "${ROUNDS:-8}" != 0 ]; then
+    step replay-error 150 "$bin/replay_error" --rounds "${ROUNDS:-8}"
+fi
+# The card's memory in use while the stages run, sampled every 100 ms (the largest sample is an
+# upper bound on the bench's own peak: nothing else runs).
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$out/bench-memory.log" 2>&1 &
+sampler=$!
+step bench-device 200 env BENCH_ITERS="${BENCH_ITERS:-5}" BENCH_SEQ="${BENCH_SEQ:-800}" \
+    BENCH_CONFIG_OUT="$out/config.json" "$bin/model-bench" --bench device
+kill "$sampler"
+echo "GPU memory in use during the device bench, largest sample: $(sort -n "$out/bench-memory.log" | tail -n 1) MiB"
+# PyTorch on the same stages and shapes (bf16 autocast, SDPA), where the machine has it.
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null && [ -s "$out/config.json" ]; then
+    step torch-stages 200 python3 "$(dirname "$0")/reference/torch_stage_speed.py" \
+        "$out/config.json" "${BENCH_BATCH:-4}" "${BENCH_SEQ:-800}" "${BENCH_ITERS:-5}"
+fi
 
 echo
 grep -E '^test result|panicked|FAILED' "$out/model-tests.log" | head -5
-grep -E 'gpu_matches_cpu|bf16_cuda' "$out/model-tests.log"
-grep -E 'free .* GB|test result' "$out/miner-cuda.log"
+grep -E 'gpu_matches_cpu|bf16_cuda|cuda_attention' "$out/model-tests.log"
+grep -E 'free .* GB|test result' "$out/miner-cuda.log" 2>/dev/null
+grep -E '^\| ' "$out/bench-device.log"
+cat "$out/torch-stages.log" 2>/dev/null
 printf '%s\n' "${status[@]}"

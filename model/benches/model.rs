@@ -379,6 +379,11 @@ fn device_throughput() -> Result<()> {
     };
     let model = std::env::var("BENCH_MODEL").unwrap_or_else(|_| "iota-1.5b".into());
     let cfg = ModelConfig::by_name(&model)?;
+    // For a reference run of the same shapes elsewhere (scripts/reference/torch_stage_speed.py).
+    if let Ok(path) = std::env::var("BENCH_CONFIG_OUT") {
+        std::fs::write(&path, cfg.to_json()?)
+            .map_err(|e| ModelError::Config(format!("writing {path}: {e}")))?;
+    }
     let batch = env_or("BENCH_BATCH", 4) as usize;
     let seq = env_or("BENCH_SEQ", 1024) as usize;
     let iters = env_or("BENCH_ITERS", 5) as u32;
