@@ -36,7 +36,7 @@ BENCHES=(
 )
 
 # Comparisons made by hand (two commits side by side), each a section of its own.
-HAND_MEASURED=(orchestrator/benches/restructure-before-after.md)
+HAND_MEASURED=(orchestrator/benches/restructure-before-after.md model/benches/cuda-attention-h200.md)
 
 out="${BENCH_OUT:-BENCHMARKS.md}"
 wanted=" $* "
@@ -117,7 +117,7 @@ done
     echo "Benchmarks run one after another; ratios are taken within one benchmark (both sides in the same run)."
     echo "Figures from a shared or loaded machine move; compare ratios, not absolute rates, across machines."
     echo "Measured by hand on another machine, not by this script: the load benchmark on 16 cores, in \`orchestrator/benches/load-16-cores.md\`."
-    echo "Measured by hand on this machine and copied in last: ${HAND_MEASURED[*]}."
+    echo "Measured by hand (each names its machine) and copied in last: ${HAND_MEASURED[*]}."
     echo
     for entry in "${BENCHES[@]}"; do
         name="${entry%%|*}"
