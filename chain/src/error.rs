@@ -123,6 +123,9 @@ macro_rules! named_dispatch_errors {
                 /// `CommitRevealWeightsVersion` on chain.
                 version: u16,
             },
+            /// Timelock encryption or decryption of a weight commit failed.
+            #[error(transparent)]
+            Timelock(#[from] crate::timelock::TimelockError),
             /// A caller-supplied argument is unusable.
             #[error("invalid argument: {0}")]
             InvalidArgument(String),

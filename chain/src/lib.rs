@@ -12,6 +12,8 @@
 //!   durable [`commit::CommitStore`].
 //! * [`calls`]: the call builders (what `--dry-run` encodes); [`api`]: code generated from
 //!   `metadata/localnet.scale`.
+//! * [`timelock`]: drand-timelocked weight commits (commit-reveal v3/v4): the reveal round, the
+//!   payload subtensor decodes, encryption to a round and decryption with its signature.
 //! * [`cli`]: `iota chain …` with Bittensor's flag names.
 
 pub mod api;
@@ -27,6 +29,7 @@ pub mod ops;
 pub mod set_weights;
 pub mod shape;
 pub mod signer;
+pub mod timelock;
 pub mod wallet;
 pub mod watcher;
 pub mod weights;
