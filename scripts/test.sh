@@ -5,7 +5,8 @@
 # the system's binaries (scripts/pg.sh; set DATABASE_URL to use your own server instead), an
 # S3-compatible server for the object-store tests (scripts/s3.sh: moto from PyPI in a venv; set
 # IOTA_TEST_S3_ENDPOINT to use your own), Debian's Chromium for the dashboard test (set
-# IOTA_CHROMIUM to use another browser binary) and schemathesis (PyPI, in a venv) for the API's.
+# IOTA_CHROMIUM to use another browser binary), schemathesis (PyPI, in a venv) for the API's, and
+# bittensor-drand (PyPI, in a venv) for the chain client's timelock encryption cross-check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +50,8 @@ install_all() {
     fi
     echo "== Python SDK venvs (bittensor 11.x and 10.x from PyPI, for localnet/tests/python_sdk.rs)"
     bash scripts/python-sdk-venvs.sh >target/python-sdk.env
+    echo "== bittensor-drand venv (from PyPI, for chain/tests/drand_python.rs)"
+    bash scripts/drand-venv.sh >target/drand.env
     echo "== schemathesis (from PyPI, for orchestrator/tests/schemathesis.rs)"
     scripts/schemathesis-venv.sh
 }
@@ -73,6 +76,7 @@ if ! wait "$install_pid"; then
 fi
 cat target/test-install.log
 eval "$(cat target/python-sdk.env)"
+eval "$(cat target/drand.env)"
 
 if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
     echo "== starting the S3-compatible server"

@@ -2,6 +2,7 @@
 //! and the shared helpers compiled once.
 
 mod cli;
+mod drand_python;
 mod finney_metadata;
 mod localnet;
 mod wallet;
