@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A CUDA 13.0 toolchain from PyPI's wheels, for machines without a GPU or a system toolkit:
 #
-#   eval "$(scripts/cuda-toolchain.sh [DIR])"     # DIR defaults to target/cuda-toolchain
+#   eval "$(scripts/cuda-toolchain.sh [--compiler-only] [DIR])"   # DIR: target/cuda-toolchain
 #
+# (--compiler-only: nvcc and the headers alone, about a fifth of the download, enough to compile
+# kernels to PTX but not to link; CI uses it.)
 # installs (once) nvcc, its headers and the CUDA libraries candle links against into a venv in
 # DIR, makes DIR/home a CUDA_HOME (lib/ holds unversioned links to the wheels' libraries and a
 # stub libcuda.so.1 with every driver entry point cudarc binds, for linking where no driver is
@@ -12,6 +14,11 @@
 # cudarc only knows the CUDA versions it was released with.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+compiler_only=false
+if [ "${1:-}" = --compiler-only ]; then
+    compiler_only=true
+    shift
+fi
 dir=${1:-$root/target/cuda-toolchain}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
@@ -20,15 +27,23 @@ python=${PYTHON:-python3}
 if [ ! -x "$dir/venv/bin/python" ]; then
     "$python" -m venv "$dir/venv" >&2
 fi
-if [ ! -e "$dir/venv/.installed" ]; then
-    "$dir/venv/bin/pip" install -q --disable-pip-version-check \
-        nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
-        nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 \
-        nvidia-cublas==13.0.2.14 nvidia-curand==10.4.5.25 >&2
+compiler=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+    nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96)
+libraries=(nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.0.2.14 nvidia-curand==10.4.5.25)
+if [ ! -e "$dir/venv/.compiler" ]; then
+    "$dir/venv/bin/pip" install -q --disable-pip-version-check "${compiler[@]}" >&2
+    touch "$dir/venv/.compiler"
+fi
+if ! $compiler_only && [ ! -e "$dir/venv/.installed" ]; then
+    "$dir/venv/bin/pip" install -q --disable-pip-version-check "${libraries[@]}" >&2
     touch "$dir/venv/.installed"
 fi
 cu=$(echo "$dir"/venv/lib/python3*/site-packages/nvidia/cu13)
 home=$dir/home
+if $compiler_only; then
+    echo "export PATH=\"$cu/bin:\$PATH\""
+    exit 0
+fi
 if [ ! -e "$home/lib/libcuda.so" ]; then
     mkdir -p "$home/lib"
     ln -sfn "$cu/include" "$home/include"
