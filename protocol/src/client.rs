@@ -1132,6 +1132,11 @@ impl ApiClient {
         self.public_get(&format!("/v1/epochs/{epoch}/merges")).await
     }
 
+    /// Each validator's latest published scores and weights (`GET /v1/scores`).
+    pub async fn scores(&self) -> Result<Vec<ScoreRecord>, ClientError> {
+        self.public_get("/v1/scores").await
+    }
+
     /// The latest merged weights of `stage`, with download URLs where the store presigns
     /// (signed: the public route gives no URLs).
     pub async fn stage_weights(&self, stage: u32) -> Result<StageWeights, ClientError> {

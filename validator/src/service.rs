@@ -15,8 +15,8 @@ use iota_chain::{Metagraph, Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
 use iota_protocol::api::limits::MAX_SAMPLES_PER_EPOCH;
 use iota_protocol::api::{
-    Direction, EpochRecord, HopRecord, PartitionState, PartitionStatus, RunConfig, SampleRecord,
-    SpotCheckReport, SpotCheckResult,
+    Direction, EpochRecord, HopRecord, MinerScore, PartitionState, PartitionStatus, RunConfig,
+    SampleRecord, ScoreSubmission, SpotCheckReport, SpotCheckResult,
 };
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
@@ -858,6 +858,20 @@ impl Validator {
         };
         if let Err(e) = o.client.report_spot_checks(epoch, &report).await {
             tracing::warn!(epoch, error = %e, "could not publish the spot checks");
+        }
+        // The scores too, for explorers (`GET /v1/scores`, the dashboard's panel).
+        let submission = ScoreSubmission {
+            scores: scores
+                .iter()
+                .map(|s| MinerScore {
+                    hotkey: s.hotkey.clone(),
+                    score: s.score,
+                })
+                .collect(),
+            weights: None,
+        };
+        if let Err(e) = o.client.submit_scores(epoch, &submission).await {
+            tracing::warn!(epoch, error = %e, "could not publish the scores");
         }
         Ok(EpochOutcome {
             epoch,

@@ -130,6 +130,25 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
             .find(|s| s.hotkey == moved_hotkey)
             .expect("the moved miner's score");
         assert!(score.quality > 0.0 && score.penalty.is_none(), "{score:?}");
+        // Published for explorers: the same scores, from this validator, for epoch 0.
+        let published = client.scores().await.expect("GET /v1/scores");
+        let validator_hotkey = iota_protocol::signing::RequestSigner::ss58(&pair(VALIDATOR));
+        let mine = published
+            .iter()
+            .find(|r| r.validator == validator_hotkey)
+            .unwrap_or_else(|| panic!("no scores published by the validator: {published:?}"));
+        assert_eq!(mine.epoch, 0);
+        let mut stored: Vec<(String, f64)> =
+            scores.iter().map(|s| (s.hotkey.clone(), s.score)).collect();
+        let mut sent: Vec<(String, f64)> = mine
+            .scores
+            .iter()
+            .map(|s| (s.hotkey.clone(), s.score))
+            .collect();
+        stored.sort_by(|a, b| a.0.cmp(&b.0));
+        sent.sort_by(|a, b| a.0.cmp(&b.0));
+        assert!(!sent.is_empty());
+        assert_eq!(sent, stored, "published scores");
         orch.stop().await;
     };
     tokio::select! {
