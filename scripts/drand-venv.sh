@@ -8,16 +8,8 @@ cd "$(dirname "$0")/.."
 
 VERSION=2.0.0
 DIR=target/python/drand
-PYTHON=${PYTHON:-python3}
-if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import ensurepip, venv" 2>/dev/null; then
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq >&2 && apt-get install -y -qq python3 python3-venv python3-pip >&2
-    fi
-fi
-if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import ensurepip, venv" 2>/dev/null; then
-    echo "drand-venv: $PYTHON with venv is required (Debian: apt-get install python3-venv)" >&2
-    exit 1
-fi
+. scripts/lib/python.sh
+require_python_venv drand-venv
 
 installed=""
 if [ -x "$DIR/bin/python" ]; then

@@ -6,17 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
-# A fresh Debian/Ubuntu machine may lack Python or its venv module: install them when we can.
-if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import ensurepip, venv" 2>/dev/null; then
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq >&2 && apt-get install -y -qq python3 python3-venv python3-pip >&2
-    fi
-fi
-if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import ensurepip, venv" 2>/dev/null; then
-    echo "python-sdk-venvs: $PYTHON with venv is required (Debian: apt-get install python3-venv)" >&2
-    exit 1
-fi
+. scripts/lib/python.sh
+require_python_venv python-sdk-venvs
 
 make_venv() { # dir, pip requirement
     local dir=$1 requirement=$2
