@@ -131,7 +131,7 @@ fn view<'a, T: CudaDType>(
     if !layout.is_contiguous() {
         bail!("CUDA attention: a tensor is not contiguous")
     }
-    Ok(cuda.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+    at(cuda, layout)
 }
 
 fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: Shape) -> Tensor {
@@ -172,6 +172,7 @@ fn forward_storage<T: CudaDType + DeviceRepr>(
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse))
 }
 
+/// The elements of `s` from where `l` starts.
 fn at<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> candle_core::Result<CudaView<'a, T>> {
     Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
