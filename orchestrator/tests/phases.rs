@@ -936,7 +936,7 @@ async fn a_pseudo_gradient_ends_its_miners_epoch() {
                 inner_step: 1,
                 weights_digest: "00".into(),
                 loss: Some(2.0),
-                sequence_losses: None,
+                sequence_losses: Some(vec![2.0; run.micro_batch as usize]),
                 compute_ms: Some(1),
             },
         )
@@ -1257,7 +1257,8 @@ async fn step_until_report(
     panic!("the miner's steps never did what was expected");
 }
 
-/// A completion of the hop leased with `lease`, at inner step 0.
+/// A completion of the hop leased with `lease`, at inner step 0; a loss comes with its samples'
+/// sequence losses (each equal to it).
 fn completion(
     lease: uuid::Uuid,
     output: Option<BlobDescriptor>,
@@ -1269,7 +1270,7 @@ fn completion(
         inner_step: 0,
         weights_digest: "0".repeat(64),
         loss,
-        sequence_losses: None,
+        sequence_losses: loss.map(|l| vec![l; config().micro_batch as usize]),
         compute_ms: Some(1),
     }
 }

@@ -371,7 +371,7 @@ async fn upload_download_scenario(store: StoreConfig) {
                     inner_step: 0,
                     weights_digest: "0".repeat(64),
                     loss: last.then_some(2.5),
-                    sequence_losses: None,
+                    sequence_losses: last.then(|| vec![2.5; run.micro_batch as usize]),
                     compute_ms: Some(1),
                 },
             )

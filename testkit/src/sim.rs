@@ -164,6 +164,15 @@ impl SimMiner {
         let last_forward =
             item.direction == Direction::Forward && item.stage + 1 == self.config.stages;
         self.inner_step += u64::from(item.direction == Direction::Backward);
+        // The last forward reports each sequence's loss; the sample's is their mean.
+        let sequence_losses: Option<Vec<f64>> = last_forward.then(|| {
+            (0..self.config.micro_batch)
+                .map(|_| self.rng.gen_range(2.0..3.0))
+                .collect()
+        });
+        let loss = sequence_losses
+            .as_ref()
+            .map(|v| v.iter().sum::<f64>() / v.len().max(1) as f64);
         self.client
             .complete(
                 item.task_id,
@@ -172,8 +181,8 @@ impl SimMiner {
                     output,
                     inner_step: self.inner_step,
                     weights_digest: format!("{:064x}", self.inner_step),
-                    loss: last_forward.then(|| self.rng.gen_range(2.0..3.0)),
-                    sequence_losses: None,
+                    loss,
+                    sequence_losses,
                     compute_ms: Some(1),
                 },
             )

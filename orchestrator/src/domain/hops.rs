@@ -236,9 +236,16 @@ pub enum HopRefusal {
     /// The last stage's forward came without a loss, or with one out of range.
     #[error("the last stage's forward must report a loss from 0 to {MAX_LOSS}")]
     LossMissing,
-    /// Too many sequence losses, or one out of range.
-    #[error("sequence_losses: at most micro_batch values, each from 0 to {MAX_LOSS}")]
-    SequenceLosses,
+    /// A loss on a hop other than the last stage's forward.
+    #[error("only the last stage's forward reports a loss")]
+    LossNotExpected,
+    /// Sequence losses on a hop that records none, the wrong number of them on one that does, or
+    /// one out of range.
+    #[error(
+        "sequence_losses: the last stage's forward reports exactly micro_batch ({0}) values, \
+         each from 0 to {MAX_LOSS}; other hops report none"
+    )]
+    SequenceLosses(u32),
     /// The loss is not the mean of the sequences' losses.
     #[error("loss {loss} is not the mean of sequence_losses ({mean})")]
     LossDisagrees {
@@ -263,7 +270,8 @@ impl HopRefusal {
             HopRefusal::NotUploaded(_)
             | HopRefusal::OutputMismatch
             | HopRefusal::LossMissing
-            | HopRefusal::SequenceLosses
+            | HopRefusal::LossNotExpected
+            | HopRefusal::SequenceLosses(_)
             | HopRefusal::LossDisagrees { .. }
             | HopRefusal::DigestTooLong => ErrorCode::BadRequest,
         }
@@ -347,31 +355,41 @@ pub fn plan_completion(
     }))
 }
 
-/// The loss rules: the last stage's forward reports a loss in range, at most `micro_batch`
-/// sequence losses each in range, and a loss that is their mean.
+/// The loss rules: the last stage's forward reports a loss in range and exactly `micro_batch`
+/// sequence losses in range whose mean is the loss; other hops report neither.
 fn check_losses(
     req: &CompleteRequest,
     records_loss: bool,
     micro_batch: u32,
 ) -> Result<(), HopRefusal> {
-    if records_loss && !req.loss.is_some_and(loss_in_range) {
+    if !records_loss {
+        // Stored nowhere, so refused rather than dropped: a miner that sends them is confused
+        // about its stage, and a last-stage check must not be skipped by sending them elsewhere.
+        return match (req.loss, &req.sequence_losses) {
+            (None, None) => Ok(()),
+            (Some(_), _) => Err(HopRefusal::LossNotExpected),
+            (None, Some(_)) => Err(HopRefusal::SequenceLosses(micro_batch)),
+        };
+    }
+    let Some(loss) = req.loss.filter(|l| loss_in_range(*l)) else {
         return Err(HopRefusal::LossMissing);
-    }
-    if let Some(seq) = &req.sequence_losses
-        && (seq.len() > micro_batch as usize || !seq.iter().copied().all(loss_in_range))
-    {
-        return Err(HopRefusal::SequenceLosses);
-    }
-    // Every sequence has `seq_len` tokens, so the sample's mean token loss is the mean of its
-    // sequences' losses. CLASP fits the first and a replay checks the second: a loss that
-    // disagrees with its own sequences would pass the replay and still steer CLASP.
-    if let (Some(loss), Some(seq)) = (req.loss, &req.sequence_losses)
-        && !seq.is_empty()
-    {
-        let mean = seq.iter().sum::<f64>() / seq.len() as f64;
-        if (loss - mean).abs() > LOSS_AGREEMENT * mean.abs().max(1.0) {
-            return Err(HopRefusal::LossDisagrees { loss, mean });
+    };
+    // CLASP fits the sample's loss and a replay checks each sequence's: a loss sent without its
+    // sequences, or one that disagrees with them, would steer CLASP with a number no replay can
+    // check.
+    let seq = match &req.sequence_losses {
+        Some(seq)
+            if seq.len() == micro_batch as usize && seq.iter().copied().all(loss_in_range) =>
+        {
+            seq
         }
+        _ => return Err(HopRefusal::SequenceLosses(micro_batch)),
+    };
+    // Every sequence has `seq_len` tokens, so the sample's mean token loss is the mean of its
+    // sequences' losses.
+    let mean = seq.iter().sum::<f64>() / seq.len().max(1) as f64;
+    if (loss - mean).abs() > LOSS_AGREEMENT * mean.abs().max(1.0) {
+        return Err(HopRefusal::LossDisagrees { loss, mean });
     }
     Ok(())
 }
@@ -411,6 +429,7 @@ mod tests {
         }
     }
 
+    /// A completion; a loss comes with the 4 equal sequence losses of the tests' samples.
     fn request(output: Option<BlobDescriptor>, loss: Option<f64>) -> CompleteRequest {
         CompleteRequest {
             lease: uuid::Uuid::from_u128(1),
@@ -418,7 +437,7 @@ mod tests {
             inner_step: 1,
             weights_digest: String::new(),
             loss,
-            sequence_losses: None,
+            sequence_losses: loss.map(|l| vec![l; 4]),
             compute_ms: None,
         }
     }
@@ -559,7 +578,7 @@ mod tests {
     }
 
     #[test]
-    fn losses_are_in_range_few_enough_and_agree_with_their_mean() {
+    fn the_last_forward_reports_micro_batch_sequence_losses_whose_mean_is_its_loss() {
         let hop = leased(1, Direction::Forward);
         let out = Some(blob("k", "a"));
         for loss in [None, Some(-0.1), Some(MAX_LOSS * 2.0), Some(f64::NAN)] {
@@ -569,31 +588,57 @@ mod tests {
                 "{loss:?}"
             );
         }
-        let with = |loss: f64, seq: Vec<f64>| {
+        let with = |loss: f64, seq: Option<Vec<f64>>| {
             let mut req = request(out.clone(), Some(loss));
-            req.sequence_losses = Some(seq);
+            req.sequence_losses = seq;
             plan_completion(&hop, &req, 2, 4)
         };
-        assert!(with(2.0, vec![1.0, 3.0]).is_ok());
-        assert!(with(2.0005, vec![1.0, 3.0]).is_ok(), "within rounding");
+        assert!(with(2.0, Some(vec![1.0, 3.0, 1.5, 2.5])).is_ok());
+        assert!(
+            with(2.0005, Some(vec![1.0, 3.0, 1.5, 2.5])).is_ok(),
+            "within rounding"
+        );
         assert_eq!(
-            with(2.5, vec![1.0, 3.0]),
+            with(2.5, Some(vec![1.0, 3.0, 1.0, 3.0])),
             Err(HopRefusal::LossDisagrees {
                 loss: 2.5,
                 mean: 2.0
             })
         );
+        // A forged loss: one number, no sequences a replay could check.
+        assert_eq!(with(1.0, None), Err(HopRefusal::SequenceLosses(4)));
+        assert_eq!(with(1.0, Some(vec![])), Err(HopRefusal::SequenceLosses(4)));
         assert_eq!(
-            with(1.0, vec![1.0; 5]),
-            Err(HopRefusal::SequenceLosses),
+            with(1.0, Some(vec![1.0; 3])),
+            Err(HopRefusal::SequenceLosses(4)),
+            "fewer than micro_batch"
+        );
+        assert_eq!(
+            with(1.0, Some(vec![1.0; 5])),
+            Err(HopRefusal::SequenceLosses(4)),
             "more than micro_batch"
         );
-        assert_eq!(with(1.0, vec![1.0, -1.0]), Err(HopRefusal::SequenceLosses));
-        let mut req = request(out, Some(1.0));
+        assert_eq!(
+            with(1.0, Some(vec![1.0, -1.0, 1.0, 3.0])),
+            Err(HopRefusal::SequenceLosses(4))
+        );
+        let mut req = request(out.clone(), Some(1.0));
         req.weights_digest = "x".repeat(MAX_WEIGHTS_DIGEST + 1);
         assert_eq!(
             plan_completion(&hop, &req, 2, 4),
             Err(HopRefusal::DigestTooLong)
+        );
+        // Other hops report neither.
+        let first = leased(0, Direction::Forward);
+        assert_eq!(
+            plan_completion(&first, &request(out.clone(), Some(2.0)), 2, 4),
+            Err(HopRefusal::LossNotExpected)
+        );
+        let mut req = request(out, None);
+        req.sequence_losses = Some(vec![2.0; 4]);
+        assert_eq!(
+            plan_completion(&first, &req, 2, 4),
+            Err(HopRefusal::SequenceLosses(4))
         );
     }
 
