@@ -29,6 +29,12 @@ pub enum Adversary {
     WrongMerge,
     /// Reports last-stage losses at half of what it computed.
     LazyLoss,
+    /// Reports a last-stage loss at half of what it computed, without the per-sequence losses a
+    /// replay could check it against.
+    ForgeLoss,
+    /// Trains, then reserves the upload of its pseudo-gradient and never makes it: its hops are
+    /// claimed, its training never reaches the model, and its reservation holds the phase open.
+    Withhold,
 }
 
 impl Adversary {
@@ -41,17 +47,21 @@ impl Adversary {
             Self::Freeload => "freeload",
             Self::WrongMerge => "wrong-merge",
             Self::LazyLoss => "lazy-loss",
+            Self::ForgeLoss => "forge-loss",
+            Self::Withhold => "withhold",
         }
     }
 
     /// Every mode, for tests and help texts.
-    pub const ALL: [Adversary; 6] = [
+    pub const ALL: [Adversary; 8] = [
         Self::Noise,
         Self::Zeros,
         Self::StaleWeights,
         Self::Freeload,
         Self::WrongMerge,
         Self::LazyLoss,
+        Self::ForgeLoss,
+        Self::Withhold,
     ];
 }
 
@@ -61,7 +71,7 @@ impl std::fmt::Display for Adversary {
     }
 }
 
-/// Factor applied to reported losses by [`Adversary::LazyLoss`].
+/// Factor applied to reported losses by [`Adversary::LazyLoss`] and [`Adversary::ForgeLoss`].
 pub const LAZY_LOSS_FACTOR: f32 = 0.5;
 
 /// Adds zero-mean Gaussian noise with the values' own standard deviation (Box–Muller).

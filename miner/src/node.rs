@@ -27,6 +27,7 @@ use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition, encode_partition};
 use tokio::sync::{oneshot, watch};
 
+use crate::adversary::Adversary;
 use crate::blobs::MergedBlobs;
 use crate::capacity;
 use crate::config::MinerConfig;
@@ -813,6 +814,11 @@ impl Node {
             Ok(r) => tracing::debug!(epoch, holds_until_ms = r.holds_until_ms, "upload reserved"),
             // Past the deadline, the uploads still land until the phase changes.
             Err(e) => tracing::warn!(epoch, error = %e, "could not reserve the upload"),
+        }
+        if self.cfg.adversary == Some(Adversary::Withhold) {
+            self.ended = Some(epoch);
+            tracing::info!(epoch, hops, "pseudo-gradient withheld (adversary)");
+            return Ok(true);
         }
         blocking(&self.trainer, |t| t.finish_training()).await?;
         let inner_steps = blocking(&self.trainer, |t| Ok(t.inner_steps())).await?;

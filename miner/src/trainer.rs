@@ -110,6 +110,10 @@ impl MinerTrainer {
                 seq.iter_mut().for_each(|v| *v *= LAZY_LOSS_FACTOR);
             }
         }
+        if self.is(Adversary::ForgeLoss) {
+            out.loss = out.loss.map(|l| l * LAZY_LOSS_FACTOR);
+            out.sequence_losses = None;
+        }
         Ok(out)
     }
 

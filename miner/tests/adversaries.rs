@@ -175,6 +175,29 @@ fn lazy_loss_halves_the_reported_loss_only() {
 }
 
 #[test]
+fn forge_loss_halves_the_loss_and_drops_the_sequences_a_replay_checks() {
+    let x = {
+        let mut t1 = trainer(1, None);
+        t1.forward(6, Some(&activation(6)))
+            .expect("fwd")
+            .bytes
+            .expect("out")
+    };
+    let honest = trainer(2, None).forward(6, Some(&x)).expect("fwd");
+    let forged = trainer(2, Some(Adversary::ForgeLoss))
+        .forward(6, Some(&x))
+        .expect("fwd");
+    let (h, f) = (honest.loss.expect("loss"), forged.loss.expect("loss"));
+    assert!((f - 0.5 * h).abs() < 1e-6 * h.abs().max(1.0), "{f} vs {h}");
+    assert!(honest.sequence_losses.is_some());
+    assert_eq!(forged.sequence_losses, None);
+    assert_eq!(
+        honest.bytes, forged.bytes,
+        "the gradient it sends is honest"
+    );
+}
+
+#[test]
 fn wrong_merge_is_not_the_average() {
     let r = run();
     let parts = vec![(2.0, vec![0.1f32, 0.2, 0.3]), (1.0, vec![0.4f32, 0.5, 0.6])];

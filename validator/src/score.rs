@@ -4,7 +4,9 @@
 //! For miner `m` in epoch `e`:
 //!
 //! ```text
-//! work[m,e]    = gradient hops completed (backward hops; forward hops on the last stage)
+//! work[m,e]    = hops[m,e] * merged[m,e]
+//! hops[m,e]    = gradient hops completed (backward hops; forward hops on the last stage)
+//! merged[m,e]  = share of its stage's partitions whose accepted merge holds m's pseudo-gradient
 //! quality[m,e] = 0                                      if m failed a replay or merge check,
 //!                                                       or CLASP flags it as harmful
 //!              = 1 / (1 + max(0, effect[m,e]) / scale)  otherwise
@@ -13,13 +15,17 @@
 //! weight[m]    = S[m] / sum of S                       (after an optional burn share)
 //! ```
 //!
+//! Only work that reaches the model is paid: a miner that withholds its pseudo-gradient, or whose
+//! partitions keep their old weights because no merge of them was verified, earns nothing for
+//! the hops those partitions stand for.
+//!
 //! `effect` is the miner's CLASP effect on the loss (positive: samples through it end with a
 //! higher loss than through an average peer of its stage) and `scale` the loss difference that
 //! halves a miner's quality.
 
 use std::collections::{BTreeMap, HashMap};
 
-use iota_protocol::api::EpochRecord;
+use iota_protocol::api::{EpochRecord, PartitionState};
 
 use crate::clasp::HotkeyEffects;
 
@@ -66,7 +72,7 @@ pub struct EpochScore {
     pub hotkey: String,
     /// Epoch.
     pub epoch: u64,
-    /// Gradient hops completed.
+    /// Gradient hops completed, times the share of the miner's pseudo-gradient merged.
     pub work: f64,
     /// Quality factor in [0, 1].
     pub quality: f64,
@@ -153,8 +159,42 @@ pub fn failures(checks: &[CheckRow]) -> HashMap<String, String> {
     out
 }
 
-/// Every miner's score for one finished epoch: work from the epoch record, quality from the
-/// CLASP fit (`None`: no fit) and the failed checks.
+/// Each miner's share of its stage's partitions whose accepted merge holds its pseudo-gradient
+/// (contributions are frozen when merging starts, so an accepted partition holds every one
+/// uploaded for it). Miners that uploaded nothing are absent: their share is zero.
+pub fn merged_shares(record: &EpochRecord) -> HashMap<&str, f64> {
+    let mut partitions: HashMap<u32, usize> = HashMap::new();
+    let mut accepted: std::collections::HashSet<(u32, u32)> = std::collections::HashSet::new();
+    for p in &record.partitions {
+        *partitions.entry(p.stage).or_default() += 1;
+        if p.state == PartitionState::Accepted {
+            accepted.insert((p.stage, p.partition));
+        }
+    }
+    let mut merged: HashMap<&str, std::collections::BTreeSet<(u32, u32)>> = HashMap::new();
+    for pg in &record.pseudo_gradients {
+        if pg.epoch == record.epoch && accepted.contains(&(pg.stage, pg.partition)) {
+            merged
+                .entry(pg.hotkey.as_str())
+                .or_default()
+                .insert((pg.stage, pg.partition));
+        }
+    }
+    record
+        .miners
+        .iter()
+        .filter_map(|m| {
+            let total = *partitions.get(&m.stage)?;
+            let mine = merged.get(m.hotkey.as_str())?;
+            let count = mine.iter().filter(|(stage, _)| *stage == m.stage).count();
+            Some((m.hotkey.as_str(), count as f64 / total.max(1) as f64))
+        })
+        .collect()
+}
+
+/// Every miner's score for one finished epoch: work from the epoch record (hops times the
+/// merged share of its pseudo-gradient), quality from the CLASP fit (`None`: no fit) and the
+/// failed checks.
 pub fn epoch_scores(
     record: &EpochRecord,
     stages: u32,
@@ -164,16 +204,18 @@ pub fn epoch_scores(
 ) -> Vec<EpochScore> {
     let last = stages.saturating_sub(1);
     let effects = fit.map(HotkeyEffects::by_hotkey).unwrap_or_default();
+    let merged = merged_shares(record);
     record
         .miners
         .iter()
         .map(|m| {
-            let work = m.backward_done as f64
+            let hops = m.backward_done as f64
                 + if m.stage == last {
                     m.forward_done as f64
                 } else {
                     0.0
                 };
+            let work = hops * merged.get(m.hotkey.as_str()).copied().unwrap_or(0.0);
             let (effect, flagged) = effects
                 .get(m.hotkey.as_str())
                 .map(|(e, f)| (Some(*e), *f))
@@ -314,6 +356,78 @@ mod tests {
         assert_eq!(f["b"], "bad pseudo-gradient: short");
         assert_eq!(f["c"], "replay: task 9");
         assert_eq!(f["d"], "merge 1/0 is not the average");
+    }
+
+    /// An epoch of one stage with two partitions: `a` merged in both, `b` in one (the other
+    /// kept its weights), `c` uploaded nothing, `d` uploaded to the accepted partition only.
+    fn record() -> EpochRecord {
+        use iota_protocol::api::{MinerWork, PartitionStatus, PseudoGradientRecord};
+        let work = |h: &str, backward: u64| MinerWork {
+            hotkey: h.into(),
+            stage: 0,
+            forward_done: backward,
+            backward_done: backward,
+            failed: 0,
+        };
+        let partition = |p: u32, state: PartitionState| PartitionStatus {
+            epoch: 4,
+            stage: 0,
+            partition: p,
+            state,
+            owners: Vec::new(),
+            results: Vec::new(),
+            accepted: None,
+            resolved_by: None,
+        };
+        let pg = |h: &str, p: u32| PseudoGradientRecord {
+            epoch: 4,
+            stage: 0,
+            partition: p,
+            hotkey: h.into(),
+            blob: iota_protocol::blob::BlobDescriptor {
+                key: format!("{h}/{p}"),
+                size: 4,
+                dtype: iota_protocol::blob::BlobDtype::F32,
+                shape: vec![1],
+                blake3: "00".into(),
+                url: None,
+            },
+            weight: 1.0,
+        };
+        EpochRecord {
+            epoch: 4,
+            phase: None,
+            miners: vec![work("a", 10), work("b", 10), work("c", 10), work("d", 10)],
+            pseudo_gradients: vec![pg("a", 0), pg("a", 1), pg("b", 0), pg("d", 0)],
+            partitions: vec![
+                partition(0, PartitionState::Accepted),
+                partition(1, PartitionState::Unchanged),
+            ],
+            start_weights: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn only_hops_whose_pseudo_gradient_was_merged_are_paid() {
+        let mut rec = record();
+        rec.partitions[1].state = PartitionState::Accepted;
+        let cfg = ScoreConfig::default();
+        let work = |rec: &EpochRecord| -> BTreeMap<String, f64> {
+            epoch_scores(rec, 2, None, &HashMap::new(), &cfg)
+                .into_iter()
+                .map(|s| (s.hotkey, s.work))
+                .collect()
+        };
+        // Both partitions merged: a miner that withheld gets nothing, a partial upload half.
+        let w = work(&rec);
+        assert_eq!((w["a"], w["b"], w["c"], w["d"]), (10.0, 5.0, 0.0, 5.0));
+        // Partition 1 kept its weights: nobody is paid for the hops it stands for.
+        let w = work(&record());
+        assert_eq!((w["a"], w["b"], w["c"], w["d"]), (5.0, 5.0, 0.0, 5.0));
+        // A pseudo-gradient of another stage counts for nothing in this one.
+        let mut rec = record();
+        rec.pseudo_gradients.iter_mut().for_each(|p| p.stage = 1);
+        assert!(work(&rec).values().all(|w| *w == 0.0));
     }
 
     #[test]

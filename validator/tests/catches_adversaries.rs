@@ -1,6 +1,7 @@
 //! A real run with one miner of each adversarial kind among honest ones: localnet, PostgreSQL,
-//! orchestrator, 12 miners on the CPU (`tiny`) and a validator. Each cheater is caught by a
-//! replay, a merge check or CLASP; the weights the validator sets give every cheater less than
+//! orchestrator, 14 miners on the CPU (`tiny`) and a validator. Each cheater is caught by a
+//! replay, a merge check or CLASP, or is paid for no work (a loss without its sequences is
+//! refused; hops whose pseudo-gradient was withheld count for nothing); the weights the validator sets give every cheater less than
 //! every honest miner; after a tempo the chain's Yuma epoch pays honest miners more. The audit
 //! of the epoch the weights came from reproduces them, both while committed and once revealed,
 //! and reports tampered scores or another epoch's records. Needs `DATABASE_URL`
@@ -20,15 +21,20 @@ use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
 
 const HONEST: [u8; 6] = [81, 82, 83, 84, 85, 86];
-/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2.
-const CHEATERS: [(u8, Adversary); 6] = [
+/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2, 0, 1.
+/// Those that must cheat in epoch 0 (the withholder, whose unused reservation there costs it
+/// epoch 1's) or that cheat only from their second epoch on (stale weights) join early.
+const CHEATERS: [(u8, Adversary); 8] = [
     (91, Adversary::Noise),
-    (92, Adversary::Zeros),
+    (WITHHOLDER, Adversary::Withhold),
     (93, Adversary::LazyLoss),
-    (94, Adversary::Freeload),
+    (94, Adversary::StaleWeights),
     (95, Adversary::WrongMerge),
-    (96, Adversary::StaleWeights),
+    (96, Adversary::ForgeLoss),
+    (97, Adversary::Freeload),
+    (98, Adversary::Zeros),
 ];
+const WITHHOLDER: u8 = 92;
 const VALIDATOR: u8 = 99;
 const EPOCHS: u64 = 2;
 
@@ -67,9 +73,9 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         }
         for (_, a, m) in &miners {
             let want = match a {
-                Some(Adversary::Noise | Adversary::Freeload) => Some(0),
-                Some(Adversary::Zeros | Adversary::WrongMerge) => Some(1),
-                Some(Adversary::LazyLoss | Adversary::StaleWeights) => Some(2),
+                Some(Adversary::Noise | Adversary::StaleWeights | Adversary::Freeload) => Some(0),
+                Some(Adversary::Withhold | Adversary::WrongMerge | Adversary::Zeros) => Some(1),
+                Some(Adversary::LazyLoss | Adversary::ForgeLoss) => Some(2),
                 _ => None,
             };
             if want.is_some() {
@@ -101,17 +107,25 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         assert!(scored.len() as u64 >= EPOCHS, "scored {scored:?}");
 
         // Every cheater lost its score in at least one epoch, for the reason its cheat gives.
-        let rows: Vec<(i64, String, f64, Option<String>)> = sqlx::query_as(
-            "SELECT epoch, hotkey, quality, penalty FROM scores ORDER BY epoch, hotkey",
+        let rows: Vec<(i64, String, f64, Option<String>, f64)> = sqlx::query_as(
+            "SELECT epoch, hotkey, quality, penalty, work FROM scores ORDER BY epoch, hotkey",
         )
         .fetch_all(store.pool())
         .await
         .expect("scores");
         let ss58 = |seed: u8| iota_protocol::signing::RequestSigner::ss58(&pair(seed));
         for (seed, kind) in CHEATERS {
-            let penalties: Vec<String> = rows
+            let mine: Vec<_> = rows.iter().filter(|r| r.1 == ss58(seed)).collect();
+            if matches!(kind, Adversary::ForgeLoss | Adversary::Withhold) {
+                // Not caught by a check but paid for nothing: the forger's completions are
+                // refused, the withholder's hops never reached the model.
+                eprintln!("{kind}: {mine:?}");
+                assert!(mine.iter().all(|r| r.4 == 0.0), "{kind} was paid: {mine:?}");
+                continue;
+            }
+            let penalties: Vec<String> = mine
                 .iter()
-                .filter(|r| r.1 == ss58(seed) && r.2 == 0.0)
+                .filter(|r| r.2 == 0.0)
                 .filter_map(|r| r.3.clone())
                 .collect();
             eprintln!("{kind}: {penalties:?}");
@@ -124,6 +138,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 | Adversary::Zeros
                 | Adversary::LazyLoss
                 | Adversary::StaleWeights => &["replay: "],
+                Adversary::ForgeLoss | Adversary::Withhold => unreachable!("checked above"),
             };
             assert!(
                 penalties
@@ -132,6 +147,51 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 "{kind} caught for another reason: {penalties:?}"
             );
         }
+        // The withholder did the work it was not paid for.
+        let withheld = explorer(&orch.base, VALIDATOR)
+            .await
+            .epoch_record(0)
+            .await
+            .expect("epoch 0");
+        let withholder = withheld
+            .miners
+            .iter()
+            .find(|m| m.hotkey == ss58(WITHHOLDER))
+            .expect("the withholder's hops");
+        assert!(
+            withholder.backward_done > 0,
+            "the withholder trained: {withholder:?}"
+        );
+        assert!(
+            withheld
+                .pseudo_gradients
+                .iter()
+                .all(|p| p.hotkey != ss58(WITHHOLDER)),
+            "it uploaded nothing"
+        );
+        // Its unused reservation of epoch 0 cost it the next: it trained in epoch 1, and its
+        // reservation there was refused.
+        let next = explorer(&orch.base, VALIDATOR)
+            .await
+            .epoch_record(1)
+            .await
+            .expect("epoch 1");
+        assert!(
+            next.miners
+                .iter()
+                .any(|m| m.hotkey == ss58(WITHHOLDER) && m.backward_done > 0),
+            "the withholder trained in epoch 1: {:?}",
+            next.miners
+        );
+        let orch_db = sqlx::PgPool::connect(&db).await.expect("orchestrator db");
+        let reserved: Vec<i64> = sqlx::query_scalar(
+            "SELECT epoch FROM upload_reservations WHERE miner = $1 ORDER BY epoch",
+        )
+        .bind(ss58(WITHHOLDER))
+        .fetch_all(&orch_db)
+        .await
+        .expect("reservations");
+        assert_eq!(reserved, vec![0], "reservations of the withholder");
         for seed in HONEST {
             let zeroed: Vec<_> = rows
                 .iter()

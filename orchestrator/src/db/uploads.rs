@@ -109,6 +109,26 @@ pub async fn is_reserved<'e>(
     .await
 }
 
+/// Whether `miner` reserved its upload of `epoch` and then uploaded no partition of it.
+pub async fn reservation_unused<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+    miner: &str,
+) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM upload_reservations r
+                        WHERE r.run_id = $1 AND r.epoch = $2 AND r.miner = $3)
+            AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
+                            WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = $3)",
+    )
+    .bind(run)
+    .bind(epoch)
+    .bind(miner)
+    .fetch_one(db)
+    .await
+}
+
 /// A pseudo-gradient partition to record.
 pub struct NewPseudoGradient<'a> {
     /// Its partition.
