@@ -47,3 +47,44 @@ pub enum ValidatorError {
     #[error("configuration: {0}")]
     Config(String),
 }
+
+impl ValidatorError {
+    /// Whether scoring an epoch again would fail the same way: the failure comes from the
+    /// epoch's own records or objects (a replay or fit that errors on them, a malformed object or
+    /// answer), not from something that comes back (the network, the orchestrator's or chain's
+    /// availability, the database) or that the operator must fix (configuration, migrations,
+    /// the dataset's files).
+    pub fn repeats_on_retry(&self) -> bool {
+        match self {
+            Self::Model(_)
+            | Self::Replay(_)
+            | Self::Clasp(_)
+            | Self::BadObject(_)
+            | Self::BadAnswer(_) => true,
+            Self::Api(_)
+            | Self::Chain(_)
+            | Self::Db(_)
+            | Self::Migrate(_)
+            | Self::EpochGone { .. }
+            | Self::Dataset(_)
+            | Self::Config(_) => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_failures_of_the_epochs_own_data_repeat() {
+        assert!(ValidatorError::BadObject("short".into()).repeats_on_retry());
+        assert!(ValidatorError::BadAnswer("cursor".into()).repeats_on_retry());
+        let fit = crate::clasp::ClaspError::TooFewSamples(1);
+        assert!(ValidatorError::Clasp(fit).repeats_on_retry());
+        let network = iota_protocol::ClientError::Network("reset".into());
+        assert!(!ValidatorError::Api(network).repeats_on_retry());
+        assert!(!ValidatorError::Db(sqlx::Error::PoolTimedOut).repeats_on_retry());
+        assert!(!ValidatorError::Config("no hotkey".into()).repeats_on_retry());
+    }
+}

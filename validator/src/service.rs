@@ -1255,15 +1255,24 @@ impl Validator {
             .map(|e| e + 1)
             .unwrap_or(0);
         for epoch in from..status.epoch {
-            if self.store.is_scored(o.run_id, epoch).await? {
+            if self.store.is_scored(o.run_id, epoch).await?
+                || self.store.skipped(o.run_id, epoch).await?.is_some()
+            {
                 continue;
             }
             // An epoch that can no longer be checked is passed over, not retried for ever: the
-            // epochs after it are scored (and weights set) as usual.
+            // epochs after it are scored (and weights set) as usual. So is one whose scoring
+            // fails on its own records, recorded with the reason so an operator sees it.
             match self.score_epoch(epoch).await {
                 Ok(_) => scored.push(epoch),
                 Err(e @ ValidatorError::EpochGone { .. }) => {
                     tracing::warn!(epoch, error = %e, "epoch skipped");
+                }
+                Err(e) if e.repeats_on_retry() => {
+                    tracing::error!(epoch, error = %e, "epoch cannot be scored; skipped");
+                    self.store
+                        .skip_epoch(o.run_id, epoch, &e.to_string())
+                        .await?;
                 }
                 Err(e) => return Err(e),
             }

@@ -151,6 +151,39 @@ impl Store {
         .await?)
     }
 
+    /// Records that `epoch` could not be scored for a reason a retry would repeat; the first
+    /// reason recorded stays.
+    pub async fn skip_epoch(
+        &self,
+        run_id: i64,
+        epoch: u64,
+        reason: &str,
+    ) -> Result<(), ValidatorError> {
+        sqlx::query(
+            "INSERT INTO skipped_epochs (run_id, epoch, reason) VALUES ($1, $2, $3)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .bind(reason)
+        .execute(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// Why `epoch` was skipped, if it was.
+    pub async fn skipped(&self, run_id: i64, epoch: u64) -> Result<Option<String>, ValidatorError> {
+        Ok(
+            sqlx::query_scalar(
+                "SELECT reason FROM skipped_epochs WHERE run_id = $1 AND epoch = $2",
+            )
+            .bind(run_id)
+            .bind(epoch as i64)
+            .fetch_optional(&self.db)
+            .await?,
+        )
+    }
+
     /// Stores an epoch's checks, CLASP fit and scores in one transaction.
     #[allow(clippy::too_many_arguments)]
     pub async fn record_epoch(

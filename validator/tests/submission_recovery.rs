@@ -1,5 +1,6 @@
 //! A validator stopped in the middle of a weight submission, or whose commit expired, leaves no
-//! submission `pending` or `committed` for ever. Needs `DATABASE_URL` (scripts/test.sh).
+//! submission `pending` or `committed` for ever; an epoch it skipped stays skipped with its
+//! reason. Needs `DATABASE_URL` (scripts/test.sh).
 
 use iota_chain::commit::{CommitStore, PendingCommit};
 use iota_chain::wallet::PublicKey;
@@ -108,4 +109,23 @@ async fn interrupted_and_dropped_submissions_are_settled() {
         .await
         .expect("dropped");
     assert_eq!(state(&store, late).await.0, "failed");
+}
+
+/// An epoch skipped for a failure a retry would repeat keeps its first reason; others are not
+/// skipped.
+#[tokio::test]
+async fn a_skipped_epoch_keeps_its_first_reason() {
+    let store = fresh_store().await;
+    assert_eq!(store.skipped(1, 4).await.expect("read"), None);
+    store
+        .skip_epoch(1, 4, "clasp: 1 samples")
+        .await
+        .expect("skip");
+    store.skip_epoch(1, 4, "another").await.expect("skip again");
+    assert_eq!(
+        store.skipped(1, 4).await.expect("read").as_deref(),
+        Some("clasp: 1 samples")
+    );
+    assert_eq!(store.skipped(1, 5).await.expect("read"), None);
+    assert_eq!(store.skipped(2, 4).await.expect("read"), None);
 }
