@@ -651,7 +651,8 @@ pub struct CompleteRequest {
     #[serde(default)]
     #[schema(minimum = 0.0, maximum = 1e4)]
     pub loss: Option<f64>,
-    /// Per-sequence losses of the sample (last stage, optional).
+    /// Per-sequence losses of the sample: exactly `micro_batch` on the last stage's forward,
+    /// whose mean is `loss`; none on other hops.
     #[serde(default)]
     pub sequence_losses: Option<Vec<f64>>,
     /// Milliseconds the miner spent on the hop.
