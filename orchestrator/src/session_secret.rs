@@ -1,5 +1,7 @@
-//! A run's secret for session keys (`runs.session_secret`, drawn once per run): every replica
-//! derives a session's key from it and the request alone (see [`crate::http::sessions`]).
+//! A run's secret (`runs.session_secret`, drawn once per run): every replica derives a session's
+//! key from it and the request alone (see [`crate::http::sessions`]), and the seed of each
+//! epoch's draw of merge owners from it and the frozen contributions (see
+//! [`SessionSecret::owner_draw_seed`]).
 
 use iota_protocol::AuthError;
 use iota_protocol::session::{SessionKey, token_expiry};
@@ -47,6 +49,42 @@ impl SessionSecret {
     }
 }
 
+/// What the owners of a stage's merge are drawn from: every partition's frozen contributions, in
+/// merge order.
+pub struct FrozenContributions<'a> {
+    /// The epoch.
+    pub epoch: u64,
+    /// The stage.
+    pub stage: u32,
+    /// Per partition in order, its contributions' (hotkey, BLAKE3) in merge order.
+    pub partitions: Vec<Vec<(&'a str, &'a str)>>,
+}
+
+impl SessionSecret {
+    /// The seed of a stage's owner draw: the run's secret (so no miner can compute it) keyed over
+    /// the contributions frozen when merging starts (so nobody, the operator included, knows it
+    /// before uploads are frozen). A key derived for this use alone: no session key can equal it.
+    pub fn owner_draw_seed(&self, frozen: &FrozenContributions<'_>) -> [u8; 32] {
+        let mut key_material = blake3::Hasher::new_derive_key("iota orchestrator merge owners v1");
+        key_material.update(&self.0);
+        let key = *key_material.finalize().as_bytes();
+        let mut h = blake3::Hasher::new_keyed(&key);
+        h.update(&frozen.epoch.to_le_bytes());
+        h.update(&frozen.stage.to_le_bytes());
+        for contributions in &frozen.partitions {
+            h.update(&(contributions.len() as u64).to_le_bytes());
+            for (hotkey, hash) in contributions {
+                // Length-prefixed, so that no two lists hash alike.
+                for field in [hotkey, hash] {
+                    h.update(&(field.len() as u64).to_le_bytes());
+                    h.update(field.as_bytes());
+                }
+            }
+        }
+        *h.finalize().as_bytes()
+    }
+}
+
 impl std::fmt::Debug for SessionSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SessionSecret(..)")
@@ -56,6 +94,44 @@ impl std::fmt::Debug for SessionSecret {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_owner_seed_depends_on_the_secret_and_every_frozen_contribution() {
+        let secret = SessionSecret([7; 32]);
+        let frozen = |epoch: u64, hash: &'static str| FrozenContributions {
+            epoch,
+            stage: 1,
+            partitions: vec![vec![("a", "01"), ("b", hash)], vec![("a", "03")]],
+        };
+        let seed = secret.owner_draw_seed(&frozen(4, "02"));
+        assert_eq!(
+            seed,
+            secret.owner_draw_seed(&frozen(4, "02")),
+            "a pure function"
+        );
+        assert_ne!(
+            seed,
+            secret.owner_draw_seed(&frozen(4, "0f")),
+            "one upload changed"
+        );
+        assert_ne!(
+            seed,
+            secret.owner_draw_seed(&frozen(5, "02")),
+            "another epoch"
+        );
+        assert_ne!(
+            seed,
+            SessionSecret([8; 32]).owner_draw_seed(&frozen(4, "02")),
+            "another run's secret"
+        );
+        // A contribution moved to the next partition is another freeze.
+        let moved = FrozenContributions {
+            epoch: 4,
+            stage: 1,
+            partitions: vec![vec![("a", "01")], vec![("b", "02"), ("a", "03")]],
+        };
+        assert_ne!(seed, secret.owner_draw_seed(&moved));
+    }
     use crate::session_secret::SessionSecret;
     use iota_protocol::session::ClientSession;
     use iota_protocol::session::SessionKey;

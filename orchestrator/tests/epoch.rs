@@ -993,7 +993,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
 
 /// Disputes nobody settles are closed when their epoch ends (they leave the validators' list, and
 /// a late settlement is refused instead of being recorded against weights the next epoch did not
-/// start from).
+/// start from); their partitions keep their weights.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disputes_left_open_close_with_their_epoch() {
     init_tracing();
@@ -1050,25 +1050,31 @@ async fn disputes_left_open_close_with_their_epoch() {
             .all(|(state, by)| state == "settled" && by.as_deref() == Some("deadline")),
         "{closed:?}"
     );
-    // Each closed with the weights its partition ended with.
-    let hashes: Vec<(Option<String>, Option<String>)> = sqlx::query_as(
-        "SELECT d.settled_hash, p.accepted->>'blake3' FROM disputes d
+    // Nothing unverified is adopted: each disputed partition kept its weights, and its dispute
+    // closed with no hash.
+    let ended: Vec<(Option<String>, String, Option<String>)> = sqlx::query_as(
+        "SELECT d.settled_hash, p.state, p.resolved_by FROM disputes d
          JOIN partitions p USING (run_id, epoch, stage, partition) WHERE d.epoch = 0",
     )
     .fetch_all(&db)
     .await
-    .expect("hashes");
+    .expect("partitions");
     assert!(
-        hashes.iter().all(|(d, p)| d.is_some() && d == p),
-        "{hashes:?}"
+        ended.iter().all(|(hash, state, by)| hash.is_none()
+            && state == "unchanged"
+            && by.as_deref() == Some("unverified")),
+        "{ended:?}"
     );
-    // A late settlement is refused as late, whatever its hash: even the hash the dispute was
-    // closed with (a 200 would tell the validator it had settled it).
-    let closed_with: String = sqlx::query_scalar("SELECT settled_hash FROM disputes WHERE id = $1")
-        .bind(open[0].id)
-        .fetch_one(&db)
-        .await
-        .expect("the hash it was closed with");
+    // A late settlement is refused as late, whatever its hash: even a submitted result's (a 200
+    // would tell the validator it had settled it).
+    let closed_with: String = sqlx::query_scalar(
+        "SELECT r.blake3 FROM merge_results r JOIN disputes d USING (run_id, epoch, stage, partition)
+         WHERE d.id = $1 LIMIT 1",
+    )
+    .bind(open[0].id)
+    .fetch_one(&db)
+    .await
+    .expect("a submitted result's hash");
     for hash in ["cd".repeat(32), closed_with] {
         let late = v
             .settle(open[0].id, &hash)

@@ -818,7 +818,9 @@ pub struct PartitionStatus {
     pub results: Vec<MergeResult>,
     /// The accepted result.
     pub accepted: Option<BlobDescriptor>,
-    /// Who settled it: `agreement`, `majority`, `validator:<ss58>` or `single`.
+    /// Who settled it: `agreement`, `majority` or `validator:<ss58>` (accepted); `unmerged`
+    /// (no result by the last deadline) or `unverified` (results that no two owners agreed on
+    /// and no validator settled by then), both keeping the partition's weights.
     pub resolved_by: Option<String>,
 }
 

@@ -38,16 +38,16 @@ pub fn verdict(results: &[String]) -> Verdict {
     }
 }
 
-/// At the last deadline: the hash with the most results (earliest on a tie), if any.
-pub fn final_pick(results: &[String]) -> Option<String> {
-    let mut best: Option<(&str, usize)> = None;
-    for r in results {
-        let c = results.iter().filter(|x| *x == r).count();
-        if best.is_none_or(|(_, bc)| c > bc) {
-            best = Some((r, c));
-        }
+/// How a partition still unsettled at the last deadline is recorded: it keeps its weights
+/// either way, `unmerged` when nobody submitted a result, `unverified` when results came but no
+/// two agreed and no validator settled it. Adopting a lone result, or the most-submitted of
+/// disagreeing ones, let the fastest wrong owner set everyone's weights.
+pub fn unsettled_at_last_deadline(results: usize) -> &'static str {
+    if results == 0 {
+        "unmerged"
+    } else {
+        "unverified"
     }
-    best.map(|(h, _)| h.to_owned())
 }
 
 #[cfg(test)]
@@ -73,8 +73,8 @@ mod tests {
                 unanimous: false
             }
         );
-        assert_eq!(final_pick(&s(&["a", "b", "b"])), Some("b".into()));
-        assert_eq!(final_pick(&s(&["a", "b"])), Some("a".into()));
-        assert_eq!(final_pick(&[]), None);
+        assert_eq!(unsettled_at_last_deadline(0), "unmerged");
+        assert_eq!(unsettled_at_last_deadline(1), "unverified");
+        assert_eq!(unsettled_at_last_deadline(2), "unverified");
     }
 }

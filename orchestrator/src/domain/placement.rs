@@ -146,17 +146,44 @@ pub fn weighted_pick<'a, R: Rng + ?Sized>(
     candidates.last().map(|(k, _)| k.as_str())
 }
 
-/// The first-round owners of `partition`: two consecutive miners of the sorted contributor list,
-/// rotated by partition and epoch so the load spreads and changes every epoch.
-pub fn initial_owners(sorted_candidates: &[String], epoch: u64, partition: u32) -> Vec<String> {
-    let n = sorted_candidates.len();
+/// The order a stage's merge draws its owners from: a permutation of `candidates` uniform over
+/// all orders, drawn from `seed` (Fisher–Yates over a keyed BLAKE3 stream). Neighbours in this
+/// order own partitions together, so with a seed no miner can compute (see
+/// [`crate::session_secret::SessionSecret::owner_draw_seed`]) a hotkey's place in the sorted list,
+/// which anyone can grind, says nothing about whom it merges with.
+pub fn owner_order(candidates: &[String], seed: &[u8; 32]) -> Vec<String> {
+    let mut order = candidates.to_vec();
+    let mut stream = blake3::Hasher::new_keyed(seed).finalize_xof();
+    let mut draw = |bound: u64| -> u64 {
+        // Uniform in 0..bound by rejection: no value is more likely than another.
+        let zone = u64::MAX - u64::MAX % bound;
+        loop {
+            let mut bytes = [0u8; 8];
+            stream.fill(&mut bytes);
+            let v = u64::from_le_bytes(bytes);
+            if v < zone {
+                return v % bound;
+            }
+        }
+    };
+    for i in (1..order.len()).rev() {
+        let j = draw(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// The first-round owners of `partition`: two consecutive miners of the stage's owner order
+/// ([`owner_order`]), rotated by partition so that each miner owns as many as any other.
+pub fn initial_owners(order: &[String], partition: u32) -> Vec<String> {
+    let n = order.len();
     if n == 0 {
         return Vec::new();
     }
-    let first = ((u64::from(partition) + epoch) % n as u64) as usize;
-    let mut owners = vec![sorted_candidates[first].clone()];
+    let first = partition as usize % n;
+    let mut owners = vec![order[first].clone()];
     if n > 1 {
-        owners.push(sorted_candidates[(first + 1) % n].clone());
+        owners.push(order[(first + 1) % n].clone());
     }
     owners
 }
@@ -435,13 +462,52 @@ mod tests {
     }
 
     #[test]
-    fn owners_rotate_and_are_distinct() {
+    fn owners_rotate_over_the_order_and_are_distinct() {
         let m: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
-        assert_eq!(initial_owners(&m, 0, 0), vec!["a", "b"]);
-        assert_eq!(initial_owners(&m, 0, 2), vec!["c", "a"]);
-        assert_eq!(initial_owners(&m, 1, 0), vec!["b", "c"]);
-        assert_eq!(initial_owners(&m[..1], 5, 3), vec!["a"]);
-        assert!(initial_owners(&[], 0, 0).is_empty());
+        assert_eq!(initial_owners(&m, 0), vec!["a", "b"]);
+        assert_eq!(initial_owners(&m, 2), vec!["c", "a"]);
+        assert_eq!(initial_owners(&m, 4), vec!["b", "c"]);
+        assert_eq!(initial_owners(&m[..1], 3), vec!["a"]);
+        assert!(initial_owners(&[], 0).is_empty());
+    }
+
+    #[test]
+    fn grinding_a_hotkey_next_to_a_partner_gains_nothing() {
+        // Six miners: "b" and "c" sit next to each other in sorted order, "a" and "d" do not.
+        let m: Vec<String> = ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let pair_owns = |owners: &[String], x: &str, y: &str| {
+            owners.iter().any(|o| o == x) && owners.iter().any(|o| o == y)
+        };
+        let (mut adjacent, mut apart) = (0u32, 0u32);
+        let draws = 30_000u32;
+        for i in 0..draws {
+            let seed = *blake3::hash(&i.to_le_bytes()).as_bytes();
+            let order = owner_order(&m, &seed);
+            let mut sorted = order.clone();
+            sorted.sort();
+            assert_eq!(sorted, m, "a permutation");
+            let owners = initial_owners(&order, 0);
+            adjacent += u32::from(pair_owns(&owners, "b", "c"));
+            apart += u32::from(pair_owns(&owners, "a", "d"));
+        }
+        // Any pair owns a given partition together with probability 1/C(6,2) = 1/15 (2,000 of
+        // 30,000, sigma about 43); with the old sorted rotation "b" and "c" owned partition 0
+        // together every sixth epoch and "a" and "d" never.
+        for (what, n) in [("adjacent", adjacent), ("apart", apart)] {
+            assert!((1_850..2_150).contains(&n), "{what}: {n} of {draws}");
+        }
+        // Each miner still owns the same number of partitions.
+        let order = owner_order(&m, &[3; 32]);
+        let mut owned: HashMap<String, u32> = HashMap::new();
+        for p in 0..12 {
+            for o in initial_owners(&order, p) {
+                *owned.entry(o).or_default() += 1;
+            }
+        }
+        assert!(owned.values().all(|n| *n == 4), "{owned:?}");
     }
 
     #[test]

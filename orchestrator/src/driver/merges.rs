@@ -14,7 +14,7 @@ use crate::db;
 use crate::db::locks::phase_lock_shared;
 use crate::db::merges::NewResult;
 use crate::db::partitions::PartitionKey;
-use crate::domain::merges::{Verdict, final_pick, verdict};
+use crate::domain::merges::{Verdict, unsettled_at_last_deadline, verdict};
 use crate::error::{RunError, RunResult};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{RunNow, run_now};
@@ -33,9 +33,10 @@ async fn set_partition(
     Ok(())
 }
 
-/// At the last merge deadline every partition still unsettled takes its most-submitted result
-/// (`single` or `plurality`), or keeps its weights when nobody merged it (`unmerged`). Two reads
-/// and an update a chunk at a time, however many are open: this holds the exclusive phase lock.
+/// At the last merge deadline every partition still unsettled keeps its weights: `unmerged`
+/// when nobody merged it, `unverified` when results came that nobody verified (a lone result, or
+/// disagreeing ones no validator settled); see [`unsettled_at_last_deadline`]. Two reads and an
+/// update a chunk at a time, however many are open: this holds the exclusive phase lock.
 pub(crate) async fn settle_at_last_deadline(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
@@ -45,46 +46,25 @@ pub(crate) async fn settle_at_last_deadline(
     if open.is_empty() {
         return Ok(());
     }
-    let mut votes: HashMap<(i32, i32), Vec<(String, serde_json::Value)>> = HashMap::new();
-    for (stage, partition, hash, blob) in
+    let mut results: HashMap<(i32, i32), usize> = HashMap::new();
+    for (stage, partition, _, _) in
         db::merges::open_votes(&mut **tx, app.run.id, epoch as i64).await?
     {
-        votes
-            .entry((stage, partition))
-            .or_default()
-            .push((hash, blob));
+        *results.entry((stage, partition)).or_default() += 1;
     }
-    let mut unmerged = Vec::new();
-    let mut settled = Vec::with_capacity(open.len());
-    for (stage, partition) in open {
-        let results = votes.remove(&(stage, partition)).unwrap_or_default();
-        let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
-        let outcome = match final_pick(&hashes) {
-            Some(hash) => {
-                let how = match results.len() {
-                    1 => "single",
-                    _ => "plurality",
-                };
-                let blob = results
-                    .into_iter()
-                    .find(|(h, _)| *h == hash)
-                    .map(|(_, b)| b);
-                (PartitionState::Accepted, blob, how)
-            }
-            None => {
-                unmerged.push((stage, partition));
-                (PartitionState::Unchanged, None, "unmerged")
-            }
-        };
-        settled.push((stage, partition, outcome));
-    }
+    let settled: Vec<(i32, i32, &'static str)> = open
+        .into_iter()
+        .map(|(stage, partition)| {
+            let submitted = results.get(&(stage, partition)).copied().unwrap_or(0);
+            (stage, partition, unsettled_at_last_deadline(submitted))
+        })
+        .collect();
     for chunk in settled.chunks(PARTITIONS_PER_STATEMENT) {
         let stages: Vec<i32> = chunk.iter().map(|(s, _, _)| *s).collect();
         let partitions: Vec<i32> = chunk.iter().map(|(_, p, _)| *p).collect();
-        let states: Vec<&str> = chunk.iter().map(|(_, _, o)| o.0.as_str()).collect();
-        let accepted: Vec<Option<serde_json::Value>> =
-            chunk.iter().map(|(_, _, o)| o.1.clone()).collect();
-        let how: Vec<&str> = chunk.iter().map(|(_, _, o)| o.2).collect();
+        let states = vec![PartitionState::Unchanged.as_str(); chunk.len()];
+        let accepted: Vec<Option<serde_json::Value>> = vec![None; chunk.len()];
+        let how: Vec<&str> = chunk.iter().map(|(_, _, how)| *how).collect();
         let settlements = db::partitions::Settlements {
             stages: &stages,
             partitions: &partitions,
@@ -94,13 +74,25 @@ pub(crate) async fn settle_at_last_deadline(
         };
         db::partitions::settle_many(&mut **tx, app.run.id, epoch as i64, settlements).await?;
     }
-    if !unmerged.is_empty() {
-        tracing::error!(
-            epoch,
-            count = unmerged.len(),
-            first = ?&unmerged[..unmerged.len().min(8)],
-            "no merge result by the last deadline; weights unchanged (stage, partition)"
-        );
+    let first = |how: &str| -> Vec<(i32, i32)> {
+        settled
+            .iter()
+            .filter(|(_, _, h)| *h == how)
+            .map(|(s, p, _)| (*s, *p))
+            .take(8)
+            .collect()
+    };
+    for how in ["unmerged", "unverified"] {
+        let count = settled.iter().filter(|(_, _, h)| *h == how).count();
+        if count > 0 {
+            tracing::error!(
+                epoch,
+                count,
+                how,
+                first = ?first(how),
+                "partitions unsettled at the last deadline keep their weights (stage, partition)"
+            );
+        }
     }
     Ok(())
 }

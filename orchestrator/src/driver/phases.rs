@@ -16,9 +16,10 @@ use crate::db;
 use crate::db::locks::phase_lock_exclusive;
 use crate::domain::leases::secs;
 use crate::domain::phases::{PhaseStep, PhaseView, next_step, reservations_hold_until};
-use crate::domain::placement::initial_owners;
+use crate::domain::placement::{initial_owners, owner_order};
 use crate::error::RunResult;
 use crate::samples::{abandon_sample, run_now};
+use crate::session_secret::FrozenContributions;
 
 pub(crate) async fn phase_view(app: &App, db: &mut sqlx::PgConnection) -> RunResult<PhaseView> {
     let cfg = app.config();
@@ -102,7 +103,8 @@ pub(crate) async fn start_uploading(app: &App, now: DateTime<Utc>) -> RunResult<
 }
 
 /// Freezes each partition's contributions (in hotkey order, the fixed merge order) and assigns
-/// two owners per partition from the stage's active miners.
+/// two owners per partition from the stage's active miners, neighbours in an order drawn from
+/// the run's secret and the frozen contributions.
 pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let cfg = app.config().clone();
     let mut tx = app.db.begin().await?;
@@ -150,11 +152,31 @@ pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()
                     blob,
                 });
         }
+        // Owners are neighbours in an order drawn from a seed of the run's secret and these
+        // frozen contributions: nobody could know it before now, and no miner can compute it.
+        let seed = {
+            let partitions = (0..cfg.partitions as i32)
+                .map(|p| {
+                    contributed.get(&p).map_or_else(Vec::new, |c| {
+                        c.iter()
+                            .map(|c| (c.hotkey.as_str(), c.blob.blake3.as_str()))
+                            .collect()
+                    })
+                })
+                .collect();
+            let frozen = FrozenContributions {
+                epoch,
+                stage,
+                partitions,
+            };
+            app.run.session_secret.owner_draw_seed(&frozen)
+        };
+        let order = owner_order(&candidates, &seed);
         for partition in 0..cfg.partitions {
             let contributions = contributed.remove(&(partition as i32)).unwrap_or_default();
             let owners = match contributions.is_empty() {
                 true => Vec::new(),
-                false => initial_owners(&candidates, epoch, partition),
+                false => initial_owners(&order, partition),
             };
             chunk.push(stage, partition, &contributions, owners)?;
             if chunk.stages.len() >= PARTITIONS_PER_STATEMENT
@@ -289,8 +311,8 @@ pub(crate) async fn reassign_round(app: &App, now: DateTime<Utc>) -> RunResult<(
     Ok(())
 }
 
-/// Ends the epoch: partitions still unsettled take their most-submitted result (or keep their
-/// weights when nobody merged them), travelling samples are closed, the next epoch starts.
+/// Ends the epoch: partitions still unsettled keep their weights (nothing unverified is
+/// adopted), travelling samples are closed, the next epoch starts.
 pub(crate) async fn next_epoch(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let mut tx = app.db.begin().await?;
     phase_lock_exclusive(&mut tx, app.run.id).await?;
