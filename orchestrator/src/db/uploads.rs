@@ -109,23 +109,26 @@ pub async fn is_reserved<'e>(
     .await
 }
 
-/// Whether `miner` reserved its upload of `epoch` and then uploaded no partition of it.
-pub async fn reservation_unused<'e>(
+/// The latest epoch before `epoch` in which `miner` reserved its upload and then uploaded no
+/// partition of it, unless it has uploaded a pseudo-gradient since.
+pub async fn unused_reservation_before<'e>(
     db: impl Db<'e>,
     run: i64,
     epoch: i64,
     miner: &str,
-) -> sqlx::Result<bool> {
+) -> sqlx::Result<Option<i64>> {
     sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM upload_reservations r
-                        WHERE r.run_id = $1 AND r.epoch = $2 AND r.miner = $3)
-            AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
-                            WHERE g.run_id = $1 AND g.epoch = $2 AND g.miner = $3)",
+        "SELECT r.epoch FROM upload_reservations r
+         WHERE r.run_id = $1 AND r.miner = $3 AND r.epoch < $2
+           AND NOT EXISTS (SELECT 1 FROM pseudo_gradients g
+                           WHERE g.run_id = $1 AND g.miner = $3
+                             AND g.epoch >= r.epoch AND g.epoch < $2)
+         ORDER BY r.epoch DESC LIMIT 1",
     )
     .bind(run)
     .bind(epoch)
     .bind(miner)
-    .fetch_one(db)
+    .fetch_optional(db)
     .await
 }
 

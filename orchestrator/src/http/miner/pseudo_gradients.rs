@@ -98,9 +98,9 @@ async fn may_contribute(app: &App, caller: &Caller, epoch: u64) -> ApiResult<()>
 /// deadline, hold the phase open for the caller's partitions. While a miner that reserved has not
 /// uploaded every partition, the phase goes on past its deadline, for at most one more phase
 /// length, so that an upload that started in time is not lost to the deadline. Retrying is
-/// harmless. A miner that left its previous epoch's reservation unused (it held every miner's
-/// phase open and uploaded nothing) may still upload, but not reserve: holding the phase open
-/// for nothing costs it the right to hold it the next epoch.
+/// harmless. A miner that left a reservation unused (it held every miner's phase open and
+/// uploaded nothing) may still upload, but not reserve again until it has uploaded without one:
+/// holding the phase open for nothing costs it the right to hold it.
 #[utoipa::path(post, path = "/v1/miner/epochs/{epoch}/pseudo-gradients/reserve", tag = "miner",
     params(("epoch" = u64, Path, description = "Epoch")),
     responses((status = 200, body = ReservationResponse), (status = "4XX", body = iota_protocol::ApiError)),
@@ -120,15 +120,15 @@ pub async fn reserve_pg(
     let at = app.now();
     let held = holds_reservation(&mut tx, &app, &caller, epoch).await?;
     if !held
-        && let Some(previous) = epoch.checked_sub(1)
-        && db::uploads::reservation_unused(&mut *tx, app.run.id, previous as i64, &caller.ss58)
-            .await?
+        && let Some(unused) =
+            db::uploads::unused_reservation_before(&mut *tx, app.run.id, epoch as i64, &caller.ss58)
+                .await?
     {
         return Err(AppError::new(
             ErrorCode::Forbidden,
             format!(
-                "your upload reservation of epoch {previous} was never used: upload epoch \
-                 {epoch}'s pseudo-gradient before the deadline, without a reservation"
+                "your upload reservation of epoch {unused} was never used: upload your \
+                 pseudo-gradient before the deadline, without a reservation, to reserve again"
             ),
         ));
     }
