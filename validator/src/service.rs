@@ -849,30 +849,17 @@ impl Validator {
                 &scores,
             )
             .await?;
-        // Published for everyone to check; a failure to publish loses nothing here.
+        // Published for everyone to check (the spot checks; the scores for `GET /v1/scores` and
+        // the dashboard's panel). A failure loses nothing: a later pass sends them again from
+        // the rows just stored (`publish_pending`).
         let report = SpotCheckReport {
             validator: String::new(),
             seed: seed_hex.clone(),
             seed_block,
             checks: checks.clone(),
         };
-        if let Err(e) = o.client.report_spot_checks(epoch, &report).await {
-            tracing::warn!(epoch, error = %e, "could not publish the spot checks");
-        }
-        // The scores too, for explorers (`GET /v1/scores`, the dashboard's panel).
-        let submission = ScoreSubmission {
-            scores: scores
-                .iter()
-                .map(|s| MinerScore {
-                    hotkey: s.hotkey.clone(),
-                    score: s.score,
-                })
-                .collect(),
-            weights: None,
-        };
-        if let Err(e) = o.client.submit_scores(epoch, &submission).await {
-            tracing::warn!(epoch, error = %e, "could not publish the scores");
-        }
+        self.publish(o.run_id, epoch, &report, &score_submission(&scores))
+            .await?;
         Ok(EpochOutcome {
             epoch,
             seed: seed_hex,
@@ -880,6 +867,69 @@ impl Validator {
             checks,
             scores,
         })
+    }
+
+    /// Sends `epoch`'s spot checks and scores to the orchestrator and records that both arrived;
+    /// whether they did (a failure is logged and left to [`Validator::publish_pending`]).
+    async fn publish(
+        &self,
+        run_id: i64,
+        epoch: u64,
+        report: &SpotCheckReport,
+        scores: &ScoreSubmission,
+    ) -> Result<bool, ValidatorError> {
+        let o = self.online().await?;
+        if let Err(e) = o.client.report_spot_checks(epoch, report).await {
+            tracing::warn!(epoch, error = %e, "could not publish the spot checks; will retry");
+            return Ok(false);
+        }
+        if let Err(e) = o.client.submit_scores(epoch, scores).await {
+            tracing::warn!(epoch, error = %e, "could not publish the scores; will retry");
+            return Ok(false);
+        }
+        self.store.set_published(run_id, epoch).await?;
+        Ok(true)
+    }
+
+    /// Publishes the scored epochs whose publication has not arrived, oldest first, rebuilt from
+    /// the rows stored with them; stops at the first failure (the orchestrator is likely away)
+    /// and leaves the rest to a later pass. How many were published.
+    pub async fn publish_pending(&self) -> Result<usize, ValidatorError> {
+        let o = self.online().await?;
+        let mut published = 0;
+        for epoch in self.store.unpublished(o.run_id, PUBLISH_PER_PASS).await? {
+            let Some((seed, seed_block)) = self.store.seed(o.run_id, epoch).await? else {
+                continue;
+            };
+            let checks = self
+                .store
+                .checks(o.run_id, epoch)
+                .await?
+                .into_iter()
+                .map(|c| SpotCheckResult {
+                    hotkey: c.hotkey,
+                    kind: c.kind,
+                    target: c.target,
+                    passed: c.passed,
+                    detail: c.detail.to_string(),
+                })
+                .collect();
+            let report = SpotCheckReport {
+                validator: String::new(),
+                seed,
+                seed_block,
+                checks,
+            };
+            let scores = self.store.scores_between(o.run_id, epoch, epoch).await?;
+            if !self
+                .publish(o.run_id, epoch, &report, &score_submission(&scores))
+                .await?
+            {
+                break;
+            }
+            published += 1;
+        }
+        Ok(published)
     }
 
     /// The honest merge of a partition of a finished or merging epoch, its bytes and hash;
@@ -1277,6 +1327,11 @@ impl Validator {
                 Err(e) => return Err(e),
             }
         }
+        match self.publish_pending().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(epochs = n, "earlier epochs' checks and scores published"),
+            Err(e) => tracing::warn!(error = %e, "publishing earlier epochs"),
+        }
         if self.cfg.set_weights {
             let sent = match self.weights_owed(o.run_id).await {
                 Ok(Some((epoch, meta))) => match self.submit_weights(&meta).await {
@@ -1389,6 +1444,23 @@ pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send
         _ = shutdown => {}
         _ = steps => {}
         _ = reveals => {}
+    }
+}
+
+/// Scored epochs a pass publishes at most, the rest waiting for the next.
+const PUBLISH_PER_PASS: u32 = 16;
+
+/// An epoch's scores as published (the weights set are not published yet).
+fn score_submission(scores: &[EpochScore]) -> ScoreSubmission {
+    ScoreSubmission {
+        scores: scores
+            .iter()
+            .map(|s| MinerScore {
+                hotkey: s.hotkey.clone(),
+                score: s.score,
+            })
+            .collect(),
+        weights: None,
     }
 }
 

@@ -413,6 +413,48 @@ impl Store {
         Ok(e.into_iter().map(|e| e as u64).collect())
     }
 
+    /// Scored epochs of `run_id` whose checks and scores have not reached the orchestrator yet,
+    /// oldest first, at most `limit`.
+    pub async fn unpublished(&self, run_id: i64, limit: u32) -> Result<Vec<u64>, ValidatorError> {
+        let e: Vec<i64> = sqlx::query_scalar(
+            "SELECT epoch FROM scored_epochs WHERE run_id = $1 AND published_at IS NULL
+             ORDER BY epoch LIMIT $2",
+        )
+        .bind(run_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.db)
+        .await?;
+        Ok(e.into_iter().map(|e| e as u64).collect())
+    }
+
+    /// Records that `epoch`'s checks and scores reached the orchestrator.
+    pub async fn set_published(&self, run_id: i64, epoch: u64) -> Result<(), ValidatorError> {
+        sqlx::query(
+            "UPDATE scored_epochs SET published_at = now() WHERE run_id = $1 AND epoch = $2",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .execute(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// The seed and seed block `epoch`'s spot checks were drawn with.
+    pub async fn seed(
+        &self,
+        run_id: i64,
+        epoch: u64,
+    ) -> Result<Option<(String, u64)>, ValidatorError> {
+        let row: Option<(String, i64)> = sqlx::query_as(
+            "SELECT seed, seed_block FROM scored_epochs WHERE run_id = $1 AND epoch = $2",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_optional(&self.db)
+        .await?;
+        Ok(row.map(|(seed, block)| (seed, block as u64)))
+    }
+
     /// The checks of `run_id`'s `epoch`, in the order they ran.
     pub async fn checks(&self, run_id: i64, epoch: u64) -> Result<Vec<CheckRow>, ValidatorError> {
         let rows = sqlx::query(

@@ -1,7 +1,8 @@
 //! A stage whose only miner crashes is filled mid-epoch by a miner the orchestrator moves from
 //! another stage. The moved miner takes up its new stage at once (it used to exit), the epoch
 //! merges every partition, and a validator's replay of the moved miner passes: it is replayed
-//! on its new stage with that stage's hops only, which it started afresh.
+//! on its new stage with that stage's hops only, which it started afresh. The validator
+//! publishes its scores, and publishes them again in a later pass when they never arrived.
 //!
 //! A real run: localnet, PostgreSQL, orchestrator, 6 `tiny` miners on the CPU, a validator.
 //! Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
@@ -135,7 +136,7 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
         let validator_hotkey = iota_protocol::signing::RequestSigner::ss58(&pair(VALIDATOR));
         let mine = published
             .iter()
-            .find(|r| r.validator == validator_hotkey)
+            .find(|r| r.validator == validator_hotkey && r.epoch == 0)
             .unwrap_or_else(|| panic!("no scores published by the validator: {published:?}"));
         assert_eq!(mine.epoch, 0);
         let mut stored: Vec<(String, f64)> =
@@ -149,6 +150,57 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
         sent.sort_by(|a, b| a.0.cmp(&b.0));
         assert!(!sent.is_empty());
         assert_eq!(sent, stored, "published scores");
+        assert_eq!(
+            store.unpublished(run_id, 16).await.expect("read"),
+            Vec::<u64>::new()
+        );
+
+        // A publication that never arrived is sent again by a later pass, from the stored rows.
+        let orch_db = sqlx::PgPool::connect(&db).await.expect("orchestrator db");
+        for forget in [
+            "DELETE FROM validator_scores WHERE epoch = 0",
+            "DELETE FROM spot_checks WHERE epoch = 0",
+        ] {
+            sqlx::query(forget)
+                .execute(&orch_db)
+                .await
+                .expect("forget the publication");
+        }
+        sqlx::query("UPDATE scored_epochs SET published_at = NULL WHERE epoch = 0")
+            .execute(store.pool())
+            .await
+            .expect("unpublished");
+        assert!(
+            !client
+                .scores()
+                .await
+                .expect("scores")
+                .iter()
+                .any(|r| r.validator == validator_hotkey && r.epoch == 0)
+        );
+        v.step().await.expect("a later pass");
+        let again = client.scores().await.expect("GET /v1/scores");
+        let republished = again
+            .iter()
+            .find(|r| r.validator == validator_hotkey && r.epoch == 0)
+            .unwrap_or_else(|| panic!("epoch 0 was not published again: {again:?}"));
+        let mut resent: Vec<(String, f64)> = republished
+            .scores
+            .iter()
+            .map(|s| (s.hotkey.clone(), s.score))
+            .collect();
+        resent.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(resent, stored, "scores published again");
+        let checks_again: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM spot_checks WHERE epoch = 0")
+                .fetch_one(&orch_db)
+                .await
+                .expect("spot checks");
+        assert_eq!(checks_again, 1, "the spot checks published again");
+        assert_eq!(
+            store.unpublished(run_id, 16).await.expect("read"),
+            Vec::<u64>::new()
+        );
         orch.stop().await;
     };
     tokio::select! {
