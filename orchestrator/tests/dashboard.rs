@@ -520,6 +520,13 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
     joined.sort_unstable();
     assert_eq!(listed, joined);
     assert!(miner_infos.iter().all(|m| m.status == "active"));
+    // Throughput as measured from each miner's completed hops, beside the one it claimed.
+    for m in &miner_infos {
+        let measured = m
+            .measured_tokens_per_s
+            .unwrap_or_else(|| panic!("{}: no measured throughput after its hops", m.hotkey));
+        assert!(measured.is_finite() && measured > 0.0, "{m:?}");
+    }
     let loss: Vec<LossPoint> =
         serde_json::from_value(get("/v1/loss", "/v1/loss".into(), 200).await).expect("loss");
     assert_eq!(
@@ -754,6 +761,18 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
             .unwrap_or_else(|| panic!("miner {key} not in the table: {miner_rows:?}"));
         assert_eq!(row[2], m.stage.to_string());
         assert_eq!(row[3], "active");
+        // Measured throughput, then the claimed one.
+        let info = miner_infos
+            .iter()
+            .find(|i| i.hotkey == m.client().hotkey())
+            .expect("listed");
+        let shown = |i: usize| row[i].parse::<f64>().unwrap_or(f64::NAN);
+        let measured = info.measured_tokens_per_s.expect("measured");
+        assert!((shown(5) - measured).abs() <= 1.0, "{row:?} vs {info:?}");
+        assert!(
+            (shown(6) - info.capacity.tokens_per_s).abs() <= 1.0,
+            "{row:?}"
+        );
     }
     let stage_rows = table_rows(&dom, "stages");
     assert_eq!(stage_rows.len(), run.stages as usize);

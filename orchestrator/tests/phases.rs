@@ -3473,3 +3473,60 @@ async fn releasing_a_miner_and_completing_its_hop_do_not_deadlock() {
         .expect("status");
     assert_eq!(status, "released");
 }
+
+/// Routing and the explorer go by the throughput the orchestrator measured from a miner's
+/// completed hops, not the one it claimed: a miner claiming a billion tokens a second is measured
+/// at what it does, and so is its stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_is_measured_from_completed_hops_not_claimed() {
+    init_tracing();
+    let seeds = [246u8, 247, 248, 249];
+    let run = config();
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = vec![
+        SimMiner::join(&s.base, signer(seeds[0]), 1e9, 1)
+            .await
+            .expect("join"),
+    ];
+    for seed in &seeds[1..] {
+        miners.push(
+            SimMiner::join(&s.base, signer(*seed), 100.0, u64::from(*seed))
+                .await
+                .expect("join"),
+        );
+    }
+    let liar = miners[0].client().hotkey();
+    let worked = step_until_workers(&s, &mut miners, run.stages, |w| w.contains(&liar)).await;
+    assert!(worked.contains(&liar), "the claimer did no gradient work");
+    let infos: Vec<MinerInfo> = reqwest::get(format!("{}/v1/miners", s.base))
+        .await
+        .expect("miners")
+        .json()
+        .await
+        .expect("json");
+    let me = infos.iter().find(|m| m.hotkey == liar).expect("listed");
+    assert_eq!(
+        me.capacity.tokens_per_s, 1e9,
+        "the claim is shown as claimed"
+    );
+    let measured = me
+        .measured_tokens_per_s
+        .expect("a throughput measured from its hops");
+    // A sample's tokens over at least a millisecond each.
+    let ceiling = f64::from(run.micro_batch * run.seq_len) / 1e-3;
+    assert!(measured > 0.0 && measured <= ceiling, "{me:?}");
+    let stages: Vec<StageInfo> = reqwest::get(format!("{}/v1/stages", s.base))
+        .await
+        .expect("stages")
+        .json()
+        .await
+        .expect("json");
+    let its = stages
+        .iter()
+        .find(|x| x.stage == miners[0].stage)
+        .expect("its stage");
+    assert!(
+        its.tokens_per_s < 1e6,
+        "its stage still counts the claim: {its:?}"
+    );
+}

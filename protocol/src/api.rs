@@ -1137,7 +1137,7 @@ pub struct MinerInfo {
     pub stage: u32,
     /// `active` or `released`.
     pub status: String,
-    /// Reported capacity.
+    /// Capacity as the miner reported it (its `tokens_per_s` claimed, not measured).
     pub capacity: Capacity,
     /// Last heartbeat or request.
     pub last_seen_ms: UnixMs,
@@ -1145,6 +1145,11 @@ pub struct MinerInfo {
     pub joined_epoch: u64,
     /// Completed hops in the current epoch.
     pub hops_this_epoch: u64,
+    /// Throughput as the orchestrator measured it from the miner's completed hops, tokens per
+    /// second (`None` before its first); routing uses it in place of the claimed
+    /// `capacity.tokens_per_s` once there is one.
+    #[serde(default)]
+    pub measured_tokens_per_s: Option<f64>,
 }
 
 /// One point of the loss series.

@@ -365,13 +365,15 @@ pub struct Locked {
     pub output: Option<serde_json::Value>,
     /// The sample's next hop, if routed.
     pub next_task_id: Option<i64>,
+    /// When it was leased, if it was.
+    pub leased_at: Option<DateTime<Utc>>,
 }
 
 /// Locks hop `id` of the run.
 pub async fn lock<'e>(db: impl Db<'e>, run: i64, id: i64) -> sqlx::Result<Option<Locked>> {
     let row = sqlx::query(
         "SELECT epoch, sample_id, stage, direction, attempt, status, lease, miner, staged_output,
-                output,
+                output, leased_at,
                 (SELECT min(n.id) FROM tasks n WHERE n.sample_id = t.sample_id AND n.id > t.id
                    AND n.attempt = 0) AS next_task_id
          FROM tasks t WHERE id = $1 AND run_id = $2 FOR UPDATE",
@@ -393,6 +395,7 @@ pub async fn lock<'e>(db: impl Db<'e>, run: i64, id: i64) -> sqlx::Result<Option
             staged: row.try_get("staged_output")?,
             output: row.try_get("output")?,
             next_task_id: row.try_get("next_task_id")?,
+            leased_at: row.try_get("leased_at")?,
         })
     })
     .transpose()

@@ -5,9 +5,11 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 
 use super::Db;
+use crate::domain::throughput::Measured;
 
 /// The active miners of `stage` still training in `epoch` (not ended, see
-/// `samples::close_epoch`), with their throughput, by hotkey.
+/// `samples::close_epoch`), with their throughput by hotkey: measured from their completed hops
+/// where it has been (`miner_throughput`), claimed until then.
 pub async fn routable<'e>(
     db: impl Db<'e>,
     run: i64,
@@ -15,10 +17,11 @@ pub async fn routable<'e>(
     epoch: i64,
 ) -> sqlx::Result<Vec<(String, f64)>> {
     sqlx::query_as(
-        "SELECT hotkey, tokens_per_s FROM miners
-         WHERE run_id = $1 AND stage = $2 AND status = 'active'
-           AND ended_epoch IS DISTINCT FROM $3
-         ORDER BY hotkey",
+        "SELECT m.hotkey, coalesce(t.tokens_per_s, m.tokens_per_s) FROM miners m
+         LEFT JOIN miner_throughput t ON t.run_id = m.run_id AND t.miner = m.hotkey
+         WHERE m.run_id = $1 AND m.stage = $2 AND m.status = 'active'
+           AND m.ended_epoch IS DISTINCT FROM $3
+         ORDER BY m.hotkey",
     )
     .bind(run)
     .bind(stage)
@@ -347,6 +350,50 @@ pub async fn heartbeat<'e>(
     .bind(miner)
     .bind(tokens_per_s)
     .bind(now)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// `miner`'s measured throughput, locked until the transaction ends.
+pub async fn lock_measured<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+) -> sqlx::Result<Option<Measured>> {
+    let row: Option<(f64, DateTime<Utc>, i64)> = sqlx::query_as(
+        "SELECT tokens_per_s, last_done_at, hops FROM miner_throughput
+         WHERE run_id = $1 AND miner = $2 FOR UPDATE",
+    )
+    .bind(run)
+    .bind(miner)
+    .fetch_optional(db)
+    .await?;
+    Ok(row.map(|(tokens_per_s, last_done_at, hops)| Measured {
+        tokens_per_s,
+        last_done_at,
+        hops: hops.max(0) as u64,
+    }))
+}
+
+/// Stores `miner`'s measured throughput.
+pub async fn set_measured<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    miner: &str,
+    m: &Measured,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "INSERT INTO miner_throughput (run_id, miner, tokens_per_s, last_done_at, hops)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (run_id, miner) DO UPDATE SET tokens_per_s = EXCLUDED.tokens_per_s,
+           last_done_at = EXCLUDED.last_done_at, hops = EXCLUDED.hops",
+    )
+    .bind(run)
+    .bind(miner)
+    .bind(m.tokens_per_s)
+    .bind(m.last_done_at)
+    .bind(m.hops.min(i64::MAX as u64) as i64)
     .execute(db)
     .await?;
     Ok(())

@@ -34,11 +34,15 @@ pub async fn latest_accepted<'e>(
     .await
 }
 
-/// Active miners and their summed throughput per stage: (stage, miners, tokens/s).
+/// Active miners and their summed throughput per stage (measured where it has been, claimed
+/// otherwise): (stage, miners, tokens/s).
 pub async fn stage_loads<'e>(db: impl Db<'e>, run: i64) -> sqlx::Result<Vec<(i32, i64, f64)>> {
     sqlx::query_as(
-        "SELECT stage, count(*) AS n, coalesce(sum(tokens_per_s), 0) AS tps FROM miners
-         WHERE run_id = $1 AND status = 'active' GROUP BY stage",
+        "SELECT m.stage, count(*) AS n,
+                coalesce(sum(coalesce(t.tokens_per_s, m.tokens_per_s)), 0) AS tps
+         FROM miners m
+         LEFT JOIN miner_throughput t ON t.run_id = m.run_id AND t.miner = m.hotkey
+         WHERE m.run_id = $1 AND m.status = 'active' GROUP BY m.stage",
     )
     .bind(run)
     .fetch_all(db)
@@ -56,10 +60,11 @@ pub async fn miners_page<'e>(
 ) -> RunResult<Vec<MinerInfo>> {
     let rows = sqlx::query(
         "SELECT m.hotkey, m.uid, m.stage, m.status, m.device, m.memory_bytes, m.tokens_per_s,
-                m.last_seen, m.joined_epoch,
+                m.last_seen, m.joined_epoch, mt.tokens_per_s AS measured,
                 (SELECT count(*) FROM tasks t WHERE t.run_id = m.run_id AND t.miner = m.hotkey
                    AND t.epoch = $2 AND t.status = 'done') AS hops
          FROM miners m
+         LEFT JOIN miner_throughput mt ON mt.run_id = m.run_id AND mt.miner = m.hotkey
          WHERE m.run_id = $1 AND ($3::text IS NULL OR m.hotkey > $3)
            AND ($4::text IS NULL OR m.status = $4)
          ORDER BY m.hotkey LIMIT $5",
@@ -87,6 +92,7 @@ pub async fn miners_page<'e>(
             last_seen_ms: last_seen.timestamp_millis(),
             joined_epoch: r.try_get::<i64, _>("joined_epoch")? as u64,
             hops_this_epoch: r.try_get::<i64, _>("hops")? as u64,
+            measured_tokens_per_s: r.try_get("measured")?,
         });
     }
     Ok(out)

@@ -7,9 +7,11 @@
 //! - [`hops`]: a hop's life and what its completion does to its sample.
 //! - [`leases`]: when an open hop stops waiting for its miner, and where it goes.
 //! - [`merges`]: how a partition's merge results settle.
+//! - [`throughput`]: a miner's throughput, measured from the hops it completes.
 
 pub mod hops;
 pub mod leases;
 pub mod merges;
 pub mod phases;
 pub mod placement;
+pub mod throughput;

@@ -16,6 +16,7 @@ use crate::auth::Caller;
 use crate::db;
 use crate::domain::hops::{self, Close, Completion, HopSnapshot, HopStatus, SampleStatus, Then};
 use crate::domain::leases::{pickup_s, secs};
+use crate::domain::throughput;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::samples::{abandon_sample, route_forward_sample};
@@ -123,7 +124,17 @@ async fn apply(
         compute_ms: req.compute_ms.map(|m| m.min(i64::MAX as u64) as i64),
         at: app.now(),
     };
+    let done_at = done.at;
     db::hops::close_done(&mut **tx, task_id, done).await?;
+    // The miner's throughput, measured from this hop (see `domain::throughput`); its row of
+    // `miner_throughput` last, after the hop's and the sample's.
+    if let Some(leased_at) = task.leased_at {
+        let cfg = app.config();
+        let tokens = u64::from(cfg.micro_batch) * u64::from(cfg.seq_len);
+        let previous = db::miners::lock_measured(&mut **tx, app.run.id, &task.miner).await?;
+        let measured = throughput::after_hop(previous.as_ref(), leased_at, done_at, tokens);
+        db::miners::set_measured(&mut **tx, app.run.id, &task.miner, &measured).await?;
+    }
     if let Some(o) = &close.output {
         db::epochs::add_wire_bytes(&mut **tx, app.run.id, task.epoch as i64, o.size as i64).await?;
     }

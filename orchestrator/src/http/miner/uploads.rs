@@ -63,6 +63,7 @@ pub(crate) struct LeasedTask {
     pub(crate) staged: Option<serde_json::Value>,
     pub(crate) output: Option<serde_json::Value>,
     pub(crate) next_task_id: Option<i64>,
+    pub(crate) leased_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub(crate) async fn lock_task(
@@ -86,6 +87,7 @@ pub(crate) async fn lock_task(
         staged: hop.staged,
         output: hop.output,
         next_task_id: hop.next_task_id,
+        leased_at: hop.leased_at,
     })
 }
 
