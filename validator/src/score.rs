@@ -11,9 +11,15 @@
 //!                                                       or CLASP flags it as harmful
 //!              = 1 / (1 + max(0, effect[m,e]) / scale)  otherwise
 //! score[m,e]   = work[m,e] * quality[m,e]
-//! S[m]         = sum over e of score[m,e] * decay^(E - e)    (E: the latest epoch scored)
+//! S[m]         = 0 if m failed a check in any epoch of the window,
+//!              = sum over e of score[m,e] * decay^(E - e)    (E: the latest epoch scored) otherwise
 //! weight[m]    = S[m] / sum of S                       (after an optional burn share)
 //! ```
+//!
+//! A failed check costs the whole window, not only its epoch: a miner that cheats in some epochs
+//! and works honestly in others (stale weights are honest in a miner's first epoch; a cheater
+//! that is drawn for a replay only now and then) would otherwise keep its honest epochs' pay and
+//! come out ahead of honest miners. A CLASP flag, which is statistical, costs only its epoch.
 //!
 //! Only work that reaches the model is paid: a miner that withholds its pseudo-gradient, or whose
 //! partitions keep their old weights because no merge of them was verified, earns nothing for
@@ -93,22 +99,34 @@ pub fn quality(
         return (0.0, Some(why.to_owned()));
     }
     if flagged {
-        return (0.0, Some("CLASP: significantly harmful".into()));
+        return (0.0, Some(CLASP_PENALTY.into()));
     }
     let e = effect.unwrap_or(0.0).max(0.0);
     (1.0 / (1.0 + e / cfg.quality_scale), None)
 }
 
-/// Decayed totals per hotkey over `scores` (any epochs; only the `window` latest count).
+/// The penalty of a miner CLASP flags as harmful.
+pub const CLASP_PENALTY: &str = "CLASP: significantly harmful";
+
+/// Decayed totals per hotkey over `scores` (any epochs; only the `window` latest count), zero
+/// for a miner that failed a check (any penalty but a CLASP flag) in an epoch of the window.
 pub fn decayed_totals(scores: &[EpochScore], cfg: &ScoreConfig) -> BTreeMap<String, f64> {
     let latest = scores.iter().map(|s| s.epoch).max().unwrap_or(0);
+    let in_window = |s: &&EpochScore| latest - s.epoch < cfg.window;
+    let caught: std::collections::BTreeSet<&str> = scores
+        .iter()
+        .filter(in_window)
+        .filter(|s| s.penalty.as_deref().is_some_and(|p| p != CLASP_PENALTY))
+        .map(|s| s.hotkey.as_str())
+        .collect();
     let mut out = BTreeMap::new();
-    for s in scores {
+    for s in scores.iter().filter(in_window) {
         let age = latest - s.epoch;
-        if age >= cfg.window {
-            continue;
-        }
-        *out.entry(s.hotkey.clone()).or_insert(0.0) += s.score * cfg.decay.powi(age as i32);
+        let score = match caught.contains(s.hotkey.as_str()) {
+            true => 0.0,
+            false => s.score * cfg.decay.powi(age as i32),
+        };
+        *out.entry(s.hotkey.clone()).or_insert(0.0) += score;
     }
     out
 }
@@ -318,6 +336,40 @@ mod tests {
         );
         assert_eq!(t["a"], 15.0);
         assert_eq!(t["b"], 10.0);
+    }
+
+    #[test]
+    fn a_failed_check_costs_the_window_and_a_clasp_flag_its_epoch() {
+        let cfg = ScoreConfig {
+            decay: 0.5,
+            window: 3,
+            ..ScoreConfig::default()
+        };
+        let caught = |h: &str, epoch: u64, why: &str| EpochScore {
+            quality: 0.0,
+            score: 0.0,
+            penalty: Some(why.into()),
+            ..s(h, epoch, 10.0)
+        };
+        let t = decayed_totals(
+            &[
+                // Honest in epochs 3 and 5, caught by a replay in 4.
+                s("a", 5, 10.0),
+                caught("a", 4, "replay: task 9"),
+                s("a", 3, 10.0),
+                // Flagged by CLASP in 4: only that epoch is lost.
+                s("b", 5, 10.0),
+                caught("b", 4, CLASP_PENALTY),
+                s("b", 3, 10.0),
+                // Caught in 2, which has left the window: paid again.
+                s("c", 5, 10.0),
+                caught("c", 2, "merge 1/0 is not the average"),
+            ],
+            &cfg,
+        );
+        assert_eq!(t["a"], 0.0);
+        assert_eq!(t["b"], 12.5);
+        assert_eq!(t["c"], 10.0);
     }
 
     #[test]

@@ -61,7 +61,10 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
     let body = async {
         let db = fresh_db().await;
         let store_dir = tempfile::tempdir().expect("store");
-        let run = tiny_run("validator-adversaries", 48);
+        let mut run = tiny_run("validator-adversaries", 48);
+        // As many partitions as a stage has miners: owners are neighbours in a random order, so
+        // with fewer some miners own none in an epoch, and the wrong merger might never merge.
+        run.partitions = 6;
         let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
         let client = explorer(&orch.base, HONEST[0]).await;
         let mut miners = Vec::new();
@@ -232,6 +235,25 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             .zip(sent.weights.iter().copied())
             .collect();
         let weight = |seed: u8| w.get(&uid(seed)).copied().unwrap_or(0.0);
+        // What the weights came from, for a failure's diagnosis.
+        for r in &rows {
+            let seed = HONEST
+                .iter()
+                .chain(CHEATERS.iter().map(|c| &c.0))
+                .find(|s| ss58(**s) == r.1);
+            eprintln!(
+                "score: epoch {} seed {seed:?} work {:.1} quality {:.3} penalty {:?}",
+                r.0, r.4, r.2, r.3
+            );
+        }
+        for epoch in 0..EPOCHS {
+            let merges = client.merge_status(epoch).await.expect("merges");
+            let how: Vec<_> = merges
+                .iter()
+                .map(|p| (p.stage, p.partition, p.resolved_by.clone()))
+                .collect();
+            eprintln!("merges of epoch {epoch}: {how:?}");
+        }
         let min_honest = HONEST
             .iter()
             .map(|s| weight(*s))
