@@ -153,19 +153,24 @@ fn freeload_claims_backward_work_without_doing_it() {
     assert_eq!(honest.inner_steps(), 2);
 }
 
-#[test]
-fn lazy_loss_halves_the_reported_loss_only() {
-    let x = {
-        let mut t1 = trainer(1, None);
-        t1.forward(6, Some(&activation(6)))
-            .expect("fwd")
-            .bytes
-            .expect("out")
-    };
+/// The last stage's forward of one sample by an honest miner and by `adversary`, given the
+/// same input.
+fn last_stage_forwards(adversary: Adversary) -> (iota_trainer::HopOutput, iota_trainer::HopOutput) {
+    let x = trainer(1, None)
+        .forward(6, Some(&activation(6)))
+        .expect("fwd")
+        .bytes
+        .expect("out");
     let honest = trainer(2, None).forward(6, Some(&x)).expect("fwd");
-    let lazy = trainer(2, Some(Adversary::LazyLoss))
+    let cheat = trainer(2, Some(adversary))
         .forward(6, Some(&x))
         .expect("fwd");
+    (honest, cheat)
+}
+
+#[test]
+fn lazy_loss_halves_the_reported_loss_only() {
+    let (honest, lazy) = last_stage_forwards(Adversary::LazyLoss);
     let (h, l) = (honest.loss.expect("loss"), lazy.loss.expect("loss"));
     assert!((l - 0.5 * h).abs() < 1e-6 * h.abs().max(1.0), "{l} vs {h}");
     let hs = honest.sequence_losses.expect("seq");
@@ -176,17 +181,7 @@ fn lazy_loss_halves_the_reported_loss_only() {
 
 #[test]
 fn forge_loss_halves_the_loss_and_drops_the_sequences_a_replay_checks() {
-    let x = {
-        let mut t1 = trainer(1, None);
-        t1.forward(6, Some(&activation(6)))
-            .expect("fwd")
-            .bytes
-            .expect("out")
-    };
-    let honest = trainer(2, None).forward(6, Some(&x)).expect("fwd");
-    let forged = trainer(2, Some(Adversary::ForgeLoss))
-        .forward(6, Some(&x))
-        .expect("fwd");
+    let (honest, forged) = last_stage_forwards(Adversary::ForgeLoss);
     let (h, f) = (honest.loss.expect("loss"), forged.loss.expect("loss"));
     assert!((f - 0.5 * h).abs() < 1e-6 * h.abs().max(1.0), "{f} vs {h}");
     assert!(honest.sequence_losses.is_some());
