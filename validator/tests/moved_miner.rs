@@ -139,15 +139,22 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
             .find(|r| r.validator == validator_hotkey && r.epoch == 0)
             .unwrap_or_else(|| panic!("no scores published by the validator: {published:?}"));
         assert_eq!(mine.epoch, 0);
-        let mut stored: Vec<(String, f64)> =
-            scores.iter().map(|s| (s.hotkey.clone(), s.score)).collect();
-        let mut sent: Vec<(String, f64)> = mine
-            .scores
-            .iter()
-            .map(|s| (s.hotkey.clone(), s.score))
-            .collect();
-        stored.sort_by(|a, b| a.0.cmp(&b.0));
-        sent.sort_by(|a, b| a.0.cmp(&b.0));
+        // (hotkey, score) by hotkey.
+        let by_hotkey = |pairs: Vec<(String, f64)>| -> Vec<(String, f64)> {
+            let mut pairs = pairs;
+            pairs.sort_by(|a, b| a.0.cmp(&b.0));
+            pairs
+        };
+        let published_pairs = |r: &iota_protocol::api::ScoreRecord| {
+            by_hotkey(
+                r.scores
+                    .iter()
+                    .map(|s| (s.hotkey.clone(), s.score))
+                    .collect(),
+            )
+        };
+        let stored = by_hotkey(scores.iter().map(|s| (s.hotkey.clone(), s.score)).collect());
+        let sent = published_pairs(mine);
         assert!(!sent.is_empty());
         assert_eq!(sent, stored, "published scores");
         assert_eq!(
@@ -184,13 +191,11 @@ async fn a_miner_moved_to_an_emptied_stage_works_there_and_passes_its_replay() {
             .iter()
             .find(|r| r.validator == validator_hotkey && r.epoch == 0)
             .unwrap_or_else(|| panic!("epoch 0 was not published again: {again:?}"));
-        let mut resent: Vec<(String, f64)> = republished
-            .scores
-            .iter()
-            .map(|s| (s.hotkey.clone(), s.score))
-            .collect();
-        resent.sort_by(|a, b| a.0.cmp(&b.0));
-        assert_eq!(resent, stored, "scores published again");
+        assert_eq!(
+            published_pairs(republished),
+            stored,
+            "scores published again"
+        );
         let checks_again: i64 =
             sqlx::query_scalar("SELECT count(*) FROM spot_checks WHERE epoch = 0")
                 .fetch_one(&orch_db)

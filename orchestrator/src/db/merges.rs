@@ -28,9 +28,13 @@ fn votes_sql(partitions: &str) -> String {
 static VOTES_SQL: LazyLock<String> =
     LazyLock::new(|| votes_sql("r.stage = $3 AND r.partition = $4"));
 
-/// [`votes_sql`] for every partition still open or disputed.
-static OPEN_VOTES_SQL: LazyLock<String> =
-    LazyLock::new(|| votes_sql("p.state IN ('open', 'disputed')"));
+/// [`votes_sql`] for every partition still open or disputed, counted by partition.
+static OPEN_VOTE_COUNTS_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT stage, partition, count(*) FROM ({}) open GROUP BY stage, partition",
+        votes_sql("p.state IN ('open', 'disputed')")
+    )
+});
 
 /// A vote: (stage, partition, blake3, blob).
 pub type Vote = (i32, i32, String, serde_json::Value);
@@ -46,9 +50,14 @@ pub async fn votes<'e>(db: impl Db<'e>, run: i64, key: PartitionKey) -> sqlx::Re
         .await
 }
 
-/// The votes on every unsettled partition of `epoch`, by partition, in the order they came.
-pub async fn open_votes<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<Vote>> {
-    sqlx::query_as(OPEN_VOTES_SQL.as_str())
+/// How many votes each unsettled partition of `epoch` has: (stage, partition, votes), for the
+/// partitions with any.
+pub async fn open_vote_counts<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+) -> sqlx::Result<Vec<(i32, i32, i64)>> {
+    sqlx::query_as(OPEN_VOTE_COUNTS_SQL.as_str())
         .bind(run)
         .bind(epoch)
         .fetch_all(db)

@@ -35,8 +35,9 @@ async fn set_partition(
 
 /// At the last merge deadline every partition still unsettled keeps its weights: `unmerged`
 /// when nobody merged it, `unverified` when results came that nobody verified (a lone result, or
-/// disagreeing ones no validator settled); see [`unsettled_at_last_deadline`]. Two reads and an
-/// update a chunk at a time, however many are open: this holds the exclusive phase lock.
+/// disagreeing ones no validator settled); see [`unsettled_at_last_deadline`]. Two reads (the
+/// results counted, not fetched) and an update a chunk at a time, however many are open: this
+/// holds the exclusive phase lock.
 pub(crate) async fn settle_at_last_deadline(
     tx: &mut Transaction<'_, Postgres>,
     app: &App,
@@ -46,12 +47,12 @@ pub(crate) async fn settle_at_last_deadline(
     if open.is_empty() {
         return Ok(());
     }
-    let mut results: HashMap<(i32, i32), usize> = HashMap::new();
-    for (stage, partition, _, _) in
-        db::merges::open_votes(&mut **tx, app.run.id, epoch as i64).await?
-    {
-        *results.entry((stage, partition)).or_default() += 1;
-    }
+    let results: HashMap<(i32, i32), usize> =
+        db::merges::open_vote_counts(&mut **tx, app.run.id, epoch as i64)
+            .await?
+            .into_iter()
+            .map(|(stage, partition, n)| ((stage, partition), n.max(0) as usize))
+            .collect();
     let settled: Vec<(i32, i32, &'static str)> = open
         .into_iter()
         .map(|(stage, partition)| {
