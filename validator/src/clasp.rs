@@ -68,8 +68,9 @@ pub struct MinerEffect {
     pub z: f64,
     /// Samples that passed through the miner.
     pub samples: u64,
-    /// Significantly more harmful than `min_effect`: `(effect - min_effect) / std_error` above
-    /// the threshold.
+    /// Significantly more harmful than its stage's median miner by more than `min_effect`:
+    /// `(effect - median - min_effect) / std_error` above the threshold (`std_error` being the
+    /// contrast against the stage's mean, an approximation for the median's).
     pub flagged: bool,
 }
 
@@ -272,6 +273,14 @@ impl Clasp {
                 total / (n * n)
             })
             .collect();
+        // A flag measures a miner against its stage's median peer, not the mean: one miner
+        // whose samples report far lower losses (a last-stage miner understating them) pulls the
+        // mean down and every peer above it, which flagged honest peers. The median moves with a
+        // majority only.
+        let medians: Vec<f64> = members
+            .iter()
+            .map(|cols| median(cols.iter().map(|c| beta[*c]).collect()))
+            .collect();
         let effects = self
             .miner_stage
             .iter()
@@ -299,7 +308,8 @@ impl Clasp {
                     samples,
                     flagged: samples >= cfg.min_samples
                         && std_error > 0.0
-                        && (effect - cfg.min_effect) / std_error > cfg.z_threshold,
+                        && (effect - medians[*stage as usize] - cfg.min_effect) / std_error
+                            > cfg.z_threshold,
                 }
             })
             .collect();
@@ -309,6 +319,17 @@ impl Clasp {
             samples: self.n,
             effects,
         })
+    }
+}
+
+/// The median of `values` (the mean of the middle two of an even count; 0 for none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => 0.5 * (values[n / 2 - 1] + values[n / 2]),
     }
 }
 
@@ -392,6 +413,44 @@ mod tests {
         let fit = clasp.fit(&ClaspConfig::default()).expect("fit");
         assert!(fit.effects.iter().all(|e| !e.flagged), "{:?}", fit.effects);
         assert!(fit.effects.iter().all(|e| e.effect.abs() < 0.05));
+    }
+
+    #[test]
+    fn a_miner_understating_its_losses_does_not_get_its_peers_flagged() {
+        // Miner 4 of stage 1 reports half of every loss: its effect is far below its peers',
+        // which pulls the stage's mean down and every honest peer above it.
+        let (clasp, _) = simulate(2, 5, 600, 0.05, |m| if m == 9 { -1.5 } else { 0.0 }, 4);
+        let fit = clasp.fit(&ClaspConfig::default()).expect("fit");
+        let peers: Vec<&MinerEffect> = fit.effects[5..9].iter().collect();
+        assert!(
+            peers.iter().all(|e| e.z > 3.0 + 0.02 / e.std_error),
+            "against the mean each peer looks harmful: {peers:?}"
+        );
+        assert!(fit.effects.iter().all(|e| !e.flagged), "{:?}", fit.effects);
+        // A harmful miner among them is still flagged.
+        let (clasp, _) = simulate(
+            2,
+            5,
+            600,
+            0.05,
+            |m| match m {
+                9 => -1.5,
+                6 => 0.2,
+                _ => 0.0,
+            },
+            5,
+        );
+        let fit = clasp.fit(&ClaspConfig::default()).expect("fit");
+        let flagged: Vec<u32> = fit
+            .effects
+            .iter()
+            .filter(|e| e.flagged)
+            .map(|e| e.miner)
+            .collect();
+        assert_eq!(flagged, vec![6], "{:?}", fit.effects);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(Vec::new()), 0.0);
     }
 
     #[test]
