@@ -173,6 +173,21 @@ pub(crate) fn fit_epoch(
     }
 }
 
+/// Who a finding about the orchestrator's own records is recorded against (no miner's hotkey).
+pub const ORCHESTRATOR_FINDING: &str = "orchestrator";
+
+/// The finding that the orchestrator listed `missing` as `miner`'s hops and did not return
+/// them: a failed check of the orchestrator, which costs no miner anything.
+fn missing_hops_finding(miner: &str, missing: &[i64]) -> SpotCheckResult {
+    SpotCheckResult {
+        hotkey: ORCHESTRATOR_FINDING.into(),
+        kind: "missing_hops".into(),
+        target: format!("{} hops of {miner}", missing.len()),
+        passed: false,
+        detail: serde_json::json!({ "miner": miner, "task_ids": missing }).to_string(),
+    }
+}
+
 fn pick<T: Clone>(items: &[T], n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T> {
     if n == 0 || n >= items.len() {
         return items.to_vec();
@@ -676,13 +691,28 @@ impl Validator {
                     ),
                 }
             }
+            // A hop the orchestrator lists as this miner's but does not return cannot be
+            // replayed, and a replay of the rest would judge an incomplete record: a finding
+            // against the orchestrator, stored and published with the checks, and no verdict
+            // on the miner.
+            let missing: Vec<i64> = cand
+                .hop_task_ids
+                .iter()
+                .filter(|id| !hops.contains_key(id))
+                .copied()
+                .collect();
+            if !missing.is_empty() {
+                tracing::error!(epoch, miner = %cand.hotkey, ?missing,
+                    "the orchestrator lists hops it does not return; replay skipped");
+                checks.push(missing_hops_finding(&cand.hotkey, &missing));
+                continue;
+            }
             let mut recorded = Vec::new();
             let mut miner_compute_ms = 0u64;
             // An input nobody can read leaves the replay without what the miner computed from:
             // its producer is blamed and this miner's replay is inconclusive.
             let mut replayable = true;
-            for id in &cand.hop_task_ids {
-                let Some(h) = hops.get(id) else { continue };
+            for h in cand.hop_task_ids.iter().filter_map(|id| hops.get(id)) {
                 miner_compute_ms += h.compute_ms.unwrap_or(0);
                 let input = match &h.input {
                     Some(b) => match self.fetch(b).await? {
@@ -1469,6 +1499,27 @@ mod tests {
     use super::*;
     use iota_protocol::api::MergeResult;
     use iota_protocol::{ApiError, ClientError, ErrorCode};
+
+    /// Hops the orchestrator lists but does not return are a finding against it, recorded as a
+    /// failed check that no miner's score reads (the miner is not judged on a partial record).
+    #[test]
+    fn missing_hops_are_a_finding_against_the_orchestrator() {
+        let finding = missing_hops_finding("5miner", &[7, 9]);
+        assert!(!finding.passed);
+        assert_eq!(finding.hotkey, ORCHESTRATOR_FINDING);
+        let row = crate::score::CheckRow {
+            hotkey: finding.hotkey.clone(),
+            kind: finding.kind.clone(),
+            target: finding.target.clone(),
+            passed: finding.passed,
+            detail: serde_json::from_str(&finding.detail).expect("json"),
+        };
+        assert_eq!(row.detail["task_ids"], serde_json::json!([7, 9]));
+        let failed = crate::score::failures(&[row]);
+        assert_eq!(failed.len(), 1);
+        assert!(!failed.contains_key("5miner"), "{failed:?}");
+        assert_eq!(failed[ORCHESTRATOR_FINDING], "missing_hops check failed");
+    }
 
     /// Every partition whose owners disagreed is checked, however few others are drawn: a dispute
     /// lost is a merge check failed, as the README says.
