@@ -30,7 +30,7 @@ pub struct UpArgs {
     /// Epochs to train (Ctrl-C stops earlier).
     #[arg(long, env = "IOTA_UP_EPOCHS", default_value_t = 3)]
     pub epochs: u64,
-    /// Add one cheating miner of this kind.
+    /// Add a cheating miner of this kind (two for `colluding-merge`).
     #[arg(long, env = "IOTA_UP_ADVERSARY", value_enum)]
     pub adversary: Option<Adversary>,
     /// Miners' device: `cpu`, `cuda:N` (f32 compute) or `cuda:N:bf16`.
@@ -76,7 +76,7 @@ impl UpArgs {
             .stages
             .map(|n| n as usize)
             .unwrap_or_else(|| ModelConfig::load(&self.model).map_or(3, |m| m.num_stages()));
-        stages * self.miners_per_stage as usize + usize::from(self.adversary.is_some()) + 2
+        stages * self.miners_per_stage as usize + self.adversary.map_or(0, Adversary::miners) + 2
     }
 }
 
@@ -384,7 +384,8 @@ fn tx() -> TxOptions {
     }
 }
 
-/// The subnet's neurons: two validators, `miners_per_stage` miners per stage, and the adversary.
+/// The subnet's neurons: two validators, `miners_per_stage` miners per stage, and the adversary
+/// (two miners for `colluding-merge`).
 fn neurons(args: &UpArgs, stages: u32) -> Vec<Neuron> {
     let neuron = |name: String, role, adversary| Neuron {
         key: key_for(&name),
@@ -395,12 +396,15 @@ fn neurons(args: &UpArgs, stages: u32) -> Vec<Neuron> {
     let validators = (0..2).map(|v| neuron(format!("validator{v}"), Role::Validator, None));
     let miners =
         (0..stages * args.miners_per_stage).map(|m| neuron(format!("miner{m}"), Role::Miner, None));
-    let adversary = args.adversary.map(|kind| {
-        neuron(
-            format!("adversary-{}", kind.as_str()),
-            Role::Miner,
-            Some(kind),
-        )
+    let adversary = args.adversary.into_iter().flat_map(|kind| {
+        let n = kind.miners();
+        (0..n).map(move |i| {
+            let name = match n {
+                1 => format!("adversary-{kind}"),
+                _ => format!("adversary-{kind}-{i}"),
+            };
+            neuron(name, Role::Miner, Some(kind))
+        })
     });
     validators.chain(miners).chain(adversary).collect()
 }
@@ -862,6 +866,37 @@ mod tests {
             Ok(m) => panic!("{model} {stages:?} accepted: {:?}", m.config.stages),
             Err(e) => format!("{e:#}"),
         }
+    }
+
+    #[test]
+    fn colluding_mergers_come_in_pairs() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        let args = |adversary: &str| {
+            Cli::try_parse_from(["up", "--adversary", adversary])
+                .expect("flags")
+                .up
+        };
+        let names = |a: &UpArgs| -> Vec<String> {
+            neurons(a, 3)
+                .into_iter()
+                .filter(|n| n.adversary.is_some())
+                .map(|n| n.name)
+                .collect()
+        };
+        let pair = args("colluding-merge");
+        assert_eq!(
+            names(&pair),
+            ["adversary-colluding-merge-0", "adversary-colluding-merge-1"]
+        );
+        assert_eq!(pair.models_at_once(), 3 * 2 + 2 + 2);
+        let lone = args("wrong-merge");
+        assert_eq!(names(&lone), ["adversary-wrong-merge"]);
+        assert_eq!(lone.models_at_once(), 3 * 2 + 1 + 2);
     }
 
     #[test]

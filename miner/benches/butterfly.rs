@@ -4,7 +4,7 @@
 //!
 //! `cargo bench -p iota-miner --bench butterfly` with `DATABASE_URL` set (`scripts/pg.sh start`).
 //! Real miners (`tiny` model, 3 stages) against a real orchestrator, PostgreSQL and localnet;
-//! partitions = miners per stage, two owners per partition. The second epoch is measured (the
+//! partitions = miners per stage, three owners per partition. The second epoch is measured (the
 //! first merges onto the initial weights). `BUTTERFLY_SIZES=2,4` picks the sizes.
 
 use iota_testkit as support;
@@ -145,7 +145,7 @@ async fn main() {
         eprintln!("{n} per stage: {:.2}x mean, {:.1} s", f.mean, f.seconds);
         rows.push(f);
     }
-    println!("weight all-reduce, `tiny` (3 stages), partitions = miners per stage, 2 owners each");
+    println!("weight all-reduce, `tiny` (3 stages), partitions = miners per stage, 3 owners each");
     println!(
         "bytes per miner for one epoch's merge (the second epoch), in multiples of its stage's fp32 size; means over the miners"
     );

@@ -25,8 +25,12 @@ pub enum Adversary {
     /// Claims backward work without doing it: zero input gradients, no optimizer steps, so a
     /// zero pseudo-gradient.
     Freeload,
-    /// Publishes merged partitions that are not the average (the first value shifted by 1).
+    /// Publishes merged partitions that are not the average (the first value shifted by an
+    /// amount of its own hotkey's, so two of them never agree).
     WrongMerge,
+    /// Publishes the same wrong merge as every other miner in this mode (the first value
+    /// shifted by 1): a colluding pair that owns a partition together agrees on it.
+    ColludingMerge,
     /// Reports last-stage losses at half of what it computed.
     LazyLoss,
     /// Reports a last-stage loss at half of what it computed, without the per-sequence losses a
@@ -46,19 +50,29 @@ impl Adversary {
             Self::StaleWeights => "stale-weights",
             Self::Freeload => "freeload",
             Self::WrongMerge => "wrong-merge",
+            Self::ColludingMerge => "colluding-merge",
             Self::LazyLoss => "lazy-loss",
             Self::ForgeLoss => "forge-loss",
             Self::Withhold => "withhold",
         }
     }
 
+    /// How many miners act out this mode together: two colluding mergers, one of the others.
+    pub fn miners(self) -> usize {
+        match self {
+            Self::ColludingMerge => 2,
+            _ => 1,
+        }
+    }
+
     /// Every mode, for tests and help texts.
-    pub const ALL: [Adversary; 8] = [
+    pub const ALL: [Adversary; 9] = [
         Self::Noise,
         Self::Zeros,
         Self::StaleWeights,
         Self::Freeload,
         Self::WrongMerge,
+        Self::ColludingMerge,
         Self::LazyLoss,
         Self::ForgeLoss,
         Self::Withhold,
@@ -92,26 +106,37 @@ pub fn add_noise(values: &mut [f32], rng: &mut StdRng) {
     }
 }
 
-/// The corruption [`Adversary::WrongMerge`] applies to a merged partition.
-pub fn corrupt_merge(values: &mut [f32]) {
+/// The corruption a wrong merger applies to a merged partition: `shift` added to the first value.
+pub fn corrupt_merge(values: &mut [f32], shift: f32) {
     if let Some(first) = values.first_mut() {
-        *first += 1.0;
+        *first += shift;
     }
 }
 
+/// What [`Adversary::WrongMerge`] adds: in [1, 2), from the hotkey, so lone wrong mergers
+/// disagree with each other as well as with the honest owners.
+fn own_shift(hotkey: &str) -> f32 {
+    let h = blake3::hash(hotkey.as_bytes());
+    let bits = u16::from_le_bytes([h.as_bytes()[0], h.as_bytes()[1]]);
+    1.0 + f32::from(bits) / 65_536.0
+}
+
 /// A partition owner's merge ([`iota_trainer::merged_values`]) as published bytes, corrupted
-/// when `adversary` is [`Adversary::WrongMerge`].
+/// when `adversary` is [`Adversary::WrongMerge`] (by `hotkey`'s own shift) or
+/// [`Adversary::ColludingMerge`] (by the shift every colluder uses).
 pub fn merged_partition(
     run: &RunConfig,
     contributions: &[(f64, Vec<f32>)],
-    weights: Vec<f32>,
-    momentum: Vec<f32>,
+    (weights, momentum): (Vec<f32>, Vec<f32>),
     adversary: Option<Adversary>,
+    hotkey: &str,
 ) -> Result<Vec<u8>, MinerError> {
     let (mut weights, momentum) =
         iota_trainer::merged_values(run, contributions, weights, momentum)?;
-    if adversary == Some(Adversary::WrongMerge) {
-        corrupt_merge(&mut weights);
+    match adversary {
+        Some(Adversary::WrongMerge) => corrupt_merge(&mut weights, own_shift(hotkey)),
+        Some(Adversary::ColludingMerge) => corrupt_merge(&mut weights, 1.0),
+        _ => {}
     }
     Ok(encode_merged(&weights, &momentum))
 }
@@ -145,7 +170,7 @@ mod tests {
     #[test]
     fn wrong_merge_changes_the_first_value_only() {
         let mut v = vec![0.5f32, 2.0, 3.0];
-        corrupt_merge(&mut v);
+        corrupt_merge(&mut v, 1.0);
         assert_eq!(v, vec![1.5, 2.0, 3.0]);
     }
 

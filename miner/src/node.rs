@@ -990,7 +990,9 @@ impl Node {
                 (init, vec![0.0; len as usize])
             }
         };
-        crate::adversary::merged_partition(&self.run, &parts, weights, momentum, self.cfg.adversary)
+        let hotkey = self.status.borrow().hotkey.clone();
+        let start = (weights, momentum);
+        crate::adversary::merged_partition(&self.run, &parts, start, self.cfg.adversary, &hotkey)
     }
 }
 

@@ -197,16 +197,34 @@ fn wrong_merge_is_not_the_average() {
     let r = run();
     let parts = vec![(2.0, vec![0.1f32, 0.2, 0.3]), (1.0, vec![0.4f32, 0.5, 0.6])];
     let base = (vec![1.0f32, 1.0, 1.0], vec![0.0f32; 3]);
-    let honest = merged_partition(&r, &parts, base.0.clone(), base.1.clone(), None).expect("m");
-    let honest2 = merged_partition(&r, &parts, base.0.clone(), base.1.clone(), None).expect("m");
-    assert_eq!(honest, honest2, "honest merges are bit-identical");
-    let wrong =
-        merged_partition(&r, &parts, base.0, base.1, Some(Adversary::WrongMerge)).expect("m");
+    let merge = |mode: Option<Adversary>, hotkey: &str| {
+        merged_partition(&r, &parts, base.clone(), mode, hotkey).expect("merge")
+    };
+    let honest = merge(None, "a");
+    assert_eq!(honest, merge(None, "b"), "honest merges are bit-identical");
     let (hv, hm) = decode_merged(&honest, 3).expect("decode");
-    let (wv, wm) = decode_merged(&wrong, 3).expect("decode");
-    assert_eq!(hm, wm);
-    assert_eq!(wv[0], hv[0] + 1.0);
-    assert_eq!(&wv[1..], &hv[1..]);
+    // Lone wrong mergers disagree with the honest result and with each other.
+    let (wrong_a, wrong_b) = (
+        merge(Some(Adversary::WrongMerge), "a"),
+        merge(Some(Adversary::WrongMerge), "b"),
+    );
+    assert_ne!(wrong_a, wrong_b, "two lone wrong mergers agreed");
+    for wrong in [&wrong_a, &wrong_b] {
+        let (wv, wm) = decode_merged(wrong, 3).expect("decode");
+        assert_eq!(hm, wm);
+        assert!(
+            wv[0] >= hv[0] + 1.0 && wv[0] < hv[0] + 2.0,
+            "{} vs {}",
+            wv[0],
+            hv[0]
+        );
+        assert_eq!(&wv[1..], &hv[1..]);
+    }
+    // Colluders publish the same wrong bytes, whoever they are.
+    let colluding = merge(Some(Adversary::ColludingMerge), "a");
+    assert_eq!(colluding, merge(Some(Adversary::ColludingMerge), "b"));
+    let (cv, _) = decode_merged(&colluding, 3).expect("decode");
+    assert_eq!(cv[0], hv[0] + 1.0);
     // The honest result is the outer step on the weighted average (2/3·a + 1/3·b).
     let avg0 = (2.0 / 3.0) * 0.1f32 + (1.0 / 3.0) * 0.4;
     let expected0 = 1.0 - r.outer_lr as f32 * (avg0 + r.outer_momentum as f32 * avg0);

@@ -1,7 +1,7 @@
 //! Merge math for the butterfly all-reduce: a stable flat view of a stage's parameters, its
 //! partitioning into contiguous slices, and a deterministic weighted average.
 //!
-//! Two owners of a partition must produce the same bytes so that their BLAKE3 digests can be
+//! The owners of a partition must produce the same bytes so that their BLAKE3 digests can be
 //! compared. The average is therefore computed in plain f32 scalar code (no fused multiply-add,
 //! no SIMD reassociation), contributors in the given order, summed as a balanced binary tree
 //! (pairwise summation). Threads split the output elements, never a sum, so the result does not

@@ -448,8 +448,8 @@ async fn an_epoch_advances_when_miners_go_silent_at_every_phase() {
             assert_eq!(p.state, PartitionState::Open);
             assert_eq!(
                 p.owners.len(),
-                2,
-                "two owners even with one miner on the stage"
+                3,
+                "three owners even with one miner on the stage"
             );
         } else {
             assert_eq!(
@@ -1424,8 +1424,18 @@ async fn an_owner_cannot_read_another_owners_result_before_the_partition_is_sett
         .expect_err("another owner's result before the partition is settled");
     assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
 
-    // The other owner merges for itself; the partition is settled and both are open.
-    step_until_report(&mut miners[index_of(&other)], |r| r.merges > 0).await;
+    // The other owners merge for themselves; the partition is settled and every result is open.
+    let owners: Vec<String> = sqlx::query_scalar(
+        "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+    )
+    .bind(stage)
+    .bind(partition)
+    .fetch_all(&s.db)
+    .await
+    .expect("owners");
+    for owner in owners.iter().filter(|o| **o != first) {
+        step_until_report(&mut miners[index_of(owner)], |r| r.merges > 0).await;
+    }
     let settled = status_of(reader.merge_status(0).await.expect("merge status"));
     assert_eq!(settled.state, PartitionState::Accepted, "{settled:?}");
     assert!(
@@ -1505,6 +1515,7 @@ async fn an_owner_with_a_validator_permit_cannot_read_the_other_owners_result() 
         "SELECT o.miner FROM partition_owners o JOIN partitions p
            ON (p.epoch, p.stage, p.partition) = (o.epoch, o.stage, o.partition)
          WHERE o.epoch = 0 AND o.stage <> $1 AND p.state = 'open' AND o.miner <> $2
+           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.submitter = o.miner)
          ORDER BY o.stage, o.partition LIMIT 1",
     )
     .bind(mine as i32)
@@ -2867,61 +2878,75 @@ async fn no_sample_starts_after_training_has_ended() {
     assert_eq!(started, 0);
 }
 
-/// Two owners that disagree get a tie-break owner at once, also when a third owner was added
-/// because an earlier one was released: released owners are not working on it. Counting them, the
-/// disputed partition waited for the deadline's reassignment round (or, in the last round, took
-/// the earlier of the two results).
+/// Two owners agreeing do not settle a partition that has three: a colluding pair's merge waits
+/// for the third owner's, and when that differs the partition is disputed for the validators,
+/// with no owner added (more owners' results cannot outvote a wrong agreement). Before, the
+/// first two agreeing results were accepted, and a disagreement took a tie-break owner whose
+/// result made a majority.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dispute_gets_a_tie_break_owner_when_an_owner_was_released() {
+async fn a_pair_that_agrees_does_not_outvote_the_third_owner() {
     init_tracing();
     let seeds = [216u8, 217, 218, 219, 220, FIRST_VALIDATOR + 4];
     let t = PermitHolderOwner::new(&seeds).await;
     let (stage, partition, merged) = (t.stage, t.partition, &t.merged);
-    let hotkey = |i: usize| pair(seeds[i]).ss58_of();
-    let owners = || async {
-        sqlx::query_scalar::<_, String>(
-            "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
-        )
-        .bind(stage as i32)
-        .bind(partition as i32)
-        .fetch_all(&t.s.db)
-        .await
-        .expect("owners")
-    };
-    // The other owner is released and replaced, as `release_silent_miners` does.
-    sqlx::query("UPDATE miners SET status = 'released' WHERE hotkey = $1")
-        .bind(hotkey(t.other))
-        .execute(&t.s.db)
-        .await
-        .expect("release");
-    let before = owners().await;
-    let third = (0..seeds.len())
-        .find(|&i| !before.contains(&hotkey(i)))
-        .expect("a miner that owns nothing of the partition");
-    sqlx::query(
-        "INSERT INTO partition_owners (run_id, epoch, stage, partition, miner, round)
-         VALUES ($1, 0, $2, $3, $4, 0)",
+    let owners: Vec<String> = sqlx::query_scalar(
+        "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2
+         ORDER BY miner",
     )
-    .bind(t.s.app.run.id)
     .bind(stage as i32)
     .bind(partition as i32)
-    .bind(hotkey(third))
-    .execute(&t.s.db)
+    .fetch_all(&t.s.db)
     .await
-    .expect("a third owner");
-    t.miners[t.both]
-        .client()
-        .upload_merge(0, stage, partition, merged(0.25))
-        .await
-        .expect("one owner's merge");
-    t.miners[third]
+    .expect("owners");
+    assert_eq!(owners.len(), 3, "three owners: {owners:?}");
+    let index_of = |hotkey: &str| {
+        seeds
+            .iter()
+            .position(|seed| pair(*seed).ss58_of() == hotkey)
+            .expect("a miner of the test")
+    };
+    let (pair_a, pair_b, honest) = (
+        index_of(&owners[0]),
+        index_of(&owners[1]),
+        index_of(&owners[2]),
+    );
+    for colluder in [pair_a, pair_b] {
+        t.miners[colluder]
+            .client()
+            .upload_merge(0, stage, partition, merged(0.25))
+            .await
+            .expect("a colluder's merge");
+    }
+    assert_eq!(
+        t.state().await,
+        "open",
+        "two of three agreeing settle nothing"
+    );
+    t.miners[honest]
         .client()
         .upload_merge(0, stage, partition, merged(0.75))
         .await
         .expect("the third owner's merge");
     assert_eq!(t.state().await, "disputed");
-    let after = owners().await;
-    assert_eq!(after.len(), 4, "no tie-break owner: {after:?}");
+    let disputes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM disputes WHERE epoch = 0 AND stage = $1 AND partition = $2
+           AND state = 'open'",
+    )
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_one(&t.s.db)
+    .await
+    .expect("disputes");
+    assert_eq!(disputes, 1, "put to the validators");
+    let after: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
+    )
+    .bind(stage as i32)
+    .bind(partition as i32)
+    .fetch_one(&t.s.db)
+    .await
+    .expect("owners");
+    assert_eq!(after, 3, "no tie-break owner");
 }
 
 /// A bad-object report reads the whole object into memory, so it takes one of the upload slots
@@ -3409,6 +3434,16 @@ async fn an_added_owner_is_drawn_at_random_among_equals() {
     let mut picks = std::collections::HashSet::new();
     for _ in 0..24 {
         let mut tx = t.s.db.begin().await.expect("tx");
+        // Every other partition's owners gone (rolled back below): the miners that do not own
+        // this one rank the same, whatever the draw gave them.
+        sqlx::query(
+            "DELETE FROM partition_owners WHERE epoch = 0 AND (stage, partition) <> ($1, $2)",
+        )
+        .bind(t.stage as i32)
+        .bind(t.partition as i32)
+        .execute(&mut *tx)
+        .await
+        .expect("other owners");
         let before = owners_of(&mut tx, t.stage, t.partition).await;
         assert!(
             driver::add_owner(&mut tx, &t.s.app, 0, t.stage, t.partition, 0)

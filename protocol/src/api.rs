@@ -770,9 +770,9 @@ pub struct MergeAssignments {
 pub enum PartitionState {
     /// Waiting for owners.
     Open,
-    /// Two or more results agree (or a validator settled it).
+    /// Every first-round owner's result agrees (or a validator settled it).
     Accepted,
-    /// Results disagree; a tie-break owner and validators are working on it.
+    /// Results disagree; validators recompute it.
     Disputed,
     /// Nobody contributed to this stage this epoch: weights are unchanged.
     Unchanged,
@@ -818,9 +818,10 @@ pub struct PartitionStatus {
     pub results: Vec<MergeResult>,
     /// The accepted result.
     pub accepted: Option<BlobDescriptor>,
-    /// Who settled it: `agreement`, `majority` or `validator:<ss58>` (accepted); `unmerged`
-    /// (no result by the last deadline) or `unverified` (results that no two owners agreed on
-    /// and no validator settled by then), both keeping the partition's weights.
+    /// Who settled it: `agreement` (every first-round owner, at least two, submitted the same
+    /// hash) or `validator:<ss58>` (accepted); `unmerged` (no result by the last deadline) or
+    /// `unverified` (results that disagreed, or too few, and no validator settled them by then),
+    /// both keeping the partition's weights.
     pub resolved_by: Option<String>,
 }
 

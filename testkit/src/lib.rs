@@ -103,7 +103,7 @@ pub async fn wait_epoch(client: &ApiClient, epoch: u64, timeout: Duration) {
     .await
 }
 
-/// Every partition of `epoch` is accepted, and with the two owners' agreement.
+/// Every partition of `epoch` is accepted, by its owners' agreement.
 pub async fn assert_all_agreed(client: &ApiClient, run: &RunConfig, epoch: u64) {
     let parts = client.merge_status(epoch).await.expect("merge status");
     assert_eq!(

@@ -21,19 +21,22 @@ use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
 
 const HONEST: [u8; 6] = [81, 82, 83, 84, 85, 86];
-/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2, 0, 1.
+/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2, 0, 1, 2.
 /// Those that must cheat in epoch 0 (the withholder, whose unused reservation there costs it
-/// epoch 1's) or that cheat only from their second epoch on (stale weights) join early.
-const CHEATERS: [(u8, Adversary); 8] = [
+/// epoch 1's) or that cheat only from their second epoch on (stale weights) join early. The two
+/// colluding mergers share stage 1, where they own partitions together.
+const CHEATERS: [(u8, Adversary); 9] = [
     (91, Adversary::Noise),
     (WITHHOLDER, Adversary::Withhold),
     (93, Adversary::LazyLoss),
     (94, Adversary::StaleWeights),
-    (95, Adversary::WrongMerge),
+    (COLLUDERS[0], Adversary::ColludingMerge),
     (96, Adversary::ForgeLoss),
     (97, Adversary::Freeload),
+    (COLLUDERS[1], Adversary::ColludingMerge),
     (98, Adversary::Zeros),
 ];
+const COLLUDERS: [u8; 2] = [95, 90];
 const WITHHOLDER: u8 = 92;
 const VALIDATOR: u8 = 99;
 const EPOCHS: u64 = 2;
@@ -77,8 +80,8 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         for (_, a, m) in &miners {
             let want = match a {
                 Some(Adversary::Noise | Adversary::StaleWeights | Adversary::Freeload) => Some(0),
-                Some(Adversary::Withhold | Adversary::WrongMerge | Adversary::Zeros) => Some(1),
-                Some(Adversary::LazyLoss | Adversary::ForgeLoss) => Some(2),
+                Some(Adversary::Withhold | Adversary::ColludingMerge) => Some(1),
+                Some(Adversary::LazyLoss | Adversary::ForgeLoss | Adversary::Zeros) => Some(2),
                 _ => None,
             };
             if want.is_some() {
@@ -89,8 +92,6 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 );
             }
         }
-        wait_epoch(&client, EPOCHS, Duration::from_secs(400)).await;
-
         let vdb = fresh_db().await;
         let store = Store::connect(&vdb).await.expect("validator db");
         let vchain = Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
@@ -104,6 +105,20 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         let v = Validator::connect(cfg, hotkey, vchain, store.clone())
             .await
             .expect("validator");
+        // The validator settles disputes as the run goes, as its loop does: the colluders'
+        // partitions are merged by its recomputation instead of keeping their weights.
+        let settling = async {
+            loop {
+                if let Err(e) = v.settle_disputes().await {
+                    eprintln!("settling disputes: {e}");
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        };
+        tokio::select! {
+            _ = wait_epoch(&client, EPOCHS, Duration::from_secs(400)) => {}
+            _ = settling => unreachable!("settling never ends"),
+        }
         let scored = v.step().await.expect("validator step");
         // Stop the chain until the commit has been audited, so its reveal window cannot pass.
         paused.store(true, Ordering::SeqCst);
@@ -135,7 +150,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             assert!(!penalties.is_empty(), "{kind} was never caught: {rows:?}");
             // Caught by the check its cheat breaks, not by another one that happened to fail.
             let reasons: &[&str] = match kind {
-                Adversary::WrongMerge => &["merge "],
+                Adversary::WrongMerge | Adversary::ColludingMerge => &["merge "],
                 Adversary::Freeload => &["replay: ", "bad pseudo-gradient: "],
                 Adversary::Noise
                 | Adversary::Zeros
@@ -246,6 +261,12 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 r.0, r.4, r.2, r.3
             );
         }
+        // The colluders' agreeing wrong merge never became the model's weights: each partition
+        // they merged together met the third owner's honest result and was disputed, and no
+        // accepted partition holds a result of theirs (the validator's merge check above found
+        // theirs not the average); the validator's recomputation settled the disputes.
+        let colluders: Vec<String> = COLLUDERS.iter().map(|s| ss58(*s)).collect();
+        let (mut together, mut settled_by_validator) = (0, 0);
         for epoch in 0..EPOCHS {
             let merges = client.merge_status(epoch).await.expect("merges");
             let how: Vec<_> = merges
@@ -253,7 +274,36 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                 .map(|p| (p.stage, p.partition, p.resolved_by.clone()))
                 .collect();
             eprintln!("merges of epoch {epoch}: {how:?}");
+            for p in &merges {
+                let theirs: Vec<_> = p
+                    .results
+                    .iter()
+                    .filter(|r| colluders.contains(&r.hotkey))
+                    .collect();
+                together += usize::from(theirs.len() == 2);
+                settled_by_validator += usize::from(
+                    p.resolved_by
+                        .as_deref()
+                        .is_some_and(|by| by.starts_with("validator:")),
+                );
+                if let Some(accepted) = &p.accepted {
+                    assert!(
+                        theirs
+                            .iter()
+                            .all(|r| r.blake3.as_deref() != Some(accepted.blake3.as_str())),
+                        "a colluders' merge was adopted: {p:?}"
+                    );
+                }
+            }
         }
+        assert!(
+            together > 0,
+            "the colluders never merged a partition together"
+        );
+        assert!(
+            settled_by_validator > 0,
+            "no dispute was settled by recomputation"
+        );
         let min_honest = HONEST
             .iter()
             .map(|s| weight(*s))

@@ -38,15 +38,16 @@ pub async fn close_at_deadline<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sql
     Ok(())
 }
 
-/// Settles a partition's open dispute by its owners' majority on `hash`.
-pub async fn settle_by_majority<'e>(
+/// Settles a partition's open dispute (opened when a round's deadline found it unsettled) by its
+/// owners' agreement on `hash`.
+pub async fn settle_by_agreement<'e>(
     db: impl Db<'e>,
     run: i64,
     key: PartitionKey,
     hash: &str,
 ) -> sqlx::Result<()> {
     sqlx::query(
-        "UPDATE disputes SET state = 'settled', settled_by = 'majority', settled_hash = $5
+        "UPDATE disputes SET state = 'settled', settled_by = 'agreement', settled_hash = $5
          WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND state = 'open'",
     )
     .bind(run)

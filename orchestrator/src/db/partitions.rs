@@ -124,6 +124,18 @@ pub async fn insert<'e>(
     Ok(())
 }
 
+/// Partitions of `epoch` still open (neither settled nor disputed), in order.
+pub async fn open<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<(i32, i32)>> {
+    sqlx::query_as(
+        "SELECT stage, partition FROM partitions WHERE run_id = $1 AND epoch = $2
+           AND state = 'open' ORDER BY stage, partition",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await
+}
+
 /// The open or disputed partitions of `epoch`, (stage, partition) in order.
 pub async fn unsettled<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<(i32, i32)>> {
     sqlx::query_as(
@@ -308,15 +320,16 @@ pub async fn lock<'e>(
     .await
 }
 
-/// Owners of a partition still active and without a result.
-pub async fn working_owners<'e>(db: impl Db<'e>, run: i64, key: PartitionKey) -> sqlx::Result<i64> {
+/// How many owners a partition was given when merging started (round 0): every one of them
+/// must agree for it to be accepted.
+pub async fn first_round_owners<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    key: PartitionKey,
+) -> sqlx::Result<i64> {
     sqlx::query_scalar(
-        "SELECT count(*) FROM partition_owners o
-         JOIN miners m ON m.run_id = o.run_id AND m.hotkey = o.miner AND m.status = 'active'
-         WHERE o.run_id = $1 AND o.epoch = $2 AND o.stage = $3 AND o.partition = $4
-           AND NOT EXISTS (SELECT 1 FROM merge_results r WHERE r.run_id = o.run_id
-               AND r.epoch = o.epoch AND r.stage = o.stage AND r.partition = o.partition
-               AND r.submitter = o.miner)",
+        "SELECT count(*) FROM partition_owners
+         WHERE run_id = $1 AND epoch = $2 AND stage = $3 AND partition = $4 AND round = 0",
     )
     .bind(run)
     .bind(key.epoch)

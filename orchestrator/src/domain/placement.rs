@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use iota_protocol::api::MAX_TOKENS_PER_S;
 use rand::Rng;
 
+use crate::domain::merges::OWNERS_PER_PARTITION;
+
 /// Load of one stage as the assigner sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageLoad {
@@ -173,19 +175,18 @@ pub fn owner_order(candidates: &[String], seed: &[u8; 32]) -> Vec<String> {
     order
 }
 
-/// The first-round owners of `partition`: two consecutive miners of the stage's owner order
-/// ([`owner_order`]), rotated by partition so that each miner owns as many as any other.
+/// The first-round owners of `partition`: [`OWNERS_PER_PARTITION`] consecutive miners of the
+/// stage's owner order ([`owner_order`]), or all of them when there are fewer, rotated by
+/// partition so that each miner owns as many as any other.
 pub fn initial_owners(order: &[String], partition: u32) -> Vec<String> {
     let n = order.len();
     if n == 0 {
         return Vec::new();
     }
     let first = partition as usize % n;
-    let mut owners = vec![order[first].clone()];
-    if n > 1 {
-        owners.push(order[(first + 1) % n].clone());
-    }
-    owners
+    (0..n.min(OWNERS_PER_PARTITION))
+        .map(|i| order[(first + i) % n].clone())
+        .collect()
 }
 
 /// An active miner that may be given a partition to merge.
@@ -463,10 +464,11 @@ mod tests {
 
     #[test]
     fn owners_rotate_over_the_order_and_are_distinct() {
-        let m: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
-        assert_eq!(initial_owners(&m, 0), vec!["a", "b"]);
-        assert_eq!(initial_owners(&m, 2), vec!["c", "a"]);
-        assert_eq!(initial_owners(&m, 4), vec!["b", "c"]);
+        let m: Vec<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(initial_owners(&m, 0), vec!["a", "b", "c"]);
+        assert_eq!(initial_owners(&m, 2), vec!["c", "d", "a"]);
+        assert_eq!(initial_owners(&m, 5), vec!["b", "c", "d"]);
+        assert_eq!(initial_owners(&m[..2], 3), vec!["b", "a"]);
         assert_eq!(initial_owners(&m[..1], 3), vec!["a"]);
         assert!(initial_owners(&[], 0).is_empty());
     }
@@ -481,7 +483,7 @@ mod tests {
         let pair_owns = |owners: &[String], x: &str, y: &str| {
             owners.iter().any(|o| o == x) && owners.iter().any(|o| o == y)
         };
-        let (mut adjacent, mut apart) = (0u32, 0u32);
+        let (mut adjacent, mut apart, mut trio) = (0u32, 0u32, 0u32);
         let draws = 30_000u32;
         for i in 0..draws {
             let seed = *blake3::hash(&i.to_le_bytes()).as_bytes();
@@ -492,13 +494,21 @@ mod tests {
             let owners = initial_owners(&order, 0);
             adjacent += u32::from(pair_owns(&owners, "b", "c"));
             apart += u32::from(pair_owns(&owners, "a", "d"));
+            assert_eq!(owners.len(), 3, "three distinct owners: {owners:?}");
+            let colluders = ["a", "b", "c"];
+            trio += u32::from(owners.iter().all(|o| colluders.contains(&o.as_str())));
         }
-        // Any pair owns a given partition together with probability 1/C(6,2) = 1/15 (2,000 of
-        // 30,000, sigma about 43); with the old sorted rotation "b" and "c" owned partition 0
-        // together every sixth epoch and "a" and "d" never.
+        // Any pair is among a given partition's three owners with probability
+        // C(4,1)/C(6,3) = 1/5 (6,000 of 30,000, sigma about 69), sorted neighbours or not. A
+        // pair is never all three, so its agreeing wrong merge always meets an honest owner's
+        // result; three colluders of six own a partition alone with probability 1/C(6,3).
         for (what, n) in [("adjacent", adjacent), ("apart", apart)] {
-            assert!((1_850..2_150).contains(&n), "{what}: {n} of {draws}");
+            assert!((5_750..6_250).contains(&n), "{what}: {n} of {draws}");
         }
+        assert!(
+            (1_350..1_650).contains(&trio),
+            "three colluders: {trio} of {draws}"
+        );
         // Each miner still owns the same number of partitions.
         let order = owner_order(&m, &[3; 32]);
         let mut owned: HashMap<String, u32> = HashMap::new();
@@ -507,7 +517,7 @@ mod tests {
                 *owned.entry(o).or_default() += 1;
             }
         }
-        assert!(owned.values().all(|n| *n == 4), "{owned:?}");
+        assert!(owned.values().all(|n| *n == 6), "{owned:?}");
     }
 
     #[test]

@@ -8,13 +8,12 @@ use iota_protocol::blob::BlobDescriptor;
 use sqlx::{Postgres, Transaction};
 
 use super::owners::PARTITIONS_PER_STATEMENT;
-use super::owners::add_owner;
 use crate::app::App;
 use crate::db;
 use crate::db::locks::phase_lock_shared;
 use crate::db::merges::NewResult;
 use crate::db::partitions::PartitionKey;
-use crate::domain::merges::{Verdict, unsettled_at_last_deadline, verdict};
+use crate::domain::merges::{Verdict, results_required, unsettled_at_last_deadline, verdict};
 use crate::error::{RunError, RunResult};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{RunNow, run_now};
@@ -205,28 +204,24 @@ async fn settle(
     let results: Vec<(String, serde_json::Value)> =
         rows.into_iter().map(|(_, _, h, b)| (h, b)).collect();
     let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
-    match verdict(&hashes) {
+    let first_owners = db::partitions::first_round_owners(&mut **tx, app.run.id, key).await?;
+    match verdict(&hashes, results_required(first_owners.max(0) as usize)) {
         Verdict::Pending => {}
-        Verdict::Accept { hash, unanimous } => {
+        Verdict::Accept { hash } => {
             let blob = results
                 .iter()
                 .find(|(h, _)| *h == hash)
                 .map(|(_, b)| b.clone());
-            let how = if unanimous { "agreement" } else { "majority" };
-            set_partition(tx, app, key, PartitionState::Accepted, blob, Some(how)).await?;
-            db::disputes::settle_by_majority(&mut **tx, app.run.id, key, &hash).await?;
+            let how = Some("agreement");
+            set_partition(tx, app, key, PartitionState::Accepted, blob, how).await?;
+            db::disputes::settle_by_agreement(&mut **tx, app.run.id, key, &hash).await?;
             metrics::counter!("iota_partitions_accepted_total").increment(1);
         }
         Verdict::Dispute => {
+            // No owner is added: whatever it submitted, a majority of owners proves nothing (two
+            // colluders outvote the honest one). The validators recompute it.
             set_partition(tx, app, key, PartitionState::Disputed, None, None).await?;
-            let opened = db::disputes::open(&mut **tx, app.run.id, key).await?;
-            // One tie-break owner per disagreement: an active owner with no result yet is
-            // already working on it. Released owners do not count (one released and replaced
-            // left more owners than results, and no tie-break until the deadline).
-            if db::partitions::working_owners(&mut **tx, app.run.id, key).await? == 0 {
-                add_owner(tx, app, epoch, stage, partition, cur.merge_round).await?;
-            }
-            if opened {
+            if db::disputes::open(&mut **tx, app.run.id, key).await? {
                 metrics::counter!("iota_disputes_opened_total").increment(1);
                 tracing::warn!(
                     epoch,

@@ -15,6 +15,7 @@ use crate::app::App;
 use crate::db;
 use crate::db::locks::phase_lock_exclusive;
 use crate::domain::leases::secs;
+use crate::domain::merges::OWNERS_PER_PARTITION;
 use crate::domain::phases::{PhaseStep, PhaseView, next_step, reservations_hold_until};
 use crate::domain::placement::{initial_owners, owner_order};
 use crate::error::RunResult;
@@ -103,8 +104,8 @@ pub(crate) async fn start_uploading(app: &App, now: DateTime<Utc>) -> RunResult<
 }
 
 /// Freezes each partition's contributions (in hotkey order, the fixed merge order) and assigns
-/// two owners per partition from the stage's active miners, neighbours in an order drawn from
-/// the run's secret and the frozen contributions.
+/// [`OWNERS_PER_PARTITION`] owners per partition from the stage's active miners, neighbours in an
+/// order drawn from the run's secret and the frozen contributions.
 pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     let cfg = app.config().clone();
     let mut tx = app.db.begin().await?;
@@ -120,22 +121,6 @@ pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()
     // holds the exclusive phase lock, which every work request waits on.
     let mut chunk = NewPartitions::default();
     for stage in 0..cfg.stages {
-        // The stage's own miners merge its partitions (they need the result anyway); a stage
-        // with fewer than two borrows from the others so every partition has two owners.
-        let mut candidates: Vec<String> = all_active
-            .iter()
-            .filter(|(_, s)| *s as u32 == stage)
-            .map(|(k, _)| k.clone())
-            .collect();
-        if candidates.len() < 2 {
-            candidates.extend(
-                all_active
-                    .iter()
-                    .filter(|(_, s)| *s as u32 != stage)
-                    .map(|(k, _)| k.clone())
-                    .take(2 - candidates.len()),
-            );
-        }
         // The stage's contributions in one read (one stage's at a time in memory), in merge
         // order within each partition.
         let rows =
@@ -171,6 +156,20 @@ pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()
             };
             app.run.session_secret.owner_draw_seed(&frozen)
         };
+        // The stage's own miners merge its partitions (they need the result anyway); a stage
+        // with too few borrows from the others, drawn by the same seed, so every partition
+        // has as many owners as the run can give it.
+        let (own, others): (Vec<_>, Vec<_>) = all_active
+            .iter()
+            .map(|(k, s)| (k.clone(), *s as u32))
+            .partition(|(_, s)| *s == stage);
+        let mut candidates: Vec<String> = own.into_iter().map(|(k, _)| k).collect();
+        let missing = OWNERS_PER_PARTITION.saturating_sub(candidates.len());
+        if missing > 0 {
+            let others: Vec<String> = others.into_iter().map(|(k, _)| k).collect();
+            let borrowed = owner_order(&others, &borrow_seed(&seed));
+            candidates.extend(borrowed.into_iter().take(missing));
+        }
         let order = owner_order(&candidates, &seed);
         for partition in 0..cfg.partitions {
             let contributions = contributed.remove(&(partition as i32)).unwrap_or_default();
@@ -200,6 +199,11 @@ pub(crate) async fn start_merging(app: &App, now: DateTime<Utc>) -> RunResult<()
     tx.commit().await?;
     tracing::info!(epoch, "phase: merging");
     Ok(())
+}
+
+/// The seed that draws a short stage's borrowed owners: another stream than its owner order's.
+fn borrow_seed(seed: &[u8; 32]) -> [u8; 32] {
+    *blake3::keyed_hash(seed, b"borrowed owners").as_bytes()
 }
 
 /// Bytes of contribution lists gathered before they are written (a partition's list grows with
@@ -277,7 +281,9 @@ pub(crate) async fn reassign_round(app: &App, now: DateTime<Utc>) -> RunResult<(
     }
     let cur = run_now(&mut *tx, app.run.id).await?;
     let round = cur.merge_round + 1;
-    let open = db::partitions::unsettled(&mut *tx, app.run.id, cur.epoch as i64).await?;
+    // An open partition is short of results (an owner vanished): another owner can complete
+    // them. A disputed one is not: more owners' results cannot outvote a wrong agreement.
+    let open = db::partitions::open(&mut *tx, app.run.id, cur.epoch as i64).await?;
     let open: Vec<(u32, u32)> = open
         .into_iter()
         .map(|(s, p)| (s as u32, p as u32))
