@@ -39,6 +39,9 @@ pub struct Hyperparams {
     pub tempo: u16,
     /// Blocks between two weight updates of a neuron (`WeightsSetRateLimit`).
     pub weights_rate_limit: u64,
+    /// Blocks after its last weight update that a validator counts as active (`ActivityCutoff`):
+    /// weights older than that are left out of Yuma's consensus.
+    pub activity_cutoff: u16,
     /// Lowest accepted weights version key (`WeightsVersionKey`).
     pub weights_version_key: u64,
     /// Whether weights go through commit-reveal (`CommitRevealWeightsEnabled`).
@@ -430,6 +433,7 @@ impl Subtensor {
         let n = b.add(st().subnetwork_n(), (netuid,))?;
         let tempo = b.add(st().tempo(), (netuid,))?;
         let rate = b.add(st().weights_set_rate_limit(), (netuid,))?;
+        let cutoff = b.add(st().activity_cutoff(), (netuid,))?;
         let version = b.add(st().weights_version_key(), (netuid,))?;
         let cr = b.add(st().commit_reveal_weights_enabled(), (netuid,))?;
         let reveal = b.add(st().reveal_period_epochs(), (netuid,))?;
@@ -476,6 +480,7 @@ impl Subtensor {
             block: at.block_number(),
             tempo: f.value(&tempo)?,
             weights_rate_limit: f.value(&rate)?,
+            activity_cutoff: f.value(&cutoff)?,
             weights_version_key: f.value(&version)?,
             commit_reveal_enabled: f.value(&cr)?,
             reveal_period_epochs: f.value(&reveal)?,

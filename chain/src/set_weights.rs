@@ -655,6 +655,7 @@ mod tests {
             block: 0,
             tempo: 10,
             weights_rate_limit: 100,
+            activity_cutoff: 5000,
             weights_version_key: 0,
             commit_reveal_enabled: false,
             reveal_period_epochs: 1,

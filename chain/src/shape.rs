@@ -71,6 +71,7 @@ pub const USED_STORAGE: &[(&str, &[&str])] = &[
             "FirstEmissionBlockNumber",
             "Tempo",
             "WeightsSetRateLimit",
+            "ActivityCutoff",
             "WeightsVersionKey",
             "CommitRevealWeightsEnabled",
             "RevealPeriodEpochs",

@@ -97,6 +97,7 @@ mod tests {
                 block: 100,
                 tempo: 10,
                 weights_rate_limit: 0,
+                activity_cutoff: 5000,
                 weights_version_key: 0,
                 commit_reveal_enabled: false,
                 reveal_period_epochs: 1,

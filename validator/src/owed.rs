@@ -14,6 +14,20 @@ pub struct OwedWeights {
     not_before: u64,
     /// Failed sends in a row.
     failures: u32,
+    /// No look at whether sent weights need refreshing before this block.
+    refresh_check_at: u64,
+}
+
+/// Whether weights already on chain are due again: a validator whose last update is older than
+/// the subnet's activity cutoff drops out of Yuma's consensus, so they are sent again once half
+/// of it has passed, new epoch scored or not (a stalled run scores none).
+pub fn refresh_due(last_update: u64, block: u64, activity_cutoff: u16) -> bool {
+    block.saturating_sub(last_update) >= refresh_interval(activity_cutoff)
+}
+
+/// Blocks between two sends of the same weights: half the activity cutoff, at least one.
+fn refresh_interval(activity_cutoff: u16) -> u64 {
+    (u64::from(activity_cutoff) / 2).max(1)
 }
 
 impl OwedWeights {
@@ -38,6 +52,17 @@ impl OwedWeights {
             .unwrap_or(MAX_BACKOFF_BLOCKS)
             .min(MAX_BACKOFF_BLOCKS);
         self.not_before = best.saturating_add(1).saturating_add(wait);
+    }
+
+    /// Whether to read the chain at best block `best` to see if sent weights need refreshing.
+    pub fn may_check_refresh(&self, best: u64) -> bool {
+        best >= self.refresh_check_at
+    }
+
+    /// The weights on chain were updated at `last_update`: no refresh is due before half the
+    /// activity cutoff has passed since.
+    pub fn refreshed_at(&mut self, last_update: u64, activity_cutoff: u16) {
+        self.refresh_check_at = last_update.saturating_add(refresh_interval(activity_cutoff));
     }
 
     /// The weights reached the chain (or there were none to send for `epoch`).
@@ -68,6 +93,21 @@ mod tests {
         owed.failed(500);
         assert!(!owed.may_try(3, 501));
         assert!(owed.may_try(3, 502));
+    }
+
+    #[test]
+    fn weights_are_refreshed_after_half_the_activity_cutoff() {
+        assert!(!refresh_due(100, 100, 5000));
+        assert!(!refresh_due(100, 2599, 5000));
+        assert!(refresh_due(100, 2600, 5000));
+        // A cutoff of 0 or 1 still waits a block.
+        assert!(!refresh_due(100, 100, 1));
+        assert!(refresh_due(100, 101, 0));
+        let mut owed = OwedWeights::default();
+        assert!(owed.may_check_refresh(0));
+        owed.refreshed_at(100, 40);
+        assert!(!owed.may_check_refresh(119));
+        assert!(owed.may_check_refresh(120));
     }
 
     #[test]

@@ -30,7 +30,7 @@ use crate::error::ValidatorError;
 use crate::fallback::{consensus_weights, stake_weighted_mean};
 use crate::merges::recompute_merge;
 use crate::onchain::weight_rows;
-use crate::owed::OwedWeights;
+use crate::owed::{OwedWeights, refresh_due};
 use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
 use crate::score::{
     CheckRow, EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid,
@@ -1388,7 +1388,9 @@ impl Validator {
 
     /// The epoch whose weights to send now, and the metagraph read: the latest scored epoch's
     /// have not reached the chain (the pass that scored it could not send them, or a send
-    /// failed), and the subnet's rate limit lets this validator set weights at the next block.
+    /// failed), or reached it half the activity cutoff ago with no newer epoch scored (a stalled
+    /// run: without a refresh the validator would drop out of consensus), and the subnet's rate
+    /// limit lets this validator set weights at the next block.
     /// Without the first check, weights that failed once waited for the next epoch to be scored,
     /// which a stalled run may never bring; without the second, a pass would send into the rate
     /// limit and fail. Between passes, [`OwedWeights`] keeps the rate limit as last read and the
@@ -1398,15 +1400,18 @@ impl Validator {
         let Some(latest) = self.store.latest_scored(run_id).await? else {
             return Ok(None);
         };
-        if self
-            .store
-            .submission_for_epoch(run_id, latest)
-            .await?
-            .is_some()
+        let sent = self.store.submission_for_epoch(run_id, latest).await?;
+        // Committed weights wait for their reveal, and a dry run sends nothing to refresh.
+        if sent
+            .as_ref()
+            .is_some_and(|s| s.state == "committed" || s.state == "dry_run")
         {
             return Ok(None);
         }
         let best = self.chain.best_block_number().await?;
+        if sent.is_some() && !self.owed().may_check_refresh(best) {
+            return Ok(None);
+        }
         if !self.owed().may_try(latest, best) {
             return Ok(None);
         }
@@ -1421,6 +1426,20 @@ impl Validator {
             }
             .into());
         };
+        if sent.is_some() {
+            let cutoff = meta.hyperparams.activity_cutoff;
+            if !refresh_due(me.last_update, meta.block, cutoff) {
+                self.owed().refreshed_at(me.last_update, cutoff);
+                return Ok(None);
+            }
+            tracing::info!(
+                epoch = latest,
+                last_update = me.last_update,
+                block = meta.block,
+                activity_cutoff = cutoff,
+                "no newer epoch scored: sending the weights again before the activity cutoff"
+            );
+        }
         let allowed_from =
             weights_allowed_from(me.last_update, meta.hyperparams.weights_rate_limit);
         let mut owed = self.owed();

@@ -163,6 +163,69 @@ async fn weights_owed_for_a_scored_epoch_are_sent_once_the_rate_limit_allows() {
     orch.stop().await;
 }
 
+/// Weights already on chain are sent again once half the subnet's activity cutoff has passed
+/// with no newer epoch scored (the run stalled): the validator would otherwise drop out of
+/// consensus while it waits. Before half the cutoff nothing is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_are_refreshed_before_the_activity_cutoff_when_the_run_stalls() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    const CUTOFF: u16 = 40;
+    set_hyperparams(
+        &chain,
+        [
+            Hyperparam::CommitRevealWeightsEnabled(false),
+            Hyperparam::WeightsRateLimit(0),
+            Hyperparam::ActivityCutoff(CUTOFF),
+        ],
+    )
+    .await;
+    let Scored {
+        orch,
+        _store_dir,
+        v,
+        store,
+    } = epoch_0_scored(
+        &chain,
+        "weights-refresh",
+        &[(MINERS[0], 1.0), (MINERS[1], 2.0)],
+    )
+    .await;
+    let blocks = || async {
+        let mut subs = store.submissions(10).await.expect("submissions");
+        subs.reverse();
+        subs.iter()
+            .map(|s| {
+                assert_eq!((s.state.as_str(), s.epoch), ("set", Some(0)), "{s:?}");
+                s.block.expect("a block")
+            })
+            .collect::<Vec<u64>>()
+    };
+    v.step().await.expect("step");
+    let first = blocks().await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    // Within half the cutoff: nothing more.
+    chain.net.produce_blocks(u32::from(CUTOFF) / 2 - 2);
+    v.step().await.expect("step");
+    assert_eq!(blocks().await, first);
+    // Past it: the same epoch's weights again.
+    chain.net.produce_blocks(2);
+    v.step().await.expect("step");
+    let again = blocks().await;
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(again[1] >= first[0] + u64::from(CUTOFF) / 2, "{again:?}");
+    let meta = chain
+        .chain
+        .metagraph(chain.netuid)
+        .await
+        .expect("metagraph");
+    let me = meta
+        .neuron_by_hotkey(&Keypair::from_seed([VALIDATOR; 32]).public())
+        .expect("the validator");
+    assert_eq!(me.last_update, again[1], "the refresh reached the chain");
+    orch.stop().await;
+}
+
 /// A send the chain refuses (here: too little stake to set weights) is tried again after a
 /// back-off of 2, then 4 blocks, not at every pass, and goes through once the refusal ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
