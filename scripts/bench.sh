@@ -31,6 +31,7 @@ BENCHES=(
   "merging|cargo bench -p iota-orchestrator --bench merging|Merging at scale: how long the phase driver holds the exclusive phase lock (which work requests wait on) to start merging (freeze every partition's contributions, assign owners), for a reassignment round that gives every partition another owner, and to end an epoch with every partition still open, at 100, 1,000 and 4,000 partitions per stage"
   "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
   "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
+  "power|cargo bench -p iota-validator --bench power|Check power at the defaults: CLASP detection and false-positive rates at 256 samples an epoch and pooled over the 10-epoch window, the replay draw's catch probability with 4 replays, and a caught cheater's payout against an honest miner's under the score decay"
   "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync next to the members read (uid, hotkey, permit) that a metagraph watcher makes at each block, building its storage keys (address checked per key or per entry), and set_weights round trip"
   "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
 )
