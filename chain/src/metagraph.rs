@@ -202,11 +202,15 @@ pub struct Member {
     #[serde(serialize_with = "ss58")]
     pub hotkey: PublicKey,
     pub validator_permit: bool,
+    /// Alpha staked on the hotkey on this subnet, in rao (`TotalHotkeyAlpha`), for a validator
+    /// permit holder, whose vote it weighs; 0 for the others (not read).
+    pub stake: u64,
 }
 
-/// Every uid's holder and validator permit on a subnet at one block: what a service that checks
-/// its callers against the chain needs, read with `n + 3` storage keys where a [`Metagraph`]
-/// takes `5n + 26` (see [`Subtensor::members_at`]).
+/// Every uid's holder and validator permit on a subnet at one block, with permit holders' stake:
+/// what a service that checks its callers against the chain needs, read with `n + p + 3` storage
+/// keys for `p` permit holders where a [`Metagraph`] takes `5n + 26` (see
+/// [`Subtensor::members_at`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Members {
     pub netuid: u16,
@@ -227,6 +231,7 @@ impl From<&Metagraph> for Members {
                     uid: n.uid,
                     hotkey: n.hotkey,
                     validator_permit: n.validator_permit,
+                    stake: if n.validator_permit { n.stake } else { 0 },
                 })
                 .collect(),
         }
@@ -403,16 +408,34 @@ impl Subtensor {
         let mut b = StorageBatch::new(at);
         let keys = b.add_all(st().keys(), (0..n).map(|uid| (netuid, uid)))?;
         let f = b.fetch(self).await?;
-        let members = (0..n)
+        let mut members = (0..n)
             .zip(&keys)
             .map(|(uid, key)| {
                 Ok(Member {
                     uid,
                     hotkey: public(&f.value(key)?),
                     validator_permit: at_index(&permits, usize::from(uid)),
+                    stake: 0,
                 })
             })
-            .collect::<Result<_, ChainError>>()?;
+            .collect::<Result<Vec<_>, ChainError>>()?;
+        // The stake of permit holders only (a few dozen at most): what weighs their votes.
+        let holders: Vec<usize> = (0..members.len())
+            .filter(|i| members[*i].validator_permit)
+            .collect();
+        if !holders.is_empty() {
+            let mut b = StorageBatch::new(at);
+            let stakes = b.add_all(
+                st().total_hotkey_alpha(),
+                holders
+                    .iter()
+                    .map(|i| (crate::signer::account(&members[*i].hotkey), netuid)),
+            )?;
+            let f = b.fetch(self).await?;
+            for (i, slot) in holders.iter().zip(&stakes) {
+                members[*i].stake = f.value(slot)?;
+            }
+        }
         Ok(Members {
             netuid,
             block: at.block_number(),

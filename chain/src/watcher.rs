@@ -248,6 +248,7 @@ mod tests {
                     uid,
                     hotkey: PublicKey::from_bytes([uid as u8; 32]),
                     validator_permit: uid % 7 == 0,
+                    stake: 0,
                 })
                 .collect(),
         };

@@ -763,7 +763,8 @@ async fn two_runs_on_one_database_each_have_a_driver() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     init_tracing();
-    let chain = chain_with(&[41, 42], &[43]).await;
+    // Two validators of equal stake: neither alone holds more than half of it.
+    let chain = chain_with(&[41, 42], &[43, 47]).await;
     let db_url = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let mut run = run_config("disputes");
@@ -776,6 +777,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     miners[1].wrong_merge = true;
     let cheat = miners[1].client().hotkey();
     let v = validator_client(&orch.base, 43).await;
+    let second = validator_client(&orch.base, 47).await;
 
     // Run until the two owners' results disagree: with no third miner to break the tie, the
     // dispute waits for a validator.
@@ -828,7 +830,17 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         let merged = iota_testkit::sim::average(&parts, len as usize);
         let bytes = iota_protocol::tensor::encode_merged(&merged, &vec![0.0; len as usize]);
         let hash = iota_protocol::blob::blake3_hex(&bytes);
-        let settled = v.settle(d.id, &hash).await.expect("settle");
+        // One validator's vote is half the permit holders' stake: recorded, nothing settled.
+        let voted = v.settle(d.id, &hash).await.expect("a vote");
+        assert_eq!(voted.state, PartitionState::Disputed, "{voted:?}");
+        assert_eq!(voted.accepted, None);
+        let changed = v
+            .settle(d.id, &"cd".repeat(32))
+            .await
+            .expect_err("another vote by the same validator");
+        assert_eq!(changed.code(), Some(iota_protocol::ErrorCode::Conflict));
+        // The second validator's vote for the same hash makes a majority of the stake.
+        let settled = second.settle(d.id, &hash).await.expect("settle");
         assert_eq!(settled.state, PartitionState::Accepted);
         assert_eq!(
             settled.accepted.as_ref().map(|b| b.blake3.as_str()),

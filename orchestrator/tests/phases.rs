@@ -34,6 +34,7 @@ fn metagraph(seeds: &[u8]) -> MetagraphIndex {
                 uid: i as u16,
                 hotkey: public(&pair(*s)),
                 validator_permit: *s >= FIRST_VALIDATOR,
+                stake: 0,
             })
             .collect(),
     })

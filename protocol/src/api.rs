@@ -819,9 +819,10 @@ pub struct PartitionStatus {
     /// The accepted result.
     pub accepted: Option<BlobDescriptor>,
     /// Who settled it: `agreement` (every first-round owner, at least two, submitted the same
-    /// hash) or `validator:<ss58>` (accepted); `unmerged` (no result by the last deadline) or
-    /// `unverified` (results that disagreed, or too few, and no validator settled them by then),
-    /// both keeping the partition's weights.
+    /// hash) or `validator:<ss58>` (accepted by validators' votes holding a majority of the
+    /// permit holders' stake; the vote that made it); `unmerged` (no result by the last
+    /// deadline) or `unverified` (results that disagreed, or too few, and no validator majority
+    /// settled them by then), both keeping the partition's weights.
     pub resolved_by: Option<String>,
 }
 

@@ -1077,10 +1077,14 @@ impl Validator {
                     "no owner submitted the honest merge; submitted it");
             }
             match o.client.settle(d.id, &hash).await {
-                Ok(_) => {
+                Ok(p) if p.state == PartitionState::Accepted => {
                     settled += 1;
                     tracing::info!(dispute = d.id, epoch, blake3 = %hash, "dispute settled");
                 }
+                // Weighed with the other validators' votes: settled once those of one hash hold
+                // more than half the permit holders' stake.
+                Ok(_) => tracing::info!(dispute = d.id, epoch, blake3 = %hash,
+                    "dispute vote recorded; waiting for a stake majority"),
                 Err(e) => tracing::warn!(dispute = d.id, error = %e, "could not settle"),
             }
         }

@@ -97,7 +97,7 @@ pub struct Dispute {
     pub state: String,
     /// The hash it was settled with.
     pub settled_hash: Option<String>,
-    /// Who settled it (`majority`, `deadline`, `validator:<hotkey>`).
+    /// Who settled it (`agreement`, `deadline`, `validator:<hotkey>`).
     pub settled_by: Option<String>,
 }
 
@@ -137,4 +137,39 @@ pub async fn settle<'e>(db: impl Db<'e>, id: i64, by: &str, hash: &str) -> sqlx:
     .execute(db)
     .await?;
     Ok(())
+}
+
+/// Records `validator`'s vote of `hash` on dispute `id` (a retry of the same vote changes
+/// nothing): the hash it had voted before, if another.
+pub async fn vote<'e>(
+    db: impl Db<'e>,
+    id: i64,
+    validator: &str,
+    hash: &str,
+    at: chrono::DateTime<chrono::Utc>,
+) -> sqlx::Result<Option<String>> {
+    let stored: String = sqlx::query_scalar(
+        "INSERT INTO dispute_votes (dispute_id, validator, blake3, voted_at)
+         VALUES ($1, $2, $3, $4)
+         ON CONFLICT (dispute_id, validator) DO UPDATE SET blake3 = dispute_votes.blake3
+         RETURNING blake3",
+    )
+    .bind(id)
+    .bind(validator)
+    .bind(hash)
+    .bind(at)
+    .fetch_one(db)
+    .await?;
+    Ok((stored != hash).then_some(stored))
+}
+
+/// Every vote on dispute `id`: (validator, hash), in the order they came.
+pub async fn votes<'e>(db: impl Db<'e>, id: i64) -> sqlx::Result<Vec<(String, String)>> {
+    sqlx::query_as(
+        "SELECT validator, blake3 FROM dispute_votes WHERE dispute_id = $1
+         ORDER BY voted_at, validator",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
 }

@@ -10,11 +10,11 @@ use super::partitions::PartitionKey;
 /// The results that count, by partition, in the order they came: one per hotkey, its first (a
 /// hotkey that submitted both as an owner and through the validator route is one vote), of the
 /// partitions of run `$1` and epoch `$2` that `partitions` picks (a condition on `merge_results
-/// r` and `partitions p`). Rows: stage, partition, blake3, blob.
+/// r` and `partitions p`). Rows: stage, partition, blake3, blob, submitter.
 fn votes_sql(partitions: &str) -> String {
     let voter = "coalesce(substring(r.submitter FROM '^validator:(.*)$'), r.submitter)";
     format!(
-        "SELECT stage, partition, blake3, blob FROM (
+        "SELECT stage, partition, blake3, blob, submitter FROM (
            SELECT DISTINCT ON (r.stage, r.partition, {voter})
              r.stage, r.partition, r.blake3, r.blob, r.submitted_at, r.submitter
            FROM merge_results r JOIN partitions p USING (run_id, epoch, stage, partition)
@@ -36,8 +36,8 @@ static OPEN_VOTE_COUNTS_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// A vote: (stage, partition, blake3, blob).
-pub type Vote = (i32, i32, String, serde_json::Value);
+/// A vote: (stage, partition, blake3, blob, submitter).
+pub type Vote = (i32, i32, String, serde_json::Value, String);
 
 /// The votes on one partition, in the order they came.
 pub async fn votes<'e>(db: impl Db<'e>, run: i64, key: PartitionKey) -> sqlx::Result<Vec<Vote>> {

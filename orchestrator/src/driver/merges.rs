@@ -13,7 +13,9 @@ use crate::db;
 use crate::db::locks::phase_lock_shared;
 use crate::db::merges::NewResult;
 use crate::db::partitions::PartitionKey;
-use crate::domain::merges::{Verdict, results_required, unsettled_at_last_deadline, verdict};
+use crate::domain::merges::{
+    Submitted, Verdict, quorum, results_required, unsettled_at_last_deadline, verdict,
+};
 use crate::error::{RunError, RunResult};
 use crate::objects::{SealedIn, delete_unless_recorded};
 use crate::samples::{RunNow, run_now};
@@ -201,11 +203,17 @@ async fn settle(
     let epoch = cur.epoch;
     let key = PartitionKey::new(epoch, stage, partition);
     let rows = db::merges::votes(&mut **tx, app.run.id, key).await?;
+    let submitted: Vec<Submitted> = rows
+        .iter()
+        .map(|(_, _, hash, _, submitter)| Submitted {
+            hash: hash.clone(),
+            by_owner: !submitter.starts_with("validator:"),
+        })
+        .collect();
     let results: Vec<(String, serde_json::Value)> =
-        rows.into_iter().map(|(_, _, h, b)| (h, b)).collect();
-    let hashes: Vec<String> = results.iter().map(|(h, _)| h.clone()).collect();
+        rows.into_iter().map(|(_, _, h, b, _)| (h, b)).collect();
     let first_owners = db::partitions::first_round_owners(&mut **tx, app.run.id, key).await?;
-    match verdict(&hashes, results_required(first_owners.max(0) as usize)) {
+    match verdict(&submitted, results_required(first_owners.max(0) as usize)) {
         Verdict::Pending => {}
         Verdict::Accept { hash } => {
             let blob = results
@@ -235,8 +243,20 @@ async fn settle(
     Ok(())
 }
 
-/// A validator's recomputed hash settles a dispute: the submitted result that matches it is
-/// accepted. A hash that matches no result settles nothing (the validator submits its own merge
+/// The subnet's validator permit holders and their stake, from the metagraph as last read.
+fn permit_holders(app: &App) -> Vec<(String, u64)> {
+    let index = app.metagraph.borrow();
+    index
+        .members()
+        .iter()
+        .filter(|m| m.validator_permit)
+        .map(|m| (m.hotkey.ss58(), m.stake))
+        .collect()
+}
+
+/// A validator's recomputed hash is its vote on a dispute; once the voters of one hash hold more
+/// than half the stake of the subnet's permit holders ([`quorum`]), the submitted result that
+/// matches it is accepted. A hash that matches no result settles nothing (the validator submits its own merge
 /// first); neither does one that comes after the epoch's merges closed, when the dispute was
 /// closed by the deadline.
 pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> RunResult<()> {
@@ -290,6 +310,22 @@ pub async fn settle_dispute(app: &App, validator: &str, id: i64, hash: &str) -> 
             ),
         ));
     };
+    // A vote, weighed by the stake of the permit holders: the dispute settles once the
+    // voters of one hash hold more than half of it.
+    if let Some(earlier) = db::disputes::vote(&mut *tx, id, validator, hash, app.now()).await? {
+        return Err(RunError::refused(
+            ErrorCode::Conflict,
+            format!("you voted {earlier} on dispute {id} already"),
+        ));
+    }
+    let votes = db::disputes::votes(&mut *tx, id).await?;
+    let holders = permit_holders(app);
+    if quorum(&votes, &holders) != Some(hash) {
+        tx.commit().await?;
+        tracing::info!(dispute = id, %validator, %hash, votes = votes.len(),
+            "dispute vote recorded; no stake majority yet");
+        return Ok(());
+    }
     let by = format!("validator:{validator}");
     db::disputes::settle(&mut *tx, id, &by, hash).await?;
     set_partition(

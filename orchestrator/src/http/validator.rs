@@ -172,7 +172,8 @@ pub async fn settle(
 }
 
 /// `PUT /v1/validator/epochs/{epoch}/merges/{stage}/{partition}?blake3=…`: a validator's own
-/// merge of a partition (counts as one result: agreeing with an owner settles it).
+/// merge of a partition: a result that disputes the partition when it differs from an owner's,
+/// and that a vote can then name; it never completes the owners' agreement.
 #[utoipa::path(put, path = "/v1/validator/epochs/{epoch}/merges/{stage}/{partition}", tag = "validator",
     params(("epoch" = u64, Path, description = "Epoch"), ("stage" = u32, Path, description = "Stage"),
         ("partition" = u32, Path, description = "Partition"), UploadQuery),
