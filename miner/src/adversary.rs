@@ -39,6 +39,14 @@ pub enum Adversary {
     /// Trains, then reserves the upload of its pseudo-gradient and never makes it: its hops are
     /// claimed, its training never reaches the model, and its reservation holds the phase open.
     Withhold,
+    /// Holds its merges back until just before the round's deadline, then publishes a wrong one
+    /// (shifted as [`Adversary::WrongMerge`]'s), hoping to be the only result when the others are
+    /// slow.
+    LateLoneMerge,
+    /// Claims ten times the throughput it measured, at registration and in its heartbeats, and
+    /// idles after each hop (twice its compute, at least a second): a claim that drew work to it
+    /// would stall the samples it holds.
+    ClaimSpeed,
 }
 
 impl Adversary {
@@ -54,6 +62,8 @@ impl Adversary {
             Self::LazyLoss => "lazy-loss",
             Self::ForgeLoss => "forge-loss",
             Self::Withhold => "withhold",
+            Self::LateLoneMerge => "late-lone-merge",
+            Self::ClaimSpeed => "claim-speed",
         }
     }
 
@@ -66,7 +76,7 @@ impl Adversary {
     }
 
     /// Every mode, for tests and help texts.
-    pub const ALL: [Adversary; 9] = [
+    pub const ALL: [Adversary; 11] = [
         Self::Noise,
         Self::Zeros,
         Self::StaleWeights,
@@ -76,6 +86,8 @@ impl Adversary {
         Self::LazyLoss,
         Self::ForgeLoss,
         Self::Withhold,
+        Self::LateLoneMerge,
+        Self::ClaimSpeed,
     ];
 }
 
@@ -83,6 +95,24 @@ impl std::fmt::Display for Adversary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// How much more throughput [`Adversary::ClaimSpeed`] claims than it measured.
+pub const CLAIMED_SPEED_FACTOR: f64 = 10.0;
+
+/// How long [`Adversary::ClaimSpeed`] idles after each hop, in multiples of the hop's compute…
+pub const IDLE_PER_COMPUTE: u32 = 2;
+
+/// …and at least this long: a slow card, whatever the model's size.
+pub const MIN_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long before a merge round's deadline [`Adversary::LateLoneMerge`] publishes, in ms.
+pub const LATE_MERGE_MARGIN_MS: i64 = 1_500;
+
+/// Whether a [`Adversary::LateLoneMerge`] miner still holds back a merge due at `deadline_ms`
+/// at `now_ms` (both Unix ms).
+pub fn holds_merge_back(adversary: Option<Adversary>, now_ms: i64, deadline_ms: i64) -> bool {
+    adversary == Some(Adversary::LateLoneMerge) && now_ms < deadline_ms - LATE_MERGE_MARGIN_MS
 }
 
 /// Factor applied to reported losses by [`Adversary::LazyLoss`] and [`Adversary::ForgeLoss`].
@@ -122,7 +152,8 @@ fn own_shift(hotkey: &str) -> f32 {
 }
 
 /// A partition owner's merge ([`iota_trainer::merged_values`]) as published bytes, corrupted
-/// when `adversary` is [`Adversary::WrongMerge`] (by `hotkey`'s own shift) or
+/// when `adversary` is [`Adversary::WrongMerge`] or [`Adversary::LateLoneMerge`] (by `hotkey`'s
+/// own shift) or
 /// [`Adversary::ColludingMerge`] (by the shift every colluder uses).
 pub fn merged_partition(
     run: &RunConfig,
@@ -134,7 +165,9 @@ pub fn merged_partition(
     let (mut weights, momentum) =
         iota_trainer::merged_values(run, contributions, weights, momentum)?;
     match adversary {
-        Some(Adversary::WrongMerge) => corrupt_merge(&mut weights, own_shift(hotkey)),
+        Some(Adversary::WrongMerge | Adversary::LateLoneMerge) => {
+            corrupt_merge(&mut weights, own_shift(hotkey))
+        }
         Some(Adversary::ColludingMerge) => corrupt_merge(&mut weights, 1.0),
         _ => {}
     }
@@ -172,6 +205,20 @@ mod tests {
         let mut v = vec![0.5f32, 2.0, 3.0];
         corrupt_merge(&mut v, 1.0);
         assert_eq!(v, vec![1.5, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn a_late_merger_holds_back_until_the_margin() {
+        let late = Some(Adversary::LateLoneMerge);
+        assert!(holds_merge_back(late, 10_000, 20_000));
+        assert!(holds_merge_back(late, 18_499, 20_000));
+        assert!(!holds_merge_back(late, 18_500, 20_000));
+        assert!(!holds_merge_back(None, 10_000, 20_000));
+        assert!(!holds_merge_back(
+            Some(Adversary::WrongMerge),
+            10_000,
+            20_000
+        ));
     }
 
     #[test]

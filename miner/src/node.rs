@@ -348,6 +348,10 @@ impl Node {
             .unwrap_or_else(|| capacity::available_memory(&cfg.device));
         // The stage is not known before registering: a one-block estimate places this miner,
         // and its own stage's figure follows in the heartbeats.
+        let claimed = |t: f64| match cfg.adversary {
+            Some(Adversary::ClaimSpeed) => t * crate::adversary::CLAIMED_SPEED_FACTOR,
+            _ => t,
+        };
         let estimate = if let Some(t) = cfg.tokens_per_s {
             t
         } else {
@@ -358,6 +362,7 @@ impl Node {
             .await
             .map_err(|e| MinerError::Internal(e.to_string()))??
         };
+        let estimate = claimed(estimate);
         let capacity = Capacity {
             device: cfg.device.name(),
             memory_bytes,
@@ -395,7 +400,7 @@ impl Node {
             s.stage = Some(stage);
             s.uid = Some(joined.uid);
             s.adversary = cfg.adversary;
-            s.tokens_per_s = measured;
+            s.tokens_per_s = claimed(measured);
         });
         let mut node = Self {
             cfg,
@@ -867,6 +872,12 @@ impl Node {
         for a in assignments {
             let key = (a.epoch, a.stage, a.partition);
             if self.merged.contains(&key) {
+                continue;
+            }
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            if crate::adversary::holds_merge_back(self.cfg.adversary, now_ms, a.deadline_ms) {
                 continue;
             }
             let bytes = match self.merge_one(&a).await {

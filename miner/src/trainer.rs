@@ -7,7 +7,7 @@ use iota_trainer::{HopOutput, StageTrainer, TrainerError};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::adversary::{Adversary, LAZY_LOSS_FACTOR, add_noise};
+use crate::adversary::{Adversary, IDLE_PER_COMPUTE, LAZY_LOSS_FACTOR, MIN_IDLE, add_noise};
 use crate::capacity::{StageSpeed, measure_stage};
 use crate::config::DeviceSpec;
 use crate::error::MinerError;
@@ -40,6 +40,14 @@ impl MinerTrainer {
 
     fn is(&self, a: Adversary) -> bool {
         self.adversary == Some(a)
+    }
+
+    /// A claim-speed cheater idles [`IDLE_PER_COMPUTE`] times the hop's compute after it, at
+    /// least [`MIN_IDLE`].
+    fn idle_if_slow(&self, started: std::time::Instant) {
+        if self.is(Adversary::ClaimSpeed) {
+            std::thread::sleep((started.elapsed() * IDLE_PER_COMPUTE).max(MIN_IDLE));
+        }
     }
 
     /// Counts what the honest trainer rolled back during `f` as a metric.
@@ -99,7 +107,9 @@ impl MinerTrainer {
             self.claimed_hops += 1;
             return Ok(out);
         }
+        let started = std::time::Instant::now();
         let mut out = self.counted(|t| t.forward(sample_id, input))?;
+        self.idle_if_slow(started);
         if self.is(Adversary::Zeros) || (!last && self.is(Adversary::Noise)) {
             let noise = self.is(Adversary::Noise);
             out.bytes = self.tamper(out.bytes.take(), noise)?;
@@ -145,7 +155,9 @@ impl MinerTrainer {
                 tokens,
             });
         }
+        let started = std::time::Instant::now();
         let mut out = self.counted(|t| t.backward(sample_id, grad))?;
+        self.idle_if_slow(started);
         if self.is(Adversary::Zeros) {
             out.bytes = self.tamper(out.bytes.take(), false)?;
         }

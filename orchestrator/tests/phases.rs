@@ -2890,15 +2890,8 @@ async fn a_pair_that_agrees_does_not_outvote_the_third_owner() {
     let seeds = [216u8, 217, 218, 219, 220, FIRST_VALIDATOR + 4];
     let t = PermitHolderOwner::new(&seeds).await;
     let (stage, partition, merged) = (t.stage, t.partition, &t.merged);
-    let owners: Vec<String> = sqlx::query_scalar(
-        "SELECT miner FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2
-         ORDER BY miner",
-    )
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_all(&t.s.db)
-    .await
-    .expect("owners");
+    let mut conn = t.s.db.acquire().await.expect("connection");
+    let owners = owners_of(&mut conn, stage, partition).await;
     assert_eq!(owners.len(), 3, "three owners: {owners:?}");
     let index_of = |hotkey: &str| {
         seeds
@@ -2939,15 +2932,8 @@ async fn a_pair_that_agrees_does_not_outvote_the_third_owner() {
     .await
     .expect("disputes");
     assert_eq!(disputes, 1, "put to the validators");
-    let after: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM partition_owners WHERE epoch = 0 AND stage = $1 AND partition = $2",
-    )
-    .bind(stage as i32)
-    .bind(partition as i32)
-    .fetch_one(&t.s.db)
-    .await
-    .expect("owners");
-    assert_eq!(after, 3, "no tie-break owner");
+    let after = owners_of(&mut conn, stage, partition).await;
+    assert_eq!(after.len(), 3, "no tie-break owner: {after:?}");
 }
 
 /// A bad-object report reads the whole object into memory, so it takes one of the upload slots

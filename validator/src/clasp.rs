@@ -62,6 +62,10 @@ pub struct MinerEffect {
     pub stage: u32,
     /// Effect on the loss: positive means samples through this miner have higher loss.
     pub effect: f64,
+    /// `effect` less its stage's median effect: the miner against its stage's median peer,
+    /// which the flag and the score's quality judge (against the mean, one miner understating
+    /// its losses made every peer look harmful).
+    pub over_median: f64,
     /// Standard error of the effect.
     pub std_error: f64,
     /// `effect / std_error`.
@@ -306,6 +310,7 @@ impl Clasp {
                     std_error,
                     z,
                     samples,
+                    over_median: effect - medians[*stage as usize],
                     flagged: samples >= cfg.min_samples
                         && std_error > 0.0
                         && (effect - medians[*stage as usize] - cfg.min_effect) / std_error
@@ -338,6 +343,15 @@ mod tests {
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    /// The miners a fit flagged.
+    fn flagged(fit: &ClaspFit) -> Vec<u32> {
+        fit.effects
+            .iter()
+            .filter(|e| e.flagged)
+            .map(|e| e.miner)
+            .collect()
+    }
 
     /// Planted effects, random pathways, Gaussian-ish noise.
     fn simulate(
@@ -394,13 +408,7 @@ mod tests {
                 assert!((got - want).abs() < 0.02, "miner {m}: {got} vs {want}");
             }
         }
-        let flagged: Vec<u32> = fit
-            .effects
-            .iter()
-            .filter(|e| e.flagged)
-            .map(|e| e.miner)
-            .collect();
-        assert_eq!(flagged, vec![5], "{:?}", fit.effects);
+        assert_eq!(flagged(&fit), vec![5], "{:?}", fit.effects);
         // A helpful miner has a negative z, never flagged.
         assert!(fit.effects[12].z < -4.0);
         assert!((fit.residual_variance.sqrt() - 0.2).abs() < 0.01);
@@ -427,6 +435,11 @@ mod tests {
             "against the mean each peer looks harmful: {peers:?}"
         );
         assert!(fit.effects.iter().all(|e| !e.flagged), "{:?}", fit.effects);
+        // Against the median the peers are as good as each other, so their quality is whole.
+        assert!(
+            peers.iter().all(|e| e.over_median.abs() < 0.02),
+            "{peers:?}"
+        );
         // A harmful miner among them is still flagged.
         let (clasp, _) = simulate(
             2,
@@ -441,13 +454,7 @@ mod tests {
             5,
         );
         let fit = clasp.fit(&ClaspConfig::default()).expect("fit");
-        let flagged: Vec<u32> = fit
-            .effects
-            .iter()
-            .filter(|e| e.flagged)
-            .map(|e| e.miner)
-            .collect();
-        assert_eq!(flagged, vec![6], "{:?}", fit.effects);
+        assert_eq!(flagged(&fit), vec![6], "{:?}", fit.effects);
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(Vec::new()), 0.0);
@@ -519,13 +526,22 @@ pub struct HotkeyEffects {
 impl HotkeyEffects {
     /// Each miner's effect and flag, by hotkey.
     pub fn by_hotkey(&self) -> std::collections::BTreeMap<&str, (f64, bool)> {
+        self.keyed(|e| (e.effect, e.flagged))
+    }
+
+    /// Each miner's effect over its stage's median and flag, by hotkey: what its score reads.
+    pub fn over_median_by_hotkey(&self) -> std::collections::BTreeMap<&str, (f64, bool)> {
+        self.keyed(|e| (e.over_median, e.flagged))
+    }
+
+    fn keyed<T>(&self, f: impl Fn(&MinerEffect) -> T) -> std::collections::BTreeMap<&str, T> {
         self.fit
             .effects
             .iter()
             .filter_map(|e| {
                 self.hotkeys
                     .get(e.miner as usize)
-                    .map(|h| (h.as_str(), (e.effect, e.flagged)))
+                    .map(|h| (h.as_str(), f(e)))
             })
             .collect()
     }
@@ -597,7 +613,8 @@ fn fit_samples_of_at_most(
 }
 
 /// `fit` (over `placed[i]` at their stages) with one effect per hotkey: for a hotkey placed at
-/// several stages, a flagged effect before an unflagged one, then the larger.
+/// several stages, a flagged effect before an unflagged one, then the larger over its stage's
+/// median.
 fn worst_per_hotkey(fit: ClaspFit, placed: &[&str]) -> HotkeyEffects {
     let mut hotkeys: Vec<String> = Vec::new();
     let mut effects: Vec<MinerEffect> = Vec::new();
@@ -617,7 +634,7 @@ fn worst_per_hotkey(fit: ClaspFit, placed: &[&str]) -> HotkeyEffects {
             }
             Some(&i) => {
                 let kept = &effects[i];
-                if (e.flagged, e.effect) > (kept.flagged, kept.effect) {
+                if (e.flagged, e.over_median) > (kept.flagged, kept.over_median) {
                     effects[i] = MinerEffect {
                         miner: i as u32,
                         ..e

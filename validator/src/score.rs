@@ -9,7 +9,7 @@
 //! merged[m,e]  = share of its stage's partitions whose accepted merge holds m's pseudo-gradient
 //! quality[m,e] = 0                                      if m failed a replay or merge check,
 //!                                                       or CLASP flags it as harmful
-//!              = 1 / (1 + max(0, effect[m,e]) / scale)  otherwise
+//!              = 1 / (1 + max(0, effect[m,e] - stage median) / scale)  otherwise
 //! score[m,e]   = work[m,e] * quality[m,e]
 //! S[m]         = 0 if m failed a check in any epoch of the window,
 //!              = sum over e of score[m,e] * decay^(E - e)    (E: the latest epoch scored) otherwise
@@ -221,7 +221,9 @@ pub fn epoch_scores(
     cfg: &ScoreConfig,
 ) -> Vec<EpochScore> {
     let last = stages.saturating_sub(1);
-    let effects = fit.map(HotkeyEffects::by_hotkey).unwrap_or_default();
+    let effects = fit
+        .map(HotkeyEffects::over_median_by_hotkey)
+        .unwrap_or_default();
     let merged = merged_shares(record);
     record
         .miners

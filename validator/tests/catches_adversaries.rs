@@ -21,11 +21,12 @@ use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
 
 const HONEST: [u8; 6] = [81, 82, 83, 84, 85, 86];
-/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2, 0, 1, 2.
+/// Joined in this order after the honest miners, they land on stages 0, 1, 2, 0, 1, 2, 0, 1, 2
+/// and 0.
 /// Those that must cheat in epoch 0 (the withholder, whose unused reservation there costs it
 /// epoch 1's) or that cheat only from their second epoch on (stale weights) join early. The two
 /// colluding mergers share stage 1, where they own partitions together.
-const CHEATERS: [(u8, Adversary); 9] = [
+const CHEATERS: [(u8, Adversary); 10] = [
     (91, Adversary::Noise),
     (WITHHOLDER, Adversary::Withhold),
     (93, Adversary::LazyLoss),
@@ -35,6 +36,7 @@ const CHEATERS: [(u8, Adversary); 9] = [
     (97, Adversary::Freeload),
     (COLLUDERS[1], Adversary::ColludingMerge),
     (98, Adversary::Zeros),
+    (89, Adversary::LateLoneMerge),
 ];
 const COLLUDERS: [u8; 2] = [95, 90];
 const WITHHOLDER: u8 = 92;
@@ -150,13 +152,16 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             assert!(!penalties.is_empty(), "{kind} was never caught: {rows:?}");
             // Caught by the check its cheat breaks, not by another one that happened to fail.
             let reasons: &[&str] = match kind {
-                Adversary::WrongMerge | Adversary::ColludingMerge => &["merge "],
+                Adversary::WrongMerge | Adversary::ColludingMerge | Adversary::LateLoneMerge => {
+                    &["merge "]
+                }
                 Adversary::Freeload => &["replay: ", "bad pseudo-gradient: "],
                 Adversary::Noise
                 | Adversary::Zeros
                 | Adversary::LazyLoss
                 | Adversary::StaleWeights => &["replay: "],
                 Adversary::ForgeLoss | Adversary::Withhold => unreachable!("checked above"),
+                Adversary::ClaimSpeed => unreachable!("not in this run"),
             };
             assert!(
                 penalties
