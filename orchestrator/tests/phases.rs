@@ -3433,9 +3433,10 @@ async fn an_added_owner_is_drawn_at_random_among_equals() {
         .expect("other owners");
         let before = owners_of(&mut tx, t.stage, t.partition).await;
         assert!(
-            driver::add_owner(&mut tx, &t.s.app, 0, t.stage, t.partition, 0)
+            driver::add_owners(&mut tx, &t.s.app, 0, &[(t.stage, t.partition)], 0)
                 .await
-                .expect("add"),
+                .expect("add")
+                == 1,
             "no miner to add"
         );
         let after = owners_of(&mut tx, t.stage, t.partition).await;

@@ -210,16 +210,14 @@ async fn settle(
             by_owner: !submitter.starts_with("validator:"),
         })
         .collect();
-    let results: Vec<(String, serde_json::Value)> =
-        rows.into_iter().map(|(_, _, h, b, _)| (h, b)).collect();
     let first_owners = db::partitions::first_round_owners(&mut **tx, app.run.id, key).await?;
     match verdict(&submitted, results_required(first_owners.max(0) as usize)) {
         Verdict::Pending => {}
         Verdict::Accept { hash } => {
-            let blob = results
-                .iter()
-                .find(|(h, _)| *h == hash)
-                .map(|(_, b)| b.clone());
+            let blob = rows
+                .into_iter()
+                .find(|(_, _, h, _, _)| *h == hash)
+                .map(|(_, _, _, b, _)| b);
             let how = Some("agreement");
             set_partition(tx, app, key, PartitionState::Accepted, blob, how).await?;
             db::disputes::settle_by_agreement(&mut **tx, app.run.id, key, &hash).await?;

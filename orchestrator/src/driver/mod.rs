@@ -21,5 +21,5 @@ pub use crate::db::locks::{PHASE_LOCK_CLASS, phase_lock_shared};
 pub use gc::collect_garbage;
 pub(crate) use merges::{has_stake, interested_validator};
 pub use merges::{record_merge_result, settle_dispute};
-pub use owners::{add_owner, add_owners};
+pub use owners::add_owners;
 pub use run::{forgive_gap, run_driver, step};

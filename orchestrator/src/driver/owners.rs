@@ -12,18 +12,6 @@ use crate::error::RunResult;
 /// Partitions written per statement when merging starts, or at an epoch's end.
 pub(crate) const PARTITIONS_PER_STATEMENT: usize = 4096;
 
-/// Adds one owner to a partition (see [`add_owners`]). Returns whether one was found.
-pub async fn add_owner(
-    tx: &mut Transaction<'_, Postgres>,
-    app: &App,
-    epoch: u64,
-    stage: u32,
-    partition: u32,
-    round: u32,
-) -> RunResult<bool> {
-    Ok(add_owners(tx, app, epoch, &[(stage, partition)], round).await? == 1)
-}
-
 /// Adds one owner to each of `partitions` (stage, partition), as [`pick_added_owners`] ranks
 /// active miners, each pick counted before the next. Three reads and a chunked insert whatever
 /// the number: a merging deadline can leave every partition of the epoch open, and this runs
