@@ -223,7 +223,9 @@ enum ValidatorCommand {
     /// Print the latest scores and weight submissions from the validator's database.
     Scores(iota_validator::ValidatorArgs),
     /// Recompute a scored epoch's CLASP fit, scores and weights from the orchestrator's records
-    /// and compare them with the database and the chain (exit status 1 on any difference).
+    /// and compare them with the database and the chain (exit status 1 on any difference). With
+    /// --validator, anyone's audit of any validator from public records alone: no database, no
+    /// wallet.
     Audit(AuditArgs),
 }
 
@@ -235,6 +237,10 @@ struct AuditArgs {
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Audit this validator (SS58 hotkey) from what it published and the chain, without its
+    /// database or any wallet.
+    #[arg(long = "validator", env = "IOTA_AUDIT_VALIDATOR")]
+    public: Option<String>,
     #[command(flatten)]
     validator: iota_validator::ValidatorArgs,
 }
@@ -245,6 +251,21 @@ async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
         ValidatorCommand::Scores(a) => {
             let store = iota_validator::Store::connect(&database_url(&a)?).await?;
             return print_scores(&store).await;
+        }
+        ValidatorCommand::Audit(AuditArgs {
+            epoch,
+            json,
+            public: Some(hotkey),
+            validator: args,
+        }) => {
+            let client = iota_protocol::client::ApiClient::public(
+                &args.orchestrator_url,
+                iota_protocol::client::RetryPolicy::default(),
+            )?;
+            let chain = iota_chain::Subtensor::connect(args.subtensor.connect_options()?).await?;
+            let auditor =
+                iota_validator::audit::public::PublicAudit::new(client, chain, args.netuid);
+            return print_audit(&auditor.audit(&hotkey, epoch).await?, epoch, json);
         }
         ValidatorCommand::Audit(a) => (a.validator, Some((a.epoch, a.json))),
     };
@@ -263,25 +284,29 @@ async fn validator(command: ValidatorCommand) -> anyhow::Result<()> {
     let v =
         iota_validator::Validator::connect(args.validator_config(), hotkey, chain, store).await?;
     if let Some((epoch, json)) = audit {
-        let report = v.audit(epoch).await?;
-        if json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        } else {
-            print!("{report}");
-        }
-        if !report.matches {
-            anyhow::bail!(
-                "audit of epoch {epoch}: {} difference(s)",
-                report.mismatches.len().max(1)
-            );
-        }
-        return Ok(());
+        return print_audit(&v.audit(epoch).await?, epoch, json);
     }
     println!(
         "validator for {} on netuid {}",
         args.orchestrator_url, args.netuid
     );
     iota_validator::run(v, shutdown_signal()).await;
+    Ok(())
+}
+
+/// Prints an audit's report; an error (exit status 1) when it found a difference.
+fn print_audit(report: &iota_validator::AuditReport, epoch: u64, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        print!("{report}");
+    }
+    if !report.matches {
+        anyhow::bail!(
+            "audit of epoch {epoch}: {} difference(s)",
+            report.mismatches.len().max(1)
+        );
+    }
     Ok(())
 }
 
@@ -626,5 +651,25 @@ mod tests {
             Cli::try_parse_from(["iota", "validator", "audit"]).is_err(),
             "--epoch is required"
         );
+        // The public audit names the validator and needs neither database nor wallet.
+        let cli = Cli::try_parse_from([
+            "iota",
+            "validator",
+            "audit",
+            "--epoch",
+            "7",
+            "--validator",
+            "5Validator",
+        ])
+        .expect("public audit parses");
+        match cli.command {
+            Command::Validator {
+                command: ValidatorCommand::Audit(a),
+            } => {
+                assert_eq!(a.public.as_deref(), Some("5Validator"));
+                assert_eq!(a.validator.database_url, None);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
     }
 }

@@ -467,9 +467,11 @@ async fn dashboard_and_explorer_api_show_a_finished_epoch() {
             .map(|(i, h)| MinerScore {
                 hotkey: h.clone(),
                 score: 0.1 * (i + 1) as f64,
+                ..MinerScore::default()
             })
             .collect(),
         weights: None,
+        params: None,
     };
     validator
         .submit_scores(0, &submission)

@@ -897,10 +897,17 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             MinerScore {
                 hotkey: miners[0].client().hotkey(),
                 score: 1.0,
+                work: Some(2.0),
+                quality: Some(0.5),
+                effect: Some(-0.01),
+                flagged: Some(false),
+                ..MinerScore::default()
             },
             MinerScore {
                 hotkey: cheat.clone(),
                 score: 0.0,
+                penalty: Some("merge 0/0 is not the average".into()),
+                ..MinerScore::default()
             },
         ],
         weights: Some(WeightsSet {
@@ -908,7 +915,41 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             uids: vec![0, 1],
             weights: vec![65535, 0],
         }),
+        params: Some(ScoringParams {
+            clasp_ridge: 1.0,
+            clasp_z_threshold: 3.0,
+            clasp_min_effect: 0.02,
+            clasp_min_samples: 30,
+            quality_scale: 0.1,
+            decay: 0.7,
+            window: 10,
+            burn_uid: None,
+            burn_share: 0.0,
+        }),
     };
+    // Settings no validator could score with are refused.
+    for bad in [
+        ScoringParams {
+            window: 0,
+            ..submission.params.clone().expect("params")
+        },
+        ScoringParams {
+            decay: f64::NAN,
+            ..submission.params.clone().expect("params")
+        },
+    ] {
+        let refused = v
+            .submit_scores(
+                0,
+                &ScoreSubmission {
+                    params: Some(bad),
+                    ..submission.clone()
+                },
+            )
+            .await
+            .expect_err("bad settings");
+        assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::BadRequest));
+    }
     let stored = v.submit_scores(0, &submission).await.expect("scores");
     assert_eq!(stored.scores, submission.scores);
     let again = v
@@ -976,6 +1017,52 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
     v.report_spot_checks(0, &report).await.expect("report");
     let tasks = v.spot_checks(0).await.expect("spot-check tasks");
     assert_eq!(tasks.reported.len(), 1);
+
+    // Everything the validator scored from and published is public once the epoch is over, to
+    // anyone without a key (`iota validator audit --validator`).
+    let anyone = ApiClient::public(&orch.base, RetryPolicy::default()).expect("public client");
+    let theirs = v.epoch_record(0).await.expect("validator's record");
+    let public_record = anyone.finished_epoch(0).await.expect("public record");
+    assert_eq!(public_record.miners, theirs.miners);
+    assert_eq!(public_record.pseudo_gradients, theirs.pseudo_gradients);
+    assert_eq!(public_record.phase, None);
+    let states = |r: &EpochRecord| -> Vec<_> {
+        r.partitions
+            .iter()
+            .map(|p| (p.stage, p.partition, p.state))
+            .collect()
+    };
+    assert_eq!(states(&public_record), states(&theirs));
+    let mut theirs_samples = v.samples(0, 0, 5000).await.expect("validator's samples");
+    let public_samples = anyone.finished_samples(0, 0, 5000).await.expect("samples");
+    assert!(!public_samples.samples.is_empty());
+    assert_eq!(
+        public_samples.samples,
+        std::mem::take(&mut theirs_samples.samples)
+    );
+    let published = anyone.epoch_scores(0).await.expect("published scores");
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0].validator, v.hotkey());
+    assert_eq!(published[0].scores, submission.scores);
+    assert_eq!(published[0].params, submission.params);
+    assert_eq!(
+        anyone.reported_spot_checks(0).await.expect("checks"),
+        tasks.reported
+    );
+    // A running epoch is not public (its pseudo-gradients' keys would let a miner copy
+    // another's), and the keyless client cannot use a signed route.
+    let running = status(&orch.base).await.epoch;
+    let refused = anyone
+        .finished_epoch(running)
+        .await
+        .expect_err("a running epoch");
+    assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::NotFound));
+    let refused = anyone
+        .finished_samples(running, 0, 10)
+        .await
+        .expect_err("a running epoch's samples");
+    assert_eq!(refused.code(), Some(iota_protocol::ErrorCode::NotFound));
+    assert!(anyone.epoch_record(0).await.is_err(), "a signed route");
     assert_eq!(tasks.reported[0].validator, v.hotkey());
     // The merges and reports come with the first page, and later pages do not repeat them.
     let first = page("?limit=1".into()).await;

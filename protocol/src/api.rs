@@ -1064,15 +1064,85 @@ pub struct SettleRequest {
     pub blake3: String,
 }
 
-/// One miner's score from one validator.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+/// One miner's score from one validator, with what went into it (so anyone can recompute it).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct MinerScore {
     /// Miner (at most 64 characters).
     #[schema(max_length = 64)]
     pub hotkey: String,
-    /// Score (non-negative).
+    /// Score (non-negative): `work * quality`.
     #[schema(minimum = 0.0)]
     pub score: f64,
+    /// Gradient hops completed, times the share of the miner's pseudo-gradient merged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work: Option<f64>,
+    /// Quality factor in [0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<f64>,
+    /// Why the score is zero, when a check failed (at most 1024 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 1024)]
+    pub penalty: Option<String>,
+    /// The miner's CLASP effect on the loss (absent: not fitted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effect: Option<f64>,
+    /// Whether CLASP flagged the miner as harmful.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flagged: Option<bool>,
+}
+
+/// The settings a validator scored an epoch with, published with its scores: with them and the
+/// public records, anyone can recompute its fit, scores and weights
+/// (`iota validator audit --validator`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScoringParams {
+    /// CLASP's ridge penalty.
+    pub clasp_ridge: f64,
+    /// CLASP's z-score above which a harmful effect is flagged.
+    pub clasp_z_threshold: f64,
+    /// CLASP's smallest flagged effect, in nats.
+    pub clasp_min_effect: f64,
+    /// CLASP's fewest samples for a flag.
+    pub clasp_min_samples: u64,
+    /// Loss difference (nats) at which quality halves.
+    pub quality_scale: f64,
+    /// Per-epoch decay of older scores, in (0, 1].
+    pub decay: f64,
+    /// Epochs of scores that count toward the weights (at most 1000).
+    #[schema(maximum = 1000)]
+    pub window: u64,
+    /// The uid that receives the burn share, if any.
+    #[serde(default)]
+    pub burn_uid: Option<u16>,
+    /// The share of the weights burnt, in [0, 1).
+    #[serde(default)]
+    pub burn_share: f64,
+}
+
+impl ScoringParams {
+    /// Most epochs a published score window may span.
+    pub const MAX_WINDOW: u64 = 1000;
+
+    /// Whether every value is one a validator could have scored with.
+    pub fn is_valid(&self) -> bool {
+        let finite = [
+            self.clasp_ridge,
+            self.clasp_z_threshold,
+            self.clasp_min_effect,
+            self.quality_scale,
+            self.decay,
+            self.burn_share,
+        ]
+        .iter()
+        .all(|v| v.is_finite());
+        finite
+            && self.clasp_ridge >= 0.0
+            && self.quality_scale > 0.0
+            && self.decay > 0.0
+            && self.decay <= 1.0
+            && (1..=Self::MAX_WINDOW).contains(&self.window)
+            && (0.0..1.0).contains(&self.burn_share)
+    }
 }
 
 /// Weights a validator set on chain.
@@ -1095,9 +1165,12 @@ pub struct ScoreSubmission {
     /// Scores per miner.
     #[schema(max_items = 4096)]
     pub scores: Vec<MinerScore>,
-    /// The on-chain weights these scores produced, if already set.
+    /// The on-chain weights these scores produced, once they are on chain (set, or revealed).
     #[serde(default)]
     pub weights: Option<WeightsSet>,
+    /// The settings the epoch was scored with.
+    #[serde(default)]
+    pub params: Option<ScoringParams>,
 }
 
 /// A stored score submission.
@@ -1111,6 +1184,9 @@ pub struct ScoreRecord {
     pub scores: Vec<MinerScore>,
     /// Weights set.
     pub weights: Option<WeightsSet>,
+    /// The settings the epoch was scored with.
+    #[serde(default)]
+    pub params: Option<ScoringParams>,
     /// When submitted.
     pub submitted_ms: UnixMs,
 }

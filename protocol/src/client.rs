@@ -317,6 +317,20 @@ fn retry_after(resp: &reqwest::Response) -> Option<Duration> {
         .map(|secs| Duration::from_secs(secs.min(30)))
 }
 
+/// The signer of a client without a key ([`ApiClient::public`]): what it signs no orchestrator
+/// accepts.
+struct Anonymous;
+
+impl RequestSigner for Anonymous {
+    fn ss58(&self) -> String {
+        String::new()
+    }
+
+    fn sign(&self, _message: &[u8]) -> [u8; 64] {
+        [0; 64]
+    }
+}
+
 impl ApiClient {
     /// A client for the orchestrator at `base` (`http://host:port`) whose hotkey is
     /// `orchestrator_ss58`.
@@ -340,6 +354,12 @@ impl ApiClient {
             max_object_bytes: u64::MAX,
             sessions: Arc::default(),
         })
+    }
+
+    /// A client for the public routes only: it holds no key, and a signed route answers it as
+    /// an unsigned caller (refused).
+    pub fn public(base: impl Into<String>, retry: RetryPolicy) -> Result<Self, ClientError> {
+        Ok(Self::new(base, Arc::new(Anonymous), String::new(), retry)?.with_sessions(false))
     }
 
     /// Whether signed requests go out in a session (the default) or each with its own sr25519
@@ -1161,6 +1181,38 @@ impl ApiClient {
             None,
         )
         .await
+    }
+
+    /// The record of a finished epoch (`GET /v1/epochs/{epoch}`), as anyone may read it.
+    pub async fn finished_epoch(&self, epoch: u64) -> Result<EpochRecord, ClientError> {
+        self.public_get(&format!("/v1/epochs/{epoch}")).await
+    }
+
+    /// A page of a finished epoch's samples (`GET /v1/epochs/{epoch}/samples`).
+    pub async fn finished_samples(
+        &self,
+        epoch: u64,
+        after: i64,
+        limit: u32,
+    ) -> Result<SamplePage, ClientError> {
+        self.public_get(&format!(
+            "/v1/epochs/{epoch}/samples?after={after}&limit={limit}"
+        ))
+        .await
+    }
+
+    /// Every validator's published scores for `epoch`.
+    pub async fn epoch_scores(&self, epoch: u64) -> Result<Vec<ScoreRecord>, ClientError> {
+        self.public_get(&format!("/v1/epochs/{epoch}/scores")).await
+    }
+
+    /// Every validator's published spot checks for `epoch`.
+    pub async fn reported_spot_checks(
+        &self,
+        epoch: u64,
+    ) -> Result<Vec<SpotCheckReport>, ClientError> {
+        self.public_get(&format!("/v1/epochs/{epoch}/spot-checks"))
+            .await
     }
 
     // ---- validators ----

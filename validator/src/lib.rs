@@ -11,6 +11,7 @@
 //!   database and the chain.
 //! * [`fallback`]: the consensus weights set while the orchestrator is unreachable.
 //! * [`onchain`]: reads of the chain's weight storage.
+//! * [`published`]: what a validator publishes with its scores so that anyone can recompute them.
 //! * [`owed`]: when weights that did not reach the chain are tried again.
 
 pub mod audit;
@@ -21,6 +22,7 @@ pub mod fallback;
 pub mod merges;
 pub mod onchain;
 pub mod owed;
+pub mod published;
 pub mod replay;
 pub mod score;
 pub mod service;

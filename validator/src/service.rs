@@ -15,8 +15,8 @@ use iota_chain::{Metagraph, Subtensor, TxOptions};
 use iota_protocol::BlobDescriptor;
 use iota_protocol::api::limits::MAX_SAMPLES_PER_EPOCH;
 use iota_protocol::api::{
-    Direction, EpochRecord, HopRecord, MinerScore, PartitionState, PartitionStatus, RunConfig,
-    SampleRecord, ScoreSubmission, SpotCheckReport, SpotCheckResult,
+    Direction, EpochRecord, HopRecord, PartitionState, PartitionStatus, RunConfig, SampleRecord,
+    ScoreSubmission, ScoringParams, SpotCheckReport, SpotCheckResult,
 };
 use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
@@ -31,6 +31,7 @@ use crate::fallback::{consensus_weights, stake_weighted_mean};
 use crate::merges::recompute_merge;
 use crate::onchain::weight_rows;
 use crate::owed::{OwedWeights, refresh_due};
+use crate::published;
 use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
 use crate::score::{
     CheckRow, EpochScore, ScoreConfig, chain_scores, epoch_scores, failures, weights_by_uid,
@@ -850,16 +851,7 @@ impl Validator {
 
         // CLASP over every finished sample.
         let fit = fit_epoch(epoch, o.run.stages, &samples, &self.cfg.clasp);
-        let rows: Vec<CheckRow> = checks
-            .iter()
-            .map(|c| CheckRow {
-                hotkey: c.hotkey.clone(),
-                kind: c.kind.clone(),
-                target: c.target.clone(),
-                passed: c.passed,
-                detail: serde_json::from_str(&c.detail).unwrap_or(serde_json::Value::Null),
-            })
-            .collect();
+        let rows: Vec<CheckRow> = checks.iter().map(CheckRow::from).collect();
         // Penalties come from the check rows as stored, the same derivation the audit redoes.
         let scores: Vec<EpochScore> = epoch_scores(
             &record,
@@ -877,6 +869,7 @@ impl Validator {
                 &rows,
                 fit.as_ref().map(|f| (&f.fit, f.hotkeys.as_slice())),
                 &scores,
+                &self.scoring_params(),
             )
             .await?;
         // Published for everyone to check (the spot checks; the scores for `GET /v1/scores` and
@@ -888,8 +881,12 @@ impl Validator {
             seed_block,
             checks: checks.clone(),
         };
-        self.publish(o.run_id, epoch, &report, &score_submission(&scores))
-            .await?;
+        let effects = fit
+            .as_ref()
+            .map(HotkeyEffects::by_hotkey)
+            .unwrap_or_default();
+        let submission = published::submission(&scores, &effects, self.scoring_params(), None);
+        self.publish(o.run_id, epoch, &report, &submission).await?;
         Ok(EpochOutcome {
             epoch,
             seed: seed_hex,
@@ -936,13 +933,7 @@ impl Validator {
                 .checks(o.run_id, epoch)
                 .await?
                 .into_iter()
-                .map(|c| SpotCheckResult {
-                    hotkey: c.hotkey,
-                    kind: c.kind,
-                    target: c.target,
-                    passed: c.passed,
-                    detail: c.detail.to_string(),
-                })
+                .map(SpotCheckResult::from)
                 .collect();
             let report = SpotCheckReport {
                 validator: String::new(),
@@ -951,10 +942,18 @@ impl Validator {
                 checks,
             };
             let scores = self.store.scores_between(o.run_id, epoch, epoch).await?;
-            if !self
-                .publish(o.run_id, epoch, &report, &score_submission(&scores))
-                .await?
-            {
+            let effects = self.store.effects(o.run_id, epoch).await?;
+            let effects = effects
+                .iter()
+                .map(|e| (e.hotkey.as_str(), (e.effect, e.flagged)))
+                .collect();
+            let params = match self.store.params(o.run_id, epoch).await? {
+                Some(p) => p,
+                None => self.scoring_params(),
+            };
+            let weights = self.store.weights_on_chain(o.run_id, epoch).await?;
+            let submission = published::submission(&scores, &effects, params, weights);
+            if !self.publish(o.run_id, epoch, &report, &submission).await? {
                 break;
             }
             published += 1;
@@ -1137,11 +1136,17 @@ impl Validator {
         .map(Some)
     }
 
+    /// The scoring settings as published with each epoch's scores.
+    pub fn scoring_params(&self) -> ScoringParams {
+        published::params(&self.cfg.clasp, &self.cfg.score, self.cfg.burn)
+    }
+
     /// How weights are sent.
     fn weight_options(&self) -> WeightOptions {
         WeightOptions {
             tx: self.cfg.tx.clone(),
             wait_for_rate_limit: false,
+            process_weights: PROCESS_WEIGHTS,
             ..WeightOptions::default()
         }
     }
@@ -1155,12 +1160,12 @@ impl Validator {
         uids: &[u16],
         weights: &[f64],
     ) -> Result<(Vec<u16>, Vec<u16>), iota_chain::ChainError> {
-        let scores = chain_scores(weights);
-        if self.weight_options().process_weights {
-            weights_for_chain(hyperparams, uids, &scores)
-        } else {
-            convert_as_given(hyperparams, uids, &scores)
-        }
+        chain_values(
+            self.weight_options().process_weights,
+            hyperparams,
+            uids,
+            weights,
+        )
     }
 
     /// Records, sends and records the outcome of one weight submission.
@@ -1500,22 +1505,28 @@ pub async fn run(validator: Validator, shutdown: impl Future<Output = ()> + Send
     }
 }
 
-/// Scored epochs a pass publishes at most, the rest waiting for the next.
-const PUBLISH_PER_PASS: u32 = 16;
-
-/// An epoch's scores as published (the weights set are not published yet).
-fn score_submission(scores: &[EpochScore]) -> ScoreSubmission {
-    ScoreSubmission {
-        scores: scores
-            .iter()
-            .map(|s| MinerScore {
-                hotkey: s.hotkey.clone(),
-                score: s.score,
-            })
-            .collect(),
-        weights: None,
+/// The `(uids, values)` the chain client sends for `weights`, with or without its
+/// `process_weights` step.
+pub(crate) fn chain_values(
+    process_weights: bool,
+    hyperparams: &iota_chain::Hyperparams,
+    uids: &[u16],
+    weights: &[f64],
+) -> Result<(Vec<u16>, Vec<u16>), iota_chain::ChainError> {
+    let scores = chain_scores(weights);
+    if process_weights {
+        weights_for_chain(hyperparams, uids, &scores)
+    } else {
+        convert_as_given(hyperparams, uids, &scores)
     }
 }
+
+/// Whether this validator's weights go through the chain client's `process_weights` step (the
+/// public audit converts as it does).
+pub(crate) const PROCESS_WEIGHTS: bool = false;
+
+/// Scored epochs a pass publishes at most, the rest waiting for the next.
+const PUBLISH_PER_PASS: u32 = 16;
 
 #[cfg(test)]
 mod tests {

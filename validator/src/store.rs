@@ -8,6 +8,7 @@ use sqlx::{PgPool, Row};
 use crate::clasp::ClaspFit;
 use crate::error::ValidatorError;
 use crate::score::{CheckRow, EpochScore};
+use iota_protocol::api::{ScoringParams, WeightsSet};
 
 /// Where a weight submission came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -195,18 +196,20 @@ impl Store {
         checks: &[CheckRow],
         clasp: Option<(&ClaspFit, &[String])>,
         scores: &[EpochScore],
+        params: &ScoringParams,
     ) -> Result<(), ValidatorError> {
         let mut tx = self.db.begin().await?;
         let samples = clasp.map(|(f, _)| f.samples).unwrap_or(0);
         sqlx::query(
-            "INSERT INTO scored_epochs (run_id, epoch, seed, seed_block, samples)
-             VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO scored_epochs (run_id, epoch, seed, seed_block, samples, params)
+             VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(run_id)
         .bind(epoch as i64)
         .bind(seed)
         .bind(seed_block as i64)
         .bind(samples as i64)
+        .bind(serde_json::to_value(params).map_err(|e| ValidatorError::Config(e.to_string()))?)
         .execute(&mut *tx)
         .await?;
         for c in checks {
@@ -439,6 +442,58 @@ impl Store {
         Ok(())
     }
 
+    /// The settings `epoch` was scored with (`None`: scored before they were kept).
+    pub async fn params(
+        &self,
+        run_id: i64,
+        epoch: u64,
+    ) -> Result<Option<ScoringParams>, ValidatorError> {
+        let v: Option<Option<serde_json::Value>> =
+            sqlx::query_scalar("SELECT params FROM scored_epochs WHERE run_id = $1 AND epoch = $2")
+                .bind(run_id)
+                .bind(epoch as i64)
+                .fetch_optional(&self.db)
+                .await?;
+        v.flatten()
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| ValidatorError::Config(format!("stored scoring settings: {e}")))
+    }
+
+    /// The weights on chain from the scores of `epoch` (set, or committed and revealed), as
+    /// sent: the latest such submission.
+    pub async fn weights_on_chain(
+        &self,
+        run_id: i64,
+        epoch: u64,
+    ) -> Result<Option<WeightsSet>, ValidatorError> {
+        let row: Option<(i64, serde_json::Value)> = sqlx::query_as(
+            "SELECT block, outcome FROM weight_submissions
+             WHERE run_id = $1 AND epoch = $2 AND source = 'scores'
+               AND state IN ('set', 'revealed') AND block IS NOT NULL AND outcome IS NOT NULL
+             ORDER BY id DESC LIMIT 1",
+        )
+        .bind(run_id)
+        .bind(epoch as i64)
+        .fetch_optional(&self.db)
+        .await?;
+        let Some((block, outcome)) = row else {
+            return Ok(None);
+        };
+        #[derive(serde::Deserialize)]
+        struct Sent {
+            uids: Vec<u16>,
+            values: Vec<u16>,
+        }
+        let sent: Sent = serde_json::from_value(outcome)
+            .map_err(|e| ValidatorError::Config(format!("stored weight outcome: {e}")))?;
+        Ok(Some(WeightsSet {
+            block: block as u64,
+            uids: sent.uids,
+            weights: sent.values,
+        }))
+    }
+
     /// The seed and seed block `epoch`'s spot checks were drawn with.
     pub async fn seed(
         &self,
@@ -543,6 +598,26 @@ impl Store {
         .bind(outcome)
         .execute(&self.db)
         .await?;
+        if state == "set" {
+            self.republish("id = $1", id).await?;
+        }
+        Ok(())
+    }
+
+    /// Marks for publication again the scored epoch whose scores made the submission `which`
+    /// names (`$1`): its weights are on chain now and go out with its scores.
+    async fn republish<T>(&self, which: &str, key: T) -> Result<(), ValidatorError>
+    where
+        T: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
+    {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE scored_epochs e SET published_at = NULL FROM weight_submissions w
+             WHERE w.{which} AND w.source = 'scores'
+               AND e.run_id = w.run_id AND e.epoch = w.epoch"
+        )))
+        .bind(key)
+        .execute(&self.db)
+        .await?;
         Ok(())
     }
 
@@ -589,6 +664,7 @@ impl Store {
         .bind(block as i64)
         .execute(&self.db)
         .await?;
+        self.republish("commit_hash = $1", hash.to_owned()).await?;
         Ok(())
     }
 

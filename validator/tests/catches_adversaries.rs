@@ -16,7 +16,9 @@ use std::time::Duration;
 use crate::support::Adversary;
 use iota_chain::wallet::Keypair;
 use iota_chain::{ConnectOptions, Subtensor};
+use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_validator::audit::ChainCheck;
+use iota_validator::audit::public::PublicAudit;
 use iota_validator::{AuditReport, Store, Validator, ValidatorConfig};
 use support::*;
 
@@ -378,6 +380,78 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         }
         assert!(report.weights.iter().any(|w| w.on_chain == Some(u16::MAX)));
 
+        // Anyone can do the same from public records alone, with no database and no hotkey:
+        // once the validator's next pass has published the weights with the epoch's scores.
+        let published = v.publish_pending().await.expect("publish");
+        assert!(published >= 1, "the revealed weights were published");
+        let auditor = PublicAudit::new(
+            ApiClient::public(&orch.base, RetryPolicy::default()).expect("client"),
+            Subtensor::connect(ConnectOptions::new(chain.net.ws_url()))
+                .await
+                .expect("chain"),
+            chain.netuid,
+        );
+        let public = auditor
+            .audit(&ss58(VALIDATOR), audited)
+            .await
+            .expect("public audit");
+        eprintln!("{public}");
+        assert!(public.matches && public.records_match, "{public}");
+        assert!(
+            matches!(public.chain, ChainCheck::Weights { matches: true, block, .. } if Some(block) == revealed_at),
+            "{:?}",
+            public.chain
+        );
+        assert_eq!(public.window, report.window, "the same score window");
+        let by_uid = |r: &AuditReport| -> BTreeMap<u16, Option<u16>> {
+            r.weights
+                .iter()
+                .map(|w| (w.uid, w.chain_expected))
+                .collect()
+        };
+        assert_eq!(by_uid(&public), by_uid(&report), "the same weights");
+        for w in &public.weights {
+            assert_eq!(w.published, w.chain_expected, "{w:?}");
+            assert_eq!(w.on_chain, w.chain_expected, "{w:?}");
+        }
+        // Another epoch's records passed off as this epoch's are caught by the public audit…
+        let earlier = auditor.evidence(audited - 1).await.expect("records");
+        let mut forged = auditor.evidence(audited).await.expect("records");
+        forged.samples = earlier.samples;
+        forged.record.miners = earlier.record.miners;
+        let public = auditor
+            .audit_with(&ss58(VALIDATOR), audited, [(audited, forged)].into())
+            .await
+            .expect("public audit of forged records");
+        assert!(!public.matches && !public.records_match, "{public}");
+        assert!(
+            public.mismatches.iter().any(|m| m.contains("score of")),
+            "{:?}",
+            public.mismatches
+        );
+
+        // …and so is a published score altered after the fact.
+        let altered = sqlx::query(
+            "UPDATE validator_scores SET scores = jsonb_set(scores, '{0,score}',
+                 to_jsonb((scores->0->>'score')::float8 * 2 + 1))
+             WHERE epoch = $1 AND validator = $2",
+        )
+        .bind(audited as i64)
+        .bind(ss58(VALIDATOR))
+        .execute(&orch_db)
+        .await
+        .expect("tamper with the publication");
+        assert_eq!(altered.rows_affected(), 1);
+        let public = auditor
+            .audit(&ss58(VALIDATOR), audited)
+            .await
+            .expect("public audit of a tampered publication");
+        assert!(!public.matches && !public.records_match, "{public}");
+        assert!(
+            public.mismatches.iter().any(|m| m.contains("score of")),
+            "{:?}",
+            public.mismatches
+        );
         // Tampering: another epoch's records passed off as this epoch's are caught…
         let earlier = v.fetch_evidence(audited - 1).await.expect("records");
         let mut forged = v.fetch_evidence(audited).await.expect("records");
@@ -388,7 +462,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             .await
             .expect("audit of forged records");
         eprintln!("{report}");
-        assert!(!report.matches && !report.db_matches, "{report}");
+        assert!(!report.matches && !report.records_match, "{report}");
         assert!(
             report.mismatches.iter().any(|m| m.contains("score of")),
             "{:?}",
@@ -406,7 +480,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         assert_eq!(altered.rows_affected(), 1);
         let report = v.audit(audited).await.expect("audit of a tampered db");
         eprintln!("{report}");
-        assert!(!report.matches && !report.db_matches, "{report}");
+        assert!(!report.matches && !report.records_match, "{report}");
         let row = report
             .miners
             .iter()
@@ -471,7 +545,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
 fn assert_audit_matches(report: &AuditReport, recorded: &[f64]) {
     assert!(report.matches, "{report}");
     assert!(
-        report.db_matches && report.mismatches.is_empty(),
+        report.records_match && report.mismatches.is_empty(),
         "{report}"
     );
     assert!(report.miners.iter().all(|m| m.matches), "{report}");

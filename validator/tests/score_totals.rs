@@ -31,16 +31,17 @@ async fn score_totals_sum_every_scored_epoch_per_hotkey() {
             &[],
             None,
             &[score("b", 0, 2.0), score("a", 0, 1.0)],
+            &params(),
         )
         .await
         .expect("epoch 0");
     store
-        .record_epoch(1, 1, "seed", 5, &[], None, &[score("a", 1, 0.5)])
+        .record_epoch(1, 1, "seed", 5, &[], None, &[score("a", 1, 0.5)], &params())
         .await
         .expect("epoch 1");
     // Another run's epochs count too, as they did in `localnet up`'s report.
     store
-        .record_epoch(2, 0, "seed", 9, &[], None, &[score("b", 0, 4.0)])
+        .record_epoch(2, 0, "seed", 9, &[], None, &[score("b", 0, 4.0)], &params())
         .await
         .expect("run 2");
     assert_eq!(
@@ -56,4 +57,9 @@ async fn score_totals_sum_every_scored_epoch_per_hotkey() {
             },
         ]
     );
+}
+
+/// The default scoring settings, as published.
+fn params() -> iota_protocol::api::ScoringParams {
+    iota_validator::published::params(&Default::default(), &Default::default(), None)
 }

@@ -66,7 +66,7 @@ async fn epoch_0_scored(chain: &Chain, name: &str, scores: &[(u8, f64)]) -> Scor
         })
         .collect();
     store
-        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores)
+        .record_epoch(run_id, 0, "seed", 0, &[], None, &scores, &params())
         .await
         .expect("epoch 0 scored");
     Scored {
@@ -281,4 +281,9 @@ async fn refused_weights_back_off_and_are_sent_when_the_chain_accepts() {
         "sent once accepted"
     );
     orch.stop().await;
+}
+
+/// The default scoring settings, as published.
+fn params() -> iota_protocol::api::ScoringParams {
+    iota_validator::published::params(&Default::default(), &Default::default(), None)
 }

@@ -132,6 +132,8 @@ pub struct NewScores {
     pub scores: serde_json::Value,
     /// The weights they produced.
     pub weights: Option<serde_json::Value>,
+    /// The settings they were scored with.
+    pub params: Option<serde_json::Value>,
     /// When they came.
     pub at: DateTime<Utc>,
 }
@@ -139,18 +141,20 @@ pub struct NewScores {
 /// Stores a validator's scores for an epoch, replacing an earlier submission: the record.
 pub async fn store_scores<'e>(db: impl Db<'e>, run: i64, new: NewScores) -> RunResult<ScoreRecord> {
     let row = sqlx::query(
-        "INSERT INTO validator_scores (run_id, epoch, validator, scores, weights, submitted_at)
-         VALUES ($1, $2, $3, $4, $5, $6)
+        "INSERT INTO validator_scores
+             (run_id, epoch, validator, scores, weights, params, submitted_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
          ON CONFLICT (run_id, epoch, validator)
          DO UPDATE SET scores = EXCLUDED.scores, weights = EXCLUDED.weights,
-           submitted_at = EXCLUDED.submitted_at
-         RETURNING validator, epoch, scores, weights, submitted_at",
+           params = EXCLUDED.params, submitted_at = EXCLUDED.submitted_at
+         RETURNING validator, epoch, scores, weights, params, submitted_at",
     )
     .bind(run)
     .bind(new.epoch)
     .bind(&new.validator)
     .bind(&new.scores)
     .bind(&new.weights)
+    .bind(&new.params)
     .bind(new.at)
     .fetch_one(db)
     .await?;

@@ -278,27 +278,47 @@ pub const SCORES_SQL: &str = "WITH RECURSIVE validators AS (
                 ORDER BY s.validator LIMIT 1)
         FROM validators v WHERE v.validator IS NOT NULL
     )
-    SELECT l.validator, l.epoch, l.scores, l.weights, l.submitted_at
+    SELECT l.validator, l.epoch, l.scores, l.weights, l.params, l.submitted_at
     FROM validators v CROSS JOIN LATERAL (
-        SELECT s.validator, s.epoch, s.scores, s.weights, s.submitted_at FROM validator_scores s
+        SELECT s.validator, s.epoch, s.scores, s.weights, s.params, s.submitted_at
+        FROM validator_scores s
         WHERE s.run_id = $1 AND s.validator = v.validator
         ORDER BY s.epoch DESC LIMIT 1
     ) l
     WHERE v.validator IS NOT NULL
     ORDER BY l.validator";
 
-/// A score submission from a row with `validator`, `epoch`, `scores`, `weights` and
+/// A score submission from a row with `validator`, `epoch`, `scores`, `weights`, `params` and
 /// `submitted_at`.
 pub fn score_from_row(r: &PgRow) -> RunResult<ScoreRecord> {
     let submitted: DateTime<Utc> = r.try_get("submitted_at")?;
     let weights: Option<serde_json::Value> = r.try_get("weights")?;
+    let params: Option<serde_json::Value> = r.try_get("params")?;
     Ok(ScoreRecord {
         validator: r.try_get("validator")?,
         epoch: r.try_get::<i64, _>("epoch")? as u64,
         scores: serde_json::from_value(r.try_get("scores")?)?,
         weights: weights.map(serde_json::from_value).transpose()?,
+        params: params.map(serde_json::from_value).transpose()?,
         submitted_ms: submitted.timestamp_millis(),
     })
+}
+
+/// Every validator's score submission for `epoch`, by validator.
+pub async fn epoch_scores<'e>(
+    db: impl Db<'e>,
+    run: i64,
+    epoch: i64,
+) -> RunResult<Vec<ScoreRecord>> {
+    let rows = sqlx::query(
+        "SELECT validator, epoch, scores, weights, params, submitted_at FROM validator_scores
+         WHERE run_id = $1 AND epoch = $2 ORDER BY validator",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await?;
+    rows.iter().map(score_from_row).collect()
 }
 
 /// The latest score submission of every validator.

@@ -163,7 +163,14 @@ pub fn router(app: App) -> Router {
         .route("/v1/loss", get(views::get_loss))
         .route("/v1/throughput", get(views::get_throughput))
         .route("/v1/samples/{id}", get(views::get_sample))
+        .route("/v1/epochs/{epoch}", get(views::get_epoch))
+        .route("/v1/epochs/{epoch}/samples", get(views::get_epoch_samples))
         .route("/v1/epochs/{epoch}/merges", get(views::get_merges))
+        .route("/v1/epochs/{epoch}/scores", get(views::get_epoch_scores))
+        .route(
+            "/v1/epochs/{epoch}/spot-checks",
+            get(views::get_epoch_spot_checks),
+        )
         .route("/v1/scores", get(views::get_scores))
         .route("/v1/noop", get(views::health))
         .route("/healthz", get(views::health))

@@ -24,7 +24,8 @@ use super::{dataset, miner, sessions, validator, views};
         validator::spot_checks, validator::report_spot_checks,
         views::get_run, views::get_status, views::get_stages, views::get_stage_weights,
         views::get_miners, views::get_loss, views::get_throughput, views::get_sample,
-        views::get_merges, views::get_scores, views::health,
+        views::get_merges, views::get_scores, views::get_epoch, views::get_epoch_samples,
+        views::get_epoch_scores, views::get_epoch_spot_checks, views::health,
     ),
     modifiers(&EpistulaScheme, &UnsignedRanges),
 )]

@@ -26,6 +26,8 @@ use crate::samples::run_now;
 const MAX_UIDS: usize = 4096;
 /// Longest hotkey in a submission's scores (an SS58 address is 47 or 48 characters).
 const MAX_HOTKEY_LEN: usize = 64;
+/// Longest penalty text in a submission's scores.
+const MAX_PENALTY_LEN: usize = 1024;
 use crate::http::views::{self, PageQuery};
 
 /// `GET /v1/validator/epochs/{epoch}/hops`: every hop attempt of the epoch, by task id.
@@ -74,35 +76,10 @@ pub async fn epoch(
             format!("epoch {epoch} has not started"),
         ));
     }
-    let miners = epoch_work(&app, epoch).await?;
-    let pseudo_gradients = epoch_pseudo_gradients(&app, epoch).await?;
-    let mut start_weights = Vec::new();
-    for stage in 0..app.config().stages {
-        start_weights.push(start_weights_of(&app, stage, epoch).await?);
-    }
-    Ok(Json(EpochRecord {
-        epoch,
-        phase: (epoch == cur.epoch).then_some(cur.phase),
-        miners,
-        pseudo_gradients,
-        partitions: views::partitions_of(&app, epoch, views::Audience::Validator(&v.ss58)).await?,
-        start_weights,
-    }))
-}
-
-/// Each miner's hops in `epoch`, with the stage it worked in.
-async fn epoch_work(app: &App, epoch: u64) -> ApiResult<Vec<MinerWork>> {
-    Ok(db::validators::epoch_work(&app.db, app.run.id, epoch as i64).await?)
-}
-
-/// The pseudo-gradients uploaded in `epoch`.
-async fn epoch_pseudo_gradients(app: &App, epoch: u64) -> ApiResult<Vec<PseudoGradientRecord>> {
-    Ok(db::validators::epoch_pseudo_gradients(&app.db, app.run.id, epoch as i64).await?)
-}
-
-/// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
-async fn start_weights_of(app: &App, stage: u32, epoch: u64) -> ApiResult<StageWeights> {
-    views::latest_accepted(app, stage, Some(epoch)).await
+    let audience = views::Audience::Validator(&v.ss58);
+    Ok(Json(
+        views::epoch_record(&app, epoch, cur.epoch, cur.phase, audience).await?,
+    ))
 }
 
 /// `GET /v1/validator/disputes`: open disputes with what is needed to recompute them.
@@ -217,6 +194,7 @@ pub async fn scores(
         epoch: epoch as i64,
         scores: to_json(&sub.scores)?,
         weights: sub.weights.as_ref().map(to_json).transpose()?,
+        params: sub.params.as_ref().map(to_json).transpose()?,
         at: app.now(),
     };
     Ok(Json(
@@ -236,6 +214,33 @@ fn check_submission(sub: &ScoreSubmission) -> ApiResult<()> {
         return Err(AppError::new(
             ErrorCode::BadRequest,
             "scores: at most 4096 finite, non-negative values",
+        ));
+    }
+    let finite = |v: Option<f64>| v.is_none_or(f64::is_finite);
+    if !sub.scores.iter().all(|s| {
+        finite(s.work)
+            && finite(s.quality)
+            && finite(s.effect)
+            && s.penalty
+                .as_ref()
+                .is_none_or(|p| p.chars().count() <= MAX_PENALTY_LEN)
+    }) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "scores: work, quality and effect finite, a penalty of at most {MAX_PENALTY_LEN} \
+                 characters"
+            ),
+        ));
+    }
+    if sub.params.as_ref().is_some_and(|p| !p.is_valid()) {
+        return Err(AppError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "params: finite values, a decay in (0, 1], a window of 1 to {} epochs and a burn \
+                 share in [0, 1)",
+                ScoringParams::MAX_WINDOW
+            ),
         ));
     }
     if sub

@@ -389,6 +389,117 @@ pub async fn get_merges(
     Ok(Json(partitions_of(&app, epoch, Audience::Public).await?))
 }
 
+/// The record of `epoch` (the run being in `current`, at `phase`) as `audience` may read it.
+pub async fn epoch_record(
+    app: &App,
+    epoch: u64,
+    current: u64,
+    phase: Phase,
+    audience: Audience<'_>,
+) -> ApiResult<EpochRecord> {
+    let miners = epoch_work(app, epoch).await?;
+    let pseudo_gradients = epoch_pseudo_gradients(app, epoch).await?;
+    let mut start_weights = Vec::new();
+    for stage in 0..app.config().stages {
+        start_weights.push(start_weights_of(app, stage, epoch).await?);
+    }
+    Ok(EpochRecord {
+        epoch,
+        phase: (epoch == current).then_some(phase),
+        miners,
+        pseudo_gradients,
+        partitions: partitions_of(app, epoch, audience).await?,
+        start_weights,
+    })
+}
+
+/// Each miner's hops in `epoch`, with the stage it worked in.
+async fn epoch_work(app: &App, epoch: u64) -> ApiResult<Vec<MinerWork>> {
+    Ok(db::validators::epoch_work(&app.db, app.run.id, epoch as i64).await?)
+}
+
+/// The pseudo-gradients uploaded in `epoch`.
+async fn epoch_pseudo_gradients(app: &App, epoch: u64) -> ApiResult<Vec<PseudoGradientRecord>> {
+    Ok(db::validators::epoch_pseudo_gradients(&app.db, app.run.id, epoch as i64).await?)
+}
+
+/// The weights a stage started `epoch` with: the latest accepted merges of earlier epochs.
+async fn start_weights_of(app: &App, stage: u32, epoch: u64) -> ApiResult<StageWeights> {
+    latest_accepted(app, stage, Some(epoch)).await
+}
+
+/// `GET /v1/epochs/{epoch}`: a finished epoch's record (miners' work, pseudo-gradients, merges,
+/// start weights), what a validator scored it from.
+#[utoipa::path(get, path = "/v1/epochs/{epoch}", tag = "explorer",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = EpochRecord), (status = 400, body = iota_protocol::ApiError),
+        (status = 404, description = "The epoch has not finished", body = iota_protocol::ApiError)))]
+pub async fn get_epoch(
+    State(app): State<App>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
+) -> ApiResult<Json<EpochRecord>> {
+    let cur = finished(&app, epoch).await?;
+    Ok(Json(
+        epoch_record(&app, epoch, cur.epoch, cur.phase, Audience::Public).await?,
+    ))
+}
+
+/// `GET /v1/epochs/{epoch}/samples`: a finished epoch's samples with pathway and loss (CLASP's
+/// input), a page at a time.
+#[utoipa::path(get, path = "/v1/epochs/{epoch}/samples", tag = "explorer",
+    params(("epoch" = u64, Path, description = "Epoch"), PageQuery),
+    responses((status = 200, body = SamplePage), (status = 400, body = iota_protocol::ApiError),
+        (status = 404, description = "The epoch has not finished", body = iota_protocol::ApiError)))]
+pub async fn get_epoch_samples(
+    State(app): State<App>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> ApiResult<Json<SamplePage>> {
+    finished(&app, epoch).await?;
+    Ok(Json(samples_page(&app, epoch, &q).await?))
+}
+
+/// `GET /v1/epochs/{epoch}/scores`: every validator's scores for the epoch, with the settings
+/// it scored with and the weights they produced once on chain.
+#[utoipa::path(get, path = "/v1/epochs/{epoch}/scores", tag = "explorer",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = Vec<ScoreRecord>), (status = 400, body = iota_protocol::ApiError)))]
+pub async fn get_epoch_scores(
+    State(app): State<App>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
+) -> ApiResult<Json<Vec<ScoreRecord>>> {
+    Ok(Json(
+        db::views::epoch_scores(&app.db, app.run.id, epoch as i64).await?,
+    ))
+}
+
+/// `GET /v1/epochs/{epoch}/spot-checks`: what each validator reported checking in the epoch
+/// (the failures its scores read).
+#[utoipa::path(get, path = "/v1/epochs/{epoch}/spot-checks", tag = "explorer",
+    params(("epoch" = u64, Path, description = "Epoch")),
+    responses((status = 200, body = Vec<SpotCheckReport>), (status = 400, body = iota_protocol::ApiError)))]
+pub async fn get_epoch_spot_checks(
+    State(app): State<App>,
+    ApiPath(Bigint(epoch)): ApiPath<Bigint>,
+) -> ApiResult<Json<Vec<SpotCheckReport>>> {
+    Ok(Json(
+        db::validators::reported_checks(&app.db, app.run.id, epoch as i64).await?,
+    ))
+}
+
+/// Where the run is, once `epoch` has finished. An epoch still running is not shown to anyone
+/// without a permit: its pseudo-gradients' keys would let a miner copy another's.
+async fn finished(app: &App, epoch: u64) -> ApiResult<crate::samples::RunNow> {
+    let cur = run_now(&app.db, app.run.id).await?;
+    if epoch >= cur.epoch {
+        return Err(AppError::new(
+            ErrorCode::NotFound,
+            format!("epoch {epoch} has not finished"),
+        ));
+    }
+    Ok(cur)
+}
+
 /// Latest score submission of every validator.
 pub async fn latest_scores(app: &App) -> ApiResult<Vec<ScoreRecord>> {
     Ok(db::views::latest_scores(&app.db, app.run.id).await?)

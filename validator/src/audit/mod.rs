@@ -16,6 +16,10 @@
 //!   validator's uid at the block they landed in (set or revealed), or, for a commit not yet
 //!   revealed, by recomputing the commit hash with the salt kept in `pending_commits` and looking
 //!   it up in the chain's `WeightCommits`.
+//!
+//! [`public`] does the same for anyone, without the validator's database or hotkey: from the
+//! orchestrator's public records, what the validator published with each epoch (its settings,
+//! spot checks, scores and the weights they produced) and the chain.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -27,9 +31,13 @@ use serde::Serialize;
 use crate::clasp::HotkeyEffects;
 use crate::error::ValidatorError;
 use crate::onchain::{at_number, commit_hashes, weights_row};
+use crate::published::Settings;
+use crate::score::CheckRow;
 use crate::score::{EpochScore, epoch_scores, failures, weights_by_uid};
 use crate::service::{Validator, fit_epoch};
 use crate::store::{EffectRow, SubmissionRow};
+
+pub mod public;
 
 /// The public records of one epoch an audit recomputes from.
 #[derive(Clone, Debug)]
@@ -66,8 +74,10 @@ pub struct WeightAudit {
     pub hotkey: Option<String>,
     /// Recomputed normalised weight (0 when the recomputation gives none).
     pub recomputed: f64,
-    /// Recorded in the submission (None: not in it).
+    /// Recorded in the submission (None: not in it, or a public audit).
     pub stored: Option<f64>,
+    /// The value the validator published as sent to the chain (public audit).
+    pub published: Option<u16>,
     /// The recomputed weight as the chain takes it (`u16`, max-normalised).
     pub chain_expected: Option<u16>,
     /// The value on chain (set or revealed submissions).
@@ -137,6 +147,8 @@ pub struct AuditReport {
     pub samples: u64,
     /// Where the spot-check outcomes came from.
     pub checks_source: &'static str,
+    /// What the recomputation is compared with.
+    pub records: &'static str,
     /// Per miner of `epoch`.
     pub miners: Vec<MinerAudit>,
     /// The submission made from `epoch`'s scores, if any.
@@ -147,8 +159,9 @@ pub struct AuditReport {
     pub chain: ChainCheck,
     /// Every difference found, in words.
     pub mismatches: Vec<String>,
-    /// The recomputation agrees with the database.
-    pub db_matches: bool,
+    /// The recomputation agrees with what the validator recorded (its database, or what it
+    /// published).
+    pub records_match: bool,
     /// The verdict: agrees with the database and the chain.
     pub matches: bool,
 }
@@ -156,12 +169,36 @@ pub struct AuditReport {
 /// The recorded submission an audit compares with.
 #[derive(Clone, Debug, Serialize)]
 pub struct SubmissionSummary {
-    /// Row id.
-    pub id: i64,
+    /// Row id in the validator's database (none for a published one).
+    pub id: Option<i64>,
     /// `set`, `committed`, `revealed` or `dry_run`.
     pub state: String,
     /// Block it landed in (the reveal's once revealed).
     pub block: Option<u64>,
+}
+
+/// Recomputes one scored epoch from its records, the checks its penalties come from and the
+/// settings it was scored with: the CLASP fit and every miner's score, labelled with `epoch`
+/// whatever the record says (a mislabelled record is reported by the caller).
+pub fn recompute_epoch(
+    epoch: u64,
+    stages: u32,
+    evidence: &EpochEvidence,
+    checks: &[CheckRow],
+    settings: &Settings,
+) -> (Option<HotkeyEffects>, Vec<EpochScore>) {
+    let fit = fit_epoch(epoch, stages, &evidence.samples, &settings.clasp);
+    let mut scores = epoch_scores(
+        &evidence.record,
+        stages,
+        fit.as_ref(),
+        &failures(checks),
+        &settings.score,
+    );
+    for s in &mut scores {
+        s.epoch = epoch;
+    }
+    (fit, scores)
 }
 
 /// Relative tolerance of float comparisons: the recomputation runs the same code on the same
@@ -259,6 +296,39 @@ fn compare_scores(epoch: u64, mine: &[EpochScore], stored: &[EpochScore], out: &
     }
 }
 
+/// The per-miner rows of the audited epoch: each recomputed score and CLASP effect beside the
+/// recorded one.
+fn miner_rows(
+    recomputed: &[EpochScore],
+    recorded: &[EpochScore],
+    effects: &BTreeMap<&str, (f64, bool)>,
+    recorded_effects: &BTreeMap<String, (f64, bool)>,
+) -> Vec<MinerAudit> {
+    let recorded: HashMap<&str, &EpochScore> =
+        recorded.iter().map(|s| (s.hotkey.as_str(), s)).collect();
+    recomputed
+        .iter()
+        .map(|s| {
+            let stored = recorded.get(s.hotkey.as_str()).map(|x| (*x).clone());
+            let effect = effects.get(s.hotkey.as_str()).copied();
+            let stored_effect = recorded_effects.get(&s.hotkey).copied();
+            let effect_ok = match (effect, stored_effect) {
+                (Some(a), Some(b)) => close(a.0, b.0) && a.1 == b.1,
+                (None, None) => true,
+                _ => false,
+            };
+            MinerAudit {
+                hotkey: s.hotkey.clone(),
+                matches: stored.as_ref().is_some_and(|x| same_score(s, x)) && effect_ok,
+                recomputed: s.clone(),
+                stored,
+                effect,
+                stored_effect,
+            }
+        })
+        .collect()
+}
+
 impl Validator {
     /// The public records of `epoch`, from the orchestrator's validator routes.
     pub async fn fetch_evidence(&self, epoch: u64) -> Result<EpochEvidence, ValidatorError> {
@@ -314,19 +384,15 @@ impl Validator {
                 ));
             }
             let checks = self.store().checks(run_id, e).await?;
-            let fit = fit_epoch(e, stages, &ev.samples, &cfg.clasp);
-            let mut scores = epoch_scores(
-                &ev.record,
-                stages,
-                fit.as_ref(),
-                &failures(&checks),
-                &cfg.score,
-            );
-            // Scores belong to the epoch audited, whatever the record says (a mislabelled
-            // record is reported above).
-            for s in &mut scores {
-                s.epoch = e;
-            }
+            let settings = match self.store().params(run_id, e).await? {
+                Some(p) => crate::published::settings(&p),
+                None => Settings {
+                    clasp: cfg.clasp,
+                    score: cfg.score,
+                    burn: cfg.burn,
+                },
+            };
+            let (fit, scores) = recompute_epoch(e, stages, &ev, &checks, &settings);
             let stored = self.store().scores_between(run_id, e, e).await?;
             compare_effects(
                 e,
@@ -357,31 +423,7 @@ impl Validator {
             .into_iter()
             .map(|r| (r.hotkey, (r.effect, r.flagged)))
             .collect();
-        let stored_by: HashMap<&str, &EpochScore> = audited_stored
-            .iter()
-            .map(|s| (s.hotkey.as_str(), s))
-            .collect();
-        let miners: Vec<MinerAudit> = audited_scores
-            .iter()
-            .map(|s| {
-                let stored = stored_by.get(s.hotkey.as_str()).map(|x| (*x).clone());
-                let effect = effects.get(s.hotkey.as_str()).copied();
-                let stored_effect = stored_effects.get(&s.hotkey).copied();
-                let effect_ok = match (effect, stored_effect) {
-                    (Some(a), Some(b)) => close(a.0, b.0) && a.1 == b.1,
-                    (None, None) => true,
-                    _ => false,
-                };
-                MinerAudit {
-                    hotkey: s.hotkey.clone(),
-                    matches: stored.as_ref().is_some_and(|x| same_score(s, x)) && effect_ok,
-                    recomputed: s.clone(),
-                    stored,
-                    effect,
-                    stored_effect,
-                }
-            })
-            .collect();
+        let miners = miner_rows(&audited_scores, &audited_stored, &effects, &stored_effects);
 
         // The weights set from this epoch.
         let submission = self.store().submission_for_epoch(run_id, epoch).await?;
@@ -399,30 +441,31 @@ impl Validator {
                     .await?
             }
         };
-        let db_matches = db_scores_match
+        let records_match = db_scores_match
             && weights
                 .iter()
                 .all(|w| w.stored.is_some_and(|s| close(s, w.recomputed)));
         if let ChainCheck::Unavailable { reason } = &chain {
             mismatches.push(format!("chain not verified: {reason}"));
         }
-        let matches = mismatches.is_empty() && db_matches && chain.matches();
+        let matches = mismatches.is_empty() && records_match && chain.matches();
         Ok(AuditReport {
             run_id,
             epoch,
             window,
             samples: samples_fitted,
             checks_source: "the validator's database (its own replay and merge measurements)",
+            records: "database",
             miners,
             submission: submission.map(|s| SubmissionSummary {
-                id: s.id,
+                id: Some(s.id),
                 state: s.state,
                 block: s.block,
             }),
             weights,
             chain,
             mismatches,
-            db_matches,
+            records_match,
             matches,
         })
     }
@@ -560,6 +603,7 @@ impl Validator {
                     hotkey: hotkey_of.get(&uid).cloned(),
                     recomputed,
                     stored: stored_w,
+                    published: None,
                     chain_expected,
                     on_chain: chain_value.flatten(),
                     matches: db_ok && chain_ok,
@@ -677,9 +721,9 @@ impl std::fmt::Display for AuditReport {
         match &self.submission {
             Some(s) => writeln!(
                 f,
-                "weights set from epoch {}: submission #{} ({}, block {})",
+                "weights set from epoch {}: submission {} ({}, block {})",
                 self.epoch,
-                s.id,
+                opt(s.id.map(|id| format!("#{id}"))),
                 s.state,
                 opt(s.block)
             )?,
@@ -688,18 +732,19 @@ impl std::fmt::Display for AuditReport {
         if !self.weights.is_empty() {
             writeln!(
                 f,
-                "{:>5} {:<50} {:>10} {:>10} {:>8} {:>8}  check",
-                "uid", "hotkey", "weight", "recorded", "u16", "chain"
+                "{:>5} {:<50} {:>10} {:>10} {:>8} {:>9} {:>8}  check",
+                "uid", "hotkey", "weight", "recorded", "u16", "published", "chain"
             )?;
             for w in &self.weights {
                 writeln!(
                     f,
-                    "{:>5} {:<50} {:>10.6} {:>10} {:>8} {:>8}  {}",
+                    "{:>5} {:<50} {:>10.6} {:>10} {:>8} {:>9} {:>8}  {}",
                     w.uid,
                     w.hotkey.as_deref().unwrap_or("(burn or unknown)"),
                     w.recomputed,
                     opt(w.stored.map(|s| format!("{s:.6}"))),
                     opt(w.chain_expected),
+                    opt(w.published),
                     opt(w.on_chain),
                     mark(w.matches)
                 )?;
@@ -724,7 +769,7 @@ impl std::fmt::Display for AuditReport {
             ChainCheck::Unavailable { reason } => format!("NOT VERIFIED: {reason}"),
         };
         writeln!(f, "chain: {chain}")?;
-        writeln!(f, "database: {}", mark(self.db_matches))?;
+        writeln!(f, "{}: {}", self.records, mark(self.records_match))?;
         for m in &self.mismatches {
             writeln!(f, "  - {m}")?;
         }
