@@ -1,7 +1,10 @@
 //! `iota localnet up` end to end: the binary runs a whole subnet (chain, orchestrator, 6 honest
 //! miners and a cheating one, two validators) for 2 epochs of `tiny` and writes a report whose
 //! numbers show training, agreement on every merge, weights on chain and the cheater paid least.
-//! Needs `DATABASE_URL` (scripts/test.sh starts PostgreSQL).
+//! The cheater is `claim-speed` (claims ten times its throughput and idles after each hop): no
+//! check catches it, so only routing and pay by measured work keep it from earning more (the
+//! kinds a check catches are run in the validator's `catches_adversaries`). Needs `DATABASE_URL`
+//! (scripts/test.sh starts PostgreSQL).
 
 use crate::support;
 
@@ -19,7 +22,14 @@ fn localnet_up_trains_merges_and_pays_honest_miners_more() {
     let dir = tempfile::tempdir().expect("run dir");
     let report_path = dir.path().join("out.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_iota"))
-        .args(["localnet", "up", "--epochs", "2", "--adversary", "noise"])
+        .args([
+            "localnet",
+            "up",
+            "--epochs",
+            "2",
+            "--adversary",
+            "claim-speed",
+        ])
         .arg("--dir")
         .arg(dir.path())
         .arg("--report")
@@ -99,7 +109,7 @@ fn localnet_up_trains_merges_and_pays_honest_miners_more() {
         assert!(setters.contains(v), "{v} set no weights: {report:#}");
     }
 
-    // Yuma pays every honest miner more than the cheater.
+    // Yuma pays every honest miner more than the cheater, which claimed to be the fastest.
     let incentive = |n: &serde_json::Value| n["incentive"].as_f64().expect("incentive");
     let miners: Vec<&serde_json::Value> = neurons.iter().filter(|n| n["role"] == "miner").collect();
     let cheat: Vec<f64> = miners
@@ -108,6 +118,10 @@ fn localnet_up_trains_merges_and_pays_honest_miners_more() {
         .map(|n| incentive(n))
         .collect();
     assert_eq!(cheat.len(), 1, "{report:#}");
+    assert!(
+        miners.iter().any(|n| n["adversary"] == "claim-speed"),
+        "{report:#}"
+    );
     let min_honest = miners
         .iter()
         .filter(|n| n["adversary"].is_null())
