@@ -920,6 +920,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             clasp_z_threshold: 3.0,
             clasp_min_effect: 0.02,
             clasp_min_samples: 30,
+            clasp_window: 10,
             quality_scale: 0.1,
             decay: 0.7,
             window: 10,
@@ -935,6 +936,10 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
         },
         ScoringParams {
             decay: f64::NAN,
+            ..submission.params.clone().expect("params")
+        },
+        ScoringParams {
+            clasp_window: ScoringParams::MAX_CLASP_WINDOW + 1,
             ..submission.params.clone().expect("params")
         },
     ] {

@@ -1104,6 +1104,11 @@ pub struct ScoringParams {
     pub clasp_min_effect: f64,
     /// CLASP's fewest samples for a flag.
     pub clasp_min_samples: u64,
+    /// Epochs of samples one CLASP fit pools: the scored epoch and those before it (at most
+    /// 64; absent in publications from before it was a setting, which fitted one epoch).
+    #[serde(default = "one_epoch")]
+    #[schema(minimum = 1, maximum = 64)]
+    pub clasp_window: u64,
     /// Loss difference (nats) at which quality halves.
     pub quality_scale: f64,
     /// Per-epoch decay of older scores, in (0, 1].
@@ -1119,9 +1124,15 @@ pub struct ScoringParams {
     pub burn_share: f64,
 }
 
+fn one_epoch() -> u64 {
+    1
+}
+
 impl ScoringParams {
     /// Most epochs a published score window may span.
     pub const MAX_WINDOW: u64 = 1000;
+    /// Most epochs one CLASP fit may pool (what it holds in memory grows with them).
+    pub const MAX_CLASP_WINDOW: u64 = 64;
 
     /// Whether every value is one a validator could have scored with.
     pub fn is_valid(&self) -> bool {
@@ -1141,6 +1152,7 @@ impl ScoringParams {
             && self.decay > 0.0
             && self.decay <= 1.0
             && (1..=Self::MAX_WINDOW).contains(&self.window)
+            && (1..=Self::MAX_CLASP_WINDOW).contains(&self.clasp_window)
             && (0.0..1.0).contains(&self.burn_share)
     }
 }

@@ -57,9 +57,12 @@ pub struct ValidatorArgs {
     /// Per-epoch decay of older scores.
     #[arg(long = "score-decay", env = "IOTA_SCORE_DECAY", default_value_t = 0.7)]
     pub score_decay: f64,
-    /// Epochs of scores that count.
+    /// Epochs of scores that count (1 to 1000).
     #[arg(long = "score-window", env = "IOTA_SCORE_WINDOW", default_value_t = 10)]
     pub score_window: u64,
+    /// Epochs of samples one CLASP fit pools: the scored epoch and those before it (1 to 64).
+    #[arg(long = "clasp-window", env = "IOTA_CLASP_WINDOW", default_value_t = 10)]
+    pub clasp_window: u64,
     /// Uid that receives the burn share.
     #[arg(long = "burn-uid", env = "IOTA_BURN_UID")]
     pub burn_uid: Option<u16>,
@@ -103,7 +106,12 @@ impl ValidatorArgs {
             ..ReplayThresholds::default()
         };
         c.score.decay = self.score_decay;
-        c.score.window = self.score_window;
+        c.score.window = self
+            .score_window
+            .clamp(1, iota_protocol::api::ScoringParams::MAX_WINDOW);
+        c.clasp.window = self
+            .clasp_window
+            .clamp(1, iota_protocol::api::ScoringParams::MAX_CLASP_WINDOW);
         c.burn = self
             .burn_uid
             .filter(|_| self.burn_share > 0.0)

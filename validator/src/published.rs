@@ -16,6 +16,7 @@ pub fn params(clasp: &ClaspConfig, score: &ScoreConfig, burn: Option<(u16, f64)>
         clasp_z_threshold: clasp.z_threshold,
         clasp_min_effect: clasp.min_effect,
         clasp_min_samples: clasp.min_samples,
+        clasp_window: clasp.window,
         quality_scale: score.quality_scale,
         decay: score.decay,
         window: score.window,
@@ -43,6 +44,7 @@ pub fn settings(p: &ScoringParams) -> Settings {
             z_threshold: p.clasp_z_threshold,
             min_effect: p.clasp_min_effect,
             min_samples: p.clasp_min_samples,
+            window: p.clasp_window,
         },
         score: ScoreConfig {
             quality_scale: p.quality_scale,
@@ -134,6 +136,7 @@ mod tests {
             z_threshold: 4.0,
             min_effect: 0.03,
             min_samples: 12,
+            window: 3,
         };
         let score = ScoreConfig {
             quality_scale: 0.2,

@@ -589,6 +589,19 @@ impl Validator {
         Ok(out)
     }
 
+    /// The samples of the epochs before `epoch` in a CLASP window of `window` epochs.
+    async fn samples_before(
+        &self,
+        epoch: u64,
+        window: u64,
+    ) -> Result<Vec<SampleRecord>, ValidatorError> {
+        let mut out = Vec::new();
+        for e in (epoch + 1).saturating_sub(window.max(1))..epoch {
+            out.extend(self.all_samples(e).await?);
+        }
+        Ok(out)
+    }
+
     /// A block produced after the epoch's uploads closed: the next block from now (called once
     /// the epoch has finished). Returns its number and hash.
     async fn fresh_block(&self) -> Result<(u64, Vec<u8>), ValidatorError> {
@@ -849,8 +862,10 @@ impl Validator {
         }
         checks.append(&mut objects.checks);
 
-        // CLASP over every finished sample.
-        let fit = fit_epoch(epoch, o.run.stages, &samples, &self.cfg.clasp);
+        // CLASP over every finished sample of the epoch and of those before it in its window.
+        let mut pooled = self.samples_before(epoch, self.cfg.clasp.window).await?;
+        pooled.extend(samples);
+        let fit = fit_epoch(epoch, o.run.stages, &pooled, &self.cfg.clasp);
         let rows: Vec<CheckRow> = checks.iter().map(CheckRow::from).collect();
         // Penalties come from the check rows as stored, the same derivation the audit redoes.
         let scores: Vec<EpochScore> = epoch_scores(

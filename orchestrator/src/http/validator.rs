@@ -237,9 +237,10 @@ fn check_submission(sub: &ScoreSubmission) -> ApiResult<()> {
         return Err(AppError::new(
             ErrorCode::BadRequest,
             format!(
-                "params: finite values, a decay in (0, 1], a window of 1 to {} epochs and a burn \
-                 share in [0, 1)",
-                ScoringParams::MAX_WINDOW
+                "params: finite values, a decay in (0, 1], a window of 1 to {} epochs, a CLASP \
+                 window of 1 to {} and a burn share in [0, 1)",
+                ScoringParams::MAX_WINDOW,
+                ScoringParams::MAX_CLASP_WINDOW
             ),
         ));
     }

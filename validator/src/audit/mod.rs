@@ -177,19 +177,21 @@ pub struct SubmissionSummary {
     pub block: Option<u64>,
 }
 
-/// Recomputes one scored epoch from its records, the checks its penalties come from and the
-/// settings it was scored with: the CLASP fit and every miner's score, labelled with `epoch`
-/// whatever the record says (a mislabelled record is reported by the caller).
+/// Recomputes one scored epoch from its record, the samples its CLASP fit pools (its own and
+/// those of the epochs before it in the fit's window: [`pooled`]), the checks its penalties come
+/// from and the settings it was scored with: the fit and every miner's score, labelled with
+/// `epoch` whatever the record says (a mislabelled record is reported by the caller).
 pub fn recompute_epoch(
     epoch: u64,
     stages: u32,
-    evidence: &EpochEvidence,
+    record: &EpochRecord,
+    samples: &[SampleRecord],
     checks: &[CheckRow],
     settings: &Settings,
 ) -> (Option<HotkeyEffects>, Vec<EpochScore>) {
-    let fit = fit_epoch(epoch, stages, &evidence.samples, &settings.clasp);
+    let fit = fit_epoch(epoch, stages, samples, &settings.clasp);
     let mut scores = epoch_scores(
-        &evidence.record,
+        record,
         stages,
         fit.as_ref(),
         &failures(checks),
@@ -199,6 +201,38 @@ pub fn recompute_epoch(
         s.epoch = epoch;
     }
     (fit, scores)
+}
+
+/// The epochs whose samples a CLASP fit of `epoch` over `window` epochs pools.
+fn clasp_epochs(epoch: u64, window: u64) -> std::ops::RangeInclusive<u64> {
+    (epoch + 1).saturating_sub(window.max(1))..=epoch
+}
+
+/// The samples a CLASP fit of `epoch` over `window` epochs pools, from `records` (which must
+/// hold every epoch of [`clasp_epochs`]).
+fn pooled(records: &BTreeMap<u64, EpochEvidence>, epoch: u64, window: u64) -> Vec<SampleRecord> {
+    clasp_epochs(epoch, window)
+        .filter_map(|e| records.get(&e))
+        .flat_map(|ev| ev.samples.iter().cloned())
+        .collect()
+}
+
+/// Fetches into `records` each epoch of `epochs` it does not hold yet.
+async fn fill<F, Fut>(
+    records: &mut BTreeMap<u64, EpochEvidence>,
+    epochs: BTreeSet<u64>,
+    mut fetch: F,
+) -> Result<(), ValidatorError>
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = Result<EpochEvidence, ValidatorError>>,
+{
+    for e in epochs {
+        if let std::collections::btree_map::Entry::Vacant(slot) = records.entry(e) {
+            slot.insert(fetch(e).await?);
+        }
+    }
+    Ok(())
 }
 
 /// Relative tolerance of float comparisons: the recomputation runs the same code on the same
@@ -366,16 +400,34 @@ impl Validator {
         let window = self.store().scored_between(run_id, from, epoch).await?;
         let mut mismatches = Vec::new();
 
+        // Each epoch's settings as it was scored, and the records they need.
+        let mut settings = BTreeMap::new();
+        for &e in &window {
+            let s = match self.store().params(run_id, e).await? {
+                Some(p) => crate::published::settings(&p),
+                None => Settings {
+                    clasp: cfg.clasp,
+                    score: cfg.score,
+                    burn: cfg.burn,
+                },
+            };
+            settings.insert(e, s);
+        }
+        let needed = settings
+            .iter()
+            .flat_map(|(e, s)| clasp_epochs(*e, s.clasp.window))
+            .collect();
+        fill(&mut evidence, needed, |e| self.fetch_evidence(e)).await?;
+
         // Fit and scores of every epoch of the window, each compared with the database.
         let mut recomputed: Vec<EpochScore> = Vec::new();
         let mut audited_fit = None;
         let mut audited_scores = Vec::new();
         let mut audited_stored = Vec::new();
         let mut samples_fitted = 0;
-        for &e in &window {
-            let ev = match evidence.remove(&e) {
-                Some(ev) => ev,
-                None => self.fetch_evidence(e).await?,
+        for (&e, settings) in &settings {
+            let Some(ev) = evidence.get(&e) else {
+                continue;
             };
             if ev.record.epoch != e {
                 mismatches.push(format!(
@@ -384,15 +436,8 @@ impl Validator {
                 ));
             }
             let checks = self.store().checks(run_id, e).await?;
-            let settings = match self.store().params(run_id, e).await? {
-                Some(p) => crate::published::settings(&p),
-                None => Settings {
-                    clasp: cfg.clasp,
-                    score: cfg.score,
-                    burn: cfg.burn,
-                },
-            };
-            let (fit, scores) = recompute_epoch(e, stages, &ev, &checks, &settings);
+            let samples = pooled(&evidence, e, settings.clasp.window);
+            let (fit, scores) = recompute_epoch(e, stages, &ev.record, &samples, &checks, settings);
             let stored = self.store().scores_between(run_id, e, e).await?;
             compare_effects(
                 e,

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::error::ValidatorError;
 use crate::onchain::{at_number, weights_row};
-use crate::published::{epoch_score, settings};
+use crate::published::{Settings, epoch_score, settings};
 use crate::score::{CheckRow, EpochScore, weights_by_uid};
 use crate::service::{MAX_SAMPLE_RECORDS, PROCESS_WEIGHTS, chain_values, read_pages};
 
@@ -121,6 +121,12 @@ impl PublicAudit {
                  scored with: they cannot be recomputed"
             )));
         };
+        // Bounds what the audit fetches and holds, whatever the orchestrator passed on.
+        if !params.is_valid() {
+            return Err(ValidatorError::BadAnswer(format!(
+                "{validator}'s published settings for epoch {epoch} are out of bounds: {params:?}"
+            )));
+        }
         let audited = settings(&params);
         let from = (epoch + 1).saturating_sub(params.window);
         let mut mismatches = Vec::new();
@@ -137,13 +143,28 @@ impl PublicAudit {
         window.push(epoch);
         publications.push(published.clone());
 
+        // Each epoch is recomputed with the settings published with it; the records its CLASP
+        // window needs are fetched once.
+        let settings_of: Vec<Settings> = publications
+            .iter()
+            .map(|p| match &p.params {
+                Some(p) if p.is_valid() => settings(p),
+                _ => audited.clone(),
+            })
+            .collect();
+        let needed = window
+            .iter()
+            .zip(&settings_of)
+            .flat_map(|(e, s)| super::clasp_epochs(*e, s.clasp.window))
+            .collect();
+        super::fill(&mut evidence, needed, |e| self.evidence(e)).await?;
+
         let mut recomputed: Vec<EpochScore> = Vec::new();
         let mut audited_rows = Vec::new();
         let mut samples_fitted = 0;
-        for (&e, publication) in window.iter().zip(&publications) {
-            let ev = match evidence.remove(&e) {
-                Some(ev) => ev,
-                None => self.evidence(e).await?,
+        for ((&e, publication), settings) in window.iter().zip(&publications).zip(&settings_of) {
+            let Some(ev) = evidence.get(&e) else {
+                continue;
             };
             if ev.record.epoch != e {
                 mismatches.push(format!(
@@ -158,8 +179,13 @@ impl PublicAudit {
                     Vec::new()
                 }
             };
-            let params = publication.params.as_ref().unwrap_or(&params);
-            let (fit, scores) = recompute_epoch(e, stages, &ev, &checks, &settings(params));
+            if publication.params.as_ref().is_none_or(|p| !p.is_valid()) {
+                mismatches.push(format!(
+                    "epoch {e}: published without valid settings (recomputed with epoch {epoch}'s)"
+                ));
+            }
+            let samples = super::pooled(&evidence, e, settings.clasp.window);
+            let (fit, scores) = recompute_epoch(e, stages, &ev.record, &samples, &checks, settings);
             let (recorded, recorded_effects) = recorded(e, &publication.scores, &mut mismatches);
             compare_scores(e, &scores, &recorded, &mut mismatches);
             let effects = fit
@@ -227,7 +253,7 @@ impl PublicAudit {
         validator: &str,
         sent: &iota_protocol::api::WeightsSet,
         recomputed: &[EpochScore],
-        audited: &crate::published::Settings,
+        audited: &Settings,
         mismatches: &mut Vec<String>,
     ) -> Result<(Vec<WeightAudit>, ChainCheck), ValidatorError> {
         let at = at_number(&self.chain, sent.block).await?;
