@@ -3,6 +3,7 @@
 
 mod adversaries;
 mod dataset_store;
+mod direct_uploads;
 mod faults;
 mod prepared_data;
 mod run_bounds;

@@ -22,6 +22,7 @@ async fn orchestrator_serving(run: RunConfig) -> String {
         orchestrator_hotkey: "orchestrator".into(),
         netuid: 9,
         created_ms: 0,
+        direct_uploads: false,
     })
     .expect("json");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -3553,3 +3553,68 @@ async fn throughput_is_measured_from_completed_hops_not_claimed() {
         "its stage still counts the claim: {its:?}"
     );
 }
+
+/// A miner's client on a presigning store uploads straight to the bucket (presign, PUT, commit),
+/// and the orchestrator checks the object at the commit: bytes PUT to a presigned URL that are
+/// not the ones presigned are refused there and nothing of them is kept; the right bytes, sent
+/// by the client's own upload, are accepted and sealed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_direct_upload_is_refused_at_its_commit() {
+    init_tracing();
+    let seeds = [181u8, 182, 183];
+    let s = serve_with(&seeds, config(), Some(s3_store())).await;
+    let bucket = BlobStore::open(&s3_store()).expect("store");
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let client = miners[i].client().clone();
+    assert!(client.direct_uploads(), "the run's store presigns");
+    let hotkey = pair(seeds[i]).ss58_of();
+    let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.004);
+
+    let target: PresignResponse = client
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/0/presign",
+            &PresignRequest {
+                size: commit.size,
+                blake3: commit.blake3.clone(),
+            },
+        )
+        .await
+        .expect("presign");
+    assert_eq!(target.key, commit.key);
+    // Another value in the last float: same size, finite, not the bytes presigned.
+    let mut tampered = bytes.clone();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 0x01;
+    let put = reqwest::Client::new()
+        .put(&target.url)
+        .body(tampered)
+        .send()
+        .await
+        .expect("PUT to the bucket");
+    assert!(put.status().is_success(), "{}", put.status());
+    let refused = client
+        .signed_json::<_, UploadResponse>(reqwest::Method::POST, PG0_COMMIT, &commit)
+        .await
+        .expect_err("a tampered object");
+    assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
+    let dir = commit.key.rsplit_once('/').expect("a directory").0;
+    let left: Vec<String> = bucket
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.contains(&hotkey))
+        .collect();
+    assert!(left.is_empty(), "kept after the refusal: {left:?}");
+
+    let blob = client
+        .upload_pseudo_gradient(0, 0, bytes.into())
+        .await
+        .expect("the client's direct upload")
+        .blob;
+    assert_eq!(blob.blake3, commit.blake3);
+    assert_eq!(blob.key, sealed_of(&commit));
+    bucket.get(&blob.key).await.expect("sealed in the bucket");
+}

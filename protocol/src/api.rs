@@ -519,6 +519,10 @@ pub struct RunInfo {
     pub netuid: u16,
     /// When the run was created.
     pub created_ms: UnixMs,
+    /// Whether the run's store takes uploads straight from miners through presigned URLs
+    /// (`…/presign`, PUT, then `…/commit`); otherwise they go through the orchestrator.
+    #[serde(default)]
+    pub direct_uploads: bool,
 }
 
 /// `POST /v1/miner/heartbeat`.

@@ -145,6 +145,9 @@ pub struct ApiClient {
     /// ([`RunConfig::max_object_bytes`]) once connected, so that a descriptor from a
     /// misbehaving orchestrator cannot size a download past what the run can hold.
     max_object_bytes: u64,
+    /// Whether uploads go straight to the store through presigned URLs
+    /// ([`RunInfo::direct_uploads`] once connected, unless turned off).
+    direct_uploads: bool,
     /// The session signed requests go out in (shared by the client's clones).
     sessions: Arc<Sessions>,
 }
@@ -352,6 +355,7 @@ impl ApiClient {
             orchestrator: orchestrator_ss58.into(),
             retry,
             max_object_bytes: u64::MAX,
+            direct_uploads: false,
             sessions: Arc::default(),
         })
     }
@@ -360,6 +364,18 @@ impl ApiClient {
     /// an unsigned caller (refused).
     pub fn public(base: impl Into<String>, retry: RetryPolicy) -> Result<Self, ClientError> {
         Ok(Self::new(base, Arc::new(Anonymous), String::new(), retry)?.with_sessions(false))
+    }
+
+    /// Whether uploads go straight to the store through presigned URLs (where the run's store
+    /// presigns: [`RunInfo::direct_uploads`]) or through the orchestrator.
+    pub fn with_direct_uploads(mut self, on: bool) -> Self {
+        self.direct_uploads = on;
+        self
+    }
+
+    /// Whether uploads go straight to the store.
+    pub fn direct_uploads(&self) -> bool {
+        self.direct_uploads
     }
 
     /// Whether signed requests go out in a session (the default) or each with its own sr25519
@@ -467,6 +483,7 @@ impl ApiClient {
         let run = client.run_info().await?;
         client.orchestrator = run.orchestrator_hotkey;
         client.max_object_bytes = run.config.max_object_bytes();
+        client.direct_uploads = run.direct_uploads;
         Ok(client)
     }
 
@@ -746,6 +763,89 @@ impl ApiClient {
         self.signed_raw(Method::PUT, &path, Some(bytes)).await
     }
 
+    /// Uploads a tensor to the slot at `route` (its query, such as a lease, in `query`): with
+    /// direct uploads, PUT straight to the store through a presigned URL (`{route}/presign`) and
+    /// have the orchestrator check and record it (`{route}/commit`); otherwise PUT to the
+    /// orchestrator. A presigned PUT that fails is tried again under the client's retry policy
+    /// (each try sends the whole object: it is one PUT).
+    async fn upload(
+        &self,
+        route: &str,
+        query: &str,
+        bytes: Bytes,
+    ) -> Result<UploadResponse, ClientError> {
+        if !self.direct_uploads {
+            return self.put_tensor(&format!("{route}{query}"), bytes).await;
+        }
+        let blake3 = blake3_hex(&bytes);
+        let size = bytes.len() as u64;
+        let presigned = self
+            .signed_json(
+                Method::POST,
+                &format!("{route}/presign{query}"),
+                &PresignRequest {
+                    size,
+                    blake3: blake3.clone(),
+                },
+            )
+            .await;
+        let target: PresignResponse = match presigned {
+            Ok(target) => target,
+            // The slot holds a recorded result already (an upload sent again after its answer
+            // was lost): no URL is handed out for it, and the orchestrator's own route answers
+            // the same bytes from the record and refuses others.
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some(ErrorCode::LeaseExpired | ErrorCode::Conflict)
+                ) =>
+            {
+                return self.put_tensor(&format!("{route}{query}"), bytes).await;
+            }
+            Err(e) => return Err(e),
+        };
+        self.with_retries(|_| self.try_presigned_put(&target, &bytes))
+            .await?;
+        self.signed_json(
+            Method::POST,
+            &format!("{route}/commit{query}"),
+            &CommitRequest {
+                key: target.key,
+                size,
+                blake3,
+            },
+        )
+        .await
+    }
+
+    /// One attempt of a presigned PUT of `bytes`.
+    async fn try_presigned_put(&self, target: &PresignResponse, bytes: &Bytes) -> Attempt {
+        let put = self
+            .http
+            .put(&target.url)
+            .timeout(self.retry.timeout_for(bytes.len() as u64))
+            .body(bytes.clone());
+        let resp = match put.send().await {
+            Ok(resp) => resp,
+            Err(e) => return Attempt::network(e.to_string()),
+        };
+        let status = resp.status();
+        if status.is_success() {
+            return Attempt::Final(Ok(Bytes::new()));
+        }
+        let error = ClientError::Network(format!(
+            "store answered {status} to the upload of {}",
+            target.key
+        ));
+        match is_retryable_status(status) {
+            true => Attempt::Again {
+                error,
+                retry_after: retry_after(&resp),
+            },
+            false => Attempt::Final(Err(error)),
+        }
+    }
+
     // ---- miners ----
 
     /// Joins the run from a process that starts (idempotent: a second call returns the same
@@ -802,8 +902,9 @@ impl ApiClient {
         lease: Uuid,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        self.put_tensor(
-            &format!("/v1/miner/tasks/{task_id}/output?lease={lease}"),
+        self.upload(
+            &format!("/v1/miner/tasks/{task_id}/output"),
+            &format!("?lease={lease}"),
             bytes,
         )
         .await
@@ -845,8 +946,9 @@ impl ApiClient {
         partition: u32,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        self.put_tensor(
+        self.upload(
             &format!("/v1/miner/epochs/{epoch}/pseudo-gradients/{partition}"),
+            "",
             bytes,
         )
         .await
@@ -865,8 +967,9 @@ impl ApiClient {
         partition: u32,
         bytes: Bytes,
     ) -> Result<UploadResponse, ClientError> {
-        self.put_tensor(
+        self.upload(
             &format!("/v1/miner/epochs/{epoch}/merges/{stage}/{partition}"),
+            "",
             bytes,
         )
         .await

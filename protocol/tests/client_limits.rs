@@ -348,6 +348,7 @@ async fn a_run_outside_the_bounds_is_refused_on_connect() {
             orchestrator_hotkey: "orchestrator".into(),
             netuid: 9,
             created_ms: 0,
+            direct_uploads: false,
         })
         .expect("json");
         serve(move |_| {
@@ -556,6 +557,7 @@ async fn a_descriptor_larger_than_any_object_of_the_run_is_refused_unread() {
         orchestrator_hotkey: "orchestrator".into(),
         netuid: 9,
         created_ms: 0,
+        direct_uploads: false,
     })
     .expect("json");
     let content = vec![3u8; 64];

@@ -25,6 +25,7 @@ pub fn run_info(app: &App) -> RunInfo {
         orchestrator_hotkey: app.hotkey.clone(),
         netuid: app.run.netuid,
         created_ms: app.run.created_at.timestamp_millis(),
+        direct_uploads: app.store.presigns(),
     }
 }
 
