@@ -1166,23 +1166,6 @@ impl Validator {
         }
     }
 
-    /// The `(uids, values)` the chain client turns `weights` into when this validator sends
-    /// them: its own conversion, chosen as `set_weights` chooses it (the audit compares the
-    /// chain with this).
-    pub(crate) fn chain_values(
-        &self,
-        hyperparams: &iota_chain::Hyperparams,
-        uids: &[u16],
-        weights: &[f64],
-    ) -> Result<(Vec<u16>, Vec<u16>), iota_chain::ChainError> {
-        chain_values(
-            self.weight_options().process_weights,
-            hyperparams,
-            uids,
-            weights,
-        )
-    }
-
     /// Records, sends and records the outcome of one weight submission.
     async fn send_weights(
         &self,

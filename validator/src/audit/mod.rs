@@ -34,7 +34,7 @@ use crate::onchain::{at_number, commit_hashes, weights_row};
 use crate::published::Settings;
 use crate::score::CheckRow;
 use crate::score::{EpochScore, epoch_scores, failures, weights_by_uid};
-use crate::service::{Validator, fit_epoch};
+use crate::service::{PROCESS_WEIGHTS, Validator, chain_values, fit_epoch};
 use crate::store::{EffectRow, SubmissionRow};
 
 pub mod public;
@@ -233,6 +233,43 @@ where
         }
     }
     Ok(())
+}
+
+/// Weights rebuilt from scores, for the neurons of a metagraph.
+struct Recomputed {
+    /// Each uid's hotkey.
+    hotkey_of: BTreeMap<u16, String>,
+    /// Normalised weight by uid.
+    mine: BTreeMap<u16, f64>,
+    /// The same as the chain takes them (`u16`, max-normalised), as the validator sends them.
+    expected: BTreeMap<u16, u16>,
+}
+
+/// The weights `scores` give `meta`'s neurons under `score` and `burn`.
+fn recomputed_weights(
+    meta: &Metagraph,
+    scores: &[EpochScore],
+    score: &crate::score::ScoreConfig,
+    burn: Option<(u16, f64)>,
+) -> Result<Recomputed, ChainError> {
+    let uid_of: BTreeMap<String, u16> = meta
+        .neurons
+        .iter()
+        .map(|n| (n.hotkey.ss58(), n.uid))
+        .collect();
+    let hotkey_of = uid_of.iter().map(|(h, u)| (*u, h.clone())).collect();
+    let (uids, values) = weights_by_uid(scores, score, burn, &uid_of).unwrap_or_default();
+    let expected = if uids.is_empty() {
+        BTreeMap::new()
+    } else {
+        let (u, v) = chain_values(PROCESS_WEIGHTS, &meta.hyperparams, &uids, &values)?;
+        u.into_iter().zip(v).collect()
+    };
+    Ok(Recomputed {
+        hotkey_of,
+        mine: uids.into_iter().zip(values).collect(),
+        expected,
+    })
 }
 
 /// Relative tolerance of float comparisons: the recomputation runs the same code on the same
@@ -546,22 +583,11 @@ impl Validator {
         for n in notes {
             tracing::info!(note = %n, "audit");
         }
-        let uid_of: BTreeMap<String, u16> = meta
-            .neurons
-            .iter()
-            .map(|n| (n.hotkey.ss58(), n.uid))
-            .collect();
-        let hotkey_of: BTreeMap<u16, String> =
-            uid_of.iter().map(|(h, u)| (*u, h.clone())).collect();
-        let (uids, values) =
-            weights_by_uid(recomputed, &cfg.score, cfg.burn, &uid_of).unwrap_or_default();
-        let expected: BTreeMap<u16, u16> = if uids.is_empty() {
-            BTreeMap::new()
-        } else {
-            let (u, v) = self.chain_values(&meta.hyperparams, &uids, &values)?;
-            u.into_iter().zip(v).collect()
-        };
-        let mine: BTreeMap<u16, f64> = uids.iter().copied().zip(values.iter().copied()).collect();
+        let Recomputed {
+            hotkey_of,
+            mine,
+            expected,
+        } = recomputed_weights(&meta, recomputed, &cfg.score, cfg.burn)?;
         let stored: BTreeMap<u16, f64> = sub
             .uids
             .iter()

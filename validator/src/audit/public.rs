@@ -21,14 +21,14 @@ use iota_protocol::api::{MinerScore, ScoreRecord, SpotCheckReport};
 use iota_protocol::client::ApiClient;
 
 use super::{
-    AuditReport, ChainCheck, EpochEvidence, SubmissionSummary, WeightAudit, compare_scores,
-    miner_rows, recompute_epoch,
+    AuditReport, ChainCheck, EpochEvidence, Recomputed, SubmissionSummary, WeightAudit,
+    compare_scores, miner_rows, recompute_epoch, recomputed_weights,
 };
 use crate::error::ValidatorError;
 use crate::onchain::{at_number, weights_row};
 use crate::published::{Settings, epoch_score, settings};
-use crate::score::{CheckRow, EpochScore, weights_by_uid};
-use crate::service::{MAX_SAMPLE_RECORDS, PROCESS_WEIGHTS, chain_values, read_pages};
+use crate::score::{CheckRow, EpochScore};
+use crate::service::{MAX_SAMPLE_RECORDS, read_pages};
 
 /// An auditor of any validator of one run and subnet.
 pub struct PublicAudit {
@@ -258,36 +258,30 @@ impl PublicAudit {
     ) -> Result<(Vec<WeightAudit>, ChainCheck), ValidatorError> {
         let at = at_number(&self.chain, sent.block).await?;
         let meta = self.chain.metagraph_at(&at, self.netuid).await?;
-        let uid_of: BTreeMap<String, u16> = meta
-            .neurons
-            .iter()
-            .map(|n| (n.hotkey.ss58(), n.uid))
-            .collect();
-        let hotkey_of: BTreeMap<u16, String> =
-            uid_of.iter().map(|(h, u)| (*u, h.clone())).collect();
-        let (uids, values) =
-            weights_by_uid(recomputed, &audited.score, audited.burn, &uid_of).unwrap_or_default();
-        let expected: BTreeMap<u16, u16> = if uids.is_empty() {
-            BTreeMap::new()
-        } else {
-            let (u, v) = chain_values(PROCESS_WEIGHTS, &meta.hyperparams, &uids, &values)?;
-            u.into_iter().zip(v).collect()
-        };
-        let mine: BTreeMap<u16, f64> = uids.iter().copied().zip(values).collect();
+        let Recomputed {
+            hotkey_of,
+            mine,
+            expected,
+        } = recomputed_weights(&meta, recomputed, &audited.score, audited.burn)?;
         let published: BTreeMap<u16, u16> = sent
             .uids
             .iter()
             .copied()
             .zip(sent.weights.iter().copied())
             .collect();
-        let (chain, on_chain) = match uid_of.get(validator) {
+        let validator_uid = meta
+            .neurons
+            .iter()
+            .find(|n| n.hotkey.ss58() == validator)
+            .map(|n| n.uid);
+        let (chain, on_chain) = match validator_uid {
             None => (
                 ChainCheck::Unavailable {
                     reason: format!("{validator} has no uid at block {}", sent.block),
                 },
                 None,
             ),
-            Some(&uid) => match weights_row(&self.chain, &at, self.netuid, uid).await {
+            Some(uid) => match weights_row(&self.chain, &at, self.netuid, uid).await {
                 Ok(row) => {
                     let row: BTreeMap<u16, u16> = row.into_iter().collect();
                     let check = ChainCheck::Weights {
