@@ -151,6 +151,9 @@ pub struct MinerConfig {
     pub data_dir: Option<std::path::PathBuf>,
     /// Where a dataset fetched from the run's store is kept: `<data_cache>/<manifest BLAKE3>/`.
     pub data_cache: std::path::PathBuf,
+    /// Upload straight to the run's store through presigned URLs where it takes them (off:
+    /// always through the orchestrator).
+    pub direct_uploads: bool,
 }
 
 impl MinerConfig {
@@ -170,6 +173,7 @@ impl MinerConfig {
             seed: 0,
             data_dir: None,
             data_cache: iota_protocol::dataset_cache::DEFAULT_DATA_CACHE.into(),
+            direct_uploads: true,
         }
     }
 
@@ -265,6 +269,10 @@ pub struct MinerArgs {
     /// manifest's BLAKE3; files already there that hash right are not fetched again.
     #[arg(long = "data-cache", env = "IOTA_DATA_CACHE", default_value = iota_protocol::dataset_cache::DEFAULT_DATA_CACHE)]
     pub data_cache: PathBuf,
+    /// Send every upload through the orchestrator, even where the run's store takes them
+    /// straight through presigned URLs (for a network that cannot reach the store).
+    #[arg(long = "no-direct-uploads", env = "IOTA_NO_DIRECT_UPLOADS")]
+    pub no_direct_uploads: bool,
 }
 
 impl MinerArgs {
@@ -284,6 +292,7 @@ impl MinerArgs {
             seed: rand::random(),
             data_dir: self.data_dir.clone(),
             data_cache: self.data_cache.clone(),
+            direct_uploads: !self.no_direct_uploads,
         }
     }
 }
@@ -335,6 +344,24 @@ fn flatten_toml(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn direct_uploads_are_on_unless_turned_off() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: MinerArgs,
+        }
+        let parse = |flags: &[&str]| {
+            let argv = std::iter::once("miner").chain(flags.iter().copied());
+            <Cli as clap::Parser>::try_parse_from(argv)
+                .expect("parses")
+                .args
+                .miner_config()
+        };
+        assert!(parse(&[]).direct_uploads);
+        assert!(!parse(&["--no-direct-uploads"]).direct_uploads);
+    }
 
     #[test]
     fn devices_parse() {

@@ -318,7 +318,10 @@ impl Node {
         let mut attempt = 0u32;
         let client = loop {
             match ApiClient::connect(&cfg.orchestrator_url, signer.clone(), cfg.retry).await {
-                Ok(c) => break c,
+                Ok(c) => {
+                    let direct = c.direct_uploads() && cfg.direct_uploads;
+                    break c.with_direct_uploads(direct);
+                }
                 // Asking again gets the same run: not something to wait out.
                 Err(e @ ClientError::InvalidRun(_)) => return Err(e.into()),
                 Err(e) => {

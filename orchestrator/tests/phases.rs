@@ -3618,3 +3618,34 @@ async fn a_tampered_direct_upload_is_refused_at_its_commit() {
     assert_eq!(blob.key, sealed_of(&commit));
     bucket.get(&blob.key).await.expect("sealed in the bucket");
 }
+
+/// A direct upload whose connection to the store drops part-way through is sent again by the
+/// client, and the commit takes the object the second PUT left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_upload_whose_connection_drops_is_sent_again() {
+    init_tracing();
+    let seeds = [184u8, 185, 186];
+    let s3 = s3_store();
+    let relay = slow_store(&s3).await;
+    let s = serve_with(&seeds, config(), Some(relay.store.clone())).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let client = miners[i].client().clone();
+    assert!(client.direct_uploads());
+    let hotkey = pair(seeds[i]).ss58_of();
+    let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.005);
+    // The presigned PUT is the first request naming the miner's slot.
+    *relay.marker.lock().expect("marker") = Some(("PUT", hotkey.clone()));
+    relay.drop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let blob = client
+        .upload_pseudo_gradient(0, 0, bytes.into())
+        .await
+        .expect("sent again after the drop")
+        .blob;
+    assert!(
+        relay.tripped.load(std::sync::atomic::Ordering::SeqCst),
+        "the relay never saw the PUT"
+    );
+    assert_eq!(blob.blake3, commit.blake3);
+    assert_eq!(blob.key, sealed_of(&commit));
+}

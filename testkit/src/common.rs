@@ -496,7 +496,8 @@ pub fn code(r: &(u16, Option<ApiError>)) -> Option<ErrorCode> {
 /// A relay to the S3 server that holds back the first request whose line starts with
 /// `marker`'s method and names its text (once set) until `release` is notified, as a slow store
 /// write would; or, with `refuse` set, answers that request with a 403 itself, as a failing store
-/// would.
+/// would; or, with `drop` set, closes its connection part-way through, unanswered, as a network
+/// that fails mid-upload does.
 pub struct SlowStore {
     /// The S3 store it was made for, reached through the relay.
     pub store: StoreConfig,
@@ -506,6 +507,10 @@ pub struct SlowStore {
     pub release: Arc<tokio::sync::Notify>,
     /// Refuse the marked request instead of holding it.
     pub refuse: Arc<std::sync::atomic::AtomicBool>,
+    /// Drop the marked request's connection instead of holding it.
+    pub drop: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the marked request came.
+    pub tripped: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A relay in front of `store`, an S3 store with an endpoint.
@@ -536,11 +541,14 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
     );
     let tripped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (m, h, r, f) = (
+    let drop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (m, h, r, f, d, t) = (
         marker.clone(),
         held.clone(),
         release.clone(),
         refuse.clone(),
+        drop.clone(),
+        tripped.clone(),
     );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
@@ -560,8 +568,14 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                 }
                 let _ = to_client.lock().await.shutdown().await;
             });
-            let (m, h, r, f, tripped) =
-                (m.clone(), h.clone(), r.clone(), f.clone(), tripped.clone());
+            let (m, h, r, f, d, tripped) = (
+                m.clone(),
+                h.clone(),
+                r.clone(),
+                f.clone(),
+                d.clone(),
+                t.clone(),
+            );
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 64 * 1024];
                 loop {
@@ -583,6 +597,13 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                                         .is_some_and(|l| l.contains(mark.as_str()))
                             });
                     if wanted && !tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        if d.load(std::sync::atomic::Ordering::SeqCst) {
+                            // Half the bytes reach the store, then the connection goes.
+                            let _ = server_w.write_all(&buf[..n / 2]).await;
+                            let _ = server_w.shutdown().await;
+                            let _ = client_w.lock().await.shutdown().await;
+                            break;
+                        }
                         if f.load(std::sync::atomic::Ordering::SeqCst) {
                             let mut client_w = client_w.lock().await;
                             let _ = client_w
@@ -614,5 +635,7 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         held,
         release,
         refuse,
+        drop,
+        tripped,
     }
 }

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
 use iota_protocol::blob::{BlobDescriptor, is_blake3_hex};
-use iota_protocol::tensor::{TensorSpec, check_tensor};
+use iota_protocol::tensor::{StreamCheck, TensorError, TensorSpec, check_tensor};
 
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
@@ -613,6 +613,16 @@ async fn check_stored_if_there(
     // A presigned PUT is not bounded by the store: an oversized object is refused here, and
     // deleted like any other bad upload.
     let _slot = crate::auth::object_slot(app).await?;
+    if matches!(
+        spec,
+        TensorSpec::Partition { .. } | TensorSpec::Merged { .. }
+    ) {
+        return match check_streamed(app, key, spec, commit).await? {
+            None => Ok(None),
+            Some(Ok(blob)) => Ok(Some(blob)),
+            Some(Err(e)) => refuse(e).await,
+        };
+    }
     let bytes = match app.store.get_bounded(key, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(e @ StoreError::TooLarge { .. }) => return refuse(e.into()).await,
@@ -635,6 +645,68 @@ async fn check_stored_if_there(
         Ok(blob) => Ok(Some(blob)),
         Err(e) => refuse(e).await,
     }
+}
+
+/// Checks the partition or merge at `key` as it streams from the store ([`StreamCheck`]), so
+/// that a commit holds a chunk and the header, not the object, whatever its size: `None` when
+/// there is no object, `Some(Err)` when it is bad; `Err` when the store failed (the object
+/// stays for a retried commit).
+async fn check_streamed(
+    app: &App,
+    key: &str,
+    spec: &TensorSpec,
+    commit: &CommitRequest,
+) -> ApiResult<Option<Result<BlobDescriptor, AppError>>> {
+    use futures::StreamExt;
+    let bad = |e: TensorError| match e {
+        TensorError::TooLarge { .. } => AppError::new(ErrorCode::PayloadTooLarge, e.to_string()),
+        e => AppError::new(ErrorCode::InvalidTensor, e.to_string()),
+    };
+    let (size, mut stream) = match app.store.get_stream(key).await {
+        Ok(found) => found,
+        Err(StoreError::NotFound(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if size != commit.size {
+        return Ok(Some(Err(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!(
+                "stored object is {size} bytes, commit declared {}",
+                commit.size
+            ),
+        ))));
+    }
+    let mut check = match StreamCheck::new(spec, size) {
+        Ok(check) => check,
+        Err(e) => return Ok(Some(Err(bad(e)))),
+    };
+    while let Some(chunk) = stream.next().await {
+        if let Err(e) = check.feed(&chunk?) {
+            return Ok(Some(Err(bad(e))));
+        }
+    }
+    let actual = match check.finish() {
+        Ok(hash) => hash,
+        Err(e) => return Ok(Some(Err(bad(e)))),
+    };
+    if actual != commit.blake3 {
+        return Ok(Some(Err(AppError::new(
+            ErrorCode::InvalidTensor,
+            format!(
+                "BLAKE3 of the body is {actual}, the request declared {}",
+                commit.blake3
+            ),
+        ))));
+    }
+    let (dtype, shape) = spec.dtype_and_shape();
+    Ok(Some(Ok(BlobDescriptor {
+        key: key.to_owned(),
+        size,
+        dtype,
+        shape,
+        blake3: actual,
+        url: None,
+    })))
 }
 
 /// `POST /v1/miner/tasks/{task_id}/output/commit?lease=…`: after a presigned upload.
