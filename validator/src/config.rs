@@ -54,7 +54,7 @@ pub struct ValidatorArgs {
         default_value_t = 0.05
     )]
     pub max_relative_error: f64,
-    /// Per-epoch decay of older scores.
+    /// Per-epoch decay of older scores, in (0, 1] (anything else is taken as 1).
     #[arg(long = "score-decay", env = "IOTA_SCORE_DECAY", default_value_t = 0.7)]
     pub score_decay: f64,
     /// Epochs of scores that count (1 to 1000).
@@ -105,7 +105,13 @@ impl ValidatorArgs {
             max_relative_error: self.max_relative_error,
             ..ReplayThresholds::default()
         };
-        c.score.decay = self.score_decay;
+        // Published with every epoch's scores, where the orchestrator refuses a decay outside
+        // (0, 1]: one would hold back every later publication.
+        c.score.decay = if self.score_decay > 0.0 && self.score_decay <= 1.0 {
+            self.score_decay
+        } else {
+            1.0
+        };
         c.score.window = self
             .score_window
             .clamp(1, iota_protocol::api::ScoringParams::MAX_WINDOW);
@@ -120,5 +126,40 @@ impl ValidatorArgs {
         c.data_dir = self.data_dir.clone();
         c.data_cache = self.data_cache.clone();
         c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whatever the flags say, the settings a validator publishes are ones the orchestrator
+    /// takes: a refused publication would hold back every later one.
+    #[test]
+    fn flags_out_of_bounds_give_settings_the_orchestrator_takes() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ValidatorArgs,
+        }
+        for flags in [
+            vec![],
+            vec!["--score-decay", "1.5"],
+            vec!["--score-decay", "0"],
+            vec!["--score-decay", "NaN"],
+            vec!["--score-window", "0"],
+            vec!["--score-window", "100000"],
+            vec!["--clasp-window", "0"],
+            vec!["--clasp-window", "1000"],
+            vec!["--burn-uid", "3", "--burn-share", "1.0"],
+        ] {
+            let argv = std::iter::once("validator").chain(flags.iter().copied());
+            let cfg = <Cli as clap::Parser>::try_parse_from(argv)
+                .expect("parses")
+                .args
+                .validator_config();
+            let params = crate::published::params(&cfg.clasp, &cfg.score, cfg.burn);
+            assert!(params.is_valid(), "{flags:?}: {params:?}");
+        }
     }
 }
