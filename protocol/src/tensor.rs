@@ -193,6 +193,18 @@ fn header_offsets_fit(header: &[u8], data_len: u64) -> Result<(), TensorError> {
     Ok(())
 }
 
+/// The `iota` entry of a safetensors header's metadata.
+fn iota_meta(metadata: &safetensors::tensor::Metadata) -> Result<Meta, TensorError> {
+    metadata
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(META_KEY))
+        .ok_or_else(|| TensorError::Layout(format!("missing {META_KEY:?} metadata entry")))
+        .and_then(|m| {
+            serde_json::from_str(m).map_err(|e| TensorError::Layout(format!("bad metadata: {e}")))
+        })
+}
+
 /// Checks `bytes` against `spec`. Runs in one pass over the values; allocates nothing per value.
 pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> {
     let max = spec.max_bytes();
@@ -205,14 +217,7 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
     offsets_fit(bytes)?;
     let (_, metadata) =
         SafeTensors::read_metadata(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
-    let meta: Meta = metadata
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get(META_KEY))
-        .ok_or_else(|| TensorError::Layout(format!("missing {META_KEY:?} metadata entry")))
-        .and_then(|m| {
-            serde_json::from_str(m).map_err(|e| TensorError::Layout(format!("bad metadata: {e}")))
-        })?;
+    let meta = iota_meta(&metadata)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
     let values = st
         .tensor("values")
@@ -495,15 +500,7 @@ impl StreamCheck {
                 "incomplete metadata, file not fully covered".into(),
             ));
         }
-        let meta: Meta = metadata
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(META_KEY))
-            .ok_or_else(|| TensorError::Layout(format!("missing {META_KEY:?} metadata entry")))
-            .and_then(|m| {
-                serde_json::from_str(m)
-                    .map_err(|e| TensorError::Layout(format!("bad metadata: {e}")))
-            })?;
+        let meta = iota_meta(&metadata)?;
         let tensors = metadata.tensors();
         let mut names: Vec<&str> = tensors.keys().map(String::as_str).collect();
         names.sort_unstable();
