@@ -35,7 +35,8 @@ pub struct Limits {
     pub per_ip_burst: u32,
     /// Largest JSON body.
     pub json_body_bytes: usize,
-    /// Uploads buffered at once (each up to the largest tensor slot).
+    /// Uploads arriving at once. A pseudo-gradient or a merge streams into the store through a
+    /// part's worth of memory; a hop's output is read whole (at most its slot's size).
     pub concurrent_uploads: usize,
     /// Of those, most from one IP address (0: no limit). A slot is taken once the signature
     /// over the body's declared hash holds, before the body arrives: without this, one host
@@ -161,8 +162,8 @@ pub struct AppState {
     pub replay: ReplayCache,
     /// Batched verification of request signatures.
     pub signatures: SignatureVerifier,
-    /// The upload slots ([`Limits::concurrent_uploads`]): each whole object held in memory at
-    /// once takes one, an upload's body as a re-read of a stored object (see [`object_slot`]).
+    /// The upload slots ([`Limits::concurrent_uploads`]): each upload arriving takes one, and
+    /// so does each check of a stored object (see [`object_slot`]).
     pub object_slots: Arc<tokio::sync::Semaphore>,
     /// Signers' keys by their address as sent.
     pub signers: Signers,

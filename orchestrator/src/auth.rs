@@ -20,7 +20,7 @@ use crate::replay::Local;
 use crate::signatures::VerifyError;
 
 use crate::app::*;
-use crate::body::{read_body, read_body_then_wait};
+use crate::body::{read_body, read_body_then_wait, verified_body};
 use crate::error::*;
 
 /// Who signed a request, after every check passed.
@@ -74,7 +74,8 @@ pub struct SignedRoutes {
     /// When the uuid reaches the shared replay cache.
     pub shared_replay: SharedReplay,
     /// Whether the route takes uploads: its signature is always checked before the body is
-    /// read. Such a body, and any body over [`MAX_UNCHECKED_BODY`], holds upload slots (see
+    /// read, and the body reaches the handler as it arrives ([`crate::body::verified_body`]).
+    /// Such a body, and any body over [`MAX_UNCHECKED_BODY`], holds upload slots (see
     /// [`UploadSlots`]) while it is read and handled.
     pub uploads: bool,
 }
@@ -135,7 +136,7 @@ async fn check_signed(
     let checked = check_caller(app, &parts)?;
     let body_hash = body_sha256_header(&parts)?;
     let small = declared.is_some_and(|n| n <= MAX_UNCHECKED_BODY as u64);
-    let (caller, pending, bytes, slots) = if routes.uploads || (!small && body_hash.is_some()) {
+    let (caller, pending, body, slots) = if routes.uploads || (!small && body_hash.is_some()) {
         // The signature over the body's hash first, then (for uploads) a slot, then the body.
         let Some(body_hash) = body_hash else {
             return Err(match routes.uploads {
@@ -162,14 +163,22 @@ async fn check_signed(
             true => Some(upload_slots(app, &parts, &caller).await?),
             false => None,
         };
-        let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
-        if body_sha256_hex(&bytes) != body_hash.as_bytes() {
-            return Err(AppError::new(
-                ErrorCode::BadRequest,
-                format!("the body's sha256 is not its {HEADER_BODY_SHA256} header"),
-            ));
-        }
-        (caller, pending, bytes, slots)
+        let body = match routes.uploads {
+            // Streamed on to the handler, which stores it as it comes (its slots held until the
+            // handler answers): an upload is as large as a stage's partition.
+            true => verified_body(body, routes.body_limit, app.limits.body_timeout, body_hash),
+            false => {
+                let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
+                if body_sha256_hex(&bytes) != body_hash.as_bytes() {
+                    return Err(AppError::new(
+                        ErrorCode::BadRequest,
+                        format!("the body's sha256 is not its {HEADER_BODY_SHA256} header"),
+                    ));
+                }
+                Body::from(bytes)
+            }
+        };
+        (caller, pending, body, slots)
     } else {
         // A small body is read first and its hash computed, as Epistula has it.
         let limit = routes.body_limit.min(MAX_UNCHECKED_BODY);
@@ -187,11 +196,11 @@ async fn check_signed(
             .with_body(&parts, &bytes)
             .finish(app, routes)
             .await?;
-        (caller, pending, bytes, None)
+        (caller, pending, Body::from(bytes), None)
     };
     parts.extensions.insert(pending);
     parts.extensions.insert(caller);
-    Ok((Request::from_parts(parts, Body::from(bytes)), slots))
+    Ok((Request::from_parts(parts, body), slots))
 }
 
 /// A body too large to be read before its signature is checked, without the hash to check it by.

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use iota_protocol::ErrorCode;
+use iota_protocol::signing::{BodySha256, HEADER_BODY_SHA256};
 
 use crate::app::*;
 use crate::error::*;
@@ -30,8 +31,6 @@ pub(crate) async fn read_body_then_wait<G>(
 ) -> Result<Bytes, AppError> {
     use axum::body::HttpBody;
     use futures::FutureExt;
-    use http_body_util::BodyExt;
-    let start = tokio::time::Instant::now();
     let mut before_waiting = Some(before_waiting);
     let mut _held = None;
     // The declared length (if any), within the limit: room for the whole body at once.
@@ -39,54 +38,153 @@ pub(crate) async fn read_body_then_wait<G>(
         .size_hint()
         .exact()
         .map(|n| n.min(limit as u64) as usize);
-    let mut body = http_body_util::Limited::new(body, limit);
+    let mut paced = Paced::new(body, limit, timeout);
     let mut gathered = Gathered::default();
-    let mut received = 0u64;
     loop {
-        let due = start + body_deadline(timeout, received);
         let ready = match before_waiting.is_some() {
-            true => body.frame().now_or_never(),
+            true => paced.next().now_or_never(),
             false => None,
         };
         let next = match ready {
-            Some(frame) => Ok(frame),
+            Some(next) => next,
             None => {
                 if let Some(take) = before_waiting.take() {
                     _held = Some(take()?);
                 }
-                tokio::time::timeout_at(due, body.frame()).await
+                paced.next().await
             }
         };
-        match next {
-            Ok(None) => return Ok(gathered.into_bytes()),
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    received += data.len() as u64;
-                    gathered.push(data, declared);
+        match next? {
+            Some(data) => gathered.push(data, declared),
+            None => return Ok(gathered.into_bytes()),
+        }
+    }
+}
+
+/// An upload's body as it arrives, for the handler to stream on: at the pace and within the
+/// limit of [`read_body`], and its last frame an error unless its sha256 is `sha256` (64
+/// lowercase hex digits, the hash the request's signature covers). A handler that streams it
+/// into the store therefore never completes an object from a body that was not the one signed.
+/// Read it with [`upload_chunks`], which gives the errors back as they were made.
+pub(crate) fn verified_body(body: Body, limit: usize, timeout: Duration, sha256: String) -> Body {
+    let sha256: std::sync::Arc<str> = sha256.into();
+    let state = (Paced::new(body, limit, timeout), BodySha256::default());
+    let chunks = futures::stream::try_unfold(state, move |(mut paced, mut hasher)| {
+        let sha256 = sha256.clone();
+        async move {
+            match paced.next().await.map_err(BodyError)? {
+                Some(data) => {
+                    hasher.update(&data);
+                    Ok(Some((data, (paced, hasher))))
                 }
-            }
-            Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
-                return Err(AppError::new(
-                    ErrorCode::PayloadTooLarge,
-                    format!("body larger than {limit} bytes"),
-                ));
-            }
-            Ok(Some(Err(e))) => {
-                return Err(AppError::new(
+                None if hasher.finish() == sha256.as_bytes() => Ok(None),
+                None => Err(BodyError(AppError::new(
                     ErrorCode::BadRequest,
-                    format!("the body could not be read: {e}"),
-                ));
+                    format!("the body's sha256 is not its {HEADER_BODY_SHA256} header"),
+                ))),
             }
-            Err(_) => {
-                return Err(AppError::new(
-                    ErrorCode::RequestTimeout,
-                    format!(
-                        "the body fell behind the slowest pace taken: {received} bytes in {} s \
-                         (allowed: {} s, then {MIN_BODY_BYTES_PER_S} bytes a second)",
-                        start.elapsed().as_secs(),
-                        timeout.as_secs()
-                    ),
-                ));
+        }
+    });
+    Body::from_stream(chunks)
+}
+
+/// The chunks of a body made by [`verified_body`], with its errors as they were made (any
+/// other failure to read it is a bad request).
+pub(crate) fn upload_chunks(
+    body: Body,
+) -> impl futures::Stream<Item = Result<Bytes, AppError>> + Send + 'static {
+    use futures::TryStreamExt;
+    body.into_data_stream().map_err(|e| {
+        let message = e.to_string();
+        // The body wraps its stream's error, and is itself wrapped as it is read.
+        let mut inner = e.into_inner();
+        loop {
+            inner = match inner.downcast::<BodyError>() {
+                Ok(made) => return made.0,
+                Err(other) => match other.downcast::<axum::Error>() {
+                    Ok(wrapped) => wrapped.into_inner(),
+                    Err(_) => {
+                        return AppError::new(
+                            ErrorCode::BadRequest,
+                            format!("the body could not be read: {message}"),
+                        );
+                    }
+                },
+            };
+        }
+    })
+}
+
+/// An error of [`verified_body`], carried through the body to the handler.
+#[derive(Debug)]
+struct BodyError(AppError);
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.0.message)
+    }
+}
+
+impl std::error::Error for BodyError {}
+
+/// A body read frame by frame at a pace: at any time `t` after the start, at least
+/// `(t - timeout) × MIN_BODY_BYTES_PER_S` bytes in, and never more than `limit`.
+struct Paced {
+    body: http_body_util::Limited<Body>,
+    start: tokio::time::Instant,
+    timeout: Duration,
+    limit: usize,
+    received: u64,
+}
+
+impl Paced {
+    fn new(body: Body, limit: usize, timeout: Duration) -> Self {
+        Self {
+            body: http_body_util::Limited::new(body, limit),
+            start: tokio::time::Instant::now(),
+            timeout,
+            limit,
+            received: 0,
+        }
+    }
+
+    /// The next data frame; `None` once the body has ended.
+    async fn next(&mut self) -> Result<Option<Bytes>, AppError> {
+        use http_body_util::BodyExt;
+        loop {
+            let due = self.start + body_deadline(self.timeout, self.received);
+            match tokio::time::timeout_at(due, self.body.frame()).await {
+                Ok(None) => return Ok(None),
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.received += data.len() as u64;
+                        return Ok(Some(data));
+                    }
+                }
+                Ok(Some(Err(e))) if e.is::<http_body_util::LengthLimitError>() => {
+                    return Err(AppError::new(
+                        ErrorCode::PayloadTooLarge,
+                        format!("body larger than {} bytes", self.limit),
+                    ));
+                }
+                Ok(Some(Err(e))) => {
+                    return Err(AppError::new(
+                        ErrorCode::BadRequest,
+                        format!("the body could not be read: {e}"),
+                    ));
+                }
+                Err(_) => {
+                    return Err(AppError::new(
+                        ErrorCode::RequestTimeout,
+                        format!(
+                            "the body fell behind the slowest pace taken: {} bytes in {} s \
+                             (allowed: {} s, then {MIN_BODY_BYTES_PER_S} bytes a second)",
+                            self.received,
+                            self.start.elapsed().as_secs(),
+                            self.timeout.as_secs()
+                        ),
+                    ));
+                }
             }
         }
     }
@@ -197,5 +295,41 @@ mod tests {
             .await
             .expect("read");
         assert_eq!(read.as_ptr(), one.as_ptr());
+    }
+
+    /// An upload's body reaches the handler chunk by chunk, and ends in an error unless it is
+    /// the body its signature covers; errors keep their codes through the body.
+    #[tokio::test]
+    async fn an_upload_body_is_streamed_and_checked_against_its_signed_hash() {
+        use futures::TryStreamExt;
+        let chunks = |parts: Vec<&'static [u8]>| {
+            Body::from_stream(futures::stream::iter(
+                parts
+                    .into_iter()
+                    .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p))),
+            ))
+        };
+        let signed = String::from_utf8(iota_protocol::signing::body_sha256_hex(b"abcdef").to_vec())
+            .expect("hex");
+        let read = |body: Body, limit: usize| {
+            let body = verified_body(body, limit, Duration::from_secs(5), signed.clone());
+            upload_chunks(body).try_collect::<Vec<Bytes>>()
+        };
+        let good = read(chunks(vec![b"abc", b"def"]), 16).await.expect("good");
+        assert_eq!(
+            good,
+            vec![Bytes::from_static(b"abc"), Bytes::from_static(b"def")]
+        );
+        let other = read(chunks(vec![b"abc", b"deg"]), 16)
+            .await
+            .expect_err("other");
+        assert_eq!(other.0.code, ErrorCode::BadRequest, "{:?}", other.0);
+        assert!(other.0.message.contains("sha256"), "{:?}", other.0);
+        let short = read(chunks(vec![b"abc"]), 16).await.expect_err("short");
+        assert_eq!(short.0.code, ErrorCode::BadRequest);
+        let large = read(chunks(vec![b"abc", b"def"]), 4)
+            .await
+            .expect_err("large");
+        assert_eq!(large.0.code, ErrorCode::PayloadTooLarge, "{:?}", large.0);
     }
 }

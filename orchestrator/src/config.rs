@@ -229,7 +229,8 @@ pub struct OrchestratorArgs {
     /// Public requests per second per IP.
     #[arg(long = "rate-per-ip", env = "IOTA_RATE_PER_IP", default_value_t = 50)]
     pub rate_per_ip: u32,
-    /// Uploads held in memory at once.
+    /// Uploads arriving at once (a partition or a merge streams into the store; a hop's output
+    /// is read whole first).
     #[arg(
         long = "max-concurrent-uploads",
         env = "IOTA_MAX_CONCURRENT_UPLOADS",

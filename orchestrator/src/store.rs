@@ -242,16 +242,38 @@ impl BlobStore {
         key: &str,
         chunks: impl futures::Stream<Item = Result<Bytes, StoreError>>,
     ) -> Result<(u64, String), StoreError> {
+        self.put_checked(key, chunks, |_| Ok(())).await
+    }
+
+    /// [`BlobStore::put_stream`], showing each chunk to `check` as it passes and then `None`
+    /// before the object is completed: an error from it (or from `chunks`) abandons the upload,
+    /// and nothing appears at `key`.
+    pub async fn put_checked<E: From<StoreError>>(
+        &self,
+        key: &str,
+        chunks: impl futures::Stream<Item = Result<Bytes, E>>,
+        mut check: impl FnMut(Option<&[u8]>) -> Result<(), E>,
+    ) -> Result<(u64, String), E> {
         let path = Self::path(key)?;
-        let upload = self.inner.put_multipart(&path).await?;
+        let upload = self
+            .inner
+            .put_multipart(&path)
+            .await
+            .map_err(StoreError::from)?;
         let mut writer =
-            object_store::WriteMultipart::new_with_chunk_size(upload, UPLOAD_PART_BYTES);
+            object_store::WriteMultipart::new_with_chunk_size(upload, self.part_bytes());
         let mut hasher = blake3::Hasher::new();
         let mut size = 0u64;
         let mut chunks = std::pin::pin!(chunks);
-        while let Some(chunk) = chunks.next().await {
+        loop {
+            let chunk = match chunks.next().await {
+                Some(Ok(chunk)) => check(Some(&chunk)).map(|()| Some(chunk)),
+                Some(Err(e)) => Err(e),
+                None => check(None).map(|()| None),
+            };
             let chunk = match chunk {
-                Ok(c) => c,
+                Ok(Some(chunk)) => chunk,
+                Ok(None) => break,
                 Err(e) => {
                     let _ = writer.abort().await;
                     return Err(e);
@@ -260,11 +282,23 @@ impl BlobStore {
             hasher.update(&chunk);
             size += chunk.len() as u64;
             // Memory stays bounded whatever the object's size.
-            writer.wait_for_capacity(2).await?;
+            if let Err(e) = writer.wait_for_capacity(2).await {
+                let _ = writer.abort().await;
+                return Err(StoreError::from(e).into());
+            }
             writer.write(&chunk);
         }
-        writer.finish().await?;
+        writer.finish().await.map_err(StoreError::from)?;
         Ok((size, hasher.finalize().to_hex().to_string()))
+    }
+
+    /// Bytes per part of a multipart upload: S3 takes no smaller part but the last than 5 MiB;
+    /// a local file's parts are written where they go, so smaller ones hold less memory.
+    fn part_bytes(&self) -> usize {
+        match self.signer {
+            Some(_) => UPLOAD_PART_BYTES,
+            None => STREAM_CHUNK_BYTES,
+        }
     }
 
     /// The size of an object, `None` when there is none.
@@ -504,5 +538,55 @@ mod tests {
             store.presign(http::Method::GET, "x").await.expect("p"),
             None
         );
+    }
+
+    /// A checked write that the check refuses, mid-way or at the end, leaves nothing behind: no
+    /// object and no part of one. A write it accepts is whole.
+    #[tokio::test]
+    async fn a_refused_checked_write_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = BlobStore::open(&StoreConfig::Local(dir.path().into())).expect("open");
+        let chunks = || {
+            futures::stream::iter(
+                (0..5u8).map(|i| Ok::<_, StoreError>(Bytes::from(vec![i; STREAM_CHUNK_BYTES]))),
+            )
+        };
+        let refuse_at = |at: usize| {
+            let mut seen = 0;
+            move |chunk: Option<&[u8]>| {
+                seen += 1;
+                match (seen == at, chunk) {
+                    (true, _) => Err(StoreError::Backend("refused".into())),
+                    (false, _) => Ok(()),
+                }
+            }
+        };
+        for at in [1, 3, 6] {
+            let r = store.put_checked("runs/1/x", chunks(), refuse_at(at)).await;
+            assert!(matches!(r, Err(StoreError::Backend(_))), "{at}: {r:?}");
+            let left: Vec<_> = walk(dir.path());
+            assert!(left.is_empty(), "refused at {at}, left {left:?}");
+        }
+        let (size, hash) = store
+            .put_checked("runs/1/x", chunks(), refuse_at(7))
+            .await
+            .expect("accepted");
+        let whole = store.get("runs/1/x").await.expect("get");
+        assert_eq!(size, 5 * STREAM_CHUNK_BYTES as u64);
+        assert_eq!(whole.len() as u64, size);
+        assert_eq!(hash, blake3::hash(&whole).to_hex().to_string());
+    }
+
+    /// Every file under `dir`, parts of uploads in progress included.
+    fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+            let path = entry.path();
+            match path.is_dir() {
+                true => files.extend(walk(&path)),
+                false => files.push(path),
+            }
+        }
+        files
     }
 }

@@ -3059,6 +3059,94 @@ async fn an_upload_whose_client_went_away_is_recorded_all_the_same() {
     .await;
 }
 
+/// A pseudo-gradient uploaded through the orchestrator streams into the store, checked on the
+/// way: one that fails a check anywhere in it (its last value, its length, its hash), or whose
+/// sender stops half-way, leaves nothing in the store, not even a part; a good one is stored
+/// whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_pseudo_gradient_that_fails_its_checks_leaves_nothing() {
+    use iota_protocol::blob::blake3_hex;
+    use iota_protocol::tensor::encode_partition;
+    init_tracing();
+    let seeds = [187u8, 188, 189];
+    let mut run = config();
+    // Partitions of 2M values (8 MB): many frames of a body, many parts of the store's upload.
+    run.stage_params = vec![8_000_000; 3];
+    let s = serve(&seeds, run.clone()).await;
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let (stage, seed) = (miners[i].stage, seeds[i]);
+    let range = run.partition_range(stage, 0).expect("partition");
+    let n = (range.end - range.start) as usize;
+    let good = encode_partition(&vec![0.001; n]);
+    let mut nan_last = good.clone();
+    let end = nan_last.len();
+    nan_last[end - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+    let short = encode_partition(&vec![0.001; n - 1]);
+    let path = |blake3: &str| format!("/v1/miner/epochs/0/pseudo-gradients/0?blake3={blake3}");
+    let stored = || files_under(s._store.path());
+    let before = stored();
+    let raw = Raw::to(&s.base);
+    for (what, bytes, declared) in [
+        (
+            "NaN as its last value",
+            nan_last.clone(),
+            blake3_hex(&nan_last),
+        ),
+        ("a value short", short.clone(), blake3_hex(&short)),
+        ("another hash", good.clone(), blake3_hex(b"other bytes")),
+    ] {
+        let r = raw
+            .signed(&pair(seed), reqwest::Method::PUT, &path(&declared), bytes)
+            .await;
+        assert_eq!(code(&r), Some(ErrorCode::InvalidTensor), "{what}: {r:?}");
+        assert_eq!(stored(), before, "{what}: refused, yet left files");
+    }
+
+    // The good bytes, of which the sender sends half and then stops.
+    let signed = iota_protocol::signing::sign_request(
+        &pair(seed),
+        &pair(200).ss58_of(),
+        "PUT",
+        &path(&blake3_hex(&good)),
+        &good,
+        now_ms(),
+        uuid::Uuid::new_v4(),
+    );
+    let half = bytes::Bytes::copy_from_slice(&good[..good.len() / 2]);
+    let body = futures::stream::iter([Ok(half), Err(std::io::Error::other("the sender stopped"))]);
+    let mut put = reqwest::Client::new()
+        .put(format!("{}{}", s.base, path(&blake3_hex(&good))))
+        .header("content-length", good.len())
+        .body(reqwest::Body::wrap_stream(body));
+    for (name, value) in signed.headers {
+        put = put.header(name, value);
+    }
+    assert!(put.send().await.is_err(), "half a body was answered");
+    eventually(
+        "the cut-off upload's part removed",
+        std::time::Duration::from_secs(10),
+        || async { (stored() == before).then_some(()) },
+    )
+    .await;
+
+    let r = raw
+        .signed(
+            &pair(seed),
+            reqwest::Method::PUT,
+            &path(&blake3_hex(&good)),
+            good.clone(),
+        )
+        .await;
+    assert_eq!(r.0, 200, "{r:?}");
+    let added: Vec<_> = stored()
+        .into_iter()
+        .filter(|f| !before.contains(f))
+        .collect();
+    assert_eq!(added.len(), 1, "{added:?}");
+    assert_eq!(std::fs::read(&added[0]).expect("stored"), good);
+}
+
 /// A miner's throughput counts up to four times the run's median when stages are chosen: one
 /// claiming a billion tokens a second made its stage look served for good, and every newcomer
 /// went to the other stage.

@@ -747,14 +747,15 @@ async fn one_address_holds_a_bounded_share_of_the_upload_slots() {
     let orch = start(cfg).await;
     let raw = Raw::to(&orch.base);
     let path = "/v1/miner/epochs/0/pseudo-gradients/0";
-    // An upload that gets past the slots is judged on its merits (here: not a tensor, 400); one
-    // that does not is 429.
+    // An upload that gets past the slots is judged on its merits (here: no declared hash, 400);
+    // one that does not is 429.
     let upload = |raw: &Raw| not_a_tensor(raw.clone(), path);
     assert_eq!(upload(&raw).await.0, 400);
 
     // Two uploads of that miner whose bodies never come hold this address's two slots.
+    let output = leased_output_path(&orch.base, OTHER_MINER).await;
     let stall =
-        async || stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", path, 1000).await;
+        async || stalled_body(&orch.base, &raw.receiver, OTHER_MINER, "PUT", &output, 1000).await;
     let mut held = [stall().await, stall().await];
     let refused = refused_while_held(&mut held, stall, || upload(&raw)).await;
     assert_eq!(
@@ -919,14 +920,15 @@ async fn one_hotkey_holds_a_bounded_share_of_the_upload_slots() {
     let orch = start(cfg).await;
     let raw = Raw::to(&orch.base);
     let path = "/v1/miner/epochs/0/pseudo-gradients/0";
-    // Past the slots, an upload is judged on its merits (here: not a tensor, 400).
+    // Past the slots, an upload is judged on its merits (here: no declared hash, 400).
     let upload = || not_a_tensor(raw.clone(), path);
     assert_eq!(upload().await.0, 400);
 
+    let output = leased_output_path(&orch.base, OTHER_MINER).await;
     let from = std::sync::atomic::AtomicU8::new(2);
     // Uploads, then heartbeats announcing 100 KiB.
     for (method, route, len) in [
-        ("PUT", path, 1000),
+        ("PUT", output.as_str(), 1000),
         ("POST", "/v1/miner/heartbeat", 100 << 10),
     ] {
         // Two requests in that miner's name whose bodies never come, each from its own address.
@@ -1029,9 +1031,8 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
     let db = fresh_db().await;
     let store = tempfile::tempdir().expect("tempdir");
     let mut run = run_config("stalled-uploads");
-    // Partitions of 20 MB (values and momentum): the upload limit.
-    run.stage_params = vec![10_000_000; 3];
-    run.partitions = 4;
+    // Hop outputs of 20 MB: the upload limit.
+    run.boundary_dim = 312_500;
     let mut cfg = config(&chain, &db, store.path(), run);
     cfg.limits.concurrent_uploads = 2;
     cfg.limits.concurrent_uploads_per_ip = 0;
@@ -1041,8 +1042,9 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
     let raw = Raw::to(&orch.base);
     let path = "/v1/miner/epochs/0/pseudo-gradients/0";
     let upload = || not_a_tensor(raw.clone(), path);
-    // Past the slots, an upload is judged on its merits (here: not a tensor, 400).
+    // Past the slots, an upload is judged on its merits (here: no declared hash, 400).
     assert_eq!(upload().await.0, 400);
+    let output = leased_output_path(&orch.base, OTHER_MINER).await;
     // Within the limit (20 MB); at the old rule's second per MiB, 11.5 s on top of the base.
     let announced = 12_000_000;
     let started = tokio::time::Instant::now();
@@ -1052,7 +1054,7 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
             &raw.receiver,
             OTHER_MINER,
             "PUT",
-            path,
+            &output,
             announced,
         )
         .await,
@@ -1061,7 +1063,7 @@ async fn stalled_uploads_give_their_slots_back_and_nobody_waits_for_a_slot_unans
             &raw.receiver,
             OTHER_MINER,
             "PUT",
-            path,
+            &output,
             announced,
         )
         .await,
@@ -1573,7 +1575,7 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
     let raw = Raw::to(&orch.base);
     let upload_path = "/v1/miner/epochs/0/pseudo-gradients/0";
     let upload = || not_a_tensor(raw.clone(), upload_path);
-    // Past the slot, an upload is judged on its merits (here: not a tensor, 400).
+    // Past the slot, an upload is judged on its merits (here: no declared hash, 400).
     assert_eq!(upload().await.0, 400);
     // Headers signed in the miner's name by another key, over a body never sent.
     let forged = |method: &str, path: &str, len: usize| {
@@ -1659,13 +1661,14 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
             .await
             .expect("a large poll answered at once");
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
-    // A body other than the one whose hash was signed is refused.
+    // A body other than the one whose hash was signed is refused (where its handler reads it).
+    let output = leased_output_path(&orch.base, OTHER_MINER).await;
     let signed_body = vec![b' '; 1000];
     let headers = sign_request(
         &pair(OTHER_MINER),
         &raw.receiver,
         "PUT",
-        upload_path,
+        &output,
         &signed_body,
         now_ms(),
         Uuid::new_v4(),
@@ -1674,7 +1677,7 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
     let mut other_body = raw_request(
         &orch.base,
         "PUT",
-        upload_path,
+        &output,
         1000,
         &headers,
         &vec![b'!'; 1000],
@@ -1688,8 +1691,28 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
     orch.stop().await;
 }
 
+/// A path to upload a hop's output to, under a lease of `seed`'s: the miner registers (before
+/// any other, so at stage 0) and is leased a new sample's first hop. Its handler reads the body
+/// of an upload sent there, so one whose body stalls holds its upload slots while it waits (an
+/// upload refused before its body is read gives them back at once).
+async fn leased_output_path(base: &str, seed: u8) -> String {
+    let (miner, joined) = registered_miner(base, seed).await;
+    assert_eq!(joined.stage, 0, "the first miner to join is at stage 0");
+    let item = eventually("a hop leased", Duration::from_secs(10), || async {
+        miner.work(1).await.expect("work").items.pop()
+    })
+    .await;
+    assert!(item.expects_output, "{item:?}");
+    format!(
+        "/v1/miner/tasks/{}/output?lease={}&blake3={}",
+        item.task_id,
+        item.lease,
+        "0".repeat(64)
+    )
+}
+
 /// An upload of a byte to `path` by the other miner: past the upload slots it is judged on its
-/// merits (not a tensor, 400).
+/// merits (400: the tests' paths declare no hash).
 async fn not_a_tensor(raw: Raw, path: &str) -> (u16, Option<ApiError>) {
     raw.signed(
         &pair(OTHER_MINER),

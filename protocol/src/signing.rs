@@ -86,10 +86,28 @@ pub fn find_header<'a>(headers: &'a [(&'static str, String)], name: &str) -> Opt
 /// The body's sha256 as 64 lowercase hex digits: the message's first field, and the
 /// `Iota-Body-Sha256` header.
 pub fn body_sha256_hex(body: &[u8]) -> [u8; 64] {
-    let mut hex = [0u8; 64];
-    // A 32-byte digest always fits 64 hex digits.
-    let _ = const_hex::encode_to_slice(Sha256::digest(body), &mut hex);
-    hex
+    let mut hasher = BodySha256::default();
+    hasher.update(body);
+    hasher.finish()
+}
+
+/// [`body_sha256_hex`] of a body that arrives in pieces.
+#[derive(Clone, Default)]
+pub struct BodySha256(Sha256);
+
+impl BodySha256 {
+    /// The body's next bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The sha256 of every byte given, as 64 lowercase hex digits.
+    pub fn finish(self) -> [u8; 64] {
+        let mut hex = [0u8; 64];
+        // A 32-byte digest always fits 64 hex digits.
+        let _ = const_hex::encode_to_slice(self.0.finalize(), &mut hex);
+        hex
+    }
 }
 
 /// Whether `text` is a sha256 as `Iota-Body-Sha256` carries it: 64 lowercase hex digits.

@@ -202,14 +202,31 @@ pub fn run_config(name: &str) -> RunConfig {
 }
 
 pub fn config(chain: &Chain, db: &str, store: &std::path::Path, run: RunConfig) -> Config {
+    config_for(
+        &chain.net.ws_url(),
+        chain.netuid,
+        db,
+        StoreConfig::Local(store.into()),
+        run,
+    )
+}
+
+/// [`config`] for a chain known by its endpoint (an orchestrator in another process).
+pub fn config_for(
+    chain_endpoint: &str,
+    netuid: u16,
+    db: &str,
+    store: StoreConfig,
+    run: RunConfig,
+) -> Config {
     Config {
         database_url: db.into(),
         db_max_connections: 16,
-        store: StoreConfig::Local(store.into()),
-        chain_endpoint: chain.net.ws_url(),
+        store,
+        chain_endpoint: chain_endpoint.into(),
         chain_timeout: std::time::Duration::from_secs(30),
         trusted_proxies: Vec::new(),
-        netuid: chain.netuid,
+        netuid,
         hotkey: pair(200).ss58(),
         run,
         metagraph_refresh: Duration::from_millis(200),

@@ -45,6 +45,8 @@ pub struct SimMiner {
     inner_step: u64,
     /// Publish corrupted merges.
     pub wrong_merge: bool,
+    /// Upload pseudo-gradients in the uploading phase (off: whoever drives the miner uploads).
+    pub uploads_pseudo_gradients: bool,
 }
 
 impl SimMiner {
@@ -83,6 +85,7 @@ impl SimMiner {
             uploaded_epoch: None,
             inner_step: 0,
             wrong_merge: false,
+            uploads_pseudo_gradients: true,
         })
     }
 
@@ -135,7 +138,9 @@ impl SimMiner {
         }
         match work.status.phase {
             Phase::Uploading
-                if self.uploaded_epoch != Some(work.status.epoch) && self.backward_done > 0 =>
+                if self.uploads_pseudo_gradients
+                    && self.uploaded_epoch != Some(work.status.epoch)
+                    && self.backward_done > 0 =>
             {
                 report.pseudo_gradients = self.upload_pseudo_gradients(work.status.epoch).await?;
                 self.uploaded_epoch = Some(work.status.epoch);

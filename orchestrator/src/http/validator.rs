@@ -8,7 +8,6 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -19,7 +18,7 @@ use crate::db;
 use crate::error::{ApiResult, AppError};
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery, Bigint};
 use crate::http::miner::merges::upload_merge_as;
-use crate::http::miner::uploads::UploadQuery;
+use crate::http::miner::uploads::{UploadBody, UploadQuery};
 use crate::samples::run_now;
 
 /// Most uids in a submission's weights (and scores per submission): more than a subnet holds.
@@ -162,7 +161,7 @@ pub async fn upload_merge(
     Extension(v): Extension<Caller>,
     ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
-    body: Bytes,
+    body: UploadBody,
 ) -> ApiResult<Json<UploadResponse>> {
     let who = format!("validator:{}", v.ss58);
     upload_merge_as(&app, &who, true, (epoch, stage, partition), body, &q.blake3).await

@@ -1,7 +1,7 @@
 //! Merging: the partitions a miner owns, their bases, the merged results it publishes, the stage's weights.
 
+use super::uploads::UploadBody;
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -179,7 +179,7 @@ pub async fn upload_merge(
     Extension(caller): Extension<Caller>,
     ApiPath((Bigint(epoch), stage, partition)): ApiPath<(Bigint, u32, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
-    body: Bytes,
+    body: UploadBody,
 ) -> ApiResult<Json<UploadResponse>> {
     upload_merge_as(
         &app,
@@ -199,7 +199,7 @@ pub(crate) async fn upload_merge_as(
     who: &str,
     as_validator: bool,
     (epoch, stage, partition): (u64, u32, u32),
-    body: Bytes,
+    body: UploadBody,
     blake3: &str,
 ) -> ApiResult<Json<UploadResponse>> {
     // Before the phase check: a retry whose first attempt was recorded (its answer lost) is

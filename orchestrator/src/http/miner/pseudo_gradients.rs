@@ -1,7 +1,7 @@
 //! Pseudo-gradient partitions: reserving the uploading phase, uploads, presigned commits, what each contribution weighs.
 
+use super::uploads::UploadBody;
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -221,7 +221,7 @@ pub async fn upload_pg(
     Extension(caller): Extension<Caller>,
     ApiPath((Bigint(epoch), partition)): ApiPath<(Bigint, u32)>,
     ApiQuery(q): ApiQuery<UploadQuery>,
-    body: Bytes,
+    body: UploadBody,
 ) -> ApiResult<Json<UploadResponse>> {
     let stage = miner_stage(&app.db, &app, &caller).await?;
     // Before the phase check: a retry whose first attempt was recorded (its answer lost) is

@@ -1,8 +1,8 @@
 //! A hop's output: uploaded through the orchestrator or presigned into the store, checked, sealed and committed.
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::{Extension, State};
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, FromRequest, State};
 use chrono::{DateTime, Utc};
 use iota_protocol::ErrorCode;
 use iota_protocol::api::*;
@@ -169,13 +169,44 @@ pub(crate) fn sealed_key(slot_key: &str, blake3: &str) -> String {
     }
 }
 
-/// Checks an upload's bytes against its slot and declared hash, then stores it. Nothing is
-/// written unless every check passes.
+/// An upload's body, as the signed gate passes it on ([`crate::body::verified_body`]), with the
+/// length its request declared: a partition's check needs the object's size before its first
+/// byte.
+pub struct UploadBody {
+    body: Body,
+    len: u64,
+}
+
+impl<S: Send + Sync> FromRequest<S> for UploadBody {
+    type Rejection = AppError;
+
+    async fn from_request(req: axum::extract::Request, _: &S) -> Result<Self, AppError> {
+        let len = req
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                AppError::new(
+                    ErrorCode::BadRequest,
+                    "an upload declares its length (Content-Length)",
+                )
+            })?;
+        Ok(Self {
+            body: req.into_body(),
+            len,
+        })
+    }
+}
+
+/// Checks an upload's bytes against its slot and declared hash as they arrive, storing them on
+/// the way: nothing appears in the store unless every check passes. A partition or a merge is
+/// streamed (memory is a part's, whatever its size); a hop's output is read whole first.
 pub(crate) async fn accept_upload(
     app: &App,
     key: String,
     spec: &TensorSpec,
-    bytes: Bytes,
+    upload: UploadBody,
     declared_blake3: &str,
     placement: Placement,
 ) -> ApiResult<BlobDescriptor> {
@@ -185,13 +216,99 @@ pub(crate) async fn accept_upload(
             "blake3 must be 64 lowercase hex digits",
         ));
     }
-    let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
-    if placement == Placement::Sealed {
-        blob.key = sealed_key(&blob.key, &blob.blake3);
+    let max = spec.max_bytes();
+    if upload.len > max {
+        return Err(AppError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("{} bytes, this slot takes at most {max}", upload.len),
+        ));
     }
-    app.store.put(&blob.key, bytes).await?;
+    let chunks = crate::body::upload_chunks(upload.body);
+    let blob = match spec {
+        TensorSpec::Boundary { .. } => {
+            let bytes = gather(chunks, upload.len).await?;
+            let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
+            if placement == Placement::Sealed {
+                blob.key = sealed_key(&blob.key, &blob.blake3);
+            }
+            app.store.put(&blob.key, bytes).await?;
+            blob
+        }
+        TensorSpec::Partition { .. } | TensorSpec::Merged { .. } => {
+            let key = match placement {
+                Placement::Sealed => sealed_key(&key, declared_blake3),
+                Placement::Slot => key,
+            };
+            let mut check = Some(StreamCheck::new(spec, upload.len).map_err(refusal)?);
+            let checked = |chunk: Option<&[u8]>| match (chunk, check.as_mut()) {
+                (Some(chunk), Some(check)) => check.feed(chunk).map_err(refusal),
+                (_, _) => {
+                    let Some(check) = check.take() else {
+                        return Err(AppError::new(ErrorCode::Internal, "checked twice"));
+                    };
+                    let actual = check.finish().map_err(refusal)?;
+                    match actual == declared_blake3 {
+                        true => Ok(()),
+                        false => Err(hash_mismatch(&actual, declared_blake3)),
+                    }
+                }
+            };
+            let (size, blake3) = app.store.put_checked(&key, chunks, checked).await?;
+            let (dtype, shape) = spec.dtype_and_shape();
+            BlobDescriptor {
+                key,
+                size,
+                dtype,
+                shape,
+                blake3,
+                url: None,
+            }
+        }
+    };
     metrics::counter!("iota_upload_bytes_total").increment(blob.size);
     Ok(blob)
+}
+
+/// A body of `len` bytes, read whole: one that is longer or shorter than it said is refused.
+async fn gather(
+    chunks: impl futures::Stream<Item = Result<Bytes, AppError>>,
+    len: u64,
+) -> ApiResult<Bytes> {
+    use futures::StreamExt;
+    let wrong_length = |got: u64| {
+        AppError::new(
+            ErrorCode::BadRequest,
+            format!("the body is {got} bytes or more, its Content-Length {len}"),
+        )
+    };
+    let mut chunks = std::pin::pin!(chunks);
+    let mut bytes = Vec::with_capacity(len as usize);
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk?;
+        if (bytes.len() + chunk.len()) as u64 > len {
+            return Err(wrong_length((bytes.len() + chunk.len()) as u64));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    if bytes.len() as u64 != len {
+        return Err(wrong_length(bytes.len() as u64));
+    }
+    Ok(Bytes::from(bytes))
+}
+
+/// A tensor check's refusal as the client is told it.
+fn refusal(e: TensorError) -> AppError {
+    match e {
+        TensorError::TooLarge { .. } => AppError::new(ErrorCode::PayloadTooLarge, e.to_string()),
+        e => AppError::new(ErrorCode::InvalidTensor, e.to_string()),
+    }
+}
+
+fn hash_mismatch(actual: &str, declared: &str) -> AppError {
+    AppError::new(
+        ErrorCode::InvalidTensor,
+        format!("BLAKE3 of the body is {actual}, the request declared {declared}"),
+    )
 }
 
 pub(crate) fn check_bytes(
@@ -209,10 +326,7 @@ pub(crate) fn check_bytes(
     }
     let actual = blake3::hash(bytes).to_hex().to_string();
     if actual != declared_blake3 {
-        return Err(AppError::new(
-            ErrorCode::InvalidTensor,
-            format!("BLAKE3 of the body is {actual}, the request declared {declared_blake3}"),
-        ));
+        return Err(hash_mismatch(&actual, declared_blake3));
     }
     check_tensor(bytes, spec)
         .map_err(|e| AppError::new(ErrorCode::InvalidTensor, e.to_string()))?;
@@ -251,7 +365,7 @@ pub async fn upload_output(
     Extension(caller): Extension<Caller>,
     ApiPath(task_id): ApiPath<i64>,
     ApiQuery(q): ApiQuery<OutputUploadQuery>,
-    body: Bytes,
+    body: UploadBody,
 ) -> ApiResult<Json<UploadResponse>> {
     // Check the lease before touching the store.
     let (task, lease) = leased_task(&app, &caller, task_id, q.lease).await?;
@@ -564,6 +678,19 @@ async fn sealed_earlier(
     }
     let sealed = sealed_key(slot_key, &commit.blake3);
     let _slot = crate::auth::object_slot(app).await?;
+    if matches!(
+        spec,
+        TensorSpec::Partition { .. } | TensorSpec::Merged { .. }
+    ) {
+        // Read as it streams: a stage's partition is too large to hold for a retried commit.
+        if app.store.size_of(&sealed).await? != Some(commit.size) {
+            return Ok(None);
+        }
+        return match check_streamed(app, &sealed, spec, commit).await? {
+            None => Ok(None),
+            Some(checked) => checked.map(Some),
+        };
+    }
     let bytes = match app.store.get_bounded(&sealed, spec.max_bytes()).await {
         Ok(bytes) => bytes,
         Err(StoreError::NotFound(_) | StoreError::TooLarge { .. }) => return Ok(None),
@@ -658,10 +785,7 @@ async fn check_streamed(
     commit: &CommitRequest,
 ) -> ApiResult<Option<Result<BlobDescriptor, AppError>>> {
     use futures::StreamExt;
-    let bad = |e: TensorError| match e {
-        TensorError::TooLarge { .. } => AppError::new(ErrorCode::PayloadTooLarge, e.to_string()),
-        e => AppError::new(ErrorCode::InvalidTensor, e.to_string()),
-    };
+    let bad = refusal;
     let (size, mut stream) = match app.store.get_stream(key).await {
         Ok(found) => found,
         Err(StoreError::NotFound(_)) => return Ok(None),
@@ -690,13 +814,7 @@ async fn check_streamed(
         Err(e) => return Ok(Some(Err(bad(e)))),
     };
     if actual != commit.blake3 {
-        return Ok(Some(Err(AppError::new(
-            ErrorCode::InvalidTensor,
-            format!(
-                "BLAKE3 of the body is {actual}, the request declared {}",
-                commit.blake3
-            ),
-        ))));
+        return Ok(Some(Err(hash_mismatch(&actual, &commit.blake3))));
     }
     let (dtype, shape) = spec.dtype_and_shape();
     Ok(Some(Ok(BlobDescriptor {
