@@ -385,7 +385,10 @@ fn tx() -> TxOptions {
 }
 
 /// The subnet's neurons: two validators, `miners_per_stage` miners per stage, and the adversary
-/// (two miners for `colluding-merge`).
+/// (two miners for `colluding-merge`), in the order the miners join. A miner joins the stage with
+/// the least throughput (then the fewest miners, then the lowest index), so an adversary that
+/// cheats only at the last stage joins after one honest miner for each other stage: the last
+/// stage is then the only one without a miner, and it goes there.
 fn neurons(args: &UpArgs, stages: u32) -> Vec<Neuron> {
     let neuron = |name: String, role, adversary| Neuron {
         key: key_for(&name),
@@ -406,7 +409,14 @@ fn neurons(args: &UpArgs, stages: u32) -> Vec<Neuron> {
             neuron(name, Role::Miner, Some(kind))
         })
     });
-    validators.chain(miners).chain(adversary).collect()
+    let mut miners: Vec<Neuron> = miners.collect();
+    let adversary: Vec<Neuron> = adversary.collect();
+    let at = match args.adversary {
+        Some(kind) if kind.acts_at_the_last_stage() => (stages as usize - 1).min(miners.len()),
+        _ => miners.len(),
+    };
+    miners.splice(at..at, adversary);
+    validators.chain(miners).collect()
 }
 
 /// Wallets under the run directory: the subnet owner's and every neuron's.
@@ -866,6 +876,63 @@ mod tests {
             Ok(m) => panic!("{model} {stages:?} accepted: {:?}", m.config.stages),
             Err(e) => format!("{e:#}"),
         }
+    }
+
+    /// A miner that cheats only at the last stage joins there, whatever the throughputs the
+    /// miners before it measured: joined in [`neurons`]' order by the orchestrator's own rule,
+    /// it lands on the last stage, and every other miner where it would have.
+    #[test]
+    fn a_last_stage_cheater_joins_the_last_stage() {
+        use clap::Parser as _;
+        use iota_orchestrator::domain::placement::{StageLoad, choose_stage};
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        for (kind, stages, per_stage) in [
+            ("forge-loss", 3, 2),
+            ("lazy-loss", 4, 1),
+            ("forge-loss", 1, 2),
+        ] {
+            let args = Cli::try_parse_from([
+                "up",
+                "--adversary",
+                kind,
+                "--miners-per-stage",
+                &per_stage.to_string(),
+            ])
+            .expect("flags")
+            .up;
+            let mut loads: Vec<StageLoad> = (0..stages)
+                .map(|stage| StageLoad {
+                    stage,
+                    memory_needed: 0,
+                    miners: 0,
+                    tokens_per_s: 0.0,
+                })
+                .collect();
+            let miners = neurons(&args, stages)
+                .into_iter()
+                .filter(|n| n.role == Role::Miner);
+            for (i, miner) in miners.enumerate() {
+                let stage = choose_stage(&loads, 1).expect("a stage") as usize;
+                loads[stage].miners += 1;
+                // Measured speeds differ from miner to miner.
+                loads[stage].tokens_per_s += 100.0 + 37.0 * ((i * 7) % 5) as f64;
+                if miner.adversary.is_some() {
+                    assert_eq!(stage as u32, stages - 1, "{kind} over {stages} stages");
+                }
+            }
+            let placed: Vec<u32> = loads.iter().map(|l| l.miners).collect();
+            let honest = stages * per_stage;
+            assert_eq!(placed.iter().sum::<u32>(), honest + 1, "{kind}: {placed:?}");
+        }
+        let other = Cli::try_parse_from(["up", "--adversary", "noise"])
+            .expect("flags")
+            .up;
+        let last = neurons(&other, 3).pop().expect("neurons");
+        assert_eq!(last.adversary.map(|a| a.as_str()), Some("noise"), "joins last");
     }
 
     #[test]

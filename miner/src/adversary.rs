@@ -75,6 +75,12 @@ impl Adversary {
         }
     }
 
+    /// Whether the mode acts only at the last stage (it forges the losses computed there): a
+    /// devnet puts such a miner there, where it cheats, not where it would be honest.
+    pub fn acts_at_the_last_stage(self) -> bool {
+        matches!(self, Self::LazyLoss | Self::ForgeLoss)
+    }
+
     /// Every mode, for tests and help texts.
     pub const ALL: [Adversary; 11] = [
         Self::Noise,
