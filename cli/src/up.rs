@@ -932,7 +932,11 @@ mod tests {
             .expect("flags")
             .up;
         let last = neurons(&other, 3).pop().expect("neurons");
-        assert_eq!(last.adversary.map(|a| a.as_str()), Some("noise"), "joins last");
+        assert_eq!(
+            last.adversary.map(|a| a.as_str()),
+            Some("noise"),
+            "joins last"
+        );
     }
 
     #[test]

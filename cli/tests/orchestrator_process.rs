@@ -360,6 +360,7 @@ async fn a_dataset_in_a_bucket_is_published_at_start() {
         endpoint: Some(endpoint.clone()),
         region: Some(region.clone()),
         presign_ttl: Duration::from_secs(60),
+        part_bytes: iota_orchestrator::store::DEFAULT_PART_BYTES,
     })
     .expect("s3");
     let prefix = format!("prepared/{}", uuid::Uuid::new_v4().simple());

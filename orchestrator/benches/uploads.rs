@@ -259,6 +259,7 @@ async fn upload(
     let request = PresignRequest {
         size: body.len() as u64,
         blake3: blake3.clone(),
+        multipart: false,
     };
     let presigned: Result<PresignResponse, _> = client
         .signed_json(reqwest::Method::POST, &format!("{path}/presign"), &request)
@@ -280,6 +281,7 @@ async fn upload(
         key: target.key,
         size: body.len() as u64,
         blake3,
+        multipart: None,
     };
     let done: UploadResponse = client
         .signed_json(reqwest::Method::POST, &format!("{path}/commit"), &commit)

@@ -64,7 +64,7 @@ pub use error::OrchestratorError;
 pub use http::metrics::{METRICS_UPKEEP_EVERY, metrics_handle};
 pub use http::openapi::{openapi, openapi_json};
 pub use http::router;
-pub use store::{BlobStore, StoreConfig};
+pub use store::{BlobStore, PresignedParts, StoreConfig};
 
 /// Connects to PostgreSQL and applies the orchestrator's migrations (refusing a database that a
 /// newer version migrated, or that replicas built for an older schema still serve). Every

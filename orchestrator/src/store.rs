@@ -32,8 +32,19 @@ pub enum StoreConfig {
         /// `presign_ttl_s` says otherwise). Objects of an ended epoch are collected no sooner
         /// than this after it ended (see [`BlobStore::upload_grace`]).
         presign_ttl: Duration,
+        /// Bytes per part of a presigned upload in parts ([`DEFAULT_PART_BYTES`] unless the
+        /// URL's `part_mb` says otherwise): a larger object is uploaded in parts when the
+        /// client can.
+        part_bytes: u64,
     },
 }
+
+/// Bytes per part of a presigned upload in parts unless configured.
+pub const DEFAULT_PART_BYTES: u64 = 64 << 20;
+/// S3's bounds: no part but the last under 5 MiB, none over 5 GiB, at most 10,000 parts.
+const MIN_PART_MB: u64 = 5;
+const MAX_PART_MB: u64 = 5 << 10;
+const MAX_PARTS: u64 = 10_000;
 
 /// How long presigned URLs last unless configured.
 pub const DEFAULT_PRESIGN_TTL: Duration = Duration::from_secs(900);
@@ -42,7 +53,7 @@ const MAX_PRESIGN_TTL_S: u64 = 7 * 24 * 3600;
 
 impl StoreConfig {
     /// Parses `file:///path`, a plain path, or
-    /// `s3://bucket?endpoint=http://…&region=…&presign_ttl_s=…`.
+    /// `s3://bucket?endpoint=http://…&region=…&presign_ttl_s=…&part_mb=…`.
     pub fn parse(text: &str) -> Result<Self, String> {
         if let Some(rest) = text.strip_prefix("s3://") {
             let (bucket, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -53,6 +64,7 @@ impl StoreConfig {
             let mut endpoint = None;
             let mut region = None;
             let mut presign_ttl = DEFAULT_PRESIGN_TTL;
+            let mut part_bytes = DEFAULT_PART_BYTES;
             for pair in url::form_urlencoded::parse(query.as_bytes()) {
                 match pair.0.as_ref() {
                     "endpoint" => endpoint = Some(pair.1.into_owned()),
@@ -68,6 +80,17 @@ impl StoreConfig {
                             }
                         }
                     }
+                    "part_mb" => {
+                        part_bytes = match pair.1.parse::<u64>() {
+                            Ok(mb) if (MIN_PART_MB..=MAX_PART_MB).contains(&mb) => mb << 20,
+                            _ => {
+                                return Err(format!(
+                                    "part_mb in {text:?} must be whole MiB from {MIN_PART_MB} to \
+                                     {MAX_PART_MB}"
+                                ));
+                            }
+                        }
+                    }
                     other => return Err(format!("unknown store option {other:?} in {text:?}")),
                 }
             }
@@ -76,6 +99,7 @@ impl StoreConfig {
                 endpoint,
                 region,
                 presign_ttl,
+                part_bytes,
             });
         }
         let path = text.strip_prefix("file://").unwrap_or(text);
@@ -150,6 +174,19 @@ pub struct BlobStore {
     inner: Arc<dyn ObjectStore>,
     signer: Option<Arc<AmazonS3>>,
     presign_ttl: Duration,
+    /// Bytes per part of a presigned upload in parts.
+    presign_part_bytes: u64,
+}
+
+/// A presigned upload in parts ([`BlobStore::presign_parts`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PresignedParts {
+    /// The store's id of the upload.
+    pub upload_id: String,
+    /// Bytes of every part but the last.
+    pub part_bytes: u64,
+    /// A PUT URL for each part, in order.
+    pub urls: Vec<String>,
 }
 
 impl BlobStore {
@@ -165,6 +202,7 @@ impl BlobStore {
                     inner: Arc::new(fs),
                     signer: None,
                     presign_ttl: Duration::ZERO,
+                    presign_part_bytes: 0,
                 })
             }
             StoreConfig::S3 {
@@ -172,6 +210,7 @@ impl BlobStore {
                 endpoint,
                 region,
                 presign_ttl,
+                part_bytes,
             } => {
                 let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
                 if let Some(ep) = endpoint {
@@ -188,6 +227,7 @@ impl BlobStore {
                     inner: s3.clone(),
                     signer: Some(s3),
                     presign_ttl: *presign_ttl,
+                    presign_part_bytes: *part_bytes,
                 })
             }
         }
@@ -447,6 +487,70 @@ impl BlobStore {
         Ok(Some(url.to_string()))
     }
 
+    /// A presigned upload of `size` bytes to `key` in parts, when the store presigns and the
+    /// object is larger than a part (`None` otherwise: one PUT takes it). The object appears at
+    /// `key` only once [`BlobStore::complete_parts`] completes it.
+    pub async fn presign_parts(
+        &self,
+        key: &str,
+        size: u64,
+    ) -> Result<Option<PresignedParts>, StoreError> {
+        use object_store::multipart::MultipartStore;
+        use object_store::signer::SignedUrlOptions;
+        let Some(signer) = &self.signer else {
+            return Ok(None);
+        };
+        if size <= self.presign_part_bytes {
+            return Ok(None);
+        }
+        // Within S3's count of parts, whatever the object's size.
+        let part_bytes = self.presign_part_bytes.max(size.div_ceil(MAX_PARTS));
+        let path = Self::path(key)?;
+        let upload_id = signer.create_multipart(&path).await?;
+        let mut urls = Vec::new();
+        for number in 1..=size.div_ceil(part_bytes) {
+            let options = SignedUrlOptions::default().with_query([
+                ("partNumber", number.to_string()),
+                ("uploadId", upload_id.clone()),
+            ]);
+            let url = signer
+                .signed_url_opts(http::Method::PUT, &path, self.presign_ttl, &options)
+                .await?;
+            urls.push(url.to_string());
+        }
+        Ok(Some(PresignedParts {
+            upload_id,
+            part_bytes,
+            urls,
+        }))
+    }
+
+    /// Completes the upload in parts `upload_id` of `key` from its parts' `ETag`s, in order:
+    /// the object appears at `key`.
+    pub async fn complete_parts(
+        &self,
+        key: &str,
+        upload_id: &str,
+        etags: &[String],
+    ) -> Result<(), StoreError> {
+        use object_store::multipart::{MultipartStore, PartId};
+        let Some(signer) = &self.signer else {
+            return Err(StoreError::Backend(
+                "this store takes no uploads in parts".into(),
+            ));
+        };
+        let parts = etags
+            .iter()
+            .map(|etag| PartId {
+                content_id: etag.clone(),
+            })
+            .collect();
+        signer
+            .complete_multipart(&Self::path(key)?, &upload_id.to_owned(), parts)
+            .await?;
+        Ok(())
+    }
+
     /// How long presigned URLs last (zero for a store that does not presign).
     pub fn presign_ttl(&self) -> Duration {
         self.presign_ttl
@@ -481,17 +585,23 @@ mod tests {
                 endpoint: Some("http://127.0.0.1:5000".into()),
                 region: Some("us-east-1".into()),
                 presign_ttl: DEFAULT_PRESIGN_TTL,
+                part_bytes: DEFAULT_PART_BYTES,
             })
         );
         assert_eq!(
-            StoreConfig::parse("s3://b?presign_ttl_s=30"),
+            StoreConfig::parse("s3://b?presign_ttl_s=30&part_mb=5"),
             Ok(StoreConfig::S3 {
                 bucket: "b".into(),
                 endpoint: None,
                 region: None,
                 presign_ttl: Duration::from_secs(30),
+                part_bytes: 5 << 20,
             })
         );
+        for bad in ["0", "4", "5121", "big"] {
+            let e = StoreConfig::parse(&format!("s3://b?part_mb={bad}")).unwrap_err();
+            assert!(e.contains("part_mb"), "{bad}: {e}");
+        }
         for bad in ["0", "-1", "1.5", "604801", "soon"] {
             let e = StoreConfig::parse(&format!("s3://b?presign_ttl_s={bad}")).unwrap_err();
             assert!(e.contains("presign_ttl_s"), "{bad}: {e}");

@@ -1759,6 +1759,7 @@ fn pg_commit(s: &Served, stage: u32, hotkey: &str, p: u32, value: f32) -> (Vec<u
         ),
         size: bytes.len() as u64,
         blake3: iota_protocol::blob::blake3_hex(&bytes),
+        multipart: None,
     };
     (bytes, commit)
 }
@@ -3666,6 +3667,7 @@ async fn a_tampered_direct_upload_is_refused_at_its_commit() {
             &PresignRequest {
                 size: commit.size,
                 blake3: commit.blake3.clone(),
+                multipart: false,
             },
         )
         .await
@@ -3705,6 +3707,112 @@ async fn a_tampered_direct_upload_is_refused_at_its_commit() {
     assert_eq!(blob.blake3, commit.blake3);
     assert_eq!(blob.key, sealed_of(&commit));
     bucket.get(&blob.key).await.expect("sealed in the bucket");
+}
+
+/// An object larger than the store's part size goes up in parts. A part whose connection drops
+/// is sent again alone (the parts already in the store stay), and the commit completes the
+/// upload and checks the object; an object with a tampered part is refused at its commit and
+/// nothing of it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_in_parts_resumes_at_its_dropped_part_and_a_tampered_one_is_refused() {
+    init_tracing();
+    let seeds = [190u8, 191, 192];
+    let mut s3 = s3_store();
+    if let StoreConfig::S3 { part_bytes, .. } = &mut s3 {
+        *part_bytes = 5 << 20;
+    }
+    let relay = slow_store(&s3).await;
+    let mut run = config();
+    // Partitions of 3M values (12 MB): three parts of 5 MiB.
+    run.stage_params = vec![12_000_000; 3];
+    let s = serve_with(&seeds, run, Some(relay.store.clone())).await;
+    let bucket = BlobStore::open(&s3).expect("store");
+    let mut miners = join_all(&s, &seeds).await;
+    let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;
+    let client = miners[i].client().clone();
+    let hotkey = pair(seeds[i]).ss58_of();
+    let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.006);
+
+    let target: PresignResponse = client
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/0/presign",
+            &PresignRequest {
+                size: commit.size,
+                blake3: commit.blake3.clone(),
+                multipart: true,
+            },
+        )
+        .await
+        .expect("presign");
+    let parts = target.multipart.clone().expect("an upload in parts");
+    assert_eq!(parts.part_urls.len(), 3, "{parts:?}");
+    let piece = parts.part_bytes as usize;
+    // The last part's last byte changed: the same size, finite, not the bytes presigned.
+    let mut tampered = bytes.clone();
+    let end = tampered.len();
+    tampered[end - 1] ^= 0x01;
+    let http = reqwest::Client::new();
+    let mut etags = Vec::new();
+    for (k, url) in parts.part_urls.iter().enumerate() {
+        let part = tampered[k * piece..((k + 1) * piece).min(end)].to_vec();
+        let put = http.put(url).body(part).send().await.expect("PUT a part");
+        assert!(put.status().is_success(), "{}", put.status());
+        let etag = put.headers().get("etag").expect("an ETag");
+        etags.push(etag.to_str().expect("text").to_owned());
+    }
+    let mut tampered_commit = commit.clone();
+    tampered_commit.multipart = Some(MultipartCommit {
+        upload_id: parts.upload_id,
+        etags,
+    });
+    let refused = client
+        .signed_json::<_, UploadResponse>(reqwest::Method::POST, PG0_COMMIT, &tampered_commit)
+        .await
+        .expect_err("a tampered part");
+    assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
+    let dir = commit.key.rsplit_once('/').expect("a directory").0;
+    let kept = || async {
+        bucket
+            .list(dir)
+            .await
+            .expect("list")
+            .into_iter()
+            .filter(|k| k.contains(&hotkey))
+            .collect::<Vec<String>>()
+    };
+    assert!(kept().await.is_empty(), "kept after the refusal");
+
+    // The client's own upload in parts, the second part's connection dropped once.
+    let before = relay.requests.lock().expect("log").len();
+    *relay.marker.lock().expect("marker") = Some(("PUT", "partNumber=2".into()));
+    relay.drop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let blob = client
+        .upload_pseudo_gradient(0, 0, bytes.into())
+        .await
+        .expect("the upload resumed")
+        .blob;
+    assert!(relay.tripped.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(blob.blake3, commit.blake3);
+    assert_eq!(blob.key, sealed_of(&commit));
+    assert_eq!(kept().await, std::slice::from_ref(&blob.key));
+    let sent: Vec<usize> = (1..=3)
+        .map(|n| {
+            relay.requests.lock().expect("log")[before..]
+                .iter()
+                .filter(|l| {
+                    l.starts_with("PUT ")
+                        && l.split(['?', '&', ' '])
+                            .any(|kv| kv == format!("partNumber={n}"))
+                })
+                .count()
+        })
+        .collect();
+    assert_eq!(
+        sent,
+        [1, 2, 1],
+        "each part sent once, the dropped one twice"
+    );
 }
 
 /// A direct upload whose connection to the store drops part-way through is sent again by the

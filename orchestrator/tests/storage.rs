@@ -158,7 +158,11 @@ async fn upload_download_scenario(store: StoreConfig) {
             s0.signed_json::<_, PresignResponse>(
                 Method::POST,
                 &path,
-                &PresignRequest { size, blake3 },
+                &PresignRequest {
+                    size,
+                    blake3,
+                    multipart: false,
+                },
             )
             .await
         }
@@ -170,7 +174,12 @@ async fn upload_download_scenario(store: StoreConfig) {
             s0.signed_json::<_, UploadResponse>(
                 Method::POST,
                 &path,
-                &CommitRequest { key, size, blake3 },
+                &CommitRequest {
+                    key,
+                    size,
+                    blake3,
+                    multipart: None,
+                },
             )
             .await
         }

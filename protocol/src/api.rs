@@ -699,17 +699,46 @@ pub struct PresignRequest {
     /// BLAKE3 the bytes will have (64 lowercase hex digits).
     #[schema(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
+    /// Whether the client can upload in parts ([`PresignResponse::multipart`]). Without it, the
+    /// answer is always one URL for one PUT.
+    #[serde(default)]
+    pub multipart: bool,
 }
 
 /// A presigned upload target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct PresignResponse {
-    /// PUT the bytes here.
+    /// PUT the bytes here (with [`PresignResponse::multipart`]: the first part).
     pub url: String,
     /// Object key to name in the commit.
     pub key: String,
     /// When the URL stops working.
     pub expires_ms: UnixMs,
+    /// For an object larger than the store's part size, when the request allowed it: upload it
+    /// in parts, each PUT to its own URL (a part whose connection drops is sent again alone),
+    /// then commit with [`CommitRequest::multipart`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multipart: Option<MultipartTarget>,
+}
+
+/// A presigned upload in parts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MultipartTarget {
+    /// The store's id of the upload, named again in the commit.
+    pub upload_id: String,
+    /// Bytes of every part but the last, which holds the rest.
+    pub part_bytes: u64,
+    /// Where to PUT each part, in order (part numbers 1, 2, …).
+    pub part_urls: Vec<String>,
+}
+
+/// The parts of a presigned upload in parts, for its commit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MultipartCommit {
+    /// [`MultipartTarget::upload_id`].
+    pub upload_id: String,
+    /// The `ETag` the store answered to each part's PUT, in order.
+    pub etags: Vec<String>,
 }
 
 /// `POST …/commit`: after a presigned upload, have the orchestrator check and record it.
@@ -722,6 +751,10 @@ pub struct CommitRequest {
     /// BLAKE3 (64 lowercase hex digits).
     #[schema(pattern = "^[0-9a-f]{64}$")]
     pub blake3: String,
+    /// For an upload in parts: the orchestrator completes it (the object appears at `key`)
+    /// before checking it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multipart: Option<MultipartCommit>,
 }
 
 /// One partition a miner must merge.

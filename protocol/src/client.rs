@@ -786,6 +786,7 @@ impl ApiClient {
                 &PresignRequest {
                     size,
                     blake3: blake3.clone(),
+                    multipart: true,
                 },
             )
             .await;
@@ -804,8 +805,14 @@ impl ApiClient {
             }
             Err(e) => return Err(e),
         };
-        self.with_retries(|_| self.try_presigned_put(&target, &bytes))
-            .await?;
+        let multipart = match &target.multipart {
+            None => {
+                self.with_retries(|_| self.try_presigned_put(&target.url, &target.key, &bytes))
+                    .await?;
+                None
+            }
+            Some(parts) => Some(self.put_parts(parts, &target.key, &bytes).await?),
+        };
         self.signed_json(
             Method::POST,
             &format!("{route}/commit{query}"),
@@ -813,16 +820,52 @@ impl ApiClient {
                 key: target.key,
                 size,
                 blake3,
+                multipart,
             },
         )
         .await
     }
 
-    /// One attempt of a presigned PUT of `bytes`.
-    async fn try_presigned_put(&self, target: &PresignResponse, bytes: &Bytes) -> Attempt {
+    /// PUTs `bytes` in the parts `target` names, each under the retry policy on its own: a part
+    /// whose connection drops is sent again, and the parts already in the store stay.
+    async fn put_parts(
+        &self,
+        target: &MultipartTarget,
+        key: &str,
+        bytes: &Bytes,
+    ) -> Result<MultipartCommit, ClientError> {
+        let part = usize::try_from(target.part_bytes)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| ClientError::BadObject("a part size of 0".into()))?;
+        let parts = bytes.len().div_ceil(part).max(1);
+        if parts != target.part_urls.len() {
+            return Err(ClientError::BadObject(format!(
+                "{} bytes make {parts} parts of {part}, the store named {}",
+                bytes.len(),
+                target.part_urls.len()
+            )));
+        }
+        let mut etags = Vec::with_capacity(parts);
+        for (i, url) in target.part_urls.iter().enumerate() {
+            let piece = bytes.slice(i * part..((i + 1) * part).min(bytes.len()));
+            let etag = self
+                .with_retries(|_| self.try_presigned_put(url, key, &piece))
+                .await?;
+            etags.push(String::from_utf8_lossy(&etag).into_owned());
+        }
+        Ok(MultipartCommit {
+            upload_id: target.upload_id.clone(),
+            etags,
+        })
+    }
+
+    /// One attempt of a presigned PUT of `bytes` to `url` (for the object `key`): the `ETag`
+    /// the store answered.
+    async fn try_presigned_put(&self, url: &str, key: &str, bytes: &Bytes) -> Attempt {
         let put = self
             .http
-            .put(&target.url)
+            .put(url)
             .timeout(self.retry.timeout_for(bytes.len() as u64))
             .body(bytes.clone());
         let resp = match put.send().await {
@@ -831,12 +874,14 @@ impl ApiClient {
         };
         let status = resp.status();
         if status.is_success() {
-            return Attempt::Final(Ok(Bytes::new()));
+            let etag = resp
+                .headers()
+                .get(reqwest::header::ETAG)
+                .map(|v| Bytes::copy_from_slice(v.as_bytes()))
+                .unwrap_or_default();
+            return Attempt::Final(Ok(etag));
         }
-        let error = ClientError::Network(format!(
-            "store answered {status} to the upload of {}",
-            target.key
-        ));
+        let error = ClientError::Network(format!("store answered {status} to the upload of {key}"));
         match is_retryable_status(status) {
             true => Attempt::Again {
                 error,

@@ -50,6 +50,7 @@ pub fn s3_store() -> iota_orchestrator::StoreConfig {
         // Short, so that an ended epoch's objects are collected within a test's time (no sooner
         // than twice this after it ended); long enough for a test's uploads.
         presign_ttl: std::time::Duration::from_secs(10),
+        part_bytes: iota_orchestrator::store::DEFAULT_PART_BYTES,
     }
 }
 
@@ -528,6 +529,8 @@ pub struct SlowStore {
     pub drop: Arc<std::sync::atomic::AtomicBool>,
     /// Whether the marked request came.
     pub tripped: Arc<std::sync::atomic::AtomicBool>,
+    /// The request line of every request it relayed, or began to.
+    pub requests: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// A relay in front of `store`, an S3 store with an endpoint.
@@ -538,6 +541,7 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         endpoint: Some(upstream),
         region,
         presign_ttl,
+        part_bytes,
     } = store.clone()
     else {
         panic!("an S3 store with an endpoint");
@@ -559,13 +563,15 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
     let tripped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let drop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (m, h, r, f, d, t) = (
+    let requests: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let (m, h, r, f, d, t, log) = (
         marker.clone(),
         held.clone(),
         release.clone(),
         refuse.clone(),
         drop.clone(),
         tripped.clone(),
+        requests.clone(),
     );
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
@@ -585,13 +591,14 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                 }
                 let _ = to_client.lock().await.shutdown().await;
             });
-            let (m, h, r, f, d, tripped) = (
+            let (m, h, r, f, d, tripped, log) = (
                 m.clone(),
                 h.clone(),
                 r.clone(),
                 f.clone(),
                 d.clone(),
                 t.clone(),
+                log.clone(),
             );
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 64 * 1024];
@@ -601,6 +608,14 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                         Ok(n) => n,
                     };
                     let text = String::from_utf8_lossy(&buf[..n]);
+                    if let Some(line) = text.lines().next().filter(|l| {
+                        l.ends_with(" HTTP/1.1")
+                            && ["GET ", "PUT ", "POST ", "HEAD ", "DELETE "]
+                                .iter()
+                                .any(|m| l.starts_with(m))
+                    }) {
+                        log.lock().expect("log").push(line.to_owned());
+                    }
                     let wanted =
                         m.lock()
                             .expect("marker")
@@ -647,6 +662,7 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
             endpoint: Some(endpoint),
             region,
             presign_ttl,
+            part_bytes,
         },
         marker,
         held,
@@ -654,5 +670,6 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
         refuse,
         drop,
         tripped,
+        requests,
     }
 }

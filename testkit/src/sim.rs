@@ -231,6 +231,7 @@ impl SimMiner {
         let request = PresignRequest {
             size: bytes.len() as u64,
             blake3: blake3.clone(),
+            multipart: false,
         };
         let target: PresignResponse = match self
             .client
@@ -254,6 +255,7 @@ impl SimMiner {
             key: target.key,
             size: bytes.len() as u64,
             blake3,
+            multipart: None,
         };
         Some(
             self.client

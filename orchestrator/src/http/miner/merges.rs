@@ -256,7 +256,7 @@ pub async fn presign_merge(
             "your result for this partition is already recorded",
         ));
     }
-    presign(&app, key).await
+    presign(&app, key, &req).await
 }
 
 /// `POST /v1/miner/epochs/{epoch}/merges/{stage}/{partition}/commit`.

@@ -304,7 +304,7 @@ pub async fn presign_pg(
     let stage = miner_stage(&app.db, &app, &caller).await?;
     let (key, spec) = pg_slot(&app, &caller, stage, epoch, partition).await?;
     check_presign_size(&req, &spec)?;
-    presign(&app, key).await
+    presign(&app, key, &req).await
 }
 
 /// `POST /v1/miner/epochs/{epoch}/pseudo-gradients/{partition}/commit`.

@@ -448,10 +448,16 @@ pub async fn presign_output(
     check_expects_output(&app, &task)?;
     let spec = boundary_spec(app.config());
     check_presign_size(&req, &spec)?;
-    presign(&app, task_output_key(&app, task_id, &task)).await
+    presign(&app, task_output_key(&app, task_id, &task), &req).await
 }
 
-pub(crate) async fn presign(app: &App, key: String) -> ApiResult<Json<PresignResponse>> {
+/// A URL to PUT the slot's object to, or one per part when the client can upload in parts
+/// and the object is larger than the store's part size.
+pub(crate) async fn presign(
+    app: &App,
+    key: String,
+    req: &PresignRequest,
+) -> ApiResult<Json<PresignResponse>> {
     let url = app
         .store
         .presign(http::Method::PUT, &key)
@@ -462,13 +468,49 @@ pub(crate) async fn presign(app: &App, key: String) -> ApiResult<Json<PresignRes
                 "this orchestrator's store does not presign: PUT the bytes to the orchestrator",
             )
         })?;
+    let parts = match req.multipart {
+        true => app.store.presign_parts(&key, req.size).await?,
+        false => None,
+    };
     let ttl = chrono::Duration::from_std(app.store.presign_ttl())
         .unwrap_or_else(|_| chrono::Duration::seconds(900));
     Ok(Json(PresignResponse {
-        url,
+        url: parts
+            .as_ref()
+            .and_then(|p| p.urls.first().cloned())
+            .unwrap_or(url),
         key,
         expires_ms: (Utc::now() + ttl).timestamp_millis(),
+        multipart: parts.map(|p| MultipartTarget {
+            upload_id: p.upload_id,
+            part_bytes: p.part_bytes,
+            part_urls: p.urls,
+        }),
     }))
+}
+
+/// Completes a commit's upload in parts, so that its object is at the slot's key to check. One
+/// that cannot be completed (completed by an earlier attempt of this commit, or never begun) is
+/// logged and left: the check then finds the object, or refuses a commit with nothing uploaded.
+async fn complete_parts(app: &App, key: &str, commit: &CommitRequest) {
+    let Some(parts) = &commit.multipart else {
+        return;
+    };
+    if parts.etags.len() as u64 > 10_000 {
+        tracing::info!(
+            key,
+            parts = parts.etags.len(),
+            "too many parts: not completed"
+        );
+        return;
+    }
+    if let Err(e) = app
+        .store
+        .complete_parts(key, &parts.upload_id, &parts.etags)
+        .await
+    {
+        tracing::info!(key, error = %e, "an upload in parts could not be completed");
+    }
 }
 
 /// Reads a presigned upload back, checks it in full, and deletes it if it fails. With
@@ -488,6 +530,7 @@ pub(crate) async fn accept_committed(
             format!("key {} is not this slot's {expected_key}", commit.key),
         ));
     }
+    complete_parts(app, expected_key, commit).await;
     if placement == Placement::Slot {
         return check_stored(app, expected_key, spec, commit).await;
     }
