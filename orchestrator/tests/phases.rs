@@ -2017,6 +2017,27 @@ struct HeldCommit {
 
 const PG0_COMMIT: &str = "/v1/miner/epochs/0/pseudo-gradients/0/commit";
 
+/// A presigned upload of partition 0 of epoch 0 for `commit`'s bytes, in parts if `multipart`
+/// (and the store's part size asks for them).
+async fn presign_pg0(
+    client: &iota_protocol::ApiClient,
+    commit: &CommitRequest,
+    multipart: bool,
+) -> PresignResponse {
+    client
+        .signed_json(
+            reqwest::Method::POST,
+            "/v1/miner/epochs/0/pseudo-gradients/0/presign",
+            &PresignRequest {
+                size: commit.size,
+                blake3: commit.blake3.clone(),
+                multipart,
+            },
+        )
+        .await
+        .expect("presign")
+}
+
 async fn held_commit(seeds: [u8; 3]) -> HeldCommit {
     let s3 = s3_store();
     let slow = slow_store(&s3).await;
@@ -3660,18 +3681,7 @@ async fn a_tampered_direct_upload_is_refused_at_its_commit() {
     let hotkey = pair(seeds[i]).ss58_of();
     let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.004);
 
-    let target: PresignResponse = client
-        .signed_json(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/0/presign",
-            &PresignRequest {
-                size: commit.size,
-                blake3: commit.blake3.clone(),
-                multipart: false,
-            },
-        )
-        .await
-        .expect("presign");
+    let target = presign_pg0(&client, &commit, false).await;
     assert_eq!(target.key, commit.key);
     // Another value in the last float: same size, finite, not the bytes presigned.
     let mut tampered = bytes.clone();
@@ -3733,18 +3743,7 @@ async fn an_upload_in_parts_resumes_at_its_dropped_part_and_a_tampered_one_is_re
     let hotkey = pair(seeds[i]).ss58_of();
     let (bytes, commit) = pg_commit(&s, miners[i].stage, &hotkey, 0, 0.006);
 
-    let target: PresignResponse = client
-        .signed_json(
-            reqwest::Method::POST,
-            "/v1/miner/epochs/0/pseudo-gradients/0/presign",
-            &PresignRequest {
-                size: commit.size,
-                blake3: commit.blake3.clone(),
-                multipart: true,
-            },
-        )
-        .await
-        .expect("presign");
+    let target = presign_pg0(&client, &commit, true).await;
     let parts = target.multipart.clone().expect("an upload in parts");
     assert_eq!(parts.part_urls.len(), 3, "{parts:?}");
     let piece = parts.part_bytes as usize;
