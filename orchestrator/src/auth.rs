@@ -115,8 +115,13 @@ pub async fn signed_gate(
     next: Next,
 ) -> Response {
     match check_signed(&app, routes, req).await {
-        Ok((req, slots)) => {
+        Ok((req, slots, reading)) => {
             let response = next.run(req).await;
+            // The rest of an upload's body the handler left unread, read before the answer
+            // (see `verified_body`), with the upload's slots still held.
+            if let Some(reading) = reading {
+                let _ = reading.await;
+            }
             drop(slots);
             response
         }
@@ -128,7 +133,14 @@ async fn check_signed(
     app: &App,
     routes: SignedRoutes,
     req: Request,
-) -> Result<(Request, Option<UploadSlots>), AppError> {
+) -> Result<
+    (
+        Request,
+        Option<UploadSlots>,
+        Option<tokio::task::JoinHandle<()>>,
+    ),
+    AppError,
+> {
     let (mut parts, body) = req.into_parts();
     // The header and membership checks first: a caller that fails them never gets a body
     // buffered (up to the route's limit) on its behalf.
@@ -136,6 +148,7 @@ async fn check_signed(
     let checked = check_caller(app, &parts)?;
     let body_hash = body_sha256_header(&parts)?;
     let small = declared.is_some_and(|n| n <= MAX_UNCHECKED_BODY as u64);
+    let mut reading = None;
     let (caller, pending, body, slots) = if routes.uploads || (!small && body_hash.is_some()) {
         // The signature over the body's hash first, then (for uploads) a slot, then the body.
         let Some(body_hash) = body_hash else {
@@ -166,7 +179,12 @@ async fn check_signed(
         let body = match routes.uploads {
             // Streamed on to the handler, which stores it as it comes (its slots held until the
             // handler answers): an upload is as large as a stage's partition.
-            true => verified_body(body, routes.body_limit, app.limits.body_timeout, body_hash),
+            true => {
+                let (body, read) =
+                    verified_body(body, routes.body_limit, app.limits.body_timeout, body_hash);
+                reading = Some(read);
+                body
+            }
             false => {
                 let bytes = read_body(body, routes.body_limit, app.limits.body_timeout).await?;
                 if body_sha256_hex(&bytes) != body_hash.as_bytes() {
@@ -200,7 +218,7 @@ async fn check_signed(
     };
     parts.extensions.insert(pending);
     parts.extensions.insert(caller);
-    Ok((Request::from_parts(parts, body), slots))
+    Ok((Request::from_parts(parts, body), slots, reading))
 }
 
 /// A body too large to be read before its signature is checked, without the hash to check it by.

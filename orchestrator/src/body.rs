@@ -66,26 +66,51 @@ pub(crate) async fn read_body_then_wait<G>(
 /// lowercase hex digits, the hash the request's signature covers). A handler that streams it
 /// into the store therefore never completes an object from a body that was not the one signed.
 /// Read it with [`upload_chunks`], which gives the errors back as they were made.
-pub(crate) fn verified_body(body: Body, limit: usize, timeout: Duration, sha256: String) -> Body {
-    let sha256: std::sync::Arc<str> = sha256.into();
-    let state = (Paced::new(body, limit, timeout), BodySha256::default());
-    let chunks = futures::stream::try_unfold(state, move |(mut paced, mut hasher)| {
-        let sha256 = sha256.clone();
-        async move {
-            match paced.next().await.map_err(BodyError)? {
-                Some(data) => {
+///
+/// The body is read by a task of its own, a chunk ahead of the handler. Once the handler lets
+/// the body go unread (it refused the upload before reading it all, or answered from a record),
+/// the task reads the rest and lets it go: await it before answering. A client still sending
+/// when the answer comes and the connection closes sees a broken pipe, not the answer, and
+/// retries what was refused.
+pub(crate) fn verified_body(
+    body: Body,
+    limit: usize,
+    timeout: Duration,
+    sha256: String,
+) -> (Body, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, BodyError>>(1);
+    let reading = tokio::spawn(async move {
+        let mut paced = Paced::new(body, limit, timeout);
+        let mut hasher = BodySha256::default();
+        let mut wanted = true;
+        loop {
+            let next = match paced.next().await {
+                Ok(Some(data)) => {
                     hasher.update(&data);
-                    Ok(Some((data, (paced, hasher))))
+                    Ok(data)
                 }
-                None if hasher.finish() == sha256.as_bytes() => Ok(None),
-                None => Err(BodyError(AppError::new(
+                Ok(None) if hasher.clone().finish() == sha256.as_bytes() => return,
+                Ok(None) => Err(AppError::new(
                     ErrorCode::BadRequest,
                     format!("the body's sha256 is not its {HEADER_BODY_SHA256} header"),
-                ))),
+                )),
+                Err(e) => Err(e),
+            };
+            match next {
+                Ok(data) => wanted = wanted && tx.send(Ok(data)).await.is_ok(),
+                Err(e) => {
+                    if wanted {
+                        let _ = tx.send(Err(BodyError(e))).await;
+                    }
+                    return;
+                }
             }
         }
     });
-    Body::from_stream(chunks)
+    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    (Body::from_stream(chunks), reading)
 }
 
 /// The chunks of a body made by [`verified_body`], with its errors as they were made (any
@@ -312,7 +337,8 @@ mod tests {
         let signed = String::from_utf8(iota_protocol::signing::body_sha256_hex(b"abcdef").to_vec())
             .expect("hex");
         let read = |body: Body, limit: usize| {
-            let body = verified_body(body, limit, Duration::from_secs(5), signed.clone());
+            let (body, _reading) =
+                verified_body(body, limit, Duration::from_secs(5), signed.clone());
             upload_chunks(body).try_collect::<Vec<Bytes>>()
         };
         let good = read(chunks(vec![b"abc", b"def"]), 16).await.expect("good");

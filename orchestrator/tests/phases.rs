@@ -3092,8 +3092,10 @@ async fn a_streamed_pseudo_gradient_that_fails_its_checks_leaves_nothing() {
     init_tracing();
     let seeds = [187u8, 188, 189];
     let mut run = config();
-    // Partitions of 2M values (8 MB): many frames of a body, many parts of the store's upload.
-    run.stage_params = vec![8_000_000; 3];
+    // Partitions of 8M values (32 MB): many frames of a body, many parts of the store's upload,
+    // and more than the connection's buffers take, so a refusal comes while the body is sent
+    // (the sender must still read it, not a broken pipe).
+    run.stage_params = vec![32_000_000; 3];
     let s = serve(&seeds, run.clone()).await;
     let mut miners = join_all(&s, &seeds).await;
     let i = uploading_with_a_worker(&s, &mut miners, &seeds).await;

@@ -1692,9 +1692,8 @@ async fn a_body_is_held_only_for_a_caller_whose_signature_holds() {
 }
 
 /// A path to upload a hop's output to, under a lease of `seed`'s: the miner registers (before
-/// any other, so at stage 0) and is leased a new sample's first hop. Its handler reads the body
-/// of an upload sent there, so one whose body stalls holds its upload slots while it waits (an
-/// upload refused before its body is read gives them back at once).
+/// any other, so at stage 0) and is leased a new sample's first hop, so an upload sent there is
+/// judged on its body, not refused at once for its path.
 async fn leased_output_path(base: &str, seed: u8) -> String {
     let (miner, joined) = registered_miner(base, seed).await;
     assert_eq!(joined.stage, 0, "the first miner to join is at stage 0");

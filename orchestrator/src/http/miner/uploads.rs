@@ -223,10 +223,34 @@ pub(crate) async fn accept_upload(
             format!("{} bytes, this slot takes at most {max}", upload.len),
         ));
     }
-    let chunks = crate::body::upload_chunks(upload.body);
-    let blob = match spec {
+    let stored = store_checked(
+        app,
+        key,
+        spec,
+        crate::body::upload_chunks(upload.body),
+        upload.len,
+        declared_blake3,
+        placement,
+    )
+    .await;
+    let blob = stored?;
+    metrics::counter!("iota_upload_bytes_total").increment(blob.size);
+    Ok(blob)
+}
+
+/// [`accept_upload`]'s checks and store of a body of `len` bytes, its chunks as they come.
+async fn store_checked(
+    app: &App,
+    key: String,
+    spec: &TensorSpec,
+    chunks: impl futures::Stream<Item = Result<Bytes, AppError>>,
+    len: u64,
+    declared_blake3: &str,
+    placement: Placement,
+) -> ApiResult<BlobDescriptor> {
+    Ok(match spec {
         TensorSpec::Boundary { .. } => {
-            let bytes = gather(chunks, upload.len).await?;
+            let bytes = gather(chunks, len).await?;
             let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
             if placement == Placement::Sealed {
                 blob.key = sealed_key(&blob.key, &blob.blake3);
@@ -239,7 +263,7 @@ pub(crate) async fn accept_upload(
                 Placement::Sealed => sealed_key(&key, declared_blake3),
                 Placement::Slot => key,
             };
-            let mut check = Some(StreamCheck::new(spec, upload.len).map_err(refusal)?);
+            let mut check = Some(StreamCheck::new(spec, len).map_err(refusal)?);
             let checked = |chunk: Option<&[u8]>| match (chunk, check.as_mut()) {
                 (Some(chunk), Some(check)) => check.feed(chunk).map_err(refusal),
                 (_, _) => {
@@ -264,9 +288,7 @@ pub(crate) async fn accept_upload(
                 url: None,
             }
         }
-    };
-    metrics::counter!("iota_upload_bytes_total").increment(blob.size);
-    Ok(blob)
+    })
 }
 
 /// A body of `len` bytes, read whole: one that is longer or shorter than it said is refused.
