@@ -197,10 +197,23 @@ pub fn differences(compiled: &Metadata, node: &Metadata) -> Vec<Difference> {
                 continue;
             }
             if ours.call_hash(call) != theirs.call_hash(call) {
-                out.push(format!(
-                    "call {pallet}.{call} changed shape (arguments: {})",
-                    describe_fields(node, theirs_v)
-                ));
+                let same_bytes = ours_v.is_some_and(|v| {
+                    fields_encode_alike(compiled, &v.fields, node, &theirs_v.fields)
+                });
+                out.0.push(Difference {
+                    description: match same_bytes {
+                        true => format!(
+                            "call {pallet}.{call} changed only type names (arguments: {}), \
+                             encoded alike",
+                            describe_fields(node, theirs_v)
+                        ),
+                        false => format!(
+                            "call {pallet}.{call} changed shape (arguments: {})",
+                            describe_fields(node, theirs_v)
+                        ),
+                    },
+                    breaking: !same_bytes,
+                });
             }
         }
     }
@@ -252,16 +265,32 @@ fn storage_change(
     let mut breaking = false;
     let (ka, kb) = (keys(ours_md, &a), keys(theirs_md, &b));
     if ka != kb {
-        parts.push(format!("keys from [{ka}] to [{kb}]"));
-        breaking = true;
+        let keys_alike = a.keys().len() == b.keys().len()
+            && a.keys().zip(b.keys()).all(|(x, y)| {
+                x.hasher == y.hasher && encode_alike(ours_md, x.key_id, theirs_md, y.key_id)
+            });
+        match keys_alike {
+            true => parts.push(format!(
+                "key type names from [{ka}] to [{kb}], encoded alike"
+            )),
+            false => {
+                parts.push(format!("keys from [{ka}] to [{kb}]"));
+                breaking = true;
+            }
+        }
     }
     let (va, vb) = (
         type_name(ours_md, a.value_ty(), 0),
         type_name(theirs_md, b.value_ty(), 0),
     );
     if ours_md.type_hash(a.value_ty()) != theirs_md.type_hash(b.value_ty()) {
-        parts.push(format!("value type from {va} to {vb}"));
-        breaking = true;
+        match encode_alike(ours_md, a.value_ty(), theirs_md, b.value_ty()) {
+            true => parts.push(format!("value type name from {va} to {vb}, encoded alike")),
+            false => {
+                parts.push(format!("value type from {va} to {vb}"));
+                breaking = true;
+            }
+        }
     }
     if a.default_value() != b.default_value() {
         let hexed = |d: Option<&[u8]>| {
@@ -279,6 +308,126 @@ fn storage_change(
         ("shape".to_owned(), true)
     } else {
         (parts.join("; "), breaking)
+    }
+}
+
+/// Whether type `a` of `md_a` and type `b` of `md_b` have the same SCALE encoding: the same
+/// bytes stand for the same values. The rule: a composite or tuple of one field is encoded as
+/// that field (a newtype such as a netuid or a balance type), so it is compared through;
+/// primitives must be equal; sequences, arrays, compacts and tuples compare their elements;
+/// composites of several fields compare field by field, in order, by name where named; enums
+/// must have the same variants (name and index) with fields alike; bit sequences, the same
+/// store and order types. A recursive type is taken as alike where the comparison comes back
+/// to a pair it is already comparing.
+pub fn encode_alike(md_a: &Metadata, a: u32, md_b: &Metadata, b: u32) -> bool {
+    Alike {
+        a: md_a,
+        b: md_b,
+        comparing: Vec::new(),
+    }
+    .types(a, b)
+}
+
+/// [`encode_alike`] for two lists of fields (a call's arguments): the same count, names and
+/// encodings, in order.
+pub fn fields_encode_alike(
+    md_a: &Metadata,
+    a: &[scale_info::Field<scale_info::form::PortableForm>],
+    md_b: &Metadata,
+    b: &[scale_info::Field<scale_info::form::PortableForm>],
+) -> bool {
+    Alike {
+        a: md_a,
+        b: md_b,
+        comparing: Vec::new(),
+    }
+    .fields(a, b)
+}
+
+struct Alike<'m> {
+    a: &'m Metadata,
+    b: &'m Metadata,
+    /// Pairs being compared further up (for recursive types).
+    comparing: Vec<(u32, u32)>,
+}
+
+impl Alike<'_> {
+    /// The type a newtype wraps, through any number of wrappers.
+    fn unwrap(md: &Metadata, mut id: u32) -> u32 {
+        use scale_info::TypeDef;
+        for _ in 0..32 {
+            let Some(ty) = md.types().resolve(id) else {
+                return id;
+            };
+            id = match &ty.type_def {
+                TypeDef::Composite(c) if c.fields.len() == 1 => c.fields[0].ty.id,
+                TypeDef::Tuple(t) if t.fields.len() == 1 => t.fields[0].id,
+                _ => return id,
+            };
+        }
+        id
+    }
+
+    fn types(&mut self, a: u32, b: u32) -> bool {
+        use scale_info::TypeDef;
+        let (a, b) = (Self::unwrap(self.a, a), Self::unwrap(self.b, b));
+        if self.comparing.contains(&(a, b)) {
+            return true;
+        }
+        let (Some(ta), Some(tb)) = (self.a.types().resolve(a), self.b.types().resolve(b)) else {
+            return false;
+        };
+        self.comparing.push((a, b));
+        let alike = match (&ta.type_def, &tb.type_def) {
+            (TypeDef::Primitive(x), TypeDef::Primitive(y)) => x == y,
+            (TypeDef::Sequence(x), TypeDef::Sequence(y)) => {
+                self.types(x.type_param.id, y.type_param.id)
+            }
+            (TypeDef::Array(x), TypeDef::Array(y)) => {
+                x.len == y.len && self.types(x.type_param.id, y.type_param.id)
+            }
+            (TypeDef::Compact(x), TypeDef::Compact(y)) => {
+                self.types(x.type_param.id, y.type_param.id)
+            }
+            (TypeDef::Tuple(x), TypeDef::Tuple(y)) => {
+                x.fields.len() == y.fields.len()
+                    && x.fields
+                        .iter()
+                        .zip(&y.fields)
+                        .all(|(p, q)| self.types(p.id, q.id))
+            }
+            (TypeDef::Composite(x), TypeDef::Composite(y)) => self.fields(&x.fields, &y.fields),
+            (TypeDef::Variant(x), TypeDef::Variant(y)) => {
+                x.variants.len() == y.variants.len()
+                    && x.variants.iter().all(|v| {
+                        y.variants.iter().any(|w| {
+                            v.index == w.index
+                                && v.name == w.name
+                                && self.fields(&v.fields, &w.fields)
+                        })
+                    })
+            }
+            // The order types are empty structs: told apart by name (Lsb0, Msb0).
+            (TypeDef::BitSequence(x), TypeDef::BitSequence(y)) => {
+                self.types(x.bit_store_type.id, y.bit_store_type.id)
+                    && type_name(self.a, x.bit_order_type.id, 0)
+                        == type_name(self.b, y.bit_order_type.id, 0)
+            }
+            _ => false,
+        };
+        self.comparing.pop();
+        alike
+    }
+
+    fn fields(
+        &mut self,
+        a: &[scale_info::Field<scale_info::form::PortableForm>],
+        b: &[scale_info::Field<scale_info::form::PortableForm>],
+    ) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.name == y.name && self.types(x.ty.id, y.ty.id))
     }
 }
 

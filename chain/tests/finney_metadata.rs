@@ -1,6 +1,7 @@
-//! The client against real finney runtime metadata (specs 365 and 393, kept beside the checkout
-//! in `../shared/metadata/`): every call it builds encodes for finney and decodes back to the
-//! same values, and the runtime shape check passes or names exactly what differs.
+//! The client against real finney runtime metadata (specs 365 and 393, and a spec-438 runtime's,
+//! kept beside the checkout in `../shared/metadata/`): every call it builds encodes for finney and
+//! decodes back to the same values, and the runtime shape check passes or names exactly what
+//! differs, telling changes of type names only (encoded alike) from changes of the bytes.
 
 use iota_chain::calls::{self, AxonEndpoint, Call, Hyperparam};
 use iota_chain::client::{decode_call, encode_call};
@@ -13,6 +14,10 @@ fn finney(spec: u32) -> Option<Metadata> {
         365 => concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../shared/metadata/finney-runtime-365.scale"
+        ),
+        438 => concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/metadata/finney-like-runtime-438-v15.scale"
         ),
         _ => concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -202,6 +207,107 @@ fn finney_365_differences_are_named() {
                 .to_owned()
         ]
     );
+}
+
+/// The spec-438 runtime: what differs from the compiled metadata for the items the client uses,
+/// which of it changes the bytes, and which calls still encode and decode the same values.
+#[test]
+fn finney_438_differences_are_named() {
+    let Some(md) = finney(438) else { return };
+    let diffs = shape::differences(shape::compiled_metadata().expect("compiled"), &md);
+    let breaking: Vec<_> = diffs.iter().filter(|d| d.breaking).collect();
+    println!(
+        "spec 438 shape differences ({}, {} breaking):",
+        diffs.len(),
+        breaking.len()
+    );
+    for d in &diffs {
+        println!("  {d}");
+    }
+    let r = round_trip_all(&md);
+    println!(
+        "spec 438: {} calls round-trip; failures ({}):",
+        r.ok,
+        r.failures.len()
+    );
+    for f in &r.failures {
+        println!("  {f}");
+    }
+    // A round-trip failure is always a difference the check calls breaking.
+    for f in &r.failures {
+        let named = breaking.iter().any(|d| {
+            d.description
+                .split_whitespace()
+                .nth(1)
+                .is_some_and(|item| f.contains(item))
+        });
+        assert!(
+            named,
+            "round-trip failure not named by the shape check: {f}"
+        );
+    }
+    // A difference the check calls encoded alike never fails a round trip.
+    for d in diffs.iter().filter(|d| !d.breaking) {
+        let item = d.description.split_whitespace().nth(1).unwrap_or_default();
+        assert!(
+            !r.failures.iter().any(|f| f.contains(item)),
+            "{d}, yet a call of it failed: {:?}",
+            r.failures
+        );
+    }
+    // Measured: every difference is a newtype in place of what it wraps (NetUid for u16,
+    // TaoBalance and AlphaBalance for u64, PerU16 for u16), so the client connects and every
+    // call it builds round-trips.
+    assert!(breaking.is_empty(), "{breaking:?}");
+    assert!(!diffs.is_empty(), "spec 438 names its types as 393 did");
+    assert!(shape::check(&md).is_ok());
+    assert_eq!(r.ok, sample_calls().len());
+}
+
+/// The rule that tells a change of type names from a change of bytes, on real types: finney's
+/// `set_weights` takes its netuid as a newtype of `u16` (`NetUid`) where the compiled metadata
+/// has a plain `u16`; both encode alike, and neither encodes as the `u64` version key.
+#[test]
+fn a_newtype_encodes_as_what_it_wraps() {
+    let Some(md) = finney(438) else { return };
+    let compiled = shape::compiled_metadata().expect("compiled");
+    let arg = |md: &Metadata, name: &str| -> u32 {
+        let pallet = md.pallet_by_name("SubtensorModule").expect("pallet");
+        let call = pallet.call_variant_by_name("set_weights").expect("call");
+        call.fields
+            .iter()
+            .find(|f| f.name.as_deref() == Some(name))
+            .expect("argument")
+            .ty
+            .id
+    };
+    let (ours, theirs) = (arg(compiled, "netuid"), arg(&md, "netuid"));
+    println!(
+        "netuid: {} here, {} in spec 438",
+        compiled
+            .types()
+            .resolve(ours)
+            .map(|t| format!("{:?}", t.path))
+            .unwrap_or_default(),
+        md.types()
+            .resolve(theirs)
+            .map(|t| format!("{:?}", t.path))
+            .unwrap_or_default()
+    );
+    assert!(shape::encode_alike(compiled, ours, &md, theirs));
+    assert!(shape::encode_alike(&md, theirs, compiled, ours));
+    assert!(!shape::encode_alike(
+        compiled,
+        ours,
+        &md,
+        arg(&md, "version_key")
+    ));
+    assert!(!shape::encode_alike(
+        compiled,
+        arg(compiled, "dests"),
+        &md,
+        theirs
+    ));
 }
 
 #[test]
