@@ -29,7 +29,7 @@ BENCHES=(
   "load|cargo bench -p iota-orchestrator --bench load|Orchestrator load: signed work polls per second (each in a session, and each with its own sr25519 signature) against an unsigned no-op, 1,000 miners in closed loops (throughput; latency there is miners / throughput; the cores each side kept busy in each window), then three rounds of each kind of signed poll offered half the no-op's rate (the median of every closed-loop no-op window so far, the last run just before the round) on a fixed schedule (latency from when each poll was due; each round also shows what it was offered as a share of the no-op windows just before and just after it, and what else the machine did meanwhile), the no-op at that pace for reference, and the CPU of the orchestrator's metagraph refresh at a new block"
   "load-paced|env IOTA_BENCH_POLL_INTERVAL_MS=1000 cargo bench -p iota-orchestrator --bench load|Orchestrator load, paced: 1,000 miners each polling once a second (latency)"
   "merging|cargo bench -p iota-orchestrator --bench merging|Merging at scale: how long the phase driver holds the exclusive phase lock (which work requests wait on) to start merging (freeze every partition's contributions, assign owners), for a reassignment round that gives every partition another owner, and to end an epoch with every partition still open, at 100, 1,000 and 4,000 partitions per stage"
-  "uploads|cargo bench -p iota-orchestrator --bench uploads|Orchestrator memory under large uploads: the peak resident memory of the orchestrator's own process while 16 miners each upload a pseudo-gradient partition of 524 MB at once, through the orchestrator into a directory store, and (with \`IOTA_TEST_S3_ENDPOINT\` set, as \`scripts/s3.sh start\` prints) presigned into an S3-compatible store and then committed (goal: under 512 MB)"
+  "uploads|cargo bench -p iota-orchestrator --bench uploads|Orchestrator memory under large uploads: the peak resident memory of the orchestrator's own process while 16 miners each upload a pseudo-gradient partition of 524 MB at once, through the orchestrator into a directory store, and presigned into an S3-compatible store (moto, started by this script) and then committed (goal: under 512 MB)"
   "clasp|cargo bench -p iota-validator --bench clasp|CLASP fit times"
   "replay|cargo bench -p iota-validator --bench replay_cost|Replay spot check cost against the miner's own compute"
   "power|cargo bench -p iota-validator --bench power|Check power at the defaults: CLASP detection and false-positive rates at 256 samples an epoch and pooled over the 10-epoch window, the replay draw's catch probability with 4 replays, and a caught cheater's payout against an honest miner's under the score decay"
@@ -51,6 +51,11 @@ if [ -z "${DATABASE_URL:-}" ]; then
     cleanup+=("scripts/pg.sh stop '$IOTA_PG_DIR'")
 fi
 export DATABASE_URL
+# The uploads benchmark also measures an S3-compatible store.
+if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ] && { [ -z "${*:-}" ] || [[ "$wanted" == *" uploads "* ]]; }; then
+    eval "$(scripts/s3.sh start)"
+    cleanup+=("scripts/s3.sh stop '$IOTA_S3_DIR'")
+fi
 
 sections=target/bench
 mkdir -p "$sections"

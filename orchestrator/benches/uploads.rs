@@ -5,15 +5,15 @@
 //! all at once:
 //! * through the orchestrator into a local directory store (the bytes stream through it to
 //!   disk, each checked on the way);
-//! * with `IOTA_TEST_S3_ENDPOINT` set (`scripts/s3.sh`), straight to an S3-compatible store
-//!   through presigned URLs, then committed (the orchestrator streams each object back from the
-//!   store to check it).
+//! * straight to an S3-compatible store (`IOTA_TEST_S3_ENDPOINT`, which `scripts/bench.sh`
+//!   starts with `scripts/s3.sh`) through presigned URLs, then committed (the orchestrator
+//!   streams each object back from the store to check it).
 //!
 //! The orchestrator runs in a process of its own (this binary, started again as one), so its
 //! resident memory is its own: the kernel's peak (`VmHWM`), reset just before the uploads, is
 //! the figure; its resident memory before them is printed beside it. Goal: peak under 512 MB.
 //!
-//! `cargo bench -p iota-orchestrator --bench uploads`. Needs `DATABASE_URL` and about
+//! `scripts/bench.sh uploads`. Needs `DATABASE_URL`, `IOTA_TEST_S3_ENDPOINT` and about
 //! 16 × the partition size of free disk (twice that with the S3 store).
 
 use iota_testkit::common;
@@ -102,19 +102,20 @@ async fn bench() -> anyhow::Result<()> {
         format!("file://{}", dir.path().display()),
         mb("IOTA_BENCH_PARTITION_MB", 524)?,
     )];
-    match std::env::var("IOTA_TEST_S3_ENDPOINT") {
-        // moto (scripts/s3.sh) keeps every object in its own memory, twice while a commit
-        // copies it to its sealed key: smaller partitions, so that it fits beside the rest.
-        Ok(endpoint) => stores.push((
-            "S3, presigned PUT then commit",
-            format!(
-                "s3://{}?endpoint={endpoint}&region=us-east-1",
-                std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into())
-            ),
-            mb("IOTA_BENCH_S3_PARTITION_MB", 128)?,
-        )),
-        Err(_) => println!("(S3 store skipped: IOTA_TEST_S3_ENDPOINT is not set)"),
-    }
+    let endpoint = std::env::var("IOTA_TEST_S3_ENDPOINT").context(
+        "IOTA_TEST_S3_ENDPOINT is not set: run through scripts/bench.sh, which starts an \
+         S3-protocol server (or eval \"$(scripts/s3.sh start)\")",
+    )?;
+    // moto (scripts/s3.sh) keeps every object in its own memory, twice while a commit copies
+    // it to its sealed key: smaller partitions, so that it fits beside the rest.
+    stores.push((
+        "S3, presigned PUT then commit",
+        format!(
+            "s3://{}?endpoint={endpoint}&region=us-east-1",
+            std::env::var("IOTA_TEST_S3_BUCKET").unwrap_or_else(|_| "iota-test".into())
+        ),
+        mb("IOTA_BENCH_S3_PARTITION_MB", 128)?,
+    ));
     for (name, store, partition_mb) in stores {
         let len = partition_mb * 1_000_000 / 4;
         // One partition for every miner (each upload is its own object all the same): the
