@@ -153,23 +153,57 @@ fn shape_check_passes_for_finney_393() {
     assert!(shape::check(&md).expect("compatible").is_empty());
 }
 
-#[test]
-fn finney_365_differences_are_named() {
-    let Some(md) = finney(365) else { return };
-    let diffs = shape::differences(shape::compiled_metadata().expect("compiled"), &md);
-    println!("spec 365 shape differences ({}):", diffs.len());
+/// The shape check's differences between the compiled metadata and finney spec `spec`'s, and
+/// the sample calls' round trips through it, both printed. Checked for any runtime: every call
+/// round-trips unless the check names its item as changed in a breaking way, and no item it
+/// calls encoded alike fails a round trip.
+fn compare(spec: u32, md: &Metadata) -> (Vec<shape::Difference>, RoundTrip) {
+    let diffs = shape::differences(shape::compiled_metadata().expect("compiled"), md);
+    let breaking: Vec<_> = diffs.iter().filter(|d| d.breaking).collect();
+    println!(
+        "spec {spec} shape differences ({}, {} breaking):",
+        diffs.len(),
+        breaking.len()
+    );
     for d in &diffs {
         println!("  {d}");
     }
-    let r = round_trip_all(&md);
+    let r = round_trip_all(md);
     println!(
-        "spec 365: {} calls round-trip; failures ({}):",
+        "spec {spec}: {} calls round-trip; failures ({}):",
         r.ok,
         r.failures.len()
     );
     for f in &r.failures {
         println!("  {f}");
     }
+    let item = |d: &shape::Difference| {
+        d.description
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    for f in &r.failures {
+        assert!(
+            breaking.iter().any(|d| f.contains(&item(d))),
+            "round-trip failure not named by the shape check: {f}"
+        );
+    }
+    for d in diffs.iter().filter(|d| !d.breaking) {
+        assert!(
+            !r.failures.iter().any(|f| f.contains(&item(d))),
+            "{d}, yet a call of it failed: {:?}",
+            r.failures
+        );
+    }
+    (diffs, r)
+}
+
+#[test]
+fn finney_365_differences_are_named() {
+    let Some(md) = finney(365) else { return };
+    let (diffs, _) = compare(365, &md);
     let breaking: Vec<_> = diffs.iter().filter(|d| d.breaking).collect();
     match shape::check(&md) {
         Ok(notes) => {
@@ -184,19 +218,6 @@ fn finney_365_differences_are_named() {
             }
         }
         Err(other) => panic!("unexpected error {other}"),
-    }
-    // Every call round-trips unless the shape check names it as changed.
-    for f in &r.failures {
-        let named = breaking.iter().any(|d| {
-            d.description
-                .split_whitespace()
-                .nth(1)
-                .is_some_and(|item| f.contains(item))
-        });
-        assert!(
-            named,
-            "round-trip failure not explained by the shape check: {f}"
-        );
     }
     // What spec 365 is known to differ in (measured): only a storage default, which the client
     // reads from the node's own metadata, so the connect-time check passes.
@@ -214,47 +235,8 @@ fn finney_365_differences_are_named() {
 #[test]
 fn finney_438_differences_are_named() {
     let Some(md) = finney(438) else { return };
-    let diffs = shape::differences(shape::compiled_metadata().expect("compiled"), &md);
+    let (diffs, r) = compare(438, &md);
     let breaking: Vec<_> = diffs.iter().filter(|d| d.breaking).collect();
-    println!(
-        "spec 438 shape differences ({}, {} breaking):",
-        diffs.len(),
-        breaking.len()
-    );
-    for d in &diffs {
-        println!("  {d}");
-    }
-    let r = round_trip_all(&md);
-    println!(
-        "spec 438: {} calls round-trip; failures ({}):",
-        r.ok,
-        r.failures.len()
-    );
-    for f in &r.failures {
-        println!("  {f}");
-    }
-    // A round-trip failure is always a difference the check calls breaking.
-    for f in &r.failures {
-        let named = breaking.iter().any(|d| {
-            d.description
-                .split_whitespace()
-                .nth(1)
-                .is_some_and(|item| f.contains(item))
-        });
-        assert!(
-            named,
-            "round-trip failure not named by the shape check: {f}"
-        );
-    }
-    // A difference the check calls encoded alike never fails a round trip.
-    for d in diffs.iter().filter(|d| !d.breaking) {
-        let item = d.description.split_whitespace().nth(1).unwrap_or_default();
-        assert!(
-            !r.failures.iter().any(|f| f.contains(item)),
-            "{d}, yet a call of it failed: {:?}",
-            r.failures
-        );
-    }
     // Measured: every difference is a newtype in place of what it wraps (NetUid for u16,
     // TaoBalance and AlphaBalance for u64, PerU16 for u16), so the client connects and every
     // call it builds round-trips.

@@ -282,18 +282,27 @@ impl BlobStore {
         key: &str,
         chunks: impl futures::Stream<Item = Result<Bytes, StoreError>>,
     ) -> Result<(u64, String), StoreError> {
-        self.put_checked(key, chunks, |_| Ok(())).await
+        let mut hasher = blake3::Hasher::new();
+        let hash = |chunk: Option<&[u8]>| {
+            if let Some(chunk) = chunk {
+                hasher.update(chunk);
+            }
+            Ok(())
+        };
+        let size = self.put_checked(key, chunks, hash).await?;
+        Ok((size, hasher.finalize().to_hex().to_string()))
     }
 
     /// [`BlobStore::put_stream`], showing each chunk to `check` as it passes and then `None`
     /// before the object is completed: an error from it (or from `chunks`) abandons the upload,
-    /// and nothing appears at `key`.
+    /// and nothing appears at `key`. Returns the size; a hash the caller wants, its check
+    /// computes, so the bytes are gone over once.
     pub async fn put_checked<E: From<StoreError>>(
         &self,
         key: &str,
         chunks: impl futures::Stream<Item = Result<Bytes, E>>,
         mut check: impl FnMut(Option<&[u8]>) -> Result<(), E>,
-    ) -> Result<(u64, String), E> {
+    ) -> Result<u64, E> {
         let path = Self::path(key)?;
         let upload = self
             .inner
@@ -302,7 +311,6 @@ impl BlobStore {
             .map_err(StoreError::from)?;
         let mut writer =
             object_store::WriteMultipart::new_with_chunk_size(upload, self.part_bytes());
-        let mut hasher = blake3::Hasher::new();
         let mut size = 0u64;
         let mut chunks = std::pin::pin!(chunks);
         loop {
@@ -319,7 +327,6 @@ impl BlobStore {
                     return Err(e);
                 }
             };
-            hasher.update(&chunk);
             size += chunk.len() as u64;
             // Memory stays bounded whatever the object's size.
             if let Err(e) = writer.wait_for_capacity(2).await {
@@ -329,7 +336,7 @@ impl BlobStore {
             writer.write(&chunk);
         }
         writer.finish().await.map_err(StoreError::from)?;
-        Ok((size, hasher.finalize().to_hex().to_string()))
+        Ok(size)
     }
 
     /// Bytes per part of a multipart upload: S3 takes no smaller part but the last than 5 MiB;
@@ -539,6 +546,12 @@ impl BlobStore {
                 "this store takes no uploads in parts".into(),
             ));
         };
+        if etags.len() as u64 > MAX_PARTS {
+            return Err(StoreError::Backend(format!(
+                "{} parts, more than an upload has",
+                etags.len()
+            )));
+        }
         let parts = etags
             .iter()
             .map(|etag| PartId {
@@ -677,13 +690,18 @@ mod tests {
             let left: Vec<_> = walk(dir.path());
             assert!(left.is_empty(), "refused at {at}, left {left:?}");
         }
-        let (size, hash) = store
+        let size = store
             .put_checked("runs/1/x", chunks(), refuse_at(7))
             .await
             .expect("accepted");
         let whole = store.get("runs/1/x").await.expect("get");
         assert_eq!(size, 5 * STREAM_CHUNK_BYTES as u64);
         assert_eq!(whole.len() as u64, size);
+        let (size, hash) = store
+            .put_stream("runs/1/y", futures::stream::iter([Ok(whole.clone())]))
+            .await
+            .expect("put_stream");
+        assert_eq!(size, whole.len() as u64);
         assert_eq!(hash, blake3::hash(&whole).to_hex().to_string());
     }
 

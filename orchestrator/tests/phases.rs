@@ -1764,6 +1764,18 @@ fn pg_commit(s: &Served, stage: u32, hotkey: &str, p: u32, value: f32) -> (Vec<u
     (bytes, commit)
 }
 
+/// What the bucket keeps of `hotkey`'s in the directory of `commit`'s slot.
+async fn kept_of(bucket: &BlobStore, commit: &CommitRequest, hotkey: &str) -> Vec<String> {
+    let dir = commit.key.rsplit_once('/').expect("a directory").0;
+    bucket
+        .list(dir)
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|k| k.contains(hotkey))
+        .collect()
+}
+
 /// The objects a commit of `slot` moved aside (being checked, or left by an attempt).
 async fn aside_of(store: &BlobStore, slot: &str) -> Vec<String> {
     let dir = slot.rsplit_once('/').expect("a directory").0;
@@ -3701,14 +3713,7 @@ async fn a_tampered_direct_upload_is_refused_at_its_commit() {
         .await
         .expect_err("a tampered object");
     assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
-    let dir = commit.key.rsplit_once('/').expect("a directory").0;
-    let left: Vec<String> = bucket
-        .list(dir)
-        .await
-        .expect("list")
-        .into_iter()
-        .filter(|k| k.contains(&hotkey))
-        .collect();
+    let left = kept_of(&bucket, &commit, &hotkey).await;
     assert!(left.is_empty(), "kept after the refusal: {left:?}");
 
     let blob = client
@@ -3772,16 +3777,7 @@ async fn an_upload_in_parts_resumes_at_its_dropped_part_and_a_tampered_one_is_re
         .await
         .expect_err("a tampered part");
     assert_eq!(refused.code(), Some(ErrorCode::InvalidTensor), "{refused}");
-    let dir = commit.key.rsplit_once('/').expect("a directory").0;
-    let kept = || async {
-        bucket
-            .list(dir)
-            .await
-            .expect("list")
-            .into_iter()
-            .filter(|k| k.contains(&hotkey))
-            .collect::<Vec<String>>()
-    };
+    let kept = || kept_of(&bucket, &commit, &hotkey);
     assert!(kept().await.is_empty(), "kept after the refusal");
 
     // The client's own upload in parts, the second part's connection dropped once.

@@ -277,14 +277,15 @@ async fn store_checked(
                     }
                 }
             };
-            let (size, blake3) = app.store.put_checked(&key, chunks, checked).await?;
+            // The check compared the object's BLAKE3 with the declared one before it completed.
+            let size = app.store.put_checked(&key, chunks, checked).await?;
             let (dtype, shape) = spec.dtype_and_shape();
             BlobDescriptor {
                 key,
                 size,
                 dtype,
                 shape,
-                blake3,
+                blake3: declared_blake3.to_owned(),
                 url: None,
             }
         }
@@ -480,27 +481,27 @@ pub(crate) async fn presign(
     key: String,
     req: &PresignRequest,
 ) -> ApiResult<Json<PresignResponse>> {
-    let url = app
-        .store
-        .presign(http::Method::PUT, &key)
-        .await?
-        .ok_or_else(|| {
-            AppError::new(
-                ErrorCode::BadRequest,
-                "this orchestrator's store does not presign: PUT the bytes to the orchestrator",
-            )
-        })?;
     let parts = match req.multipart {
         true => app.store.presign_parts(&key, req.size).await?,
         false => None,
     };
+    let url = match parts.as_ref().and_then(|p| p.urls.first()) {
+        Some(first) => first.clone(),
+        None => app
+            .store
+            .presign(http::Method::PUT, &key)
+            .await?
+            .ok_or_else(|| {
+                AppError::new(
+                    ErrorCode::BadRequest,
+                    "this orchestrator's store does not presign: PUT the bytes to the orchestrator",
+                )
+            })?,
+    };
     let ttl = chrono::Duration::from_std(app.store.presign_ttl())
         .unwrap_or_else(|_| chrono::Duration::seconds(900));
     Ok(Json(PresignResponse {
-        url: parts
-            .as_ref()
-            .and_then(|p| p.urls.first().cloned())
-            .unwrap_or(url),
+        url,
         key,
         expires_ms: (Utc::now() + ttl).timestamp_millis(),
         multipart: parts.map(|p| MultipartTarget {
@@ -518,14 +519,6 @@ async fn complete_parts(app: &App, key: &str, commit: &CommitRequest) {
     let Some(parts) = &commit.multipart else {
         return;
     };
-    if parts.etags.len() as u64 > 10_000 {
-        tracing::info!(
-            key,
-            parts = parts.etags.len(),
-            "too many parts: not completed"
-        );
-        return;
-    }
     if let Err(e) = app
         .store
         .complete_parts(key, &parts.upload_id, &parts.etags)
