@@ -10,6 +10,7 @@ use std::str::FromStr;
 
 use subxt::utils::{AccountId32, H256};
 
+use crate::api::runtime_types::bounded_collections::bounded_vec::BoundedVec;
 use crate::api::runtime_types::pallet_admin_utils::pallet::Call as AdminCall;
 use crate::api::runtime_types::pallet_balances::pallet::Call as BalancesCall;
 use crate::api::runtime_types::pallet_subtensor::pallet::Call as SubtensorCall;
@@ -61,6 +62,23 @@ pub fn commit_weights(netuid: u16, commit_hash: [u8; 32]) -> Call {
     Call::SubtensorModule(SubtensorCall::commit_weights {
         netuid,
         commit_hash: H256(commit_hash),
+    })
+}
+
+/// `SubtensorModule.commit_timelocked_weights` (commit-reveal v3/v4): `commit` is the weights
+/// sealed to drand round `reveal_round`; `commit_reveal_version` must be the chain's
+/// `CommitRevealWeightsVersion`.
+pub fn commit_timelocked_weights(
+    netuid: u16,
+    commit: Vec<u8>,
+    reveal_round: u64,
+    commit_reveal_version: u16,
+) -> Call {
+    Call::SubtensorModule(SubtensorCall::commit_timelocked_weights {
+        netuid,
+        commit: BoundedVec(commit),
+        reveal_round,
+        commit_reveal_version,
     })
 }
 
@@ -327,6 +345,8 @@ hyperparams! {
     NetworkMinLockCost(u64) => "network_min_lock_cost", global sudo_set_network_min_lock_cost.lock_cost, Root;
     /// `StakeThreshold` (chain-wide), in rao.
     StakeThreshold(u64) => "stake_threshold", global sudo_set_stake_threshold.min_stake, Root;
+    /// `CommitRevealWeightsVersion` (chain-wide): 4 for drand-timelocked commits.
+    CommitRevealVersion(u16) => "commit_reveal_version", global sudo_set_commit_reveal_version.version, Root;
 }
 
 /// The call's name (`Pallet.call`, with the inner call of `Sudo.sudo`), for messages and logs.

@@ -584,9 +584,12 @@ pub async fn run_with_password(
                     "weights committed in block {block} ({hash}); reveal from block {reveal_from_block} with `iota chain reveal` (salt kept in {})",
                     store.path().display()
                 ),
+                WeightsOutcome::TimelockCommitted { block, hash, reveal_round, reveal_from_block, .. } => format!(
+                    "weights committed in block {block} ({hash}), sealed to drand round {reveal_round}; the chain reveals them from block {reveal_from_block} (`iota chain reveal` reports when)"
+                ),
                 WeightsOutcome::DryRun { call_hex, uids, values, version_key, commit } => format!(
                     "dry run ({}): {call_hex}\n  uids {uids:?} values {values:?} version key {version_key}",
-                    if *commit { "commit_weights" } else { "set_weights" }
+                    if *commit { "commit" } else { "set_weights" }
                 ),
             })
         }

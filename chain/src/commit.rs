@@ -40,6 +40,22 @@ pub struct PendingCommit {
     pub commit_block: Option<u64>,
     /// Epoch in which the reveal is accepted.
     pub reveal_epoch: u64,
+    /// Set for a drand-timelocked commit (commit-reveal v3/v4), which the chain reveals itself:
+    /// `uids`, `values` and `version_key` are what was sealed, `salt` is empty and `hash` is the
+    /// blake2-256 of the ciphertext (as the chain's commit event names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timelock: Option<TimelockedCommit>,
+}
+
+/// What a timelocked commit was sealed to, for watching the chain reveal it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimelockedCommit {
+    /// The drand round whose pulse opens it.
+    pub reveal_round: u64,
+    /// The epoch it was made in (the key the chain keeps it under).
+    pub commit_epoch: u64,
+    /// The first block of its reveal epoch, as predicted when it was made.
+    pub reveal_from_block: u64,
 }
 
 impl PendingCommit {
@@ -337,6 +353,7 @@ mod tests {
             submitted_block: 10,
             commit_block: Some(11),
             reveal_epoch: 2,
+            timelock: None,
         }
     }
 

@@ -54,6 +54,35 @@ pub fn next_epoch_block(netuid: u16, tempo: u16, block: u64) -> Option<u64> {
     (tempo != 0).then(|| block + blocks_until_next_epoch(netuid, tempo, block))
 }
 
+/// The first block of the epoch `reveal_period` epochs after the one a transaction landing in
+/// `next_block` belongs to, under the stateful rule: the subnet's next epoch runs at
+/// `pending_epoch_at` when an owner triggered one (non-zero), else `tempo` blocks after
+/// `last_epoch_block`, and in the next block when that is already past (the chain has not run it
+/// yet); later epochs run every `tempo` blocks from the last run. A run increments the index in
+/// its own block, before its transactions. This is the simulation `bittensor-drand` 2.x makes in
+/// `get_encrypted_commit_v2`. An owner's trigger after the commit moves the reveal earlier, which
+/// the chain tolerates (it keeps a commit whose pulse is not out yet until its reveal epoch ends).
+pub fn stateful_first_reveal_block(
+    last_epoch_block: u64,
+    pending_epoch_at: u64,
+    tempo: u16,
+    next_block: u64,
+    reveal_period: u64,
+) -> u64 {
+    let tempo = u64::from(tempo.max(1));
+    let scheduled = match pending_epoch_at {
+        0 => last_epoch_block.saturating_add(tempo),
+        at => at,
+    };
+    let first_run = scheduled.max(next_block);
+    // A run in the commit's own block starts the commit's epoch; one after it, the next.
+    let runs_before_reveal = match first_run == next_block {
+        true => reveal_period,
+        false => reveal_period.saturating_sub(1),
+    };
+    first_run.saturating_add(runs_before_reveal.saturating_mul(tempo))
+}
+
 /// Storage key of a `netuid`-keyed `SubtensorModule` item, hashed as `metadata` declares.
 fn netuid_key(metadata: &Metadata, item: &str, netuid: u16) -> Result<Vec<u8>, ChainError> {
     use subxt::ext::frame_decode::storage::StorageHasher;
@@ -85,6 +114,50 @@ fn netuid_key(metadata: &Metadata, item: &str, netuid: u16) -> Result<Vec<u8>, C
 }
 
 impl Subtensor {
+    /// The first block of the epoch in which a commit landing in `next_block` is revealed
+    /// (`reveal_period` epochs on), by the rule of the runtime at `at`.
+    ///
+    /// # Errors
+    ///
+    /// Transport errors, or a stateful runtime whose storage cannot be read.
+    pub async fn first_reveal_block_at(
+        &self,
+        at: &AtBlock,
+        netuid: u16,
+        tempo: u16,
+        next_block: u64,
+        reveal_period: u64,
+    ) -> Result<u64, ChainError> {
+        match self.epoch_rule_at(at) {
+            EpochRule::Modulo => Ok(crate::timelock::first_reveal_block(
+                netuid,
+                tempo,
+                next_block,
+                reveal_period,
+            )),
+            EpochRule::Stateful => {
+                let keys = [
+                    netuid_key(at.metadata_ref(), "LastEpochBlock", netuid)?,
+                    netuid_key(at.metadata_ref(), "PendingEpochAt", netuid)?,
+                ];
+                let values = self.fetch_raw_many(at.block_hash(), &keys).await?;
+                let mut read = values.into_iter().map(|v| match v {
+                    None => Ok(0),
+                    Some(bytes) => read_u64(&bytes),
+                });
+                let last = read.next().unwrap_or(Ok(0))?;
+                let pending = read.next().unwrap_or(Ok(0))?;
+                Ok(stateful_first_reveal_block(
+                    last,
+                    pending,
+                    tempo,
+                    next_block,
+                    reveal_period,
+                ))
+            }
+        }
+    }
+
     /// The epoch rule of the runtime at `at`.
     pub fn epoch_rule_at(&self, at: &AtBlock) -> EpochRule {
         epoch_rule(at.metadata_ref())
@@ -111,24 +184,41 @@ impl Subtensor {
                 let value = self.fetch_raw_many(at.block_hash(), &[key]).await?;
                 match value.into_iter().next().flatten() {
                     None => Ok(0),
-                    Some(bytes) => {
-                        let raw: [u8; 8] = bytes
-                            .get(..8)
-                            .and_then(|b| b.try_into().ok())
-                            .ok_or_else(|| {
-                                ChainError::Rpc("SubnetEpochIndex is not a u64".to_owned())
-                            })?;
-                        Ok(u64::from_le_bytes(raw))
-                    }
+                    Some(bytes) => read_u64(&bytes),
                 }
             }
         }
     }
 }
 
+fn read_u64(bytes: &[u8]) -> Result<u64, ChainError> {
+    let raw: [u8; 8] = bytes
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| ChainError::decode("an epoch item", "not a u64"))?;
+    Ok(u64::from_le_bytes(raw))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stateful_reveal_epoch_starts_at_the_runs_ahead() {
+        // Last run at 100, tempo 10: the next at 110; a commit landing in 105 is in the epoch
+        // that began at 100 and reveals from 110 (period 1) or 120 (period 2).
+        assert_eq!(stateful_first_reveal_block(100, 0, 10, 105, 1), 110);
+        assert_eq!(stateful_first_reveal_block(100, 0, 10, 105, 2), 120);
+        // Landing in a run's own block: that run has begun the commit's epoch.
+        assert_eq!(stateful_first_reveal_block(100, 0, 10, 110, 1), 120);
+        // A run overdue (not recorded yet) runs in the next block; the schedule counts from it.
+        assert_eq!(stateful_first_reveal_block(100, 0, 10, 131, 1), 141);
+        // An owner's trigger sets the next run.
+        assert_eq!(stateful_first_reveal_block(100, 103, 10, 101, 1), 103);
+        assert_eq!(stateful_first_reveal_block(100, 103, 10, 101, 3), 123);
+        // Tempo 0 is treated as 1 rather than dividing by zero.
+        assert_eq!(stateful_first_reveal_block(5, 0, 0, 5, 1), 6);
+    }
 
     /// Subtensor's documented examples for `blocks_until_next_epoch` (its emission tests:
     /// zero tempo, regular case, boundaries, overflow, alignment, netuids, large tempo,

@@ -112,17 +112,6 @@ macro_rules! named_dispatch_errors {
                 /// What failed.
                 reason: String,
             },
-            /// The subnet's commit-reveal takes drand-timelocked commits (`CommitRevealWeightsVersion`
-            /// 3 or later), which this client does not make; a hash commit would be refused.
-            #[error(
-                "netuid {netuid} requires drand-timelocked weight commits (commit-reveal version {version}); this client makes hash commits only: ask the subnet owner to turn commit-reveal off, or use a client with drand timelock encryption"
-            )]
-            TimelockedCommitRequired {
-                /// The subnet.
-                netuid: u16,
-                /// `CommitRevealWeightsVersion` on chain.
-                version: u16,
-            },
             /// Timelock encryption or decryption of a weight commit failed.
             #[error(transparent)]
             Timelock(#[from] crate::timelock::TimelockError),

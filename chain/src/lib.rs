@@ -29,10 +29,12 @@ pub mod ops;
 pub mod set_weights;
 pub mod shape;
 pub mod signer;
-pub mod timelock;
 pub mod wallet;
 pub mod watcher;
 pub mod weights;
+
+/// Drand-timelocked commits: the reveal round, the payload, encryption and decryption.
+pub use iota_drand as timelock;
 
 pub use client::{Receipt, Subtensor, TxOptions, TxOutcome, WaitFor};
 pub use error::{ChainError, InvalidTransaction};

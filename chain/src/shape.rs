@@ -21,6 +21,7 @@ pub const USED_CALLS: &[(&str, &[&str])] = &[
             "set_weights",
             "commit_weights",
             "reveal_weights",
+            "commit_timelocked_weights",
             "burned_register",
             "serve_axon",
             "add_stake",
@@ -54,6 +55,7 @@ pub const USED_CALLS: &[(&str, &[&str])] = &[
             "sudo_set_commit_reveal_weights_enabled",
             "sudo_set_commit_reveal_weights_interval",
             "sudo_set_yuma3_enabled",
+            "sudo_set_commit_reveal_version",
         ],
     ),
 ];
@@ -61,6 +63,8 @@ pub const USED_CALLS: &[(&str, &[&str])] = &[
 /// Storage entries the client reads, by pallet.
 pub const USED_STORAGE: &[(&str, &[&str])] = &[
     ("System", &["Account"]),
+    ("Timestamp", &["Now"]),
+    ("Drand", &["BeaconConfig", "LastStoredRound"]),
     (
         "SubtensorModule",
         &[
@@ -74,7 +78,9 @@ pub const USED_STORAGE: &[(&str, &[&str])] = &[
             "ActivityCutoff",
             "WeightsVersionKey",
             "CommitRevealWeightsEnabled",
+            "CommitRevealWeightsVersion",
             "RevealPeriodEpochs",
+            "TimelockedWeightCommits",
             "Burn",
             "MaxAllowedUids",
             "MaxWeightsLimit",

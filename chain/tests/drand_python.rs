@@ -179,3 +179,72 @@ fn this_client_decrypts_python_bittensor_drands_ciphertexts() {
     assert_eq!(commit_bytes.len(), ours.len());
     assert!(commit["round"].as_u64().expect("a round") > 1000);
 }
+
+/// The reveal round for a stateful (spec ≥ 404) runtime: `bittensor-drand` 2.x's
+/// `get_encrypted_commit_v2` simulates the chain's epoch runs from `LastEpochBlock` and
+/// `PendingEpochAt`; this client predicts the reveal block with `stateful_first_reveal_block` and
+/// converts it with `reveal_round`. Python reads the clock itself, so the test brackets its run and
+/// requires Python's round between this client's rounds for the two ends. A prediction one block
+/// off moves the round by four (12 s blocks, 3 s rounds), outside the bracket.
+#[test]
+fn the_stateful_reveal_round_is_the_one_bittensor_drand_picks() {
+    use iota_chain::epoch::stateful_first_reveal_block;
+    use iota_chain::timelock::{CommitTiming, DrandSchedule, reveal_round};
+    let Some(python) = python() else { return };
+    // (last_epoch_block, pending_epoch_at, tempo, current_block, reveal period)
+    let cases: [(u64, u64, u16, u64, u64); 9] = [
+        (7200, 0, 360, 7210, 1),
+        (7200, 0, 360, 7210, 2),
+        (7200, 0, 360, 7559, 1),
+        (7200, 0, 360, 7560, 1),
+        (7200, 0, 360, 7600, 1),
+        (7200, 7300, 360, 7210, 1),
+        (7200, 7300, 360, 7210, 3),
+        (7205, 0, 10, 7210, 1),
+        (7205, 0, 10, 7214, 1),
+    ];
+    let ops: Vec<Value> = cases
+        .iter()
+        .map(|&(last, pending, tempo, current, period)| {
+            json!({"op": "get_encrypted_commit_v2", "uids": [1], "weights": [1],
+                   "version_key": 0, "last_epoch_block": last, "pending_epoch_at": pending,
+                   "subnet_epoch_index": 20, "tempo": tempo, "blocks_since_last_step": 5,
+                   "current_block": current, "subnet_reveal_period_epochs": period,
+                   "block_time": 12.0, "hotkey": hex::encode([0u8; 32])})
+        })
+        .collect();
+    let clock = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs_f64()
+    };
+    let before = clock();
+    let results = run(&python, &Value::Array(ops));
+    let after = clock();
+    assert_eq!(results.len(), cases.len());
+    for (&(last, pending, tempo, current, period), result) in cases.iter().zip(&results) {
+        let theirs = ok(result)["round"].as_u64().expect("a round");
+        let first_reveal_block =
+            stateful_first_reveal_block(last, pending, tempo, current + 1, period);
+        let ours = |now_unix_secs: f64| {
+            reveal_round(
+                &CommitTiming {
+                    current_block: current,
+                    first_reveal_block,
+                    block_time_secs: 12.0,
+                    now_unix_secs,
+                },
+                &DrandSchedule::QUICKNET,
+            )
+            .expect("round")
+        };
+        assert!(
+            (ours(before)..=ours(after)).contains(&theirs),
+            "last {last} pending {pending} tempo {tempo} at {current}, period {period}: \
+             bittensor-drand picks round {theirs}, this client {}..={} (reveal block {first_reveal_block})",
+            ours(before),
+            ours(after)
+        );
+    }
+}

@@ -53,6 +53,7 @@ fn sample_calls() -> Vec<Call> {
             vec![9, 8, 7, 6, 5, 4, 3, 2],
             42,
         ),
+        calls::commit_timelocked_weights(7, vec![0x5a; 300], 25_000_000, 4),
         calls::burned_register(7, &hot),
         calls::serve_axon(
             7,
@@ -381,18 +382,19 @@ fn breaking_changes_are_named() {
 }
 
 #[test]
-fn finney_requires_timelocked_commits_and_the_localnet_does_not() {
+fn finney_and_the_localnet_default_to_timelocked_commits() {
     use iota_chain::set_weights::{
         FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION, commit_reveal_version_item,
     };
+    let localnet = Metadata::decode_from(iota_localnet_metadata()).expect("localnet metadata");
+    let (_, default) = commit_reveal_version_item(&localnet).expect("the localnet declares it");
+    assert_eq!(default, Some(4));
     let Some(finney) = finney(393) else { return };
     let (_, default) = commit_reveal_version_item(&finney).expect("spec 393 declares the version");
     assert!(
         default.is_some_and(|v| v >= FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION),
         "{default:?}"
     );
-    let localnet = Metadata::decode_from(iota_localnet_metadata()).expect("localnet metadata");
-    assert!(commit_reveal_version_item(&localnet).is_none());
 }
 
 fn iota_localnet_metadata() -> &'static [u8] {

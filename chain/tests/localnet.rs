@@ -370,8 +370,9 @@ async fn wallets_to_emission_on_a_timed_chain() {
     net.stop().await;
 }
 
-/// An instant localnet with a commit-reveal subnet whose owner hotkey is `owner_hot` (it may set
-/// weights without a permit), weights rate limit `rate_limit`, and `miners` (seeds) registered.
+/// An instant localnet with a hash commit-reveal subnet (`CommitRevealWeightsVersion` 2) whose
+/// owner hotkey is `owner_hot` (it may set weights without a permit), weights rate limit
+/// `rate_limit`, and `miners` (seeds) registered.
 async fn commit_reveal_subnet(
     owner_hot: &Keypair,
     miners: [u8; 2],
@@ -382,6 +383,16 @@ async fn commit_reveal_subnet(
         .expect("spawn");
     let chain = connect(&net).await;
     let netuid = subnet(&chain, &owner_hot.public(), true, rate_limit).await;
+    chain
+        .set_hyperparam(
+            &dev("Alice"),
+            netuid,
+            Hyperparam::CommitRevealVersion(2),
+            true,
+            &tx(),
+        )
+        .await
+        .expect("sudo sets hash commit-reveal");
     for seed in miners {
         chain
             .register(&dev("Alice"), netuid, &key(seed).public(), &tx())
@@ -430,6 +441,11 @@ async fn commit_reveal_cycle_survives_a_restart_of_the_store() {
     init_tracing();
     let owner_hot = key(3);
     let (net, chain, netuid) = commit_reveal_subnet(&owner_hot, [31, 32], 1).await;
+    // Commit a few blocks into an epoch, so the reveal epoch is not the very next block.
+    let hp = chain.hyperparams(netuid).await.expect("hyperparams");
+    while hp.epoch_of(net.best_number() + 1) != hp.epoch_of(net.best_number() + 4) {
+        net.produce_blocks(1);
+    }
 
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("commits.json");
@@ -589,6 +605,145 @@ async fn commit_reveal_cycle_survives_a_restart_of_the_store() {
         .await
         .expect_err("commit-reveal on");
     assert!(matches!(err, ChainError::CommitRevealEnabled), "{err}");
+    net.stop().await;
+}
+
+async fn last_stored_round(chain: &Subtensor) -> u64 {
+    let at = chain.at_best().await.expect("block");
+    at.storage()
+        .fetch(
+            subxt::dynamic::storage::<(), u64>("Drand", "LastStoredRound"),
+            (),
+        )
+        .await
+        .expect("fetch")
+        .decode()
+        .expect("decode")
+}
+
+async fn weights_row(chain: &Subtensor, netuid: u16, uid: u16) -> Vec<(u16, u16)> {
+    let at = chain.at_best().await.expect("block");
+    at.storage()
+        .fetch(
+            subxt::dynamic::storage::<(u16, u16), Vec<(u16, u16)>>("SubtensorModule", "Weights"),
+            (netuid, uid),
+        )
+        .await
+        .expect("fetch")
+        .decode()
+        .expect("decode")
+}
+
+/// Commit-reveal v4 on the localnet's drand beacon: the client seals the weights to the round out
+/// when the reveal epoch begins and commits them; nothing opens them before that round's pulse;
+/// the chain reveals them itself and `reveal_pending` reports the block, after which the store
+/// holds nothing. Hash commits go on working when the version is set back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timelocked_commits_are_revealed_by_the_chain() {
+    init_tracing();
+    let owner_hot = key(5);
+    let (net, chain, netuid) = commit_reveal_subnet(&owner_hot, [51, 52], 1).await;
+    let alice = dev("Alice");
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::CommitRevealVersion(4),
+            true,
+            &tx(),
+        )
+        .await
+        .expect("sudo sets commit-reveal v4");
+    assert_eq!(
+        chain.commit_reveal_version().await.expect("version"),
+        Some(4)
+    );
+    net.produce_blocks(2);
+    let store = MemoryCommitStore::new();
+    let opts = WeightOptions {
+        tx: tx(),
+        ..WeightOptions::default()
+    };
+    let committed = chain
+        .set_weights(&owner_hot, netuid, &[1, 2], &[0.2, 0.8], &store, &opts)
+        .await
+        .expect("timelocked commit");
+    let WeightsOutcome::TimelockCommitted {
+        block,
+        hash,
+        reveal_round,
+        reveal_from_block,
+        values,
+        ..
+    } = committed
+    else {
+        panic!("commit-reveal v4 is on: {committed:?}");
+    };
+    assert_eq!(values, vec![16384, 65535]);
+    let hp = chain.hyperparams(netuid).await.expect("hyperparams");
+    assert_eq!(hp.epoch_of(reveal_from_block), hp.epoch_of(block) + 1);
+    assert!(
+        last_stored_round(&chain).await < reveal_round,
+        "sealed to a round not out yet"
+    );
+
+    let mut revealed = None;
+    for _ in 0..3 * (u32::from(hp.tempo) + 1) {
+        let report = chain
+            .reveal_pending(&owner_hot, &store, &tx())
+            .await
+            .expect("reveal_pending");
+        assert!(report.dropped.is_empty(), "{report:?}");
+        if let Some(r) = report.revealed.first() {
+            revealed = Some(r.clone());
+            break;
+        }
+        assert_eq!(report.waiting.len(), 1, "{report:?}");
+        assert!(
+            weights_row(&chain, netuid, 0).await.is_empty(),
+            "no weights before the reveal"
+        );
+        net.produce_blocks(1);
+    }
+    let (revealed_hash, revealed_at) = revealed.expect("the chain revealed the commit");
+    assert_eq!(revealed_hash, hash);
+    assert!(
+        revealed_at >= reveal_from_block,
+        "{revealed_at} < {reveal_from_block}"
+    );
+    assert!(last_stored_round(&chain).await >= reveal_round);
+    assert_eq!(
+        weights_row(&chain, netuid, 0).await,
+        vec![(1, 16384), (2, 65535)]
+    );
+    assert!(
+        store
+            .pending(&owner_hot.public())
+            .await
+            .expect("pending")
+            .is_empty()
+    );
+
+    // Back to hash commits: the client follows the chain's version.
+    chain
+        .set_hyperparam(
+            &alice,
+            netuid,
+            Hyperparam::CommitRevealVersion(2),
+            true,
+            &tx(),
+        )
+        .await
+        .expect("sudo sets hash commit-reveal");
+    net.produce_blocks(2);
+    let hashed = chain
+        .set_weights(&owner_hot, netuid, &[1], &[1.0], &store, &opts)
+        .await
+        .expect("hash commit");
+    assert!(
+        matches!(hashed, WeightsOutcome::Committed { .. }),
+        "{hashed:?}"
+    );
     net.stop().await;
 }
 

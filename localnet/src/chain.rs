@@ -6,8 +6,11 @@ use std::time::Duration;
 use parity_scale_codec::Encode;
 use tokio::sync::{broadcast, mpsc};
 
+use crate::metadata::SLOT_DURATION_MS;
+use crate::runtime::drand::Beacon;
 use crate::runtime::event::{DispatchEventInfo, Pays, Phase, RuntimeEvent, SystemEvent};
 use crate::runtime::extrinsic::{self, ChainContext, InvalidTransaction, SignedExtrinsic};
+use crate::runtime::storage::subtensor::CommitRevealWeightsVersion;
 use crate::runtime::storage::system::{BlockHash, ParentHash};
 use crate::runtime::types::{AccountId32, Digest, H256, Header};
 use crate::runtime::{self, Exec, Origin};
@@ -34,7 +37,21 @@ pub struct ChainConfig {
     pub new_subnet_tempo: u16,
     /// Most transactions the pool holds ([`MAX_POOL`] by default).
     pub pool_limit: usize,
+    /// `CommitRevealWeightsVersion` at genesis: 4 (drand-timelocked, finney's) or below 3 for
+    /// hash commits. Sudo changes it with `AdminUtils.sudo_set_commit_reveal_version`.
+    pub commit_reveal_version: u16,
+    /// Seed of the beacon's key (a test that knows it can open what was sealed to a round).
+    pub drand_seed: [u8; 32],
+    /// Seconds between the beacon's rounds.
+    pub drand_period_secs: u32,
+    /// Unix time of the genesis block in milliseconds; now when `None`. The chain's clock
+    /// advances one slot (`Aura.SlotDuration`) per block from it.
+    pub genesis_unix_ms: Option<u64>,
 }
+
+/// The localnet's genesis `CommitRevealWeightsVersion` unless configured: drand-timelocked
+/// commits, as on finney. The chain client reads the version and follows either kind.
+pub const DEFAULT_COMMIT_REVEAL_VERSION: u16 = 4;
 
 impl Default for ChainConfig {
     fn default() -> Self {
@@ -43,6 +60,10 @@ impl Default for ChainConfig {
             instant: false,
             new_subnet_tempo: 10,
             pool_limit: MAX_POOL,
+            commit_reveal_version: DEFAULT_COMMIT_REVEAL_VERSION,
+            drand_seed: sp_crypto_hashing::blake2_256(b"iota-localnet drand beacon"),
+            drand_period_secs: 1,
+            genesis_unix_ms: None,
         }
     }
 }
@@ -122,6 +143,8 @@ pub fn verify_unlocked(
 
 pub struct Chain {
     config: ChainConfig,
+    beacon: Beacon,
+    genesis_ms: u64,
     blocks: Vec<Block>,
     by_hash: HashMap<H256, usize>,
     pool: Vec<PoolTx>,
@@ -130,7 +153,18 @@ pub struct Chain {
 
 impl Chain {
     pub fn new(config: ChainConfig) -> Self {
-        let mut state = runtime::genesis_state(config.new_subnet_tempo);
+        let genesis_ms = config.genesis_unix_ms.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        });
+        let beacon = Beacon::new(
+            config.drand_seed,
+            (genesis_ms / 1_000) as u32,
+            config.drand_period_secs,
+        );
+        let mut state = runtime::genesis_state(config.new_subnet_tempo, &beacon, genesis_ms);
+        CommitRevealWeightsVersion::insert(&mut state, &config.commit_reveal_version);
         let header = Header {
             parent_hash: H256::zero(),
             number: 0,
@@ -151,6 +185,8 @@ impl Chain {
         };
         Self {
             config,
+            beacon,
+            genesis_ms,
             blocks: vec![genesis],
             by_hash: HashMap::from([(hash, 0)]),
             pool: vec![],
@@ -412,7 +448,8 @@ impl Chain {
                 phase: Phase::Initialization,
                 events: &mut events,
             };
-            runtime::on_initialize(&mut exec);
+            let now_ms = self.genesis_ms + u64::from(number) * SLOT_DURATION_MS;
+            runtime::on_initialize(&mut exec, now_ms, &self.beacon);
         }
         let included = self.take_ready(&state, number as u64);
         let mut extrinsics = Vec::with_capacity(included.len());
@@ -489,8 +526,15 @@ impl Chain {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::call::BalancesCall;
     use crate::runtime::call::{AdminUtilsCall, RuntimeCall, SubtensorCall, SudoCall, SystemCall};
-    use crate::runtime::storage::subtensor::{LastMechansimStepBlock, SubnetworkN, Tempo};
+    use crate::runtime::event::SubtensorEvent;
+    use crate::runtime::storage::drand::{BeaconConfig, LastStoredRound, Pulses};
+    use crate::runtime::storage::subtensor::{
+        LastMechansimStepBlock, SubnetworkN, Tempo, TimelockedWeightCommits, Weights,
+    };
+    use crate::runtime::storage::timestamp::Now;
+    use crate::runtime::types::{BoundedVec, MultiAddress};
     use crate::runtime::{dev_account, dev_pair};
 
     fn chain() -> Chain {
@@ -499,6 +543,7 @@ mod tests {
             instant: false,
             new_subnet_tempo: 10,
             pool_limit: 64,
+            ..ChainConfig::default()
         })
     }
 
@@ -548,6 +593,167 @@ mod tests {
                 "block {b}"
             );
         }
+    }
+
+    /// Encrypts `payload` to `round` of the chain's beacon, as a validator does.
+    fn seal(chain: &Chain, payload: &iota_drand::WeightsTlockPayload, round: u64) -> Vec<u8> {
+        use rand::SeedableRng;
+        let config = BeaconConfig::get(chain.best_state());
+        let public = iota_drand::DrandPublicKey::from_bytes(&config.public_key.0).expect("key");
+        iota_drand::encrypt_for_round(
+            &payload.encode(),
+            round,
+            &public,
+            &mut rand::rngs::StdRng::from_seed([5; 32]),
+        )
+        .expect("encrypt")
+    }
+
+    fn commit_call(netuid: u16, commit: Vec<u8>, round: u64, version: u16) -> RuntimeCall {
+        RuntimeCall::SubtensorModule(SubtensorCall::commit_timelocked_weights {
+            netuid,
+            commit: BoundedVec(commit),
+            reveal_round: round,
+            commit_reveal_version: version,
+        })
+    }
+
+    /// Commit-reveal v4 as finney runs it: the ciphertext sits on chain, unreadable, until the
+    /// beacon's pulse for its round is stored and the reveal epoch comes; then the chain opens it
+    /// and sets the weights. A commit of the wrong version, one to a round already out, and one
+    /// whose payload names another hotkey than its sender's never become weights.
+    #[test]
+    fn timelocked_commits_are_opened_by_the_chain_in_their_reveal_epoch() {
+        let mut chain = Chain::new(ChainConfig {
+            block_time: None,
+            commit_reveal_version: 4,
+            genesis_unix_ms: Some(1_800_000_000_000),
+            drand_period_secs: 1,
+            ..ChainConfig::default()
+        });
+        let netuid = started_subnet(&mut chain);
+        let owner = dev_account("Alice//hot");
+        let miner = dev_account("Bob//hot");
+        for (who, call) in [
+            (
+                "Bob",
+                RuntimeCall::SubtensorModule(SubtensorCall::burned_register {
+                    netuid,
+                    hotkey: miner.clone(),
+                }),
+            ),
+            (
+                "Alice",
+                RuntimeCall::Sudo(SudoCall::sudo {
+                    call: Box::new(RuntimeCall::AdminUtils(
+                        AdminUtilsCall::sudo_set_weights_set_rate_limit {
+                            netuid,
+                            weights_set_rate_limit: 0,
+                        },
+                    )),
+                }),
+            ),
+            (
+                "Alice",
+                RuntimeCall::Balances(BalancesCall::transfer_keep_alive {
+                    dest: MultiAddress::Id(owner.clone()),
+                    value: 10 * crate::runtime::TAO,
+                }),
+            ),
+        ] {
+            submit_and_block(&mut chain, who, call);
+        }
+        let payload = |hotkey: &AccountId32| iota_drand::WeightsTlockPayload {
+            hotkey: AsRef::<[u8]>::as_ref(hotkey).to_vec(),
+            uids: vec![0, 1],
+            values: vec![1, 3],
+            version_key: 0,
+        };
+        let tempo = Tempo::get(chain.best_state(), &netuid);
+        let committed_at = chain.next_block();
+        let config = BeaconConfig::get(chain.best_state());
+        let round = iota_drand::reveal_round(
+            &iota_drand::CommitTiming {
+                current_block: committed_at - 1,
+                first_reveal_block: iota_drand::first_reveal_block(netuid, tempo, committed_at, 1),
+                block_time_secs: SLOT_DURATION_MS as f64 / 1_000.0,
+                now_unix_secs: Now::get(chain.best_state()) as f64 / 1_000.0,
+            },
+            &iota_drand::DrandSchedule {
+                genesis_time: u64::from(config.genesis_time),
+                period_secs: u64::from(config.period),
+            },
+        )
+        .expect("round");
+        assert!(
+            round > LastStoredRound::get(chain.best_state()),
+            "the round is still ahead"
+        );
+
+        // A round already out is refused at the pool: anyone could open it now.
+        let out = LastStoredRound::get(chain.best_state()) - 1;
+        let early = commit_call(netuid, seal(&chain, &payload(&owner), out), out, 4);
+        assert!(matches!(
+            chain.sign_and_submit(&dev_pair("Alice//hot"), &early),
+            Err(SubmitError::Invalid(InvalidTransaction::Custom(15)))
+        ));
+        // Version 3 on a version-4 chain, then a payload naming the miner: neither is kept as
+        // weights; the honest commit is.
+        let wrong_version = commit_call(netuid, seal(&chain, &payload(&owner), round), round, 3);
+        submit_and_block(&mut chain, "Alice//hot", wrong_version);
+        let epoch =
+            crate::runtime::subtensor::epoch_index(chain.best_state(), netuid, committed_at);
+        assert!(TimelockedWeightCommits::get(chain.best_state(), &netuid, &epoch).is_empty());
+        let forged = commit_call(netuid, seal(&chain, &payload(&miner), round), round, 4);
+        let honest = commit_call(netuid, seal(&chain, &payload(&owner), round), round, 4);
+        chain
+            .sign_and_submit(&dev_pair("Alice//hot"), &forged)
+            .expect("accepted");
+        submit_and_block(&mut chain, "Alice//hot", honest);
+        assert_eq!(
+            TimelockedWeightCommits::get(chain.best_state(), &netuid, &epoch).len(),
+            2
+        );
+
+        let mut revealed_at = None;
+        for _ in 0..4 * (tempo + 1) {
+            assert!(
+                Weights::get(chain.best_state(), &netuid, &0).is_empty() || revealed_at.is_some()
+            );
+            chain.produce_block();
+            let state = chain.best_state();
+            if revealed_at.is_none() && !Weights::get(state, &netuid, &0).is_empty() {
+                revealed_at = Some(chain.best().header.number as u64);
+                assert!(Pulses::contains(state, &round));
+                let reveals: Vec<_> = runtime::storage::system::Events::get(state)
+                    .into_iter()
+                    .filter_map(|e| match e.event {
+                        RuntimeEvent::SubtensorModule(
+                            SubtensorEvent::TimelockedWeightsRevealed(n, who),
+                        ) => Some((n, who)),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(
+                    reveals,
+                    vec![(netuid, owner.clone())],
+                    "the forged commit is dropped"
+                );
+            }
+        }
+        let revealed_at = revealed_at.expect("the chain revealed the commit");
+        let reveal_epoch =
+            crate::runtime::subtensor::epoch_index(chain.best_state(), netuid, revealed_at);
+        assert_eq!(
+            reveal_epoch,
+            epoch + 1,
+            "revealed in the epoch after the commit"
+        );
+        assert_eq!(
+            Weights::get(chain.best_state(), &netuid, &0),
+            vec![(0, 21_845), (1, 65_535)]
+        );
+        assert!(TimelockedWeightCommits::get(chain.best_state(), &netuid, &epoch).is_empty());
     }
 
     #[test]

@@ -41,6 +41,13 @@ pub struct ChainArgs {
     /// Tempo (blocks between epochs) given to newly registered subnets.
     #[arg(long, env = "IOTA_LOCALNET_TEMPO", default_value_t = 10)]
     pub tempo: u16,
+    /// `CommitRevealWeightsVersion` at genesis: 4 for drand-timelocked commits (finney's), 2
+    /// for hash commits.
+    #[arg(long, env = "IOTA_LOCALNET_COMMIT_REVEAL_VERSION", default_value_t = crate::chain::DEFAULT_COMMIT_REVEAL_VERSION)]
+    pub commit_reveal_version: u16,
+    /// Seconds between rounds of the chain's own drand beacon.
+    #[arg(long, env = "IOTA_LOCALNET_DRAND_PERIOD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub drand_period: u32,
 }
 
 /// Parses `250ms`, `2s`, `1m` or a bare number of milliseconds.
@@ -78,6 +85,8 @@ pub async fn run(args: LocalnetArgs) -> Result<(), CliError> {
                     block_time: (!a.block_time.is_zero()).then_some(a.block_time),
                     instant: a.instant || a.block_time.is_zero(),
                     new_subnet_tempo: a.tempo,
+                    commit_reveal_version: a.commit_reveal_version,
+                    drand_period_secs: a.drand_period,
                     ..ChainConfig::default()
                 },
             };

@@ -18,10 +18,11 @@ use crate::runtime::call::{
     AdminUtilsCall, BalancesCall, RuntimeCall, SubtensorCall, SudoCall, SystemCall,
 };
 use crate::runtime::error::{
-    AdminUtilsError, BalancesError, SubtensorError, SudoError, SystemError,
+    AdminUtilsError, BalancesError, DrandError, SubtensorError, SudoError, SystemError,
 };
 use crate::runtime::event::{
-    AdminUtilsEvent, BalancesEvent, RuntimeEvent, SubtensorEvent, SudoEvent, SystemEvent,
+    AdminUtilsEvent, BalancesEvent, DrandEvent, RuntimeEvent, SubtensorEvent, SudoEvent,
+    SystemEvent,
 };
 use crate::runtime::extrinsic::extension_types as ext;
 use crate::runtime::storage;
@@ -46,6 +47,8 @@ enum RuntimeError {
     Sudo(SudoError),
     #[codec(index = 19)]
     AdminUtils(AdminUtilsError),
+    #[codec(index = 26)]
+    Drand(DrandError),
 }
 
 /// Where a Substrate runtime's types live; clients and codegen recognise some of them by path
@@ -109,6 +112,12 @@ const CANONICAL_PATHS: &[(&str, &[&str])] = &[
             "TransactionValidityError",
         ],
     ),
+    ("Pulse", &["pallet_drand", "types", "Pulse"]),
+    (
+        "BeaconConfiguration",
+        &["pallet_drand", "types", "BeaconConfiguration"],
+    ),
+    ("BeaconMetadata", &["pallet_drand", "types", "Metadata"]),
     ("FixedI128", &["substrate_fixed", "FixedI128"]),
     ("FixedI64", &["substrate_fixed", "FixedI64"]),
     (
@@ -193,6 +202,8 @@ const CANONICAL_PATHS: &[(&str, &[&str])] = &[
         "AdminUtilsError",
         &["pallet_admin_utils", "pallet", "Error"],
     ),
+    ("DrandEvent", &["pallet_drand", "pallet", "Event"]),
+    ("DrandError", &["pallet_drand", "pallet", "Error"]),
 ];
 
 fn pallet(
@@ -459,6 +470,16 @@ fn build() -> RuntimeMetadataV16 {
                 constant("SS58Prefix", SS58_PREFIX),
             ],
         ),
+        // Only the block's time, which the localnet advances by one slot per block.
+        pallet(
+            "Timestamp",
+            2,
+            None,
+            None,
+            None,
+            ("Timestamp", storage::timestamp::entries()),
+            vec![],
+        ),
         // Only the slot duration: clients read the block time from it.
         pallet(
             "Aura",
@@ -504,6 +525,20 @@ fn build() -> RuntimeMetadataV16 {
             Some(meta_type::<AdminUtilsError>()),
             ("AdminUtils", vec![]),
             vec![],
+        ),
+        // The localnet's own beacon stands in for drand: pulses are written by the chain itself,
+        // so the pallet has no calls.
+        pallet(
+            "Drand",
+            26,
+            None,
+            Some(meta_type::<DrandEvent>()),
+            Some(meta_type::<DrandError>()),
+            ("Drand", storage::drand::entries()),
+            vec![
+                constant("UnsignedPriority", 1u64 << 20),
+                constant("HttpFetchTimeout", 1_000u64),
+            ],
         ),
     ];
 

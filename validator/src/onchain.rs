@@ -60,6 +60,32 @@ pub async fn weight_rows(
         .collect()
 }
 
+/// The blake2-256 hashes of `hotkey`'s drand-timelocked commits made in `epoch` on `netuid` and
+/// not revealed yet, at `at`.
+pub async fn timelocked_commit_hashes(
+    chain: &Subtensor,
+    at: &AtBlock,
+    netuid: u16,
+    epoch: u64,
+    hotkey: &PublicKey,
+) -> Result<Vec<[u8; 32]>, ChainError> {
+    let mut b = StorageBatch::new(at);
+    let slot = b.add(
+        api::storage()
+            .subtensor_module()
+            .timelocked_weight_commits(),
+        (netuid, epoch),
+    )?;
+    let who = iota_chain::signer::account(hotkey);
+    Ok(b.fetch(chain)
+        .await?
+        .value(&slot)?
+        .into_iter()
+        .filter(|(account, ..)| *account == who)
+        .map(|(_, _, bytes, _)| sp_crypto_hashing::blake2_256(&bytes.0))
+        .collect())
+}
+
 /// The hashes of `hotkey`'s unrevealed commits on `netuid` at `at`.
 pub async fn commit_hashes(
     chain: &Subtensor,

@@ -1203,6 +1203,12 @@ impl Validator {
                         version_key,
                         hash,
                         ..
+                    }
+                    | WeightsOutcome::TimelockCommitted {
+                        block,
+                        version_key,
+                        hash,
+                        ..
                     } => (
                         "committed",
                         Some(*block),

@@ -322,14 +322,22 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         );
 
         // The audit of the epoch the weights came from recomputes them from the orchestrator's
-        // records: while committed, the commit hash with the stored salt is the one on chain.
+        // records: while committed (drand-timelocked, the localnet's default as finney's), the
+        // weights sealed are the recomputed ones and the ciphertext is on chain.
         let audited = sent.epoch.expect("weights from scores have an epoch");
         let report = v.audit(audited).await.expect("audit");
         eprintln!("{report}");
         assert_audit_matches(&report, &sent.weights);
         if sent.state == "committed" {
             assert!(
-                matches!(report.chain, ChainCheck::Commit { matches: true, .. }),
+                matches!(
+                    report.chain,
+                    ChainCheck::Sealed {
+                        matches: true,
+                        on_chain: true,
+                        ..
+                    }
+                ),
                 "{:?}",
                 report.chain
             );

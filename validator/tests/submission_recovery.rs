@@ -24,6 +24,7 @@ fn commit(n: u8) -> PendingCommit {
         submitted_block: 10,
         commit_block: None,
         reveal_epoch: 3,
+        timelock: None,
     }
 }
 

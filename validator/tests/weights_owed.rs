@@ -283,6 +283,98 @@ async fn refused_weights_back_off_and_are_sent_when_the_chain_accepts() {
     orch.stop().await;
 }
 
+/// Commit-reveal v4, as finney runs it: the validator seals its owed weights to the drand round
+/// out when the reveal epoch begins and commits them; the chain holds only the ciphertext until
+/// its own beacon stores that round's pulse in the reveal epoch, then opens it and sets the
+/// weights; the validator records the reveal's block, and the next Yuma epoch pays the miners in
+/// the ratio of their scores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timelocked_weights_are_revealed_by_the_chain_and_paid_on() {
+    init_tracing();
+    let chain = chain_with(&MINERS, &[VALIDATOR]).await;
+    let (c, netuid) = (&chain.chain, chain.netuid);
+    set_hyperparams(
+        &chain,
+        [
+            Hyperparam::CommitRevealWeightsEnabled(true),
+            Hyperparam::CommitRevealVersion(4),
+            Hyperparam::WeightsRateLimit(0),
+        ],
+    )
+    .await;
+    let Scored {
+        orch,
+        _store_dir,
+        v,
+        store,
+    } = epoch_0_scored(
+        &chain,
+        "weights-timelocked",
+        &[(MINERS[0], 1.0), (MINERS[1], 3.0)],
+    )
+    .await;
+    let hotkey = Keypair::from_seed([VALIDATOR; 32]);
+    let meta = c.metagraph(netuid).await.expect("metagraph");
+    let uid = |seed: u8| meta.uid_of(&public(&pair(seed))).expect("uid");
+    let me = uid(VALIDATOR);
+    let weights_row = || async {
+        let at = c.at_best().await.expect("block");
+        iota_validator::onchain::weights_row(c, &at, netuid, me)
+            .await
+            .expect("weights row")
+    };
+
+    assert!(v.step().await.expect("step").is_empty());
+    let subs = store.submissions(10).await.expect("submissions");
+    assert_eq!(subs.len(), 1, "{subs:?}");
+    assert_eq!(subs[0].state, "committed", "{subs:?}");
+    let commit_block = subs[0].block.expect("the commit's block");
+    assert!(
+        weights_row().await.is_empty(),
+        "only the ciphertext is on chain"
+    );
+
+    let hp = c.hyperparams(netuid).await.expect("hyperparams");
+    let mut revealed = None;
+    for _ in 0..3 * (u32::from(hp.tempo) + 1) {
+        chain.net.produce_blocks(1);
+        v.reveal().await.expect("reveal pass");
+        let sub = store.submissions(10).await.expect("submissions").remove(0);
+        if sub.state == "revealed" {
+            revealed = Some(sub);
+            break;
+        }
+        assert_eq!(sub.state, "committed", "{sub:?}");
+    }
+    let sent = revealed.expect("the chain revealed the commit");
+    let block = sent.block.expect("the reveal's block");
+    assert_eq!(
+        hp.epoch_of(block),
+        hp.epoch_of(commit_block) + hp.reveal_period_epochs,
+        "revealed in the reveal epoch"
+    );
+    let row = weights_row().await;
+    assert_eq!(
+        row,
+        vec![(uid(MINERS[0]), 21_845), (uid(MINERS[1]), 65_535)]
+    );
+    let meta = c.metagraph(netuid).await.expect("metagraph");
+    let validator = meta.neuron_by_hotkey(&hotkey.public()).expect("validator");
+    assert_eq!(validator.last_update, block, "the reveal set the weights");
+
+    // The next epoch pays on them.
+    let paid_from = chain.net.best_number();
+    chain.net.produce_blocks(u32::from(hp.tempo) + 2);
+    let meta = c.metagraph(netuid).await.expect("metagraph");
+    assert!(meta.block > paid_from);
+    let incentive = |seed: u8| meta.neurons[usize::from(uid(seed))].incentive;
+    let (low, high) = (incentive(MINERS[0]), incentive(MINERS[1]));
+    assert!(low > 0 && high > 0, "{:?}", meta.neurons);
+    let ratio = f64::from(high) / f64::from(low);
+    assert!((ratio - 3.0).abs() < 0.01, "incentive {high}/{low}");
+    orch.stop().await;
+}
+
 /// The default scoring settings, as published.
 fn params() -> iota_protocol::api::ScoringParams {
     iota_validator::published::params(&Default::default(), &Default::default(), None)

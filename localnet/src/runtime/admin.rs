@@ -198,6 +198,11 @@ pub fn dispatch(exec: &mut Exec<'_>, origin: &Origin, call: &C) -> DispatchResul
             RevealPeriodEpochs::insert(exec.state, &netuid, &interval);
             Ev::CommitRevealPeriodsSet(netuid, interval)
         }
+        C::sudo_set_commit_reveal_version { version } => {
+            origin.ensure_root()?;
+            CommitRevealWeightsVersion::insert(exec.state, &version);
+            Ev::CommitRevealVersionSet(version)
+        }
         C::sudo_set_yuma3_enabled { netuid, enabled } => {
             ensure_owner_or_root(exec, origin, netuid)?;
             Yuma3On::insert(exec.state, &netuid, &enabled);

@@ -6,7 +6,7 @@
 use parity_scale_codec::{Decode, Encode};
 use scale_info::TypeInfo;
 
-use super::types::{AccountId32, Balance, H256, MultiAddress};
+use super::types::{AccountId32, Balance, BoundedVec, H256, MultiAddress};
 
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
 pub enum RuntimeCall {
@@ -112,6 +112,21 @@ pub enum SubtensorCall {
         salt: Vec<u16>,
         version_key: u64,
     },
+    #[codec(index = 113)]
+    commit_timelocked_weights {
+        netuid: u16,
+        commit: BoundedVec<u8>,
+        reveal_round: u64,
+        commit_reveal_version: u16,
+    },
+    #[codec(index = 118)]
+    commit_timelocked_mechanism_weights {
+        netuid: u16,
+        mecid: u8,
+        commit: BoundedVec<u8>,
+        reveal_round: u64,
+        commit_reveal_version: u16,
+    },
     #[codec(index = 119)]
     set_mechanism_weights {
         netuid: u16,
@@ -196,4 +211,6 @@ pub enum AdminUtilsCall {
     sudo_set_commit_reveal_weights_interval { netuid: u16, interval: u64 },
     #[codec(index = 69)]
     sudo_set_yuma3_enabled { netuid: u16, enabled: bool },
+    #[codec(index = 71)]
+    sudo_set_commit_reveal_version { version: u16 },
 }

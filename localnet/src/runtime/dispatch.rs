@@ -9,7 +9,7 @@ use super::storage::{
     balances as balances_storage, sudo as sudo_storage, system as system_storage,
 };
 use super::types::{AccountId32, AccountInfo, H256};
-use super::{admin, balances, subtensor};
+use super::{admin, balances, drand, subtensor};
 use crate::state::State;
 
 /// Dispatches a call: the transaction's effect after its signature and nonce were accepted.
@@ -48,8 +48,9 @@ pub fn dispatch(exec: &mut Exec<'_>, origin: &Origin, call: &RuntimeCall) -> Dis
     }
 }
 
-/// Genesis state: funded dev accounts, Alice as sudo, and the root network (netuid 0).
-pub fn genesis_state(new_subnet_tempo: u16) -> State {
+/// Genesis state: funded dev accounts, Alice as sudo, the root network (netuid 0), and the
+/// beacon the Drand pallet follows.
+pub fn genesis_state(new_subnet_tempo: u16, beacon: &drand::Beacon, now_ms: u64) -> State {
     let mut state = State::default();
     let mut issuance = 0u64;
     for name in DEV_ACCOUNTS {
@@ -64,12 +65,16 @@ pub fn genesis_state(new_subnet_tempo: u16) -> State {
     sudo_storage::Key::insert(&mut state, &dev_account("Alice"));
     subtensor::init_root_network(&mut state);
     subtensor::set_default_new_subnet_tempo(&mut state, new_subnet_tempo);
+    super::storage::drand::BeaconConfig::insert(&mut state, beacon.config());
+    super::storage::timestamp::Now::insert(&mut state, &now_ms);
     state
 }
 
-/// Work every block does before its transactions: subtensor's emission and epochs.
-pub fn on_initialize(exec: &mut Exec<'_>) {
+/// Work every block does before its transactions: the block's time and the beacon's new
+/// pulses, then subtensor's emission, timelocked reveals and epochs.
+pub fn on_initialize(exec: &mut Exec<'_>, now_ms: u64, beacon: &drand::Beacon) {
     system_storage::Number::insert(exec.state, &(exec.block as u32));
+    drand::on_initialize(exec, now_ms, beacon);
     subtensor::block_step(exec);
 }
 

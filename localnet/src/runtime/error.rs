@@ -197,3 +197,12 @@ pallet_errors!(AdminUtilsError {
     MaxAllowedUidsGreaterThanDefaultMaxAllowedUids,
     InvalidValue,
 });
+
+pallet_errors!(DrandError {
+    NoneValue,
+    StorageOverflow,
+    DrandConnectionFailure,
+    UnverifiedPulse,
+    InvalidRoundNumber,
+    PulseVerificationError,
+});

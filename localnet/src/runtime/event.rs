@@ -32,6 +32,8 @@ pub enum RuntimeEvent {
     Sudo(SudoEvent),
     #[codec(index = 19)]
     AdminUtils(AdminUtilsEvent),
+    #[codec(index = 26)]
+    Drand(DrandEvent),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
@@ -135,8 +137,23 @@ pub enum SubtensorEvent {
     CommitRevealPeriodsSet(u16, u64),
     #[codec(index = 99)]
     CommitRevealEnabled(u16, bool),
+    #[codec(index = 104)]
+    CommitRevealVersionSet(u16),
+    /// (hotkey, netuid storage index, blake2-256 of the ciphertext, reveal round)
+    #[codec(index = 105)]
+    TimelockedWeightsCommitted(AccountId32, u16, H256, u64),
+    /// (netuid storage index, hotkey)
+    #[codec(index = 106)]
+    TimelockedWeightsRevealed(u16, AccountId32),
     #[codec(index = 108)]
     IncentiveAlphaEmittedToMiners { netuid: u16, emissions: Vec<u64> },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
+pub enum DrandEvent {
+    /// Pulses stored in this block.
+    #[codec(index = 1)]
+    NewPulse { rounds: Vec<u64> },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]

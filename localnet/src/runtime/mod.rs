@@ -5,6 +5,7 @@ pub mod admin;
 pub mod balances;
 pub mod call;
 mod dispatch;
+pub mod drand;
 pub mod error;
 pub mod event;
 mod exec;

@@ -10,7 +10,9 @@ use frame_metadata::v16::{
 use parity_scale_codec::{Decode, Encode};
 use scale_info::meta_type;
 
-use super::types::{AccountId32, AccountInfo, AxonInfo, FixedU128, H256};
+use super::types::{
+    AccountId32, AccountInfo, AxonInfo, BeaconConfiguration, BoundedVec, FixedU128, H256, Pulse,
+};
 use crate::state::State;
 
 /// How a storage key part is hashed into the final key.
@@ -204,6 +206,27 @@ pub mod sudo {
     }
 }
 
+pub mod timestamp {
+    use super::*;
+
+    storage_items! {
+        pallet = "Timestamp";
+        Now: value [] => u64;
+    }
+}
+
+pub mod drand {
+    use super::*;
+
+    storage_items! {
+        pallet = "Drand";
+        BeaconConfig: value [] => BeaconConfiguration = BeaconConfiguration::quicknet();
+        Pulses: option [Blake2_128Concat round: u64] => Pulse;
+        LastStoredRound: value [] => u64;
+        OldestStoredRound: value [] => u64;
+    }
+}
+
 pub mod subtensor {
     use super::*;
 
@@ -277,6 +300,8 @@ pub mod subtensor {
         CommitRevealWeightsEnabled: value [Identity netuid: u16] => bool = true;
         RevealPeriodEpochs: value [Twox64Concat netuid: u16] => u64 = 1;
         WeightCommits: option [Twox64Concat netuid: u16, Twox64Concat who: AccountId32] => Vec<(H256, u64, u64, u64)>;
+        CommitRevealWeightsVersion: value [] => u16 = 4;
+        TimelockedWeightCommits: value [Twox64Concat netuid: u16, Twox64Concat epoch: u64] => Vec<(AccountId32, u64, BoundedVec<u8>, u64)>;
         LastUpdate: value [Identity netuid: u16] => Vec<u64>;
         Active: value [Identity netuid: u16] => Vec<bool>;
         Rank: value [Identity netuid: u16] => Vec<u16>;

@@ -8,19 +8,22 @@
 //!   the rest half to miners and half to validators (the single-subnet case of subtensor's
 //!   coinbase with no root stake); validator take and childkeys are not modelled;
 //! * epochs follow spec 393's rule: a subnet's epoch runs when `(block + netuid + 1) % (tempo + 1)
-//!   == 0`; commit-reveal is the hash scheme (v2), revealed in the epoch after the commit;
+//!   == 0`; commit-reveal is the hash scheme (v2), revealed in the epoch after the commit, or
+//!   drand-timelocked (v4, when `CommitRevealWeightsVersion` says so), opened by the chain with
+//!   the pulses of the localnet's own beacon ([`super::drand`]);
 //! * the registration burn stays where it is set (no per-interval adjustment) and subnet
 //!   registration has no rate limit and a fixed lock cost (`NetworkMinLockCost`).
 
-use parity_scale_codec::Encode;
+use parity_scale_codec::{Decode, Encode};
 
 use super::balances;
 use super::call::SubtensorCall;
 use super::error::SubtensorError as E;
 use super::event::{DispatchError, Pays, RuntimeEvent, SubtensorEvent};
 use super::extrinsic::InvalidTransaction;
+use super::storage::drand::Pulses;
 use super::storage::subtensor::*;
-use super::types::{AccountId32, AxonInfo, FixedU128, H256};
+use super::types::{AccountId32, AxonInfo, BoundedVec, FixedU128, H256};
 use super::{DispatchResult, Exec, Origin, SUBTENSOR_INDEX, TAO, module_error};
 use crate::state::State;
 use crate::yuma;
@@ -40,6 +43,8 @@ const OWNER_CUT: u64 = 11_796;
 const MIN_STAKE: u64 = 500_000;
 /// Most unrevealed weight commits a hotkey may hold per subnet.
 const MAX_UNREVEALED_COMMITS: usize = 10;
+/// Largest timelocked commit (`BoundedVec<u8, ConstU32<5000>>`).
+const MAX_TIMELOCKED_COMMIT_LEN: usize = 5_000;
 
 /// Where the tempo for new subnets is kept: not a finney storage item, so under its own key.
 fn default_tempo_key() -> Vec<u8> {
@@ -104,6 +109,7 @@ pub fn pool_checks(
     const INVALID_IP_ADDRESS: u8 = 11;
     const SERVING_RATE_LIMIT_EXCEEDED: u8 = 12;
     const INVALID_PORT: u8 = 13;
+    const INVALID_REVEAL_ROUND: u8 = 15;
     let super::call::RuntimeCall::SubtensorModule(call) = call else {
         return Ok(());
     };
@@ -112,9 +118,18 @@ pub fn pool_checks(
         | SubtensorCall::set_mechanism_weights { netuid, .. }
         | SubtensorCall::commit_weights { netuid, .. }
         | SubtensorCall::reveal_weights { netuid, .. }
+        | SubtensorCall::commit_timelocked_weights { netuid, .. }
+        | SubtensorCall::commit_timelocked_mechanism_weights { netuid, .. }
             if TotalHotkeyAlpha::get(state, signer, netuid) < StakeThreshold::get(state) =>
         {
             return Err(InvalidTransaction::Custom(STAKE_AMOUNT_TOO_LOW));
+        }
+        // A round whose pulse is already out could be opened by anyone before the reveal.
+        SubtensorCall::commit_timelocked_weights { reveal_round, .. }
+        | SubtensorCall::commit_timelocked_mechanism_weights { reveal_round, .. }
+            if *reveal_round < super::storage::drand::LastStoredRound::get(state) =>
+        {
+            return Err(InvalidTransaction::Custom(INVALID_REVEAL_ROUND));
         }
         SubtensorCall::serve_axon {
             netuid,
@@ -240,6 +255,39 @@ pub fn dispatch(exec: &mut Exec<'_>, origin: &Origin, call: &SubtensorCall) -> D
             salt,
             version_key,
         } => reveal_weights(exec, &who, *netuid, uids, values, salt, *version_key),
+        SubtensorCall::commit_timelocked_weights {
+            netuid,
+            commit,
+            reveal_round,
+            commit_reveal_version,
+        } => commit_timelocked_weights(
+            exec,
+            &who,
+            *netuid,
+            commit,
+            *reveal_round,
+            *commit_reveal_version,
+        ),
+        SubtensorCall::commit_timelocked_mechanism_weights {
+            netuid,
+            mecid,
+            commit,
+            reveal_round,
+            commit_reveal_version,
+        } => {
+            ensure_subnet(exec.state, *netuid)?;
+            if *mecid >= MechanismCountCurrent::get(exec.state, netuid) {
+                return Err(E::MechanismDoesNotExist.into());
+            }
+            commit_timelocked_weights(
+                exec,
+                &who,
+                *netuid,
+                commit,
+                *reveal_round,
+                *commit_reveal_version,
+            )
+        }
     }
 }
 
@@ -809,6 +857,124 @@ fn reveal_weights(
     Ok(Pays::No)
 }
 
+/// Subtensor's `do_commit_timelocked_weights`: the ciphertext is kept under the epoch it was made
+/// in, to be opened by the chain once the beacon's pulse for `reveal_round` is stored and the
+/// reveal epoch has come ([`reveal_timelocked_commits`]).
+fn commit_timelocked_weights(
+    exec: &mut Exec<'_>,
+    hotkey: &AccountId32,
+    netuid: u16,
+    commit: &BoundedVec<u8>,
+    reveal_round: u64,
+    version: u16,
+) -> DispatchResult {
+    ensure_subnet(exec.state, netuid)?;
+    if !CommitRevealWeightsEnabled::get(exec.state, &netuid) {
+        return Err(E::CommitRevealDisabled.into());
+    }
+    if version != CommitRevealWeightsVersion::get(exec.state) {
+        return Err(E::IncorrectCommitRevealVersion.into());
+    }
+    if commit.0.len() > MAX_TIMELOCKED_COMMIT_LEN {
+        return Err(E::InvalidValue.into());
+    }
+    let uid = Uids::get(exec.state, &netuid, hotkey).ok_or(E::HotKeyNotRegisteredInSubNet)?;
+    if !weights_rate_limit_passed(exec.state, netuid, uid, exec.block) {
+        return Err(E::CommittingWeightsTooFast.into());
+    }
+    let epoch = epoch_index(exec.state, netuid, exec.block);
+    let mut commits = TimelockedWeightCommits::get(exec.state, &netuid, &epoch);
+    if commits.iter().filter(|(who, ..)| who == hotkey).count() >= MAX_UNREVEALED_COMMITS {
+        return Err(E::TooManyUnrevealedCommits.into());
+    }
+    commits.push((hotkey.clone(), exec.block, commit.clone(), reveal_round));
+    TimelockedWeightCommits::insert(exec.state, &netuid, &epoch, &commits);
+    set_last_update(exec, netuid, uid);
+    let hash = H256(sp_crypto_hashing::blake2_256(&commit.0));
+    exec.deposit(RuntimeEvent::SubtensorModule(
+        SubtensorEvent::TimelockedWeightsCommitted(hotkey.clone(), netuid, hash, reveal_round),
+    ));
+    Ok(Pays::No)
+}
+
+/// Subtensor's `reveal_crv3_commits`, run every block: the commits made `RevealPeriodEpochs`
+/// epochs ago are opened with their round's pulse and set as weights. A commit whose pulse is not
+/// stored yet waits for a later block of the reveal epoch; older epochs' commits are dropped. A
+/// commit that does not open, does not decode, names another hotkey than its sender (v4) or
+/// fails the weights checks is dropped, as on finney, without failing the block.
+fn reveal_timelocked_commits(exec: &mut Exec<'_>, netuid: u16) {
+    let current = epoch_index(exec.state, netuid, exec.block);
+    let Some(reveal_epoch) = current.checked_sub(RevealPeriodEpochs::get(exec.state, &netuid))
+    else {
+        return;
+    };
+    // The netuid's part of the key: prefix ++ twox64(netuid) ++ netuid, then the epoch's part,
+    // twox64(epoch) ++ epoch.
+    let mut prefix = TimelockedWeightCommits::prefix();
+    super::storage::Hasher::Twox64Concat.hash_into(&netuid.encode(), &mut prefix);
+    let stale: Vec<u64> = exec
+        .state
+        .keys_with_prefix(&prefix, None)
+        .filter_map(|k| {
+            let tail = k.get(prefix.len() + 8..prefix.len() + 16)?;
+            Some(u64::from_le_bytes(tail.try_into().ok()?))
+        })
+        .filter(|epoch| *epoch < reveal_epoch)
+        .collect();
+    for epoch in stale {
+        TimelockedWeightCommits::remove(exec.state, &netuid, &epoch);
+    }
+    let commits = TimelockedWeightCommits::get(exec.state, &netuid, &reveal_epoch);
+    if commits.is_empty() {
+        return;
+    }
+    let mut waiting = Vec::new();
+    for (who, commit_block, commit, round) in commits {
+        let Some(pulse) = Pulses::get(exec.state, &round) else {
+            waiting.push((who, commit_block, commit, round));
+            continue;
+        };
+        let opened = iota_drand::decrypt_with_signature(&commit.0, &pulse.signature.0)
+            .map_err(|e| e.to_string())
+            .and_then(|plain| {
+                iota_drand::WeightsTlockPayload::decode(&mut &plain[..]).map_err(|e| e.to_string())
+            });
+        let payload = match opened {
+            Ok(p) if p.hotkey.as_slice() == AsRef::<[u8]>::as_ref(&who) => p,
+            Ok(_) => {
+                tracing::debug!(netuid, ?who, "timelocked commit names another hotkey");
+                continue;
+            }
+            Err(error) => {
+                tracing::debug!(netuid, ?who, %error, "timelocked commit does not open");
+                continue;
+            }
+        };
+        let set = exec.transactional(|exec| {
+            set_weights(
+                exec,
+                &who,
+                netuid,
+                &payload.uids,
+                &payload.values,
+                payload.version_key,
+                false,
+            )
+        });
+        match set {
+            Ok(()) => exec.deposit(RuntimeEvent::SubtensorModule(
+                SubtensorEvent::TimelockedWeightsRevealed(netuid, who),
+            )),
+            Err(error) => tracing::debug!(netuid, ?who, ?error, "revealed weights refused"),
+        }
+    }
+    if waiting.is_empty() {
+        TimelockedWeightCommits::remove(exec.state, &netuid, &reveal_epoch);
+    } else {
+        TimelockedWeightCommits::insert(exec.state, &netuid, &reveal_epoch, &waiting);
+    }
+}
+
 fn subnets(state: &State) -> Vec<u16> {
     let prefix = NetworksAdded::prefix();
     state
@@ -839,6 +1005,7 @@ pub fn block_step(exec: &mut Exec<'_>) {
             });
         }
         BlocksSinceLastStep::mutate(exec.state, &netuid, |b| *b = b.saturating_add(1));
+        reveal_timelocked_commits(exec, netuid);
         if is_epoch_block(exec.state, netuid, exec.block) {
             run_epoch(exec, netuid);
         }

@@ -209,6 +209,80 @@ impl FixedU128 {
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
 pub struct Cow<T>(pub T);
 
+/// `bounded_collections::BoundedVec<T, S>` as finney's metadata declares it: a vector whose bound
+/// is a type parameter the metadata omits. The bound is checked where the value is used.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Encode, Decode)]
+pub struct BoundedVec<T>(pub Vec<T>);
+
+impl<T: TypeInfo + 'static> TypeInfo for BoundedVec<T> {
+    type Identity = Self;
+
+    fn type_info() -> scale_info::Type {
+        scale_info::Type::builder()
+            .path(scale_info::Path::from_segments_unchecked([
+                "bounded_collections",
+                "bounded_vec",
+                "BoundedVec",
+            ]))
+            .type_params(vec![
+                scale_info::TypeParameter::new("T", Some(scale_info::meta_type::<T>())),
+                scale_info::TypeParameter::new("S", None),
+            ])
+            .composite(
+                scale_info::build::Fields::unnamed()
+                    .field(|f| f.ty::<Vec<T>>().type_name("Vec<T>")),
+            )
+    }
+}
+
+/// One drand round as the Drand pallet stores it (`pallet_drand::types::Pulse`).
+#[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
+pub struct Pulse {
+    pub round: u64,
+    /// `sha256(signature)`, as drand derives a round's randomness.
+    pub randomness: BoundedVec<u8>,
+    /// The beacon's signature on the round: the key to every ciphertext timelocked to it.
+    pub signature: BoundedVec<u8>,
+}
+
+/// Which beacon the Drand pallet follows (`pallet_drand::types::BeaconConfiguration`).
+#[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
+pub struct BeaconConfiguration {
+    pub public_key: BoundedVec<u8>,
+    /// Seconds between rounds.
+    pub period: u32,
+    /// Unix time of round 1, in seconds.
+    pub genesis_time: u32,
+    pub hash: BoundedVec<u8>,
+    pub group_hash: BoundedVec<u8>,
+    pub scheme_id: BoundedVec<u8>,
+    pub metadata: BeaconMetadata,
+}
+
+/// `pallet_drand::types::Metadata`.
+#[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
+pub struct BeaconMetadata {
+    pub beacon_id: BoundedVec<u8>,
+}
+
+impl BeaconConfiguration {
+    /// Drand quicknet, the Drand pallet's default (what finney follows).
+    pub fn quicknet() -> Self {
+        let bytes = |h: &str| BoundedVec(hex::decode(h).unwrap_or_default());
+        Self {
+            public_key: bytes(iota_drand::QUICKNET_PUBLIC_KEY_HEX),
+            period: 3,
+            genesis_time: 1_692_803_367,
+            hash: bytes(iota_drand::QUICKNET_CHAIN_HASH_HEX),
+            group_hash: bytes("f477d5c89f21a17c863a7f937c6a6d15859414d2be09cd448d4279af331c5d3e"),
+            scheme_id: BoundedVec(b"bls-unchained-g1-rfc9380".to_vec()),
+            metadata: BeaconMetadata {
+                beacon_id: BoundedVec(b"quicknet".to_vec()),
+            },
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Encode, Decode, TypeInfo)]
 pub struct RuntimeVersion {
     pub spec_name: Cow<String>,

@@ -30,7 +30,7 @@ use serde::Serialize;
 
 use crate::clasp::HotkeyEffects;
 use crate::error::ValidatorError;
-use crate::onchain::{at_number, commit_hashes, weights_row};
+use crate::onchain::{at_number, commit_hashes, timelocked_commit_hashes, weights_row};
 use crate::published::Settings;
 use crate::score::CheckRow;
 use crate::score::{EpochScore, epoch_scores, failures, weights_by_uid};
@@ -110,6 +110,22 @@ pub enum ChainCheck {
         /// Recomputed equals recorded, and it is on chain.
         matches: bool,
     },
+    /// A drand-timelocked commit not revealed yet. Nobody can read the ciphertext before its
+    /// round, so what is checked is what the validator sealed (kept in its commit store) against
+    /// the recomputed weights, and that the ciphertext is among its commits on chain; after the
+    /// reveal the audit compares the chain's `Weights` row.
+    Sealed {
+        /// Blake2-256 of the ciphertext, as recorded at submission.
+        recorded: String,
+        /// The drand round that opens it.
+        reveal_round: u64,
+        /// The sealed uids and values equal the recomputed ones.
+        sealed_matches: bool,
+        /// The ciphertext is among the validator's timelocked commits on chain now.
+        on_chain: bool,
+        /// Both.
+        matches: bool,
+    },
     /// Nothing to compare: no weights reached the chain from this epoch.
     NotApplicable {
         /// Why.
@@ -127,7 +143,9 @@ impl ChainCheck {
     /// does not).
     pub fn matches(&self) -> bool {
         match self {
-            Self::Weights { matches, .. } | Self::Commit { matches, .. } => *matches,
+            Self::Weights { matches, .. }
+            | Self::Commit { matches, .. }
+            | Self::Sealed { matches, .. } => *matches,
             Self::NotApplicable { .. } => true,
             Self::Unavailable { .. } => false,
         }
@@ -681,16 +699,25 @@ impl Validator {
                 }
             })
             .collect();
-        if let ChainCheck::Commit {
-            recorded,
-            recomputed,
-            on_chain,
-            matches: false,
-        } = &chain
-        {
-            mismatches.push(format!(
+        match &chain {
+            ChainCheck::Commit {
+                recorded,
+                recomputed,
+                on_chain,
+                matches: false,
+            } => mismatches.push(format!(
                 "commit: recorded {recorded}, recomputed {recomputed}, on chain: {on_chain}"
-            ));
+            )),
+            ChainCheck::Sealed {
+                recorded,
+                sealed_matches,
+                on_chain,
+                matches: false,
+                ..
+            } => mismatches.push(format!(
+                "timelocked commit {recorded}: sealed weights equal the recomputed ones: {sealed_matches}, on chain: {on_chain}"
+            )),
+            _ => {}
         }
         Ok((rows, chain))
     }
@@ -722,6 +749,29 @@ impl Validator {
         };
         let public = self.hotkey().public();
         let (uids, values): (Vec<u16>, Vec<u16>) = expected.iter().map(|(u, v)| (*u, *v)).unzip();
+        if let Some(sealed) = pending.timelock {
+            let at = self.chain().at_best().await?;
+            let on_chain = timelocked_commit_hashes(
+                self.chain(),
+                &at,
+                meta.netuid,
+                sealed.commit_epoch,
+                &public,
+            )
+            .await?
+            .iter()
+            .any(|h| format!("0x{}", hex::encode(h)) == recorded);
+            // The chain max-upscales what it is sent; compare in that form.
+            let sealed_matches =
+                max_upscaled(&pending.uids, &pending.values) == max_upscaled(&uids, &values);
+            return Ok(ChainCheck::Sealed {
+                matches: sealed_matches && on_chain,
+                recorded,
+                reveal_round: sealed.reveal_round,
+                sealed_matches,
+                on_chain,
+            });
+        }
         let hash = commit_hash(
             public.to_bytes(),
             meta.netuid,
@@ -743,6 +793,19 @@ impl Validator {
             on_chain,
         })
     }
+}
+
+/// `(uid, value)` pairs as the chain stores weights: max-upscaled to 65535, zeros dropped.
+fn max_upscaled(uids: &[u16], values: &[u16]) -> BTreeMap<u16, u16> {
+    let max = values.iter().copied().max().unwrap_or(0);
+    uids.iter()
+        .zip(values)
+        .filter(|(_, v)| **v > 0 && max > 0)
+        .map(|(u, v)| {
+            let scaled = (u64::from(*v) * 65_535 + u64::from(max) / 2) / u64::from(max);
+            (*u, u16::try_from(scaled).unwrap_or(u16::MAX))
+        })
+        .collect()
 }
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
@@ -834,6 +897,16 @@ impl std::fmt::Display for AuditReport {
                 matches,
             } => format!(
                 "commit {recorded} (recomputed {recomputed}, on chain: {on_chain}): {}",
+                mark(*matches)
+            ),
+            ChainCheck::Sealed {
+                recorded,
+                reveal_round,
+                sealed_matches,
+                on_chain,
+                matches,
+            } => format!(
+                "timelocked commit {recorded} to drand round {reveal_round} (sealed weights as recomputed: {sealed_matches}, on chain: {on_chain}; readable after the round): {}",
                 mark(*matches)
             ),
             ChainCheck::NotApplicable { reason } => format!("not applicable: {reason}"),

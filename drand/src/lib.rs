@@ -1,4 +1,5 @@
-//! Drand-timelocked weight commits (subtensor commit-reveal v3/v4).
+//! Drand-timelocked weight commits (subtensor commit-reveal v3/v4), shared by the chain client,
+//! which encrypts them, and the localnet, which runs a beacon of its own and reveals them.
 //!
 //! A validator on a subnet whose `CommitRevealWeightsVersion` is 3 or more does not commit a hash:
 //! it encrypts its weights to a future round of drand's quicknet beacon and sends the ciphertext
@@ -16,8 +17,8 @@
 //!   block under the modulo epoch rule (spec ≤ 403; bittensor-drand 1.x `get_encrypted_commit`).
 //!   Under the stateful rule (spec ≥ 404; bittensor-drand 2.x `get_encrypted_commit_v2`, which
 //!   simulates the chain's `block_step` from `LastEpochBlock`, `PendingEpochAt`,
-//!   `SubnetEpochIndex` and `BlocksSinceLastStep`) the caller must predict it: this module does
-//!   not do that yet.
+//!   `SubnetEpochIndex` and `BlocksSinceLastStep`) the caller predicts it from the chain's epoch
+//!   state (`iota_chain::epoch::stateful_first_reveal_block`).
 //! * [`WeightsTlockPayload`]: the SCALE struct subtensor decodes from the plaintext.
 //! * [`encrypt_for_round`] / [`decrypt_with_signature`]: Boneh-Franklin IBE to the identity
 //!   `sha256(round as big-endian u64)` under the beacon's G2 public key, with the message under
@@ -156,7 +157,7 @@ impl DrandSchedule {
 }
 
 /// The first block of the epoch in which a commit made at `current_block` is revealed, by the
-/// modulo epoch rule (subtensor spec ≤ 403; see [`crate::epoch`]): the epoch index of
+/// modulo epoch rule (subtensor spec ≤ 403; `iota_chain::epoch`): the epoch index of
 /// `current_block` plus `reveal_period_epochs`, at its first block. `netuid_index` is the
 /// `NetUidStorageIndex` (`mecid * 4096 + netuid`; the netuid itself for the main mechanism),
 /// which is what the SDK passes. Saturates instead of overflowing.
@@ -514,7 +515,6 @@ impl SubtensorCiphertext {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metagraph::epoch_index;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 
@@ -537,6 +537,11 @@ mod tests {
         fn sign(&self, round: u64) -> Vec<u8> {
             self.beacon.sign(round)
         }
+    }
+
+    /// Subtensor's commit-reveal epoch index under the modulo rule.
+    fn epoch_index(netuid: u16, tempo: u16, block: u64) -> u64 {
+        (block + u64::from(netuid) + 1) / (u64::from(tempo) + 1)
     }
 
     fn payload() -> WeightsTlockPayload {
