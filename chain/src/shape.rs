@@ -107,6 +107,19 @@ pub const USED_STORAGE: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// Events the client decodes into its compiled types, by pallet.
+pub const USED_EVENTS: &[(&str, &[&str])] = &[
+    ("Sudo", &["Sudid"]),
+    ("SubtensorModule", &["NeuronRegistered", "NetworkAdded"]),
+];
+
+/// Runtime API methods the client calls (through subxt: the account nonce before signing, the
+/// metadata at connect), by trait.
+pub const USED_RUNTIME_APIS: &[(&str, &[&str])] = &[
+    ("AccountNonceApi", &["account_nonce"]),
+    ("Metadata", &["metadata_versions", "metadata_at_version"]),
+];
+
 /// Calls whose argument embeds the whole runtime call enum, so their hash depends on every pallet
 /// of the runtime and never matches between runtimes. For these only presence, index and argument
 /// names are compared; the inner call is checked on its own.
@@ -244,7 +257,106 @@ pub fn differences(compiled: &Metadata, node: &Metadata) -> Vec<Difference> {
             }
         }
     }
+    events(compiled, node, &mut out);
+    runtime_apis(compiled, node, &mut out);
     out.0
+}
+
+/// Fields alike in name and type hash: the same item, not merely one encoded alike.
+fn same_fields(
+    md_a: &Metadata,
+    a: &[scale_info::Field<scale_info::form::PortableForm>],
+    md_b: &Metadata,
+    b: &[scale_info::Field<scale_info::form::PortableForm>],
+) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.name == y.name && md_a.type_hash(x.ty.id) == md_b.type_hash(y.ty.id))
+}
+
+fn events(compiled: &Metadata, node: &Metadata, out: &mut Diffs) {
+    for (pallet, names) in USED_EVENTS {
+        let (Some(ours), Some(theirs)) =
+            (compiled.pallet_by_name(pallet), node.pallet_by_name(pallet))
+        else {
+            out.push(format!("pallet {pallet} (events) is missing"));
+            continue;
+        };
+        let find = |p: &subxt::metadata::PalletMetadata<'_>, name: &str| {
+            p.event_variants()
+                .and_then(|vs| vs.iter().find(|v| v.name == name).cloned())
+        };
+        for name in *names {
+            let (Some(a), Some(b)) = (find(&ours, name), find(&theirs, name)) else {
+                out.push(format!("event {pallet}.{name} is missing"));
+                continue;
+            };
+            if same_fields(compiled, &a.fields, node, &b.fields) {
+                continue;
+            }
+            // Events are found by name and decoded field by field, so a moved index is not a
+            // change; the fields' bytes are.
+            let alike = fields_encode_alike(compiled, &a.fields, node, &b.fields);
+            out.0.push(Difference {
+                description: match alike {
+                    true => format!(
+                        "event {pallet}.{name} changed only type names (fields: {}), encoded alike",
+                        describe_fields(node, &b)
+                    ),
+                    false => format!(
+                        "event {pallet}.{name} changed shape (fields: {})",
+                        describe_fields(node, &b)
+                    ),
+                },
+                breaking: !alike,
+            });
+        }
+    }
+}
+
+fn runtime_apis(compiled: &Metadata, node: &Metadata, out: &mut Diffs) {
+    for (api, methods) in USED_RUNTIME_APIS {
+        let (Some(ours), Some(theirs)) = (
+            compiled.runtime_api_trait_by_name(api),
+            node.runtime_api_trait_by_name(api),
+        ) else {
+            out.push(format!("runtime API {api} is missing"));
+            continue;
+        };
+        for method in *methods {
+            let (Some(a), Some(b)) = (ours.method_by_name(method), theirs.method_by_name(method))
+            else {
+                out.push(format!("runtime API {api}.{method} is missing"));
+                continue;
+            };
+            if a.hash() == b.hash() {
+                continue;
+            }
+            let inputs_alike = a.inputs().len() == b.inputs().len()
+                && a.inputs()
+                    .zip(b.inputs())
+                    .all(|(x, y)| encode_alike(compiled, x.id, node, y.id));
+            let alike = inputs_alike && encode_alike(compiled, a.output_ty(), node, b.output_ty());
+            let signature = format!(
+                "({}) -> {}",
+                b.inputs()
+                    .map(|i| format!("{}: {}", i.name, type_name(node, i.id, 0)))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                type_name(node, b.output_ty(), 0)
+            );
+            out.0.push(Difference {
+                description: match alike {
+                    true => format!(
+                        "runtime API {api}.{method} changed only type names {signature}, encoded alike"
+                    ),
+                    false => format!("runtime API {api}.{method} changed shape {signature}"),
+                },
+                breaking: !alike,
+            });
+        }
+    }
 }
 
 /// Says what differs between two versions of a storage entry.

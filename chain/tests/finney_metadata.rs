@@ -242,6 +242,22 @@ fn finney_438_differences_are_named() {
     // TaoBalance and AlphaBalance for u64, PerU16 for u16), so the client connects and every
     // call it builds round-trips.
     assert!(breaking.is_empty(), "{breaking:?}");
+    // Events and runtime APIs are compared too: the two events the client decodes by subnet
+    // take a `NetUid`; the runtime APIs it calls are unchanged.
+    let named = |prefix: &str| -> Vec<&str> {
+        diffs
+            .iter()
+            .filter(|d| d.description.starts_with(prefix))
+            .map(|d| d.description.as_str())
+            .collect()
+    };
+    assert_eq!(named("event ").len(), 2, "{:?}", named("event "));
+    assert!(named("event ").iter().all(|d| d.contains("encoded alike")));
+    assert!(
+        named("runtime API ").is_empty(),
+        "{:?}",
+        named("runtime API ")
+    );
     assert!(!diffs.is_empty(), "spec 438 names its types as 393 did");
     assert!(shape::check(&md).is_ok());
     assert_eq!(r.ok, sample_calls().len());
@@ -304,7 +320,8 @@ fn a_changed_runtime_is_refused_with_names() {
 }
 
 /// An "upgraded" runtime made from the compiled metadata: `set_weights.version_key` becomes a
-/// `u16` and `Axons` disappears. The check must name both and refuse.
+/// `u16`, `Axons` disappears, `NeuronRegistered`'s uid becomes a `u64` and `AccountNonceApi` is
+/// gone. The check must name all four and refuse.
 #[test]
 fn breaking_changes_are_named() {
     use frame_metadata::{RuntimeMetadata, RuntimeMetadataPrefixed};
@@ -323,6 +340,7 @@ fn breaking_changes_are_named() {
         .find(|p| p.name == "SubtensorModule")
         .expect("pallet");
     let call_ty = pallet.calls.as_ref().expect("calls").ty.id;
+    let event_ty = pallet.event.as_ref().expect("events").ty.id;
     pallet
         .storage
         .as_mut()
@@ -361,6 +379,34 @@ fn breaking_changes_are_named() {
         .find(|f| f.name.as_deref() == Some("version_key"))
         .expect("version_key");
     field.ty = u16_id.into();
+    let u64_id = md
+        .types
+        .types
+        .iter()
+        .find(|t| {
+            matches!(
+                t.ty.type_def,
+                TypeDef::Primitive(scale_info::TypeDefPrimitive::U64)
+            )
+        })
+        .expect("u64 registered")
+        .id;
+    let event_enum = md
+        .types
+        .types
+        .iter_mut()
+        .find(|t| t.id == event_ty)
+        .expect("event enum");
+    let TypeDef::Variant(events) = &mut event_enum.ty.type_def else {
+        panic!("events are an enum");
+    };
+    let registered = events
+        .variants
+        .iter_mut()
+        .find(|v| v.name == "NeuronRegistered")
+        .expect("NeuronRegistered");
+    registered.fields[1].ty = u64_id.into();
+    md.apis.retain(|api| api.name != "AccountNonceApi");
 
     let upgraded = Metadata::decode_from(&prefixed.encode()[..]).expect("upgraded metadata");
     let err = shape::check(&upgraded).expect_err("breaking changes refuse");
@@ -372,6 +418,8 @@ fn breaking_changes_are_named() {
         &vec![
             "call SubtensorModule.set_weights changed shape (arguments: netuid: u16, dests: Vec<u16>, weights: Vec<u16>, version_key: u16)".to_owned(),
             "storage SubtensorModule.Axons is missing".to_owned(),
+            "event SubtensorModule.NeuronRegistered changed shape (fields: _: u16, _: u64, _: AccountId32)".to_owned(),
+            "runtime API AccountNonceApi is missing".to_owned(),
         ]
     );
     println!("{err}");

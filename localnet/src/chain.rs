@@ -6,7 +6,7 @@ use std::time::Duration;
 use parity_scale_codec::Encode;
 use tokio::sync::{broadcast, mpsc};
 
-use crate::metadata::SLOT_DURATION_MS;
+use crate::runtime::SLOT_DURATION_MS;
 use crate::runtime::drand::Beacon;
 use crate::runtime::event::{DispatchEventInfo, Pays, Phase, RuntimeEvent, SystemEvent};
 use crate::runtime::extrinsic::{self, ChainContext, InvalidTransaction, SignedExtrinsic};

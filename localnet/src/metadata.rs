@@ -27,11 +27,7 @@ use crate::runtime::event::{
 use crate::runtime::extrinsic::extension_types as ext;
 use crate::runtime::storage;
 use crate::runtime::types::{AccountId32, H256, MultiAddress, MultiSignature, RuntimeVersion};
-use crate::runtime::{EXISTENTIAL_DEPOSIT, SS58_PREFIX, runtime_version};
-
-/// `Aura.SlotDuration` as declared: the default block time of `iota localnet chain` (a timer
-/// set on the command line changes the blocks, not this constant).
-pub const SLOT_DURATION_MS: u64 = 250;
+use crate::runtime::{EXISTENTIAL_DEPOSIT, SLOT_DURATION_MS, SS58_PREFIX, runtime_version};
 
 /// The module-error outer enum: one variant per pallet wrapping its error enum.
 #[derive(TypeInfo)]

@@ -23,6 +23,6 @@ pub use exec::{
     dev_pair, module_error,
 };
 pub use version::{
-    IMPL_NAME, RUNTIME_APIS, SPEC_NAME, SPEC_VERSION, SS58_PREFIX, TRANSACTION_VERSION,
-    runtime_version,
+    IMPL_NAME, RUNTIME_APIS, SLOT_DURATION_MS, SPEC_NAME, SPEC_VERSION, SS58_PREFIX,
+    TRANSACTION_VERSION, runtime_version,
 };

@@ -8,6 +8,10 @@ pub const IMPL_NAME: &str = "iota-localnet";
 pub const SPEC_VERSION: u32 = 393;
 pub const TRANSACTION_VERSION: u32 = 1;
 pub const SS58_PREFIX: u16 = 42;
+/// `Aura.SlotDuration` as declared, and how far the chain's clock (`Timestamp.Now`) moves per
+/// block: the default block time of `iota localnet chain` (a timer set on the command line
+/// changes how often blocks come, not this constant).
+pub const SLOT_DURATION_MS: u64 = 250;
 
 /// Runtime API identifiers: blake2-64 of the trait name, with the versions finney advertises.
 pub fn runtime_version() -> RuntimeVersion {

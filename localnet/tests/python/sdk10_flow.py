@@ -61,6 +61,16 @@ async def main(url: str) -> None:
         step("read block", block >= 0, block)
         balance = await sub.get_balance(owner.coldkeypub.ss58_address)
         step("read balance", balance.rao > 0, balance)
+        # The fee queries the SDK makes before a transfer (`TransactionPaymentApi.query_info`).
+        # `get_transfer_fee` falls back to 0.02 TAO when the query fails; the localnet charges none.
+        dest = validator.coldkeypub.ss58_address
+        fee = await sub.get_transfer_fee(owner, dest, bt.Balance.from_tao(1))
+        step("transfer fee", fee.rao == 0, fee)
+        transfer = await sub.substrate.compose_call(
+            "Balances", "transfer_keep_alive", {"dest": dest, "value": 10**9}
+        )
+        info = await sub.substrate.get_payment_info(transfer, owner.coldkeypub)
+        step("payment info", info["weight"]["ref_time"] > 0 and info["partial_fee"] == 0, info)
 
         before = set(await sub.get_all_subnets_netuid())
         expect("register_subnet", await sub.register_subnet(owner, **NO_MEV))

@@ -9,6 +9,7 @@ import asyncio
 import sys
 
 import bittensor as bt
+from bittensor.intents.registration import BurnedRegister
 from bittensor.intents.weights import normalize
 from bittensor_core import Keypair
 
@@ -56,6 +57,12 @@ async def main(url: str) -> None:
         step("read block", block >= 0, block)
         balance = await client.balances.get(owner.coldkey.ss58_address)
         step("read balance", balance.rao > 0, balance)
+        # The payment-info query the SDK makes for fees and multisig weights.
+        transfer = await client.compose(
+            bt.calls.Balances.transfer_keep_alive(dest=validator.coldkey.ss58_address, value=10**9)
+        )
+        weight = await client.estimate_weight(transfer, address=owner.coldkey.ss58_address)
+        step("payment info", weight["ref_time"] > 0, weight)
 
         cost = await client.subnets.subnet_registration_cost()
         step("registration cost", cost.rao > 0, cost)
@@ -79,6 +86,14 @@ async def main(url: str) -> None:
         )
         await submit(client, bt.calls.Sudo.sudo(call=inner), owner)
 
+        # The SDK's own `BurnedRegister` intent reads `CollateralLockShare` (a runtime newer than
+        # spec 393) and goes only through the MEV shield; the README says why the localnet has
+        # neither. If this changes, update the README.
+        try:
+            await client.execute(BurnedRegister(netuid=netuid), miner)
+            step("BurnedRegister intent refused as the README says", False, "it went through")
+        except Exception as error:
+            step("BurnedRegister intent needs CollateralLockShare", "CollateralLockShare" in str(error), error)
         for wallet in (validator, miner):
             await submit(
                 client,
