@@ -3,7 +3,8 @@
 //! 1. Throughput: forward+backward tokens/s of each stage of `small`, the boundary encoding, and
 //!    the same model back-propagated monolithically, measured side by side in one run.
 //! 2. Compression: bytes per token crossing a stage boundary and held-out loss after a fixed
-//!    number of steps on the grammar corpus, for d/b = 1, 8, 32, 64 and 64 with int8 wire.
+//!    number of steps on the grammar corpus, for d/b = 1, 8, 32 and 64 in f32, and 64 and 128
+//!    with int8 and int4 wire.
 //!
 //! 3. Device (`-- device`, not part of the default run): forward+backward tokens/s of each stage
 //!    of a model on a GPU (built with `--features cuda`), in bf16 and f32 compute, with the
@@ -232,12 +233,15 @@ fn compression() -> Result<()> {
         4 * d
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
-    let runs: [(usize, WireConfig); 5] = [
+    let runs: [(usize, WireConfig); 8] = [
         (1, WireConfig::default()),
         (8, WireConfig::default()),
         (32, WireConfig::default()),
         (64, WireConfig::default()),
         (64, WireConfig::int8()),
+        (64, WireConfig::int4()),
+        (128, WireConfig::int8()),
+        (128, WireConfig::int4()),
     ];
     let mut baseline = None;
     for (ratio, wire) in runs {
@@ -273,6 +277,7 @@ fn compression() -> Result<()> {
         let wire_name = match wire.activations {
             WireEncoding::F32 => "f32",
             WireEncoding::Int8 => "int8",
+            WireEncoding::Int4 => "int4",
         };
         println!(
             "| {ratio} | {} | {wire_name} | {bf:.0} | {bb:.0} | {:.0}x | {loss:.4} | {:+.2}% | {:.0}s |",

@@ -35,6 +35,14 @@ impl WireConfig {
             gradients: WireEncoding::Int8,
         }
     }
+
+    /// Both directions quantised to 4 bits per value.
+    pub fn int4() -> Self {
+        Self {
+            activations: WireEncoding::Int4,
+            gradients: WireEncoding::Int4,
+        }
+    }
 }
 
 /// What one staged forward+backward moved and produced.

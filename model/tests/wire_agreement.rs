@@ -37,6 +37,7 @@ fn wire(e: WireEncoding) -> Wire {
     match e {
         WireEncoding::F32 => Wire::F32,
         WireEncoding::Int8 => Wire::Int8,
+        WireEncoding::Int4 => Wire::Int4,
     }
 }
 
@@ -71,7 +72,7 @@ fn agree(bytes: &[u8], shape: [u64; 3], encoding: Wire) -> Result<bool, TestCase
 
 /// Both slots a tensor of `shape` could be checked against.
 fn agree_any(bytes: &[u8], shape: [u64; 3]) -> Result<(), TestCaseError> {
-    for e in [Wire::F32, Wire::Int8] {
+    for e in [Wire::F32, Wire::Int8, Wire::Int4] {
         agree(bytes, shape, e)?;
     }
     Ok(())
@@ -114,14 +115,28 @@ fn meta() -> impl Strategy<Value = Meta> {
     ]
 }
 
-/// `bytes` with its tensors kept and its metadata rewritten as `how`.
+/// `bytes` with its tensors kept and its metadata rewritten as `how` (an int4 tensor's width,
+/// where its metadata had one, kept wherever the encoding is).
 fn rewrite(bytes: &[u8], encoding: Wire, how: Meta) -> Vec<u8> {
     let (name, other) = match encoding {
         Wire::F32 => ("f32", "int8"),
-        Wire::Int8 => ("int8", "f32"),
+        Wire::Int8 => ("int8", "int4"),
+        Wire::Int4 => ("int4", "int8"),
     };
     let f = "iota-boundary/v1";
-    let json = |v: serde_json::Value| Some(v.to_string());
+    let width = SafeTensors::read_metadata(bytes)
+        .ok()
+        .and_then(|(_, m)| m.metadata().as_ref()?.get("iota").cloned())
+        .and_then(|m| serde_json::from_str::<serde_json::Value>(&m).ok())
+        .and_then(|m| m.get("width").cloned());
+    let json = |mut v: serde_json::Value| {
+        if let (Some(w), Some(o)) = (&width, v.as_object_mut())
+            && o.contains_key("encoding")
+        {
+            o.insert("width".into(), w.clone());
+        }
+        Some(v.to_string())
+    };
     let meta = match how {
         Meta::Keep => json(serde_json::json!({"format": f, "encoding": name})),
         Meta::NoEncoding => json(serde_json::json!({"format": f})),
@@ -144,10 +159,11 @@ fn rewrite(bytes: &[u8], encoding: Wire, how: Meta) -> Vec<u8> {
     safetensors::serialize(st.tensors(), info).unwrap()
 }
 
-/// A valid boundary tensor of `shape` and `encoding` from one of the two encoders, with its
-/// values as the decoder should return them.
+/// A valid boundary tensor of `shape` and `encoding` from one of the two encoders (int4 from the
+/// model's only), with its values as the decoder should return them.
 fn valid() -> impl Strategy<Value = ([u64; 3], Wire, Vec<u8>, Vec<f32>)> {
-    (shape3(), any::<bool>(), any::<bool>()).prop_flat_map(|(shape, int8, from_model)| {
+    (shape3(), 0u8..3, any::<bool>()).prop_flat_map(|(shape, kind, from_model)| {
+        let int8 = kind == 1;
         let n = shape.iter().product::<u64>() as usize;
         let rows = (shape[0] * shape[1]) as usize;
         (
@@ -156,13 +172,12 @@ fn valid() -> impl Strategy<Value = ([u64; 3], Wire, Vec<u8>, Vec<f32>)> {
             prop::collection::vec(0f32..10.0, rows),
         )
             .prop_map(move |(v, q, s)| {
-                let encoding = if int8 { Wire::Int8 } else { Wire::F32 };
-                if from_model {
-                    let e = if int8 {
-                        WireEncoding::Int8
-                    } else {
-                        WireEncoding::F32
-                    };
+                let (encoding, e) = match kind {
+                    0 => (Wire::F32, WireEncoding::F32),
+                    1 => (Wire::Int8, WireEncoding::Int8),
+                    _ => (Wire::Int4, WireEncoding::Int4),
+                };
+                if from_model || e == WireEncoding::Int4 {
                     let t = BoundaryTensor::from_f32(&usize_shape(shape), &v, e).unwrap();
                     (shape, encoding, t.to_bytes().unwrap(), t.to_f32())
                 } else if int8 {
@@ -186,8 +201,15 @@ fn valid_tensors_pass_both_and_decode_to_their_values() {
         prop_assert!(agree(&bytes, shape, encoding)?, "a valid tensor is refused by the check");
         let t = BoundaryTensor::from_bytes(&bytes, Some(&usize_shape(shape))).unwrap();
         prop_assert_eq!(t.to_f32(), values);
-        if let Payload::Int8 { scales, .. } = t.payload() {
-            prop_assert_eq!(scales.len() as u64, shape[0] * shape[1]);
+        match t.payload() {
+            Payload::Int8 { scales, .. } => {
+                prop_assert_eq!(scales.len() as u64, shape[0] * shape[1]);
+            }
+            Payload::Int4 { packed, scales } => {
+                prop_assert_eq!(scales.len() as u64, shape[0] * shape[1]);
+                prop_assert_eq!(packed.len() as u64, shape[0] * shape[1] * shape[2].div_ceil(2));
+            }
+            Payload::F32(_) => {}
         }
     });
 }
@@ -242,21 +264,32 @@ fn damaged_tensors_never_pass_the_check_alone() {
 #[test]
 fn crafted_headers_agree() {
     // Hand-made headers: any of the names, dtypes and shapes, with metadata in any of the ways.
-    let dtype = prop_oneof![Just("F32"), Just("I8"), Just("U8"), Just("F16")];
+    let dtype = prop_oneof![
+        Just("F32"),
+        Just("I8"),
+        Just("U8"),
+        Just("F16"),
+        Just("BF16")
+    ];
     let name = prop_oneof![Just("values"), Just("scales"), Just("x")];
     let dims = prop::collection::vec(0u64..4, 0..4);
     proptest!(config(), |(
         entries in prop::collection::vec((name, dtype, dims), 1..3),
         how in meta(),
-        int8 in any::<bool>(),
+        kind in 0u8..3,
+        width in prop::option::of(0u64..6),
         fill in any::<u8>(),
     )| {
-        let encoding = if int8 { Wire::Int8 } else { Wire::F32 };
+        let encoding = [Wire::F32, Wire::Int8, Wire::Int4][usize::from(kind)];
         let mut header = serde_json::Map::new();
         let mut offset = 0u64;
         let mut shape_of_values = None;
         for (name, dtype, dims) in &entries {
-            let size = if *dtype == "F32" { 4 } else if *dtype == "F16" { 2 } else { 1 };
+            let size = match *dtype {
+                "F32" => 4,
+                "F16" | "BF16" => 2,
+                _ => 1,
+            };
             let len = dims.iter().product::<u64>() * size;
             header.insert(
                 (*name).into(),
@@ -266,6 +299,11 @@ fn crafted_headers_agree() {
                 shape_of_values = Some(dims.clone());
             }
             offset += len;
+        }
+        // A width in the metadata, as an int4 tensor carries, for `rewrite` to keep.
+        if let Some(w) = width {
+            let iota = serde_json::json!({"format": "iota-boundary/v1", "encoding": "int4", "width": w});
+            header.insert("__metadata__".into(), serde_json::json!({"iota": iota.to_string()}));
         }
         let text = serde_json::Value::Object(header).to_string();
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
@@ -280,5 +318,9 @@ fn crafted_headers_agree() {
             _ => [1, 1, 1],
         };
         agree_any(&bytes, shape)?;
+        // An int4 slot's width is the metadata's, not the bytes' per row.
+        if let Some(w) = width {
+            agree_any(&bytes, [shape[0], shape[1], w])?;
+        }
     });
 }

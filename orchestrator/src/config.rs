@@ -120,7 +120,7 @@ pub struct OrchestratorArgs {
     /// Tokens per sequence.
     #[arg(long = "seq-len", env = "IOTA_SEQ_LEN", default_value_t = 64)]
     pub seq_len: u32,
-    /// Boundary tensor encoding: f32 or int8.
+    /// Boundary tensor encoding: f32, int8 or int4.
     #[arg(long, env = "IOTA_WIRE", default_value = "int8", value_parser = parse_wire)]
     pub wire: WireEncoding,
     /// Samples per epoch.
@@ -297,7 +297,8 @@ fn parse_wire(s: &str) -> Result<WireEncoding, String> {
     match s {
         "f32" => Ok(WireEncoding::F32),
         "int8" => Ok(WireEncoding::Int8),
-        other => Err(format!("wire encoding {other:?}: use f32 or int8")),
+        "int4" => Ok(WireEncoding::Int4),
+        other => Err(format!("wire encoding {other:?}: use f32, int8 or int4")),
     }
 }
 

@@ -11,6 +11,9 @@ pub enum BlobDtype {
     F32,
     /// Signed 8-bit integer (quantised boundary tensors, with one f32 scale per row).
     I8,
+    /// Signed 4-bit integers, two a byte (quantised boundary tensors, with one bf16 scale per
+    /// row); the descriptor's shape is the tensor's, not its bytes'.
+    I4,
 }
 
 /// An object in the store, with everything needed to check it after download.

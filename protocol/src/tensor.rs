@@ -6,8 +6,11 @@
 //! * `iota-boundary/v1` (activations and activation gradients between stages, written by
 //!   `iota-model`): tensor `values` of shape `[batch, seq, width]` (no dimension 0) with
 //!   `"encoding": "f32"`, F32; or with `"encoding": "int8"`, I8 and a second tensor `scales`
-//!   (F32, one per row, `batch·seq` of them). The encoding is required: `iota-model`'s decoder
-//!   refuses a tensor without it, and the check accepts nothing that decoder refuses.
+//!   (F32, one per row, `batch·seq` of them); or with `"encoding": "int4"` and `"width": w`, U8
+//!   of shape `[batch, seq, ceil(w / 2)]` holding two 4-bit values a byte (low nibble first, each
+//!   in `[-7, 7]`, an odd row's last high nibble 0) and `scales` as BF16. The encoding is
+//!   required: `iota-model`'s decoder refuses a tensor without it, and the check accepts nothing
+//!   that decoder refuses.
 //! * `iota-partition/v1` (pseudo-gradient partitions): one F32 tensor `values` of shape `[len]`.
 //! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
 //!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
@@ -41,6 +44,8 @@ pub enum WireEncoding {
     F32,
     /// Per-row symmetric int8 with one f32 scale per row.
     Int8,
+    /// Per-row symmetric int4, two values a byte, with one bf16 scale per row.
+    Int4,
 }
 
 /// Largest magnitude of a pseudo-gradient value (a partition's change of weights over an epoch;
@@ -82,6 +87,9 @@ impl TensorSpec {
                 match encoding {
                     WireEncoding::F32 => n.saturating_mul(4),
                     WireEncoding::Int8 => n.saturating_add(rows.saturating_mul(4)),
+                    WireEncoding::Int4 => rows
+                        .saturating_mul(shape[2].div_ceil(2))
+                        .saturating_add(rows.saturating_mul(2)),
                 }
             }
             Self::Partition { len } => len.saturating_mul(4),
@@ -97,6 +105,7 @@ impl TensorSpec {
                 match encoding {
                     WireEncoding::F32 => BlobDtype::F32,
                     WireEncoding::Int8 => BlobDtype::I8,
+                    WireEncoding::Int4 => BlobDtype::I4,
                 },
                 shape.to_vec(),
             ),
@@ -149,6 +158,8 @@ struct Meta {
     /// Required for boundary tensors (`iota-model`'s decoder refuses them without it, so the
     /// orchestrator must not store one); ignored by the other formats.
     encoding: Option<WireEncoding>,
+    /// The row width of an int4 boundary tensor, whose `values` hold half a byte per value.
+    width: Option<u64>,
 }
 
 /// Whether every tensor's data offsets in the safetensors header lie inside the buffer. Checked
@@ -275,6 +286,9 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
                     "encoding {got_encoding:?}, this run uses {encoding:?}"
                 )));
             }
+            if *encoding == WireEncoding::Int4 {
+                return check_int4(&st, &values, &meta, want);
+            }
             expect_shape(&shape, want)?;
             match encoding {
                 WireEncoding::F32 => {
@@ -301,9 +315,60 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
                     }
                     Ok(())
                 }
+                WireEncoding::Int4 => unreachable!("checked above"),
             }
         }
     }
+}
+
+/// An int4 boundary tensor of logical shape `want` (`[batch, seq, width]`).
+fn check_int4(
+    st: &SafeTensors<'_>,
+    values: &safetensors::tensor::TensorView<'_>,
+    meta: &Meta,
+    want: &[u64; 3],
+) -> Result<(), TensorError> {
+    if meta.width != Some(want[2]) {
+        return Err(TensorError::Layout(format!(
+            "int4 width {:?}, expected {}",
+            meta.width, want[2]
+        )));
+    }
+    expect_names(st, &["scales", "values"])?;
+    expect_dtype(values.dtype(), Dtype::U8)?;
+    let row_bytes = want[2].div_ceil(2);
+    let shape: Vec<u64> = values.shape().iter().map(|d| *d as u64).collect();
+    expect_shape(&shape, &[want[0], want[1], row_bytes])?;
+    let odd = want[2] % 2 == 1;
+    for row in values.data().chunks_exact(row_bytes as usize) {
+        for (i, byte) in row.iter().enumerate() {
+            let padded = odd && i + 1 == row.len();
+            if byte & 0x0f == 0x08 || (!padded && byte >> 4 == 0x08) {
+                return Err(TensorError::NonFinite("values (-8)".into()));
+            }
+            if padded && byte >> 4 != 0 {
+                return Err(TensorError::Layout(
+                    "int4 padding nibble is not zero".into(),
+                ));
+            }
+        }
+    }
+    let scales = st
+        .tensor("scales")
+        .map_err(|_| TensorError::Layout("no tensor named \"scales\"".into()))?;
+    expect_dtype(scales.dtype(), Dtype::BF16)?;
+    let scale_shape: Vec<u64> = scales.shape().iter().map(|d| *d as u64).collect();
+    expect_shape(&scale_shape, &[want[0].saturating_mul(want[1])])?;
+    for pair in scales.data().chunks_exact(2) {
+        let s = f32::from_bits(u32::from(u16::from_le_bytes([pair[0], pair[1]])) << 16);
+        if !s.is_finite() {
+            return Err(TensorError::NonFinite("scales".into()));
+        }
+        if s < 0.0 {
+            return Err(TensorError::NonFinite("scales (negative)".into()));
+        }
+    }
+    Ok(())
 }
 
 fn expect_format(meta: &Meta, want: &str) -> Result<(), TensorError> {
@@ -632,6 +697,48 @@ pub fn encode_boundary_i8(shape: [u64; 3], values: &[i8], scales: &[f32]) -> Vec
     ];
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     serialize(tensors, BOUNDARY_FORMAT, Some(WireEncoding::Int8))
+}
+
+/// Encodes an int4 boundary tensor: `values` one nibble per value in `[-7, 7]` (row-major,
+/// `shape` elements), packed two a byte, and one bf16 scale per row (its bits).
+pub fn encode_boundary_i4(shape: [u64; 3], values: &[i8], scales: &[u16]) -> Vec<u8> {
+    let width = shape[2] as usize;
+    let packed: Vec<u8> = values
+        .chunks(width.max(1))
+        .flat_map(|row| {
+            row.chunks(2).map(|pair| {
+                let hi = pair.get(1).copied().unwrap_or(0);
+                (pair[0] as u8 & 0x0f) | ((hi as u8 & 0x0f) << 4)
+            })
+        })
+        .collect();
+    let rows = shape[0] * shape[1];
+    let mut tensors = vec![
+        (
+            "values".to_owned(),
+            raw_view(
+                Dtype::U8,
+                &[shape[0], shape[1], shape[2].div_ceil(2)],
+                packed,
+            ),
+        ),
+        (
+            "scales".to_owned(),
+            raw_view(
+                Dtype::BF16,
+                &[rows],
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ),
+        ),
+    ];
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let meta = serde_json::json!({
+        "format": BOUNDARY_FORMAT,
+        "encoding": WireEncoding::Int4,
+        "width": shape[2],
+    });
+    let info = HashMap::from([(META_KEY.to_owned(), meta.to_string())]);
+    safetensors::serialize(tensors, Some(info)).unwrap_or_default()
 }
 
 /// Decodes the values of a checked partition.

@@ -8,7 +8,8 @@
 
 use iota_protocol::tensor::{
     MAX_PSEUDO_GRADIENT, TensorError, TensorSpec, WireEncoding, check_tensor, decode_merged,
-    decode_partition, encode_boundary_f32, encode_boundary_i8, encode_merged, encode_partition,
+    decode_partition, encode_boundary_f32, encode_boundary_i4, encode_boundary_i8, encode_merged,
+    encode_partition,
 };
 use std::collections::BTreeMap;
 
@@ -125,14 +126,40 @@ fn boundary_i8() -> impl Strategy<Value = Valid> {
     })
 }
 
+/// bf16 bits of a finite non-negative scale (sign clear, exponent below all-ones).
+fn bf16_scale() -> impl Strategy<Value = u16> {
+    (0u16..0x7f80).prop_map(|b| b & 0x7fff)
+}
+
+fn boundary_i4() -> impl Strategy<Value = Valid> {
+    shape3().prop_flat_map(|shape| {
+        let n = shape.iter().product::<u64>() as usize;
+        let rows = (shape[0] * shape[1]) as usize;
+        (
+            prop::collection::vec(-7i8..=7, n),
+            prop::collection::vec(bf16_scale(), rows),
+        )
+            .prop_map(move |(v, s)| Valid {
+                spec: TensorSpec::Boundary {
+                    shape,
+                    encoding: WireEncoding::Int4,
+                },
+                bytes: encode_boundary_i4(shape, &v, &s),
+            })
+    })
+}
+
 fn any_valid() -> impl Strategy<Value = Valid> {
     prop_oneof![
         partition().prop_map(|(_, v)| v),
         merged().prop_map(|(_, _, v)| v),
         boundary_f32(),
         boundary_i8(),
+        boundary_i4(),
     ]
 }
+
+const ENCODINGS: [WireEncoding; 3] = [WireEncoding::F32, WireEncoding::Int8, WireEncoding::Int4];
 
 /// Every slot kind, with dimensions from tiny to absurd (the arithmetic on them must not
 /// overflow into a panic).
@@ -149,7 +176,11 @@ fn any_spec() -> impl Strategy<Value = TensorSpec> {
         dim.clone().prop_map(|len| TensorSpec::Merged { len }),
         (
             [dim.clone(), dim.clone(), dim],
-            prop_oneof![Just(WireEncoding::F32), Just(WireEncoding::Int8)]
+            prop_oneof![
+                Just(WireEncoding::F32),
+                Just(WireEncoding::Int8),
+                Just(WireEncoding::Int4)
+            ]
         )
             .prop_map(|(shape, encoding)| TensorSpec::Boundary { shape, encoding }),
     ]
@@ -295,6 +326,7 @@ fn valid_boundary(r: &Raw, shape: [u64; 3], encoding: WireEncoding) -> bool {
     let named = match encoding {
         WireEncoding::F32 => "f32",
         WireEncoding::Int8 => "int8",
+        WireEncoding::Int4 => "int4",
     };
     if r.meta.get("format").and_then(|f| f.as_str()) != Some("iota-boundary/v1")
         || r.meta.get("encoding").and_then(|e| e.as_str()) != Some(named)
@@ -306,7 +338,12 @@ fn valid_boundary(r: &Raw, shape: [u64; 3], encoding: WireEncoding) -> bool {
     let Some((dtype, got, data)) = r.tensors.get("values") else {
         return false;
     };
-    if got != &shape {
+    // An int4 tensor holds `ceil(width / 2)` bytes a row and names its width.
+    let bytes_shape = match encoding {
+        WireEncoding::Int4 => [shape[0], shape[1], shape[2].div_ceil(2)],
+        _ => shape,
+    };
+    if got != &bytes_shape {
         return false;
     }
     match encoding {
@@ -319,6 +356,28 @@ fn valid_boundary(r: &Raw, shape: [u64; 3], encoding: WireEncoding) -> bool {
                 && !data.contains(&0x80)
                 && flat(r, "scales", shape[0].saturating_mul(shape[1]))
                     .is_some_and(|s| s.iter().all(|x| *x >= 0.0))
+        }
+        WireEncoding::Int4 => {
+            let rows = shape[0].saturating_mul(shape[1]);
+            let row_bytes = shape[2].div_ceil(2) as usize;
+            // Nibbles in [-7, 7]; an odd row's last high nibble is padding, 0.
+            let nibbles_ok = data.chunks_exact(row_bytes).all(|row| {
+                (0..shape[2] as usize).all(|i| (row[i / 2] >> (4 * (i % 2))) & 0x0f != 0x08)
+                    && (shape[2].is_multiple_of(2) || row[row_bytes - 1] >> 4 == 0)
+            });
+            let scales_ok = r.tensors.get("scales").is_some_and(|(dt, sh, d)| {
+                *dt == Dtype::BF16
+                    && sh == &[rows]
+                    && d.chunks_exact(2).all(|b| {
+                        let s = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                        s.is_finite() && s >= 0.0
+                    })
+            });
+            names == ["scales", "values"]
+                && *dtype == Dtype::U8
+                && r.meta.get("width").and_then(|w| w.as_u64()) == Some(shape[2])
+                && nibbles_ok
+                && scales_ok
         }
     }
 }
@@ -345,7 +404,7 @@ fn decoders_agree(bytes: &[u8], spec: &TensorSpec) -> Result<(), TestCaseError> 
             r.meta.get("format").and_then(|f| f.as_str()) == Some(want)
                 && match r.meta.get("encoding") {
                     None | Some(serde_json::Value::Null) => true,
-                    Some(e) => matches!(e.as_str(), Some("f32" | "int8")),
+                    Some(e) => matches!(e.as_str(), Some("f32" | "int8" | "int4")),
                 }
         })
     };
@@ -401,6 +460,8 @@ enum BoundaryMeta {
     UpperCase,
     /// An extra key beside the proper ones.
     ExtraKey,
+    /// Proper but for an int4 tensor's `width`, left out.
+    NoWidth,
     /// Another format's name.
     OtherFormat,
     /// The entry is not JSON.
@@ -419,6 +480,7 @@ fn boundary_meta() -> impl Strategy<Value = BoundaryMeta> {
         Just(UnknownEncoding),
         Just(UpperCase),
         Just(ExtraKey),
+        Just(NoWidth),
         Just(OtherFormat),
         Just(NotJson),
         Just(Missing),
@@ -436,14 +498,27 @@ fn odd_boundary(
     let name = |e: WireEncoding| match e {
         WireEncoding::F32 => "f32",
         WireEncoding::Int8 => "int8",
+        WireEncoding::Int4 => "int4",
     };
     let other = match encoding {
         WireEncoding::F32 => WireEncoding::Int8,
-        WireEncoding::Int8 => WireEncoding::F32,
+        WireEncoding::Int8 => WireEncoding::Int4,
+        WireEncoding::Int4 => WireEncoding::F32,
     };
     let fmt = "iota-boundary/v1";
+    // An int4 tensor's width goes with its metadata whatever else is done to it.
+    let with_width = |mut v: serde_json::Value| {
+        if encoding == WireEncoding::Int4
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert("width".into(), shape[2].into());
+        }
+        v.to_string()
+    };
     let meta = match how {
-        Proper => Some(serde_json::json!({"format": fmt, "encoding": name(encoding)}).to_string()),
+        Proper => Some(with_width(
+            serde_json::json!({"format": fmt, "encoding": name(encoding)}),
+        )),
         NoEncoding => Some(serde_json::json!({"format": fmt}).to_string()),
         NullEncoding => Some(serde_json::json!({"format": fmt, "encoding": null}).to_string()),
         OtherEncoding => {
@@ -454,9 +529,10 @@ fn odd_boundary(
             serde_json::json!({"format": fmt, "encoding": name(encoding).to_uppercase()})
                 .to_string(),
         ),
-        ExtraKey => Some(
-            serde_json::json!({"format": fmt, "encoding": name(encoding), "note": 1}).to_string(),
-        ),
+        NoWidth => Some(serde_json::json!({"format": fmt, "encoding": name(encoding)}).to_string()),
+        ExtraKey => Some(with_width(
+            serde_json::json!({"format": fmt, "encoding": name(encoding), "note": 1}),
+        )),
         OtherFormat => Some(
             serde_json::json!({"format": "iota-partition/v1", "encoding": name(encoding)})
                 .to_string(),
@@ -474,6 +550,11 @@ fn odd_boundary(
             let rows = (shape[0] * shape[1]) as usize;
             encode_boundary_i8(shape, &q, &vec![0.5; rows])
         }
+        WireEncoding::Int4 => {
+            let q: Vec<i8> = values.iter().map(|v| v.clamp(-7.0, 7.0) as i8).collect();
+            let rows = (shape[0] * shape[1]) as usize;
+            encode_boundary_i4(shape, &q, &vec![0x3f00; rows])
+        }
     };
     // Same tensors, metadata replaced.
     let st = SafeTensors::deserialize(&proper).expect("own encoding");
@@ -488,21 +569,23 @@ fn boundary_metadata_is_checked_as_the_format_says() {
     // refused it, so every consumer (and a validator's replay) failed on a stored upload.
     proptest!(config("boundary_metadata_is_checked_as_the_format_says"), |(
         shape in shape3(),
-        int8 in any::<bool>(),
+        kind in 0usize..3,
         how in boundary_meta(),
         seed in any::<u64>(),
     )| {
-        let encoding = if int8 { WireEncoding::Int8 } else { WireEncoding::F32 };
+        let encoding = ENCODINGS[kind];
         let n = shape.iter().product::<u64>() as usize;
         let values: Vec<f32> = (0..n).map(|i| ((seed as f32) + i as f32).sin() * 100.0).collect();
         let bytes = odd_boundary(shape, encoding, &values, how);
         let spec = TensorSpec::Boundary { shape, encoding };
         prop_assert_eq!(
             check_tensor(&bytes, &spec).is_ok(),
-            how == BoundaryMeta::Proper || how == BoundaryMeta::ExtraKey,
+            how == BoundaryMeta::Proper
+                || how == BoundaryMeta::ExtraKey
+                || (how == BoundaryMeta::NoWidth && encoding != WireEncoding::Int4),
             "{:?}", how
         );
-        for e in [WireEncoding::F32, WireEncoding::Int8] {
+        for e in ENCODINGS {
             decoders_agree(&bytes, &TensorSpec::Boundary { shape, encoding: e })?;
             decoders_agree(&bytes, &TensorSpec::Boundary { shape: [shape[0], 0, shape[2]], encoding: e })?;
         }
@@ -606,6 +689,7 @@ fn valid_encodings_pass_and_round_trip() {
         (mv, mm, m) in merged(),
         b in boundary_f32(),
         q in boundary_i8(),
+        h in boundary_i4(),
     )| {
         prop_assert_eq!(check_tensor(&p.bytes, &p.spec), Ok(()));
         let len = pv.len() as u64;
@@ -615,6 +699,7 @@ fn valid_encodings_pass_and_round_trip() {
         prop_assert_eq!(decode_merged(&m.bytes, mv.len() as u64), Ok((mv, mm)));
         prop_assert_eq!(check_tensor(&b.bytes, &b.spec), Ok(()));
         prop_assert_eq!(check_tensor(&q.bytes, &q.spec), Ok(()));
+        prop_assert_eq!(check_tensor(&h.bytes, &h.spec), Ok(()));
         // A valid tensor of one kind is not accepted for a slot of another length.
         let longer = TensorSpec::Partition { len: len + 1 };
         prop_assert!(check_tensor(&p.bytes, &longer).is_err());
@@ -637,7 +722,7 @@ fn damaged_encodings_never_panic_and_never_decode_wrong() {
             decoders_agree(&bytes, &TensorSpec::Partition { len })?;
             decoders_agree(&bytes, &TensorSpec::Merged { len })?;
         }
-        for encoding in [WireEncoding::F32, WireEncoding::Int8] {
+        for encoding in ENCODINGS {
             decoders_agree(&bytes, &TensorSpec::Boundary { shape: [2, 3, 4], encoding })?;
         }
     });

@@ -12,8 +12,8 @@ use iota_protocol::api::*;
 use iota_protocol::client::{ApiClient, ClientError, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{
-    WireEncoding, decode_partition, encode_boundary_f32, encode_boundary_i8, encode_merged,
-    encode_partition,
+    WireEncoding, decode_partition, encode_boundary_f32, encode_boundary_i4, encode_boundary_i8,
+    encode_merged, encode_partition,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -107,6 +107,15 @@ impl SimMiner {
                 let rows = (shape[0] * shape[1]) as usize;
                 let s: Vec<f32> = (0..rows).map(|_| self.rng.gen_range(0.001..0.01)).collect();
                 Bytes::from(encode_boundary_i8(shape, &v, &s))
+            }
+            WireEncoding::Int4 => {
+                let v: Vec<i8> = (0..n).map(|_| self.rng.gen_range(-7..=7)).collect();
+                let rows = (shape[0] * shape[1]) as usize;
+                // bf16 0.001..0.01: 0x3a83 is 0.001, 0x3c23 is 0.00995.
+                let s: Vec<u16> = (0..rows)
+                    .map(|_| self.rng.gen_range(0x3a83..0x3c23))
+                    .collect();
+                Bytes::from(encode_boundary_i4(shape, &v, &s))
             }
         }
     }

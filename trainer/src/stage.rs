@@ -89,6 +89,7 @@ fn model_wire(w: WireEncoding) -> ModelWire {
     match w {
         WireEncoding::F32 => ModelWire::F32,
         WireEncoding::Int8 => ModelWire::Int8,
+        WireEncoding::Int4 => ModelWire::Int4,
     }
 }
 
@@ -664,6 +665,61 @@ mod tests {
             assert!(a.iter().any(|x| *x != 0), "stage {stage} did not train");
             assert_eq!(a, b, "stage {stage}");
         }
+    }
+
+    /// A run on the int4 wire: stage 0's output crosses as the run's encoding, checks as its
+    /// slot does, and a second trainer (a validator replaying the hop) produces the same bytes;
+    /// the next stage takes it as input and sends int4 gradients back.
+    #[test]
+    fn an_int4_run_sends_int4_hops_that_replay_to_the_same_bytes() {
+        let mut r = run();
+        r.wire = WireEncoding::Int4;
+        let fresh = |stage: u32| {
+            let mut t =
+                StageTrainer::new(r.clone(), stage, StageOptions::cpu(), 8, None).expect("trainer");
+            for j in 0..r.partitions {
+                t.load_partition(j, None).expect("init");
+            }
+            t.begin_epoch(0).expect("epoch");
+            t
+        };
+        let shape = [
+            u64::from(r.micro_batch),
+            u64::from(r.seq_len),
+            u64::from(r.boundary_dim),
+        ];
+        let spec = iota_protocol::tensor::TensorSpec::Boundary {
+            shape,
+            encoding: WireEncoding::Int4,
+        };
+        let sent = fresh(0)
+            .forward(3, None)
+            .expect("fwd")
+            .bytes
+            .expect("output");
+        let replayed = fresh(0)
+            .forward(3, None)
+            .expect("fwd")
+            .bytes
+            .expect("output");
+        assert_eq!(sent, replayed);
+        iota_protocol::tensor::check_tensor(&sent, &spec).expect("an int4 slot takes it");
+        let decoded = BoundaryTensor::from_bytes(&sent, None).expect("decodes");
+        assert_eq!(decoded.encoding(), ModelWire::Int4);
+        assert_eq!(
+            decoded.payload_bytes() as u64,
+            shape[0] * shape[1] * (shape[2].div_ceil(2) + 2)
+        );
+
+        let mut next = fresh(1);
+        next.forward(3, Some(&sent))
+            .expect("stage 1 takes the int4 input");
+        let grad = next
+            .backward(3, &boundary(1e-4, 9))
+            .expect("bwd")
+            .bytes
+            .expect("a gradient for stage 0");
+        iota_protocol::tensor::check_tensor(&grad, &spec).expect("int4 gradient");
     }
 
     #[test]
