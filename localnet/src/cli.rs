@@ -48,6 +48,18 @@ pub struct ChainArgs {
     /// Seconds between rounds of the chain's own drand beacon.
     #[arg(long, env = "IOTA_LOCALNET_DRAND_PERIOD", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub drand_period: u32,
+    /// 32 bytes of hex seeding the beacon's key, for a test that opens commits itself; a fixed
+    /// default otherwise (the localnet's beacon guards nothing).
+    #[arg(long, env = "IOTA_LOCALNET_DRAND_SEED", value_parser = parse_seed)]
+    pub drand_seed: Option<[u8; 32]>,
+}
+
+/// Parses 32 bytes of hex, with or without `0x`.
+pub fn parse_seed(s: &str) -> Result<[u8; 32], String> {
+    let bytes = hex::decode(s.trim().trim_start_matches("0x"))
+        .map_err(|e| format!("seed `{s}` is not hex: {e}"))?;
+    <[u8; 32]>::try_from(bytes.as_slice())
+        .map_err(|_| format!("seed `{s}` is {} bytes, not 32", bytes.len()))
 }
 
 /// Parses `250ms`, `2s`, `1m` or a bare number of milliseconds.
@@ -87,6 +99,7 @@ pub async fn run(args: LocalnetArgs) -> Result<(), CliError> {
                     new_subnet_tempo: a.tempo,
                     commit_reveal_version: a.commit_reveal_version,
                     drand_period_secs: a.drand_period,
+                    drand_seed: a.drand_seed.unwrap_or(ChainConfig::default().drand_seed),
                     ..ChainConfig::default()
                 },
             };
@@ -129,5 +142,14 @@ mod tests {
         assert_eq!(parse_duration("15"), Ok(Duration::from_millis(15)));
         assert!(parse_duration("2h").is_err());
         assert!(parse_duration("fast").is_err());
+    }
+
+    #[test]
+    fn seeds_parse() {
+        let hex = "ab".repeat(32);
+        assert_eq!(parse_seed(&hex), Ok([0xab; 32]));
+        assert_eq!(parse_seed(&format!("0x{hex}")), Ok([0xab; 32]));
+        assert!(parse_seed("abcd").is_err());
+        assert!(parse_seed(&"zz".repeat(32)).is_err());
     }
 }
