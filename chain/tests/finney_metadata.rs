@@ -326,7 +326,6 @@ fn a_changed_runtime_is_refused_with_names() {
 fn breaking_changes_are_named() {
     use frame_metadata::{RuntimeMetadata, RuntimeMetadataPrefixed};
     use parity_scale_codec::{Decode, Encode};
-    use scale_info::TypeDef;
 
     let mut bytes = iota_chain::api::COMPILED_METADATA;
     let mut prefixed =
@@ -347,65 +346,16 @@ fn breaking_changes_are_named() {
         .expect("storage")
         .entries
         .retain(|e| e.name != "Axons");
-    let u16_id = md
-        .types
-        .types
-        .iter()
-        .find(|t| {
-            matches!(
-                t.ty.type_def,
-                TypeDef::Primitive(scale_info::TypeDefPrimitive::U16)
-            )
-        })
-        .expect("u16 registered")
-        .id;
-    let call_enum = md
-        .types
-        .types
-        .iter_mut()
-        .find(|t| t.id == call_ty)
-        .expect("call enum");
-    let TypeDef::Variant(variants) = &mut call_enum.ty.type_def else {
-        panic!("calls are an enum");
-    };
-    let set_weights = variants
-        .variants
-        .iter_mut()
-        .find(|v| v.name == "set_weights")
-        .expect("set_weights");
+    let u16_id = primitive_id(md, scale_info::TypeDefPrimitive::U16);
+    let u64_id = primitive_id(md, scale_info::TypeDefPrimitive::U64);
+    let set_weights = variant_mut(md, call_ty, "set_weights");
     let field = set_weights
         .fields
         .iter_mut()
         .find(|f| f.name.as_deref() == Some("version_key"))
         .expect("version_key");
     field.ty = u16_id.into();
-    let u64_id = md
-        .types
-        .types
-        .iter()
-        .find(|t| {
-            matches!(
-                t.ty.type_def,
-                TypeDef::Primitive(scale_info::TypeDefPrimitive::U64)
-            )
-        })
-        .expect("u64 registered")
-        .id;
-    let event_enum = md
-        .types
-        .types
-        .iter_mut()
-        .find(|t| t.id == event_ty)
-        .expect("event enum");
-    let TypeDef::Variant(events) = &mut event_enum.ty.type_def else {
-        panic!("events are an enum");
-    };
-    let registered = events
-        .variants
-        .iter_mut()
-        .find(|v| v.name == "NeuronRegistered")
-        .expect("NeuronRegistered");
-    registered.fields[1].ty = u64_id.into();
+    variant_mut(md, event_ty, "NeuronRegistered").fields[1].ty = u64_id.into();
     md.apis.retain(|api| api.name != "AccountNonceApi");
 
     let upgraded = Metadata::decode_from(&prefixed.encode()[..]).expect("upgraded metadata");
@@ -427,6 +377,41 @@ fn breaking_changes_are_named() {
     // rather than sending wrong bytes.
     let call = calls::set_weights(1, vec![0], vec![1], 70_000);
     assert!(encode_call(&upgraded, &call).is_err());
+}
+
+/// The id of `primitive` in `md`'s type registry.
+fn primitive_id(
+    md: &frame_metadata::v16::RuntimeMetadataV16,
+    primitive: scale_info::TypeDefPrimitive,
+) -> u32 {
+    md.types
+        .types
+        .iter()
+        .find(|t| t.ty.type_def == scale_info::TypeDef::Primitive(primitive.clone()))
+        .unwrap_or_else(|| panic!("{primitive:?} registered"))
+        .id
+}
+
+/// Variant `name` of the enum type `enum_ty` in `md`, to change.
+fn variant_mut<'a>(
+    md: &'a mut frame_metadata::v16::RuntimeMetadataV16,
+    enum_ty: u32,
+    name: &str,
+) -> &'a mut scale_info::Variant<scale_info::form::PortableForm> {
+    let ty = md
+        .types
+        .types
+        .iter_mut()
+        .find(|t| t.id == enum_ty)
+        .expect("enum type");
+    let scale_info::TypeDef::Variant(variants) = &mut ty.ty.type_def else {
+        panic!("type {enum_ty} is not an enum");
+    };
+    variants
+        .variants
+        .iter_mut()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("variant {name}"))
 }
 
 #[test]
