@@ -12,8 +12,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::calls::Call;
+use crate::client::{Subtensor, TxOptions, TxOutcome};
 use crate::error::ChainError;
-use crate::wallet::PublicKey;
+use crate::metagraph::Hyperparams;
+use crate::wallet::{Keypair, PublicKey};
 
 /// A commit whose reveal is still to come.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -325,6 +328,48 @@ impl CommitStore for JsonFileCommitStore {
     async fn remove(&self, hash: &[u8; 32]) -> Result<(), ChainError> {
         let hash = *hash;
         self.modify(move |all| all.retain(|c| c.hash != hash)).await
+    }
+}
+
+impl Subtensor {
+    /// Saves `pending` (durable before the commit exists on chain, so a crash cannot strand it),
+    /// sends `call`, and saves it again with the block it landed in and that block's epoch.
+    /// Returns the block. A refused commit is removed from the store (it will never need
+    /// revealing); one whose fate is unknown (timeout, lost connection) is kept, so a later
+    /// reveal pass can still settle it.
+    pub(crate) async fn send_commit<S: CommitStore>(
+        &self,
+        call: &Call,
+        hotkey: &Keypair,
+        hp: &Hyperparams,
+        pending: &mut PendingCommit,
+        store: &S,
+        tx: &TxOptions,
+    ) -> Result<u64, ChainError> {
+        store.save(pending).await?;
+        let receipt = match self.submit(call, hotkey, tx).await {
+            Ok(TxOutcome::Included(r)) => r,
+            Ok(TxOutcome::DryRun { .. }) => {
+                store.remove(&pending.hash).await?;
+                return Err(ChainError::Rpc("unexpected dry run".into()));
+            }
+            Err(e) => {
+                if e.is_dispatch_error() || matches!(e, ChainError::InvalidTransaction(_)) {
+                    store.remove(&pending.hash).await?;
+                }
+                return Err(e);
+            }
+        };
+        let block = receipt.block_number;
+        pending.commit_block = Some(block);
+        let at = self.at_best().await?;
+        let commit_epoch = self.epoch_index_at(&at, hp.netuid, hp.tempo, block).await?;
+        pending.reveal_epoch = commit_epoch + hp.reveal_period_epochs;
+        if let Some(sealed) = pending.timelock.as_mut() {
+            sealed.commit_epoch = commit_epoch;
+        }
+        store.save(pending).await?;
+        Ok(block)
     }
 }
 

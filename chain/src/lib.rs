@@ -12,6 +12,7 @@
 //!   durable [`commit::CommitStore`].
 //! * [`calls`]: the call builders (what `--dry-run` encodes); [`api`]: code generated from
 //!   `metadata/localnet.scale`.
+//! * [`timelocked`]: commits sealed to a drand round, which the chain reveals itself.
 //! * [`timelock`]: drand-timelocked weight commits (commit-reveal v3/v4): the reveal round, the
 //!   payload subtensor decodes, encryption to a round and decryption with its signature.
 //! * [`cli`]: `iota chain …` with Bittensor's flag names.
@@ -29,6 +30,7 @@ pub mod ops;
 pub mod set_weights;
 pub mod shape;
 pub mod signer;
+pub mod timelocked;
 pub mod wallet;
 pub mod watcher;
 pub mod weights;

@@ -1,17 +1,17 @@
 //! Weights on chain: the SDK's conversion, the subnet's version key and rate limit, and
-//! commit-reveal (v2, hash) when the subnet has it on.
+//! commit-reveal when the subnet has it on: hash commits (v2) this client reveals, or commits
+//! sealed to a drand round ([`crate::timelocked`]) that the chain reveals.
 
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::api;
 use crate::calls;
-use crate::client::{AtBlock, StorageBatch, Subtensor, TxOptions, TxOutcome};
-use crate::commit::{CommitStore, PendingCommit, TimelockedCommit, by_netuid};
+use crate::client::{Subtensor, TxOptions, TxOutcome};
+use crate::commit::{CommitStore, PendingCommit, by_netuid};
 use crate::error::ChainError;
 use crate::metagraph::{Hyperparams, SubnetRead};
-use crate::timelock;
+use crate::timelocked::{Fate, Sealed, Sent};
 use crate::wallet::{Keypair, PublicKey};
 use crate::weights::{
     DEFAULT_SALT_LEN, commit_hash, convert_weights_and_uids_for_emit, generate_salt,
@@ -141,40 +141,6 @@ pub struct RevealReport {
     pub dry_run: Vec<String>,
 }
 
-/// What became of a timelocked commit ([`Subtensor::reveal_pending`]).
-enum Fate {
-    Waiting,
-    Revealed(u64),
-    Dropped(String),
-}
-
-/// Weights to seal in a timelocked commit, and the commit-reveal version to send.
-struct Sealed {
-    uids: Vec<u16>,
-    values: Vec<u16>,
-    version_key: u64,
-    version: u16,
-}
-
-/// What a timelocked commit is sealed against, read from the chain.
-struct ChainBeacon {
-    public_key: timelock::DrandPublicKey,
-    schedule: timelock::DrandSchedule,
-    last_stored_round: u64,
-    now_ms: u64,
-}
-
-/// Seconds per block: the runtime's `Aura.SlotDuration`, or finney's 12 s when it declares none.
-pub fn block_time_secs(metadata: &subxt::Metadata) -> f64 {
-    const FINNEY_BLOCK_SECS: f64 = 12.0;
-    metadata
-        .pallet_by_name("Aura")
-        .and_then(|p| p.constant_by_name("SlotDuration"))
-        .and_then(|c| <u64 as parity_scale_codec::Decode>::decode(&mut c.value()).ok())
-        .filter(|ms| *ms > 0)
-        .map_or(FINNEY_BLOCK_SECS, |ms| ms as f64 / 1_000.0)
-}
-
 /// What a weights submission needs to know about the subnet and the hotkey.
 struct WeightsContext {
     best: u64,
@@ -187,7 +153,7 @@ struct WeightsContext {
 pub const FIRST_TIMELOCKED_COMMIT_REVEAL_VERSION: u16 = 3;
 
 /// The storage key and metadata default of `CommitRevealWeightsVersion`, when the runtime
-/// declares it (the localnet, which has hash commit-reveal only, does not).
+/// declares it (a runtime without it has hash commit-reveal only).
 pub fn commit_reveal_version_item(metadata: &subxt::Metadata) -> Option<(Vec<u8>, Option<u16>)> {
     let entry = metadata
         .pallet_by_name("SubtensorModule")?
@@ -478,9 +444,34 @@ impl Subtensor {
                 version_key,
                 version,
             };
-            return self
-                .commit_timelocked(hotkey, hp, weights, store, opts)
-                .await;
+            return Ok(
+                match self
+                    .commit_timelocked(hotkey, hp, weights.clone(), store, &opts.tx)
+                    .await?
+                {
+                    Sent::DryRun(call_data) => WeightsOutcome::DryRun {
+                        call_hex: format!("0x{}", hex::encode(call_data)),
+                        uids: weights.uids,
+                        values: weights.values,
+                        version_key: weights.version_key,
+                        commit: true,
+                    },
+                    Sent::Committed {
+                        block,
+                        hash,
+                        reveal_round,
+                        reveal_from_block,
+                    } => WeightsOutcome::TimelockCommitted {
+                        block,
+                        hash,
+                        reveal_round,
+                        reveal_from_block,
+                        uids: weights.uids,
+                        values: weights.values,
+                        version_key: weights.version_key,
+                    },
+                },
+            );
         }
         let public = hotkey.public();
         let salt = generate_salt(opts.salt_len);
@@ -537,211 +528,6 @@ impl Subtensor {
             uids,
             values,
             version_key,
-        })
-    }
-
-    /// Saves `pending` (durable before the commit exists on chain, so a crash cannot strand it),
-    /// sends `call`, and saves it again with the block it landed in and that block's epoch.
-    /// Returns the block. A refused commit is removed from the store (it will never need
-    /// revealing); one whose fate is unknown (timeout, lost connection) is kept, so a later
-    /// reveal pass can still settle it.
-    async fn send_commit<S: CommitStore>(
-        &self,
-        call: &calls::Call,
-        hotkey: &Keypair,
-        hp: &Hyperparams,
-        pending: &mut PendingCommit,
-        store: &S,
-        tx: &TxOptions,
-    ) -> Result<u64, ChainError> {
-        store.save(pending).await?;
-        let receipt = match self.submit(call, hotkey, tx).await {
-            Ok(TxOutcome::Included(r)) => r,
-            Ok(TxOutcome::DryRun { .. }) => {
-                store.remove(&pending.hash).await?;
-                return Err(ChainError::Rpc("unexpected dry run".into()));
-            }
-            Err(e) => {
-                if e.is_dispatch_error() || matches!(e, ChainError::InvalidTransaction(_)) {
-                    store.remove(&pending.hash).await?;
-                }
-                return Err(e);
-            }
-        };
-        let block = receipt.block_number;
-        pending.commit_block = Some(block);
-        let at = self.at_best().await?;
-        let commit_epoch = self.epoch_index_at(&at, hp.netuid, hp.tempo, block).await?;
-        pending.reveal_epoch = commit_epoch + hp.reveal_period_epochs;
-        if let Some(sealed) = pending.timelock.as_mut() {
-            sealed.commit_epoch = commit_epoch;
-        }
-        store.save(pending).await?;
-        Ok(block)
-    }
-
-    /// Seals the weights to the drand round out when the reveal epoch begins and commits the
-    /// ciphertext with `commit_timelocked_weights`; the chain opens it itself with that round's
-    /// pulse. The beacon (key, genesis, period) is the one the chain's Drand pallet follows, the
-    /// time is the chain's own (`Timestamp.Now`) and the block time its `Aura.SlotDuration`.
-    async fn commit_timelocked<S: CommitStore>(
-        &self,
-        hotkey: &Keypair,
-        hp: &Hyperparams,
-        weights: Sealed,
-        store: &S,
-        opts: &WeightOptions,
-    ) -> Result<WeightsOutcome, ChainError> {
-        let netuid = hp.netuid;
-        let at = self.at_best().await?;
-        let beacon = self.beacon_at(&at).await?;
-        let best = at.block_number();
-        let next = best + 1;
-        let reveal_from_block = self
-            .first_reveal_block_at(&at, netuid, hp.tempo, next, hp.reveal_period_epochs)
-            .await?;
-        let timing = timelock::CommitTiming {
-            current_block: best,
-            first_reveal_block: reveal_from_block,
-            block_time_secs: block_time_secs(at.metadata_ref()),
-            now_unix_secs: beacon.now_ms as f64 / 1_000.0,
-        };
-        // Never a round already on chain: its pulse would open the commit at once (and the pool
-        // refuses older ones). On a chain whose epochs are short against the beacon's period the
-        // prediction can land there; the next round delays the reveal by at most one period.
-        let reveal_round =
-            timelock::reveal_round(&timing, &beacon.schedule)?.max(beacon.last_stored_round + 1);
-        let public = hotkey.public();
-        let payload = timelock::WeightsTlockPayload {
-            hotkey: public.to_bytes().to_vec(),
-            uids: weights.uids.clone(),
-            values: weights.values.clone(),
-            version_key: weights.version_key,
-        };
-        let sealed = timelock::encrypt_for_round(
-            &parity_scale_codec::Encode::encode(&payload),
-            reveal_round,
-            &beacon.public_key,
-            &mut rand::rngs::OsRng,
-        )?;
-        let hash = sp_crypto_hashing::blake2_256(&sealed);
-        let call = calls::commit_timelocked_weights(netuid, sealed, reveal_round, weights.version);
-        if opts.tx.dry_run {
-            let call_data = self.encode_call(&call).await?;
-            return Ok(WeightsOutcome::DryRun {
-                call_hex: format!("0x{}", hex::encode(call_data)),
-                uids: weights.uids,
-                values: weights.values,
-                version_key: weights.version_key,
-                commit: true,
-            });
-        }
-        let commit_epoch = self.epoch_index_at(&at, netuid, hp.tempo, next).await?;
-        let mut pending = PendingCommit {
-            hotkey: public,
-            netuid,
-            uids: weights.uids.clone(),
-            values: weights.values.clone(),
-            salt: vec![],
-            version_key: weights.version_key,
-            hash,
-            submitted_block: best,
-            commit_block: None,
-            reveal_epoch: commit_epoch + hp.reveal_period_epochs,
-            timelock: Some(TimelockedCommit {
-                reveal_round,
-                commit_epoch,
-                reveal_from_block,
-            }),
-        };
-        let block = self
-            .send_commit(&call, hotkey, hp, &mut pending, store, &opts.tx)
-            .await?;
-        tracing::info!(
-            netuid,
-            block,
-            hash = %pending.hash_hex(),
-            reveal_round,
-            reveal_from_block,
-            "weights committed, timelocked"
-        );
-        Ok(WeightsOutcome::TimelockCommitted {
-            block,
-            hash: pending.hash_hex(),
-            reveal_round,
-            reveal_from_block,
-            uids: weights.uids,
-            values: weights.values,
-            version_key: weights.version_key,
-        })
-    }
-
-    /// What became of a timelocked commit: still on chain (waiting for its pulse or epoch), or
-    /// removed by the chain's reveal pass, which either set its weights (the uid's `LastUpdate`
-    /// moved past the commit's block) or dropped it.
-    async fn timelocked_fate(
-        &self,
-        at: &AtBlock,
-        c: &PendingCommit,
-        sealed: TimelockedCommit,
-        epoch: u64,
-    ) -> Result<Fate, ChainError> {
-        let mut batch = StorageBatch::new(at);
-        let kept = batch.add(
-            api::storage()
-                .subtensor_module()
-                .timelocked_weight_commits(),
-            (c.netuid, sealed.commit_epoch),
-        )?;
-        let kept = batch.fetch(self).await?.value(&kept)?;
-        let who = crate::signer::account(&c.hotkey);
-        let on_chain = kept.iter().any(|(account, _, bytes, _)| {
-            *account == who && sp_crypto_hashing::blake2_256(&bytes.0) == c.hash
-        });
-        if on_chain {
-            return Ok(Fate::Waiting);
-        }
-        let read = self
-            .read_subnet(
-                at,
-                c.netuid,
-                &SubnetRead {
-                    last_update: true,
-                    uid_of: Some(c.hotkey),
-                    ..SubnetRead::default()
-                },
-            )
-            .await?;
-        let last_update = read.uid.map(|uid| read.last_update_of(uid));
-        Ok(match (c.commit_block, last_update) {
-            (Some(block), Some(last)) if last > block => Fate::Revealed(last),
-            (Some(_), _) => Fate::Dropped(
-                "the chain removed the commit without setting its weights: it did not open with its round's pulse, named another hotkey, or its weights were refused".to_owned(),
-            ),
-            (None, _) if epoch <= c.reveal_epoch => Fate::Waiting,
-            (None, _) => Fate::Dropped(
-                "the commit is not on chain and its reveal epoch has passed: it never landed, or its outcome was lost".to_owned(),
-            ),
-        })
-    }
-
-    /// The beacon the chain's Drand pallet follows, its latest stored round and the chain's
-    /// time, at `at`.
-    async fn beacon_at(&self, at: &AtBlock) -> Result<ChainBeacon, ChainError> {
-        let mut batch = StorageBatch::new(at);
-        let config = batch.add(api::storage().drand().beacon_config(), ())?;
-        let last = batch.add(api::storage().drand().last_stored_round(), ())?;
-        let now = batch.add(api::storage().timestamp().now(), ())?;
-        let fetched = batch.fetch(self).await?;
-        let config = fetched.value(&config)?;
-        Ok(ChainBeacon {
-            public_key: timelock::DrandPublicKey::from_bytes(&config.public_key.0)?,
-            schedule: timelock::DrandSchedule {
-                genesis_time: u64::from(config.genesis_time),
-                period_secs: u64::from(config.period),
-            },
-            last_stored_round: fetched.value(&last)?,
-            now_ms: fetched.value(&now)?,
         })
     }
 

@@ -321,6 +321,11 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
     }
 }
 
+/// The f32 a bf16 stands for (its bits are the top half of the f32's).
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
 /// An int4 boundary tensor of logical shape `want` (`[batch, seq, width]`).
 fn check_int4(
     st: &SafeTensors<'_>,
@@ -360,7 +365,7 @@ fn check_int4(
     let scale_shape: Vec<u64> = scales.shape().iter().map(|d| *d as u64).collect();
     expect_shape(&scale_shape, &[want[0].saturating_mul(want[1])])?;
     for pair in scales.data().chunks_exact(2) {
-        let s = f32::from_bits(u32::from(u16::from_le_bytes([pair[0], pair[1]])) << 16);
+        let s = bf16_to_f32(u16::from_le_bytes([pair[0], pair[1]]));
         if !s.is_finite() {
             return Err(TensorError::NonFinite("scales".into()));
         }

@@ -748,7 +748,6 @@ impl Validator {
             });
         };
         let public = self.hotkey().public();
-        let (uids, values): (Vec<u16>, Vec<u16>) = expected.iter().map(|(u, v)| (*u, *v)).unzip();
         if let Some(sealed) = pending.timelock {
             let at = self.chain().at_best().await?;
             let on_chain = timelocked_commit_hashes(
@@ -761,9 +760,14 @@ impl Validator {
             .await?
             .iter()
             .any(|h| format!("0x{}", hex::encode(h)) == recorded);
-            // The chain max-upscales what it is sent; compare in that form.
-            let sealed_matches =
-                max_upscaled(&pending.uids, &pending.values) == max_upscaled(&uids, &values);
+            // `expected` is what the client sends (a hash commit hashes it as it is).
+            let weights: BTreeMap<u16, u16> = pending
+                .uids
+                .iter()
+                .copied()
+                .zip(pending.values.iter().copied())
+                .collect();
+            let sealed_matches = weights == *expected;
             return Ok(ChainCheck::Sealed {
                 matches: sealed_matches && on_chain,
                 recorded,
@@ -772,6 +776,7 @@ impl Validator {
                 on_chain,
             });
         }
+        let (uids, values): (Vec<u16>, Vec<u16>) = expected.iter().map(|(u, v)| (*u, *v)).unzip();
         let hash = commit_hash(
             public.to_bytes(),
             meta.netuid,
@@ -793,19 +798,6 @@ impl Validator {
             on_chain,
         })
     }
-}
-
-/// `(uid, value)` pairs as the chain stores weights: max-upscaled to 65535, zeros dropped.
-fn max_upscaled(uids: &[u16], values: &[u16]) -> BTreeMap<u16, u16> {
-    let max = values.iter().copied().max().unwrap_or(0);
-    uids.iter()
-        .zip(values)
-        .filter(|(_, v)| **v > 0 && max > 0)
-        .map(|(u, v)| {
-            let scaled = (u64::from(*v) * 65_535 + u64::from(max) / 2) / u64::from(max);
-            (*u, u16::try_from(scaled).unwrap_or(u16::MAX))
-        })
-        .collect()
 }
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
