@@ -3,21 +3,24 @@
 //! start of the upload phase until every miner has loaded the merged weights.
 //!
 //! `cargo bench -p iota-miner --bench butterfly` with `DATABASE_URL` set (`scripts/pg.sh start`).
-//! Real miners (`tiny` model, 3 stages) against a real orchestrator, PostgreSQL and localnet;
+//! Real miners (`tiny` at width 256, 3 stages) against a real orchestrator, PostgreSQL and localnet;
 //! partitions = miners per stage, three owners per partition. The second epoch is measured (the
-//! first merges onto the initial weights). `BUTTERFLY_SIZES=2,4` picks the sizes.
+//! first merges onto the initial weights). Every size runs with dense pseudo-gradients and with
+//! sparse ones (`top-K/CHUNK`, `BUTTERFLY_SPARSE`, top-32/1024 by default: compressed uploads,
+//! compressed merged updates that each miner applies). `BUTTERFLY_SIZES=2,4` picks the sizes.
 
 use iota_testkit as support;
 
 use std::time::{Duration, Instant};
 
 use iota_miner::{AllReduceBytes, MinerHandle, spawn};
-use iota_protocol::api::{Phase, RunConfig};
+use iota_protocol::api::{Phase, RunConfig, SparseEncoding};
 use support::*;
 
 /// Per miner, in multiples of its stage's fp32 size.
 #[derive(Default)]
 struct Figures {
+    pseudo_gradients: String,
     per_stage: usize,
     contributors: usize,
     pseudo_gradients_sent: f64,
@@ -30,8 +33,33 @@ struct Figures {
     seconds: f64,
 }
 
-fn run_config(per_stage: usize) -> RunConfig {
+/// `tiny` at width 256: large enough that an object's safetensors header (about 300 bytes) is
+/// a small part of a compressed partition even at 16 partitions a stage, small enough for 48
+/// miners on a few cores. Written to `dir`, which the run names it by.
+fn bench_model(dir: &std::path::Path) -> iota_model::ModelConfig {
+    let model = iota_model::ModelConfig {
+        name: "butterfly".into(),
+        d_model: 256,
+        d_ff: 512,
+        ..iota_model::ModelConfig::tiny()
+    };
+    let json = model.to_json().expect("model json");
+    std::fs::write(dir.join("butterfly.json"), json).expect("model file");
+    model
+}
+
+fn run_config(
+    per_stage: usize,
+    sparse: Option<SparseEncoding>,
+    dir: &std::path::Path,
+) -> RunConfig {
     let mut run = tiny_run("butterfly", 4 * per_stage as u64);
+    let model = bench_model(dir);
+    run.model = dir.join("butterfly.json").display().to_string();
+    run.stage_params = (0..model.num_stages())
+        .map(|k| model.stage_param_count(k).expect("stage") as u64)
+        .collect();
+    run.sparse = sparse;
     run.partitions = per_stage as u32;
     run.max_in_flight = 2 * per_stage as u32;
     run.lease_s = 60;
@@ -60,8 +88,9 @@ async fn all_loaded(miners: &[MinerHandle], epoch: u64, what: &str) {
     .await;
 }
 
-async fn measure(per_stage: usize) -> Figures {
-    let run = run_config(per_stage);
+async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
+    let model_dir = tempfile::tempdir().expect("model dir");
+    let run = run_config(per_stage, sparse, model_dir.path());
     let seeds: Vec<u8> = (0..(3 * per_stage) as u8).map(|i| 10 + i).collect();
     let chain = chain_with(&seeds, &[]).await;
     let db = fresh_db().await;
@@ -94,6 +123,10 @@ async fn measure(per_stage: usize) -> Figures {
     let seconds = upload_started.elapsed().as_secs_f64();
     let after = counters(&miners);
     let mut f = Figures {
+        pseudo_gradients: match sparse {
+            Some(s) => format!("top-{}/{}", s.k, s.chunk),
+            None => "dense".into(),
+        },
         per_stage,
         seconds,
         ..Figures::default()
@@ -139,24 +172,44 @@ async fn main() {
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![2, 4, 8, 16]);
+    let sparse = std::env::var("BUTTERFLY_SPARSE").unwrap_or_else(|_| "top-32/1024".into());
+    let sparse = sparse
+        .strip_prefix("top-")
+        .and_then(|s| s.split_once('/'))
+        .and_then(|(k, chunk)| {
+            Some(SparseEncoding {
+                chunk: chunk.parse().ok()?,
+                k: k.parse().ok()?,
+            })
+        })
+        .expect("BUTTERFLY_SPARSE is top-K/CHUNK");
     let mut rows = Vec::new();
-    for n in sizes {
-        let f = measure(n).await;
-        eprintln!("{n} per stage: {:.2}x mean, {:.1} s", f.mean, f.seconds);
-        rows.push(f);
+    for mode in [None, Some(sparse)] {
+        for &n in &sizes {
+            let f = measure(n, mode).await;
+            eprintln!(
+                "{} {n} per stage: {:.2}x mean, {:.1} s",
+                f.pseudo_gradients, f.mean, f.seconds
+            );
+            rows.push(f);
+        }
     }
-    println!("weight all-reduce, `tiny` (3 stages), partitions = miners per stage, 3 owners each");
+    println!(
+        "weight all-reduce, `tiny` at d_model 256 (stages of {:?} parameters), partitions = miners per stage, 3 owners each",
+        run_config(2, None, tempfile::tempdir().expect("dir").path()).stage_params
+    );
     println!(
         "bytes per miner for one epoch's merge (the second epoch), in multiples of its stage's fp32 size; means over the miners"
     );
     println!();
     println!(
-        "| miners/stage | contributors | pseudo-gradient up | contributions down | bases down | merged up | weights down | reduce (pg up + contributions down) | total (mean) | total (max) | time (s) |"
+        "| pseudo-gradients | miners/stage | contributors | pseudo-gradient up | contributions down | bases down | merged up | weights down | reduce (pg up + contributions down) | total (mean) | total (max) | time (s) |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in &rows {
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} |",
+            f.pseudo_gradients,
             f.per_stage,
             f.contributors,
             f.pseudo_gradients_sent,
@@ -170,15 +223,25 @@ async fn main() {
             f.seconds
         );
     }
-    let spread = |get: fn(&Figures) -> f64| {
-        let lo = rows.iter().map(get).fold(f64::INFINITY, f64::min);
-        let hi = rows.iter().map(get).fold(0.0, f64::max);
-        hi / lo
-    };
-    println!();
-    println!(
-        "max/min across sizes: reduce {:.3}, total {:.3}",
-        spread(|f| f.pseudo_gradients_sent + f.contributions_received),
-        spread(|f| f.mean)
-    );
+    // Across sizes, per mode.
+    for mode in ["dense", "top-"] {
+        let rows: Vec<&Figures> = rows
+            .iter()
+            .filter(|f| f.pseudo_gradients.starts_with(mode))
+            .collect();
+        let spread = |get: fn(&Figures) -> f64| {
+            let lo = rows.iter().map(|f| get(f)).fold(f64::INFINITY, f64::min);
+            let hi = rows.iter().map(|f| get(f)).fold(0.0, f64::max);
+            hi / lo
+        };
+        let Some(first) = rows.first() else { continue };
+        println!();
+        println!(
+            "{}: max/min across sizes: reduce {:.3}, total {:.3}; largest total (mean) {:.3}x",
+            first.pseudo_gradients,
+            spread(|f| f.pseudo_gradients_sent + f.contributions_received),
+            spread(|f| f.mean),
+            rows.iter().map(|f| f.mean).fold(0.0, f64::max)
+        );
+    }
 }

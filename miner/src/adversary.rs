@@ -180,6 +180,31 @@ pub fn merged_partition(
     Ok(encode_merged(&weights, &momentum))
 }
 
+/// A sparse run's merged update ([`iota_trainer::sparse::merged_update`]), corrupted as
+/// [`merged_partition`] corrupts a dense one: the first chunk's scale shifted (a shift keeps it
+/// a valid scale, so only a recomputation tells it apart).
+pub fn merged_update(
+    run: &RunConfig,
+    stage: u32,
+    partition: u32,
+    contributions: &[(f64, Vec<u8>)],
+    adversary: Option<Adversary>,
+    hotkey: &str,
+) -> Result<Vec<u8>, MinerError> {
+    use iota_trainer::sparse::{decode, encode, merged_update, sparse_shape};
+    let honest = merged_update(run, stage, partition, contributions)?;
+    let shift = match adversary {
+        Some(Adversary::WrongMerge | Adversary::LateLoneMerge) => own_shift(hotkey),
+        Some(Adversary::ColludingMerge) => 1.0,
+        _ => return Ok(honest),
+    };
+    let mut v = decode(&honest, sparse_shape(run, stage, partition)?)?;
+    if let Some(s) = v.scales.first_mut() {
+        *s += shift;
+    }
+    Ok(encode(&v))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

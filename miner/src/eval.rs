@@ -12,6 +12,7 @@ use iota_protocol::tensor::decode_merged;
 
 use crate::error::MinerError;
 use iota_trainer::run_dataset;
+use iota_trainer::sparse::SparseWeights;
 
 /// The stages `epoch` starts with (each partition's latest accepted merge before `epoch`,
 /// initial weights where none) and the BLAKE3 (hex) of each stage's flat weights. Merged blobs
@@ -23,6 +24,9 @@ pub async fn epoch_start_stages(
 ) -> Result<(Vec<Stage>, Vec<String>), MinerError> {
     let mut model = ModelConfig::load(&run.model)?;
     model.init_seed = run.init_seed;
+    if run.sparse.is_some() {
+        return sparse_start_stages(client, run, &model, epoch).await;
+    }
     let mut latest = BTreeMap::new();
     for e in 0..epoch {
         for p in client.merge_status(e).await? {
@@ -42,6 +46,51 @@ pub async fn epoch_start_stages(
     tokio::task::spawn_blocking(move || build_stages(&run, &model, &merged))
         .await
         .map_err(|e| MinerError::Internal(e.to_string()))?
+}
+
+/// A sparse run's stages at the start of `epoch`: every stage's initial weights with each
+/// earlier epoch's accepted updates applied in turn.
+async fn sparse_start_stages(
+    client: &ApiClient,
+    run: &RunConfig,
+    model: &ModelConfig,
+    epoch: u64,
+) -> Result<(Vec<Stage>, Vec<String>), MinerError> {
+    let mut folded = (0..run.stages)
+        .map(|k| SparseWeights::initial(run, k))
+        .collect::<Result<Vec<_>, _>>()?;
+    for e in 0..epoch {
+        let mut updates = vec![vec![None; run.partitions as usize]; run.stages as usize];
+        for p in client.merge_status(e).await? {
+            if p.state == PartitionState::Accepted
+                && let Some(blob) = p.accepted
+                && let Some(slot) = updates
+                    .get_mut(p.stage as usize)
+                    .and_then(|u| u.get_mut(p.partition as usize))
+            {
+                *slot = Some(client.download(&blob).await?);
+            }
+        }
+        for (k, (w, u)) in folded.iter_mut().zip(&updates).enumerate() {
+            let refs: Vec<Option<&[u8]>> = u.iter().map(|b| b.as_deref()).collect();
+            w.advance(run, k as u32, &refs)
+                .map_err(|e| MinerError::BadInput(format!("accepted update of stage {k}: {e}")))?;
+        }
+    }
+    let model = model.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut stages = Vec::new();
+        let mut digests = Vec::new();
+        for (k, w) in folded.iter().enumerate() {
+            let stage = Stage::new(&model, k, StageOptions::cpu())?;
+            load_range(&stage, 0..w.weights.len(), &w.weights)?;
+            digests.push(digest_f32(&w.weights).to_hex().to_string());
+            stages.push(stage);
+        }
+        Ok((stages, digests))
+    })
+    .await
+    .map_err(|e| MinerError::Internal(e.to_string()))?
 }
 
 /// Every stage at its initial weights, with the `(stage, partition, merged bytes)` loaded over

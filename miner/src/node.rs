@@ -432,6 +432,9 @@ impl Node {
     /// Downloads the stage's merged weights (checking every hash) and starts epoch `epoch`
     /// from them, one partition at a time.
     async fn load_weights(&mut self, epoch: u64) -> Result<(), MinerError> {
+        if self.run.sparse.is_some() {
+            return self.apply_updates(epoch).await;
+        }
         let weights = self.client.epoch_start_weights(self.stage, epoch).await?;
         let mut loaded = Vec::with_capacity(weights.partitions.len());
         for (j, blob) in weights.partitions.iter().enumerate() {
@@ -458,11 +461,13 @@ impl Node {
         }
         // What was just loaded is the next merge's bases; nothing older is needed.
         self.merged_blobs.hold_only(loaded);
-        let digest = blocking(&self.trainer, move |t| {
-            t.begin_epoch(epoch)?;
-            t.weights_digest()
-        })
-        .await?;
+        blocking(&self.trainer, move |t| t.begin_epoch(epoch)).await?;
+        self.started(epoch).await
+    }
+
+    /// Bookkeeping once epoch `epoch`'s start weights are loaded.
+    async fn started(&mut self, epoch: u64) -> Result<(), MinerError> {
+        let digest = blocking(&self.trainer, |t| t.weights_digest()).await?;
         self.epoch = epoch;
         self.weights_stale = false;
         self.pending.clear();
@@ -477,6 +482,65 @@ impl Node {
             s.epoch_hops = 0;
         });
         Ok(())
+    }
+
+    /// A sparse run's epoch start: every epoch's merged updates since the one the trainer
+    /// holds the start of (the initial weights for a new trainer) applied in turn, as every
+    /// miner of the stage applies them. An epoch's updates are all downloaded and checked
+    /// before any is applied, so a bad one leaves the trainer as it was.
+    async fn apply_updates(&mut self, epoch: u64) -> Result<(), MinerError> {
+        let held = blocking(&self.trainer, |t| Ok(t.epoch())).await?;
+        let from = match held {
+            // Back to this epoch's start: its training is dropped.
+            Some(e) if e == epoch => epoch,
+            Some(e) if e < epoch => e,
+            // A trainer ahead of the run (it restarted): start again from the initial weights.
+            Some(_) => {
+                let (trainer, _) =
+                    build_trainer(&self.cfg, &self.run, self.stage, self.memory_bytes).await?;
+                self.trainer = Arc::new(Mutex::new(trainer));
+                0
+            }
+            None => 0,
+        };
+        // Each step applies one epoch's merged updates (`None`: back to this epoch's start).
+        let steps: Vec<Option<u64>> = match from == epoch {
+            true => vec![None],
+            false => (from..epoch).map(Some).collect(),
+        };
+        let mut loaded = Vec::new();
+        for step in steps {
+            let (updates, next) = match step {
+                Some(k) => {
+                    let w = self.client.epoch_start_weights(self.stage, k + 1).await?;
+                    (w.partitions, k + 1)
+                }
+                None => (vec![None; self.run.partitions as usize], epoch),
+            };
+            loaded.clear();
+            let mut bytes = Vec::with_capacity(updates.len());
+            for (j, blob) in updates.iter().enumerate() {
+                let Some(b) = blob else {
+                    bytes.push(None);
+                    continue;
+                };
+                let shape = iota_trainer::sparse::sparse_shape(&self.run, self.stage, j as u32)?;
+                let got = self.merged(b, |r| &mut r.weights_received).await?;
+                iota_trainer::sparse::decode(&got, shape)
+                    .map_err(|e| MinerError::BadInput(format!("merged update {j}: {e}")))?;
+                loaded.push((b.blake3.clone(), got.clone()));
+                bytes.push(Some(got));
+            }
+            blocking(&self.trainer, move |t| {
+                for (j, b) in bytes.iter().enumerate() {
+                    t.apply_update(j as u32, b.as_deref())?;
+                }
+                t.begin_epoch(next)
+            })
+            .await?;
+        }
+        self.merged_blobs.hold_only(loaded);
+        self.started(epoch).await
     }
 
     /// Takes up `stage`, given to this miner when it joined again (the orchestrator moves a
@@ -831,10 +895,19 @@ impl Node {
         blocking(&self.trainer, |t| t.finish_training()).await?;
         let inner_steps = blocking(&self.trainer, |t| Ok(t.inner_steps())).await?;
         let mut sum_sq = 0.0f64;
+        let sparse = self.run.sparse.is_some();
         for j in 0..self.run.partitions {
-            let values = blocking(&self.trainer, move |t| t.pseudo_gradient(j)).await?;
-            sum_sq += values.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>();
-            let bytes = encode_partition(&values);
+            let (bytes, sq) = blocking(&self.trainer, move |t| {
+                let values = t.pseudo_gradient(j)?;
+                let sq = values.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>();
+                let bytes = match sparse {
+                    true => t.sparse_pseudo_gradient(j)?,
+                    false => encode_partition(&values),
+                };
+                Ok((bytes, sq))
+            })
+            .await?;
+            sum_sq += sq;
             let size = bytes.len() as u64;
             match self
                 .client
@@ -932,6 +1005,36 @@ impl Node {
         Ok(any)
     }
 
+    /// A sparse run's merged update: the compressed contributions averaged in the given order
+    /// and compressed again. No base weights: every miner applies the update itself.
+    async fn merge_sparse(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
+        let shape = iota_trainer::sparse::sparse_shape(&self.run, a.stage, a.partition)?;
+        let mut parts = Vec::with_capacity(a.contributions.len());
+        for c in &a.contributions {
+            let bytes = self.client.download(&c.blob).await?;
+            self.received(bytes.len(), |r| &mut r.contributions_received);
+            if let Err(e) = iota_trainer::sparse::decode(&bytes, shape) {
+                let _ = self
+                    .client
+                    .report_bad_object(&c.blob.key, &e.to_string())
+                    .await;
+                return Err(MinerError::BadInput(format!(
+                    "contribution of {}: {e}",
+                    c.hotkey
+                )));
+            }
+            parts.push((c.weight, bytes.to_vec()));
+        }
+        let hotkey = self.status.borrow().hotkey.clone();
+        let (run, adversary) = (self.run.clone(), self.cfg.adversary);
+        let (stage, partition) = (a.stage, a.partition);
+        tokio::task::spawn_blocking(move || {
+            crate::adversary::merged_update(&run, stage, partition, &parts, adversary, &hotkey)
+        })
+        .await
+        .map_err(|e| MinerError::Internal(e.to_string()))?
+    }
+
     /// The merged partition: the contributions' weighted average in the given order, then the
     /// outer Nesterov step from the partition's base weights and momentum. One partition's
     /// contributions are in memory at a time.
@@ -957,6 +1060,9 @@ impl Node {
     }
 
     async fn merge_one(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
+        if self.run.sparse.is_some() {
+            return self.merge_sparse(a).await;
+        }
         let len = a.end.saturating_sub(a.start);
         let mut parts = Vec::with_capacity(a.contributions.len());
         for c in &a.contributions {

@@ -204,6 +204,25 @@ impl MinerTrainer {
         Ok(self.honest.pseudo_gradient(j)?)
     }
 
+    /// See [`StageTrainer::sparse_pseudo_gradient`].
+    pub fn sparse_pseudo_gradient(&mut self, j: u32) -> Result<Vec<u8>, MinerError> {
+        Ok(self.honest.sparse_pseudo_gradient(j)?)
+    }
+
+    /// See [`StageTrainer::apply_update`]; a stale-weights cheater keeps its own weights after
+    /// its first epoch, as with dense merges.
+    pub fn apply_update(&mut self, j: u32, update: Option<&[u8]>) -> Result<(), MinerError> {
+        if self.is(Adversary::StaleWeights) && self.honest.epoch().is_some() {
+            return Ok(());
+        }
+        Ok(self.honest.apply_update(j, update)?)
+    }
+
+    /// See [`StageTrainer::epoch`].
+    pub fn epoch(&self) -> Option<u64> {
+        self.honest.epoch()
+    }
+
     /// See [`StageTrainer::weights_digest`].
     pub fn weights_digest(&mut self) -> Result<String, MinerError> {
         Ok(self.honest.weights_digest()?)

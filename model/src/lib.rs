@@ -12,6 +12,8 @@
 //! * [`optim`]: inner AdamW (f32 master weights and moments, clipping, warmup + cosine,
 //!   transactional NaN/Inf skip) and the outer Nesterov step on pseudo-gradients.
 //! * [`merge`]: flat parameter view, partitions, deterministic weighted average, BLAKE3.
+//! * [`sparse`]: compressed pseudo-gradients (chunked top-k, int8, error feedback) and their
+//!   deterministic merge.
 //! * [`checkpoint`]: safetensors weights and optimizer state.
 //! * [`data`]: sample id -> token window; the grammar corpus with its entropy floor; text files
 //!   with a `tokenizers` tokenizer; offline BPE training.
@@ -87,6 +89,7 @@ pub mod pipeline;
 mod product;
 pub mod replay;
 pub mod rng;
+pub mod sparse;
 mod st;
 pub mod stage;
 #[cfg(test)]

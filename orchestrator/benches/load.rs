@@ -222,6 +222,7 @@ fn run_config() -> RunConfig {
         inner_steps_every: 2,
         dataset: None,
         stage_memory: Vec::new(),
+        sparse: None,
     }
 }
 

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use iota_chain::cli::SubtensorArgs;
 use iota_chain::wallet::cli::WalletArgs;
-use iota_protocol::api::RunConfig;
+use iota_protocol::api::{RunConfig, SparseEncoding};
 use iota_protocol::signing::SkewWindow;
-use iota_protocol::tensor::WireEncoding;
+use iota_protocol::tensor::{MAX_SPARSE_CHUNK, WireEncoding};
 
 use crate::app::Limits;
 use crate::store::StoreConfig;
@@ -123,6 +123,16 @@ pub struct OrchestratorArgs {
     /// Boundary tensor encoding: f32, int8 or int4.
     #[arg(long, env = "IOTA_WIRE", default_value = "int8", value_parser = parse_wire)]
     pub wire: WireEncoding,
+    /// How pseudo-gradients travel: `dense` (f32 partitions, merges carry the new weights) or
+    /// `top-K/CHUNK` (K of every CHUNK values kept, int8, with error feedback; merges are the
+    /// compressed average update, which every miner applies), e.g. `top-64/4096`.
+    #[arg(
+        long = "pseudo-gradients",
+        env = "IOTA_PSEUDO_GRADIENTS",
+        default_value = "dense",
+        value_parser = parse_pseudo_gradients
+    )]
+    pub pseudo_gradients: PseudoGradients,
     /// Samples per epoch.
     #[arg(
         long = "samples-per-epoch",
@@ -302,6 +312,31 @@ fn parse_wire(s: &str) -> Result<WireEncoding, String> {
     }
 }
 
+/// The `--pseudo-gradients` choice: `None` for dense.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PseudoGradients(pub Option<SparseEncoding>);
+
+fn parse_pseudo_gradients(s: &str) -> Result<PseudoGradients, String> {
+    if s == "dense" {
+        return Ok(PseudoGradients(None));
+    }
+    let bad = || format!("pseudo-gradients {s:?}: use dense or top-K/CHUNK, e.g. top-64/4096");
+    let (k, chunk) = s
+        .strip_prefix("top-")
+        .and_then(|rest| rest.split_once('/'))
+        .ok_or_else(bad)?;
+    let (k, chunk) = (
+        k.parse().map_err(|_| bad())?,
+        chunk.parse().map_err(|_| bad())?,
+    );
+    if !(1..=MAX_SPARSE_CHUNK).contains(&chunk) || !(1..=chunk).contains(&k) {
+        return Err(format!(
+            "pseudo-gradients {s:?}: K must be 1 to CHUNK, and CHUNK 1 to {MAX_SPARSE_CHUNK}"
+        ));
+    }
+    Ok(PseudoGradients(Some(SparseEncoding { chunk, k })))
+}
+
 impl OrchestratorArgs {
     /// The run config for a model of `shape`.
     pub fn run_config(&self, shape: ModelShape) -> RunConfig {
@@ -331,6 +366,7 @@ impl OrchestratorArgs {
             inner_steps_every: self.inner_steps_every,
             dataset: shape.dataset,
             stage_memory: shape.stage_memory,
+            sparse: self.pseudo_gradients.0,
         }
     }
 
@@ -439,6 +475,28 @@ mod tests {
             stage_memory: Vec::new(),
         };
         cli.args.config(shape, "5Grw".into())
+    }
+
+    #[test]
+    fn pseudo_gradients_are_dense_or_top_k_of_a_chunk() {
+        let run = |flags: &[&str]| config(flags).map(|c| c.run.sparse);
+        assert_eq!(run(&[]), Ok(None));
+        assert_eq!(run(&["--pseudo-gradients", "dense"]), Ok(None));
+        assert_eq!(
+            run(&["--pseudo-gradients", "top-64/4096"]),
+            Ok(Some(SparseEncoding { chunk: 4096, k: 64 }))
+        );
+        for bad in [
+            "top-0/4096",
+            "top-65/64",
+            "top-1/65537",
+            "top-64",
+            "64/4096",
+            "sparse",
+        ] {
+            let e = run(&["--pseudo-gradients", bad]).unwrap_err();
+            assert!(e.contains("pseudo-gradients"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::blob::BlobDescriptor;
-use crate::tensor::{TensorSpec, WireEncoding};
+use crate::tensor::{SparseShape, TensorSpec, WireEncoding};
 
 /// Milliseconds since the Unix epoch, the API's one time format.
 pub type UnixMs = i64;
@@ -76,6 +76,20 @@ pub struct RunConfig {
     /// Empty: [`RunConfig::memory_needed`] falls back to 20 bytes a parameter.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stage_memory: Vec<u64>,
+    /// Pseudo-gradients and merged updates compressed (chunked top-k with int8 values and
+    /// error feedback, `iota-sparse/v1`), each miner applying the merged updates itself; `None`:
+    /// dense f32 pseudo-gradients, and merged partitions that carry the new weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse: Option<SparseEncoding>,
+}
+
+/// How a run compresses pseudo-gradients: `k` of every `chunk` values of a partition kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SparseEncoding {
+    /// Values per chunk (1 to 65536); chunks start at each partition's first value.
+    pub chunk: u32,
+    /// Values kept per chunk (1 to `chunk`).
+    pub k: u32,
 }
 
 /// Bytes a stage parameter needs when a run gives no memory figures: f32 weights, gradients, two
@@ -157,6 +171,32 @@ impl RunConfig {
             .max()
             .unwrap_or(0);
         boundary.max(merged)
+    }
+
+    /// What a pseudo-gradient upload of partition `partition` of `stage` must be.
+    pub fn pseudo_gradient_spec(&self, stage: u32, partition: u32) -> Option<TensorSpec> {
+        let r = self.partition_range(stage, partition)?;
+        let len = r.end - r.start;
+        Some(match self.sparse {
+            Some(s) => TensorSpec::Sparse(SparseShape {
+                len,
+                chunk: s.chunk,
+                k: s.k,
+            }),
+            None => TensorSpec::Partition { len },
+        })
+    }
+
+    /// What a merged result of partition `partition` of `stage` must be: the compressed
+    /// average update in a sparse run, otherwise the new weights and momentum.
+    pub fn merged_spec(&self, stage: u32, partition: u32) -> Option<TensorSpec> {
+        let r = self.partition_range(stage, partition)?;
+        Some(match self.sparse {
+            Some(_) => self.pseudo_gradient_spec(stage, partition)?,
+            None => TensorSpec::Merged {
+                len: r.end - r.start,
+            },
+        })
     }
 
     /// Flat parameter count of `stage`, if it exists.
@@ -359,6 +399,17 @@ impl RunConfig {
                 self.outer_momentum
             ));
         }
+        if let Some(s) = self.sparse
+            && (!(1..=crate::tensor::MAX_SPARSE_CHUNK).contains(&s.chunk)
+                || !(1..=s.chunk).contains(&s.k))
+        {
+            return Err(format!(
+                "sparse pseudo-gradients keep 1 to chunk of every chunk of 1 to {} values, not {} of {}",
+                crate::tensor::MAX_SPARSE_CHUNK,
+                s.k,
+                s.chunk
+            ));
+        }
         Ok(())
     }
 }
@@ -503,6 +554,11 @@ pub struct StageWeights {
     /// Stage.
     pub stage: u32,
     /// Per partition: its merged blob, or `None` when the partition kept its previous value.
+    ///
+    /// In a sparse run ([`RunConfig::sparse`]) a merge is the compressed update of one epoch,
+    /// and these are the updates accepted in the epoch just before the one asked for (`None`:
+    /// that partition was not updated); the weights are the initial ones with every epoch's
+    /// updates applied in turn by the outer step.
     pub partitions: Vec<Option<BlobDescriptor>>,
 }
 
@@ -1345,6 +1401,7 @@ mod tests {
             inner_steps_every: 2,
             dataset: None,
             stage_memory: Vec::new(),
+            sparse: None,
         }
     }
 

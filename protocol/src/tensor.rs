@@ -15,6 +15,7 @@
 //! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
 //!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
 //!   makes the outer step stateless: whoever merges next epoch reads both from the store.
+//! * `iota-sparse/v1` (compressed pseudo-gradients and merged updates): see [`SparseShape`].
 //!
 //! [`check_tensor`] is what the orchestrator runs on every upload and what a consumer runs after
 //! download: layout, dtype, exact shape, every value finite, int8 values in `[-127, 127]`.
@@ -26,6 +27,12 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::blob::BlobDtype;
+
+mod sparse;
+pub use sparse::{
+    MAX_SPARSE_CHUNK, SPARSE_FORMAT, SparseParts, SparseShape, check_sparse, decode_sparse,
+    encode_sparse,
+};
 
 /// Name of the safetensors metadata entry.
 pub const META_KEY: &str = "iota";
@@ -73,6 +80,8 @@ pub enum TensorSpec {
         /// Number of values.
         len: u64,
     },
+    /// A compressed pseudo-gradient partition or merged update.
+    Sparse(SparseShape),
 }
 
 impl TensorSpec {
@@ -94,6 +103,7 @@ impl TensorSpec {
             }
             Self::Partition { len } => len.saturating_mul(4),
             Self::Merged { len } => len.saturating_mul(8),
+            Self::Sparse(s) => s.payload_bytes(),
         };
         payload.saturating_add(HEADER_ALLOWANCE)
     }
@@ -110,6 +120,7 @@ impl TensorSpec {
                 shape.to_vec(),
             ),
             Self::Partition { len } | Self::Merged { len } => (BlobDtype::F32, vec![*len]),
+            Self::Sparse(s) => (BlobDtype::I8, vec![s.kept()]),
         }
     }
 }
@@ -235,6 +246,7 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
         .map_err(|_| TensorError::Layout("no tensor named \"values\"".into()))?;
     let shape: Vec<u64> = values.shape().iter().map(|d| *d as u64).collect();
     match spec {
+        TensorSpec::Sparse(want) => check_sparse(bytes, *want),
         TensorSpec::Partition { len } => {
             expect_format(&meta, PARTITION_FORMAT)?;
             expect_names(&st, &["values"])?;
@@ -578,8 +590,8 @@ impl StreamCheck {
             TensorSpec::Partition { len } => (PARTITION_FORMAT, &["values"], len, true),
             TensorSpec::Merged { len } => (MERGED_FORMAT, &["momentum", "values"], len, false),
             // Refused by `new`.
-            TensorSpec::Boundary { .. } => {
-                return Err(TensorError::Layout("a boundary tensor".into()));
+            TensorSpec::Boundary { .. } | TensorSpec::Sparse(_) => {
+                return Err(TensorError::Layout("not a dense partition or merge".into()));
             }
         };
         if !names.contains(&"values") {

@@ -336,6 +336,7 @@ fn run() -> RunConfig {
         inner_steps_every: 2,
         dataset: None,
         stage_memory: Vec::new(),
+        sparse: None,
     }
 }
 

@@ -8,8 +8,8 @@
 
 use iota_protocol::tensor::{
     MAX_PSEUDO_GRADIENT, TensorError, TensorSpec, WireEncoding, check_tensor, decode_merged,
-    decode_partition, encode_boundary_f32, encode_boundary_i4, encode_boundary_i8, encode_merged,
-    encode_partition,
+    decode_partition, decode_sparse, encode_boundary_f32, encode_boundary_i4, encode_boundary_i8,
+    encode_merged, encode_partition,
 };
 use std::collections::BTreeMap;
 
@@ -409,6 +409,11 @@ fn decoders_agree(bytes: &[u8], spec: &TensorSpec) -> Result<(), TestCaseError> 
         })
     };
     match spec {
+        // The sparse check is its decoder (`decode_sparse`), covered by its unit tests and by the
+        // model's round trip.
+        TensorSpec::Sparse(shape) => {
+            prop_assert_eq!(checked.is_ok(), decode_sparse(bytes, *shape).is_ok());
+        }
         TensorSpec::Partition { len } => {
             let want = r
                 .as_ref()

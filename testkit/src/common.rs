@@ -199,6 +199,7 @@ pub fn run_config(name: &str) -> RunConfig {
         inner_steps_every: 2,
         dataset: None,
         stage_memory: Vec::new(),
+        sparse: None,
     }
 }
 

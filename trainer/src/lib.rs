@@ -5,6 +5,7 @@
 //!   gradients, inner steps, pseudo-gradients), blocking.
 //! * [`merge`]: a partition owner's weighted average and outer step.
 //! * [`run`]: the model, data and initial weights a run names.
+//! * [`sparse`]: a sparse run's compressed uploads, merges and outer steps.
 //!
 //! Nothing here is dishonest: a miner's `--adversary` behaviours wrap [`StageTrainer`] in the
 //! miner crate.
@@ -12,6 +13,7 @@
 mod error;
 pub mod merge;
 pub mod run;
+pub mod sparse;
 mod stage;
 
 pub use error::TrainerError;

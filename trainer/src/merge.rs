@@ -4,7 +4,7 @@
 //! them.
 
 use iota_model::merge::Contribution;
-use iota_model::{OuterConfig, weighted_average};
+use iota_model::weighted_average;
 use iota_protocol::api::RunConfig;
 use iota_protocol::tensor::encode_merged;
 
@@ -28,12 +28,7 @@ pub fn merged_values(
         })
         .collect();
     let avg = weighted_average(&parts, 1)?;
-    let outer = OuterConfig {
-        lr: run.outer_lr as f32,
-        momentum: run.outer_momentum as f32,
-        nesterov: true,
-    };
-    outer.apply(&mut weights, &mut momentum, &avg.values)?;
+    crate::sparse::outer_config(run).apply(&mut weights, &mut momentum, &avg.values)?;
     Ok((weights, momentum))
 }
 

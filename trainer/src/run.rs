@@ -154,5 +154,6 @@ pub fn local_tiny_run(name: &str, samples_per_epoch: u64) -> Result<RunConfig, T
         inner_steps_every: 2,
         dataset: None,
         stage_memory: Vec::new(),
+        sparse: None,
     })
 }

@@ -30,6 +30,7 @@ use iota_protocol::tensor::WireEncoding;
 
 use crate::error::TrainerError;
 use crate::run::{run_dataset, run_model};
+use crate::sparse::{SparseState, sparse_shape};
 
 /// The result of one hop, ready to upload.
 #[derive(Clone, Debug)]
@@ -73,6 +74,8 @@ pub struct StageTrainer {
     initial: Option<Vec<f32>>,
     /// Non-finite results rolled back (hops dropped, steps skipped).
     nonfinite_events: u64,
+    /// A sparse run's error feedback and outer momentum.
+    sparse: Option<SparseState>,
 }
 
 impl std::fmt::Debug for StageTrainer {
@@ -109,6 +112,7 @@ impl StageTrainer {
         let s = Stage::new(&model, stage as usize, opts.clone())?;
         let adamw = Self::optimizer(&model, &run, &s)?;
         let epoch_start = flatten_params(&s)?;
+        let sparse = run.sparse.map(|_| SparseState::new(epoch_start.len()));
         Ok(Self {
             runner: StageRunner::new(s, adamw, usize::MAX),
             run,
@@ -127,6 +131,7 @@ impl StageTrainer {
             cache_budget: cache_budget.max(1),
             initial: None,
             nonfinite_events: 0,
+            sparse,
         })
     }
 
@@ -234,6 +239,9 @@ impl StageTrainer {
         self.epoch_start = flatten_params(self.runner.stage())?;
         self.initial = None;
         self.epoch = Some(epoch);
+        if let Some(s) = self.sparse.as_mut() {
+            s.forget_uploads();
+        }
         self.gradient_hops = 0;
         self.pending_gradients = 0;
         self.held.clear();
@@ -552,6 +560,38 @@ impl StageTrainer {
         Ok(())
     }
 
+    /// A sparse run's upload of partition `j`: its pseudo-gradient plus what was not sent
+    /// before, compressed (what the compression leaves out is owed to the next epoch).
+    pub fn sparse_pseudo_gradient(&mut self, j: u32) -> Result<Vec<u8>, TrainerError> {
+        let values = self.pseudo_gradient(j)?;
+        let range = self.partition(j)?;
+        let state = self.sparse.as_mut().ok_or_else(dense_run)?;
+        state.upload(&self.run, self.stage_index, j, range, &values)
+    }
+
+    /// A sparse run's step to the next epoch's weights for partition `j`: the merged update
+    /// accepted for it applied to this epoch's start weights with the outer step, or `None`
+    /// (nobody's update was accepted) for this epoch's start weights unchanged. Call
+    /// [`StageTrainer::begin_epoch`] once every partition is stepped.
+    pub fn apply_update(&mut self, j: u32, update: Option<&[u8]>) -> Result<(), TrainerError> {
+        let range = self.partition(j)?;
+        let shape = sparse_shape(&self.run, self.stage_index, j)?;
+        let state = self.sparse.as_mut().ok_or_else(dense_run)?;
+        let start = self.epoch_start.get(range.clone()).ok_or_else(|| {
+            TrainerError::Internal("epoch-start weights shorter than the stage".into())
+        })?;
+        let merged = update
+            .map(|bytes| crate::sparse::decode(bytes, shape))
+            .transpose()?;
+        let next = match update {
+            Some(bytes) => state.step(&self.run, shape, range.clone(), start, bytes)?,
+            None => start.to_vec(),
+        };
+        state.take_back(j, range.clone(), merged.as_ref())?;
+        load_range(self.runner.stage(), range, &next)?;
+        Ok(())
+    }
+
     /// Pseudo-gradient (epoch-start minus current weights) of partition `j`.
     pub fn pseudo_gradient(&self, j: u32) -> Result<Vec<f32>, TrainerError> {
         let range = self.partition(j)?;
@@ -560,6 +600,10 @@ impl StageTrainer {
         })?;
         Ok(pseudo_gradient_range(self.runner.stage(), range, start)?)
     }
+}
+
+fn dense_run() -> TrainerError {
+    TrainerError::RunMismatch("the run's pseudo-gradients are dense".into())
 }
 
 #[cfg(test)]
@@ -720,6 +764,93 @@ mod tests {
             .bytes
             .expect("a gradient for stage 0");
         iota_protocol::tensor::check_tensor(&grad, &spec).expect("int4 gradient");
+    }
+
+    /// A sparse run over two epochs: two miners of a stage train on different samples and
+    /// upload compressed pseudo-gradients; two owners of each partition publish the same merged
+    /// bytes; both miners reach the same weights by applying the updates, and so does a
+    /// validator folding them from the initial weights. What one epoch left out of an upload
+    /// is sent the next.
+    #[test]
+    fn a_sparse_run_keeps_miners_owners_and_validators_in_step() {
+        use crate::sparse::{SparseWeights, merged_update};
+        let mut r = run();
+        r.sparse = Some(iota_protocol::api::SparseEncoding { chunk: 256, k: 8 });
+        let stage = 1;
+        let fresh = || {
+            let mut t =
+                StageTrainer::new(r.clone(), stage, StageOptions::cpu(), 8, None).expect("trainer");
+            t.begin_epoch(0).expect("epoch");
+            t
+        };
+        let (mut a, mut b) = (fresh(), fresh());
+        let mut folded = SparseWeights::initial(&r, stage).expect("initial");
+        assert_eq!(flatten_params(a.stage()).expect("flat"), folded.weights);
+        for e in 0..2u64 {
+            epoch(&mut a, None, None, None);
+            epoch(&mut b, Some(1), None, Some(4));
+            a.finish_training().expect("finish");
+            b.finish_training().expect("finish");
+            let mut updates = Vec::new();
+            for j in 0..r.partitions {
+                let dense = a.pseudo_gradient(j).expect("pg");
+                let sent = [
+                    (3.0, a.sparse_pseudo_gradient(j).expect("upload")),
+                    (2.0, b.sparse_pseudo_gradient(j).expect("upload")),
+                ];
+                let shape = crate::sparse::sparse_shape(&r, stage, j).expect("shape");
+                let spec = iota_protocol::tensor::TensorSpec::Sparse(shape);
+                iota_protocol::tensor::check_tensor(&sent[0].1, &spec).expect("its slot takes it");
+                let kept = crate::sparse::decode(&sent[0].1, shape).expect("decodes");
+                let nonzero = dense.iter().filter(|v| **v != 0.0).count();
+                assert!(nonzero > kept.indices.len(), "compression kept everything");
+                if e == 1 {
+                    // The second upload carries what the first left out: not what a trainer
+                    // without a residual would send.
+                    let mut plain = crate::sparse::SparseState::new(a.epoch_start.len());
+                    let range = a.partition(j).expect("range");
+                    let without = plain.upload(&r, stage, j, range, &dense).expect("upload");
+                    assert_ne!(without, sent[0].1);
+                }
+                let owner_one = merged_update(&r, stage, j, &sent).expect("merge");
+                let owner_two = merged_update(&r, stage, j, &sent).expect("merge");
+                assert_eq!(owner_one, owner_two);
+                assert_eq!(
+                    owner_one.len(),
+                    sent[0].1.len(),
+                    "a merge is one upload's size"
+                );
+                updates.push(owner_one);
+            }
+            // Partition 1 is not updated this epoch in the second round: it stays.
+            let applied: Vec<Option<&[u8]>> = updates
+                .iter()
+                .enumerate()
+                .map(|(j, u)| (e == 0 || j == 0).then_some(u.as_slice()))
+                .collect();
+            for t in [&mut a, &mut b] {
+                for (j, u) in applied.iter().enumerate() {
+                    t.apply_update(j as u32, *u).expect("apply");
+                }
+                t.begin_epoch(e + 1).expect("epoch");
+            }
+            folded.advance(&r, stage, &applied).expect("fold");
+            let flat = flatten_params(a.stage()).expect("flat");
+            assert_eq!(flat, flatten_params(b.stage()).expect("flat"));
+            assert_eq!(flat, folded.weights, "epoch {e}");
+            assert_eq!(folded.epoch, e + 1);
+        }
+        // A corrupt update is refused and changes nothing.
+        let before = folded.clone();
+        assert!(
+            folded
+                .advance(&r, stage, &[Some(&b"junk"[..]), None])
+                .is_err()
+        );
+        assert!(a.apply_update(0, Some(b"junk")).is_err());
+        assert_eq!(folded, before);
+        // A dense run has no sparse uploads.
+        assert!(trainer(stage).sparse_pseudo_gradient(0).is_err());
     }
 
     #[test]

@@ -22,13 +22,14 @@ use iota_protocol::client::{ApiClient, RetryPolicy};
 use iota_protocol::signing::RequestSigner;
 use iota_protocol::tensor::{decode_merged, decode_partition};
 use iota_protocol::{ClientError, ErrorCode};
+use iota_trainer::sparse::SparseWeights;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 use crate::clasp::{ClaspConfig, HotkeyEffects, fit_samples};
 use crate::error::ValidatorError;
 use crate::fallback::{consensus_weights, stake_weighted_mean};
-use crate::merges::recompute_merge;
+use crate::merges::{recompute_merge, recompute_sparse_merge};
 use crate::onchain::weight_rows;
 use crate::owed::{OwedWeights, refresh_due};
 use crate::published;
@@ -131,6 +132,27 @@ pub struct Validator {
     /// Held while revealing: [`run`] reveals beside a step that may reveal too, and a commit
     /// revealed twice would have its second reveal refused and be recorded as failed.
     revealing: tokio::sync::Mutex<()>,
+    /// A sparse run's weights per stage at the latest epoch start folded so far.
+    sparse_weights: tokio::sync::Mutex<HashMap<u32, SparseWeights>>,
+}
+
+/// A pseudo-gradient upload as values: the partition, or in a sparse run the decompressed
+/// upload (which carries the miner's unsent remainder beside this epoch's training).
+fn claimed_values(
+    run: &RunConfig,
+    stage: u32,
+    partition: u32,
+    len: u64,
+    bytes: &[u8],
+) -> Result<Vec<f32>, String> {
+    if run.sparse.is_none() {
+        return decode_partition(bytes, len).map_err(|e| e.to_string());
+    }
+    let shape =
+        iota_trainer::sparse::sparse_shape(run, stage, partition).map_err(|e| e.to_string())?;
+    iota_trainer::sparse::decode(bytes, shape)
+        .and_then(|v| Ok(v.decompress()?))
+        .map_err(|e| e.to_string())
 }
 
 /// Whether `e` means the orchestrator cannot be reached (the network failed on every retry, or a
@@ -361,6 +383,7 @@ impl Validator {
             online: tokio::sync::OnceCell::new(),
             owed: std::sync::Mutex::default(),
             revealing: tokio::sync::Mutex::new(()),
+            sparse_weights: tokio::sync::Mutex::default(),
         };
         match v.online().await {
             Ok(_) => {}
@@ -501,6 +524,58 @@ impl Validator {
             }
         }
         Ok(Some(out))
+    }
+
+    /// A sparse run's weights of `stage` at the start of `epoch` (the initial weights with
+    /// every earlier epoch's accepted updates applied), per partition, folded on from the
+    /// latest this validator computed. `None` when an update it needs cannot be used: accepted
+    /// updates are sealed under the hash both owners published, so one that does not decode is
+    /// theirs, and a merge check of its epoch finds them.
+    async fn sparse_start(
+        &self,
+        stage: u32,
+        epoch: u64,
+    ) -> Result<Option<Vec<Option<Vec<f32>>>>, ValidatorError> {
+        let o = self.online().await?;
+        let mut cache = self.sparse_weights.lock().await;
+        let mut w = match cache.get(&stage) {
+            Some(w) if w.epoch <= epoch => w.clone(),
+            _ => SparseWeights::initial(&o.run, stage)?,
+        };
+        while w.epoch < epoch {
+            let sw = o.client.epoch_start_weights(stage, w.epoch + 1).await?;
+            let mut updates = Vec::with_capacity(sw.partitions.len());
+            for blob in &sw.partitions {
+                updates.push(match blob {
+                    Some(b) => match self.fetch(b).await? {
+                        Ok(bytes) => Some(bytes),
+                        Err(f) => {
+                            tracing::warn!(stage, epoch = w.epoch, key = %b.key, fault = ?f,
+                                "an accepted update cannot be read; replays of later epochs skipped");
+                            return Ok(None);
+                        }
+                    },
+                    None => None,
+                });
+            }
+            let refs: Vec<Option<&[u8]>> = updates.iter().map(|u| u.as_deref()).collect();
+            if let Err(e) = w.advance(&o.run, stage, &refs) {
+                tracing::warn!(stage, epoch = w.epoch, error = %e,
+                    "an accepted update cannot be applied; replays of later epochs skipped");
+                return Ok(None);
+            }
+        }
+        let per_partition = (0..o.run.partitions)
+            .map(|j| {
+                o.run.partition_range(stage, j).and_then(|r| {
+                    w.weights
+                        .get(r.start as usize..r.end as usize)
+                        .map(<[f32]>::to_vec)
+                })
+            })
+            .collect();
+        cache.insert(stage, w);
+        Ok(Some(per_partition))
     }
 
     /// The owners of partition `partition` of `stage` in `epoch` whose submitted result has hash
@@ -687,9 +762,8 @@ impl Validator {
                     .map(|r| r.end - r.start)
                     .unwrap_or(0);
                 let decoded = match self.fetch(&pg.blob).await? {
-                    Ok(bytes) => {
-                        decode_partition(&bytes, len).map_err(|e| Fault::Bad(e.to_string()))
-                    }
+                    Ok(bytes) => claimed_values(&o.run, cand.stage, j, len, &bytes)
+                        .map_err(|e| Fault::Bad(e.to_string())),
                     Err(f) => Err(f),
                 };
                 match decoded {
@@ -777,10 +851,14 @@ impl Validator {
                     },
                 });
             }
-            let start = match self
-                .start_weights(&record, cand.stage, &mut objects)
-                .await?
-            {
+            let start = match o.run.sparse {
+                Some(_) => self.sparse_start(cand.stage, epoch).await?,
+                None => self
+                    .start_weights(&record, cand.stage, &mut objects)
+                    .await?
+                    .map(|s| s.into_iter().map(|p| p.map(|(v, _)| v)).collect()),
+            };
+            let start: Vec<Option<Vec<f32>>> = match start {
                 Some(s) if replayable => s,
                 _ => {
                     tracing::warn!(epoch, miner = %cand.hotkey,
@@ -788,8 +866,6 @@ impl Validator {
                     continue;
                 }
             };
-            let start: Vec<Option<Vec<f32>>> =
-                start.into_iter().map(|p| p.map(|(v, _)| v)).collect();
             let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
             let data_dir = o.data_dir.clone();
             let report = tokio::task::spawn_blocking(move || {
@@ -992,18 +1068,35 @@ impl Validator {
             .partition_range(stage, partition)
             .map(|r| r.end - r.start)
             .unwrap_or(0);
+        let sparse = match o.run.sparse {
+            Some(_) => Some(iota_trainer::sparse::sparse_shape(
+                &o.run, stage, partition,
+            )?),
+            None => None,
+        };
         let mut contributions = Vec::new();
+        let mut compressed = Vec::new();
         let mut complete = true;
         for pg in record
             .pseudo_gradients
             .iter()
             .filter(|p| p.stage == stage && p.partition == partition)
         {
-            let decoded = match self.fetch(&pg.blob).await? {
-                Ok(bytes) => decode_partition(&bytes, len).map_err(|e| Fault::Bad(e.to_string())),
-                Err(f) => Err(f),
+            let fetched = self.fetch(&pg.blob).await?;
+            let decoded = match (fetched, sparse) {
+                (Ok(bytes), Some(shape)) => iota_trainer::sparse::decode(&bytes, shape)
+                    .map(|_| {
+                        compressed.push((pg.hotkey.clone(), pg.weight, bytes));
+                        Vec::new()
+                    })
+                    .map_err(|e| Fault::Bad(e.to_string())),
+                (Ok(bytes), None) => {
+                    decode_partition(&bytes, len).map_err(|e| Fault::Bad(e.to_string()))
+                }
+                (Err(f), _) => Err(f),
             };
             match decoded {
+                Ok(_) if sparse.is_some() => {}
                 Ok(values) => contributions.push((pg.hotkey.clone(), pg.weight, values)),
                 Err(f) => {
                     objects.blame(
@@ -1016,6 +1109,18 @@ impl Validator {
                     complete = false;
                 }
             }
+        }
+        if sparse.is_some() {
+            if !complete {
+                return Ok(None);
+            }
+            let run = o.run.clone();
+            let merged = tokio::task::spawn_blocking(move || {
+                recompute_sparse_merge(&run, stage, partition, compressed)
+            })
+            .await
+            .map_err(|e| ValidatorError::Config(format!("merge task: {e}")))??;
+            return Ok(Some(merged));
         }
         let Some(start) = self.start_weights(record, stage, objects).await? else {
             return Ok(None);

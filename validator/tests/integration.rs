@@ -9,6 +9,7 @@ mod harness;
 mod moved_miner;
 mod object_faults;
 mod score_totals;
+mod sparse_run;
 mod submission_recovery;
 mod weights_owed;
 

@@ -28,6 +28,9 @@ pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     if old.is_empty() {
         return Ok(());
     }
+    // A sparse run's weights are every accepted update applied in turn: its merges are the
+    // run's history, small, and never collected.
+    let sparse = app.run.config.sparse.is_some();
     // A partition's latest merge before the oldest kept epoch is never marked collected.
     let bases = db::partitions::latest_accepted_before(&app.db, app.run.id, oldest_kept).await?;
     let kept: std::collections::HashSet<&String> = bases.iter().collect();
@@ -40,7 +43,7 @@ pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
             .delete_prefix(&format!("{base}/pseudo-gradients"))
             .await?;
         for key in app.store.list(&format!("{base}/merged")).await? {
-            if !kept.contains(&key) {
+            if !sparse && !kept.contains(&key) {
                 app.store.delete(&key).await?;
                 removed += 1;
             }
@@ -50,6 +53,9 @@ pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     }
     // Accepted merges of collected epochs that were kept as a base and are one no longer (the
     // partition was merged again since): their epoch's collection passed them by.
+    if sparse {
+        return Ok(());
+    }
     let superseded =
         db::partitions::accepted_not_kept(&app.db, app.run.id, oldest_kept, &bases).await?;
     for (epoch, stage, partition, key) in superseded {

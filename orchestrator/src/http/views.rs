@@ -74,7 +74,15 @@ pub(crate) async fn latest_accepted(
     let count = app.config().partitions;
     let before = before.map_or(i64::MAX, |e| e.min(i64::MAX as u64) as i64);
     let slots = (stage as i32, count as i32);
-    let rows = db::views::latest_accepted(&app.db, app.run.id, slots, before).await?;
+    let mut rows = db::views::latest_accepted(&app.db, app.run.id, slots, before).await?;
+    if app.config().sparse.is_some() {
+        // A sparse run's merges are updates, not weights: only the last epoch's are asked for.
+        let last = match before {
+            i64::MAX => rows.iter().map(|(_, e, _)| *e).max(),
+            b => Some(b - 1),
+        };
+        rows.retain(|(_, e, _)| Some(*e) == last);
+    }
     let mut partitions: Vec<Option<BlobDescriptor>> = vec![None; count as usize];
     let mut latest: Option<u64> = None;
     for (partition, epoch, accepted) in rows {

@@ -143,7 +143,7 @@ pub(crate) async fn merge_slot(
     stage: u32,
     partition: u32,
 ) -> ApiResult<(String, TensorSpec)> {
-    let range = partition_in_phase(app, "merges", Phase::Merging, epoch, stage, partition).await?;
+    partition_in_phase(app, "merges", Phase::Merging, epoch, stage, partition).await?;
     if as_validator {
         let hotkey = who.strip_prefix("validator:").unwrap_or(who);
         let slot = (epoch as i64, stage as i32, partition as i32);
@@ -159,12 +159,12 @@ pub(crate) async fn merge_slot(
             ));
         }
     }
-    Ok((
-        merged_key(app, epoch, stage, partition, who),
-        TensorSpec::Merged {
-            len: range.end - range.start,
-        },
-    ))
+    let spec = app
+        .run
+        .config
+        .merged_spec(stage, partition)
+        .ok_or_else(|| AppError::new(ErrorCode::NotFound, "no such partition"))?;
+    Ok((merged_key(app, epoch, stage, partition, who), spec))
 }
 
 /// `PUT /v1/miner/epochs/{epoch}/merges/{stage}/{partition}?blake3=…`: an owner's merged result.

@@ -54,7 +54,7 @@ async fn pg_slot(
     epoch: u64,
     partition: u32,
 ) -> ApiResult<(String, TensorSpec)> {
-    let range = partition_in_phase(
+    partition_in_phase(
         app,
         "pseudo-gradients",
         Phase::Uploading,
@@ -64,12 +64,12 @@ async fn pg_slot(
     )
     .await?;
     may_contribute(app, caller, epoch).await?;
-    Ok((
-        pg_key(app, epoch, stage, partition, &caller.ss58),
-        TensorSpec::Partition {
-            len: range.end - range.start,
-        },
-    ))
+    let spec = app
+        .run
+        .config
+        .pseudo_gradient_spec(stage, partition)
+        .ok_or_else(|| AppError::new(ErrorCode::NotFound, "no such partition"))?;
+    Ok((pg_key(app, epoch, stage, partition, &caller.ss58), spec))
 }
 
 /// Whether the caller has a pseudo-gradient to give for `epoch`: gradient work in it, by this

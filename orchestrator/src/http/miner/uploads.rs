@@ -249,7 +249,8 @@ async fn store_checked(
     placement: Placement,
 ) -> ApiResult<BlobDescriptor> {
     Ok(match spec {
-        TensorSpec::Boundary { .. } => {
+        // Small objects (a compressed partition is a few percent of a dense one): held whole.
+        TensorSpec::Boundary { .. } | TensorSpec::Sparse(_) => {
             let bytes = gather(chunks, len).await?;
             let mut blob = check_bytes(spec, key, &bytes, declared_blake3)?;
             if placement == Placement::Sealed {
