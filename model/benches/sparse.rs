@@ -281,7 +281,7 @@ fn main() -> Result<()> {
     // average), `+fb` to take back what the merge dropped, then the outer lr and momentum
     // after `@` (0.7/0.9 when absent).
     let variants: Vec<(Merge, OuterConfig)> = std::env::var("BENCH_VARIANTS")
-        .unwrap_or_else(|_| "dense,4096:128:128,4096:64:64".into())
+        .unwrap_or_else(|_| "dense,4096:128:0@1/0,4096:128:128+fb@1/0,4096:128:256+fb@1/0".into())
         .split(',')
         .map(|v| {
             let (merge, outer) = v.split_once('@').unwrap_or((v, "0.7/0.9"));
