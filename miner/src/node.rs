@@ -1005,25 +1005,41 @@ impl Node {
         Ok(any)
     }
 
+    /// A contribution to merge, downloaded (and counted) and decoded; one that does not decode
+    /// is reported to the orchestrator and fails this merge.
+    async fn contribution<T>(
+        &self,
+        c: &iota_protocol::api::MergeContribution,
+        decode: impl Fn(&[u8]) -> Result<T, String>,
+    ) -> Result<T, MinerError> {
+        let bytes = self.client.download(&c.blob).await?;
+        self.received(bytes.len(), |r| &mut r.contributions_received);
+        match decode(&bytes) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                let _ = self.client.report_bad_object(&c.blob.key, &e).await;
+                Err(MinerError::BadInput(format!(
+                    "contribution of {}: {e}",
+                    c.hotkey
+                )))
+            }
+        }
+    }
+
     /// A sparse run's merged update: the compressed contributions averaged in the given order
     /// and compressed again. No base weights: every miner applies the update itself.
     async fn merge_sparse(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
         let shape = iota_trainer::sparse::sparse_shape(&self.run, a.stage, a.partition)?;
         let mut parts = Vec::with_capacity(a.contributions.len());
         for c in &a.contributions {
-            let bytes = self.client.download(&c.blob).await?;
-            self.received(bytes.len(), |r| &mut r.contributions_received);
-            if let Err(e) = iota_trainer::sparse::decode(&bytes, shape) {
-                let _ = self
-                    .client
-                    .report_bad_object(&c.blob.key, &e.to_string())
-                    .await;
-                return Err(MinerError::BadInput(format!(
-                    "contribution of {}: {e}",
-                    c.hotkey
-                )));
-            }
-            parts.push((c.weight, bytes.to_vec()));
+            let bytes = self
+                .contribution(c, |b| {
+                    iota_trainer::sparse::decode(b, shape)
+                        .map(|_| b.to_vec())
+                        .map_err(|e| e.to_string())
+                })
+                .await?;
+            parts.push((c.weight, bytes));
         }
         let hotkey = self.status.borrow().hotkey.clone();
         let (run, adversary) = (self.run.clone(), self.cfg.adversary);
@@ -1066,21 +1082,10 @@ impl Node {
         let len = a.end.saturating_sub(a.start);
         let mut parts = Vec::with_capacity(a.contributions.len());
         for c in &a.contributions {
-            let bytes = self.client.download(&c.blob).await?;
-            self.received(bytes.len(), |r| &mut r.contributions_received);
-            match decode_partition(&bytes, len) {
-                Ok(v) => parts.push((c.weight, v)),
-                Err(e) => {
-                    let _ = self
-                        .client
-                        .report_bad_object(&c.blob.key, &e.to_string())
-                        .await;
-                    return Err(MinerError::BadInput(format!(
-                        "contribution of {}: {e}",
-                        c.hotkey
-                    )));
-                }
-            }
+            let v = self
+                .contribution(c, |b| decode_partition(b, len).map_err(|e| e.to_string()))
+                .await?;
+            parts.push((c.weight, v));
         }
         let (weights, momentum) = match &a.base {
             Some(b) => {

@@ -227,8 +227,12 @@ fn iota_meta(metadata: &safetensors::tensor::Metadata) -> Result<Meta, TensorErr
         })
 }
 
-/// Checks `bytes` against `spec`. Runs in one pass over the values; allocates nothing per value.
-pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> {
+/// The size limit of `spec`, then the header of `bytes`: offsets inside the buffer and the
+/// metadata readable.
+fn read_header(
+    bytes: &[u8],
+    spec: &TensorSpec,
+) -> Result<safetensors::tensor::Metadata, TensorError> {
     let max = spec.max_bytes();
     if bytes.len() as u64 > max {
         return Err(TensorError::TooLarge {
@@ -239,6 +243,12 @@ pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> 
     offsets_fit(bytes)?;
     let (_, metadata) =
         SafeTensors::read_metadata(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    Ok(metadata)
+}
+
+/// Checks `bytes` against `spec`. Runs in one pass over the values; allocates nothing per value.
+pub fn check_tensor(bytes: &[u8], spec: &TensorSpec) -> Result<(), TensorError> {
+    let metadata = read_header(bytes, spec)?;
     let meta = iota_meta(&metadata)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
     let values = st

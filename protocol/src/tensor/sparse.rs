@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use super::{
     META_KEY, TensorError, check_f32_finite, expect_dtype, expect_names, expect_shape, f32_le,
-    f32_values, iota_meta, offsets_fit, raw_view,
+    f32_values, iota_meta, raw_view, read_header,
 };
 
 /// Format name of compressed vectors.
@@ -122,16 +122,7 @@ pub fn check_sparse(bytes: &[u8], want: SparseShape) -> Result<(), TensorError> 
 /// Checks and decodes a sparse vector of exactly `want`'s shape.
 pub fn decode_sparse(bytes: &[u8], want: SparseShape) -> Result<SparseParts, TensorError> {
     want.valid()?;
-    let max = super::TensorSpec::Sparse(want).max_bytes();
-    if bytes.len() as u64 > max {
-        return Err(TensorError::TooLarge {
-            got: bytes.len() as u64,
-            max,
-        });
-    }
-    offsets_fit(bytes)?;
-    let (_, metadata) =
-        SafeTensors::read_metadata(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
+    let metadata = read_header(bytes, &super::TensorSpec::Sparse(want))?;
     super::expect_format(&iota_meta(&metadata)?, SPARSE_FORMAT)?;
     let claimed: SparseShape = metadata
         .metadata()
