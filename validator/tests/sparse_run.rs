@@ -40,6 +40,8 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
         let store_dir = tempfile::tempdir().expect("store");
         let mut run = tiny_run("sparse", 24);
         run.sparse = Some(SparseEncoding { chunk: 512, k: 16 });
+        // Short enough that epoch 0 is collected within the test.
+        run.retention_epochs = 3;
         let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
         let client = explorer(&orch.base, VALIDATOR).await;
         let mut miners = Vec::new();
@@ -179,6 +181,53 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
             parts.iter().all(|p| p.state == PartitionState::Accepted),
             "{parts:?}"
         );
+        // Collection takes an old epoch's samples and uploads, never an accepted update: the
+        // weights are still rebuilt from the initial ones, and are the miners'.
+        let files = |dir: &std::path::Path| -> Vec<String> {
+            let mut out = Vec::new();
+            let mut stack = vec![dir.to_path_buf()];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                    let p = e.path();
+                    match p.is_dir() {
+                        true => stack.push(p),
+                        false => out.push(p.display().to_string()),
+                    }
+                }
+            }
+            out
+        };
+        eventually("epoch 0 collected", Duration::from_secs(300), || async {
+            let left = files(store_dir.path());
+            let gone = !left
+                .iter()
+                .any(|f| f.contains("/epoch-0/") && f.contains("/pseudo-gradients/"));
+            gone.then_some(())
+        })
+        .await;
+        let accepted = client.merge_status(0).await.expect("merge status");
+        let left = files(store_dir.path());
+        for p in &accepted {
+            let key = &p.accepted.as_ref().expect("accepted").key;
+            assert!(
+                left.iter().any(|f| f.ends_with(key.as_str())),
+                "the accepted update {key} was collected"
+            );
+        }
+        let mut digests = std::collections::HashMap::new();
+        for s in miners.iter().map(|m| m.status()) {
+            let epoch = s.weights_epoch.expect("loaded");
+            if let std::collections::hash_map::Entry::Vacant(slot) = digests.entry(epoch) {
+                slot.insert(epoch_start_stages(&client, &run, epoch).await.1);
+            }
+            let stage = s.stage.expect("stage") as usize;
+            assert_eq!(
+                s.weights_digest.as_ref(),
+                Some(&digests[&epoch][stage]),
+                "{s:?}"
+            );
+        }
+        assert!(digests.keys().all(|e| *e >= 4), "{:?}", digests.keys());
         wrong.abort();
         for m in miners {
             m.abort();
