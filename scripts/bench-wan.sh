@@ -76,15 +76,13 @@ failed=1
 cleanup() {
     local rc=$?
     set +e
-    # Miners first (they would retry against a stopped orchestrator), then the orchestrator,
-    # then the chain: each asked to stop, killed if it has not within 15 s.
+    # In the reverse order of starting: the miners (while the orchestrator they report to is
+    # still up), then the orchestrator, then the chain; each asked to stop and killed if it has
+    # not within 15 s.
     local i pid
     for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
         pid=${pids[$i]}
         kill -TERM "$pid" 2>/dev/null
-    done
-    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-        pid=${pids[$i]}
         for _ in $(seq 150); do
             kill -0 "$pid" 2>/dev/null || break
             sleep 0.1
@@ -439,7 +437,7 @@ for e in range(e0 + 1, e0 + last + 1):
         up = b1["links"][f"m{k}"][0] - b0["links"][f"m{k}"][0]
         down = b1["links"][f"m{k}"][1] - b0["links"][f"m{k}"][1]
         lost = m1.get("iota_miner_leases_lost_total", 0) - m0.get("iota_miner_leases_lost_total", 0)
-        per.append(dict(busy=busy, compute=compute, io=busy - compute, ar=ar,
+        per.append(dict(busy=busy, compute=compute, io=busy - compute, ar=ar, name=f"m{k}",
                         ar_total=sum(ar.values()), up=up, down=down, lost=lost))
     mean = lambda key: statistics.mean(p[key] for p in per)
     notes = [f"{p} phase hit its deadline" for p, s in phases.items() if s >= 0.98 * deadlines[p]]
@@ -452,7 +450,8 @@ for e in range(e0 + 1, e0 + last + 1):
                      tps=tokens / wall, train_tps=tokens / phases["training"],
                      compute=mean("compute"), io=mean("io"),
                      ar={s: statistics.mean(p["ar"][s] for p in per) for s in ("load", "upload", "merge")},
-                     ar_total=mean("ar_total"), up=mean("up") / 1e6, down=mean("down") / 1e6,
+                     ar_total=mean("ar_total"), ar_max=max(p["ar_total"] for p in per),
+                     up=mean("up") / 1e6, down=mean("down") / 1e6,
                      maxdown=max(p["down"] for p in per) / 1e6, notes=notes))
 
 print(f"Model `{model}`, {stages} stages x {mps} miners, each miner an `iota miner` process in its own network "
@@ -466,14 +465,15 @@ print()
 print("Per epoch. *compute*, *hop I/O* (handling hops less compute: boundary tensors down and up, the requests) and "
       "*all-reduce* (epoch-start weights load + pseudo-gradient upload + merges, each with its own compute) are "
       "seconds per miner, mean over the miners, from their counters; MB are per miner over its link (veth counters, "
-      "largest download in brackets).")
+      "the slowest miner's all-reduce and the largest download in brackets: the merging phase waits for the miner "
+      "with the most partitions to merge).")
 print()
-print("| epoch | link | wall s | training s | uploading s | merging s | tokens/s | compute s | hop I/O s | all-reduce s (load+upload+merge) | MB down (max) / up | notes |")
+print("| epoch | link | wall s | training s | uploading s | merging s | tokens/s | compute s | hop I/O s | all-reduce s: load+upload+merge (max) | MB down (max) / up | notes |")
 print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
 for r in rows:
     p, a = r["phases"], r["ar"]
     print(f"| {r['e']} | {r['variant']} | {r['wall']:.1f} | {p['training']:.1f} | {p['uploading']:.1f} | {p['merging']:.1f} | "
-          f"{r['tps']:.0f} | {r['compute']:.1f} | {r['io']:.1f} | {r['ar_total']:.1f} ({a['load']:.1f}+{a['upload']:.1f}+{a['merge']:.1f}) | "
+          f"{r['tps']:.0f} | {r['compute']:.1f} | {r['io']:.1f} | {r['ar_total']:.1f}: {a['load']:.1f}+{a['upload']:.1f}+{a['merge']:.1f} ({r['ar_max']:.1f}) | "
           f"{r['down']:.1f} ({r['maxdown']:.1f}) / {r['up']:.1f} | {'; '.join(r['notes'])} |")
 print()
 base = [r for r in rows if r["variant"] == "unshaped"]
