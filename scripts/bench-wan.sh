@@ -23,6 +23,7 @@
 #   sudo scripts/bench-wan.sh                       # small, 3 stages x 2 miners, 2 rounds
 #   MODEL=tiny SAMPLES=48 sudo scripts/bench-wan.sh
 #   ROUNDS=1 RATES="100mbit" sudo scripts/bench-wan.sh
+#   ORCHESTRATOR_ARGS="--wire int4" sudo scripts/bench-wan.sh   # further run options
 #
 # Needs root (namespaces, veth, tc), iproute2, curl, jq, python3 and PostgreSQL's binaries
 # (scripts/pg.sh; or DATABASE_URL to a server where this user may create databases). Builds
@@ -44,6 +45,8 @@ SEQ_LEN="${SEQ_LEN:-64}"
 PARTITIONS="${PARTITIONS:-4}"
 # Six miners share this machine's cores: one thread per tensor operation each.
 MINER_THREADS="${MINER_THREADS:-1}"
+# Further `iota orchestrator` flags (split on spaces), e.g. another wire encoding.
+read -r -a orchestrator_args <<<"${ORCHESTRATOR_ARGS:-}"
 # Longest wait for one epoch before giving up (a phase that ends by deadline takes longer).
 EPOCH_TIMEOUT_S="${EPOCH_TIMEOUT_S:-900}"
 # 10.$NET.0.1 is the host services' address, 10.$NET.$((k+1)).0/30 miner k's link.
@@ -246,7 +249,8 @@ start orchestrator "$iota" orchestrator --model "$MODEL" --listen "$host_ip:$orc
     --training-s "$training_s" --uploading-s "$uploading_s" --merging-s "$merging_s" \
     --merge-round-s 300 --lease-s 120 --heartbeat-timeout-s 120 --retention-epochs 2 \
     --init-seed 7 --inner-lr 3e-3 --outer-momentum 0.5 \
-    --metagraph-refresh-s 1 --tick-ms 100 --rate-per-hotkey 1000 --rate-per-ip 1000
+    --metagraph-refresh-s 1 --tick-ms 100 --rate-per-hotkey 1000 --rate-per-ip 1000 \
+    "${orchestrator_args[@]}"
 wait_for "the orchestrator" 120 curl -sf --max-time 2 "$base/v1/status"
 
 # --- one namespace and link per miner --------------------------------------------------------
@@ -374,7 +378,7 @@ commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --qu
 BW_MODEL="$MODEL" BW_STAGES="$stages" BW_MPS="$MINERS_PER_STAGE" BW_SAMPLES="$SAMPLES" \
 BW_MB="$MICRO_BATCH" BW_SEQ="$SEQ_LEN" BW_PARTS="$PARTITIONS" BW_THREADS="$MINER_THREADS" \
 BW_DEADLINES="$training_s $uploading_s $merging_s" BW_VARIANTS="${variants[*]}" \
-BW_LOAD_BEFORE="$load_before" BW_LOAD_AFTER="$load_after" BW_TOOK="$took" BW_COMMIT="$commit" \
+BW_EXTRA="${orchestrator_args[*]}" BW_LOAD_BEFORE="$load_before" BW_LOAD_AFTER="$load_after" BW_TOOK="$took" BW_COMMIT="$commit" \
     python3 - "$tmp" "$e0" "$last" "$miners" <<'PY'
 import json, os, re, statistics, sys, time
 tmp, e0, last, miners = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -460,8 +464,8 @@ for e in range(e0 + 1, e0 + last + 1):
 print(f"Model `{model}`, {stages} stages x {mps} miners, each miner an `iota miner` process in its own network "
       f"namespace with {env['BW_THREADS']} CPU thread(s), behind a veth pair shaped both ways by `tc tbf` "
       f"(bandwidth only: no added delay); orchestrator (directory store: every tensor crosses the miner's link), "
-      f"chain and PostgreSQL on the host. {samples} samples of {mb}x{seq} tokens an epoch, int8 boundary tensors, "
-      f"{parts} partitions a stage. Epoch {e0}, in which the last miner joined, is a warm-up; then the link "
+      f"chain and PostgreSQL on the host. {samples} samples of {mb}x{seq} tokens an epoch, "
+      f"int8 boundary tensors unless the flags say otherwise, {parts} partitions a stage{', orchestrator flags ' + repr(env['BW_EXTRA']) if env['BW_EXTRA'] else ''}. Epoch {e0}, in which the last miner joined, is a warm-up; then the link "
       f"changes at each epoch boundary, rounds in alternating order. At `{env['BW_COMMIT']}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
       f"load average before: {env['BW_LOAD_BEFORE']}, after: {env['BW_LOAD_AFTER']}; {env['BW_TOOK']} s in all.")
 print()
