@@ -218,6 +218,14 @@ fn upload_now(st: &EpochStatus, uploading_s: u64) -> bool {
     travelling == 0 || left_ms < half_ms
 }
 
+/// Counts time spent in one step of the weight all-reduce (`load`: the epoch-start weights,
+/// `upload`: the pseudo-gradient, `merge`: the partitions this miner owns), so that a slow link's
+/// cost can be told from compute (`iota_miner_all_reduce_ms_total{step}`).
+fn all_reduce_time(step: &'static str, started: Instant) {
+    let ms = started.elapsed().as_millis() as u64;
+    metrics::counter!("iota_miner_all_reduce_ms_total", "step" => step).increment(ms);
+}
+
 /// Task ids of computed hops, `(task id, order of computation)`, in the order they were computed:
 /// validators replay a miner's hops in the order the orchestrator recorded them, and each hop's
 /// gradients and inner steps build on the ones computed before it.
@@ -633,7 +641,9 @@ impl Node {
         let st = work.status.clone();
         self.observe(&st);
         if st.epoch > self.epoch || self.weights_stale {
+            let started = Instant::now();
             self.load_weights(st.epoch).await?;
+            all_reduce_time("load", started);
         }
         let mut busy = false;
         for item in work.items {
@@ -656,9 +666,19 @@ impl Node {
                     && self.ended != Some(st.epoch)
                     && upload_now(&st, self.run.uploading_s) =>
             {
-                busy |= self.upload_pseudo_gradients(st.epoch).await?;
+                let started = Instant::now();
+                if self.upload_pseudo_gradients(st.epoch).await? {
+                    all_reduce_time("upload", started);
+                    busy = true;
+                }
             }
-            Phase::Merging => busy |= self.merge().await?,
+            Phase::Merging => {
+                let started = Instant::now();
+                if self.merge().await? {
+                    all_reduce_time("merge", started);
+                    busy = true;
+                }
+            }
             _ => {}
         }
         Ok(busy)
@@ -746,6 +766,7 @@ impl Node {
         if self.settle(task_id).await? {
             let ms = handling.elapsed().as_secs_f64() * 1e3;
             self.status.send_modify(|s| s.busy_ms += ms);
+            metrics::counter!("iota_miner_busy_ms_total").increment(ms.round() as u64);
         }
         Ok(())
     }
@@ -867,6 +888,7 @@ impl Node {
             });
             metrics::counter!("iota_miner_hops_total", "direction" => dir.as_str()).increment(1);
             metrics::counter!("iota_miner_tokens_total").increment(p.out.tokens);
+            metrics::counter!("iota_miner_compute_ms_total").increment(p.compute_ms);
             if let Some(l) = p.out.loss {
                 metrics::gauge!("iota_miner_loss").set(f64::from(l));
             }

@@ -39,7 +39,16 @@ pub async fn show(mut status: watch::Receiver<MinerStatus>, mode: ProgressMode) 
                 pseudo_gradients = s.pseudo_gradients, merges = s.merges, leases_lost = s.leases_lost,
                 "progress"
             );
-            tokio::time::sleep(every).await;
+            // At most a line per period, but not a moment past the miner's end: sleeping the
+            // period out held `iota miner` up to 10 s after it had stopped.
+            let pause = tokio::time::sleep(every);
+            tokio::pin!(pause);
+            loop {
+                tokio::select! {
+                    _ = &mut pause => break,
+                    changed = status.changed() => if changed.is_err() { return },
+                }
+            }
         }
     }
     if line {
@@ -53,4 +62,25 @@ pub fn serve_metrics(addr: std::net::SocketAddr) -> Result<(), crate::MinerError
         .with_http_listener(addr)
         .install()
         .map_err(|e| crate::MinerError::Config(format!("metrics on {addr}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The log lines end with the miner: `show` returns as soon as the status's sender is
+    /// dropped, not after the period it waits between lines.
+    #[tokio::test]
+    async fn log_mode_ends_with_the_miner() {
+        let (tx, rx) = watch::channel(MinerStatus::new("5Miner".into()));
+        let shown = tokio::spawn(show(rx, ProgressMode::Log));
+        // A change: one line now, then the wait before the next.
+        tx.send_modify(|s| s.hops = 1);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(2), shown)
+            .await
+            .expect("show returned within 2 s of the miner's end")
+            .expect("show did not panic");
+    }
 }
