@@ -35,6 +35,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# `scripts/bench-wan.sh sparse`: the same run with compressed pseudo-gradients (top-128 of every
+# 4096 values, the outer step without momentum), unshaped against 100 Mbit/s.
+if [ "${1:-}" = sparse ]; then
+    ORCHESTRATOR_ARGS="${ORCHESTRATOR_ARGS:---pseudo-gradients top-128/4096 --outer-momentum 0 --outer-lr 1}"
+    RATES="${RATES:-100mbit}"
+fi
 MODEL="${MODEL:-small}"
 MINERS_PER_STAGE="${MINERS_PER_STAGE:-2}"
 ROUNDS="${ROUNDS:-2}"
