@@ -122,10 +122,10 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
             assert!(!replays.is_empty(), "epoch {epoch}: {checks:#?}");
             for r in &replays {
                 assert!(r["pseudo_gradient_partitions"].as_u64() > Some(0), "{}", r);
-                eprintln!(
-                    "epoch {epoch}: sparse upload cosine {}",
-                    r["pseudo_gradient_cosine"]
-                );
+                // Where an honest upload sent something, it is the replayed training (plus a
+                // little owed from before).
+                let cosine = r["pseudo_gradient_cosine"].as_f64().expect("cosine");
+                assert!(cosine > 0.9, "{}", r);
             }
             assert!(
                 checks.iter().all(|c| c.passed),
