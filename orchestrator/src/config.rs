@@ -340,11 +340,12 @@ fn parse_pseudo_gradients(s: &str) -> Result<PseudoGradients, String> {
 impl OrchestratorArgs {
     /// The run config for a model of `shape`.
     pub fn run_config(&self, shape: ModelShape) -> RunConfig {
+        let stage_params = shape.stage_params;
         RunConfig {
             name: self.run_name.clone(),
             model: shape.model,
-            stages: shape.stage_params.len() as u32,
-            stage_params: shape.stage_params,
+            stages: stage_params.len() as u32,
+            stage_params: stage_params.clone(),
             partitions: self.partitions,
             micro_batch: self.micro_batch,
             seq_len: self.seq_len,
@@ -365,7 +366,17 @@ impl OrchestratorArgs {
             inner_lr: self.inner_lr,
             inner_steps_every: self.inner_steps_every,
             dataset: shape.dataset,
-            stage_memory: shape.stage_memory,
+            stage_memory: match self.pseudo_gradients.0 {
+                // A sparse run's miner also holds what it owes (error feedback) and the outer
+                // momentum: four bytes a parameter each.
+                Some(_) => shape
+                    .stage_memory
+                    .iter()
+                    .zip(&stage_params)
+                    .map(|(m, p)| m.saturating_add(p.saturating_mul(8)))
+                    .collect(),
+                None => shape.stage_memory,
+            },
             sparse: self.pseudo_gradients.0,
         }
     }
@@ -472,7 +483,7 @@ mod tests {
             stage_params: vec![1000, 1000],
             boundary_dim: 8,
             dataset: None,
-            stage_memory: Vec::new(),
+            stage_memory: vec![5000, 6000],
         };
         cli.args.config(shape, "5Grw".into())
     }
@@ -485,6 +496,13 @@ mod tests {
         assert_eq!(
             run(&["--pseudo-gradients", "top-64/4096"]),
             Ok(Some(SparseEncoding { chunk: 4096, k: 64 }))
+        );
+        // Its miners need room for the error feedback and the outer momentum too.
+        let memory = |flags: &[&str]| config(flags).map(|c| c.run.stage_memory);
+        assert_eq!(memory(&[]), Ok(vec![5000, 6000]));
+        assert_eq!(
+            memory(&["--pseudo-gradients", "top-64/4096"]),
+            Ok(vec![13_000, 14_000])
         );
         for bad in [
             "top-0/4096",
