@@ -38,10 +38,12 @@ cd "$(dirname "$0")/.."
 # `scripts/bench-wan.sh sparse`: the same run with compressed pseudo-gradients (top-128 of every
 # 4096 values, the outer step without momentum), unshaped against 100 Mbit/s.
 if [ "${1:-}" = sparse ]; then
-    ORCHESTRATOR_ARGS="${ORCHESTRATOR_ARGS:---pseudo-gradients top-128/4096 --outer-momentum 0 --outer-lr 1}"
+    ORCHESTRATOR_ARGS="${ORCHESTRATOR_ARGS:---pseudo-gradients top-128/4096 --outer-lr 1}"
+    OUTER_MOMENTUM="${OUTER_MOMENTUM:-0}"
     RATES="${RATES:-100mbit}"
 fi
 MODEL="${MODEL:-small}"
+OUTER_MOMENTUM="${OUTER_MOMENTUM:-0.5}"
 MINERS_PER_STAGE="${MINERS_PER_STAGE:-2}"
 ROUNDS="${ROUNDS:-2}"
 RATES="${RATES:-100mbit 20mbit}"
@@ -254,7 +256,7 @@ start orchestrator "$iota" orchestrator --model "$MODEL" --listen "$host_ip:$orc
     --partitions "$PARTITIONS" --max-in-flight 4 \
     --training-s "$training_s" --uploading-s "$uploading_s" --merging-s "$merging_s" \
     --merge-round-s 300 --lease-s 120 --heartbeat-timeout-s 120 --retention-epochs 2 \
-    --init-seed 7 --inner-lr 3e-3 --outer-momentum 0.5 \
+    --init-seed 7 --inner-lr 3e-3 --outer-momentum "$OUTER_MOMENTUM" \
     --metagraph-refresh-s 1 --tick-ms 100 --rate-per-hotkey 1000 --rate-per-ip 1000 \
     "${orchestrator_args[@]}"
 wait_for "the orchestrator" 120 curl -sf --max-time 2 "$base/v1/status"
