@@ -4,10 +4,12 @@
 //!
 //! `cargo bench -p iota-miner --bench butterfly` with `DATABASE_URL` set (`scripts/pg.sh start`).
 //! Real miners (`tiny` at width 256, 3 stages) against a real orchestrator, PostgreSQL and localnet;
-//! partitions = miners per stage, three owners per partition. The second epoch is measured (the
-//! first merges onto the initial weights). Every size runs with dense pseudo-gradients and with
+//! partitions = miners per stage, three owners per partition. Each miner is measured from loading
+//! the weights of the first epoch that starts once all have joined (never the run's first, which
+//! merges onto the initial weights) to loading the next epoch's. Every size runs with dense pseudo-gradients and with
 //! sparse ones (`top-K/CHUNK`, `BUTTERFLY_SPARSE`, top-32/1024 by default: compressed uploads,
-//! compressed merged updates that each miner applies). `BUTTERFLY_SIZES=2,4` picks the sizes.
+//! compressed merged updates that each miner applies). `BUTTERFLY_SIZES=2,4` picks the sizes,
+//! `BUTTERFLY_MODES=sparse` (or `dense`) one of the two.
 
 use iota_testkit as support;
 
@@ -15,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use iota_miner::{AllReduceBytes, MinerHandle, spawn};
 use iota_protocol::api::{Phase, RunConfig, SparseEncoding};
+use iota_protocol::client::ApiClient;
 use support::*;
 
 /// Per miner, in multiples of its stage's fp32 size.
@@ -23,6 +26,8 @@ struct Figures {
     pseudo_gradients: String,
     per_stage: usize,
     contributors: usize,
+    /// Miners that held epoch 1's weights (the others are left out of the means).
+    measured: usize,
     pseudo_gradients_sent: f64,
     contributions_received: f64,
     bases_received: f64,
@@ -67,25 +72,50 @@ fn run_config(
     run
 }
 
-/// Each miner's all-reduce counters and pseudo-gradient partitions uploaded.
-fn counters(miners: &[MinerHandle]) -> Vec<(AllReduceBytes, u64)> {
-    miners
-        .iter()
-        .map(|m| {
-            let s = m.status();
-            (s.all_reduce, s.pseudo_gradients)
-        })
-        .collect()
+/// A miner's all-reduce counters and pseudo-gradient partitions uploaded.
+fn counters(m: &MinerHandle) -> (AllReduceBytes, u64) {
+    let s = m.status();
+    (s.all_reduce, s.pseudo_gradients)
 }
 
-async fn all_loaded(miners: &[MinerHandle], epoch: u64, what: &str) {
-    eventually(what, Duration::from_secs(600), || async {
-        miners
-            .iter()
-            .all(|m| m.status().weights_epoch == Some(epoch))
-            .then_some(())
-    })
-    .await;
+/// Each miner's counters when it has loaded `epoch`'s weights and when it has loaded the next
+/// epoch's: between the two lie exactly its part in `epoch`'s merge. Taken per miner, since in
+/// a fast run some miners are already past `epoch` before others have loaded it. A miner that
+/// never held `epoch`'s weights has `None`. Also returns when the run left `epoch`'s training.
+async fn one_epoch(
+    miners: &[MinerHandle],
+    client: &ApiClient,
+    epoch: u64,
+) -> (Vec<Option<[(AllReduceBytes, u64); 2]>>, Instant) {
+    let mut start: Vec<Option<(AllReduceBytes, u64)>> = vec![None; miners.len()];
+    let mut window = vec![None; miners.len()];
+    let mut done = vec![false; miners.len()];
+    let mut upload_started = None;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while done.iter().any(|d| !d) {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for epoch {}",
+            epoch + 1
+        );
+        for (i, m) in miners.iter().enumerate() {
+            let loaded = m.status().weights_epoch;
+            if loaded == Some(epoch) && start[i].is_none() {
+                start[i] = Some(counters(m));
+            } else if loaded > Some(epoch) && !done[i] {
+                done[i] = true;
+                window[i] = start[i].take().map(|s| [s, counters(m)]);
+            }
+        }
+        if upload_started.is_none()
+            && let Ok(st) = client.status().await
+            && (st.epoch > epoch || st.phase != Phase::Training)
+        {
+            upload_started = Some(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (window, upload_started.unwrap_or_else(Instant::now))
 }
 
 async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
@@ -112,16 +142,11 @@ async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
         })
         .await;
     }
-    all_loaded(&miners, 1, "epoch 1").await;
-    let before = counters(&miners);
-    let upload_started = eventually("epoch 1 uploading", Duration::from_secs(600), || async {
-        let st = client.status().await.ok()?;
-        (st.epoch > 1 || st.phase != Phase::Training).then(Instant::now)
-    })
-    .await;
-    all_loaded(&miners, 2, "epoch 2").await;
+    // The first epoch that starts after every miner joined, and not the first of the run (that
+    // one merges onto the initial weights).
+    let joined = client.status().await.expect("status").epoch;
+    let (windows, upload_started) = one_epoch(&miners, &client, joined.max(1) + 1).await;
     let seconds = upload_started.elapsed().as_secs_f64();
-    let after = counters(&miners);
     let mut f = Figures {
         pseudo_gradients: match sparse {
             Some(s) => format!("top-{}/{}", s.k, s.chunk),
@@ -132,7 +157,11 @@ async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
         ..Figures::default()
     };
     let mut totals = Vec::new();
-    for ((m, (b, bp)), (a, ap)) in miners.iter().zip(&before).zip(&after) {
+    for (m, window) in miners.iter().zip(&windows) {
+        let Some([(b, bp), (a, ap)]) = window else {
+            continue;
+        };
+        f.measured += 1;
         let stage = m.status().stage.expect("stage") as usize;
         let size = 4.0 * run.stage_params[stage] as f64;
         let d = |get: fn(&AllReduceBytes) -> u64| (get(a) - get(b)) as f64 / size;
@@ -183,8 +212,17 @@ async fn main() {
             })
         })
         .expect("BUTTERFLY_SPARSE is top-K/CHUNK");
+    let modes = std::env::var("BUTTERFLY_MODES").unwrap_or_else(|_| "dense,sparse".into());
+    let modes: Vec<Option<SparseEncoding>> = modes
+        .split(',')
+        .map(|m| match m.trim() {
+            "dense" => None,
+            "sparse" => Some(sparse),
+            other => panic!("BUTTERFLY_MODES lists dense and sparse, not {other:?}"),
+        })
+        .collect();
     let mut rows = Vec::new();
-    for mode in [None, Some(sparse)] {
+    for mode in modes {
         for &n in &sizes {
             let f = measure(n, mode).await;
             eprintln!(
@@ -199,18 +237,19 @@ async fn main() {
         run_config(2, None, tempfile::tempdir().expect("dir").path()).stage_params
     );
     println!(
-        "bytes per miner for one epoch's merge (the second epoch), in multiples of its stage's fp32 size; means over the miners"
+        "bytes per miner for one epoch's merge (not the first), in multiples of its stage's fp32 size; means over the miners"
     );
     println!();
     println!(
-        "| pseudo-gradients | miners/stage | contributors | pseudo-gradient up | contributions down | bases down | merged up | weights down | reduce (pg up + contributions down) | total (mean) | total (max) | time (s) |"
+        "| pseudo-gradients | miners/stage | measured | contributors | pseudo-gradient up | contributions down | bases down | merged up | weights down | reduce (pg up + contributions down) | total (mean) | total (max) | time (s) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in &rows {
         println!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} |",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} |",
             f.pseudo_gradients,
             f.per_stage,
+            f.measured,
             f.contributors,
             f.pseudo_gradients_sent,
             f.contributions_received,
