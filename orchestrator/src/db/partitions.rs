@@ -20,6 +20,18 @@ pub async fn latest_accepted_before<'e>(
     .await
 }
 
+/// The keys of the merges accepted in `epoch`.
+pub async fn accepted_in<'e>(db: impl Db<'e>, run: i64, epoch: i64) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(
+        "SELECT accepted->>'key' FROM partitions
+         WHERE run_id = $1 AND epoch = $2 AND state = 'accepted'",
+    )
+    .bind(run)
+    .bind(epoch)
+    .fetch_all(db)
+    .await
+}
+
 /// Accepted merges before `before`, not yet collected, whose key is not in `kept`: (epoch,
 /// stage, partition, key).
 pub async fn accepted_not_kept<'e>(

@@ -28,8 +28,8 @@ pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
     if old.is_empty() {
         return Ok(());
     }
-    // A sparse run's weights are every accepted update applied in turn: its merges are the
-    // run's history, small, and never collected.
+    // A sparse run's weights are every accepted update applied in turn: its accepted merges
+    // are the run's history, small, and never collected (the other owners' copies are).
     let sparse = app.run.config.sparse.is_some();
     // A partition's latest merge before the oldest kept epoch is never marked collected.
     let bases = db::partitions::latest_accepted_before(&app.db, app.run.id, oldest_kept).await?;
@@ -42,8 +42,20 @@ pub async fn collect_garbage(app: &App, now: DateTime<Utc>) -> RunResult<()> {
             .store
             .delete_prefix(&format!("{base}/pseudo-gradients"))
             .await?;
+        let accepted = if sparse {
+            db::partitions::accepted_in(&app.db, app.run.id, epoch).await?
+        } else {
+            Vec::new()
+        };
+        let kept_here = |key: &String| {
+            if sparse {
+                accepted.contains(key)
+            } else {
+                kept.contains(&key)
+            }
+        };
         for key in app.store.list(&format!("{base}/merged")).await? {
-            if !sparse && !kept.contains(&key) {
+            if !kept_here(&key) {
                 app.store.delete(&key).await?;
                 removed += 1;
             }
