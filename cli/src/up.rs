@@ -12,7 +12,7 @@ use iota_devnet::{Devnet, DevnetConfig, DevnetMiner, Neuron, Role};
 use iota_localnet::LocalnetConfig;
 use iota_miner::{Adversary, DeviceSpec, MinerConfig};
 use iota_model::ModelConfig;
-use iota_protocol::api::{PartitionState, RunConfig, ThroughputPoint};
+use iota_protocol::api::{PartitionState, RunConfig, SparseEncoding, ThroughputPoint};
 use iota_protocol::client::ApiClient;
 use iota_protocol::signing::SkewWindow;
 use iota_validator::ValidatorConfig;
@@ -60,6 +60,15 @@ pub struct UpArgs {
     /// `.txt` and `.jsonl` files).
     #[arg(long, env = "IOTA_UP_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// How pseudo-gradients travel: `dense`, or `top-K/CHUNK` (compressed, with the outer
+    /// momentum off, as `iota orchestrator --pseudo-gradients` describes).
+    #[arg(
+        long = "pseudo-gradients",
+        env = "IOTA_UP_PSEUDO_GRADIENTS",
+        default_value = "dense",
+        value_parser = iota_orchestrator::config::parse_pseudo_gradients
+    )]
+    pub pseudo_gradients: iota_orchestrator::config::PseudoGradients,
 }
 
 impl UpArgs {
@@ -273,11 +282,14 @@ pub fn up_model(
     })
 }
 
-/// The local run of `model` on `data`: the tiny run's phases and optimiser, the model's shapes.
+/// The local run of `model` on `data`: the tiny run's phases and optimiser, the model's shapes;
+/// with `sparse`, compressed pseudo-gradients and no outer momentum (a sparse merge applies what
+/// each miner has owed for several epochs at once, and momentum on top of that overshoots).
 fn local_run(
     model: &UpModel,
     samples_per_epoch: u64,
     data: Option<&UpData>,
+    sparse: Option<SparseEncoding>,
 ) -> anyhow::Result<RunConfig> {
     let mut run = iota_trainer::local_tiny_run("localnet-up", samples_per_epoch)?;
     let m = &model.config;
@@ -292,6 +304,11 @@ fn local_run(
         .map(|k| iota_model::memory::miner_stage_bytes(m, k, run.micro_batch as usize, SEQ_LEN))
         .collect::<Result<Vec<_>, _>>()?;
     run.dataset = data.map(|d| d.manifest.clone());
+    if sparse.is_some() {
+        run.outer_lr = 1.0;
+        run.outer_momentum = 0.0;
+    }
+    run.set_sparse(sparse);
     // The corpus must fit the vocabulary; say so now rather than in every miner.
     iota_trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))
         .with_context(|| format!("--model {}", m.name))?;
@@ -524,7 +541,12 @@ pub async fn up(
         &dir,
         data.as_ref().map_or(0, |d| d.vocab_size),
     )?;
-    let run = local_run(&model, args.samples_per_epoch, data.as_ref())?;
+    let run = local_run(
+        &model,
+        args.samples_per_epoch,
+        data.as_ref(),
+        args.pseudo_gradients.0,
+    )?;
     // From here on `--data` names the prepared folder that every miner and validator reads.
     let mut args = args;
     args.data = data.map(|d| d.dir).into_iter().collect();
@@ -998,7 +1020,7 @@ mod tests {
         );
         let m5 = up_model("small", Some(5), d, 0).expect("small/5");
         assert_eq!(m5.config.stages, vec![2, 2, 2, 1, 1]);
-        let run = local_run(&m5, 8, None).expect("run");
+        let run = local_run(&m5, 8, None, None).expect("run");
         assert_eq!(run.stages, 5);
         assert_eq!(iota_trainer::run_model(&run).expect("miners load it"), {
             let mut c = m5.config.clone();
@@ -1042,7 +1064,28 @@ mod tests {
         )
         .expect("write");
         let m = up_model(small_vocab.to_str().expect("utf-8"), None, d, 0).expect("valid shape");
-        assert!(local_run(&m, 8, None).is_err());
+        assert!(local_run(&m, 8, None, None).is_err());
+    }
+
+    #[test]
+    fn a_sparse_local_run_turns_the_outer_momentum_off_and_counts_the_miners_extra_memory() {
+        let dir = tempfile::tempdir().expect("dir");
+        let m = up_model("tiny", None, dir.path(), 0).expect("tiny");
+        let dense = local_run(&m, 8, None, None).expect("dense");
+        let top = SparseEncoding { chunk: 512, k: 16 };
+        let sparse = local_run(&m, 8, None, Some(top)).expect("sparse");
+        assert_eq!((dense.sparse, sparse.sparse), (None, Some(top)));
+        assert!(dense.outer_momentum > 0.0);
+        assert_eq!((sparse.outer_lr, sparse.outer_momentum), (1.0, 0.0));
+        for ((d, s), p) in dense
+            .stage_memory
+            .iter()
+            .zip(&sparse.stage_memory)
+            .zip(&sparse.stage_params)
+        {
+            assert_eq!(*s, d + 8 * p);
+        }
+        sparse.validate().expect("a valid run");
     }
 
     #[test]

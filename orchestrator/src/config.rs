@@ -316,7 +316,8 @@ fn parse_wire(s: &str) -> Result<WireEncoding, String> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PseudoGradients(pub Option<SparseEncoding>);
 
-fn parse_pseudo_gradients(s: &str) -> Result<PseudoGradients, String> {
+/// Parses `--pseudo-gradients`: `dense` or `top-K/CHUNK`.
+pub fn parse_pseudo_gradients(s: &str) -> Result<PseudoGradients, String> {
     if s == "dense" {
         return Ok(PseudoGradients(None));
     }
@@ -341,7 +342,7 @@ impl OrchestratorArgs {
     /// The run config for a model of `shape`.
     pub fn run_config(&self, shape: ModelShape) -> RunConfig {
         let stage_params = shape.stage_params;
-        RunConfig {
+        let mut run = RunConfig {
             name: self.run_name.clone(),
             model: shape.model,
             stages: stage_params.len() as u32,
@@ -366,19 +367,11 @@ impl OrchestratorArgs {
             inner_lr: self.inner_lr,
             inner_steps_every: self.inner_steps_every,
             dataset: shape.dataset,
-            stage_memory: match self.pseudo_gradients.0 {
-                // A sparse run's miner also holds what it owes (error feedback) and the outer
-                // momentum: four bytes a parameter each.
-                Some(_) => shape
-                    .stage_memory
-                    .iter()
-                    .zip(&stage_params)
-                    .map(|(m, p)| m.saturating_add(p.saturating_mul(8)))
-                    .collect(),
-                None => shape.stage_memory,
-            },
-            sparse: self.pseudo_gradients.0,
-        }
+            stage_memory: shape.stage_memory,
+            sparse: None,
+        };
+        run.set_sparse(self.pseudo_gradients.0);
+        run
     }
 
     /// The library config. `hotkey` is the orchestrator's SS58 address.

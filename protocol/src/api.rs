@@ -92,6 +92,10 @@ pub struct SparseEncoding {
     pub k: u32,
 }
 
+/// Bytes a parameter adds to what a miner holds in a sparse run: what it still owes (error
+/// feedback) and the outer momentum, f32 each.
+pub const SPARSE_BYTES_PER_PARAM: u64 = 8;
+
 /// Bytes a stage parameter needs when a run gives no memory figures: f32 weights, gradients, two
 /// AdamW moments and the epoch-start copy, and nothing for activations.
 pub const BYTES_PER_PARAM: u64 = 20;
@@ -140,6 +144,18 @@ pub const MIN_RETENTION_EPOCHS: u64 = 2;
 pub const HELD_OUT_BASE: u64 = 1 << 62;
 
 impl RunConfig {
+    /// Sets how pseudo-gradients travel, and counts in [`RunConfig::stage_memory`] what a
+    /// sparse run's miners hold besides ([`SPARSE_BYTES_PER_PARAM`]). Call once, after
+    /// `stage_memory` and `stage_params` are set.
+    pub fn set_sparse(&mut self, sparse: Option<SparseEncoding>) {
+        if sparse.is_some() && self.sparse.is_none() {
+            for (m, p) in self.stage_memory.iter_mut().zip(&self.stage_params) {
+                *m = m.saturating_add(p.saturating_mul(SPARSE_BYTES_PER_PARAM));
+            }
+        }
+        self.sparse = sparse;
+    }
+
     /// Shape of every boundary tensor: `[micro_batch, seq_len, boundary_dim]`.
     pub fn boundary_shape(&self) -> [u64; 3] {
         [
