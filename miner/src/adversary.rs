@@ -187,7 +187,7 @@ pub fn merged_update(
     run: &RunConfig,
     stage: u32,
     partition: u32,
-    contributions: &[(f64, Vec<u8>)],
+    contributions: &[(f64, iota_trainer::sparse::SparseVector)],
     adversary: Option<Adversary>,
     hotkey: &str,
 ) -> Result<Vec<u8>, MinerError> {

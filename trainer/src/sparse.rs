@@ -7,7 +7,8 @@
 use std::ops::Range;
 
 use iota_model::OuterConfig;
-use iota_model::sparse::{ErrorFeedback, SparseConfig, SparseVector, merge_sparse};
+pub use iota_model::sparse::SparseVector;
+use iota_model::sparse::{ErrorFeedback, SparseConfig, merge_sparse};
 use iota_protocol::api::RunConfig;
 use iota_protocol::tensor::{SparseShape, TensorSpec, decode_sparse, encode_sparse};
 
@@ -68,20 +69,16 @@ pub fn decode(bytes: &[u8], shape: SparseShape) -> Result<SparseVector, TrainerE
     Ok(v)
 }
 
-/// An owner's merged update of partition `partition` of `stage`: the compressed contributions
-/// `(weight, bytes)`, in the orchestrator's order, averaged and compressed again.
+/// An owner's merged update of partition `partition` of `stage`: the contributions `(weight,
+/// upload)` ([`decode`]d), in the orchestrator's order, averaged and compressed again.
 pub fn merged_update(
     run: &RunConfig,
     stage: u32,
     partition: u32,
-    contributions: &[(f64, Vec<u8>)],
+    contributions: &[(f64, SparseVector)],
 ) -> Result<Vec<u8>, TrainerError> {
     let shape = sparse_shape(run, stage, partition)?;
-    let decoded = contributions
-        .iter()
-        .map(|(w, bytes)| Ok((*w, decode(bytes, shape)?)))
-        .collect::<Result<Vec<_>, TrainerError>>()?;
-    let refs: Vec<(f64, &SparseVector)> = decoded.iter().map(|(w, v)| (*w, v)).collect();
+    let refs: Vec<(f64, &SparseVector)> = contributions.iter().map(|(w, v)| (*w, v)).collect();
     Ok(encode(&merge_sparse(&refs, config_of(shape)?, 1)?))
 }
 

@@ -812,8 +812,12 @@ mod tests {
                     let without = plain.upload(&r, stage, j, range, &dense).expect("upload");
                     assert_ne!(without, sent[0].1);
                 }
-                let owner_one = merged_update(&r, stage, j, &sent).expect("merge");
-                let owner_two = merged_update(&r, stage, j, &sent).expect("merge");
+                let decoded: Vec<(f64, crate::sparse::SparseVector)> = sent
+                    .iter()
+                    .map(|(w, b)| (*w, crate::sparse::decode(b, shape).expect("decodes")))
+                    .collect();
+                let owner_one = merged_update(&r, stage, j, &decoded).expect("merge");
+                let owner_two = merged_update(&r, stage, j, &decoded).expect("merge");
                 assert_eq!(owner_one, owner_two);
                 assert_eq!(
                     owner_one.len(),

@@ -2,7 +2,7 @@
 //! the partition's base, with the miners' own arithmetic, and compare hashes.
 
 use iota_protocol::api::RunConfig;
-use iota_trainer::sparse::merged_update;
+use iota_trainer::sparse::{SparseVector, merged_update};
 use iota_trainer::{initial_range, merged_partition, run_model};
 
 use crate::error::ValidatorError;
@@ -38,17 +38,18 @@ pub fn recompute_merge(
     Ok((bytes, hash))
 }
 
-/// The BLAKE3 (hex) of the honest merge of one partition of a sparse run: the compressed
-/// `contributions` `(hotkey, weight, bytes)`, in any order (sorted by hotkey, the orchestrator's
+/// The BLAKE3 (hex) of the honest merge of one partition of a sparse run: the decoded
+/// `contributions` `(hotkey, weight, upload)`, in any order (sorted by hotkey, the orchestrator's
 /// fixed order), averaged and compressed again. No base: the merge is the update alone.
 pub fn recompute_sparse_merge(
     run: &RunConfig,
     stage: u32,
     partition: u32,
-    mut contributions: Vec<(String, f64, Vec<u8>)>,
+    mut contributions: Vec<(String, f64, SparseVector)>,
 ) -> Result<(Vec<u8>, String), ValidatorError> {
     contributions.sort_by(|a, b| a.0.cmp(&b.0));
-    let parts: Vec<(f64, Vec<u8>)> = contributions.into_iter().map(|(_, w, b)| (w, b)).collect();
+    let parts: Vec<(f64, SparseVector)> =
+        contributions.into_iter().map(|(_, w, v)| (w, v)).collect();
     let bytes = merged_update(run, stage, partition, &parts)?;
     let hash = blake3::hash(&bytes).to_hex().to_string();
     Ok((bytes, hash))
