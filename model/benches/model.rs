@@ -18,6 +18,8 @@
 
 use std::time::{Duration, Instant};
 
+mod support;
+
 use iota_model::data::{Batch, Dataset, GrammarCorpus, make_batch};
 use iota_model::{
     AdamWConfig, BoundaryTensor, DType, Device, LrSchedule, ModelConfig, ModelError, Pipeline,
@@ -195,19 +197,7 @@ fn compression() -> Result<()> {
     let steps = env_or("BENCH_STEPS", 500);
     let (batch, seq) = (8u64, 64usize);
     let g = GrammarCorpus::new(0, seq)?;
-    // Three one-block stages of width 256: two boundaries, d/b up to 64 (b = 4), and small
-    // enough to train close to the grammar's entropy floor in minutes on a CPU.
-    let base = ModelConfig {
-        name: "bench-compression".into(),
-        d_model: 256,
-        n_heads: 4,
-        n_kv_heads: 2,
-        d_ff: 512,
-        max_seq_len: seq,
-        ..ModelConfig::small()
-    }
-    .with_vocab_size(g.vocab_size())
-    .with_stages(vec![1, 1, 1]);
+    let base = support::three_small_stages("bench-compression", g.vocab_size(), seq);
     let d = base.d_model;
     let eval_ids: Vec<u64> = (10_000_000..10_000_000 + 256).collect();
     let eval: Vec<Batch> = eval_ids

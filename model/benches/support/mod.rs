@@ -1,4 +1,5 @@
-//! What the model's benchmarks share.
+//! What the model's benchmarks share; each uses a part.
+#![allow(dead_code)]
 
 /// Ends the benchmark with what failed.
 pub fn fail(what: &str, e: impl std::fmt::Display) -> ! {
@@ -23,4 +24,21 @@ pub fn peak_rss_bytes() -> u64 {
                 .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// The compression benches' model: three one-block stages of width 256 (two boundaries, d/b up
+/// to 64 at b = 4), small enough to train close to the grammar's entropy floor in minutes on a
+/// CPU, for a corpus of `vocab_size` tokens and windows of `seq`.
+pub fn three_small_stages(name: &str, vocab_size: usize, seq: usize) -> iota_model::ModelConfig {
+    iota_model::ModelConfig {
+        name: name.into(),
+        d_model: 256,
+        n_heads: 4,
+        n_kv_heads: 2,
+        d_ff: 512,
+        max_seq_len: seq,
+        ..iota_model::ModelConfig::small()
+    }
+    .with_vocab_size(vocab_size)
+    .with_stages(vec![1, 1, 1])
 }
