@@ -69,6 +69,10 @@ pub struct UpArgs {
         value_parser = iota_orchestrator::config::parse_pseudo_gradients
     )]
     pub pseudo_gradients: iota_orchestrator::config::PseudoGradients,
+    /// With `--pseudo-gradients top-K/CHUNK`: values each merged update keeps per chunk (K to
+    /// CHUNK; default K).
+    #[arg(long = "merged-top", env = "IOTA_UP_MERGED_TOP")]
+    pub merged_top: Option<u32>,
 }
 
 impl UpArgs {
@@ -309,6 +313,7 @@ fn local_run(
         run.outer_momentum = 0.0;
     }
     run.set_sparse(sparse);
+    run.validate().map_err(anyhow::Error::msg)?;
     // The corpus must fit the vocabulary; say so now rather than in every miner.
     iota_trainer::run_dataset(&run, m, data.map(|d| d.dir.as_path()))
         .with_context(|| format!("--model {}", m.name))?;
@@ -541,12 +546,13 @@ pub async fn up(
         &dir,
         data.as_ref().map_or(0, |d| d.vocab_size),
     )?;
-    let run = local_run(
-        &model,
-        args.samples_per_epoch,
-        data.as_ref(),
-        args.pseudo_gradients.0,
-    )?;
+    let sparse = match (args.pseudo_gradients.0, args.merged_top) {
+        (None, Some(_)) => {
+            anyhow::bail!("--merged-top is for sparse runs: pass --pseudo-gradients top-K/CHUNK")
+        }
+        (s, merged_k) => s.map(|s| SparseEncoding { merged_k, ..s }),
+    };
+    let run = local_run(&model, args.samples_per_epoch, data.as_ref(), sparse)?;
     // From here on `--data` names the prepared folder that every miner and validator reads.
     let mut args = args;
     args.data = data.map(|d| d.dir).into_iter().collect();
@@ -1072,7 +1078,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let m = up_model("tiny", None, dir.path(), 0).expect("tiny");
         let dense = local_run(&m, 8, None, None).expect("dense");
-        let top = SparseEncoding { chunk: 512, k: 16 };
+        let top = SparseEncoding::new(512, 16);
         let sparse = local_run(&m, 8, None, Some(top)).expect("sparse");
         assert_eq!((dense.sparse, sparse.sparse), (None, Some(top)));
         assert!(dense.outer_momentum > 0.0);
@@ -1086,6 +1092,13 @@ mod tests {
             assert_eq!(*s, d + 8 * p);
         }
         sparse.validate().expect("a valid run");
+        // A merged update keeps at least what an upload does.
+        let fewer = SparseEncoding {
+            merged_k: Some(8),
+            ..top
+        };
+        let e = local_run(&m, 8, None, Some(fewer)).unwrap_err().to_string();
+        assert!(e.contains("merged updates keep 16 to 512"), "{e}");
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //! partitions = miners per stage, three owners per partition. Each miner is measured from loading
 //! the weights of the first epoch that starts once all have joined (never the run's first, which
 //! merges onto the initial weights) to loading the next epoch's. Every size runs with dense pseudo-gradients and with
-//! sparse ones (`top-K/CHUNK`, `BUTTERFLY_SPARSE`, top-32/1024 by default: compressed uploads,
-//! compressed merged updates that each miner applies). `BUTTERFLY_SIZES=2,4` picks the sizes,
+//! sparse ones (`top-K/CHUNK`, `BUTTERFLY_SPARSE`, top-32/1024 by default: compressed uploads;
+//! compressed merged updates that each miner applies, keeping `BUTTERFLY_MERGED_TOP` values a
+//! chunk, 128 by default: the union of four uploads). `BUTTERFLY_SIZES=2,4` picks the sizes,
 //! `BUTTERFLY_MODES=sparse` (or `dense`) one of the two.
 
 use iota_testkit as support;
@@ -149,7 +150,7 @@ async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
     let seconds = upload_started.elapsed().as_secs_f64();
     let mut f = Figures {
         pseudo_gradients: match sparse {
-            Some(s) => format!("top-{}/{}", s.k, s.chunk),
+            Some(s) => format!("top-{}/{}, merged top-{}", s.k, s.chunk, s.merged_k()),
             None => "dense".into(),
         },
         per_stage,
@@ -209,9 +210,13 @@ async fn main() {
             Some(SparseEncoding {
                 chunk: chunk.parse().ok()?,
                 k: k.parse().ok()?,
+                merged_k: match std::env::var("BUTTERFLY_MERGED_TOP") {
+                    Ok(m) => Some(m.parse().ok()?),
+                    Err(_) => Some(128),
+                },
             })
         })
-        .expect("BUTTERFLY_SPARSE is top-K/CHUNK");
+        .expect("BUTTERFLY_SPARSE is top-K/CHUNK and BUTTERFLY_MERGED_TOP a count");
     let modes = std::env::var("BUTTERFLY_MODES").unwrap_or_else(|_| "dense,sparse".into());
     let modes: Vec<Option<SparseEncoding>> = modes
         .split(',')

@@ -191,14 +191,14 @@ pub fn merged_update(
     adversary: Option<Adversary>,
     hotkey: &str,
 ) -> Result<Vec<u8>, MinerError> {
-    use iota_trainer::sparse::{decode, encode, merged_update, sparse_shape};
+    use iota_trainer::sparse::{decode, encode, merged_shape, merged_update};
     let honest = merged_update(run, stage, partition, contributions)?;
     let shift = match adversary {
         Some(Adversary::WrongMerge | Adversary::LateLoneMerge) => own_shift(hotkey),
         Some(Adversary::ColludingMerge) => 1.0,
         _ => return Ok(honest),
     };
-    let mut v = decode(&honest, sparse_shape(run, stage, partition)?)?;
+    let mut v = decode(&honest, merged_shape(run, stage, partition)?)?;
     if let Some(s) = v.scales.first_mut() {
         *s += shift;
     }

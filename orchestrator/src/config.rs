@@ -133,6 +133,11 @@ pub struct OrchestratorArgs {
         value_parser = parse_pseudo_gradients
     )]
     pub pseudo_gradients: PseudoGradients,
+    /// With `--pseudo-gradients top-K/CHUNK`: values each merged update keeps per chunk, K to
+    /// CHUNK (default K). The average of N uploads holds up to N·K values a chunk; keeping more
+    /// of them costs every miner the same bytes whatever N is.
+    #[arg(long = "merged-top", env = "IOTA_MERGED_TOP")]
+    pub merged_top: Option<u32>,
     /// Samples per epoch.
     #[arg(
         long = "samples-per-epoch",
@@ -335,7 +340,7 @@ pub fn parse_pseudo_gradients(s: &str) -> Result<PseudoGradients, String> {
             "pseudo-gradients {s:?}: K must be 1 to CHUNK, and CHUNK 1 to {MAX_SPARSE_CHUNK}"
         ));
     }
-    Ok(PseudoGradients(Some(SparseEncoding { chunk, k })))
+    Ok(PseudoGradients(Some(SparseEncoding::new(chunk, k))))
 }
 
 impl OrchestratorArgs {
@@ -370,7 +375,10 @@ impl OrchestratorArgs {
             stage_memory: shape.stage_memory,
             sparse: None,
         };
-        run.set_sparse(self.pseudo_gradients.0);
+        run.set_sparse(self.pseudo_gradients.0.map(|s| SparseEncoding {
+            merged_k: self.merged_top,
+            ..s
+        }));
         run
     }
 
@@ -382,6 +390,11 @@ impl OrchestratorArgs {
             self.subtensor.chain_endpoint.as_deref(),
         )
         .map_err(|e| e.to_string())?;
+        if self.merged_top.is_some() && self.pseudo_gradients.0.is_none() {
+            return Err(
+                "--merged-top is for sparse runs: pass --pseudo-gradients top-K/CHUNK".into(),
+            );
+        }
         let run = self.run_config(shape);
         run.validate()?;
         let database_url = self
@@ -488,8 +501,33 @@ mod tests {
         assert_eq!(run(&["--pseudo-gradients", "dense"]), Ok(None));
         assert_eq!(
             run(&["--pseudo-gradients", "top-64/4096"]),
-            Ok(Some(SparseEncoding { chunk: 4096, k: 64 }))
+            Ok(Some(SparseEncoding::new(4096, 64)))
         );
+        assert_eq!(
+            run(&["--pseudo-gradients", "top-64/4096", "--merged-top", "256"]),
+            Ok(Some(SparseEncoding {
+                chunk: 4096,
+                k: 64,
+                merged_k: Some(256)
+            }))
+        );
+        for (flags, says) in [
+            (
+                &["--merged-top", "256"][..],
+                "--merged-top is for sparse runs",
+            ),
+            (
+                &["--pseudo-gradients", "top-64/4096", "--merged-top", "32"],
+                "keep 64 to 4096",
+            ),
+            (
+                &["--pseudo-gradients", "top-64/4096", "--merged-top", "4097"],
+                "keep 64 to 4096",
+            ),
+        ] {
+            let e = run(flags).unwrap_err();
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
         // Its miners need room for the error feedback and the outer momentum too.
         let memory = |flags: &[&str]| config(flags).map(|c| c.run.stage_memory);
         assert_eq!(memory(&[]), Ok(vec![5000, 6000]));

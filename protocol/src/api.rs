@@ -90,6 +90,27 @@ pub struct SparseEncoding {
     pub chunk: u32,
     /// Values kept per chunk (1 to `chunk`).
     pub k: u32,
+    /// Values each merged update keeps per chunk (`k` to `chunk`); `None`: `k`. The average of
+    /// N uploads can hold up to N·k values a chunk, so a merged update larger than an upload
+    /// drops less of it, at no more bytes however many miners a stage has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_k: Option<u32>,
+}
+
+impl SparseEncoding {
+    /// `k` of every `chunk` values, in uploads and merged updates alike.
+    pub fn new(chunk: u32, k: u32) -> Self {
+        Self {
+            chunk,
+            k,
+            merged_k: None,
+        }
+    }
+
+    /// Values a merged update keeps per chunk.
+    pub fn merged_k(&self) -> u32 {
+        self.merged_k.unwrap_or(self.k)
+    }
 }
 
 /// Bytes a parameter adds to what a miner holds in a sparse run: what it still owes (error
@@ -207,11 +228,14 @@ impl RunConfig {
     /// average update in a sparse run, otherwise the new weights and momentum.
     pub fn merged_spec(&self, stage: u32, partition: u32) -> Option<TensorSpec> {
         let r = self.partition_range(stage, partition)?;
+        let len = r.end - r.start;
         Some(match self.sparse {
-            Some(_) => self.pseudo_gradient_spec(stage, partition)?,
-            None => TensorSpec::Merged {
-                len: r.end - r.start,
-            },
+            Some(s) => TensorSpec::Sparse(SparseShape {
+                len,
+                chunk: s.chunk,
+                k: s.merged_k(),
+            }),
+            None => TensorSpec::Merged { len },
         })
     }
 
@@ -424,6 +448,16 @@ impl RunConfig {
                 crate::tensor::MAX_SPARSE_CHUNK,
                 s.k,
                 s.chunk
+            ));
+        }
+        if let Some(s) = self.sparse
+            && !(s.k..=s.chunk).contains(&s.merged_k())
+        {
+            return Err(format!(
+                "sparse merged updates keep {} to {} of every chunk (the uploads' k to the chunk), not {}",
+                s.k,
+                s.chunk,
+                s.merged_k()
             ));
         }
         Ok(())

@@ -23,13 +23,32 @@ pub fn outer_config(run: &RunConfig) -> OuterConfig {
     }
 }
 
-/// The compressed shape of partition `partition` of `stage`; an error in a dense run.
-pub fn sparse_shape(
+/// The compressed shape of an upload of partition `partition` of `stage`; an error in a dense
+/// run.
+pub fn upload_shape(
     run: &RunConfig,
     stage: u32,
     partition: u32,
 ) -> Result<SparseShape, TrainerError> {
-    match run.pseudo_gradient_spec(stage, partition) {
+    sparse_of(run.pseudo_gradient_spec(stage, partition), stage, partition)
+}
+
+/// The compressed shape of a merged update of partition `partition` of `stage`; an error in a
+/// dense run.
+pub fn merged_shape(
+    run: &RunConfig,
+    stage: u32,
+    partition: u32,
+) -> Result<SparseShape, TrainerError> {
+    sparse_of(run.merged_spec(stage, partition), stage, partition)
+}
+
+fn sparse_of(
+    spec: Option<TensorSpec>,
+    stage: u32,
+    partition: u32,
+) -> Result<SparseShape, TrainerError> {
+    match spec {
         Some(TensorSpec::Sparse(shape)) => Ok(shape),
         Some(_) => Err(TrainerError::RunMismatch(
             "the run's pseudo-gradients are dense".into(),
@@ -77,7 +96,7 @@ pub fn merged_update(
     partition: u32,
     contributions: &[(f64, SparseVector)],
 ) -> Result<Vec<u8>, TrainerError> {
-    let shape = sparse_shape(run, stage, partition)?;
+    let shape = merged_shape(run, stage, partition)?;
     let refs: Vec<(f64, &SparseVector)> = contributions.iter().map(|(w, v)| (*w, v)).collect();
     Ok(encode(&merge_sparse(&refs, config_of(shape)?, 1)?))
 }
@@ -110,7 +129,7 @@ impl SparseState {
         range: Range<usize>,
         pseudo_gradient: &[f32],
     ) -> Result<Vec<u8>, TrainerError> {
-        let config = config_of(sparse_shape(run, stage, partition)?)?;
+        let config = config_of(upload_shape(run, stage, partition)?)?;
         let sent = self.feedback.compress(range, pseudo_gradient, config)?;
         let bytes = encode(&sent);
         self.sent.insert(partition, sent);
@@ -219,7 +238,7 @@ impl SparseWeights {
         }
         for (j, u) in updates.iter().enumerate() {
             if let Some(bytes) = u {
-                decode(bytes, sparse_shape(run, stage, j as u32)?)?;
+                decode(bytes, merged_shape(run, stage, j as u32)?)?;
             }
         }
         for (j, u) in updates.iter().enumerate() {
@@ -232,7 +251,7 @@ impl SparseWeights {
                 .ok_or_else(|| TrainerError::RunMismatch(format!("no partition {stage}/{j}")))?;
             outer_step(
                 run,
-                sparse_shape(run, stage, j)?,
+                merged_shape(run, stage, j)?,
                 &mut self.weights[range.clone()],
                 &mut self.momentum[range],
                 bytes,

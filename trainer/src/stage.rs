@@ -30,7 +30,7 @@ use iota_protocol::tensor::WireEncoding;
 
 use crate::error::TrainerError;
 use crate::run::{run_dataset, run_model};
-use crate::sparse::{SparseState, sparse_shape};
+use crate::sparse::{SparseState, merged_shape};
 
 /// The result of one hop, ready to upload.
 #[derive(Clone, Debug)]
@@ -575,7 +575,7 @@ impl StageTrainer {
     /// [`StageTrainer::begin_epoch`] once every partition is stepped.
     pub fn apply_update(&mut self, j: u32, update: Option<&[u8]>) -> Result<(), TrainerError> {
         let range = self.partition(j)?;
-        let shape = sparse_shape(&self.run, self.stage_index, j)?;
+        let shape = merged_shape(&self.run, self.stage_index, j)?;
         let state = self.sparse.as_mut().ok_or_else(dense_run)?;
         let start = self.epoch_start.get(range.clone()).ok_or_else(|| {
             TrainerError::Internal("epoch-start weights shorter than the stage".into())
@@ -775,7 +775,12 @@ mod tests {
     fn a_sparse_run_keeps_miners_owners_and_validators_in_step() {
         use crate::sparse::{SparseWeights, merged_update};
         let mut r = run();
-        r.sparse = Some(iota_protocol::api::SparseEncoding { chunk: 256, k: 8 });
+        // Merged updates keep more than an upload: their own shape throughout.
+        r.sparse = Some(iota_protocol::api::SparseEncoding {
+            chunk: 256,
+            k: 8,
+            merged_k: Some(12),
+        });
         let stage = 1;
         let fresh = || {
             let mut t =
@@ -798,7 +803,7 @@ mod tests {
                     (3.0, a.sparse_pseudo_gradient(j).expect("upload")),
                     (2.0, b.sparse_pseudo_gradient(j).expect("upload")),
                 ];
-                let shape = crate::sparse::sparse_shape(&r, stage, j).expect("shape");
+                let shape = crate::sparse::upload_shape(&r, stage, j).expect("shape");
                 let spec = iota_protocol::tensor::TensorSpec::Sparse(shape);
                 iota_protocol::tensor::check_tensor(&sent[0].1, &spec).expect("its slot takes it");
                 let kept = crate::sparse::decode(&sent[0].1, shape).expect("decodes");
@@ -819,11 +824,13 @@ mod tests {
                 let owner_one = merged_update(&r, stage, j, &decoded).expect("merge");
                 let owner_two = merged_update(&r, stage, j, &decoded).expect("merge");
                 assert_eq!(owner_one, owner_two);
-                assert_eq!(
-                    owner_one.len(),
-                    sent[0].1.len(),
-                    "a merge is one upload's size"
-                );
+                let merged = crate::sparse::merged_shape(&r, stage, j).expect("shape");
+                assert_eq!((merged.chunk, merged.k), (256, 12));
+                iota_protocol::tensor::check_tensor(
+                    &owner_one,
+                    &iota_protocol::tensor::TensorSpec::Sparse(merged),
+                )
+                .expect("a merge has the merged shape");
                 updates.push(owner_one);
             }
             // Partition 1 is not updated this epoch in the second round: it stays.

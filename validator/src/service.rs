@@ -146,7 +146,7 @@ fn claimed_values(
         return decode_partition(bytes, len).map_err(|e| e.to_string());
     }
     let shape =
-        iota_trainer::sparse::sparse_shape(run, stage, partition).map_err(|e| e.to_string())?;
+        iota_trainer::sparse::upload_shape(run, stage, partition).map_err(|e| e.to_string())?;
     iota_trainer::sparse::decode(bytes, shape)
         .and_then(|v| Ok(v.decompress()?))
         .map_err(|e| e.to_string())
@@ -1066,7 +1066,7 @@ impl Validator {
             .map(|r| r.end - r.start)
             .unwrap_or(0);
         let sparse = match o.run.sparse {
-            Some(_) => Some(iota_trainer::sparse::sparse_shape(
+            Some(_) => Some(iota_trainer::sparse::upload_shape(
                 &o.run, stage, partition,
             )?),
             None => None,

@@ -39,16 +39,40 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
         let db = fresh_db().await;
         let store_dir = tempfile::tempdir().expect("store");
         let mut run = tiny_run("sparse", 24);
-        run.sparse = Some(SparseEncoding { chunk: 512, k: 16 });
-        // Short enough that epoch 0 is collected within the test.
-        run.retention_epochs = 3;
+        // Merged updates keep twice what an upload does.
+        run.sparse = Some(SparseEncoding {
+            chunk: 512,
+            k: 16,
+            merged_k: Some(32),
+        });
+        // Short enough that epoch 0 is collected within the test, long enough that the validator
+        // scores each of epochs 0 and 1 before its objects go (a sparse run's epochs take a few
+        // seconds).
+        run.retention_epochs = 4;
         let orch = start(config(&chain, &db, store_dir.path(), run.clone())).await;
         let client = explorer(&orch.base, VALIDATOR).await;
         let mut miners = Vec::new();
         for s in MINERS {
             miners.push(joined(&orch.base, s, 1000.0, None).await);
         }
-        wait_epoch(&client, 2, Duration::from_secs(300)).await;
+        // A validator, to score epochs 0 and 1 as soon as they end.
+        let (v, store) = validator(
+            chain.net.ws_url(),
+            &orch.base,
+            chain.netuid,
+            VALIDATOR,
+            |c| {
+                c.replays_per_epoch = 3;
+                c.merges_per_epoch = 64;
+                c.set_weights = false;
+            },
+        )
+        .await;
+        for epoch in 0..2 {
+            wait_epoch(&client, epoch + 1, Duration::from_secs(300)).await;
+            let scored = v.step().await.expect("validator step");
+            assert!(scored.contains(&epoch), "scored {scored:?}");
+        }
 
         // Every upload and merge was compressed: the record's blobs are sparse partitions, a few
         // percent of the dense ones.
@@ -90,21 +114,7 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
             );
         }
 
-        // A validator recomputes every merge to the owners' hash and replays a miner per stage.
-        let (v, store) = validator(
-            chain.net.ws_url(),
-            &orch.base,
-            chain.netuid,
-            VALIDATOR,
-            |c| {
-                c.replays_per_epoch = 3;
-                c.merges_per_epoch = 64;
-                c.set_weights = false;
-            },
-        )
-        .await;
-        let scored = v.step().await.expect("validator step");
-        assert!(scored.contains(&1), "scored {scored:?}");
+        // The validator recomputes every merge to the owners' hash and replays a miner per stage.
         let (run_id, _) = v.run_info().await.expect("run");
         for epoch in 0..2 {
             let checks = store.checks(run_id, epoch).await.expect("checks");
@@ -235,7 +245,11 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
                 "{s:?}"
             );
         }
-        assert!(digests.keys().all(|e| *e >= 4), "{:?}", digests.keys());
+        assert!(
+            digests.keys().all(|e| *e > run.retention_epochs),
+            "{:?}",
+            digests.keys()
+        );
         wrong.abort();
         for m in miners {
             m.abort();

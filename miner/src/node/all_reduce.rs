@@ -94,7 +94,7 @@ impl Node {
                     bytes.push(None);
                     continue;
                 };
-                let shape = iota_trainer::sparse::sparse_shape(&self.run, self.stage, j as u32)?;
+                let shape = iota_trainer::sparse::merged_shape(&self.run, self.stage, j as u32)?;
                 let got = self.merged(b, |r| &mut r.weights_received).await?;
                 iota_trainer::sparse::decode(&got, shape)
                     .map_err(|e| MinerError::BadInput(format!("merged update {j}: {e}")))?;
@@ -268,7 +268,7 @@ impl Node {
     /// A sparse run's merged update: the compressed contributions averaged in the given order
     /// and compressed again. No base weights: every miner applies the update itself.
     pub(super) async fn merge_sparse(&self, a: &MergeAssignment) -> Result<Vec<u8>, MinerError> {
-        let shape = iota_trainer::sparse::sparse_shape(&self.run, a.stage, a.partition)?;
+        let shape = iota_trainer::sparse::upload_shape(&self.run, a.stage, a.partition)?;
         let mut parts = Vec::with_capacity(a.contributions.len());
         for c in &a.contributions {
             let upload = self
