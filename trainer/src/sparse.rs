@@ -160,30 +160,29 @@ impl SparseState {
     pub(crate) fn step(
         &mut self,
         run: &RunConfig,
-        shape: SparseShape,
         range: Range<usize>,
         start: &[f32],
-        update: &[u8],
+        update: &SparseVector,
     ) -> Result<Vec<f32>, TrainerError> {
         let momentum = self
             .momentum
             .get_mut(range)
             .ok_or_else(|| TrainerError::Internal("momentum shorter than the stage".into()))?;
         let mut weights = start.to_vec();
-        outer_step(run, shape, &mut weights, momentum, update)?;
+        outer_step(run, &mut weights, momentum, update)?;
         Ok(weights)
     }
 }
 
-/// The outer step of one partition with a merged update, in place. On error nothing changes.
+/// The outer step of one partition with a merged update ([`decode`]d), in place. On error
+/// nothing changes.
 fn outer_step(
     run: &RunConfig,
-    shape: SparseShape,
     weights: &mut [f32],
     momentum: &mut [f32],
-    update: &[u8],
+    update: &SparseVector,
 ) -> Result<(), TrainerError> {
-    let dense = decode(update, shape)?.decompress()?;
+    let dense = update.decompress()?;
     let (mut w, mut m) = (weights.to_vec(), momentum.to_vec());
     outer_config(run).apply(&mut w, &mut m, &dense)?;
     weights.copy_from_slice(&w);
@@ -236,13 +235,16 @@ impl SparseWeights {
                 run.partitions
             )));
         }
-        for (j, u) in updates.iter().enumerate() {
-            if let Some(bytes) = u {
-                decode(bytes, merged_shape(run, stage, j as u32)?)?;
-            }
-        }
-        for (j, u) in updates.iter().enumerate() {
-            let Some(bytes) = u else { continue };
+        let decoded = updates
+            .iter()
+            .enumerate()
+            .map(|(j, u)| {
+                u.map(|bytes| decode(bytes, merged_shape(run, stage, j as u32)?))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for (j, u) in decoded.iter().enumerate() {
+            let Some(update) = u else { continue };
             let j = j as u32;
             let range = run
                 .partition_range(stage, j)
@@ -251,10 +253,9 @@ impl SparseWeights {
                 .ok_or_else(|| TrainerError::RunMismatch(format!("no partition {stage}/{j}")))?;
             outer_step(
                 run,
-                merged_shape(run, stage, j)?,
                 &mut self.weights[range.clone()],
                 &mut self.momentum[range],
-                bytes,
+                update,
             )?;
         }
         self.epoch += 1;

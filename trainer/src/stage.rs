@@ -583,8 +583,8 @@ impl StageTrainer {
         let merged = update
             .map(|bytes| crate::sparse::decode(bytes, shape))
             .transpose()?;
-        let next = match update {
-            Some(bytes) => state.step(&self.run, shape, range.clone(), start, bytes)?,
+        let next = match &merged {
+            Some(update) => state.step(&self.run, range.clone(), start, update)?,
             None => start.to_vec(),
         };
         state.take_back(j, range.clone(), merged.as_ref())?;
