@@ -32,6 +32,7 @@ use crate::replay::{RecordedHop, ReplayThresholds, replay_miner};
 use crate::score::{CheckRow, EpochScore, ScoreConfig, epoch_scores, failures};
 use crate::store::Store;
 
+mod sparse;
 mod weights;
 
 pub(crate) use weights::{PROCESS_WEIGHTS, chain_values};
@@ -131,25 +132,6 @@ pub struct Validator {
     revealing: tokio::sync::Mutex<()>,
     /// A sparse run's weights per stage at the latest epoch start folded so far.
     sparse_weights: tokio::sync::Mutex<HashMap<u32, SparseWeights>>,
-}
-
-/// A pseudo-gradient upload as values: the partition, or in a sparse run the decompressed
-/// upload (which carries the miner's unsent remainder beside this epoch's training).
-fn claimed_values(
-    run: &RunConfig,
-    stage: u32,
-    partition: u32,
-    len: u64,
-    bytes: &[u8],
-) -> Result<Vec<f32>, String> {
-    if run.sparse.is_none() {
-        return decode_partition(bytes, len).map_err(|e| e.to_string());
-    }
-    let shape =
-        iota_trainer::sparse::upload_shape(run, stage, partition).map_err(|e| e.to_string())?;
-    iota_trainer::sparse::decode(bytes, shape)
-        .and_then(|v| Ok(v.decompress()?))
-        .map_err(|e| e.to_string())
 }
 
 /// Whether `e` means the orchestrator cannot be reached (the network failed on every retry, or a
@@ -523,58 +505,6 @@ impl Validator {
         Ok(Some(out))
     }
 
-    /// A sparse run's weights of `stage` at the start of `epoch` (the initial weights with
-    /// every earlier epoch's accepted updates applied), per partition, folded on from the
-    /// latest this validator computed. `None` when an update it needs cannot be used: accepted
-    /// updates are sealed under the hash both owners published, so one that does not decode is
-    /// theirs, and a merge check of its epoch finds them.
-    async fn sparse_start(
-        &self,
-        stage: u32,
-        epoch: u64,
-    ) -> Result<Option<Vec<Option<Vec<f32>>>>, ValidatorError> {
-        let o = self.online().await?;
-        let mut cache = self.sparse_weights.lock().await;
-        let mut w = match cache.get(&stage) {
-            Some(w) if w.epoch <= epoch => w.clone(),
-            _ => SparseWeights::initial(&o.run, stage)?,
-        };
-        while w.epoch < epoch {
-            let sw = o.client.epoch_start_weights(stage, w.epoch + 1).await?;
-            let mut updates = Vec::with_capacity(sw.partitions.len());
-            for blob in &sw.partitions {
-                updates.push(match blob {
-                    Some(b) => match self.fetch(b).await? {
-                        Ok(bytes) => Some(bytes),
-                        Err(f) => {
-                            tracing::warn!(stage, epoch = w.epoch, key = %b.key, fault = ?f,
-                                "an accepted update cannot be read; replays of later epochs skipped");
-                            return Ok(None);
-                        }
-                    },
-                    None => None,
-                });
-            }
-            let refs: Vec<Option<&[u8]>> = updates.iter().map(|u| u.as_deref()).collect();
-            if let Err(e) = w.advance(&o.run, stage, &refs) {
-                tracing::warn!(stage, epoch = w.epoch, error = %e,
-                    "an accepted update cannot be applied; replays of later epochs skipped");
-                return Ok(None);
-            }
-        }
-        let per_partition = (0..o.run.partitions)
-            .map(|j| {
-                o.run.partition_range(stage, j).and_then(|r| {
-                    w.weights
-                        .get(r.start as usize..r.end as usize)
-                        .map(<[f32]>::to_vec)
-                })
-            })
-            .collect();
-        cache.insert(stage, w);
-        Ok(Some(per_partition))
-    }
-
     /// The owners of partition `partition` of `stage` in `epoch` whose submitted result has hash
     /// `blake3`.
     async fn merge_owners(
@@ -759,7 +689,7 @@ impl Validator {
                     .map(|r| r.end - r.start)
                     .unwrap_or(0);
                 let decoded = match self.fetch(&pg.blob).await? {
-                    Ok(bytes) => claimed_values(&o.run, cand.stage, j, len, &bytes)
+                    Ok(bytes) => sparse::claimed_values(&o.run, cand.stage, j, len, &bytes)
                         .map_err(|e| Fault::Bad(e.to_string())),
                     Err(f) => Err(f),
                 };
