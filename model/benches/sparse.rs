@@ -6,19 +6,30 @@
 //! after every epoch, and the bytes of one pseudo-gradient (and of one merged update) as
 //! encoded for the wire, against its fp32 size.
 //!
-//! `cargo bench -p iota-model --bench sparse`. `BENCH_EPOCHS`, `BENCH_REPLICAS` and
-//! `BENCH_INNER_STEPS` change the run.
+//! Each variant runs once per seed (`BENCH_SEEDS`, default 3), each seed with its own initial
+//! weights and samples shared by every variant, and the table gives the mean and each seed's
+//! loss against that seed's dense run. On the grammar corpus by default; `BENCH_CORPUS=text` on
+//! real English (Debian's python3-doc, or `IOTA_BENCH_CORPUS`) with a BPE tokenizer trained on
+//! it (`BENCH_TEXT_VOCAB` tokens, default 2048) and 5% of its documents held out, prepared as a
+//! run's data is.
+//!
+//! `cargo bench -p iota-model --bench sparse`. `BENCH_EPOCHS` (default 32), `BENCH_REPLICAS`,
+//! `BENCH_INNER_STEPS` and `BENCH_VARIANTS` change the run.
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 mod support;
 
 use iota_model::data::make_batch;
+use iota_model::data::prepare::{PrepareOptions, prepare};
+use iota_model::data::sources::list_inputs;
+use iota_model::data::{HELD_OUT_BASE, PreparedDataset};
 use iota_model::merge::{flatten_params, load_flat_params};
 use iota_model::sparse::{ErrorFeedback, SparseConfig, SparseVector, merge_sparse};
 use iota_model::{
     AdamWConfig, Batch, Contribution, Dataset, Device, GrammarCorpus, LrSchedule, ModelConfig,
-    OuterConfig, Pipeline, Result, StageOptions, Trainer, weighted_average,
+    OuterConfig, Pipeline, Result, StageOptions, Trainer, train_bpe_tokenizer, weighted_average,
 };
 use iota_protocol::tensor::{SparseShape, encode_partition, encode_sparse};
 
@@ -35,11 +46,13 @@ enum Merge {
     /// `merged_k`: entries of a chunk the merged update keeps (0: the exact average).
     /// `take_back`: each replica takes back into its residual what the merge dropped of what
     /// it sent.
+    /// `decay`: how much of its unsent remainder a replica still owes after an epoch.
     Sparse {
         chunk: usize,
         k: usize,
         merged_k: usize,
         take_back: bool,
+        decay: f32,
     },
 }
 
@@ -50,29 +63,33 @@ impl Merge {
             Merge::Sparse {
                 chunk,
                 k,
-                merged_k: 0,
-                ..
-            } => format!("top-{k} of {chunk}, int8, error feedback; exact average"),
-            Merge::Sparse {
-                chunk,
-                k,
                 merged_k,
                 take_back,
-            } => format!(
-                "top-{k} of {chunk}, int8, error feedback; merged top-{merged_k}{}",
-                if take_back {
+                decay,
+            } => {
+                let feedback = if decay < 1.0 {
+                    format!("error feedback decaying by {decay}")
+                } else {
+                    "error feedback".into()
+                };
+                let merged = match merged_k {
+                    0 => "exact average".into(),
+                    m => format!("merged top-{m}"),
+                };
+                let back = if take_back {
                     ", dropped mass taken back"
                 } else {
                     ""
-                }
-            ),
+                };
+                format!("top-{k} of {chunk}, int8, {feedback}; {merged}{back}")
+            }
         }
     }
 }
 
 struct Setup {
     cfg: ModelConfig,
-    corpus: GrammarCorpus,
+    corpus: Box<dyn Dataset>,
     eval: Vec<Batch>,
     replicas: u64,
     inner_steps: u64,
@@ -112,10 +129,28 @@ fn encoded(s: &SparseVector) -> usize {
     encode_sparse(shape, &s.indices, &s.values, &s.scales).len()
 }
 
-fn run(setup: &Setup, (merge, outer): (Merge, OuterConfig)) -> Result<(Vec<f64>, Bytes, f64)> {
+/// Held-out windows every epoch's loss is measured on.
+const EVAL_WINDOWS: u64 = 256;
+/// The real-text tokenizer's vocabulary (`BENCH_TEXT_VOCAB`): small, so the embedding and
+/// head do not dwarf the blocks whose pseudo-gradients are compressed.
+const TEXT_VOCAB: u64 = 2048;
+
+/// Training ids of one seed start this far from the next seed's.
+const SEED_STRIDE: u64 = 1 << 32;
+
+/// One variant's run with its own initial weights and samples.
+fn run(
+    setup: &Setup,
+    (merge, outer): (Merge, OuterConfig),
+    seed: u64,
+) -> Result<(Vec<f64>, Bytes, f64)> {
     let t0 = Instant::now();
     let stages = setup.cfg.num_stages();
-    let init = Pipeline::new(&setup.cfg, &StageOptions::cpu())?;
+    let cfg = ModelConfig {
+        init_seed: setup.cfg.init_seed + seed,
+        ..setup.cfg.clone()
+    };
+    let init = Pipeline::new(&cfg, &StageOptions::cpu())?;
     let mut global: Vec<Vec<f32>> = init
         .stages()
         .iter()
@@ -129,11 +164,21 @@ fn run(setup: &Setup, (merge, outer): (Merge, OuterConfig)) -> Result<(Vec<f64>,
             k,
             merged_k,
             take_back,
+            ..
         } => Some((SparseConfig::new(chunk, k)?, chunk, merged_k, take_back)),
     };
+    let decay = match merge {
+        Merge::Sparse { decay, .. } => decay,
+        Merge::Dense => 1.0,
+    };
     let mut feedback: Vec<Vec<ErrorFeedback>> = (0..setup.replicas)
-        .map(|_| global.iter().map(|g| ErrorFeedback::new(g.len())).collect())
-        .collect();
+        .map(|_| {
+            global
+                .iter()
+                .map(|g| ErrorFeedback::with_decay(g.len(), decay))
+                .collect()
+        })
+        .collect::<Result<_>>()?;
     let eval = |global: &[Vec<f32>]| -> Result<f64> {
         let p = Pipeline::new(&setup.cfg, &StageOptions::cpu())?;
         for (s, w) in p.stages().iter().zip(global) {
@@ -161,9 +206,10 @@ fn run(setup: &Setup, (merge, outer): (Merge, OuterConfig)) -> Result<(Vec<f64>,
             };
             let mut t = Trainer::new(p, adamw, LrSchedule::constant())?;
             for step in 0..setup.inner_steps {
-                let first = ((epoch * setup.replicas + r) * setup.inner_steps + step) * setup.batch;
+                let first = seed * SEED_STRIDE
+                    + ((epoch * setup.replicas + r) * setup.inner_steps + step) * setup.batch;
                 let ids: Vec<u64> = (first..first + setup.batch).collect();
-                t.step(&[make_batch(&setup.corpus, &ids, &Device::Cpu)?])?;
+                t.step(&[make_batch(setup.corpus.as_ref(), &ids, &Device::Cpu)?])?;
             }
             let mut per_stage = Vec::with_capacity(stages);
             for (s, start) in t.pipeline().stages().iter().zip(&global) {
@@ -238,7 +284,7 @@ fn run(setup: &Setup, (merge, outer): (Merge, OuterConfig)) -> Result<(Vec<f64>,
         }
         losses.push(eval(&global)?);
         eprintln!(
-            "{} ({}, {}): epoch {} loss {:.4} ({:.0}s)",
+            "{} ({}, {}), seed {seed}: epoch {} loss {:.4} ({:.0}s)",
             merge.name(),
             outer.lr,
             outer.momentum,
@@ -250,14 +296,73 @@ fn run(setup: &Setup, (merge, outer): (Merge, OuterConfig)) -> Result<(Vec<f64>,
     Ok((losses, bytes, t0.elapsed().as_secs_f64()))
 }
 
+/// Debian's copy of the Python documentation's sources, the benches' real English.
+const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";
+
+/// The real-text corpus: `IOTA_BENCH_CORPUS` (or Debian's python3-doc) with a BPE tokenizer
+/// of `vocab` tokens trained on it, prepared as a run's data is, 5% of documents held out.
+/// Returns the dataset and the held-out sample ids.
+fn text_corpus(tmp: &Path, vocab: usize, seq: usize) -> Result<(Box<dyn Dataset>, u64)> {
+    let corpus = std::env::var_os("IOTA_BENCH_CORPUS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEBIAN_CORPUS));
+    if !corpus.is_dir() {
+        support::fail(
+            &corpus.display().to_string(),
+            "no corpus (apt-get install python3-doc, or set IOTA_BENCH_CORPUS)",
+        );
+    }
+    let files = list_inputs(std::slice::from_ref(&corpus))?;
+    let tok = tmp.join("tokenizer.json");
+    train_bpe_tokenizer(&files, vocab, &tok)?;
+    let out = tmp.join("data");
+    let opts = PrepareOptions {
+        held_out_ppm: 50_000,
+        ..PrepareOptions::default()
+    };
+    prepare(&[corpus], &tok, &out, &opts, &mut |_| {})?;
+    let ds = PreparedDataset::open(&out, None, seq, 0)?;
+    let held_out = ds.held_out_count();
+    Ok((Box::new(ds), held_out))
+}
+
 fn main() -> Result<()> {
     let (batch, seq) = (8u64, 64usize);
-    let corpus = GrammarCorpus::new(0, seq)?;
+    let text = match std::env::var("BENCH_CORPUS").as_deref() {
+        Ok("text") => true,
+        Ok("grammar") | Err(_) => false,
+        Ok(other) => support::fail("BENCH_CORPUS", format!("{other}: not grammar or text")),
+    };
+    let tmp = std::env::temp_dir().join(format!("iota-bench-sparse-{}", std::process::id()));
+    let (corpus, eval_ids, corpus_name): (Box<dyn Dataset>, Vec<u64>, String) = if text {
+        std::fs::create_dir_all(&tmp)
+            .unwrap_or_else(|e| support::fail(&tmp.display().to_string(), e));
+        let vocab = env_or("BENCH_TEXT_VOCAB", TEXT_VOCAB) as usize;
+        let (ds, held_out) = text_corpus(&tmp, vocab, seq)?;
+        if held_out < EVAL_WINDOWS {
+            support::fail(
+                "corpus",
+                format!("{held_out} held-out windows, fewer than {EVAL_WINDOWS}"),
+            );
+        }
+        let name = format!("real English (python3-doc, BPE vocab {vocab})");
+        (
+            ds,
+            (HELD_OUT_BASE..HELD_OUT_BASE + EVAL_WINDOWS).collect(),
+            name,
+        )
+    } else {
+        let ds = GrammarCorpus::new(0, seq)?;
+        (
+            Box::new(ds),
+            (10_000_000..10_000_000 + EVAL_WINDOWS).collect(),
+            "grammar corpus".into(),
+        )
+    };
     let cfg = support::three_small_stages("bench-sparse", corpus.vocab_size(), seq);
-    let eval_ids: Vec<u64> = (10_000_000..10_000_000 + 256).collect();
     let eval = eval_ids
         .chunks(batch as usize)
-        .map(|c| make_batch(&corpus, c, &Device::Cpu))
+        .map(|c| make_batch(corpus.as_ref(), c, &Device::Cpu))
         .collect::<Result<_>>()?;
     let setup = Setup {
         cfg,
@@ -265,31 +370,34 @@ fn main() -> Result<()> {
         eval,
         replicas: env_or("BENCH_REPLICAS", 4),
         inner_steps: env_or("BENCH_INNER_STEPS", 8),
-        epochs: env_or("BENCH_EPOCHS", 16),
+        epochs: env_or("BENCH_EPOCHS", 32),
         batch,
     };
+    let seeds = env_or("BENCH_SEEDS", 3).max(1);
     // `BENCH_VARIANTS=dense,4096:128:128+fb@1/0,…`: chunk:k:merged k (0 for the exact
-    // average), `+fb` to take back what the merge dropped, then the outer lr and momentum
-    // after `@` (0.7/0.9 when absent).
+    // average), optionally :the error feedback's decay (1 when absent), `+fb` to take back
+    // what the merge dropped, then the outer lr and momentum after `@` (0.7/0.9 when absent).
     let variants: Vec<(Merge, OuterConfig)> = std::env::var("BENCH_VARIANTS")
-        .unwrap_or_else(|_| {
-            "dense,dense@1/0,4096:128:0@1/0,4096:128:128+fb@1/0,4096:128:512+fb@1/0,4096:256:0@1/0,4096:256:1024+fb@1/0".into()
-        })
+        .unwrap_or_else(|_| "dense@1/0,4096:128:512+fb@1/0,4096:128:512:0.95+fb@1/0".into())
         .split(',')
         .map(|v| {
             let (merge, outer) = v.split_once('@').unwrap_or((v, "0.7/0.9"));
-            let n: Vec<usize> = merge
-                .trim_end_matches("+fb")
-                .split(':')
-                .filter_map(|x| x.parse().ok())
-                .collect();
+            let n: Vec<&str> = merge.trim_end_matches("+fb").split(':').collect();
             let o: Vec<f32> = outer.split('/').filter_map(|x| x.parse().ok()).collect();
-            let merge = match n[..] {
-                [chunk, k, merged_k] => Merge::Sparse {
-                    chunk,
-                    k,
-                    merged_k,
+            let num = |i: usize| -> usize {
+                n[i].parse()
+                    .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
+            };
+            let merge = match n.len() {
+                3 | 4 => Merge::Sparse {
+                    chunk: num(0),
+                    k: num(1),
+                    merged_k: num(2),
                     take_back: merge.ends_with("+fb"),
+                    decay: n.get(3).map_or(1.0, |d| {
+                        d.parse()
+                            .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
+                    }),
                 },
                 _ => Merge::Dense,
             };
@@ -303,30 +411,76 @@ fn main() -> Result<()> {
         .collect();
     let mut results = Vec::new();
     for v in variants {
-        results.push((v.clone(), run(&setup, v)?));
+        let runs = (0..seeds)
+            .map(|seed| run(&setup, v.clone(), seed))
+            .collect::<Result<Vec<_>>>()?;
+        results.push((v, runs));
     }
+    if text {
+        std::fs::remove_dir_all(&tmp).ok();
+    }
+    let epochs = setup.epochs as usize;
+    let mean = |runs: &[(Vec<f64>, Bytes, f64)], e: usize| -> f64 {
+        runs.iter().map(|(l, _, _)| l[e]).sum::<f64>() / runs.len() as f64
+    };
     let tokens = setup.replicas * setup.inner_steps * setup.batch * seq as u64;
     println!(
-        "## Compressed pseudo-gradients: d=256, stages [1, 1, 1], grammar corpus; {} replicas x {} inner AdamW steps (lr 2e-3, moments reset each epoch) of {batch}x{seq} tokens per epoch ({tokens} tokens an epoch), outer Nesterov step; held-out loss on 256 windows",
-        setup.replicas, setup.inner_steps
+        "## Compressed pseudo-gradients: d=256, stages [1, 1, 1], {corpus_name}; {} replicas x {} inner AdamW steps (lr 2e-3, moments reset each epoch) of {batch}x{seq} tokens per epoch ({tokens} tokens an epoch), outer Nesterov step; held-out loss on {EVAL_WINDOWS} windows{}",
+        setup.replicas,
+        setup.inner_steps,
+        if seeds > 1 {
+            format!(", mean of {seeds} seeds (each its own initial weights and samples)")
+        } else {
+            String::new()
+        }
     );
     println!();
     println!(
-        "| pseudo-gradient | outer lr, momentum | contribution vs fp32 | merged update vs fp32 | lowest cosine, sent vs trained | loss after {} epochs | vs best dense | time |",
-        setup.epochs
+        "| pseudo-gradient | outer lr, momentum | contribution vs fp32 | merged update vs fp32 | lowest cosine, sent vs trained | loss after {epochs} epochs | vs best dense |{} time |",
+        if seeds > 1 {
+            " each seed (vs its best dense) |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---|---:|---:|---:|---:|---:|{}---:|",
+        if seeds > 1 { "---|" } else { "" }
+    );
     // Against the best dense run, so that a compressed run is never flattered by a dense one
     // with worse outer settings.
     let dense_loss = results
         .iter()
         .filter(|((m, _), _)| matches!(m, Merge::Dense))
-        .map(|(_, (losses, _, _))| losses[setup.epochs as usize])
+        .map(|(_, runs)| mean(runs, epochs))
         .fold(f64::INFINITY, f64::min);
-    for ((m, outer), (losses, b, secs)) in &results {
-        let loss = losses[setup.epochs as usize];
+    let dense_by_seed: Vec<f64> = (0..seeds as usize)
+        .map(|seed| {
+            results
+                .iter()
+                .filter(|((m, _), _)| matches!(m, Merge::Dense))
+                .map(|(_, runs)| runs[seed].0[epochs])
+                .fold(f64::INFINITY, f64::min)
+        })
+        .collect();
+    for ((m, outer), runs) in &results {
+        let loss = mean(runs, epochs);
+        let b = &runs[0].1;
+        let min_cosine = runs
+            .iter()
+            .map(|(_, b, _)| b.min_cosine)
+            .fold(1.0, f64::min);
+        let secs: f64 = runs.iter().map(|(_, _, s)| s).sum();
+        let each = runs
+            .iter()
+            .zip(&dense_by_seed)
+            .map(|((l, _, _), d)| {
+                format!("{:.4} ({:+.2}%)", l[epochs], 100.0 * (l[epochs] - d) / d)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
         println!(
-            "| {} | {}, {} | {:.4}x | {} | {:.3} | {loss:.4} | {:+.2}% | {secs:.0}s |",
+            "| {} | {}, {} | {:.4}x | {} | {min_cosine:.3} | {loss:.4} | {:+.2}% |{} {secs:.0}s |",
             m.name(),
             outer.lr,
             outer.momentum,
@@ -336,12 +490,23 @@ fn main() -> Result<()> {
                 0 => "not sent".to_string(),
                 n => format!("{:.4}x", n as f64 / b.fp32 as f64),
             },
-            b.min_cosine,
-            100.0 * (loss - dense_loss) / dense_loss
+            100.0 * (loss - dense_loss) / dense_loss,
+            if seeds > 1 {
+                format!(" {each} |")
+            } else {
+                String::new()
+            }
         );
     }
     println!();
-    println!("Held-out loss after each epoch:");
+    println!(
+        "Held-out loss after each epoch{}:",
+        if seeds > 1 {
+            " (mean of the seeds)"
+        } else {
+            ""
+        }
+    );
     println!();
     print!("| epoch |");
     for ((m, outer), _) in &results {
@@ -349,10 +514,10 @@ fn main() -> Result<()> {
     }
     println!();
     println!("|---:|{}", "---:|".repeat(results.len()));
-    for e in 0..=setup.epochs as usize {
+    for e in 0..=epochs {
         print!("| {e} |");
-        for (_, (losses, _, _)) in &results {
-            print!(" {:.4} |", losses[e]);
+        for (_, runs) in &results {
+            print!(" {:.4} |", mean(runs, e));
         }
         println!();
     }

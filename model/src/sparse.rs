@@ -214,14 +214,30 @@ pub fn compress(values: &[f32], config: SparseConfig) -> Result<SparseVector> {
 #[derive(Clone, Debug)]
 pub struct ErrorFeedback {
     residual: Vec<f32>,
+    decay: f32,
 }
 
 impl ErrorFeedback {
-    /// Nothing owed, over `len` values.
+    /// Nothing owed, over `len` values; what stays unsent is owed in full.
     pub fn new(len: usize) -> Self {
         Self {
             residual: vec![0.0; len],
+            decay: 1.0,
         }
+    }
+
+    /// Nothing owed, over `len` values; each epoch the remainder shrinks by `decay` (0 to 1)
+    /// before the new pseudo-gradient is added, so stale mass fades instead of arriving late.
+    pub fn with_decay(len: usize, decay: f32) -> Result<Self> {
+        if !(0.0..=1.0).contains(&decay) {
+            return Err(ModelError::InvalidInput(format!(
+                "error-feedback decay must be between 0 and 1, not {decay}"
+            )));
+        }
+        Ok(Self {
+            residual: vec![0.0; len],
+            decay,
+        })
     }
 
     /// The unsent remainder.
@@ -300,7 +316,11 @@ impl ErrorFeedback {
                 &[delta.len()],
             ));
         }
-        let total: Vec<f32> = owed.iter().zip(delta).map(|(r, d)| r + d).collect();
+        let total: Vec<f32> = owed
+            .iter()
+            .zip(delta)
+            .map(|(r, d)| self.decay * r + d)
+            .collect();
         let sent = compress(&total, config)?;
         let dense = sent.decompress()?;
         for ((r, t), s) in self.residual[range].iter_mut().zip(&total).zip(&dense) {
@@ -489,6 +509,45 @@ mod tests {
         assert!(ef.compress(n - 1..n + 1, &[1.0, 1.0], c).is_err());
         assert!(ef.compress(0..3, &[1.0], c).is_err());
         assert_eq!(ef.residual(), &before[..]);
+    }
+
+    /// A decaying remainder is owed less each epoch before the new pseudo-gradient joins it;
+    /// a decay of 1 is the plain error feedback, bit for bit.
+    #[test]
+    fn a_decaying_remainder_shrinks_before_each_epoch() {
+        let c = cfg(4, 1);
+        let close = |got: &[f32], want: &[f32]| {
+            assert!(
+                got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-5),
+                "{got:?} against {want:?}"
+            )
+        };
+        let mut ef = ErrorFeedback::with_decay(4, 0.5).unwrap();
+        let s = ef.compress(0..4, &[8.0, 2.0, 0.0, -4.0], c).unwrap();
+        close(&s.decompress().unwrap(), &[8.0, 0.0, 0.0, 0.0]);
+        close(ef.residual(), &[0.0, 2.0, 0.0, -4.0]);
+        // Owed half of (2, -4), (1, -2), plus (1, 1, 0, 1): (1, 2, 0, -1). Without the decay
+        // it would be (1, 3, 0, -3), and 3 sent.
+        let s = ef.compress(0..4, &[1.0, 1.0, 0.0, 1.0], c).unwrap();
+        close(&s.decompress().unwrap(), &[0.0, 2.0, 0.0, 0.0]);
+        close(ef.residual(), &[1.0, 0.0, 0.0, -1.0]);
+        for bad in [-0.1, 1.1, f32::NAN] {
+            assert!(ErrorFeedback::with_decay(4, bad).is_err(), "{bad}");
+        }
+        let (mut plain, mut one) = (
+            ErrorFeedback::new(1000),
+            ErrorFeedback::with_decay(1000, 1.0).unwrap(),
+        );
+        for epoch in 0..5 {
+            let delta = random(1000, 300 + epoch);
+            let a = plain.compress(0..1000, &delta, cfg(100, 3)).unwrap();
+            let b = one.compress(0..1000, &delta, cfg(100, 3)).unwrap();
+            assert_eq!(
+                (a.indices, a.values, a.scales),
+                (b.indices, b.values, b.scales)
+            );
+        }
+        assert_eq!(plain.residual(), one.residual());
     }
 
     /// What a merge dropped of an upload goes back to the sender's residual, and only that.
