@@ -112,7 +112,10 @@ impl StageTrainer {
         let s = Stage::new(&model, stage as usize, opts.clone())?;
         let adamw = Self::optimizer(&model, &run, &s)?;
         let epoch_start = flatten_params(&s)?;
-        let sparse = run.sparse.map(|_| SparseState::new(epoch_start.len()));
+        let sparse = run
+            .sparse
+            .map(|_| SparseState::new(epoch_start.len()))
+            .transpose()?;
         Ok(Self {
             runner: StageRunner::new(s, adamw, usize::MAX),
             run,
@@ -791,6 +794,19 @@ mod tests {
         let (mut a, mut b) = (fresh(), fresh());
         let mut folded = SparseWeights::initial(&r, stage).expect("initial");
         assert_eq!(flatten_params(a.stage()).expect("flat"), folded.weights);
+        // Miner a's error feedback as the model keeps it, with the trainer's decay and without.
+        let lens: Vec<usize> = (0..r.partitions)
+            .map(|j| a.partition(j).expect("range").len())
+            .collect();
+        let len = |j: u32| lens[j as usize];
+        let mirror = |decay: f32| -> Vec<iota_model::sparse::ErrorFeedback> {
+            (0..r.partitions)
+                .map(|j| iota_model::sparse::ErrorFeedback::with_decay(len(j), decay))
+                .collect::<Result<_, _>>()
+                .expect("feedback")
+        };
+        let (mut decaying, mut undecayed) = (mirror(crate::sparse::FEEDBACK_DECAY), mirror(1.0));
+        let mut sent_by_a = Vec::new();
         for e in 0..2u64 {
             epoch(&mut a, None, None, None);
             epoch(&mut b, Some(1), None, Some(4));
@@ -809,14 +825,25 @@ mod tests {
                 let kept = crate::sparse::decode(&sent[0].1, shape).expect("decodes");
                 let nonzero = dense.iter().filter(|v| **v != 0.0).count();
                 assert!(nonzero > kept.indices.len(), "compression kept everything");
+                // Each upload is what the first left out, decayed, plus this epoch's training:
+                // neither what a trainer without a residual nor one without the decay sends.
+                let config = crate::sparse::config_of(shape).expect("config");
+                let expected = decaying[j as usize]
+                    .compress(0..len(j), &dense, config)
+                    .expect("upload");
+                assert_eq!(crate::sparse::encode(&expected), sent[0].1, "epoch {e}");
+                let without_decay = undecayed[j as usize]
+                    .compress(0..len(j), &dense, config)
+                    .expect("upload");
                 if e == 1 {
-                    // The second upload carries what the first left out: not what a trainer
-                    // without a residual would send.
-                    let mut plain = crate::sparse::SparseState::new(a.epoch_start.len());
+                    assert_ne!(crate::sparse::encode(&without_decay), sent[0].1);
+                    let mut plain =
+                        crate::sparse::SparseState::new(a.epoch_start.len()).expect("state");
                     let range = a.partition(j).expect("range");
                     let without = plain.upload(&r, stage, j, range, &dense).expect("upload");
                     assert_ne!(without, sent[0].1);
                 }
+                sent_by_a.push((expected, without_decay));
                 let decoded: Vec<(f64, crate::sparse::SparseVector)> = sent
                     .iter()
                     .map(|(w, b)| (*w, crate::sparse::decode(b, shape).expect("decodes")))
@@ -844,6 +871,19 @@ mod tests {
                     t.apply_update(j as u32, *u).expect("apply");
                 }
                 t.begin_epoch(e + 1).expect("epoch");
+            }
+            for (j, ((sent, sent_undecayed), u)) in sent_by_a.drain(..).zip(&applied).enumerate() {
+                let merged = u.map(|b| {
+                    crate::sparse::decode(b, crate::sparse::merged_shape(&r, stage, j as u32)?)
+                });
+                let merged = merged.transpose().expect("merged");
+                let n = len(j as u32);
+                decaying[j]
+                    .take_back(0..n, &sent, merged.as_ref())
+                    .expect("take back");
+                undecayed[j]
+                    .take_back(0..n, &sent_undecayed, merged.as_ref())
+                    .expect("take back");
             }
             folded.advance(&r, stage, &applied).expect("fold");
             let flat = flatten_params(a.stage()).expect("flat");
