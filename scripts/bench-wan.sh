@@ -36,9 +36,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # `scripts/bench-wan.sh sparse`: the same run with compressed pseudo-gradients (top-128 of every
-# 4096 values, the outer step without momentum), unshaped against 100 Mbit/s.
+# 4096 values, merged updates of the top 512, the outer step without momentum), unshaped
+# against 100 Mbit/s.
 if [ "${1:-}" = sparse ]; then
-    ORCHESTRATOR_ARGS="${ORCHESTRATOR_ARGS:---pseudo-gradients top-128/4096 --outer-lr 1}"
+    ORCHESTRATOR_ARGS="${ORCHESTRATOR_ARGS:---pseudo-gradients top-128/4096 --merged-top 512 --outer-lr 1}"
     OUTER_MOMENTUM="${OUTER_MOMENTUM:-0}"
     RATES="${RATES:-100mbit}"
 fi

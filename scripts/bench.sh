@@ -38,7 +38,7 @@ BENCHES=(
   "chain|cargo bench -p iota-chain --bench chain|Chain client: metagraph sync next to the members read (uid, hotkey, permit) that a metagraph watcher makes at each block, building its storage keys (address checked per key or per entry), and set_weights round trip"
   "localnet|cargo bench -p iota-localnet --bench localnet|Localnet: start-up, transactions per second, storage iteration"
   "wan|scripts/bench-wan.sh|Training over shaped links: \`small\`, 3 stages x 2 miners, each \`iota miner\` in its own network namespace behind a veth pair shaped both ways by \`tc tbf\` (100 and 20 Mbit/s, bandwidth only) or unshaped, the link changed at each epoch boundary of one run (interleaved rounds); per epoch its wall time by phase, tokens/s, and per miner compute, hop I/O, all-reduce time and bytes; tokens/s of each link against the unshaped epochs (goal: at least 0.90 at 100 Mbit/s; needs root)"
-  "wan-sparse|scripts/bench-wan.sh sparse|The same over 100 Mbit/s links with sparse pseudo-gradients (\`--pseudo-gradients top-128/4096 --outer-lr 1\`, outer momentum 0): tokens/s against the same run unshaped (needs root)"
+  "wan-sparse|scripts/bench-wan.sh sparse|The same over 100 Mbit/s links with sparse pseudo-gradients (\`--pseudo-gradients top-128/4096 --merged-top 512 --outer-lr 1\`, outer momentum 0): tokens/s against the same run unshaped (needs root)"
 )
 
 # Comparisons made by hand (two commits side by side), each a section of its own.
