@@ -14,7 +14,7 @@
 //! run's data is.
 //!
 //! `cargo bench -p iota-model --bench sparse`. `BENCH_EPOCHS` (default 32), `BENCH_REPLICAS`,
-//! `BENCH_INNER_STEPS` and `BENCH_VARIANTS` change the run.
+//! `BENCH_INNER_STEPS`, `BENCH_VARIANTS` and `BENCH_FIRST_SEED` (default 0) change the run.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -296,6 +296,15 @@ fn run(
     Ok((losses, bytes, t0.elapsed().as_secs_f64()))
 }
 
+/// `loss` against a dense run's, or a dash when no dense variant ran.
+fn versus(loss: f64, dense: f64) -> String {
+    if dense.is_finite() {
+        format!("{:+.2}%", 100.0 * (loss - dense) / dense)
+    } else {
+        "—".to_string()
+    }
+}
+
 /// Debian's copy of the Python documentation's sources, the benches' real English.
 const DEBIAN_CORPUS: &str = "/usr/share/doc/python3-doc/html/_sources";
 
@@ -374,6 +383,7 @@ fn main() -> Result<()> {
         batch,
     };
     let seeds = env_or("BENCH_SEEDS", 3).max(1);
+    let first_seed = env_or("BENCH_FIRST_SEED", 0);
     // `BENCH_VARIANTS=dense,4096:128:128+fb@1/0,…`: chunk:k:merged k (0 for the exact
     // average), optionally :the error feedback's decay (1 when absent), `+fb` to take back
     // what the merge dropped, then the outer lr and momentum after `@` (0.7/0.9 when absent).
@@ -412,7 +422,7 @@ fn main() -> Result<()> {
     let mut results = Vec::new();
     for v in variants {
         let runs = (0..seeds)
-            .map(|seed| run(&setup, v.clone(), seed))
+            .map(|seed| run(&setup, v.clone(), first_seed + seed))
             .collect::<Result<Vec<_>>>()?;
         results.push((v, runs));
     }
@@ -474,13 +484,11 @@ fn main() -> Result<()> {
         let each = runs
             .iter()
             .zip(&dense_by_seed)
-            .map(|((l, _, _), d)| {
-                format!("{:.4} ({:+.2}%)", l[epochs], 100.0 * (l[epochs] - d) / d)
-            })
+            .map(|((l, _, _), d)| format!("{:.4} ({})", l[epochs], versus(l[epochs], *d)))
             .collect::<Vec<_>>()
             .join(", ");
         println!(
-            "| {} | {}, {} | {:.4}x | {} | {min_cosine:.3} | {loss:.4} | {:+.2}% |{} {secs:.0}s |",
+            "| {} | {}, {} | {:.4}x | {} | {min_cosine:.3} | {loss:.4} | {} |{} {secs:.0}s |",
             m.name(),
             outer.lr,
             outer.momentum,
@@ -490,7 +498,7 @@ fn main() -> Result<()> {
                 0 => "not sent".to_string(),
                 n => format!("{:.4}x", n as f64 / b.fp32 as f64),
             },
-            100.0 * (loss - dense_loss) / dense_loss,
+            versus(loss, dense_loss),
             if seeds > 1 {
                 format!(" {each} |")
             } else {
