@@ -631,10 +631,13 @@ pub async fn slow_store(store: &StoreConfig) -> SlowStore {
                             });
                     if wanted && !tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
                         if d.load(std::sync::atomic::Ordering::SeqCst) {
-                            // Half the bytes reach the store, then the connection goes.
+                            // Half the bytes reach the store, then the connection goes. The
+                            // client's side closes first: the store's answer to the cut request
+                            // (a 400) must never reach the client, as it would not over a
+                            // network that failed.
+                            let _ = client_w.lock().await.shutdown().await;
                             let _ = server_w.write_all(&buf[..n / 2]).await;
                             let _ = server_w.shutdown().await;
-                            let _ = client_w.lock().await.shutdown().await;
                             break;
                         }
                         if f.load(std::sync::atomic::Ordering::SeqCst) {
