@@ -73,6 +73,9 @@ pub struct UpArgs {
     /// CHUNK; default K).
     #[arg(long = "merged-top", env = "IOTA_UP_MERGED_TOP")]
     pub merged_top: Option<u32>,
+    /// With `--pseudo-gradients top-K/CHUNK`: bits of each kept value, 8 or 4 (default 8).
+    #[arg(long = "sparse-bits", env = "IOTA_UP_SPARSE_BITS")]
+    pub sparse_bits: Option<u8>,
 }
 
 impl UpArgs {
@@ -546,11 +549,15 @@ pub async fn up(
         &dir,
         data.as_ref().map_or(0, |d| d.vocab_size),
     )?;
-    let sparse = match (args.pseudo_gradients.0, args.merged_top) {
-        (None, Some(_)) => {
-            anyhow::bail!("--merged-top is for sparse runs: pass --pseudo-gradients top-K/CHUNK")
-        }
-        (s, merged_k) => s.map(|s| SparseEncoding { merged_k, ..s }),
+    let sparse = match (args.pseudo_gradients.0, args.merged_top, args.sparse_bits) {
+        (None, Some(_), _) | (None, _, Some(_)) => anyhow::bail!(
+            "--merged-top and --sparse-bits are for sparse runs: pass --pseudo-gradients top-K/CHUNK"
+        ),
+        (s, merged_k, bits) => s.map(|s| SparseEncoding {
+            merged_k,
+            bits,
+            ..s
+        }),
     };
     let run = local_run(&model, args.samples_per_epoch, data.as_ref(), sparse)?;
     // From here on `--data` names the prepared folder that every miner and validator reads.

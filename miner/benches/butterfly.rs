@@ -9,7 +9,8 @@
 //! merges onto the initial weights) to loading the next epoch's. Every size runs with dense pseudo-gradients and with
 //! sparse ones (`top-K/CHUNK`, `BUTTERFLY_SPARSE`, top-32/1024 by default: compressed uploads;
 //! compressed merged updates that each miner applies, keeping `BUTTERFLY_MERGED_TOP` values a
-//! chunk, 128 by default: the union of four uploads). `BUTTERFLY_SIZES=2,4` picks the sizes,
+//! chunk, 128 by default: the union of four uploads; `BUTTERFLY_SPARSE_BITS=4` for 4-bit values,
+//! 8 by default). `BUTTERFLY_SIZES=2,4` picks the sizes,
 //! `BUTTERFLY_MODES=sparse` (or `dense`) one of the two.
 
 use iota_testkit as support;
@@ -150,7 +151,13 @@ async fn measure(per_stage: usize, sparse: Option<SparseEncoding>) -> Figures {
     let seconds = upload_started.elapsed().as_secs_f64();
     let mut f = Figures {
         pseudo_gradients: match sparse {
-            Some(s) => format!("top-{}/{}, merged top-{}", s.k, s.chunk, s.merged_k()),
+            Some(s) => format!(
+                "top-{}/{}, merged top-{}, {}-bit values",
+                s.k,
+                s.chunk,
+                s.merged_k(),
+                s.bits()
+            ),
             None => "dense".into(),
         },
         per_stage,
@@ -214,9 +221,15 @@ async fn main() {
                     Ok(m) => Some(m.parse().ok()?),
                     Err(_) => Some(128),
                 },
+                bits: match std::env::var("BUTTERFLY_SPARSE_BITS") {
+                    Ok(b) => Some(b.parse().ok()?),
+                    Err(_) => None,
+                },
             })
         })
-        .expect("BUTTERFLY_SPARSE is top-K/CHUNK and BUTTERFLY_MERGED_TOP a count");
+        .expect(
+            "BUTTERFLY_SPARSE is top-K/CHUNK, BUTTERFLY_MERGED_TOP a count and BUTTERFLY_SPARSE_BITS 8 or 4",
+        );
     let modes = std::env::var("BUTTERFLY_MODES").unwrap_or_else(|_| "dense,sparse".into());
     let modes: Vec<Option<SparseEncoding>> = modes
         .split(',')

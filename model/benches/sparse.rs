@@ -1,10 +1,10 @@
 //! Compressed pseudo-gradients against dense ones at equal tokens: replicas of a small model
 //! train DiLoCo-style (inner AdamW on their own samples, then the averaged pseudo-gradient
 //! through the outer Nesterov step), once with dense fp32 pseudo-gradients and merges, and once
-//! per sparse encoding (chunked top-k, int8, error feedback; the merge compressed again). Every
-//! variant sees the same samples in the same order from the same initial weights; held-out loss
-//! after every epoch, and the bytes of one pseudo-gradient (and of one merged update) as
-//! encoded for the wire, against its fp32 size.
+//! per sparse encoding (chunked top-k, int8 or int4, error feedback; the merge compressed
+//! again). Every variant sees the same samples in the same order from the same initial weights;
+//! held-out loss after every epoch, and the bytes of one pseudo-gradient (and of one merged
+//! update) as encoded for the wire, against its fp32 size.
 //!
 //! Each variant runs once per seed (`BENCH_SEEDS`, default 3), each seed with its own initial
 //! weights and samples shared by every variant, and the table gives the mean and each seed's
@@ -47,12 +47,14 @@ enum Merge {
     /// `take_back`: each replica takes back into its residual what the merge dropped of what
     /// it sent.
     /// `decay`: how much of its unsent remainder a replica still owes after an epoch.
+    /// `bits`: of each kept value, 8 or 4.
     Sparse {
         chunk: usize,
         k: usize,
         merged_k: usize,
         take_back: bool,
         decay: f32,
+        bits: u8,
     },
 }
 
@@ -66,6 +68,7 @@ impl Merge {
                 merged_k,
                 take_back,
                 decay,
+                bits,
             } => {
                 let feedback = if decay < 1.0 {
                     format!("error feedback decaying by {decay}")
@@ -81,7 +84,7 @@ impl Merge {
                 } else {
                     ""
                 };
-                format!("top-{k} of {chunk}, int8, {feedback}; {merged}{back}")
+                format!("top-{k} of {chunk}, int{bits}, {feedback}; {merged}{back}")
             }
         }
     }
@@ -125,6 +128,7 @@ fn encoded(s: &SparseVector) -> usize {
         len: s.len as u64,
         chunk: s.config.chunk() as u32,
         k: s.config.k() as u32,
+        bits: s.config.bits(),
     };
     encode_sparse(shape, &s.indices, &s.values, &s.scales).len()
 }
@@ -164,8 +168,14 @@ fn run(
             k,
             merged_k,
             take_back,
+            bits,
             ..
-        } => Some((SparseConfig::new(chunk, k)?, chunk, merged_k, take_back)),
+        } => Some((
+            SparseConfig::new(chunk, k)?.with_bits(bits)?,
+            chunk,
+            merged_k,
+            take_back,
+        )),
     };
     let decay = match merge {
         Merge::Sparse { decay, .. } => decay,
@@ -263,7 +273,7 @@ fn run(
                             .collect();
                         weighted_average(&parts, 2)?.values
                     } else {
-                        let out = SparseConfig::new(chunk, merged_k)?;
+                        let out = SparseConfig::new(chunk, merged_k)?.with_bits(c.bits())?;
                         let merged = merge_sparse(&contribs, out, 2)?;
                         if epoch == 0 {
                             bytes.merged += encoded(&merged);
@@ -385,7 +395,8 @@ fn main() -> Result<()> {
     let seeds = env_or("BENCH_SEEDS", 3).max(1);
     let first_seed = env_or("BENCH_FIRST_SEED", 0);
     // `BENCH_VARIANTS=dense,4096:128:128+fb@1/0,…`: chunk:k:merged k (0 for the exact
-    // average), optionally :the error feedback's decay (1 when absent), `+fb` to take back
+    // average), optionally :the error feedback's decay (1 when absent) and :the values' bits (8
+    // when absent), `+fb` to take back
     // what the merge dropped, then the outer lr and momentum after `@` (0.7/0.9 when absent).
     let variants: Vec<(Merge, OuterConfig)> = std::env::var("BENCH_VARIANTS")
         .unwrap_or_else(|_| "dense@1/0,4096:128:512+fb@1/0,4096:128:512:0.95+fb@1/0".into())
@@ -399,13 +410,17 @@ fn main() -> Result<()> {
                     .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
             };
             let merge = match n.len() {
-                3 | 4 => Merge::Sparse {
+                3..=5 => Merge::Sparse {
                     chunk: num(0),
                     k: num(1),
                     merged_k: num(2),
                     take_back: merge.ends_with("+fb"),
                     decay: n.get(3).map_or(1.0, |d| {
                         d.parse()
+                            .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
+                    }),
+                    bits: n.get(4).map_or(8, |b| {
+                        b.parse()
                             .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
                     }),
                 },

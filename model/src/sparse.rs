@@ -2,7 +2,8 @@
 //! SparseLoCo family, cut so that a butterfly merge of them is as small as one of them.
 //!
 //! A vector is cut into chunks of `chunk` values; each chunk keeps its `k` largest magnitudes
-//! (ties to the lower index) as a `u16` offset and an int8 value, with one f32 scale per chunk.
+//! (ties to the lower index) as a `u16` offset and a value of 8 or 4 bits, with one f32 scale
+//! per chunk.
 //! A miner compresses its pseudo-gradient plus what it has not sent yet ([`ErrorFeedback`]), so
 //! nothing it trained is dropped for good, only delayed. Owners of a partition average the
 //! decompressed contributions exactly as dense ones ([`crate::weighted_average`]) and compress
@@ -18,25 +19,46 @@ use crate::merge::{Contribution, weighted_average};
 /// Largest chunk: offsets within a chunk are `u16`.
 pub const MAX_CHUNK: usize = 1 << 16;
 
-/// Largest int8 magnitude used: the range stays symmetric.
-const Q_MAX: f32 = 127.0;
+/// Bits a kept value may have.
+pub const VALUE_BITS: [u8; 2] = [8, 4];
 
-/// How a vector is compressed: `k` of every `chunk` values kept.
+/// How a vector is compressed: `k` of every `chunk` values kept, each in `bits` bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SparseConfig {
     chunk: usize,
     k: usize,
+    bits: u8,
 }
 
 impl SparseConfig {
-    /// `1 <= k <= chunk <= 65536`.
+    /// `1 <= k <= chunk <= 65536`, values of 8 bits.
     pub fn new(chunk: usize, k: usize) -> Result<Self> {
         if chunk == 0 || chunk > MAX_CHUNK || k == 0 || k > chunk {
             return Err(ModelError::InvalidInput(format!(
                 "a sparse encoding keeps 1 to {chunk} of every chunk of 1 to {MAX_CHUNK} values, not {k} of {chunk}"
             )));
         }
-        Ok(Self { chunk, k })
+        Ok(Self { chunk, k, bits: 8 })
+    }
+
+    /// The same with values of `bits` bits (one of [`VALUE_BITS`]).
+    pub fn with_bits(self, bits: u8) -> Result<Self> {
+        if !VALUE_BITS.contains(&bits) {
+            return Err(ModelError::InvalidInput(format!(
+                "sparse values have 8 or 4 bits, not {bits}"
+            )));
+        }
+        Ok(Self { bits, ..self })
+    }
+
+    /// Bits of a kept value.
+    pub fn bits(&self) -> u8 {
+        self.bits
+    }
+
+    /// Largest magnitude of a quantised value: `2^(bits-1) - 1`, so the range stays symmetric.
+    pub fn q_max(&self) -> i8 {
+        ((1u16 << (self.bits - 1)) - 1) as i8
     }
 
     /// Values per chunk (the last chunk of a vector may be shorter).
@@ -72,7 +94,7 @@ impl SparseConfig {
     }
 }
 
-/// A compressed vector: for each chunk in order, its kept offsets (ascending), their int8
+/// A compressed vector: for each chunk in order, its kept offsets (ascending), their quantised
 /// values and the chunk's scale. Value `i` of chunk `c` decodes to `values[i] * scales[c]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SparseVector {
@@ -82,7 +104,7 @@ pub struct SparseVector {
     pub config: SparseConfig,
     /// Offsets within their chunk, `config.kept(len)` of them.
     pub indices: Vec<u16>,
-    /// Quantised values, one per index, in `[-127, 127]`.
+    /// Quantised values, one per index, in `[-q_max, q_max]` of the config.
     pub values: Vec<i8>,
     /// One non-negative, finite scale per chunk.
     pub scales: Vec<f32>,
@@ -111,10 +133,11 @@ impl SparseVector {
         if let Some(s) = self.scales.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
             return Err(ModelError::NonFinite(format!("sparse scale {s}")));
         }
-        if self.values.contains(&i8::MIN) {
-            return Err(ModelError::InvalidInput(
-                "sparse value -128 is outside [-127, 127]".into(),
-            ));
+        let q = cfg.q_max();
+        if let Some(v) = self.values.iter().find(|v| !(-q..=q).contains(*v)) {
+            return Err(ModelError::InvalidInput(format!(
+                "sparse value {v} is outside [-{q}, {q}]"
+            )));
         }
         let mut at = 0;
         for c in 0..cfg.chunks(self.len) {
@@ -155,7 +178,7 @@ impl SparseVector {
 }
 
 /// Compresses `values` (finite): per chunk, the `k` largest magnitudes (ties to the lower
-/// offset), scaled so the largest maps to ±127 and rounded half to even.
+/// offset), scaled so the largest maps to ±`q_max` and rounded half to even.
 pub fn compress(values: &[f32], config: SparseConfig) -> Result<SparseVector> {
     if values.iter().any(|v| !v.is_finite()) {
         return Err(ModelError::NonFinite("vector to compress".into()));
@@ -169,6 +192,7 @@ pub fn compress(values: &[f32], config: SparseConfig) -> Result<SparseVector> {
         values: Vec::with_capacity(kept),
         scales: Vec::with_capacity(config.chunks(len)),
     };
+    let q_max = f32::from(config.q_max());
     let mut order: Vec<u16> = Vec::with_capacity(config.chunk);
     for c in 0..config.chunks(len) {
         let chunk = &values[config.chunk_range(len, c)];
@@ -189,14 +213,14 @@ pub fn compress(values: &[f32], config: SparseConfig) -> Result<SparseVector> {
             .iter()
             .map(|&i| chunk[usize::from(i)].abs())
             .fold(0f32, f32::max);
-        let scale = peak / Q_MAX;
+        let scale = peak / q_max;
         // A peak so small that its scale underflows is sent as zeros.
         let scale = if scale > 0.0 { scale } else { 0.0 };
         for &i in top.iter() {
             let q = if scale > 0.0 {
                 (chunk[usize::from(i)] / scale)
                     .round_ties_even()
-                    .clamp(-Q_MAX, Q_MAX) as i8
+                    .clamp(-q_max, q_max) as i8
             } else {
                 0
             };
@@ -416,6 +440,28 @@ mod tests {
     }
 
     #[test]
+    fn four_bit_values_use_seven_levels_a_side() {
+        assert!(cfg(5, 2).with_bits(2).is_err() && cfg(5, 2).with_bits(16).is_err());
+        let c = cfg(5, 2).with_bits(4).unwrap();
+        assert_eq!((c.bits(), c.q_max(), cfg(5, 2).q_max()), (4, 7, 127));
+        let v = [1.0, 8.0, -2.0, -9.0, 0.5, 3.0, -3.0];
+        let s = compress(&v, c).unwrap();
+        assert_eq!(s.indices, vec![1, 3, 0, 1]);
+        // 8 / (9/7) = 6.22 rounds to 6.
+        assert_eq!(s.values, vec![6, -7, 7, -7]);
+        assert_eq!(s.scales, vec![9.0 / 7.0, 3.0 / 7.0]);
+        // Every kept value is off by at most half a step of its chunk's scale.
+        let x = random(4000, 7);
+        let s = compress(&x, cfg(1000, 100).with_bits(4).unwrap()).unwrap();
+        let d = s.decompress().unwrap();
+        for (chunk, (orig, back)) in x.chunks(1000).zip(d.chunks(1000)).enumerate() {
+            for (o, b) in orig.iter().zip(back).filter(|(_, b)| **b != 0.0) {
+                assert!((o - b).abs() <= s.scales[chunk] / 2.0 * 1.0001);
+            }
+        }
+    }
+
+    #[test]
     fn the_error_is_the_dropped_mass_and_the_rounding() {
         let v = random(10_000, 1);
         let c = cfg(1000, 50);
@@ -464,6 +510,11 @@ mod tests {
         bad.push(b);
         let mut b = good.clone();
         b.indices[1] = b.indices[0];
+        bad.push(b);
+        // A value of 8 bits in a vector of 4-bit values.
+        let mut b = compress(&random(25, 2), cfg(10, 3).with_bits(4).unwrap()).unwrap();
+        b.validate().unwrap();
+        b.values[0] = 8;
         bad.push(b);
         for (i, b) in bad.iter().enumerate() {
             assert!(b.validate().is_err(), "case {i}");

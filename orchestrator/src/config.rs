@@ -124,7 +124,7 @@ pub struct OrchestratorArgs {
     #[arg(long, env = "IOTA_WIRE", default_value = "int8", value_parser = parse_wire)]
     pub wire: WireEncoding,
     /// How pseudo-gradients travel: `dense` (f32 partitions, merges carry the new weights) or
-    /// `top-K/CHUNK` (K of every CHUNK values kept, int8, with error feedback; merges are the
+    /// `top-K/CHUNK` (K of every CHUNK values kept, quantised, with error feedback; merges are the
     /// compressed average update, which every miner applies), e.g. `top-64/4096`.
     #[arg(
         long = "pseudo-gradients",
@@ -138,6 +138,9 @@ pub struct OrchestratorArgs {
     /// of them costs every miner the same bytes whatever N is.
     #[arg(long = "merged-top", env = "IOTA_MERGED_TOP")]
     pub merged_top: Option<u32>,
+    /// With `--pseudo-gradients top-K/CHUNK`: bits of each kept value, 8 or 4 (default 8).
+    #[arg(long = "sparse-bits", env = "IOTA_SPARSE_BITS")]
+    pub sparse_bits: Option<u8>,
     /// Samples per epoch.
     #[arg(
         long = "samples-per-epoch",
@@ -377,6 +380,7 @@ impl OrchestratorArgs {
         };
         run.set_sparse(self.pseudo_gradients.0.map(|s| SparseEncoding {
             merged_k: self.merged_top,
+            bits: self.sparse_bits,
             ..s
         }));
         run
@@ -390,9 +394,12 @@ impl OrchestratorArgs {
             self.subtensor.chain_endpoint.as_deref(),
         )
         .map_err(|e| e.to_string())?;
-        if self.merged_top.is_some() && self.pseudo_gradients.0.is_none() {
+        if (self.merged_top.is_some() || self.sparse_bits.is_some())
+            && self.pseudo_gradients.0.is_none()
+        {
             return Err(
-                "--merged-top is for sparse runs: pass --pseudo-gradients top-K/CHUNK".into(),
+                "--merged-top and --sparse-bits are for sparse runs: pass --pseudo-gradients top-K/CHUNK"
+                    .into(),
             );
         }
         let run = self.run_config(shape);
@@ -508,13 +515,29 @@ mod tests {
             Ok(Some(SparseEncoding {
                 chunk: 4096,
                 k: 64,
-                merged_k: Some(256)
+                merged_k: Some(256),
+                bits: None,
+            }))
+        );
+        assert_eq!(
+            run(&["--pseudo-gradients", "top-64/4096", "--sparse-bits", "4"]),
+            Ok(Some(SparseEncoding {
+                bits: Some(4),
+                ..SparseEncoding::new(4096, 64)
             }))
         );
         for (flags, says) in [
             (
                 &["--merged-top", "256"][..],
-                "--merged-top is for sparse runs",
+                "--merged-top and --sparse-bits are for sparse runs",
+            ),
+            (
+                &["--sparse-bits", "4"][..],
+                "--merged-top and --sparse-bits are for sparse runs",
+            ),
+            (
+                &["--pseudo-gradients", "top-64/4096", "--sparse-bits", "2"],
+                "8 or 4 bits, not 2",
             ),
             (
                 &["--pseudo-gradients", "top-64/4096", "--merged-top", "32"],

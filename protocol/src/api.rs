@@ -76,8 +76,8 @@ pub struct RunConfig {
     /// Empty: [`RunConfig::memory_needed`] falls back to 20 bytes a parameter.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stage_memory: Vec<u64>,
-    /// Pseudo-gradients and merged updates compressed (chunked top-k with int8 values and
-    /// error feedback, `iota-sparse/v1`), each miner applying the merged updates itself; `None`:
+    /// Pseudo-gradients and merged updates compressed (chunked top-k with 8- or 4-bit values
+    /// and error feedback, `iota-sparse/v2`), each miner applying the merged updates itself; `None`:
     /// dense f32 pseudo-gradients, and merged partitions that carry the new weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse: Option<SparseEncoding>,
@@ -95,6 +95,10 @@ pub struct SparseEncoding {
     /// drops less of it, at no more bytes however many miners a stage has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_k: Option<u32>,
+    /// Bits of each kept value, in uploads and merged updates: 8 or 4; `None`: 8. Halves the
+    /// values' bytes at a coarser rounding, which error feedback carries to the next epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bits: Option<u8>,
 }
 
 impl SparseEncoding {
@@ -104,12 +108,18 @@ impl SparseEncoding {
             chunk,
             k,
             merged_k: None,
+            bits: None,
         }
     }
 
     /// Values a merged update keeps per chunk.
     pub fn merged_k(&self) -> u32 {
         self.merged_k.unwrap_or(self.k)
+    }
+
+    /// Bits of a kept value.
+    pub fn bits(&self) -> u8 {
+        self.bits.unwrap_or(8)
     }
 }
 
@@ -219,6 +229,7 @@ impl RunConfig {
                 len,
                 chunk: s.chunk,
                 k: s.k,
+                bits: s.bits(),
             }),
             None => TensorSpec::Partition { len },
         })
@@ -234,6 +245,7 @@ impl RunConfig {
                 len,
                 chunk: s.chunk,
                 k: s.merged_k(),
+                bits: s.bits(),
             }),
             None => TensorSpec::Merged { len },
         })
@@ -459,6 +471,11 @@ impl RunConfig {
                 s.chunk,
                 s.merged_k()
             ));
+        }
+        if let Some(s) = self.sparse
+            && !matches!(s.bits(), 4 | 8)
+        {
+            return Err(format!("sparse values have 8 or 4 bits, not {}", s.bits()));
         }
         Ok(())
     }

@@ -15,7 +15,7 @@
 //! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
 //!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
 //!   makes the outer step stateless: whoever merges next epoch reads both from the store.
-//! * `iota-sparse/v1` (compressed pseudo-gradients and merged updates): see [`SparseShape`].
+//! * `iota-sparse/v2` (compressed pseudo-gradients and merged updates): see [`SparseShape`].
 //!
 //! [`check_tensor`] is what the orchestrator runs on every upload and what a consumer runs after
 //! download: layout, dtype, exact shape, every value finite, int8 values in `[-127, 127]`.
@@ -120,7 +120,14 @@ impl TensorSpec {
                 shape.to_vec(),
             ),
             Self::Partition { len } | Self::Merged { len } => (BlobDtype::F32, vec![*len]),
-            Self::Sparse(s) => (BlobDtype::I8, vec![s.kept()]),
+            Self::Sparse(s) => (
+                if s.bits == 4 {
+                    BlobDtype::I4
+                } else {
+                    BlobDtype::I8
+                },
+                vec![s.kept()],
+            ),
         }
     }
 }

@@ -67,15 +67,16 @@ fn sparse_of(
 }
 
 pub(crate) fn config_of(shape: SparseShape) -> Result<SparseConfig, TrainerError> {
-    Ok(SparseConfig::new(shape.chunk as usize, shape.k as usize)?)
+    Ok(SparseConfig::new(shape.chunk as usize, shape.k as usize)?.with_bits(shape.bits)?)
 }
 
-/// `iota-sparse/v1` bytes of `v`.
+/// `iota-sparse/v2` bytes of `v`.
 pub fn encode(v: &SparseVector) -> Vec<u8> {
     let shape = SparseShape {
         len: v.len as u64,
         chunk: v.config.chunk() as u32,
         k: v.config.k() as u32,
+        bits: v.config.bits(),
     };
     encode_sparse(shape, &v.indices, &v.values, &v.scales)
 }

@@ -783,6 +783,7 @@ mod tests {
             chunk: 256,
             k: 8,
             merged_k: Some(12),
+            bits: None,
         });
         let stage = 1;
         let fresh = || {

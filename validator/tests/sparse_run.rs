@@ -39,11 +39,13 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
         let db = fresh_db().await;
         let store_dir = tempfile::tempdir().expect("store");
         let mut run = tiny_run("sparse", 24);
-        // Merged updates keep twice what an upload does.
+        // Merged updates keep four times what an upload does, so uploads send their offsets as
+        // a list and merged updates as a bitmap; values have 4 bits.
         run.sparse = Some(SparseEncoding {
             chunk: 512,
             k: 16,
-            merged_k: Some(32),
+            merged_k: Some(64),
+            bits: Some(4),
         });
         // Short enough that epoch 0 is collected within the test, long enough that the validator
         // scores each of epochs 0 and 1 before its objects go (a sparse run's epochs take a few
@@ -87,6 +89,7 @@ async fn sparse_merges_agree_by_hash_and_validators_recompute_them() {
                     panic!("a sparse run's spec is sparse");
                 };
                 assert_eq!(pg.blob.shape, vec![shape.kept()], "{pg:?}");
+                assert_eq!(pg.blob.dtype, iota_protocol::blob::BlobDtype::I4, "{pg:?}");
                 assert!(pg.blob.size * 10 < 4 * shape.len, "{pg:?}");
             }
         }
