@@ -92,11 +92,14 @@ if [ -z "${IOTA_TEST_S3_ENDPOINT:-}" ]; then
 fi
 export IOTA_TEST_S3_ENDPOINT
 
-# cargo-nextest, where installed, runs tests of different binaries side by side (most of the
-# long ones wait on a chain or a phase), each in its own process; it skips doctests.
+# cargo-nextest, where installed, runs tests of different binaries side by side, each in its own
+# process; it skips doctests. Most tests wait on a chain, a phase deadline or the store, so it
+# runs two a core (the orchestrator's integration tests: 184-188 s with 2 threads, 124-131 s
+# with 4, on 2 cores); the few that train for minutes take two slots each (.config/nextest.toml).
 run_tests() {
     if cargo nextest --version >/dev/null 2>&1; then
-        cargo nextest run --locked --no-fail-fast "$@"
+        cargo nextest run --locked --no-fail-fast \
+            --test-threads "${IOTA_TEST_THREADS:-$((2 * $(nproc)))}" "$@"
     else
         cargo test --locked "$@"
     fi
