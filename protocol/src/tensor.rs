@@ -28,6 +28,7 @@ use utoipa::ToSchema;
 
 use crate::blob::BlobDtype;
 
+mod nibbles;
 mod sparse;
 pub use sparse::{
     MAX_SPARSE_CHUNK, SPARSE_FORMAT, SparseParts, SparseShape, check_sparse, decode_sparse,
@@ -373,19 +374,8 @@ fn check_int4(
     let row_bytes = want[2].div_ceil(2);
     let shape: Vec<u64> = values.shape().iter().map(|d| *d as u64).collect();
     expect_shape(&shape, &[want[0], want[1], row_bytes])?;
-    let odd = want[2] % 2 == 1;
     for row in values.data().chunks_exact(row_bytes as usize) {
-        for (i, byte) in row.iter().enumerate() {
-            let padded = odd && i + 1 == row.len();
-            if byte & 0x0f == 0x08 || (!padded && byte >> 4 == 0x08) {
-                return Err(TensorError::NonFinite("values (-8)".into()));
-            }
-            if padded && byte >> 4 != 0 {
-                return Err(TensorError::Layout(
-                    "int4 padding nibble is not zero".into(),
-                ));
-            }
-        }
+        nibbles::unpack(row, want[2] as usize)?;
     }
     let scales = st
         .tensor("scales")
@@ -739,12 +729,7 @@ pub fn encode_boundary_i4(shape: [u64; 3], values: &[i8], scales: &[u16]) -> Vec
     let width = shape[2] as usize;
     let packed: Vec<u8> = values
         .chunks(width.max(1))
-        .flat_map(|row| {
-            row.chunks(2).map(|pair| {
-                let hi = pair.get(1).copied().unwrap_or(0);
-                (pair[0] as u8 & 0x0f) | ((hi as u8 & 0x0f) << 4)
-            })
-        })
+        .flat_map(nibbles::pack)
         .collect();
     let rows = shape[0] * shape[1];
     let mut tensors = vec![

@@ -21,7 +21,7 @@ use serde::Deserialize;
 
 use super::{
     META_KEY, TensorError, check_f32_finite, expect_dtype, expect_names, expect_shape, f32_le,
-    f32_values, iota_meta, raw_view, read_header,
+    f32_values, iota_meta, nibbles, raw_view, read_header,
 };
 
 /// Format name of compressed vectors.
@@ -99,7 +99,9 @@ impl SparseShape {
         if self.bits == 4 { 7 } else { 127 }
     }
 
-    fn valid(&self) -> Result<(), TensorError> {
+    /// Checks the encoding: 1 to `chunk` kept of every chunk of 1 to [`MAX_SPARSE_CHUNK`]
+    /// values, each of 8 or 4 bits.
+    pub fn validate(&self) -> Result<(), TensorError> {
         if self.chunk == 0 || self.chunk > MAX_SPARSE_CHUNK || self.k == 0 || self.k > self.chunk {
             return Err(TensorError::Layout(format!(
                 "a sparse vector keeps 1 to chunk of every chunk of 1 to {MAX_SPARSE_CHUNK} values, not {} of {}",
@@ -162,13 +164,7 @@ pub fn encode_sparse(
         )
     };
     let values = if shape.bits == 4 {
-        let packed: Vec<u8> = values
-            .chunks(2)
-            .map(|pair| {
-                let hi = pair.get(1).copied().unwrap_or(0);
-                (pair[0] as u8 & 0x0f) | ((hi as u8 & 0x0f) << 4)
-            })
-            .collect();
+        let packed: Vec<u8> = nibbles::pack(values).collect();
         raw_view(Dtype::U8, &[packed.len() as u64], packed)
     } else {
         raw_view(
@@ -214,7 +210,7 @@ pub fn check_sparse(bytes: &[u8], want: SparseShape) -> Result<(), TensorError> 
 
 /// Checks and decodes a sparse vector of exactly `want`'s shape.
 pub fn decode_sparse(bytes: &[u8], want: SparseShape) -> Result<SparseParts, TensorError> {
-    want.valid()?;
+    want.validate()?;
     let metadata = read_header(bytes, &super::TensorSpec::Sparse(want))?;
     super::expect_format(&iota_meta(&metadata)?, SPARSE_FORMAT)?;
     let claimed: SparseShape = metadata
@@ -281,17 +277,7 @@ fn decode_values<'a>(
     let q = want.q_max();
     let values: Vec<i8> = if want.bits == 4 {
         let raw = tensor("values", Dtype::U8, want.value_bytes())?;
-        let kept = want.kept() as usize;
-        if kept % 2 == 1 && raw.data().last().is_some_and(|b| b >> 4 != 0) {
-            return Err(TensorError::Layout(
-                "the padding nibble after the last value is not 0".into(),
-            ));
-        }
-        raw.data()
-            .iter()
-            .flat_map(|b| [((b << 4) as i8) >> 4, (*b as i8) >> 4])
-            .take(kept)
-            .collect()
+        nibbles::unpack(raw.data(), want.kept() as usize)?
     } else {
         let raw = tensor("values", Dtype::I8, want.kept())?;
         raw.data().iter().map(|b| *b as i8).collect()
