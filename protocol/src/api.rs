@@ -121,6 +121,24 @@ impl SparseEncoding {
     pub fn bits(&self) -> u8 {
         self.bits.unwrap_or(8)
     }
+
+    /// An upload of a vector of `len` values.
+    pub fn upload_shape(&self, len: u64) -> SparseShape {
+        SparseShape {
+            len,
+            chunk: self.chunk,
+            k: self.k,
+            bits: self.bits(),
+        }
+    }
+
+    /// A merged update of a vector of `len` values.
+    pub fn merged_shape(&self, len: u64) -> SparseShape {
+        SparseShape {
+            k: self.merged_k(),
+            ..self.upload_shape(len)
+        }
+    }
 }
 
 /// Bytes a parameter adds to what a miner holds in a sparse run: what it still owes (error
@@ -225,12 +243,7 @@ impl RunConfig {
         let r = self.partition_range(stage, partition)?;
         let len = r.end - r.start;
         Some(match self.sparse {
-            Some(s) => TensorSpec::Sparse(SparseShape {
-                len,
-                chunk: s.chunk,
-                k: s.k,
-                bits: s.bits(),
-            }),
+            Some(s) => TensorSpec::Sparse(s.upload_shape(len)),
             None => TensorSpec::Partition { len },
         })
     }
@@ -241,12 +254,7 @@ impl RunConfig {
         let r = self.partition_range(stage, partition)?;
         let len = r.end - r.start;
         Some(match self.sparse {
-            Some(s) => TensorSpec::Sparse(SparseShape {
-                len,
-                chunk: s.chunk,
-                k: s.merged_k(),
-                bits: s.bits(),
-            }),
+            Some(s) => TensorSpec::Sparse(s.merged_shape(len)),
             None => TensorSpec::Merged { len },
         })
     }
@@ -451,31 +459,19 @@ impl RunConfig {
                 self.outer_momentum
             ));
         }
-        if let Some(s) = self.sparse
-            && (!(1..=crate::tensor::MAX_SPARSE_CHUNK).contains(&s.chunk)
-                || !(1..=s.chunk).contains(&s.k))
-        {
-            return Err(format!(
-                "sparse pseudo-gradients keep 1 to chunk of every chunk of 1 to {} values, not {} of {}",
-                crate::tensor::MAX_SPARSE_CHUNK,
-                s.k,
-                s.chunk
-            ));
-        }
-        if let Some(s) = self.sparse
-            && !(s.k..=s.chunk).contains(&s.merged_k())
-        {
-            return Err(format!(
-                "sparse merged updates keep {} to {} of every chunk (the uploads' k to the chunk), not {}",
-                s.k,
-                s.chunk,
-                s.merged_k()
-            ));
-        }
-        if let Some(s) = self.sparse
-            && !matches!(s.bits(), 4 | 8)
-        {
-            return Err(format!("sparse values have 8 or 4 bits, not {}", s.bits()));
+        if let Some(s) = self.sparse {
+            // The wire format's own rule on chunk, k and bits, on a vector of one chunk.
+            s.upload_shape(u64::from(s.chunk))
+                .validate()
+                .map_err(|e| format!("sparse pseudo-gradients: {e}"))?;
+            if !(s.k..=s.chunk).contains(&s.merged_k()) {
+                return Err(format!(
+                    "sparse merged updates keep {} to {} of every chunk (the uploads' k to the chunk), not {}",
+                    s.k,
+                    s.chunk,
+                    s.merged_k()
+                ));
+            }
         }
         Ok(())
     }
