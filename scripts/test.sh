@@ -94,8 +94,8 @@ export IOTA_TEST_S3_ENDPOINT
 
 # cargo-nextest, where installed, runs tests of different binaries side by side, each in its own
 # process; it skips doctests. Most tests wait on a chain, a phase deadline or the store, so it
-# runs two a core (the orchestrator's integration tests: 184-188 s with 2 threads, 124-131 s
-# with 4, on 2 cores); the few that train for minutes take two slots each (.config/nextest.toml).
+# runs two a core, which keeps the cores busy while they wait; the few that train for minutes
+# take two slots each (.config/nextest.toml).
 run_tests() {
     if cargo nextest --version >/dev/null 2>&1; then
         cargo nextest run --locked --no-fail-fast \
