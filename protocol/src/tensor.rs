@@ -15,7 +15,7 @@
 //! * `iota-merged/v1` (merged partitions): the partition's new weights `values` and the outer
 //!   optimizer's momentum `momentum`, both F32 `[len]`. Keeping the momentum beside the weights
 //!   makes the outer step stateless: whoever merges next epoch reads both from the store.
-//! * `iota-sparse/v2` (compressed pseudo-gradients and merged updates): see [`SparseShape`].
+//! * `iota-sparse/v3` (compressed pseudo-gradients and merged updates): see [`SparseShape`].
 //!
 //! [`check_tensor`] is what the orchestrator runs on every upload and what a consumer runs after
 //! download: layout, dtype, exact shape, every value finite, int8 values in `[-127, 127]`.
@@ -28,6 +28,7 @@ use utoipa::ToSchema;
 
 use crate::blob::BlobDtype;
 
+mod elias_fano;
 mod nibbles;
 mod sparse;
 mod stream;

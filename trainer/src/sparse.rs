@@ -70,7 +70,7 @@ pub(crate) fn config_of(shape: SparseShape) -> Result<SparseConfig, TrainerError
     Ok(SparseConfig::new(shape.chunk as usize, shape.k as usize)?.with_bits(shape.bits)?)
 }
 
-/// `iota-sparse/v2` bytes of `v`.
+/// `iota-sparse/v3` bytes of `v`.
 pub fn encode(v: &SparseVector) -> Vec<u8> {
     let shape = SparseShape {
         len: v.len as u64,

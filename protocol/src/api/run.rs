@@ -72,7 +72,7 @@ pub struct RunConfig {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stage_memory: Vec<u64>,
     /// Pseudo-gradients and merged updates compressed (chunked top-k with 8- or 4-bit values
-    /// and error feedback, `iota-sparse/v2`), each miner applying the merged updates itself; `None`:
+    /// and error feedback, `iota-sparse/v3`), each miner applying the merged updates itself; `None`:
     /// dense f32 pseudo-gradients, and merged partitions that carry the new weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse: Option<SparseEncoding>,

@@ -1,12 +1,15 @@
-//! `iota-sparse/v2`: a compressed pseudo-gradient or merged update (`iota_model::sparse`).
+//! `iota-sparse/v3`: a compressed pseudo-gradient or merged update (`iota_model::sparse`).
 //!
-//! A vector of `len` values cut into chunks of `chunk`; each chunk keeps `min(k, its length)`
-//! entries, each a value of `bits` bits (8 or 4) times its chunk's scale. Tensors:
-//! * the kept offsets, as whichever of two codings the shape makes smaller: `indices` (U16, the
-//!   offsets within their chunk, strictly ascending in each chunk), or, when an eighth of a
-//!   chunk is less than two bytes per kept entry, `mask` (U8, one bit per value, least
-//!   significant first, `ceil(chunk length / 8)` bytes a chunk, exactly the chunk's kept count of
-//!   bits set and none past its end);
+//! A vector of `len` values cut into chunks of `chunk`; each chunk keeps `n = min(k, its
+//! length)` entries, each a value of `bits` bits (8 or 4) times its chunk's scale. Tensors:
+//! * the kept offsets within their chunk (strictly ascending), as whichever of two codings is
+//!   smaller for a full chunk: Elias-Fano, with `l = floor(log2(chunk / k))`: `low_bits` (U8,
+//!   each offset's `l` low bits) and `high_bits` (U8; per chunk a region of
+//!   `n + ((length - 1) >> l)` bits where the `i`-th offset `o` sets bit `(o >> l) + i`), both
+//!   bit streams least significant bit first, chunk after chunk, the bits after the last chunk
+//!   0 (see `elias_fano.rs`); or, where that is no smaller than one bit per value, `mask` (U8,
+//!   one bit per value, least significant first, `ceil(chunk length / 8)` bytes a chunk,
+//!   exactly `n` bits set and none past its end);
 //! * `values`: with 8 bits, I8 in `[-127, 127]`, one per entry; with 4 bits, U8 holding two
 //!   entries a byte (low nibble first, each in `[-7, 7]`, an odd count's last high nibble 0);
 //! * `scales` (F32, finite and non-negative, one per chunk).
@@ -20,12 +23,12 @@ use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
 use super::{
-    META_KEY, TensorError, check_f32_finite, expect_dtype, expect_names, expect_shape, f32_le,
-    f32_values, iota_meta, nibbles, raw_view, read_header,
+    META_KEY, TensorError, check_f32_finite, elias_fano, expect_dtype, expect_names, expect_shape,
+    f32_le, f32_values, iota_meta, nibbles, raw_view, read_header,
 };
 
 /// Format name of compressed vectors.
-pub const SPARSE_FORMAT: &str = "iota-sparse/v2";
+pub const SPARSE_FORMAT: &str = "iota-sparse/v3";
 
 /// Largest chunk: offsets are `u16`.
 pub const MAX_SPARSE_CHUNK: u32 = 1 << 16;
@@ -56,10 +59,38 @@ impl SparseShape {
         full.saturating_mul(k) + (self.len % chunk).min(k)
     }
 
-    /// Whether the offsets travel as a bitmap: an eighth of a chunk is less than two bytes per
-    /// kept entry.
+    /// Whether the offsets travel as a bitmap: for a full chunk, one bit per value is no more
+    /// than their Elias-Fano code.
     pub fn offsets_as_mask(&self) -> bool {
-        u64::from(self.chunk).div_ceil(8) < 2 * u64::from(self.k)
+        let (chunk, k) = (u64::from(self.chunk), u64::from(self.k));
+        chunk <= elias_fano::chunk_bits(chunk, k, self.low_bit_count())
+    }
+
+    /// Low bits of an offset in the Elias-Fano coding.
+    fn low_bit_count(&self) -> u32 {
+        elias_fano::low_bit_count(u64::from(self.chunk), u64::from(self.k))
+    }
+
+    /// Each chunk's length and kept count, in order.
+    fn chunk_counts(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunk_lens()
+            .map(|len| (len, u64::from(self.k).min(len)))
+    }
+
+    /// Bytes of `low_bits` and of `high_bits`.
+    fn elias_fano_bytes(&self) -> (u64, u64) {
+        let l = self.low_bit_count();
+        let chunk = u64::from(self.chunk.max(1));
+        let (full, rest) = (self.len / chunk, self.len % chunk);
+        let k = u64::from(self.k);
+        let mut high = full.saturating_mul(elias_fano::high_region(chunk, k.min(chunk), l));
+        if rest > 0 {
+            high = high.saturating_add(elias_fano::high_region(rest, k.min(rest), l));
+        }
+        (
+            self.kept().saturating_mul(u64::from(l)).div_ceil(8),
+            high.div_ceil(8),
+        )
     }
 
     /// Bytes of the bitmap: `ceil(length / 8)` per chunk.
@@ -74,7 +105,8 @@ impl SparseShape {
         if self.offsets_as_mask() {
             self.mask_bytes()
         } else {
-            self.kept().saturating_mul(2)
+            let (low, high) = self.elias_fano_bytes();
+            low.saturating_add(high)
         }
     }
 
@@ -149,19 +181,22 @@ pub fn encode_sparse(
             }
             at += n;
         }
-        (
+        vec![(
             "mask".to_owned(),
             raw_view(Dtype::U8, &[mask.len() as u64], mask),
-        )
+        )]
     } else {
-        (
-            "indices".to_owned(),
-            raw_view(
-                Dtype::U16,
-                &[indices.len() as u64],
-                indices.iter().flat_map(|i| i.to_le_bytes()).collect(),
+        let (low, high) = elias_fano::encode(indices, shape.chunk_counts(), shape.low_bit_count());
+        vec![
+            (
+                "high_bits".to_owned(),
+                raw_view(Dtype::U8, &[high.len() as u64], high),
             ),
-        )
+            (
+                "low_bits".to_owned(),
+                raw_view(Dtype::U8, &[low.len() as u64], low),
+            ),
+        ]
     };
     let values = if shape.bits == 4 {
         let packed: Vec<u8> = nibbles::pack(values).collect();
@@ -173,14 +208,12 @@ pub fn encode_sparse(
             values.iter().map(|v| v.to_le_bytes()[0]).collect(),
         )
     };
-    let tensors = vec![
-        offsets,
-        (
-            "scales".to_owned(),
-            raw_view(Dtype::F32, &[scales.len() as u64], f32_le(scales)),
-        ),
-        ("values".to_owned(), values),
-    ];
+    let mut tensors = offsets;
+    tensors.push((
+        "scales".to_owned(),
+        raw_view(Dtype::F32, &[scales.len() as u64], f32_le(scales)),
+    ));
+    tensors.push(("values".to_owned(), values));
     let meta = serde_json::json!({
         "format": SPARSE_FORMAT,
         "len": shape.len,
@@ -227,14 +260,12 @@ pub fn decode_sparse(bytes: &[u8], want: SparseShape) -> Result<SparseParts, Ten
         )));
     }
     let st = SafeTensors::deserialize(bytes).map_err(|e| TensorError::Unreadable(e.to_string()))?;
-    let offsets_name = if want.offsets_as_mask() {
-        "mask"
+    let names: &[&str] = if want.offsets_as_mask() {
+        &["mask", "scales", "values"]
     } else {
-        "indices"
+        &["high_bits", "low_bits", "scales", "values"]
     };
-    let mut names = [offsets_name, "scales", "values"];
-    names.sort_unstable();
-    expect_names(&st, &names)?;
+    expect_names(&st, names)?;
     let tensor = |name: &str, dtype: Dtype, len: u64| {
         let t = st
             .tensor(name)
@@ -253,14 +284,14 @@ pub fn decode_sparse(bytes: &[u8], want: SparseShape) -> Result<SparseParts, Ten
     let indices = if want.offsets_as_mask() {
         offsets_of_mask(tensor("mask", Dtype::U8, want.mask_bytes())?.data(), want)?
     } else {
-        let raw = tensor("indices", Dtype::U16, want.kept())?;
-        let offsets: Vec<u16> = raw
-            .data()
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        check_offsets(&offsets, want)?;
-        offsets
+        let (low, high) = want.elias_fano_bytes();
+        elias_fano::decode(
+            tensor("low_bits", Dtype::U8, low)?.data(),
+            tensor("high_bits", Dtype::U8, high)?.data(),
+            want.chunk_counts(),
+            want.low_bit_count(),
+            want.kept() as usize,
+        )?
     };
     Ok(SparseParts {
         indices,
@@ -288,24 +319,6 @@ fn decode_values<'a>(
         )));
     }
     Ok(values)
-}
-
-/// Offsets are strictly ascending inside each chunk.
-fn check_offsets(offsets: &[u16], want: SparseShape) -> Result<(), TensorError> {
-    let mut at = 0usize;
-    for (c, chunk_len) in want.chunk_lens().enumerate() {
-        let n = u64::from(want.k).min(chunk_len) as usize;
-        let mine = &offsets[at..at + n];
-        if mine.windows(2).any(|w| w[0] >= w[1])
-            || mine.last().is_some_and(|&o| u64::from(o) >= chunk_len)
-        {
-            return Err(TensorError::Layout(format!(
-                "chunk {c}: offsets are not ascending inside the chunk's {chunk_len} values"
-            )));
-        }
-        at += n;
-    }
-    Ok(())
 }
 
 /// The offsets a bitmap of `want`'s shape marks, each chunk marking exactly its kept count.
@@ -352,7 +365,8 @@ mod tests {
         }
     }
 
-    /// Chunks of 32 keeping 2 (offsets as a list), 70 values: chunks of 32, 32 and 6.
+    /// Chunks of 32 keeping 2 (offsets in Elias-Fano code, 4 low bits each), 70 values: chunks
+    /// of 32, 32 and 6.
     fn good() -> (SparseShape, Vec<u16>, Vec<i8>, Vec<f32>) {
         (
             shape(70, 32, 2),
@@ -434,74 +448,86 @@ mod tests {
         assert!(check_sparse(&dense, s).is_err());
     }
 
-    /// Chunks of 16 keeping 3 (an eighth of 16 is 2 bytes, under 2 per entry): a bitmap of 2
-    /// bytes a chunk; 37 values, so the last chunk has 5 values in 1 byte.
+    /// Chunks of 16 keeping 8, where one bit per value (16 a chunk) is less than the
+    /// Elias-Fano code (8 low bits, 8 + 7 high): a bitmap of 2 bytes a chunk; 37 values, so the
+    /// last chunk has 5 values in 1 byte, all kept.
     fn masked() -> (SparseShape, Vec<u16>, Vec<i8>, Vec<f32>) {
         (
-            shape(37, 16, 3),
-            vec![0, 9, 15, 1, 2, 14, 0, 3, 4],
-            vec![1, -2, 3, 4, 5, 6, 7, -7, 0],
+            shape(37, 16, 8),
+            vec![
+                0, 1, 2, 3, 9, 10, 14, 15, 0, 2, 4, 6, 8, 10, 12, 14, 0, 1, 2, 3, 4,
+            ],
+            (0..21).map(|x| x - 10).collect(),
             vec![0.5, 1.0, 2.0],
         )
     }
 
     #[test]
     fn a_dense_enough_vector_sends_its_offsets_as_a_bitmap() {
-        assert!(!shape(4096, 4096, 128).offsets_as_mask());
-        assert!(!shape(4096, 4096, 256).offsets_as_mask());
-        assert!(shape(4096, 4096, 257).offsets_as_mask());
+        // In chunks of 4096, Elias-Fano up to 1024 kept (4095 bits), a bitmap from 1025.
+        for (k, mask) in [
+            (128, false),
+            (256, false),
+            (1024, false),
+            (1025, true),
+            (2048, true),
+        ] {
+            assert_eq!(shape(4096, 4096, k).offsets_as_mask(), mask, "{k}");
+        }
+        // 256 of 4096: 128 bytes of low bits, ceil(511 / 8) of high bits, against 512 of u16.
+        assert_eq!(shape(4096, 4096, 256).payload_bytes(), 128 + 64 + 256 + 4);
         let (s, i, v, sc) = masked();
         assert!(s.offsets_as_mask());
-        // 2 + 2 + 1 mask bytes, 9 values, 3 scales.
-        assert_eq!(s.payload_bytes(), 5 + 9 + 12);
+        // 2 + 2 + 1 mask bytes, 21 values, 3 scales.
+        assert_eq!(s.payload_bytes(), 5 + 21 + 12);
         let bytes = encode_sparse(s, &i, &v, &sc);
         let st = SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(
             st.tensor("mask").unwrap().data(),
-            &[0x01, 0x82, 0x06, 0x40, 0x19]
+            &[0x0f, 0xc6, 0x55, 0x55, 0x1f]
         );
         let parts = decode_sparse(&bytes, s).unwrap();
         assert_eq!(
             (parts.indices, parts.values, parts.scales),
             (i.clone(), v.clone(), sc.clone())
         );
-        // The denser coding is the smaller: 4096 in chunks of 4096 keeping 2048, 512 bytes of
-        // mask instead of 4096 of offsets.
+        // 2048 of 4096: 512 bytes of mask.
         let dense = shape(4096, 4096, 2048);
         assert_eq!(dense.payload_bytes(), 512 + 2048 + 4);
-        // A mask that marks too few or too many in a chunk, or past the last chunk's end.
+        // A mask that marks too few in a chunk, or past the last chunk's end.
         let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
         let mut few = i.clone();
-        few[1] = 0; // chunk 0 marks 0 twice: 2 bits set
-        cases.push(("two marks in chunk 0", encode_sparse(s, &few, &v, &sc)));
+        few[1] = 0; // chunk 0 marks 0 twice: 7 bits set
+        cases.push(("7 marks in chunk 0", encode_sparse(s, &few, &v, &sc)));
         let mut past = i.clone();
-        past[8] = 5; // the last chunk has 5 values
+        past[20] = 5; // the last chunk has 5 values
         cases.push(("past the last chunk", encode_sparse(s, &past, &v, &sc)));
         for (what, b) in cases {
             assert!(check_sparse(&b, s).is_err(), "{what}");
         }
-        // The same vector with u16 offsets, as a shape with fewer kept values would send them.
-        let as_list = {
+        // The same vector in the other coding, where the shape calls for a mask.
+        let as_elias_fano = {
+            let (low, high) = elias_fano::encode(&i, s.chunk_counts(), s.low_bit_count());
             let tensors = vec![
                 (
-                    "indices".to_owned(),
-                    raw_view(
-                        Dtype::U16,
-                        &[9],
-                        i.iter().flat_map(|o| o.to_le_bytes()).collect(),
-                    ),
+                    "high_bits".to_owned(),
+                    raw_view(Dtype::U8, &[high.len() as u64], high),
+                ),
+                (
+                    "low_bits".to_owned(),
+                    raw_view(Dtype::U8, &[low.len() as u64], low),
                 ),
                 ("scales".to_owned(), raw_view(Dtype::F32, &[3], f32_le(&sc))),
                 (
                     "values".to_owned(),
-                    raw_view(Dtype::I8, &[9], v.iter().map(|x| *x as u8).collect()),
+                    raw_view(Dtype::I8, &[21], v.iter().map(|x| *x as u8).collect()),
                 ),
             ];
-            let meta = serde_json::json!({"format": SPARSE_FORMAT, "len": 37, "chunk": 16, "k": 3, "bits": 8});
+            let meta = serde_json::json!({"format": SPARSE_FORMAT, "len": 37, "chunk": 16, "k": 8, "bits": 8});
             let info = HashMap::from([(META_KEY.to_owned(), meta.to_string())]);
             safetensors::serialize(tensors, Some(info)).unwrap()
         };
-        assert!(check_sparse(&as_list, s).is_err());
+        assert!(check_sparse(&as_elias_fano, s).is_err());
     }
 
     #[test]
@@ -509,7 +535,8 @@ mod tests {
         let (s, i, _, sc) = good();
         let s4 = SparseShape { bits: 4, ..s };
         let v4 = vec![7, -5, 0, 7, -7, 3];
-        assert_eq!(s4.payload_bytes(), 12 + 3 + 12);
+        // 3 bytes of low bits (4 an offset), 1 of high bits (3 + 3 + 2), 3 of values, 3 scales.
+        assert_eq!(s4.payload_bytes(), 4 + 3 + 12);
         let bytes = encode_sparse(s4, &i, &v4, &sc);
         let st = SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(st.tensor("values").unwrap().data(), &[0xb7, 0x70, 0x39]);
