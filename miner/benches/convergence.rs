@@ -18,9 +18,9 @@ use iota_testkit as support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use iota_model::data::prepare::{PrepareOptions, prepare};
+use iota_model::data::prepare::prepare_with_new_tokenizer;
 use iota_model::data::{Batch, make_batch};
-use iota_model::{Device, ModelConfig, Pipeline, StageOptions, train_bpe_tokenizer};
+use iota_model::{Device, ModelConfig, Pipeline, StageOptions};
 use iota_protocol::ApiClient;
 use iota_protocol::api::{PartitionState, RunConfig};
 use iota_trainer::{run_dataset, run_model};
@@ -57,17 +57,7 @@ fn prepared(tmp: &Path) -> (PathBuf, String) {
         "{}: no corpus (apt-get install python3-doc, or set IOTA_BENCH_CORPUS)",
         corpus.display()
     );
-    let files = iota_model::data::sources::list_inputs(std::slice::from_ref(&corpus))
-        .expect("corpus files");
-    let tok = tmp.join("tokenizer.json");
-    train_bpe_tokenizer(&files, 8192, &tok).expect("tokenizer");
-    let out = tmp.join("data");
-    let opts = PrepareOptions {
-        held_out_ppm: 50_000,
-        ..PrepareOptions::default()
-    };
-    let (_, hash) = prepare(&[corpus], &tok, &out, &opts, &mut |_| {}).expect("prepare");
-    (out, hash)
+    prepare_with_new_tokenizer(&corpus, 8192, tmp, 50_000).expect("prepare")
 }
 
 fn run_config(samples: u64, dataset: String) -> RunConfig {

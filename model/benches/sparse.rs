@@ -22,14 +22,13 @@ use std::time::Instant;
 mod support;
 
 use iota_model::data::make_batch;
-use iota_model::data::prepare::{PrepareOptions, prepare};
-use iota_model::data::sources::list_inputs;
+use iota_model::data::prepare::prepare_with_new_tokenizer;
 use iota_model::data::{HELD_OUT_BASE, PreparedDataset};
 use iota_model::merge::{flatten_params, load_flat_params};
 use iota_model::sparse::{ErrorFeedback, SparseConfig, SparseVector, merge_sparse};
 use iota_model::{
     AdamWConfig, Batch, Contribution, Dataset, Device, GrammarCorpus, LrSchedule, ModelConfig,
-    OuterConfig, Pipeline, Result, StageOptions, Trainer, train_bpe_tokenizer, weighted_average,
+    OuterConfig, Pipeline, Result, StageOptions, Trainer, weighted_average,
 };
 use iota_protocol::tensor::{SparseShape, encode_partition, encode_sparse};
 
@@ -331,15 +330,7 @@ fn text_corpus(tmp: &Path, vocab: usize, seq: usize) -> Result<(Box<dyn Dataset>
             "no corpus (apt-get install python3-doc, or set IOTA_BENCH_CORPUS)",
         );
     }
-    let files = list_inputs(std::slice::from_ref(&corpus))?;
-    let tok = tmp.join("tokenizer.json");
-    train_bpe_tokenizer(&files, vocab, &tok)?;
-    let out = tmp.join("data");
-    let opts = PrepareOptions {
-        held_out_ppm: 50_000,
-        ..PrepareOptions::default()
-    };
-    prepare(&[corpus], &tok, &out, &opts, &mut |_| {})?;
+    let (out, _) = prepare_with_new_tokenizer(&corpus, vocab, tmp, 50_000)?;
     let ds = PreparedDataset::open(&out, None, seq, 0)?;
     let held_out = ds.held_out_count();
     Ok((Box::new(ds), held_out))

@@ -490,3 +490,26 @@ fn two_processes_read_the_same_windows() {
 fn held_out_base_is_the_protocols() {
     assert_eq!(HELD_OUT_BASE, iota_protocol::api::HELD_OUT_BASE);
 }
+
+/// One step from raw text to a dataset: the tokenizer is trained on the corpus itself, of the
+/// size asked for, and the dataset opens under the name returned, with documents held out.
+#[test]
+fn a_corpus_prepares_with_a_tokenizer_trained_on_it() {
+    let dir = tmp("new-tokenizer");
+    let raw = dir.join("raw");
+    std::fs::create_dir_all(&raw).unwrap();
+    std::fs::write(raw.join("a.jsonl"), jsonl(0..300)).unwrap();
+    let (data, name) =
+        iota_model::data::prepare::prepare_with_new_tokenizer(&raw, 400, &dir, 100_000).unwrap();
+    assert_eq!(data, dir.join("data"));
+    let ds = PreparedDataset::open(&data, Some(&name), 16, 0).unwrap();
+    assert_eq!(ds.manifest().vocab_size, 400);
+    assert!(ds.held_out_count() > 0 && ds.train_windows() > 100);
+    assert!(dir.join("tokenizer.json").is_file());
+    // A missing corpus is an error, not an empty dataset.
+    assert!(
+        iota_model::data::prepare::prepare_with_new_tokenizer(&dir.join("none"), 400, &dir, 0)
+            .is_err()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
