@@ -416,15 +416,17 @@ async fn upload_download_scenario(store: StoreConfig) {
 
     // Retention (two epochs, the fewest a run may keep): simulated miners take over and the epochs
     // advance; once epoch 3 runs, epoch 0's hop outputs and pseudo-gradients are gone, and the
-    // current weights remain downloadable.
+    // current weights remain downloadable. On a loaded machine a merge can miss its 3 s phase, so
+    // the miners run on until every partition has been merged in some epoch.
     let epoch0 = format!("runs/{run_id}/epoch-0");
     let hop_outputs = keys(&blobs, &format!("{epoch0}/samples")).await;
     assert!(hop_outputs.contains(&first_output.key), "{hop_outputs:?}");
     let stop = Arc::new(AtomicBool::new(false));
     let sims = simulated_miners(&orch.base, &stop);
     let status_client = &s0;
+    let stages = run.stages;
     eventually(
-        "epoch 3 and epoch 0's objects collected",
+        "epoch 3, epoch 0's objects collected and every partition merged",
         Duration::from_secs(150),
         || {
             let blobs = &blobs;
@@ -435,7 +437,12 @@ async fn upload_download_scenario(store: StoreConfig) {
                     + keys(blobs, &format!("{epoch0}/pseudo-gradients"))
                         .await
                         .len();
-                (status.epoch >= 3 && left == 0).then_some(())
+                let mut merged = true;
+                for stage in 0..stages {
+                    let weights = status_client.stage_weights(stage).await.ok()?;
+                    merged &= weights.partitions.iter().all(Option::is_some);
+                }
+                (status.epoch >= 3 && left == 0 && merged).then_some(())
             }
         },
     )
