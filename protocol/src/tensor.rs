@@ -378,7 +378,7 @@ fn check_int4(
     let shape: Vec<u64> = values.shape().iter().map(|d| *d as u64).collect();
     expect_shape(&shape, &[want[0], want[1], row_bytes])?;
     for row in values.data().chunks_exact(row_bytes as usize) {
-        nibbles::unpack(row, want[2] as usize)?;
+        nibbles::check(row, want[2] as usize)?;
     }
     let scales = st
         .tensor("scales")

@@ -11,9 +11,9 @@ pub(super) fn pack(values: &[i8]) -> impl Iterator<Item = u8> + '_ {
     })
 }
 
-/// The `count` values packed in `bytes` (`ceil(count / 2)` of them), each in `[-7, 7]`, with
-/// an odd count's padding nibble 0.
-pub(super) fn unpack(bytes: &[u8], count: usize) -> Result<Vec<i8>, TensorError> {
+/// Checks that `bytes` hold exactly `count` packed values (`ceil(count / 2)` bytes), each in
+/// `[-7, 7]`, with an odd count's padding nibble 0, without unpacking them.
+pub(super) fn check(bytes: &[u8], count: usize) -> Result<(), TensorError> {
     if bytes.len() != count.div_ceil(2) {
         return Err(TensorError::Layout(format!(
             "{} bytes hold {count} 4-bit values, expected {}",
@@ -26,17 +26,23 @@ pub(super) fn unpack(bytes: &[u8], count: usize) -> Result<Vec<i8>, TensorError>
             "the padding nibble after the last value is not 0".into(),
         ));
     }
-    let values: Vec<i8> = bytes
-        .iter()
-        .flat_map(|b| [((b << 4) as i8) >> 4, (*b as i8) >> 4])
-        .take(count)
-        .collect();
-    if values.contains(&-8) {
+    // -8 is nibble 0x8; a padding nibble is 0, so every byte can be checked whole.
+    if bytes.iter().any(|b| b & 0x0f == 0x08 || b >> 4 == 0x08) {
         return Err(TensorError::NonFinite(
             "values (-8 is outside [-7, 7])".into(),
         ));
     }
-    Ok(values)
+    Ok(())
+}
+
+/// The `count` values packed in `bytes`, after [`check`].
+pub(super) fn unpack(bytes: &[u8], count: usize) -> Result<Vec<i8>, TensorError> {
+    check(bytes, count)?;
+    Ok(bytes
+        .iter()
+        .flat_map(|b| [((b << 4) as i8) >> 4, (*b as i8) >> 4])
+        .take(count)
+        .collect())
 }
 
 #[cfg(test)]
@@ -56,5 +62,13 @@ mod tests {
         assert!(unpack(&[0x11], 1).is_err());
         assert!(unpack(&packed, 7).is_err());
         assert!(unpack(&packed, 3).is_err());
+        // Every byte as a one- and a two-value row: refused exactly when a value nibble is
+        // 0x8 or, for one value, the padding nibble is not 0.
+        for byte in 0..=u8::MAX {
+            let (lo, hi) = (byte & 0x0f, byte >> 4);
+            assert_eq!(check(&[byte], 2).is_ok(), lo != 8 && hi != 8, "{byte:#04x}");
+            assert_eq!(check(&[byte], 1).is_ok(), lo != 8 && hi == 0, "{byte:#04x}");
+        }
+        assert!(check(&[0x77, 0x80], 4).is_err());
     }
 }
