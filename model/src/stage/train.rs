@@ -1,0 +1,408 @@
+//! The backward of a stage: the LM head's gradients, accumulation, the training forward and
+//! backward (whole or block by block, held or committed).
+
+use super::*;
+
+impl Stage {
+    /// Gradient of the **sum** of token losses with respect to `h`; the head's own gradient
+    /// (of the same sum) is accumulated.
+    pub(crate) fn head_backward(
+        &mut self,
+        h: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+    ) -> Result<Tensor> {
+        let (head, gh, gw) = self.head_gradients(h, targets, lse)?;
+        self.add_grad(head, gw)?;
+        Ok(gh)
+    }
+
+    /// The LM head's backward: its parameter's index, the gradient with respect to `h`, and the
+    /// head weight's gradient (not accumulated).
+    pub(super) fn head_gradients(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+    ) -> Result<(usize, Tensor, Tensor)> {
+        let d = self.cfg.d_model;
+        let (gh, gw) = loss::ce_backward(
+            &h.reshape(((), d))?,
+            &self.head_weight()?,
+            &targets.flatten_all()?,
+            lse,
+            self.cfg.loss_vocab_chunk,
+            1.0,
+        )?;
+        let head = self
+            .head
+            .ok_or_else(|| ModelError::InvalidInput("stage has no LM head".into()))?;
+        Ok((head, gh.reshape(h.dims())?, gw))
+    }
+
+    pub(super) fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
+        let g = g.detach();
+        self.grads[i] = Some(match self.grads[i].take() {
+            Some(acc) => (acc + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+
+    /// Add the gradients that `grads` holds for this stage's parameters.
+    pub(crate) fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
+        for i in 0..self.params.len() {
+            if let Some(g) = grads.get(self.params[i].var.as_tensor()) {
+                let g = g.clone();
+                self.add_grad(i, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn count_backward(&mut self, tokens: usize) {
+        self.backward_count += 1;
+        self.backward_tokens += tokens;
+    }
+
+    /// Test hook: replace parameter `i`'s accumulated gradient and count one backward of one
+    /// token (so the gradient is used as the mean gradient as given).
+    #[cfg(test)]
+    pub(crate) fn set_grad_for_test(&mut self, i: usize, g: Tensor) {
+        self.grads[i] = Some(g);
+        self.backward_count = self.backward_count.max(1);
+        self.backward_tokens = self.backward_tokens.max(1);
+    }
+
+    pub(super) fn validate_input(&self, input: &Tensor) -> Result<(usize, usize)> {
+        if self.is_first() {
+            return self.validate_tokens(input, "input tokens");
+        }
+        let dims = input.dims();
+        if dims.len() != 3 {
+            return Err(ModelError::shape(
+                "input activations [batch, seq, b]",
+                &[0, 0, self.cfg.boundary_dim()],
+                dims,
+            ));
+        }
+        let (b, t) = (dims[0], dims[1]);
+        if b == 0 || t == 0 || t > self.cfg.max_seq_len {
+            return Err(ModelError::InvalidInput(format!(
+                "input activations have shape {dims:?}; need batch >= 1 and 1 <= seq <= {}",
+                self.cfg.max_seq_len
+            )));
+        }
+        self.validate_float(input, &self.input_dims(b, t), "input activations")?;
+        Ok((b, t))
+    }
+
+    pub(super) fn validate_targets(
+        &self,
+        targets: Option<&Tensor>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<Tensor>> {
+        match (self.is_last(), targets) {
+            (true, Some(tg)) => {
+                let dims = self.validate_tokens(tg, "targets")?;
+                if dims != (b, t) {
+                    return Err(ModelError::shape("targets", &[b, t], tg.dims()));
+                }
+                Ok(Some(tg.to_device(&self.opts.device)?))
+            }
+            (true, None) => Err(ModelError::InvalidInput(
+                "the last stage needs targets".into(),
+            )),
+            (false, Some(_)) => Err(ModelError::InvalidInput(
+                "only the last stage takes targets".into(),
+            )),
+            (false, None) => Ok(None),
+        }
+    }
+
+    /// Forward without a gradient graph (evaluation, validators' loss checks): same validation
+    /// and same values as [`Stage::forward`], nothing kept for a backward pass.
+    pub fn forward_eval(&self, input: &Tensor, targets: Option<&Tensor>) -> Result<StageOutput> {
+        let (b, t) = self.validate_input(input)?;
+        let input = input.to_device(&self.opts.device)?;
+        let targets = self.validate_targets(targets, b, t)?;
+        let out = self.run_inner(&input, false)?;
+        Ok(match &targets {
+            Some(tg) => StageOutput::Loss(self.head_forward(&out, tg)?.0),
+            None => StageOutput::Activations(out),
+        })
+    }
+
+    /// Run the stage on `input` (token ids `[batch, seq]` u32 on stage 0, otherwise the
+    /// activation `[batch, seq, bottleneck_dim]` in the param dtype). The last stage needs
+    /// `targets` (`[batch, seq]` u32) and returns the loss; other stages must not get targets.
+    pub fn forward(
+        &self,
+        input: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(StageOutput, StageCache)> {
+        let (b, t) = self.validate_input(input)?;
+        let input = input.to_device(&self.opts.device)?;
+        let targets = self.validate_targets(targets, b, t)?;
+        let cached_input = if self.is_first() {
+            CachedInput::Tokens(input)
+        } else {
+            CachedInput::Activations(Var::from_tensor(&input)?)
+        };
+        let graph_input = match &cached_input {
+            CachedInput::Tokens(t) => t.clone(),
+            CachedInput::Activations(v) => v.as_tensor().clone(),
+        };
+        let (out, block_inputs) = if self.opts.checkpoint_blocks {
+            let xs = self.block_inputs(&graph_input)?;
+            (
+                self.finish(&xs, false)?,
+                (!self.opts.recompute).then_some(xs),
+            )
+        } else {
+            (self.run(&graph_input)?, None)
+        };
+        let (output, lse) = match &targets {
+            Some(tg) => {
+                let (l, lse) = self.head_forward(&out, tg)?;
+                (StageOutput::Loss(l), Some(lse))
+            }
+            None => (StageOutput::Activations(out.detach()), None),
+        };
+        let cache = StageCache {
+            stage_uid: self.uid,
+            weights_version: self.weights_version(),
+            input: cached_input,
+            output_dims: out.dims().to_vec(),
+            output: if self.opts.recompute || self.opts.checkpoint_blocks {
+                None
+            } else {
+                Some(out)
+            },
+            block_inputs,
+            targets,
+            lse,
+        };
+        Ok((output, cache))
+    }
+
+    /// Back-propagate one micro-batch. `grad_output` is the gradient of the loss with respect to
+    /// this stage's output activation (`None` on the last stage, whose output is the loss).
+    /// Returns the gradient with respect to the input activation (`None` on stage 0).
+    pub fn backward(
+        &mut self,
+        cache: StageCache,
+        grad_output: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let (grad_input, held) = self.backward_held(cache, grad_output)?;
+        self.commit(held)?;
+        Ok(grad_input)
+    }
+
+    /// [`Stage::backward`] whose parameter gradients are handed back instead of accumulated: the
+    /// stage is unchanged until they are given to [`Stage::commit`], and dropping them undoes
+    /// the backward. A miner holds a hop's gradients until the orchestrator has recorded the
+    /// hop, so that its accumulated gradients are always those of the hops a validator replays.
+    pub fn backward_held(
+        &mut self,
+        cache: StageCache,
+        grad_output: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, HeldGradients)> {
+        if cache.stage_uid != self.uid {
+            return Err(ModelError::InvalidInput(
+                "cache was produced by a different stage".into(),
+            ));
+        }
+        let graph_input = match &cache.input {
+            CachedInput::Tokens(t) => t.clone(),
+            CachedInput::Activations(v) => v.as_tensor().clone(),
+        };
+        let dims = cache.input_dims();
+        let tokens = dims[0] * dims[1];
+        // A cache from older weights is recomputed in full (see "Stale caches" above): its
+        // graph may see the new weights in place (f32) while its activations are old.
+        let stale = cache.weights_version != self.weights_version();
+        if stale {
+            self.stale_recomputes += 1;
+            tracing::debug!(
+                target: "iota_model::stage",
+                stage = self.index,
+                cache_version = cache.weights_version,
+                weights_version = self.weights_version(),
+                "stale cache: recomputing the forward with the current weights"
+            );
+        }
+        if self.opts.checkpoint_blocks {
+            let xs = match (&cache.block_inputs, stale) {
+                (Some(xs), false) => xs.clone(),
+                _ => self.block_inputs(&graph_input)?,
+            };
+            return self.backward_by_block(&cache, &graph_input, xs, grad_output, stale, tokens);
+        }
+        let cached_output = if stale { None } else { cache.output.clone() };
+        // Every backward yields gradients of the micro-batch's summed token loss: the last stage
+        // differentiates the sum directly; other stages scale the mean-loss gradient they got by
+        // the token count. The input gradient is scaled back to the mean before it is returned.
+        // Parameter gradients in the order they are added (the head's first, as `backward` and
+        // the monolithic pipeline add them).
+        let mut parts: Vec<(usize, Tensor)> = Vec::new();
+        let surrogate = self.surrogate(
+            &cache,
+            || match cached_output {
+                Some(out) => Ok(out),
+                None => self.run(&graph_input),
+            },
+            grad_output,
+            stale,
+            tokens,
+            &mut parts,
+        )?;
+        let grads = surrogate.backward()?;
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(g) = grads.get(p.var.as_tensor()) {
+                parts.push((i, g.detach()));
+            }
+        }
+        let held = HeldGradients {
+            stage_uid: self.uid,
+            parts,
+            tokens,
+        };
+        let grad_input = match &cache.input {
+            CachedInput::Tokens(_) => None,
+            CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
+                Some(g) => (g / tokens as f64)?,
+                // Unreachable for a real stage, but a zero gradient is the right answer.
+                None => v.as_tensor().zeros_like()?,
+            }),
+        };
+        Ok((grad_input, held))
+    }
+
+    /// The scalar a backward differentiates, from the stage's `output` (computed only once the
+    /// arguments are known good): on the last stage the sum of token losses through the loss
+    /// head, whose weight gradient goes to `parts`; elsewhere the output times the gradient the
+    /// next stage sent, scaled from its micro-batch mean to the sum.
+    pub(super) fn surrogate(
+        &self,
+        cache: &StageCache,
+        output: impl FnOnce() -> Result<Tensor>,
+        grad_output: Option<&Tensor>,
+        stale: bool,
+        tokens: usize,
+        parts: &mut Vec<(usize, Tensor)>,
+    ) -> Result<Tensor> {
+        match (self.is_last(), grad_output) {
+            (true, None) => {
+                let Some(targets) = &cache.targets else {
+                    return Err(ModelError::InvalidInput(
+                        "last-stage cache lacks targets".into(),
+                    ));
+                };
+                let h = output()?;
+                let lse = match (&cache.lse, stale) {
+                    (Some(lse), false) => lse.clone(),
+                    _ => self.head_forward(&h, targets)?.1,
+                };
+                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
+                parts.push((head, gw.detach()));
+                Ok((h * gh)?.sum_all()?)
+            }
+            (false, Some(g)) => {
+                self.validate_float(g, &cache.output_dims, "output gradient")?;
+                let out = output()?;
+                let g = g.to_device(&self.opts.device)?.detach();
+                Ok(((out * g)?.sum_all()? * tokens as f64)?)
+            }
+            (true, Some(_)) => Err(ModelError::InvalidInput(
+                "the last stage takes no output gradient".into(),
+            )),
+            (false, None) => Err(ModelError::InvalidInput(
+                "a non-last stage needs the output gradient".into(),
+            )),
+        }
+    }
+
+    /// [`Stage::backward_held`] under [`StageOptions::checkpoint_blocks`]: from the top down, the
+    /// gradient at each block's output is back-propagated through that block alone, recomputed
+    /// from its input `xs[i]`; then through the embedding (stage 0) or out as the input's.
+    pub(super) fn backward_by_block(
+        &self,
+        cache: &StageCache,
+        graph_input: &Tensor,
+        xs: Vec<Tensor>,
+        grad_output: Option<&Tensor>,
+        stale: bool,
+        tokens: usize,
+    ) -> Result<(Option<Tensor>, HeldGradients)> {
+        let mut parts: Vec<(usize, Tensor)> = Vec::new();
+        let take = |grads: &GradStore, parts: &mut Vec<(usize, Tensor)>| {
+            for (i, p) in self.params.iter().enumerate() {
+                if let Some(g) = grads.get(p.var.as_tensor()) {
+                    parts.push((i, g.detach()));
+                }
+            }
+        };
+        let top = Var::from_tensor(
+            xs.last()
+                .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?,
+        )?;
+        // The same surrogates as the whole-graph backward, on the top block's output.
+        let surrogate = self.surrogate(
+            cache,
+            || self.finish(std::slice::from_ref(top.as_tensor()), true),
+            grad_output,
+            stale,
+            tokens,
+            &mut parts,
+        )?;
+        let grads = surrogate.backward()?;
+        take(&grads, &mut parts);
+        let mut g = grads
+            .get(top.as_tensor())
+            .cloned()
+            .ok_or_else(|| ModelError::InvalidInput("no gradient reached the stage".into()))?;
+        drop(grads);
+        let mask = self.causal_mask(top.dim(1)?)?;
+        for (blk, x) in self.blocks.iter().zip(&xs).rev() {
+            let input = Var::from_tensor(x)?;
+            let y = self.block(blk, input.as_tensor().clone(), Attn::Full(&mask), true)?;
+            let grads = (y * g.detach())?.sum_all()?.backward()?;
+            take(&grads, &mut parts);
+            g = match grads.get(input.as_tensor()) {
+                Some(gi) => gi.clone(),
+                None => input.as_tensor().zeros_like()?,
+            };
+        }
+        let grad_input = if self.is_first() {
+            let x = self.embed_tokens(graph_input, true)?;
+            let grads = (x * g.detach())?.sum_all()?.backward()?;
+            take(&grads, &mut parts);
+            None
+        } else {
+            Some((g / tokens as f64)?)
+        };
+        let held = HeldGradients {
+            stage_uid: self.uid,
+            parts,
+            tokens,
+        };
+        Ok((grad_input, held))
+    }
+
+    /// Adds the gradients of one [`Stage::backward_held`] to the accumulated ones (what
+    /// [`Stage::backward`] does at once, with the same arithmetic).
+    pub fn commit(&mut self, held: HeldGradients) -> Result<()> {
+        if held.stage_uid != self.uid {
+            return Err(ModelError::InvalidInput(
+                "gradients were produced by a different stage".into(),
+            ));
+        }
+        for (i, g) in held.parts {
+            self.add_grad(i, g)?;
+        }
+        self.count_backward(held.tokens);
+        Ok(())
+    }
+}
