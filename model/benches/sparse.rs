@@ -47,6 +47,7 @@ enum Merge {
     /// it sent.
     /// `decay`: how much of its unsent remainder a replica still owes after an epoch.
     /// `bits`: of each kept value, 8 or 4.
+    /// `warmup`: epochs before the `k`s hold, each keeping 4 times as many as the next.
     Sparse {
         chunk: usize,
         k: usize,
@@ -54,6 +55,7 @@ enum Merge {
         take_back: bool,
         decay: f32,
         bits: u8,
+        warmup: u64,
     },
 }
 
@@ -68,6 +70,7 @@ impl Merge {
                 take_back,
                 decay,
                 bits,
+                warmup,
             } => {
                 let feedback = if decay < 1.0 {
                     format!("error feedback decaying by {decay}")
@@ -83,7 +86,11 @@ impl Merge {
                 } else {
                     ""
                 };
-                format!("top-{k} of {chunk}, int{bits}, {feedback}; {merged}{back}")
+                let warm = match warmup {
+                    0 => String::new(),
+                    w => format!(", 4x denser for each of the first {w} epochs left"),
+                };
+                format!("top-{k} of {chunk}, int{bits}, {feedback}; {merged}{back}{warm}")
             }
         }
     }
@@ -168,13 +175,9 @@ fn run(
             merged_k,
             take_back,
             bits,
+            warmup,
             ..
-        } => Some((
-            SparseConfig::new(chunk, k)?.with_bits(bits)?,
-            chunk,
-            merged_k,
-            take_back,
-        )),
+        } => Some((chunk, k, merged_k, take_back, bits, warmup)),
     };
     let decay = match merge {
         Merge::Sparse { decay, .. } => decay,
@@ -243,7 +246,13 @@ fn run(
                     }
                     weighted_average(&parts, 2)?.values
                 }
-                Some((c, chunk, merged_k, take_back)) => {
+                Some((chunk, k, merged_k, take_back, bits, warmup)) => {
+                    let boost = 4usize.pow(warmup.saturating_sub(epoch).min(8) as u32);
+                    let c = SparseConfig::new(chunk, (k * boost).min(chunk))?.with_bits(bits)?;
+                    let merged_k = match merged_k {
+                        0 => 0,
+                        m => (m * boost).min(chunk),
+                    };
                     let sent: Vec<SparseVector> = pseudo
                         .iter()
                         .zip(feedback.iter_mut())
@@ -257,7 +266,7 @@ fn run(
                             bytes.min_cosine = bytes.min_cosine.min(c);
                         }
                     }
-                    if epoch == 0 {
+                    if epoch == warmup {
                         bytes.contribution += encoded(&sent[0]);
                     }
                     if merged_k == 0 {
@@ -274,7 +283,7 @@ fn run(
                     } else {
                         let out = SparseConfig::new(chunk, merged_k)?.with_bits(c.bits())?;
                         let merged = merge_sparse(&contribs, out, 2)?;
-                        if epoch == 0 {
+                        if epoch == warmup {
                             bytes.merged += encoded(&merged);
                         }
                         if take_back {
@@ -386,8 +395,8 @@ fn main() -> Result<()> {
     let seeds = env_or("BENCH_SEEDS", 3).max(1);
     let first_seed = env_or("BENCH_FIRST_SEED", 0);
     // `BENCH_VARIANTS=dense,4096:128:128+fb@1/0,…`: chunk:k:merged k (0 for the exact
-    // average), optionally :the error feedback's decay (1 when absent) and :the values' bits (8
-    // when absent), `+fb` to take back
+    // average), optionally :the error feedback's decay (1 when absent), :the values' bits (8
+    // when absent) and :warm-up epochs (0 when absent), `+fb` to take back
     // what the merge dropped, then the outer lr and momentum after `@` (0.7/0.9 when absent).
     let variants: Vec<(Merge, OuterConfig)> = std::env::var("BENCH_VARIANTS")
         .unwrap_or_else(|_| "dense@1/0,4096:128:512+fb@1/0,4096:128:512:0.95+fb@1/0".into())
@@ -401,7 +410,7 @@ fn main() -> Result<()> {
                     .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
             };
             let merge = match n.len() {
-                3..=5 => Merge::Sparse {
+                3..=6 => Merge::Sparse {
                     chunk: num(0),
                     k: num(1),
                     merged_k: num(2),
@@ -412,6 +421,10 @@ fn main() -> Result<()> {
                     }),
                     bits: n.get(4).map_or(8, |b| {
                         b.parse()
+                            .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
+                    }),
+                    warmup: n.get(5).map_or(0, |w| {
+                        w.parse()
                             .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
                     }),
                 },
