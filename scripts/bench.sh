@@ -63,12 +63,13 @@ fi
 
 sections=target/bench
 mkdir -p "$sections"
-# Sections measured earlier and only found in the committed file (e.g. in a fresh clone) are kept.
+# Every section starts as the file has it, so that a section not run now keeps what was
+# written into the file by hand since it was measured (a leftover copy here would undo that).
 if [ -f "$out" ]; then
     awk -v dir="$sections" '
         /^```/ { fenced = !fenced }
-        /^## / && !fenced { file = dir "/" $2 ".md"; keep = (system("test -f " file) != 0); if (keep) printf "" > file }
-        file != "" && keep { print >> file }
+        /^## / && !fenced { file = dir "/" $2 ".md"; printf "" > file }
+        file != "" { print >> file }
     ' "$out"
 fi
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+uncommitted')"
