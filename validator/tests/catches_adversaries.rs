@@ -219,12 +219,36 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         // The run may have reached epoch 2's uploading; that one is refused too, as it has not
         // uploaded since.
         assert_eq!(reserved, vec![0], "reservations of the withholder");
+        // Every miner's CLASP fit, named by seed and kind: when an honest miner is flagged (it
+        // happened once, in epoch 1 of a CI run), its stage's fits say why.
+        let names: BTreeMap<String, String> = HONEST
+            .iter()
+            .map(|s| (ss58(*s), format!("honest {s}")))
+            .chain(CHEATERS.iter().map(|(s, a)| (ss58(*s), format!("{a} {s}"))))
+            .collect();
+        let effects: Vec<(String, String)> = sqlx::query_as(
+            "SELECT hotkey, format('epoch %s stage %s: effect %s se %s z %s n %s flagged %s', \
+             epoch, stage, round(effect::numeric, 4), round(std_error::numeric, 4), \
+             round(z::numeric, 2), samples, flagged) \
+             FROM clasp_effects ORDER BY epoch, stage, effect",
+        )
+        .fetch_all(store.pool())
+        .await
+        .expect("clasp effects");
+        let fits: Vec<String> = effects
+            .iter()
+            .map(|(h, fit)| format!("{} {fit}", names.get(h).map_or(h.as_str(), String::as_str)))
+            .collect();
+        eprintln!("CLASP fits:\n{}", fits.join("\n"));
         for seed in HONEST {
             let zeroed: Vec<_> = rows
                 .iter()
                 .filter(|r| r.1 == ss58(seed) && r.2 == 0.0)
                 .collect();
-            assert!(zeroed.is_empty(), "honest miner penalised: {zeroed:?}");
+            assert!(
+                zeroed.is_empty(),
+                "honest miner {seed} penalised: {zeroed:?} (CLASP fits above)"
+            );
         }
 
         // The weights the validator committed (what it reveals) rank every cheater below every
