@@ -248,6 +248,9 @@ fn run(
                 }
                 Some((chunk, k, merged_k, take_back, bits, warmup)) => {
                     let boost = 4usize.pow(warmup.saturating_sub(epoch).min(8) as u32);
+                    // Bytes are measured in the first epoch after the warm-up (the run's own
+                    // k), or in the last epoch of a run no longer than the warm-up.
+                    let measured = epoch == warmup.min(setup.epochs.saturating_sub(1));
                     let c = SparseConfig::new(chunk, (k * boost).min(chunk))?.with_bits(bits)?;
                     let merged_k = match merged_k {
                         0 => 0,
@@ -266,7 +269,7 @@ fn run(
                             bytes.min_cosine = bytes.min_cosine.min(c);
                         }
                     }
-                    if epoch == warmup {
+                    if measured {
                         bytes.contribution += encoded(&sent[0]);
                     }
                     if merged_k == 0 {
@@ -283,7 +286,7 @@ fn run(
                     } else {
                         let out = SparseConfig::new(chunk, merged_k)?.with_bits(c.bits())?;
                         let merged = merge_sparse(&contribs, out, 2)?;
-                        if epoch == warmup {
+                        if measured {
                             bytes.merged += encoded(&merged);
                         }
                         if take_back {
