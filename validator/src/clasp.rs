@@ -70,7 +70,8 @@ pub struct MinerEffect {
     pub effect: f64,
     /// `effect` less its stage's median effect: the miner against its stage's median peer,
     /// which the flag and the score's quality judge (against the mean, one miner understating
-    /// its losses made every peer look harmful).
+    /// its losses made every peer look harmful). The median is over the stage's miners seen on
+    /// at least `min_samples` samples, or all of them where none is.
     pub over_median: f64,
     /// Standard error of the effect.
     pub std_error: f64,
@@ -286,10 +287,22 @@ impl Clasp {
         // A flag measures a miner against its stage's median peer, not the mean: one miner
         // whose samples report far lower losses (a last-stage miner understating them) pulls the
         // mean down and every peer above it, which flagged honest peers. The median moves with a
-        // majority only.
+        // majority only. It is taken over the miners seen on at least `min_samples` (all of
+        // them where none is): the ridge pulls a little-seen miner's effect towards the stage's
+        // mean, which measures no peer, and an honest miner was flagged against it.
         let medians: Vec<f64> = members
             .iter()
-            .map(|cols| median(cols.iter().map(|c| beta[*c]).collect()))
+            .map(|cols| {
+                let seen: Vec<f64> = cols
+                    .iter()
+                    .filter(|c| self.counts[**c - 1] >= cfg.min_samples)
+                    .map(|c| beta[*c])
+                    .collect();
+                match seen.is_empty() {
+                    true => median(cols.iter().map(|c| beta[*c]).collect()),
+                    false => median(seen),
+                }
+            })
             .collect();
         let effects = self
             .miner_stage
@@ -464,6 +477,41 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(Vec::new()), 0.0);
+    }
+
+    /// The CI failure this guards against: at the last stage, a miner halving its reported
+    /// losses, two honest miners seen on many samples and one honest miner seen on two. The
+    /// ridge pulls the little-seen miner's effect towards the stage's mean, which the halving
+    /// miner holds far below the honest ones; a median counting it fell between the honest
+    /// miners and that shrunken estimate, and flagged an honest miner against it.
+    #[test]
+    fn a_little_seen_miner_does_not_set_its_stages_median() {
+        let mut clasp = Clasp::new(2, vec![0, 0, 0, 1, 1, 1, 1]);
+        let mut rng = StdRng::seed_from_u64(11);
+        let honest_loss = |rng: &mut StdRng| 3.0 + rng.gen_range(-0.1..0.1);
+        for i in 0..600u32 {
+            let last = 3 + i % 3;
+            let loss = honest_loss(&mut rng);
+            let reported = if last == 3 { 0.5 * loss } else { loss };
+            clasp
+                .add(reported, &[rng.gen_range(0..3u32), last])
+                .expect("add");
+        }
+        for i in 0..2u32 {
+            clasp.add(honest_loss(&mut rng), &[i, 6]).expect("add");
+        }
+        let fit = clasp.fit(&ClaspConfig::default()).expect("fit");
+        let (halving, honest, little) = (&fit.effects[3], &fit.effects[4..6], &fit.effects[6]);
+        assert!(halving.effect < -1.0, "{halving:?}");
+        assert!(
+            little.effect < honest[0].effect - 0.1,
+            "the ridge shrinks the little-seen miner: {little:?}"
+        );
+        assert!(fit.effects.iter().all(|e| !e.flagged), "{:?}", fit.effects);
+        assert!(
+            honest.iter().all(|e| e.over_median.abs() < 0.02),
+            "the honest miners are the stage's median: {honest:?}"
+        );
     }
 
     #[test]
