@@ -921,6 +921,7 @@ async fn disputes_are_settled_by_a_validator_and_scores_recorded() {
             clasp_min_effect: 0.02,
             clasp_min_samples: 30,
             clasp_window: 10,
+            clasp_median_of_seen: true,
             quality_scale: 0.1,
             decay: 0.7,
             window: 10,

@@ -40,6 +40,10 @@ pub struct ClaspConfig {
     /// Epochs of samples one fit pools (the scored epoch and those before it): one epoch of 256
     /// samples is too few to flag anyone past about 8 miners a stage (`benches/power.rs`).
     pub window: u64,
+    /// Take a stage's median over its miners seen on at least `min_samples` (all of them
+    /// where none is): the ridge pulls a little-seen miner's effect towards the stage's mean,
+    /// which measures no peer. Off only to recompute epochs scored before this was the rule.
+    pub median_of_seen: bool,
 }
 
 impl Default for ClaspConfig {
@@ -55,6 +59,7 @@ impl Default for ClaspConfig {
             // The score window's length: pooled over 10 epochs of 256 samples, a 0.2-nat
             // harmful miner is flagged in every trial at 4, 8 and 16 miners a stage.
             window: 10,
+            median_of_seen: true,
         }
     }
 }
@@ -295,7 +300,7 @@ impl Clasp {
             .map(|cols| {
                 let seen: Vec<f64> = cols
                     .iter()
-                    .filter(|c| self.counts[**c - 1] >= cfg.min_samples)
+                    .filter(|c| !cfg.median_of_seen || self.counts[**c - 1] >= cfg.min_samples)
                     .map(|c| beta[*c])
                     .collect();
                 match seen.is_empty() {
@@ -512,6 +517,15 @@ mod tests {
             honest.iter().all(|e| e.over_median.abs() < 0.02),
             "the honest miners are the stage's median: {honest:?}"
         );
+        // The rule before, kept for recomputing epochs scored under it: both honest miners
+        // flagged.
+        let before = clasp
+            .fit(&ClaspConfig {
+                median_of_seen: false,
+                ..ClaspConfig::default()
+            })
+            .expect("fit");
+        assert_eq!(flagged(&before), vec![4, 5], "{:?}", before.effects);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub fn params(clasp: &ClaspConfig, score: &ScoreConfig, burn: Option<(u16, f64)>
         clasp_min_effect: clasp.min_effect,
         clasp_min_samples: clasp.min_samples,
         clasp_window: clasp.window,
+        clasp_median_of_seen: clasp.median_of_seen,
         quality_scale: score.quality_scale,
         decay: score.decay,
         window: score.window,
@@ -45,6 +46,7 @@ pub fn settings(p: &ScoringParams) -> Settings {
             min_effect: p.clasp_min_effect,
             min_samples: p.clasp_min_samples,
             window: p.clasp_window,
+            median_of_seen: p.clasp_median_of_seen,
         },
         score: ScoreConfig {
             quality_scale: p.quality_scale,
@@ -137,6 +139,7 @@ mod tests {
             min_effect: 0.03,
             min_samples: 12,
             window: 3,
+            median_of_seen: false,
         };
         let score = ScoreConfig {
             quality_scale: 0.2,
@@ -147,6 +150,21 @@ mod tests {
             let back = settings(&params(&clasp, &score, burn));
             assert_eq!(back, Settings { clasp, score, burn });
         }
+    }
+
+    /// A publication from before the median rule was a setting is recomputed under the rule
+    /// it was scored with: the median of every miner.
+    #[test]
+    fn settings_published_before_the_median_rule_read_as_the_old_rule() {
+        let now = params(&ClaspConfig::default(), &ScoreConfig::default(), None);
+        assert!(settings(&now).clasp.median_of_seen);
+        let mut json = serde_json::to_value(&now).expect("json");
+        let removed = json
+            .as_object_mut()
+            .and_then(|o| o.remove("clasp_median_of_seen"));
+        assert_eq!(removed, Some(serde_json::Value::Bool(true)));
+        let old: ScoringParams = serde_json::from_value(json).expect("an older publication");
+        assert!(!settings(&old).clasp.median_of_seen);
     }
 
     #[test]

@@ -171,6 +171,12 @@ pub struct ScoringParams {
     #[serde(default = "one_epoch")]
     #[schema(minimum = 1, maximum = 64)]
     pub clasp_window: u64,
+    /// Whether a stage's median effect, which flags and quality are judged against, is that
+    /// of its miners fitted on at least `clasp_min_samples` samples (or of all of them where none
+    /// is). Absent, and false, in publications from before it was the rule: they took the
+    /// median of every miner.
+    #[serde(default)]
+    pub clasp_median_of_seen: bool,
     /// Loss difference (nats) at which quality halves.
     pub quality_scale: f64,
     /// Per-epoch decay of older scores, in (0, 1].
