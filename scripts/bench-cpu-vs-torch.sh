@@ -5,7 +5,10 @@
 # with the `openblas` feature (system OpenBLAS; skipped when libopenblas is not installed), the
 # latter once with the kernels OpenBLAS picks itself and, on an AVX-512 CPU, once more with
 # OPENBLAS_CORETYPE=SkylakeX (OpenBLAS 0.3.21 falls back to AVX2 kernels on CPUs it does not
-# know, AMD Zen 5 among them). Prints a table of median tokens/s and the ratios to PyTorch.
+# know, AMD Zen 5 among them), and once more (its own gemm) with each micro-batch cut in two runs
+# trained side by side (`StageOptions::sub_batches`, `iota miner --sub-batches 2`), element-wise
+# operations on one thread as `iota miner` then runs them. Prints a table of median tokens/s and
+# the ratios to PyTorch.
 #
 #   scripts/bench-cpu-vs-torch.sh                 # ROUNDS=3 ITERS=5 CONFIG=small BATCH=4 SEQ=128
 #   TORCH_PYTHON=/path/to/venv/bin/python scripts/bench-cpu-vs-torch.sh
@@ -23,14 +26,15 @@ PY="${TORCH_PYTHON:-python3}"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 cargo build -q --release -p iota-model --example speed
 cp target/release/examples/speed "$tmp/speed-gemm"
-# Variants: name, binary, extra environment.
-variants=("gemm|$tmp/speed-gemm|")
+# Variants: name, binary, extra environment, the example's mode, element-wise threads (t: the
+# thread count of the row).
+variants=("gemm|$tmp/speed-gemm||monolithic|t" "gemm-runs2|$tmp/speed-gemm||sub-batched:2|1")
 if ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\b'; then
   cargo build -q --release -p iota-model --features openblas --example speed
   cp target/release/examples/speed "$tmp/speed-blas"
-  variants+=("openblas|$tmp/speed-blas|")
+  variants+=("openblas|$tmp/speed-blas||monolithic|t")
   if grep -qw avx512f /proc/cpuinfo; then
-    variants+=("openblas-skx|$tmp/speed-blas|OPENBLAS_CORETYPE=SkylakeX")
+    variants+=("openblas-skx|$tmp/speed-blas|OPENBLAS_CORETYPE=SkylakeX|monolithic|t")
   fi
 else
   echo "libopenblas not installed (apt-get install libopenblas-dev): no OpenBLAS columns" >&2
@@ -42,9 +46,10 @@ echo "load average before: $load_before" >&2
 for r in $(seq "$ROUNDS"); do
   for t in $THREADS; do
     for v in "${variants[@]}"; do
-      IFS='|' read -r name bin extra <<< "$v"
-      c=$(env $extra CANDLE_NUM_THREADS=$t RAYON_NUM_THREADS=$t "$bin" "$CONFIG" "$BATCH" "$SEQ" "$ITERS" \
-        2> "$tmp/err" | sed 's/.*=//')
+      IFS='|' read -r name bin extra mode ew <<< "$v"
+      [ "$ew" = t ] && ew=$t
+      c=$(env $extra CANDLE_NUM_THREADS=$ew RAYON_NUM_THREADS=$t "$bin" "$CONFIG" "$BATCH" "$SEQ" "$ITERS" \
+        "$mode" 2> "$tmp/err" | sed 's/.*=//')
       echo "$name $t $c" >> "$tmp/runs"
       echo "round $r, $t thread(s): candle $name $c tokens/s ($(grep '^matmul' "$tmp/err"))" >&2
     done
@@ -60,7 +65,8 @@ import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
 names = list(dict.fromkeys(r[0] for r in rows if r[0] != "torch"))
 label = {"gemm": "candle (gemm)", "openblas": "candle + OpenBLAS",
-         "openblas-skx": "candle + OpenBLAS SkylakeX"}
+         "openblas-skx": "candle + OpenBLAS SkylakeX",
+         "gemm-runs2": "candle (gemm), 2 runs side by side"}
 threads = sorted({r[1] for r in rows}, key=int)
 med = {(n, t): statistics.median(float(r[2]) for r in rows if r[0] == n and r[1] == t)
        for n in names + ["torch"] for t in threads}

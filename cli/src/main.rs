@@ -458,6 +458,12 @@ fn cpu_threads(cli: &Cli) -> Option<iota_model::CpuThreads> {
             args.models_at_once(),
             iota_model::threads::available_cores(),
         )),
+        Command::Miner(m) if m.sub_batches > 1 && !iota_model::CpuThreads::set_in_env() => {
+            Some(iota_model::CpuThreads {
+                matmul: iota_model::threads::available_cores(),
+                elementwise: 1,
+            })
+        }
         _ => None,
     }
 }
@@ -595,6 +601,18 @@ mod tests {
         assert_eq!(cpu_threads(&flag), Some(iota_model::CpuThreads::uniform(3)));
         // A dedicated miner keeps candle's defaults.
         assert_eq!(cpu_threads(&parse(&["iota", "miner"])), None);
+        // Runs of a cut micro-batch side by side: products on every core, element-wise
+        // operations on one thread each (candle's pool would make the runs take turns).
+        if !iota_model::CpuThreads::set_in_env() {
+            assert_eq!(
+                cpu_threads(&parse(&["iota", "miner", "--sub-batches", "2"])),
+                Some(iota_model::CpuThreads {
+                    matmul: iota_model::threads::available_cores(),
+                    elementwise: 1
+                })
+            );
+        }
+        assert!(Cli::try_parse_from(["iota", "miner", "--sub-batches", "0"]).is_err());
         // `localnet up` shares the cores out between its 3 x 2 miners, one adversary and two
         // validators, unless the environment already chooses.
         fn up_args(cli: &Cli) -> &up::UpArgs {

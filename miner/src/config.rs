@@ -135,6 +135,9 @@ pub struct MinerConfig {
     /// blocks one at a time: far less memory per sample in flight for about one more forward
     /// (the gradients are the same bits).
     pub checkpoint_blocks: bool,
+    /// Runs each micro-batch is cut into, side by side on the CPU's cores
+    /// ([`StageOptions::sub_batches`]; 1: the micro-batch whole).
+    pub sub_batches: usize,
     /// Memory to report; measured when `None`.
     pub memory_bytes: Option<u64>,
     /// Throughput to report; measured when `None` (a one-block estimate at registration, then
@@ -166,6 +169,7 @@ impl MinerConfig {
             max_items: 4,
             cache_budget: None,
             checkpoint_blocks: false,
+            sub_batches: 1,
             memory_bytes: None,
             tokens_per_s: None,
             adversary: None,
@@ -181,6 +185,7 @@ impl MinerConfig {
     pub fn stage_options(&self) -> Result<StageOptions, MinerError> {
         Ok(StageOptions {
             checkpoint_blocks: self.checkpoint_blocks,
+            sub_batches: self.sub_batches.max(1),
             ..self.device.stage_options()?
         })
     }
@@ -254,6 +259,13 @@ pub struct MinerArgs {
     /// time in the backward (much less memory per sample in flight, about one more forward).
     #[arg(long = "checkpoint-blocks", env = "IOTA_CHECKPOINT_BLOCKS")]
     pub checkpoint_blocks: bool,
+    /// Cut each micro-batch into this many runs of sequences, trained side by side, one per
+    /// core: on a CPU of 2 cores or more, 2 is faster than 1 (`BENCHMARKS.md`, cpu-vs-torch).
+    /// Unless the environment chooses, `iota miner` then runs element-wise operations on one
+    /// thread each, since candle's element-wise pool makes concurrent runs take turns.
+    #[arg(long = "sub-batches", env = "IOTA_SUB_BATCHES", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub sub_batches: u16,
     /// Memory to report to the orchestrator, in GB (measured when absent).
     #[arg(long = "memory-gb", env = "IOTA_MEMORY_GB")]
     pub memory_gb: Option<f64>,
@@ -285,6 +297,7 @@ impl MinerArgs {
             max_items: self.max_items.clamp(1, iota_protocol::api::MAX_WORK_ITEMS),
             cache_budget: self.cache_budget,
             checkpoint_blocks: self.checkpoint_blocks,
+            sub_batches: usize::from(self.sub_batches),
             memory_bytes: self.memory_gb.map(|g| (g * 1e9) as u64),
             tokens_per_s: None,
             adversary: self.adversary,

@@ -2,7 +2,7 @@
 //! candle half of `scripts/bench-cpu-vs-torch.sh` (which runs PyTorch on the same shapes).
 //!
 //! ```text
-//! CANDLE_NUM_THREADS=2 cargo run --release -p iota-model --example speed -- small 4 128 5 [staged]
+//! CANDLE_NUM_THREADS=2 cargo run --release -p iota-model --example speed -- small 4 128 5 [staged|sub-batched:N]
 //! ```
 //!
 //! Prints `tokens_per_s=<median over the timed iterations, after one warm-up>` on stdout, and on
@@ -28,7 +28,13 @@ fn main() -> Result<(), Box<dyn Error>> {
     let batch: usize = arg(1, "4").parse()?;
     let seq: usize = arg(2, "128").parse()?;
     let iters: usize = arg(3, "5").parse()?;
-    let staged = arg(4, "monolithic") == "staged";
+    // `staged`, `monolithic` (the default) or `sub-batched:N` (the micro-batch cut in N runs).
+    let mode = arg(4, "monolithic");
+    let staged = mode == "staged";
+    let parts: usize = match mode.strip_prefix("sub-batched:") {
+        Some(n) => n.parse()?,
+        None => 1,
+    };
     let mut rng = SplitMix64::new(0);
     let mut ids = |n: usize| -> Vec<u32> {
         (0..n)
@@ -37,7 +43,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let tokens = Tensor::from_vec(ids(batch * seq), (batch, seq), &Device::Cpu)?;
     let targets = Tensor::from_vec(ids(batch * seq), (batch, seq), &Device::Cpu)?;
-    let mut p = Pipeline::new(&cfg, &StageOptions::cpu())?;
+    let opts = StageOptions {
+        sub_batches: parts,
+        ..StageOptions::cpu()
+    };
+    let mut p = Pipeline::new(&cfg, &opts)?;
     let mut times = Vec::new();
     let mut cpu_start = None;
     for it in 0..=iters {

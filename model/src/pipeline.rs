@@ -60,6 +60,14 @@ pub struct StepStats {
     pub encoded_bytes: usize,
 }
 
+/// One run of a cut micro-batch: its mean loss, its tokens, and (when the loss is finite) the
+/// LM head's parameter index, that parameter's gradient, and every other gradient.
+type RunGradients = (
+    f32,
+    usize,
+    Option<(usize, Tensor, candle_core::backprop::GradStore)>,
+);
+
 /// All stages of one model.
 #[derive(Debug)]
 pub struct Pipeline {
@@ -209,12 +217,14 @@ impl Pipeline {
 
     /// Forward and backward through all stages as one autograd graph (no boundary encoding),
     /// accumulating the same parameter gradients as [`Pipeline::forward_backward`] would (and,
-    /// like it, skipping the backward pass when the loss is not finite).
+    /// like it, skipping the backward pass when the loss is not finite). The micro-batch is cut
+    /// as the first stage's [`StageOptions::sub_batches`] says, one graph per run.
     pub fn forward_backward_monolithic(
         &mut self,
         tokens: &Tensor,
         targets: &Tensor,
     ) -> Result<f32> {
+        use rayon::prelude::*;
         let first = &self.stages[0];
         let (b, t) = first.validate_tokens(tokens, "input tokens")?;
         let last = self.stages.len() - 1;
@@ -223,21 +233,49 @@ impl Pipeline {
             return Err(ModelError::shape("targets", &[b, t], targets.dims()));
         }
         let targets = &targets.to_device(&self.stages[last].options().device)?;
-        let mut x = tokens.clone();
-        for stage in &self.stages {
-            x = stage.run(&x.to_device(&stage.options().device)?)?;
+        let cuts = crate::stage::sub_batch_cuts(b, self.stages[0].options().sub_batches);
+        let stages = &self.stages;
+        let run = |&(start, len): &(usize, usize)| -> Result<RunGradients> {
+            let mut x = tokens.narrow(0, start, len)?;
+            let y = targets.narrow(0, start, len)?;
+            for stage in stages {
+                x = stage.run(&x.to_device(&stage.options().device)?)?;
+            }
+            let (loss, lse) = stages[last].head_forward(&x, &y)?;
+            if !loss.mean.is_finite() {
+                return Ok((loss.mean, loss.tokens, None));
+            }
+            let (head, gh, gw) = stages[last].head_gradients(&x, &y, &lse)?;
+            let grads = (x * gh)?.sum_all()?.backward()?;
+            Ok((loss.mean, loss.tokens, Some((head, gw, grads))))
+        };
+        let runs: Vec<RunGradients> = if cuts.len() == 1 {
+            vec![run(&cuts[0])?]
+        } else {
+            cuts.par_iter().map(run).collect::<Result<_>>()?
+        };
+        let mut sum = 0f64;
+        let mut count = 0usize;
+        for (mean, tokens, _) in &runs {
+            if !mean.is_finite() {
+                return Ok(*mean);
+            }
+            sum += f64::from(*mean) * *tokens as f64;
+            count += tokens;
         }
-        let (loss, lse) = self.stages[last].head_forward(&x, targets)?;
-        if !loss.mean.is_finite() {
-            return Ok(loss.mean);
+        for (_, _, g) in runs {
+            if let Some((head, gw, grads)) = g {
+                self.stages[last].add_grad(head, gw)?;
+                for stage in &mut self.stages {
+                    stage.accumulate(&grads)?;
+                }
+            }
         }
-        let gh = self.stages[last].head_backward(&x, targets, &lse)?;
-        let grads = (x * gh)?.sum_all()?.backward()?;
         for stage in &mut self.stages {
-            stage.accumulate(&grads)?;
             stage.count_backward(b * t);
         }
-        Ok(loss.mean)
+        // Exact for one run: a mean of f32 times at most 2^31 tokens is exact in f64.
+        Ok((sum / count.max(1) as f64) as f32)
     }
 
     /// Mean loss of a batch through the staged path (including wire encoding of activations),

@@ -74,6 +74,14 @@ pub struct StageOptions {
     /// block's graph exists (with `recompute`, the block inputs too are recomputed). The
     /// gradients are those of the whole graph.
     pub checkpoint_blocks: bool,
+    /// Runs a micro-batch is cut into: runs of consecutive sequences (as even as they divide,
+    /// at most one per sequence), each forward and backward through its own graph on the
+    /// thread pool, their gradients added in order. Runs side by side keep the cores busier
+    /// than one run's products and element-wise operations split across them; the cut follows
+    /// this number alone, never the thread count, so any number of threads adds the same
+    /// bits. Against the uncut micro-batch the gradients differ by f32 rounding (each sum over
+    /// tokens is split). 1: the micro-batch whole.
+    pub sub_batches: usize,
 }
 
 impl Default for StageOptions {
@@ -91,6 +99,7 @@ impl StageOptions {
             compute_dtype: DType::F32,
             recompute: false,
             checkpoint_blocks: false,
+            sub_batches: 1,
         }
     }
 
@@ -111,6 +120,9 @@ impl StageOptions {
     }
 
     fn validate(&self, allow_cpu_half: bool) -> Result<()> {
+        if self.sub_batches == 0 {
+            return Err(ModelError::Config("sub_batches must be at least 1".into()));
+        }
         if !matches!(self.param_dtype, DType::F32 | DType::F64) {
             return Err(ModelError::Config(format!(
                 "param_dtype must be F32 or F64, got {:?}",
@@ -260,6 +272,17 @@ pub struct StageCache {
     /// Per-token log-sum-exp of the head (last stage).
     lse: Option<Tensor>,
     output_dims: Vec<usize>,
+    /// Under [`StageOptions::sub_batches`]: each run's own cache, in batch order (`input` then
+    /// holds the whole input, for its shape, and nothing else is kept here).
+    runs: Vec<StageCache>,
+}
+
+/// The cut of a micro-batch of `b` sequences into `parts` runs: (first sequence, sequences).
+pub(crate) fn sub_batch_cuts(b: usize, parts: usize) -> Vec<(usize, usize)> {
+    let parts = parts.clamp(1, b.max(1));
+    (0..parts)
+        .map(|i| (i * b / parts, (i + 1) * b / parts - i * b / parts))
+        .collect()
 }
 
 enum CachedInput {

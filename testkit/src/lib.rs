@@ -57,7 +57,16 @@ pub async fn joined(
     tokens_per_s: f64,
     adversary: Option<Adversary>,
 ) -> MinerHandle {
-    let mut cfg = miner_config(base);
+    joined_with(miner_config(base), seed, tokens_per_s, adversary).await
+}
+
+/// [`joined`] with settings of its own (`cfg`, from [`miner_config`]).
+pub async fn joined_with(
+    mut cfg: MinerConfig,
+    seed: u8,
+    tokens_per_s: f64,
+    adversary: Option<Adversary>,
+) -> MinerHandle {
     cfg.tokens_per_s = Some(tokens_per_s);
     cfg.adversary = adversary;
     cfg.seed = u64::from(seed);

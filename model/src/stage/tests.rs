@@ -518,6 +518,17 @@ fn stale_cache_backward_equals_from_scratch_f64() {
     check_stale_cache(&f64_opts(), 1e-12);
 }
 
+/// A micro-batch cut into runs: each run's stale cache is recomputed, and the backward counts
+/// one stale recompute, not one a run.
+#[test]
+fn stale_cache_backward_equals_from_scratch_in_runs() {
+    let opts = StageOptions {
+        sub_batches: 2,
+        ..f64_opts()
+    };
+    check_stale_cache(&opts, 1e-12);
+}
+
 /// bf16 compute on the CPU (test hook): the cached bf16 graph holds old weight copies, f32
 /// sees the update in place; both recompute the same way. The gradients are compared with a
 /// fresh bf16 stage, so the tolerance is f32-tight: same weights, same arithmetic.
@@ -777,4 +788,146 @@ fn stage_built_alone_equals_stage_in_model() {
     let other = Stage::new(&other_cfg, 1, StageOptions::cpu()).unwrap();
     let c = other.forward_eval(&x, None).unwrap();
     assert!(abs_sum(&(a.activations().unwrap() - c.activations().unwrap()).unwrap()) > 0.0);
+}
+
+/// All of a stage's (or a model's) accumulated gradients, flattened to f64.
+fn all_grads(stages: &[Stage]) -> Vec<Vec<f64>> {
+    stages
+        .iter()
+        .flat_map(|s| {
+            (0..s.params().len()).map(move |i| {
+                s.grad(i)
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            })
+        })
+        .collect()
+}
+
+fn max_rel_grad_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let scale = y.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
+            x.iter()
+                .zip(y)
+                .fold(0f64, |m, (p, q)| m.max((p - q).abs() / scale))
+        })
+        .fold(0f64, f64::max)
+}
+
+/// A micro-batch cut into runs (evenly, unevenly, into more runs than it has sequences; with
+/// and without per-block checkpointing) gives the whole micro-batch's loss, per-sequence losses
+/// and gradients up to f64 rounding, staged and monolithic. A run's gradient scaled by its own
+/// token count instead of the micro-batch's, or runs put back in another order, would not.
+#[test]
+fn sub_batches_give_the_whole_micro_batchs_gradients() {
+    let cfg = ModelConfig::tiny().with_stages(vec![1, 2, 1]);
+    let b = batch(12, 5);
+    let mut whole = Pipeline::new(&cfg, &f64_opts()).unwrap();
+    let lw = whole.forward_backward(&b.inputs, &b.targets).unwrap().loss;
+    let gw = all_grads(whole.stages());
+    let mut mono = Pipeline::new(&cfg, &f64_opts()).unwrap();
+    mono.forward_backward_monolithic(&b.inputs, &b.targets)
+        .unwrap();
+    let gm = all_grads(mono.stages());
+    let last = cfg.num_stages() - 1;
+    let x = whole.stages()[..last]
+        .iter()
+        .fold(b.inputs.clone(), |x, s| s.run(&x).unwrap());
+    let per_sequence = |s: &Stage| match s.forward(&x, Some(&b.targets)).unwrap().0 {
+        StageOutput::Loss(l) => l.per_sequence,
+        StageOutput::Activations(_) => panic!("the last stage gives a loss"),
+    };
+    let sequences = per_sequence(&whole.stages()[last]);
+    for (parts, checkpoint_blocks) in [(2, false), (3, true), (8, false)] {
+        let opts = StageOptions {
+            sub_batches: parts,
+            checkpoint_blocks,
+            ..f64_opts()
+        };
+        let what = format!("{parts} runs, checkpointing {checkpoint_blocks}");
+        let mut p = Pipeline::new(&cfg, &opts).unwrap();
+        let l = p.forward_backward(&b.inputs, &b.targets).unwrap().loss;
+        assert!(
+            (l - lw).abs() <= 1e-6 * lw.abs(),
+            "{what}: loss {l} vs {lw}"
+        );
+        let d = max_rel_grad_diff(&all_grads(p.stages()), &gw);
+        assert!(d < 1e-9, "{what}: staged gradients differ by {d}");
+        let cut = per_sequence(&p.stages()[last]);
+        assert_eq!(cut.len(), sequences.len());
+        for (c, w) in cut.iter().zip(&sequences) {
+            assert!(
+                (c - w).abs() <= 1e-6 * w.abs(),
+                "{what}: {cut:?} vs {sequences:?}"
+            );
+        }
+        let mut m = Pipeline::new(&cfg, &opts).unwrap();
+        m.forward_backward_monolithic(&b.inputs, &b.targets)
+            .unwrap();
+        let d = max_rel_grad_diff(&all_grads(m.stages()), &gm);
+        assert!(d < 1e-9, "{what}: monolithic gradients differ by {d}");
+        // A middle stage alone, given the gradient of the micro-batch's mean loss: the input's
+        // gradient it returns is the whole micro-batch's too (in a pipeline, a wrong scale of
+        // it would cancel against the stage below's).
+        let mut alone = [
+            Stage::new(&cfg, 1, f64_opts()).unwrap(),
+            Stage::new(&cfg, 1, opts).unwrap(),
+        ];
+        let x1 = whole.stages()[0].run(&b.inputs).unwrap();
+        let g = random_like(&alone[0].output_dims(5, 12), 7, DType::F64);
+        let inputs: Vec<Tensor> = alone
+            .iter_mut()
+            .map(|s| {
+                let (_, cache) = s.forward(&x1, None).unwrap();
+                s.backward(cache, Some(&g)).unwrap().unwrap()
+            })
+            .collect();
+        let d = max_rel_diff(&inputs[1], &inputs[0]);
+        assert!(d < 1e-9, "{what}: input gradients differ by {d}");
+        let d = max_rel_grad_diff(&all_grads(&alone[1..]), &all_grads(&alone[..1]));
+        assert!(d < 1e-9, "{what}: a stage's gradients differ by {d}");
+    }
+    let none = StageOptions {
+        sub_batches: 0,
+        ..StageOptions::cpu()
+    };
+    assert!(Stage::new(&cfg, 0, none).is_err());
+}
+
+/// The runs of a cut micro-batch add up to the same bits whatever the number of threads they
+/// ran on: the cut and the order of the sums follow the options, never the thread pool.
+#[test]
+fn sub_batches_add_the_same_bits_on_any_thread_count() {
+    let cfg = ModelConfig::tiny().with_stages(vec![1, 2, 1]);
+    let b = batch(12, 4);
+    let opts = StageOptions {
+        sub_batches: 3,
+        ..StageOptions::cpu()
+    };
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| {
+                let mut staged = Pipeline::new(&cfg, &opts).unwrap();
+                staged.forward_backward(&b.inputs, &b.targets).unwrap();
+                let mut mono = Pipeline::new(&cfg, &opts).unwrap();
+                mono.forward_backward_monolithic(&b.inputs, &b.targets)
+                    .unwrap();
+                (all_grads(staged.stages()), all_grads(mono.stages()))
+            })
+    };
+    let one = run(1);
+    for threads in [2, 4] {
+        assert!(run(threads) == one, "{threads} threads");
+    }
 }

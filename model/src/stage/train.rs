@@ -1,25 +1,24 @@
 //! The backward of a stage: the LM head's gradients, accumulation, the training forward and
 //! backward (whole or block by block, held or committed).
 
+use rayon::prelude::*;
+
 use super::*;
 
-impl Stage {
-    /// Gradient of the **sum** of token losses with respect to `h`; the head's own gradient
-    /// (of the same sum) is accumulated.
-    pub(crate) fn head_backward(
-        &mut self,
-        h: &Tensor,
-        targets: &Tensor,
-        lse: &Tensor,
-    ) -> Result<Tensor> {
-        let (head, gh, gw) = self.head_gradients(h, targets, lse)?;
-        self.add_grad(head, gw)?;
-        Ok(gh)
-    }
+/// Parameter gradients of one backward, (parameter index, gradient) in the order they are added.
+type ParamGrads = Vec<(usize, Tensor)>;
 
+/// One run's backward: the input's gradient, the parameters', and whether its cache was stale.
+struct RunBackward {
+    grad_input: Option<Tensor>,
+    params: ParamGrads,
+    stale: bool,
+}
+
+impl Stage {
     /// The LM head's backward: its parameter's index, the gradient with respect to `h`, and the
     /// head weight's gradient (not accumulated).
-    pub(super) fn head_gradients(
+    pub(crate) fn head_gradients(
         &self,
         h: &Tensor,
         targets: &Tensor,
@@ -40,7 +39,7 @@ impl Stage {
         Ok((head, gh.reshape(h.dims())?, gw))
     }
 
-    pub(super) fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
+    pub(crate) fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
         let g = g.detach();
         self.grads[i] = Some(match self.grads[i].take() {
             Some(acc) => (acc + g)?,
@@ -143,6 +142,77 @@ impl Stage {
         targets: Option<&Tensor>,
     ) -> Result<(StageOutput, StageCache)> {
         let (b, t) = self.validate_input(input)?;
+        if self.opts.sub_batches.min(b) <= 1 {
+            return self.forward_whole(input, targets);
+        }
+        let targets = self.validate_targets(targets, b, t)?;
+        let cuts = sub_batch_cuts(b, self.opts.sub_batches);
+        let runs: Vec<(StageOutput, StageCache)> = cuts
+            .par_iter()
+            .map(|&(first, n)| {
+                let y = match &targets {
+                    Some(y) => Some(y.narrow(0, first, n)?),
+                    None => None,
+                };
+                self.forward_whole(&input.narrow(0, first, n)?, y.as_ref())
+            })
+            .collect::<Result<_>>()?;
+        let (outputs, caches): (Vec<StageOutput>, Vec<StageCache>) = runs.into_iter().unzip();
+        let mut output_dims = caches[0].output_dims.clone();
+        output_dims[0] = b;
+        let output = match &outputs[0] {
+            StageOutput::Activations(_) => {
+                let parts = outputs
+                    .into_iter()
+                    .map(|o| match o {
+                        StageOutput::Activations(a) => Ok(a),
+                        StageOutput::Loss(_) => Err(ModelError::InvalidInput(
+                            "a run of the micro-batch ended in a loss".into(),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                StageOutput::Activations(Tensor::cat(&parts, 0)?)
+            }
+            StageOutput::Loss(_) => {
+                let (mut sum, mut tokens, mut per_sequence) = (0f64, 0usize, Vec::new());
+                for o in outputs {
+                    let StageOutput::Loss(l) = o else {
+                        return Err(ModelError::InvalidInput(
+                            "a run of the micro-batch ended in activations".into(),
+                        ));
+                    };
+                    sum += f64::from(l.mean) * l.tokens as f64;
+                    tokens += l.tokens;
+                    per_sequence.extend(l.per_sequence);
+                }
+                StageOutput::Loss(LossOutput {
+                    mean: (sum / tokens.max(1) as f64) as f32,
+                    per_sequence,
+                    tokens,
+                })
+            }
+        };
+        let cache = StageCache {
+            stage_uid: self.uid,
+            weights_version: self.weights_version(),
+            input: CachedInput::Tokens(input.clone()),
+            output: None,
+            block_inputs: None,
+            targets: None,
+            lse: None,
+            output_dims,
+            runs: caches,
+        };
+        Ok((output, cache))
+    }
+
+    /// [`Stage::forward`] of the micro-batch whole, whatever [`StageOptions::sub_batches`] says.
+    fn forward_whole(
+        &self,
+        input: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(StageOutput, StageCache)> {
+        let (b, t) = self.validate_input(input)?;
         let input = input.to_device(&self.opts.device)?;
         let targets = self.validate_targets(targets, b, t)?;
         let cached_input = if self.is_first() {
@@ -183,6 +253,7 @@ impl Stage {
             block_inputs,
             targets,
             lse,
+            runs: Vec::new(),
         };
         Ok((output, cache))
     }
@@ -214,15 +285,48 @@ impl Stage {
                 "cache was produced by a different stage".into(),
             ));
         }
-        let graph_input = match &cache.input {
-            CachedInput::Tokens(t) => t.clone(),
-            CachedInput::Activations(v) => v.as_tensor().clone(),
-        };
         let dims = cache.input_dims();
         let tokens = dims[0] * dims[1];
-        // A cache from older weights is recomputed in full (see "Stale caches" above): its
-        // graph may see the new weights in place (f32) while its activations are old.
-        let stale = cache.weights_version != self.weights_version();
+        let (grad_input, parts, stale) = if cache.runs.is_empty() {
+            let r = self.backward_run(&cache, grad_output, tokens)?;
+            (r.grad_input, r.params, r.stale)
+        } else {
+            if let Some(g) = grad_output {
+                self.validate_float(g, &cache.output_dims, "output gradient")?;
+            }
+            let mut first = 0;
+            let mut cuts = Vec::with_capacity(cache.runs.len());
+            for run in &cache.runs {
+                let n = run.input_dims()[0];
+                cuts.push((run, first, n));
+                first += n;
+            }
+            let this = &*self;
+            let runs = cuts
+                .par_iter()
+                .map(|&(run, first, n)| {
+                    let g = match grad_output {
+                        Some(g) => Some(g.narrow(0, first, n)?),
+                        None => None,
+                    };
+                    this.backward_run(run, g.as_ref(), tokens)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut inputs = Vec::new();
+            let mut parts = Vec::new();
+            let mut stale = false;
+            for r in runs {
+                inputs.extend(r.grad_input);
+                parts.extend(r.params);
+                stale |= r.stale;
+            }
+            let grad_input = if inputs.is_empty() {
+                None
+            } else {
+                Some(Tensor::cat(&inputs, 0)?)
+            };
+            (grad_input, parts, stale)
+        };
         if stale {
             self.stale_recomputes += 1;
             tracing::debug!(
@@ -233,12 +337,47 @@ impl Stage {
                 "stale cache: recomputing the forward with the current weights"
             );
         }
+        let held = HeldGradients {
+            stage_uid: self.uid,
+            parts,
+            tokens,
+        };
+        Ok((grad_input, held))
+    }
+
+    /// The backward of one run's `cache` (the whole micro-batch, or one run of it) whose token
+    /// losses the micro-batch's `tokens` average: the input's gradient, the parameters'
+    /// gradients in the order they are added, and whether the cache was stale.
+    fn backward_run(
+        &self,
+        cache: &StageCache,
+        grad_output: Option<&Tensor>,
+        tokens: usize,
+    ) -> Result<RunBackward> {
+        if !cache.runs.is_empty() {
+            return Err(ModelError::InvalidInput(
+                "a run's cache holds runs of its own".into(),
+            ));
+        }
+        let graph_input = match &cache.input {
+            CachedInput::Tokens(t) => t.clone(),
+            CachedInput::Activations(v) => v.as_tensor().clone(),
+        };
+        // A cache from older weights is recomputed in full (see "Stale caches" above): its
+        // graph may see the new weights in place (f32) while its activations are old.
+        let stale = cache.weights_version != self.weights_version();
         if self.opts.checkpoint_blocks {
             let xs = match (&cache.block_inputs, stale) {
                 (Some(xs), false) => xs.clone(),
                 _ => self.block_inputs(&graph_input)?,
             };
-            return self.backward_by_block(&cache, &graph_input, xs, grad_output, stale, tokens);
+            let (grad_input, params) =
+                self.backward_by_block(cache, &graph_input, xs, grad_output, stale, tokens)?;
+            return Ok(RunBackward {
+                grad_input,
+                params,
+                stale,
+            });
         }
         let cached_output = if stale { None } else { cache.output.clone() };
         // Every backward yields gradients of the micro-batch's summed token loss: the last stage
@@ -248,7 +387,7 @@ impl Stage {
         // the monolithic pipeline add them).
         let mut parts: Vec<(usize, Tensor)> = Vec::new();
         let surrogate = self.surrogate(
-            &cache,
+            cache,
             || match cached_output {
                 Some(out) => Ok(out),
                 None => self.run(&graph_input),
@@ -264,11 +403,6 @@ impl Stage {
                 parts.push((i, g.detach()));
             }
         }
-        let held = HeldGradients {
-            stage_uid: self.uid,
-            parts,
-            tokens,
-        };
         let grad_input = match &cache.input {
             CachedInput::Tokens(_) => None,
             CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
@@ -277,7 +411,11 @@ impl Stage {
                 None => v.as_tensor().zeros_like()?,
             }),
         };
-        Ok((grad_input, held))
+        Ok(RunBackward {
+            grad_input,
+            params: parts,
+            stale,
+        })
     }
 
     /// The scalar a backward differentiates, from the stage's `output` (computed only once the
@@ -335,8 +473,8 @@ impl Stage {
         grad_output: Option<&Tensor>,
         stale: bool,
         tokens: usize,
-    ) -> Result<(Option<Tensor>, HeldGradients)> {
-        let mut parts: Vec<(usize, Tensor)> = Vec::new();
+    ) -> Result<(Option<Tensor>, ParamGrads)> {
+        let mut parts: ParamGrads = Vec::new();
         let take = |grads: &GradStore, parts: &mut Vec<(usize, Tensor)>| {
             for (i, p) in self.params.iter().enumerate() {
                 if let Some(g) = grads.get(p.var.as_tensor()) {
@@ -383,12 +521,7 @@ impl Stage {
         } else {
             Some((g / tokens as f64)?)
         };
-        let held = HeldGradients {
-            stage_uid: self.uid,
-            parts,
-            tokens,
-        };
-        Ok((grad_input, held))
+        Ok((grad_input, parts))
     }
 
     /// Adds the gradients of one [`Stage::backward_held`] to the accumulated ones (what
