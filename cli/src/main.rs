@@ -459,10 +459,12 @@ fn cpu_threads(cli: &Cli) -> Option<iota_model::CpuThreads> {
             iota_model::threads::available_cores(),
         )),
         Command::Miner(m) if m.sub_batches > 1 && !iota_model::CpuThreads::set_in_env() => {
-            Some(iota_model::CpuThreads {
-                matmul: iota_model::threads::available_cores(),
-                elementwise: 1,
-            })
+            Some(iota_model::CpuThreads::side_by_side())
+        }
+        Command::Validator {
+            command: ValidatorCommand::Run(v),
+        } if v.sub_batches > 1 && !iota_model::CpuThreads::set_in_env() => {
+            Some(iota_model::CpuThreads::side_by_side())
         }
         _ => None,
     }
@@ -606,10 +608,12 @@ mod tests {
         if !iota_model::CpuThreads::set_in_env() {
             assert_eq!(
                 cpu_threads(&parse(&["iota", "miner", "--sub-batches", "2"])),
-                Some(iota_model::CpuThreads {
-                    matmul: iota_model::threads::available_cores(),
-                    elementwise: 1
-                })
+                Some(iota_model::CpuThreads::side_by_side())
+            );
+            let validator = parse(&["iota", "validator", "run", "--sub-batches", "2"]);
+            assert_eq!(
+                cpu_threads(&validator),
+                Some(iota_model::CpuThreads::side_by_side())
             );
         }
         assert!(Cli::try_parse_from(["iota", "miner", "--sub-batches", "0"]).is_err());

@@ -46,6 +46,16 @@ impl CpuThreads {
         }
     }
 
+    /// For runs of a micro-batch trained side by side ([`crate::StageOptions::sub_batches`]):
+    /// products on every core, element-wise operations on one thread each, since candle's
+    /// element-wise pool serves one caller at a time and would make the runs take turns.
+    pub fn side_by_side() -> Self {
+        Self {
+            matmul: available_cores(),
+            elementwise: 1,
+        }
+    }
+
     /// The environment variables that select these counts, for a child process or for
     /// setting in this one before any thread starts.
     pub fn env(&self) -> [(&'static str, String); 2] {

@@ -163,6 +163,7 @@ fn main() {
                 &m.hops,
                 &m.pseudo_gradients,
                 &t,
+                1,
             )
             .unwrap_or_else(|e| fail("replay", e));
             if !report.passed {

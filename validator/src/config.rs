@@ -37,6 +37,13 @@ pub struct ValidatorArgs {
         default_value_t = 4
     )]
     pub replays_per_epoch: usize,
+    /// Cut each replayed micro-batch into this many runs of sequences, replayed side by side,
+    /// one per core: on a CPU of 2 cores or more, 2 is faster than 1 (`BENCHMARKS.md`,
+    /// cpu-vs-torch). Unless the environment chooses, `iota validator run` then runs
+    /// element-wise operations on one thread each.
+    #[arg(long = "sub-batches", env = "IOTA_SUB_BATCHES", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub sub_batches: u16,
     /// Merged partitions re-derived per epoch (0: all).
     #[arg(
         long = "merges-per-epoch",
@@ -99,6 +106,7 @@ impl ValidatorArgs {
         let mut c = ValidatorConfig::new(&self.orchestrator_url, self.netuid);
         c.poll_interval = Duration::from_secs(self.poll_interval_s.max(1));
         c.replays_per_epoch = self.replays_per_epoch;
+        c.replay_sub_batches = usize::from(self.sub_batches);
         c.merges_per_epoch = self.merges_per_epoch;
         c.thresholds = ReplayThresholds {
             min_cosine: self.min_cosine,

@@ -102,7 +102,8 @@ fn boundary(bytes: &[u8]) -> Result<Vec<f32>, ValidatorError> {
 /// Replays `hops` of a miner of `stage` from `start` (the epoch-start weights per partition,
 /// `None` for never merged) and compares with what it claimed, including its pseudo-gradient
 /// partitions `claimed_pg` (`(partition, values)`). `data_dir` holds the run's prepared dataset
-/// when it names one.
+/// when it names one. Each micro-batch is cut into `sub_batches` runs trained side by side
+/// ([`StageOptions::sub_batches`]; a miner's own cut, whatever it is, differs by f32 rounding).
 #[allow(clippy::too_many_arguments)]
 pub fn replay_miner(
     run: &RunConfig,
@@ -113,12 +114,16 @@ pub fn replay_miner(
     hops: &[RecordedHop],
     claimed_pg: &[(u32, Vec<f32>)],
     t: &ReplayThresholds,
+    sub_batches: usize,
 ) -> Result<ReplayReport, ValidatorError> {
     let started = Instant::now();
     let mut trainer = StageTrainer::new(
         run.clone(),
         stage,
-        StageOptions::cpu(),
+        StageOptions {
+            sub_batches: sub_batches.max(1),
+            ..StageOptions::cpu()
+        },
         usize::MAX,
         data_dir,
     )?;
@@ -295,8 +300,12 @@ mod tests {
         let start = vec![None; run.partitions as usize];
         let t = ReplayThresholds::default();
         let honest = honest_hops(&run);
-        let report = replay_miner(&run, None, 0, 0, &start, &honest, &[], &t).expect("replay");
-        assert!(report.passed, "{report:?}");
+        // Replayed whole or cut in two runs side by side, an honest miner's hops pass.
+        for sub_batches in [1, 2] {
+            let report = replay_miner(&run, None, 0, 0, &start, &honest, &[], &t, sub_batches)
+                .expect("replay");
+            assert!(report.passed, "{sub_batches} runs: {report:?}");
+        }
 
         let shape = run.boundary_shape();
         let n = shape.iter().product::<u64>() as usize;
@@ -315,14 +324,24 @@ mod tests {
         ] {
             let mut hops = honest.clone();
             hops[1].output = Some(claim);
-            let report = replay_miner(&run, None, 0, 0, &start, &hops, &[], &t)
+            let report = replay_miner(&run, None, 0, 0, &start, &hops, &[], &t, 2)
                 .unwrap_or_else(|e| panic!("{what}: the replay failed as a whole: {e}"));
             assert!(!report.passed, "{what}: {report:?}");
             assert_eq!(report.failed_hops, vec![11], "{what}");
         }
         // A pseudo-gradient claim of another length fails the miner too.
-        let report = replay_miner(&run, None, 0, 0, &start, &honest, &[(0, vec![1.0; 3])], &t)
-            .expect("replay");
+        let report = replay_miner(
+            &run,
+            None,
+            0,
+            0,
+            &start,
+            &honest,
+            &[(0, vec![1.0; 3])],
+            &t,
+            1,
+        )
+        .expect("replay");
         assert!(!report.passed);
     }
 }

@@ -53,6 +53,9 @@ pub struct ValidatorConfig {
     pub merges_per_epoch: usize,
     /// Replay thresholds.
     pub thresholds: ReplayThresholds,
+    /// Runs each replayed micro-batch is cut into, trained side by side
+    /// (`StageOptions::sub_batches`; 1: whole).
+    pub replay_sub_batches: usize,
     /// CLASP settings.
     pub clasp: ClaspConfig,
     /// Scoring settings.
@@ -83,6 +86,7 @@ impl ValidatorConfig {
             replays_per_epoch: 4,
             merges_per_epoch: 4,
             thresholds: ReplayThresholds::default(),
+            replay_sub_batches: 1,
             clasp: ClaspConfig::default(),
             score: ScoreConfig::default(),
             burn: None,
@@ -795,6 +799,7 @@ impl Validator {
                 }
             };
             let (run, stage, t) = (o.run.clone(), cand.stage, self.cfg.thresholds);
+            let sub_batches = self.cfg.replay_sub_batches;
             let data_dir = o.data_dir.clone();
             let report = tokio::task::spawn_blocking(move || {
                 replay_miner(
@@ -806,6 +811,7 @@ impl Validator {
                     &recorded,
                     &claimed_pg,
                     &t,
+                    sub_batches,
                 )
             })
             .await
