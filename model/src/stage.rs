@@ -123,6 +123,13 @@ impl StageOptions {
         if self.sub_batches == 0 {
             return Err(ModelError::Config("sub_batches must be at least 1".into()));
         }
+        // Runs side by side keep CPU cores busy; on a GPU they would only share its stream.
+        if self.sub_batches > 1 && !self.device.is_cpu() {
+            return Err(ModelError::Config(format!(
+                "sub_batches {} is for the CPU; on a GPU use 1",
+                self.sub_batches
+            )));
+        }
         if !matches!(self.param_dtype, DType::F32 | DType::F64) {
             return Err(ModelError::Config(format!(
                 "param_dtype must be F32 or F64, got {:?}",
