@@ -12,10 +12,15 @@ use crate::metagraph::{Hyperparams, SubnetRead};
 use crate::timelock;
 use crate::wallet::Keypair;
 
-/// What became of a timelocked commit ([`Subtensor::reveal_pending`]).
-pub(crate) enum Fate {
+/// What became of a timelocked commit ([`Subtensor::reveal_pending`],
+/// [`Subtensor::timelocked_commit_fate`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fate {
+    /// Still on chain, waiting for its epoch or its round's pulse.
     Waiting,
+    /// Opened by the chain, which set its weights in this block.
     Revealed(u64),
+    /// Removed without setting weights, for this reason.
     Dropped(String),
 }
 
@@ -143,6 +148,25 @@ impl Subtensor {
             reveal_round,
             reveal_from_block,
         })
+    }
+
+    /// What became of timelocked commit `c` (sealed as `sealed`) as of the best block. The chain
+    /// opens these itself, so a client may learn of a reveal only when it asks.
+    ///
+    /// # Errors
+    ///
+    /// Transport errors and a subnet that is gone.
+    pub async fn timelocked_commit_fate(
+        &self,
+        c: &PendingCommit,
+        sealed: TimelockedCommit,
+    ) -> Result<Fate, ChainError> {
+        let at = self.at_best().await?;
+        let hp = self.hyperparams_at(&at, c.netuid).await?;
+        let epoch = self
+            .epoch_index_at(&at, c.netuid, hp.tempo, at.block_number() + 1)
+            .await?;
+        self.timelocked_fate(&at, c, sealed, epoch).await
     }
 
     /// What became of a timelocked commit: still on chain (waiting for its pulse or epoch), or

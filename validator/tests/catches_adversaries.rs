@@ -357,6 +357,8 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         eprintln!("{report}");
         assert_audit_matches(&report, &sent.weights);
         if sent.state == "committed" {
+            // The chain may have opened the commit already, between its landing and the pause:
+            // then the audit reads the Weights row the chain set.
             assert!(
                 matches!(
                     report.chain,
@@ -364,7 +366,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
                         matches: true,
                         on_chain: true,
                         ..
-                    }
+                    } | ChainCheck::Weights { matches: true, .. }
                 ),
                 "{:?}",
                 report.chain
@@ -391,6 +393,17 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
         paused.store(false, Ordering::SeqCst);
         let mut revealed_at = sent.block;
         if sent.state == "committed" {
+            // The chain opens the commit itself. Before the validator's reveal pass has seen it,
+            // the audit finds the commit gone from chain and checks the Weights row it set.
+            let opened_at = eventually("the chain's reveal", Duration::from_secs(120), || async {
+                match v.audit(audited).await.expect("audit while revealing").chain {
+                    ChainCheck::Weights { matches, block, .. } => Some((matches, block)),
+                    ChainCheck::Sealed { matches: true, .. } => None,
+                    other => panic!("audit while revealing: {other:?}"),
+                }
+            })
+            .await;
+            assert!(opened_at.0, "the Weights row the chain set differs");
             revealed_at = eventually("the reveal", Duration::from_secs(120), || async {
                 v.reveal().await.expect("reveal");
                 let subs = store.submissions(10).await.ok()?;
@@ -400,6 +413,7 @@ async fn validator_catches_every_adversary_and_pays_honest_miners_more() {
             })
             .await
             .into();
+            assert_eq!(revealed_at, Some(opened_at.1), "the block the audit read");
         }
 
         // Once on chain, the audit reproduces the chain's Weights row of the validator's uid.

@@ -23,6 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use iota_chain::timelocked::Fate;
 use iota_chain::weights::commit_hash;
 use iota_chain::{ChainError, Metagraph};
 use iota_protocol::api::{EpochRecord, SampleRecord};
@@ -617,27 +618,7 @@ impl Validator {
         let public = self.hotkey().public();
         let (chain, on_chain): (ChainCheck, Option<BTreeMap<u16, u16>>) = match sub.state.as_str() {
             "set" | "revealed" => match (sub.block, meta.uid_of(&public)) {
-                (Some(block), Some(uid)) => match self.weights_at(block, uid).await {
-                    Ok(row) => {
-                        let row: BTreeMap<u16, u16> = row.into_iter().collect();
-                        (
-                            ChainCheck::Weights {
-                                block,
-                                uid,
-                                matches: row == expected,
-                            },
-                            Some(row),
-                        )
-                    }
-                    Err(e) => (
-                        ChainCheck::Unavailable {
-                            reason: format!(
-                                "the Weights row at block {block} cannot be read ({e}); an archive node can"
-                            ),
-                        },
-                        None,
-                    ),
-                },
+                (Some(block), Some(uid)) => self.weights_check(block, uid, &expected).await,
                 _ => (
                     ChainCheck::Unavailable {
                         reason: "no block recorded, or the validator has no uid".into(),
@@ -645,7 +626,7 @@ impl Validator {
                     None,
                 ),
             },
-            "committed" => (self.audit_commit(sub, &meta, &expected).await?, None),
+            "committed" => self.audit_commit(sub, &meta, &expected).await?,
             other => (
                 ChainCheck::NotApplicable {
                     reason: format!("the submission was a {other}: nothing was sent"),
@@ -727,25 +708,63 @@ impl Validator {
         weights_row(self.chain(), &at, self.config().netuid, uid).await
     }
 
-    /// A commit not yet revealed: its hash recomputed from the recomputed weights with the
-    /// stored salt and version key, and looked up among the validator's commits on chain.
+    /// The `Weights` row of `uid` at `block` against the recomputed weights, and the row read.
+    async fn weights_check(
+        &self,
+        block: u64,
+        uid: u16,
+        expected: &BTreeMap<u16, u16>,
+    ) -> (ChainCheck, Option<BTreeMap<u16, u16>>) {
+        match self.weights_at(block, uid).await {
+            Ok(row) => {
+                let row: BTreeMap<u16, u16> = row.into_iter().collect();
+                (
+                    ChainCheck::Weights {
+                        block,
+                        uid,
+                        matches: row == *expected,
+                    },
+                    Some(row),
+                )
+            }
+            Err(e) => (
+                ChainCheck::Unavailable {
+                    reason: format!(
+                        "the Weights row at block {block} cannot be read ({e}); an archive node can"
+                    ),
+                },
+                None,
+            ),
+        }
+    }
+
+    /// A commit the validator has not seen revealed: its hash recomputed from the recomputed
+    /// weights with the stored salt and version key, and looked up among the validator's commits
+    /// on chain. A timelocked commit the chain has opened already is checked by the `Weights` row
+    /// it set, and the row is returned.
     async fn audit_commit(
         &self,
         sub: &SubmissionRow,
         meta: &Metagraph,
         expected: &BTreeMap<u16, u16>,
-    ) -> Result<ChainCheck, ValidatorError> {
+    ) -> Result<(ChainCheck, Option<BTreeMap<u16, u16>>), ValidatorError> {
         let Some(recorded) = sub.commit_hash.clone() else {
-            return Ok(ChainCheck::Unavailable {
-                reason: "the submission has no commit hash".into(),
-            });
+            return Ok((
+                ChainCheck::Unavailable {
+                    reason: "the submission has no commit hash".into(),
+                },
+                None,
+            ));
         };
         let Some(pending) = self.store().pending_commit(&recorded).await? else {
-            return Ok(ChainCheck::Unavailable {
-                reason: format!(
-                    "the reveal data of commit {recorded} are gone (revealed or expired since): run the audit again once the reveal is recorded"
-                ),
-            });
+            return Ok((
+                ChainCheck::Unavailable {
+                    reason: format!(
+                        "the reveal data of commit {recorded} are gone (revealed or expired since): run the audit again once the reveal is recorded"
+                    ),
+                },
+                None,
+            ));
         };
         let public = self.hotkey().public();
         if let Some(sealed) = pending.timelock {
@@ -760,6 +779,16 @@ impl Validator {
             .await?
             .iter()
             .any(|h| format!("0x{}", hex::encode(h)) == recorded);
+            if !on_chain
+                && let Fate::Revealed(block) = self
+                    .chain()
+                    .timelocked_commit_fate(&pending, sealed)
+                    .await?
+                && let Some(uid) = meta.uid_of(&public)
+            {
+                // Opened by the chain before this validator's reveal pass noticed.
+                return Ok(self.weights_check(block, uid, expected).await);
+            }
             // `expected` is what the client sends (a hash commit hashes it as it is).
             let weights: BTreeMap<u16, u16> = pending
                 .uids
@@ -768,13 +797,16 @@ impl Validator {
                 .zip(pending.values.iter().copied())
                 .collect();
             let sealed_matches = weights == *expected;
-            return Ok(ChainCheck::Sealed {
-                matches: sealed_matches && on_chain,
-                recorded,
-                reveal_round: sealed.reveal_round,
-                sealed_matches,
-                on_chain,
-            });
+            return Ok((
+                ChainCheck::Sealed {
+                    matches: sealed_matches && on_chain,
+                    recorded,
+                    reveal_round: sealed.reveal_round,
+                    sealed_matches,
+                    on_chain,
+                },
+                None,
+            ));
         }
         let (uids, values): (Vec<u16>, Vec<u16>) = expected.iter().map(|(u, v)| (*u, *v)).unzip();
         let hash = commit_hash(
@@ -791,12 +823,15 @@ impl Validator {
             .await?
             .iter()
             .any(|h| format!("0x{}", hex::encode(h)) == recorded);
-        Ok(ChainCheck::Commit {
-            matches: recomputed == recorded && on_chain,
-            recorded,
-            recomputed,
-            on_chain,
-        })
+        Ok((
+            ChainCheck::Commit {
+                matches: recomputed == recorded && on_chain,
+                recorded,
+                recomputed,
+                on_chain,
+            },
+            None,
+        ))
     }
 }
 
