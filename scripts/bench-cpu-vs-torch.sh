@@ -7,8 +7,9 @@
 # OPENBLAS_CORETYPE=SkylakeX (OpenBLAS 0.3.21 falls back to AVX2 kernels on CPUs it does not
 # know, AMD Zen 5 among them), and once more (its own gemm) with each micro-batch cut in two runs
 # trained side by side (`StageOptions::sub_batches`, `iota miner --sub-batches 2`), element-wise
-# operations on one thread as `iota miner` then runs them. Prints a table of median tokens/s and
-# the ratios to PyTorch.
+# operations on one thread as `iota miner` then runs them. On an AVX-512 CPU, candle's gemm also
+# runs built without the crate's `avx512` feature (its AVX2 kernels). Prints a table of median
+# tokens/s and the ratios to PyTorch.
 #
 #   scripts/bench-cpu-vs-torch.sh                 # ROUNDS=3 ITERS=5 CONFIG=small BATCH=4 SEQ=128
 #   TORCH_PYTHON=/path/to/venv/bin/python scripts/bench-cpu-vs-torch.sh
@@ -29,6 +30,12 @@ cp target/release/examples/speed "$tmp/speed-gemm"
 # Variants: name, binary, extra environment, the example's mode, element-wise threads (t: the
 # thread count of the row).
 variants=("gemm|$tmp/speed-gemm||monolithic|t" "gemm-runs2|$tmp/speed-gemm||sub-batched:2|1")
+if grep -qw avx512f /proc/cpuinfo; then
+  # candle's gemm without the `avx512` feature: its AVX2 kernels, as before that feature.
+  cargo build -q --release -p iota-model --no-default-features --example speed
+  cp target/release/examples/speed "$tmp/speed-gemm-avx2"
+  variants+=("gemm-avx2|$tmp/speed-gemm-avx2||monolithic|t")
+fi
 if ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\b'; then
   cargo build -q --release -p iota-model --features openblas --example speed
   cp target/release/examples/speed "$tmp/speed-blas"
@@ -66,7 +73,8 @@ rows = [l.split() for l in open(sys.argv[1])]
 names = list(dict.fromkeys(r[0] for r in rows if r[0] != "torch"))
 label = {"gemm": "candle (gemm)", "openblas": "candle + OpenBLAS",
          "openblas-skx": "candle + OpenBLAS SkylakeX",
-         "gemm-runs2": "candle (gemm), 2 runs side by side"}
+         "gemm-runs2": "candle (gemm), 2 runs side by side",
+         "gemm-avx2": "candle (gemm, AVX2 only)"}
 threads = sorted({r[1] for r in rows}, key=int)
 med = {(n, t): statistics.median(float(r[2]) for r in rows if r[0] == n and r[1] == t)
        for n in names + ["torch"] for t in threads}

@@ -11,8 +11,11 @@
 //! device 0 in f32 and in bf16 compute (twice, to show whether the card repeats itself): the
 //! error between a GPU miner and a CPU validator.
 //!
+//! With `--other-build EXE` it also runs EXE, the same example built otherwise (for example with
+//! `--no-default-features`, which leaves out the AVX-512 matrix kernels), at 1 and 2 threads.
+//!
 //! ```text
-//! cargo run --release -p iota-model --example replay_error [-- --config tiny] [--rounds R]
+//! cargo run --release -p iota-model --example replay_error [-- --config tiny] [--rounds R] [--other-build EXE]
 //! ```
 
 use std::collections::HashMap;
@@ -27,12 +30,14 @@ use iota_model::{DType, Device, ModelConfig, Stage, StageOptions, Tensor, merge}
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
-/// A child run: thread count, label, extra environment, extra arguments.
+/// A child run: thread count, label, extra environment, extra arguments, and the binary when not
+/// this one.
 type Run = (
     usize,
     String,
     Vec<(&'static str, &'static str)>,
     Vec<&'static str>,
+    Option<PathBuf>,
 );
 
 fn randn(dims: &[usize], seed: u64, scale: f64) -> Res<Tensor> {
@@ -153,7 +158,7 @@ fn main() -> Res<()> {
     let mut runs: Vec<Run> = [(1, 'a'), (1, 'b'), (2, 'a')]
         .into_iter()
         .chain([(2, 'b'), (3, 'a'), (8, 'a')])
-        .map(|(t, rep)| (t, format!("run {rep}"), vec![], vec![]))
+        .map(|(t, rep)| (t, format!("run {rep}"), vec![], vec![], None))
         .collect();
     // CPU runs agree bit for bit across thread counts (measured above), so a GPU-only
     // comparison takes its CPU reference from one run on 8 threads.
@@ -167,7 +172,7 @@ fn main() -> Res<()> {
             ("CUDA bf16, run a", "bf16"),
             ("CUDA bf16, run b", "bf16"),
         ] {
-            runs.push((1, label.into(), vec![], vec!["--compute", compute]));
+            runs.push((1, label.into(), vec![], vec!["--compute", compute], None));
         }
     }
     let backend = iota_model::matmul_backend();
@@ -178,6 +183,7 @@ fn main() -> Res<()> {
             "IOTA_MATMUL=gemm".into(),
             vec![("IOTA_MATMUL", "gemm")],
             vec![],
+            None,
         ));
         for core in ["Haswell", "SkylakeX"] {
             #[cfg(target_arch = "x86_64")]
@@ -190,14 +196,26 @@ fn main() -> Res<()> {
                     format!("OPENBLAS_CORETYPE={core}"),
                     vec![("OPENBLAS_CORETYPE", core)],
                     vec![],
+                    None,
                 ));
             }
         }
     }
-    for (i, (threads, label, env, extra)) in runs.iter().enumerate() {
+    if let Some(other) = flag("--other-build") {
+        for t in [1, 2] {
+            runs.push((
+                t,
+                format!("other build ({other})"),
+                vec![],
+                vec![],
+                Some(other.clone().into()),
+            ));
+        }
+    }
+    for (i, (threads, label, env, extra, bin)) in runs.iter().enumerate() {
         let path = dir.join(format!("run{i}.safetensors"));
         let t0 = std::time::Instant::now();
-        let status = Command::new(&exe)
+        let status = Command::new(bin.as_ref().unwrap_or(&exe))
             .args([
                 "--config",
                 &cfg.name,

@@ -50,9 +50,6 @@ fn corename() -> String {
 
 /// What runs the matrix products, for logs and benchmarks.
 pub(crate) fn describe() -> String {
-    if !enabled() {
-        return "candle gemm (IOTA_MATMUL=gemm)".into();
-    }
     format!(
         "OpenBLAS {} kernels, {} thread(s) over row blocks",
         corename(),

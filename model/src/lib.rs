@@ -123,12 +123,32 @@ pub use train::{TrainStep, Trainer};
 /// built with the `openblas` feature, otherwise candle's own kernel. For logs and benchmarks.
 pub fn matmul_backend() -> String {
     #[cfg(feature = "openblas")]
-    {
-        blas::describe()
+    if blas::enabled() {
+        return blas::describe();
     }
-    #[cfg(not(feature = "openblas"))]
+    format!("candle gemm ({} kernels)", gemm_kernels())
+}
+
+/// The kernel family candle's `gemm` picks at run time on this CPU: AVX-512 where the CPU has it
+/// and the `avx512` feature is on, else AVX2 with FMA, else portable code.
+fn gemm_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
     {
-        "candle gemm".into()
+        if cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f") {
+            return "AVX-512";
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            return "AVX2+FMA";
+        }
+        "scalar"
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "NEON"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "portable"
     }
 }
 
