@@ -254,15 +254,10 @@ impl Pipeline {
         } else {
             cuts.par_iter().map(run).collect::<Result<_>>()?
         };
-        let mut sum = 0f64;
-        let mut count = 0usize;
-        for (mean, tokens, _) in &runs {
-            if !mean.is_finite() {
-                return Ok(*mean);
-            }
-            sum += f64::from(*mean) * *tokens as f64;
-            count += tokens;
+        if let Some((mean, ..)) = runs.iter().find(|r| !r.0.is_finite()) {
+            return Ok(*mean);
         }
+        let mean = crate::stage::token_weighted_mean(runs.iter().map(|r| (r.0, r.1)));
         for (_, _, g) in runs {
             if let Some((head, gw, grads)) = g {
                 self.stages[last].add_grad(head, gw)?;
@@ -274,8 +269,7 @@ impl Pipeline {
         for stage in &mut self.stages {
             stage.count_backward(b * t);
         }
-        // Exact for one run: a mean of f32 times at most 2^31 tokens is exact in f64.
-        Ok((sum / count.max(1) as f64) as f32)
+        Ok(mean)
     }
 
     /// Mean loss of a batch through the staged path (including wire encoding of activations),

@@ -225,6 +225,17 @@ pub struct LossOutput {
     pub tokens: usize,
 }
 
+/// The mean over every token of runs' mean losses `(mean, tokens)`, each weighted by its tokens.
+/// Exact for one run: a mean of f32 times at most 2^31 tokens is exact in f64.
+pub(crate) fn token_weighted_mean(runs: impl IntoIterator<Item = (f32, usize)>) -> f32 {
+    let (mut sum, mut tokens) = (0f64, 0usize);
+    for (mean, n) in runs {
+        sum += f64::from(mean) * n as f64;
+        tokens += n;
+    }
+    (sum / tokens.max(1) as f64) as f32
+}
+
 /// What [`Stage::forward`] produced.
 #[derive(Debug, Clone)]
 pub enum StageOutput {

@@ -879,7 +879,7 @@ fn sub_batches_give_the_whole_micro_batchs_gradients() {
         // it would cancel against the stage below's).
         let mut alone = [
             Stage::new(&cfg, 1, f64_opts()).unwrap(),
-            Stage::new(&cfg, 1, opts).unwrap(),
+            Stage::new(&cfg, 1, opts.clone()).unwrap(),
         ];
         let x1 = whole.stages()[0].run(&b.inputs).unwrap();
         let g = random_like(&alone[0].output_dims(5, 12), 7, DType::F64);
@@ -894,6 +894,15 @@ fn sub_batches_give_the_whole_micro_batchs_gradients() {
         assert!(d < 1e-9, "{what}: input gradients differ by {d}");
         let d = max_rel_grad_diff(&all_grads(&alone[1..]), &all_grads(&alone[..1]));
         assert!(d < 1e-9, "{what}: a stage's gradients differ by {d}");
+        // The whole micro-batch is checked once, before it is cut: a non-finite value in any
+        // run, and a last stage without targets, are refused.
+        let mut bad = x1.to_vec3::<f64>().unwrap();
+        bad[4][11][0] = f64::NAN;
+        let bad = Tensor::new(bad, x1.device()).unwrap();
+        assert!(alone[1].forward(&bad, None).is_err(), "{what}: NaN input");
+        let last = Stage::new(&cfg, cfg.stages.len() - 1, opts).unwrap();
+        let x_last = random_like(&last.input_dims(5, 12), 9, DType::F64);
+        assert!(last.forward(&x_last, None).is_err(), "{what}: no targets");
     }
     let none = StageOptions {
         sub_batches: 0,

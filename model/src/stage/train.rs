@@ -142,10 +142,10 @@ impl Stage {
         targets: Option<&Tensor>,
     ) -> Result<(StageOutput, StageCache)> {
         let (b, t) = self.validate_input(input)?;
-        if self.opts.sub_batches.min(b) <= 1 {
-            return self.forward_whole(input, targets);
-        }
         let targets = self.validate_targets(targets, b, t)?;
+        if self.opts.sub_batches.min(b) <= 1 {
+            return self.forward_validated(input, targets);
+        }
         let cuts = sub_batch_cuts(b, self.opts.sub_batches);
         let runs: Vec<(StageOutput, StageCache)> = cuts
             .par_iter()
@@ -154,7 +154,7 @@ impl Stage {
                     Some(y) => Some(y.narrow(0, first, n)?),
                     None => None,
                 };
-                self.forward_whole(&input.narrow(0, first, n)?, y.as_ref())
+                self.forward_validated(&input.narrow(0, first, n)?, y)
             })
             .collect::<Result<_>>()?;
         let (outputs, caches): (Vec<StageOutput>, Vec<StageCache>) = runs.into_iter().unzip();
@@ -174,21 +174,19 @@ impl Stage {
                 StageOutput::Activations(Tensor::cat(&parts, 0)?)
             }
             StageOutput::Loss(_) => {
-                let (mut sum, mut tokens, mut per_sequence) = (0f64, 0usize, Vec::new());
-                for o in outputs {
-                    let StageOutput::Loss(l) = o else {
-                        return Err(ModelError::InvalidInput(
+                let losses = outputs
+                    .into_iter()
+                    .map(|o| match o {
+                        StageOutput::Loss(l) => Ok(l),
+                        StageOutput::Activations(_) => Err(ModelError::InvalidInput(
                             "a run of the micro-batch ended in activations".into(),
-                        ));
-                    };
-                    sum += f64::from(l.mean) * l.tokens as f64;
-                    tokens += l.tokens;
-                    per_sequence.extend(l.per_sequence);
-                }
+                        )),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 StageOutput::Loss(LossOutput {
-                    mean: (sum / tokens.max(1) as f64) as f32,
-                    per_sequence,
-                    tokens,
+                    mean: token_weighted_mean(losses.iter().map(|l| (l.mean, l.tokens))),
+                    tokens: losses.iter().map(|l| l.tokens).sum(),
+                    per_sequence: losses.into_iter().flat_map(|l| l.per_sequence).collect(),
                 })
             }
         };
@@ -206,15 +204,14 @@ impl Stage {
         Ok((output, cache))
     }
 
-    /// [`Stage::forward`] of the micro-batch whole, whatever [`StageOptions::sub_batches`] says.
-    fn forward_whole(
+    /// [`Stage::forward`] of `input` whole, whatever [`StageOptions::sub_batches`] says, once
+    /// `input` and `targets` have passed their checks (the caller's, for the whole micro-batch).
+    fn forward_validated(
         &self,
         input: &Tensor,
-        targets: Option<&Tensor>,
+        targets: Option<Tensor>,
     ) -> Result<(StageOutput, StageCache)> {
-        let (b, t) = self.validate_input(input)?;
         let input = input.to_device(&self.opts.device)?;
-        let targets = self.validate_targets(targets, b, t)?;
         let cached_input = if self.is_first() {
             CachedInput::Tokens(input)
         } else {
