@@ -183,6 +183,17 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 
 struct BlasMatMul;
 
+/// [`matmul`] of CPU storages, for custom ops: each operand's last two dims must be a plain or
+/// transposed contiguous matrix.
+pub(crate) fn storage_matmul(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    BlasMatMul.cpu_fwd(s1, l1, s2, l2)
+}
+
 /// Element types CBLAS has a `gemm` for.
 trait Gemm: Copy + Default + Send + Sync {
     #[allow(clippy::too_many_arguments)]

@@ -14,6 +14,9 @@ use crate::product::matmul;
 
 /// `x @ w^T` for `x: [..., in]` and `w: [out, in]`, folding leading dims into one matmul.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if fused::applies(x) && x.dtype() == w.dtype() && w.device().is_cpu() {
+        return Ok(crate::product::linear(x, w)?);
+    }
     let dims = x.dims();
     let (lead, inner) = dims.split_at(dims.len().saturating_sub(1));
     let rows: usize = lead.iter().product();

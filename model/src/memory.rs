@@ -123,7 +123,13 @@ pub fn stage_memory(
     let block_transient = if opts.checkpoint_blocks {
         (tokens * (20 * d + 10 * ff) + scores) * F32
     } else {
-        tokens * (4 * d + 6 * ff) * F32
+        // The tiled attention's backward holds a few row blocks of scores at once.
+        let tiles = if seq > TILED_ATTENTION_ROWS {
+            3 * b * heads * TILED_ATTENTION_ROWS as u64 * t
+        } else {
+            0
+        };
+        (tokens * (4 * d + 3 * ff) + tiles) * F32
     };
     // The loss head: a vocabulary block's logits, probabilities and their gradient at once.
     let head = if last {
