@@ -76,6 +76,25 @@ macro_rules! by_dtype {
     };
 }
 
+/// A copy of `out`'s data as a custom op's forward result: for ops whose output is computed
+/// outside the graph, from detached inputs, and whose node only carries the backward.
+pub(crate) fn hand_back(out: &Tensor, op: &str) -> Result<(CpuStorage, Shape)> {
+    let out = out.contiguous()?;
+    let (storage, layout) = out.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        bail!("{op}: CPU only")
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{op}: output not contiguous")
+    };
+    let copy = match cpu {
+        CpuStorage::F32(x) => CpuStorage::F32(x[start..end].to_vec()),
+        CpuStorage::F64(x) => CpuStorage::F64(x[start..end].to_vec()),
+        _ => bail!("{op}: f32 and f64 only"),
+    };
+    Ok((copy, layout.shape().clone()))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Causal softmax of scaled scores.
 
@@ -135,12 +154,14 @@ impl CustomOp1 for CausalSoftmax {
     }
     fn bwd(&self, _x: &Tensor, p: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         // dx = scale * p * (g - sum(g * p)); masked entries have p = 0 and get 0.
-        let g = g.contiguous()?;
-        Ok(Some(p.apply_op2_no_bwd(
-            &g,
-            &CausalSoftmaxBwd { scale: self.scale },
-        )?))
+        Ok(Some(causal_softmax_bwd(p, g, self.scale)?))
     }
+}
+
+/// The gradient of [`causal_softmax`]'s input given its output `p` and the output's gradient.
+pub(crate) fn causal_softmax_bwd(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
+    p.contiguous()?
+        .apply_op2_no_bwd(&g.contiguous()?, &CausalSoftmaxBwd { scale })
 }
 
 struct CausalSoftmaxBwd {
@@ -376,15 +397,26 @@ pub(crate) struct RopeTables {
 /// Rotate `x: [batch, heads, seq, head_dim]` (rotate-half layout); any strides with a unit last
 /// stride are read in place (the heads transpose needs no copy), the output is contiguous.
 pub(crate) fn rope(x: &Tensor, tables: &RopeTables) -> Result<Tensor> {
-    let x = if x.stride().last() == Some(&1) {
-        x.clone()
-    } else {
-        x.contiguous()?
-    };
-    x.apply_op1(Rope {
+    unit_last_stride(x)?.apply_op1(Rope {
         tables: tables.clone(),
         inverse: false,
     })
+}
+
+/// The gradient of [`rope`]'s input given its output's: the inverse rotation.
+pub(crate) fn rope_bwd(g: &Tensor, tables: &RopeTables) -> Result<Tensor> {
+    unit_last_stride(g)?.apply_op1_no_bwd(&Rope {
+        tables: tables.clone(),
+        inverse: true,
+    })
+}
+
+fn unit_last_stride(x: &Tensor) -> Result<Tensor> {
+    if x.stride().last() == Some(&1) {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
+    }
 }
 
 struct Rope {
@@ -454,12 +486,7 @@ impl CustomOp1 for Rope {
         Ok((out, Shape::from(l.dims())))
     }
     fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        let g = if g.stride().last() == Some(&1) {
-            g.clone()
-        } else {
-            g.contiguous()?
-        };
-        Ok(Some(g.apply_op1_no_bwd(&Rope {
+        Ok(Some(unit_last_stride(g)?.apply_op1_no_bwd(&Rope {
             tables: self.tables.clone(),
             inverse: !self.inverse,
         })?))

@@ -108,6 +108,17 @@ impl Rope {
         Ok(Self { cos, sin, tables })
     }
 
+    fn check_positions(&self, offset: usize, t: usize) -> Result<()> {
+        let positions = self.cos.dim(0)?;
+        if offset + t > positions {
+            return Err(ModelError::InvalidInput(format!(
+                "positions {offset}..{} exceed the {positions} rotary positions (max_seq_len)",
+                offset + t
+            )));
+        }
+        Ok(())
+    }
+
     /// Rotate `x: [batch, heads, seq, head_dim]` (positions `0..seq`).
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
         self.apply_at(x, 0)
@@ -116,13 +127,7 @@ impl Rope {
     /// Rotate `x: [batch, heads, seq, head_dim]` holding positions `offset..offset + seq`.
     pub(crate) fn apply_at(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, _, t, hd) = x.dims4()?;
-        let positions = self.cos.dim(0)?;
-        if offset + t > positions {
-            return Err(ModelError::InvalidInput(format!(
-                "positions {offset}..{} exceed the {positions} rotary positions (max_seq_len)",
-                offset + t
-            )));
-        }
+        self.check_positions(offset, t)?;
         if fused::applies(x) {
             if offset == 0 {
                 return Ok(fused::rope(x, &self.tables)?);
@@ -170,12 +175,23 @@ pub(crate) fn attention(
 ) -> Result<Tensor> {
     let (b, t, _) = x.dims3()?;
     let (h, kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim());
+    let scale = 1.0 / (hd as f64).sqrt();
+    if fused::applies(x) && t <= TILED_ATTENTION_ROWS {
+        rope.check_positions(0, t)?;
+        let shape = crate::short_attention::Heads {
+            heads: h,
+            kv_heads: kv,
+            head_dim: hd,
+        };
+        let (q, k, v) = (linear(x, w.wq)?, linear(x, w.wk)?, linear(x, w.wv)?);
+        let out = crate::short_attention::attention(&q, &k, &v, shape, &rope.tables, scale)?;
+        return linear(&out, w.wo);
+    }
     let heads =
         |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?) };
     let q = rope.apply(&heads(linear(x, w.wq)?, h)?)?;
     let k = rope.apply(&heads(linear(x, w.wk)?, kv)?)?;
     let v = heads(linear(x, w.wv)?, kv)?.contiguous()?;
-    let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
     if crate::cuda_attention::applies(&q) {
         let out = crate::cuda_attention::attention(&q, &k, &v, scale)?
@@ -183,21 +199,8 @@ pub(crate) fn attention(
             .reshape((b, t, h * hd))?;
         return linear(&out, w.wo);
     }
-    if fused::applies(&q) && t > TILED_ATTENTION_ROWS {
-        let out = crate::tiled_attention::attention(&q, &k, &v, mask, scale, TILED_ATTENTION_ROWS)?
-            .transpose(1, 2)?
-            .reshape((b, t, h * hd))?;
-        return linear(&out, w.wo);
-    }
     if fused::applies(&q) {
-        // The h/kv query heads that share a key/value head are adjacent, so they stack into the
-        // rows of one product per key/value head: no copies of k and v, and larger products.
-        let rep = h / kv;
-        let q = q.contiguous()?.reshape((b, kv, rep * t, hd))?;
-        let scores = matmul(&q, &k.t()?)?.reshape((b, h, t, t))?;
-        let probs = fused::causal_softmax(&scores, scale)?.reshape((b, kv, rep * t, t))?;
-        let out = matmul(&probs, &v)?
-            .reshape((b, h, t, hd))?
+        let out = crate::tiled_attention::attention(&q, &k, &v, mask, scale, TILED_ATTENTION_ROWS)?
             .transpose(1, 2)?
             .reshape((b, t, h * hd))?;
         return linear(&out, w.wo);

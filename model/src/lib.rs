@@ -89,6 +89,7 @@ pub mod pipeline;
 mod product;
 pub mod replay;
 pub mod rng;
+mod short_attention;
 pub mod sparse;
 mod st;
 pub mod stage;

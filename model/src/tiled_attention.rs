@@ -15,7 +15,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp3, D, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, D, Layout, Shape, Tensor};
 
 use crate::error::Result;
 use crate::product::matmul;
@@ -174,20 +174,7 @@ impl CustomOp3 for TiledAttention {
         let Some(out) = taken else {
             candle_core::bail!("tiled attention: applied twice")
         };
-        let out = out.contiguous()?;
-        let (storage, layout) = out.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            candle_core::bail!("tiled attention: CPU only")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("tiled attention: output not contiguous")
-        };
-        let copy = match cpu {
-            CpuStorage::F32(x) => CpuStorage::F32(x[start..end].to_vec()),
-            CpuStorage::F64(x) => CpuStorage::F64(x[start..end].to_vec()),
-            _ => candle_core::bail!("tiled attention: f32 and f64 only"),
-        };
-        Ok((copy, layout.shape().clone()))
+        crate::fused::hand_back(&out, "tiled attention")
     }
 
     fn bwd(
