@@ -13,14 +13,15 @@ use candle_core::{WithDType, bail};
 
 /// The float types the kernels run in.
 pub(crate) trait Real: WithDType {
-    fn exp(self) -> Self;
+    /// Every value of `xs` replaced by its exponential (for f32, `crate::exp`'s loop).
+    fn exp_in_place(xs: &mut [Self]);
     fn sqrt(self) -> Self;
     fn neg_infinity() -> Self;
 }
 
 impl Real for f32 {
-    fn exp(self) -> Self {
-        f32::exp(self)
+    fn exp_in_place(xs: &mut [Self]) {
+        crate::exp::exp_in_place(xs)
     }
     fn sqrt(self) -> Self {
         f32::sqrt(self)
@@ -31,8 +32,10 @@ impl Real for f32 {
 }
 
 impl Real for f64 {
-    fn exp(self) -> Self {
-        f64::exp(self)
+    fn exp_in_place(xs: &mut [Self]) {
+        for x in xs {
+            *x = x.exp();
+        }
     }
     fn sqrt(self) -> Self {
         f64::sqrt(self)
@@ -131,10 +134,13 @@ fn softmax_fwd<T: Real>(s: &CpuStorage, l: &Layout, scale: f64) -> Result<CpuSto
                 m = v;
             }
         }
-        let mut sum = T::zero();
         for (y, &v) in yr[..n].iter_mut().zip(&xr[..n]) {
-            *y = (v * scale - m).exp();
-            sum += *y;
+            *y = v * scale - m;
+        }
+        T::exp_in_place(&mut yr[..n]);
+        let mut sum = T::zero();
+        for &y in &yr[..n] {
+            sum += y;
         }
         let inv = T::one() / sum;
         for y in &mut yr[..n] {
@@ -503,8 +509,14 @@ pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
-fn sigmoid<T: Real>(v: T) -> T {
-    T::one() / (T::one() + (T::zero() - v).exp())
+/// `sigmoid(v)` of every value.
+fn sigmoids<T: Real>(v: &[T]) -> Vec<T> {
+    let mut s: Vec<T> = v.iter().map(|&a| T::zero() - a).collect();
+    T::exp_in_place(&mut s);
+    for e in &mut s {
+        *e = T::one() / (T::one() + *e);
+    }
+    s
 }
 
 fn silu_mul_fwd<T: Real>(
@@ -518,7 +530,12 @@ fn silu_mul_fwd<T: Real>(
     if lg.dims() != lu.dims() {
         bail!("silu-mul: {:?} and {:?}", lg.dims(), lu.dims())
     }
-    let out = g.iter().zip(u).map(|(&a, &b)| a * sigmoid(a) * b).collect();
+    let out = g
+        .iter()
+        .zip(u)
+        .zip(sigmoids(g))
+        .map(|((&a, &b), s)| a * s * b)
+        .collect();
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -571,15 +588,14 @@ fn silu_mul_bwd<T: Real>(
         g.iter()
             .zip(u)
             .zip(dy)
-            .map(|((&a, &b), &d)| {
-                let s = sigmoid(a);
-                d * b * s * (T::one() + a * (T::one() - s))
-            })
+            .zip(sigmoids(g))
+            .map(|(((&a, &b), &d), s)| d * b * s * (T::one() + a * (T::one() - s)))
             .collect()
     } else {
         g.iter()
             .zip(dy)
-            .map(|(&a, &d)| d * a * sigmoid(a))
+            .zip(sigmoids(g))
+            .map(|((&a, &d), s)| d * a * s)
             .collect()
     };
     Ok(T::to_cpu_storage_owned(out))
@@ -622,13 +638,17 @@ fn max_sumexp<T: Real>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
     let (_, v) = l.shape().dims2()?;
     let x = contiguous::<T>(s, l, "row-max-sumexp")?;
     let mut out = Vec::with_capacity(2 * x.len() / v.max(1));
+    let mut e = Vec::with_capacity(v);
     for row in x.chunks(v.max(1)) {
         let m = row
             .iter()
             .fold(T::neg_infinity(), |m, &a| if a > m { a } else { m });
+        e.clear();
+        e.extend(row.iter().map(|&a| a - m));
+        T::exp_in_place(&mut e);
         let mut sum = T::zero();
-        for &a in row {
-            sum += (a - m).exp();
+        for &a in &e {
+            sum += a;
         }
         out.extend([m, sum]);
     }
@@ -673,7 +693,11 @@ fn scaled_probs_kernel<T: Real>(
     let mut out = vec![T::zero(); x.len()];
     for ((row, o), &l) in x.chunks(v.max(1)).zip(out.chunks_mut(v.max(1))).zip(lse) {
         for (y, &a) in o.iter_mut().zip(row) {
-            *y = (a - l).exp() * scale;
+            *y = a - l;
+        }
+        T::exp_in_place(o);
+        for y in o.iter_mut() {
+            *y *= scale;
         }
     }
     Ok(T::to_cpu_storage_owned(out))

@@ -77,6 +77,8 @@ pub mod config;
 mod cuda_attention;
 pub mod data;
 pub mod error;
+#[allow(unsafe_code)] // a target-feature function is unsafe to call
+mod exp;
 pub mod export;
 mod fused;
 pub mod generate;
