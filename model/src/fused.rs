@@ -666,13 +666,24 @@ impl CustomOp1 for RowMaxSumExp {
     }
 }
 
-/// `exp(x - lse) * scale` for `x: [n, v]` and `lse: [n]`: the head's probabilities, scaled.
-pub(crate) fn scaled_probs(x: &Tensor, lse: &Tensor, scale: f64) -> Result<Tensor> {
-    x.contiguous()?
-        .apply_op2_no_bwd(&lse.contiguous()?, &ScaledProbs { scale })
+/// The loss head's gradient at the logits `x: [n, v]` of vocabulary entries `first..first + v`:
+/// `(exp(x - lse) - onehot(targets)) * scale`, for `lse: [n]` and `targets: [n]` (u32).
+pub(crate) fn scaled_probs(
+    x: &Tensor,
+    lse: &Tensor,
+    targets: &Tensor,
+    first: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    x.contiguous()?.apply_op3_no_bwd(
+        &lse.contiguous()?,
+        &targets.contiguous()?,
+        &ScaledProbs { first, scale },
+    )
 }
 
 struct ScaledProbs {
+    first: usize,
     scale: f64,
 }
 
@@ -681,17 +692,24 @@ fn scaled_probs_kernel<T: Real>(
     lx: &Layout,
     sl: &CpuStorage,
     ll: &Layout,
-    scale: f64,
+    targets: &[u32],
+    op: &ScaledProbs,
 ) -> Result<CpuStorage> {
     let (n, v) = lx.shape().dims2()?;
-    if ll.dims() != [n] {
-        bail!("scaled-probs: x {:?}, lse {:?}", lx.dims(), ll.dims())
+    if ll.dims() != [n] || targets.len() != n {
+        bail!(
+            "scaled-probs: x {:?}, lse {:?}, {} targets",
+            lx.dims(),
+            ll.dims(),
+            targets.len()
+        )
     }
     let x = contiguous::<T>(sx, lx, "scaled-probs")?;
     let lse = contiguous::<T>(sl, ll, "scaled-probs")?;
-    let scale = T::from_f64(scale);
+    let scale = T::from_f64(op.scale);
     let mut out = vec![T::zero(); x.len()];
-    for ((row, o), &l) in x.chunks(v.max(1)).zip(out.chunks_mut(v.max(1))).zip(lse) {
+    let rows = x.chunks(v.max(1)).zip(out.chunks_mut(v.max(1)));
+    for (((row, o), &l), &target) in rows.zip(lse).zip(targets) {
         for (y, &a) in o.iter_mut().zip(row) {
             *y = a - l;
         }
@@ -699,11 +717,17 @@ fn scaled_probs_kernel<T: Real>(
         for y in o.iter_mut() {
             *y *= scale;
         }
+        if let Some(y) = (target as usize)
+            .checked_sub(op.first)
+            .and_then(|c| o.get_mut(c))
+        {
+            *y -= scale;
+        }
     }
     Ok(T::to_cpu_storage_owned(out))
 }
 
-impl CustomOp2 for ScaledProbs {
+impl CustomOp3 for ScaledProbs {
     fn name(&self) -> &'static str {
         "scaled-probs"
     }
@@ -713,11 +737,20 @@ impl CustomOp2 for ScaledProbs {
         lx: &Layout,
         sl: &CpuStorage,
         ll: &Layout,
+        st: &CpuStorage,
+        lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::U32(t) = st else {
+            bail!("scaled-probs: targets must be u32")
+        };
+        let Some((start, end)) = lt.contiguous_offsets() else {
+            bail!("scaled-probs: targets are not contiguous")
+        };
+        let targets = &t[start..end];
         let out = by_dtype!(
             sx,
             self.name(),
-            scaled_probs_kernel(sx, lx, sl, ll, self.scale)
+            scaled_probs_kernel(sx, lx, sl, ll, targets, self)
         )?;
         Ok((out, lx.shape().clone()))
     }

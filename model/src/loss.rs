@@ -112,7 +112,7 @@ pub(crate) fn ce_backward(
     let (vocab, width) = w.dims2()?;
     let lse_col = lse.unsqueeze(D::Minus1)?;
     let device = h.device();
-    let targets_col = targets.to_dtype(candle_core::DType::U32)?.unsqueeze(1)?;
+    let targets_u32 = targets.to_dtype(candle_core::DType::U32)?;
     let mut grad_h = h.zeros_like()?;
     // Written block by block in place: no list of blocks to concatenate, no copy to add the
     // targets' rows into (for a 1.5B head those were gigabytes each).
@@ -121,14 +121,17 @@ pub(crate) fn ce_backward(
         let wc = w.narrow(0, start, len)?;
         let logits = matmul(&h_mm, &wc.t()?)?.to_dtype(acc)?;
         let probs = if fused::applies(&logits) {
-            fused::scaled_probs(&logits, lse, scale)?
+            fused::scaled_probs(&logits, lse, &targets_u32, start, scale)?
         } else {
-            (logits.broadcast_sub(&lse_col)?.exp()? * scale)?
+            let probs = (logits.broadcast_sub(&lse_col)?.exp()? * scale)?;
+            // The -1 of the one-hot target, for the targets in this block.
+            let ids = Tensor::arange(start as u32, (start + len) as u32, device)?.unsqueeze(0)?;
+            let hits = targets_u32
+                .unsqueeze(1)?
+                .broadcast_eq(&ids)?
+                .to_dtype(acc)?;
+            (probs - (hits * scale)?)?
         };
-        // The -1 of the one-hot target, for the targets in this block.
-        let ids = Tensor::arange(start as u32, (start + len) as u32, device)?.unsqueeze(0)?;
-        let hits = targets_col.broadcast_eq(&ids)?.to_dtype(acc)?;
-        let probs = (probs - (hits * scale)?)?;
         let probs_mm = probs.to_dtype(mm)?;
         grad_h = (grad_h + matmul(&probs_mm, &wc)?.to_dtype(acc)?)?;
         let block = matmul(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?;
