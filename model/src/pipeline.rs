@@ -258,13 +258,18 @@ impl Pipeline {
             return Ok(*mean);
         }
         let mean = crate::stage::token_weighted_mean(runs.iter().map(|r| (r.0, r.1)));
+        // Each parameter's gradients in run order, the head weight's first in each run.
+        let mut parts: Vec<Vec<(usize, Tensor)>> = vec![Vec::new(); self.stages.len()];
         for (_, _, g) in runs {
             if let Some((head, gw, grads)) = g {
-                self.stages[last].add_grad(head, gw)?;
-                for stage in &mut self.stages {
-                    stage.accumulate(&grads)?;
+                parts[last].push((head, gw));
+                for (stage, p) in self.stages.iter().zip(&mut parts) {
+                    p.extend(stage.grads_in(&grads));
                 }
             }
+        }
+        for (stage, p) in self.stages.iter_mut().zip(parts) {
+            stage.add_grads(p)?;
         }
         for stage in &mut self.stages {
             stage.count_backward(b * t);

@@ -39,24 +39,35 @@ impl Stage {
         Ok((head, gh.reshape(h.dims())?, gw))
     }
 
-    pub(crate) fn add_grad(&mut self, i: usize, g: Tensor) -> Result<()> {
-        let g = g.detach();
-        self.grads[i] = Some(match self.grads[i].take() {
-            Some(acc) => (acc + g)?,
-            None => g,
-        });
-        Ok(())
+    /// Add `parts` (parameter index, gradient) to the accumulated gradients: each parameter's in
+    /// the order given, different parameters at once (the sums, and so the bits, are those of
+    /// adding them one by one).
+    pub(crate) fn add_grads(&mut self, parts: Vec<(usize, Tensor)>) -> Result<()> {
+        let mut by_param: Vec<Vec<Tensor>> = vec![Vec::new(); self.grads.len()];
+        for (i, g) in parts {
+            by_param
+                .get_mut(i)
+                .ok_or_else(|| ModelError::InvalidInput(format!("no parameter {i}")))?
+                .push(g.detach());
+        }
+        self.grads
+            .par_iter_mut()
+            .zip(by_param)
+            .try_for_each(|(acc, gs)| -> Result<()> {
+                for g in gs {
+                    *acc = Some(match acc.take() {
+                        Some(a) => (a + g)?,
+                        None => g,
+                    });
+                }
+                Ok(())
+            })
     }
 
-    /// Add the gradients that `grads` holds for this stage's parameters.
-    pub(crate) fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
-        for i in 0..self.params.len() {
-            if let Some(g) = grads.get(self.params[i].var.as_tensor()) {
-                let g = g.clone();
-                self.add_grad(i, g)?;
-            }
-        }
-        Ok(())
+    /// The gradients that `grads` holds for this stage's parameters, in parameter order.
+    pub(crate) fn grads_in(&self, grads: &GradStore) -> Vec<(usize, Tensor)> {
+        let held = |(i, p): (usize, &Param)| Some((i, grads.get(p.var.as_tensor())?.clone()));
+        self.params.iter().enumerate().filter_map(held).collect()
     }
 
     pub(crate) fn count_backward(&mut self, tokens: usize) {
@@ -529,9 +540,7 @@ impl Stage {
                 "gradients were produced by a different stage".into(),
             ));
         }
-        for (i, g) in held.parts {
-            self.add_grad(i, g)?;
-        }
+        self.add_grads(held.parts)?;
         self.count_backward(held.tokens);
         Ok(())
     }
