@@ -5,10 +5,12 @@
 //! loss and its gradient are computed by hand, one block of vocabulary rows at a time:
 //!
 //! * forward: an online log-sum-exp over the blocks, plus the target logit `h . W[target]`;
-//! * backward: recompute each block's logits, turn them into probabilities with the saved
-//!   log-sum-exp, and accumulate `dL/dh` and the block's rows of `dL/dW`.
+//! * backward: recompute each block's logits (or take the blocks the forward kept), turn them
+//!   into probabilities with the saved log-sum-exp, and accumulate `dL/dh` and the block's rows
+//!   of `dL/dW`.
 //!
-//! At most `[tokens, chunk]` logits exist at any time. The loss is the mean over tokens.
+//! Unless the forward keeps its blocks, at most `[tokens, chunk]` logits exist at any time. The
+//! loss is the mean over tokens.
 //!
 //! The matrix products run in the dtype of the head weight passed in (bf16 on a GPU, so the
 //! largest product of the model uses tensor cores); logits, log-sum-exp, probabilities and the
@@ -20,12 +22,20 @@ use crate::error::Result;
 use crate::fused;
 use crate::product::matmul;
 
-/// Result of the forward pass: the mean loss, the per-token losses and the per-token
-/// log-sum-exp needed by backward.
+/// Result of the forward pass: the mean loss, the per-token losses and what the backward reads.
 pub(crate) struct CeForward {
     pub loss: Tensor,
     pub token_losses: Tensor,
+    pub head: HeadCache,
+}
+
+/// What the backward reads of a forward: the per-token log-sum-exp `[n]`, and the logits'
+/// vocabulary blocks if the forward kept them (the backward then does not compute them again:
+/// a quarter of the head's products).
+#[derive(Clone, Debug)]
+pub(crate) struct HeadCache {
     pub lse: Tensor,
+    pub logits: Option<Vec<Tensor>>,
 }
 
 fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -35,13 +45,14 @@ fn chunks(vocab: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Mean cross-entropy of `h: [n, d]` against `targets: [n]` (u32) under head `w: [vocab, d]`
-/// (matrix products in `w`'s dtype, everything else in `h`'s). Inputs are treated as constants
-/// (no autograd graph is built).
+/// (matrix products in `w`'s dtype, everything else in `h`'s), keeping the logits if
+/// `keep_logits`. Inputs are treated as constants (no autograd graph is built).
 pub(crate) fn ce_forward(
     h: &Tensor,
     w: &Tensor,
     targets: &Tensor,
     chunk: usize,
+    keep_logits: bool,
 ) -> Result<CeForward> {
     let (h, w) = (h.detach(), w.detach());
     let acc_dtype = h.dtype();
@@ -49,8 +60,12 @@ pub(crate) fn ce_forward(
     let h = h.to_dtype(w.dtype())?;
     let vocab = w.dim(0)?;
     let mut acc: Option<(Tensor, Tensor)> = None;
+    let mut kept = Vec::new();
     for (start, len) in chunks(vocab, chunk) {
         let logits = matmul(&h, &w.narrow(0, start, len)?.t()?)?.to_dtype(acc_dtype)?;
+        if keep_logits {
+            kept.push(logits.clone());
+        }
         if fused::applies(&logits) {
             // One pass per chunk: its row max and the sum of exp relative to that max.
             let (cmax, csum) = fused::row_max_sumexp(&logits)?;
@@ -91,20 +106,24 @@ pub(crate) fn ce_forward(
     Ok(CeForward {
         loss,
         token_losses,
-        lse,
+        head: HeadCache {
+            lse,
+            logits: keep_logits.then_some(kept),
+        },
     })
 }
 
 /// Gradients of `scale * sum_i CE_i` (pass `scale = 1/n` for the mean) with respect to `h` and
-/// `w`, given the `lse` from [`ce_forward`].
+/// `w`, given what [`ce_forward`] kept for it (with the same `chunk`).
 pub(crate) fn ce_backward(
     h: &Tensor,
     w: &Tensor,
     targets: &Tensor,
-    lse: &Tensor,
+    head: &HeadCache,
     chunk: usize,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
+    let lse = &head.lse;
     let (h, w) = (h.detach(), w.detach());
     let acc = h.dtype();
     let mm = w.dtype();
@@ -117,9 +136,24 @@ pub(crate) fn ce_backward(
     // Written block by block in place: no list of blocks to concatenate, no copy to add the
     // targets' rows into (for a 1.5B head those were gigabytes each).
     let grad_w = Tensor::zeros((vocab, width), acc, device)?;
-    for (start, len) in chunks(vocab, chunk) {
+    let kept = head.logits.as_deref();
+    if kept.is_some_and(|k| k.len() != chunks(vocab, chunk).count()) {
+        return Err(crate::error::ModelError::InvalidInput(
+            "kept logits are not the head's vocabulary blocks".into(),
+        ));
+    }
+    for (c, (start, len)) in chunks(vocab, chunk).enumerate() {
         let wc = w.narrow(0, start, len)?;
-        let logits = matmul(&h_mm, &wc.t()?)?.to_dtype(acc)?;
+        let logits = match kept.and_then(|k| k.get(c)) {
+            Some(l) if l.dims() == [h.dim(0)?, len] => l.clone(),
+            Some(l) => {
+                return Err(crate::error::ModelError::InvalidInput(format!(
+                    "kept logits block {c} is {:?}, not the head's vocabulary blocks",
+                    l.dims()
+                )));
+            }
+            None => matmul(&h_mm, &wc.t()?)?.to_dtype(acc)?,
+        };
         let probs = if fused::applies(&logits) {
             fused::scaled_probs(&logits, lse, &targets_u32, start, scale)?
         } else {
@@ -174,11 +208,11 @@ mod tests {
         let h = Tensor::randn(0f32, 1.0, (9, 16), &dev).unwrap();
         let w = Tensor::randn(0f32, 0.3, (40, 16), &dev).unwrap();
         let t = Tensor::new(&[0u32, 39, 3, 3, 7, 1, 12, 20, 21], &dev).unwrap();
-        let f = ce_forward(&h, &w, &t, 16).unwrap();
-        let (gh, gw) = ce_backward(&h, &w, &t, &f.lse, 16, 1.0 / 9.0).unwrap();
+        let f = ce_forward(&h, &w, &t, 16, false).unwrap();
+        let (gh, gw) = ce_backward(&h, &w, &t, &f.head, 16, 1.0 / 9.0).unwrap();
         let wb = w.to_dtype(DType::BF16).unwrap();
-        let fb = ce_forward(&h, &wb, &t, 16).unwrap();
-        let (ghb, gwb) = ce_backward(&h, &wb, &t, &fb.lse, 16, 1.0 / 9.0).unwrap();
+        let fb = ce_forward(&h, &wb, &t, 16, false).unwrap();
+        let (ghb, gwb) = ce_backward(&h, &wb, &t, &fb.head, 16, 1.0 / 9.0).unwrap();
         assert_eq!(
             (fb.loss.dtype(), ghb.dtype(), gwb.dtype()),
             (DType::F32, DType::F32, DType::F32)
@@ -215,13 +249,13 @@ mod tests {
             .unwrap()
             .affine(250.0, 3.0)
             .unwrap();
-        let f = ce_forward(&h, &w, &t, chunk).unwrap();
+        let f = ce_forward(&h, &w, &t, chunk, false).unwrap();
         // Once before measuring: the matrix products keep per-thread packing buffers after their
         // first call, larger on machines with more cores (on a 16-core machine the first call's
         // peak was 3.3 MB here), which are not the head's to account for.
-        drop(ce_backward(&h, &w, &t, &f.lse, chunk, 1.0 / n as f64).unwrap());
+        drop(ce_backward(&h, &w, &t, &f.head, chunk, 1.0 / n as f64).unwrap());
         let (grads, peak) = crate::alloc_count::peak_during(|| {
-            ce_backward(&h, &w, &t, &f.lse, chunk, 1.0 / n as f64).unwrap()
+            ce_backward(&h, &w, &t, &f.head, chunk, 1.0 / n as f64).unwrap()
         });
         let grad_w_bytes = vocab * d * 4;
         let block_bytes = n * chunk * 4 + chunk * d * 4;
@@ -243,16 +277,39 @@ mod tests {
         for composed in [false, true] {
             crate::fused::COMPOSED_ONLY.with(|c| c.set(composed));
             for chunk in [1, 4, 13, 100] {
-                let f = ce_forward(&h, &w, &t, chunk).unwrap();
+                let f = ce_forward(&h, &w, &t, chunk, false).unwrap();
                 let l = f.loss.to_scalar::<f64>().unwrap();
                 let case = format!("composed {composed}, chunk {chunk}");
                 assert!((l - l_ref).abs() < 1e-12, "{case}: {l} vs {l_ref}");
-                let (gh, gw) = ce_backward(&h, &w, &t, &f.lse, chunk, 1.0 / 7.0).unwrap();
+                let (gh, gw) = ce_backward(&h, &w, &t, &f.head, chunk, 1.0 / 7.0).unwrap();
                 assert!(max_diff(&gh, &gh_ref) < 1e-12, "{case}");
                 assert!(max_diff(&gw, &gw_ref) < 1e-12, "{case}");
                 assert_eq!(gw.dtype(), DType::F64);
             }
         }
         crate::fused::COMPOSED_ONLY.with(|c| c.set(false));
+    }
+
+    /// Logits kept by the forward give the backward the bits of recomputing them, at every
+    /// block size; blocks of another cut are refused.
+    #[test]
+    fn kept_logits_give_the_recomputed_bits() {
+        let dev = Device::Cpu;
+        let h = Tensor::randn(0f32, 1.0, (9, 6), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (23, 6), &dev).unwrap();
+        let t = Tensor::new(&[0u32, 22, 5, 5, 11, 1, 22, 16, 8], &dev).unwrap();
+        for chunk in [1, 5, 23, 64] {
+            let kept = ce_forward(&h, &w, &t, chunk, true).unwrap();
+            let plain = ce_forward(&h, &w, &t, chunk, false).unwrap();
+            assert!(plain.head.logits.is_none());
+            assert_eq!(max_diff(&kept.loss, &plain.loss), 0.0);
+            let a = ce_backward(&h, &w, &t, &kept.head, chunk, 0.1).unwrap();
+            let b = ce_backward(&h, &w, &t, &plain.head, chunk, 0.1).unwrap();
+            assert_eq!(max_diff(&a.0, &b.0), 0.0, "chunk {chunk}");
+            assert_eq!(max_diff(&a.1, &b.1), 0.0, "chunk {chunk}");
+        }
+        let kept = ce_forward(&h, &w, &t, 5, true).unwrap();
+        let err = ce_backward(&h, &w, &t, &kept.head, 4, 0.1).unwrap_err();
+        assert!(err.to_string().contains("vocabulary blocks"), "{err}");
     }
 }

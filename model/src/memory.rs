@@ -9,7 +9,9 @@
 //!   [`crate::StageOptions::checkpoint_blocks`] each block's input and the last block's output,
 //!   about `blocks · tokens · d` floats; without, every block's graph, about
 //!   `tokens · (12·d + 3·d_ff)` floats a block, plus the `heads · t²` score matrices kept by the
-//!   untiled attention of sequences of at most [`crate::layers`]' tile height;
+//!   untiled attention of sequences of at most [`crate::layers`]' tile height; on the last
+//!   stage, the head's logits when they are small enough to keep
+//!   ([`crate::stage::KEPT_LOGITS_MAX_BYTES`]);
 //! * **the backward's transient**: the hop's own parameter gradients (4 bytes a parameter, held
 //!   until committed), one block's recomputed graph and its gradients (about
 //!   `tokens · (20·d + 10·d_ff)` floats, checkpointed), and on the last stage the loss head's
@@ -111,15 +113,23 @@ pub fn stage_memory(
     let boundary = cfg.boundary_dim() as u64;
     // A later stage keeps its own copy of the incoming boundary tensor (its gradient's variable).
     let input = if first { 0 } else { tokens * boundary };
-    let per_sample = if opts.checkpoint_blocks {
-        // Block inputs: the embedding's output on the first stage (a later stage's first block
-        // reads the input it keeps anyway), d-wide between blocks, and the last block's output.
-        let embedded = if first { d } else { 0 };
-        let output = if last { d } else { boundary };
-        input + tokens * (embedded + blocks.saturating_sub(1) * d + output)
+    // A last stage's training forward may keep its logits for the backward.
+    let logits = tokens * cfg.vocab_size as u64;
+    let logits = if last && logits * F32 <= crate::stage::KEPT_LOGITS_MAX_BYTES {
+        logits
     } else {
-        input + blocks * (tokens * (12 * d + 3 * ff) + scores)
-    } * F32;
+        0
+    };
+    let per_sample = logits * F32
+        + if opts.checkpoint_blocks {
+            // Block inputs: the embedding's output on the first stage (a later stage's first block
+            // reads the input it keeps anyway), d-wide between blocks, and the last block's output.
+            let embedded = if first { d } else { 0 };
+            let output = if last { d } else { boundary };
+            input + tokens * (embedded + blocks.saturating_sub(1) * d + output)
+        } else {
+            input + blocks * (tokens * (12 * d + 3 * ff) + scores)
+        } * F32;
     let block_transient = if opts.checkpoint_blocks {
         (tokens * (20 * d + 10 * ff) + scores) * F32
     } else {

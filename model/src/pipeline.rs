@@ -241,11 +241,11 @@ impl Pipeline {
             for stage in stages {
                 x = stage.run(&x.to_device(&stage.options().device)?)?;
             }
-            let (loss, lse) = stages[last].head_forward(&x, &y)?;
+            let (loss, kept) = stages[last].head_forward(&x, &y, true)?;
             if !loss.mean.is_finite() {
                 return Ok((loss.mean, loss.tokens, None));
             }
-            let (head, gh, gw) = stages[last].head_gradients(&x, &y, &lse)?;
+            let (head, gh, gw) = stages[last].head_gradients(&x, &y, &kept)?;
             let grads = (x * gh)?.sum_all()?.backward()?;
             Ok((loss.mean, loss.tokens, Some((head, gw, grads))))
         };

@@ -50,7 +50,7 @@ use candle_core::{D, DType, Device, Tensor, Var, backprop::GradStore};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::{self, AttnWeights, KvCache, Rope};
-use crate::loss;
+use crate::loss::{self, HeadCache};
 use crate::rng::SplitMix64;
 
 mod compute;
@@ -274,6 +274,12 @@ impl StageOutput {
     }
 }
 
+/// The largest logits (bytes) a last stage keeps from a training forward for its backward,
+/// which then skips a quarter of the head's products: `small`'s at 4x128 are 16 MiB; an
+/// `iota-1.5b` micro-batch's (4x800 tokens, 128,256 entries) are 1.6 GB and are recomputed
+/// block by block instead.
+pub const KEPT_LOGITS_MAX_BYTES: u64 = 64 << 20;
+
 /// State kept between forward and backward of one micro-batch.
 pub struct StageCache {
     stage_uid: u64,
@@ -287,8 +293,8 @@ pub struct StageCache {
     /// last block's output, without graphs.
     block_inputs: Option<Vec<Tensor>>,
     targets: Option<Tensor>,
-    /// Per-token log-sum-exp of the head (last stage).
-    lse: Option<Tensor>,
+    /// What the head's backward reads (last stage).
+    head: Option<HeadCache>,
     output_dims: Vec<usize>,
     /// Under [`StageOptions::sub_batches`]: each run's own cache, in batch order (`input` then
     /// holds the whole input, for its shape, and nothing else is kept here).

@@ -318,12 +318,14 @@ impl Stage {
         self.weight(i, false)
     }
 
-    /// Loss report and per-token log-sum-exp of the final hidden state `h: [batch, seq, d]`.
+    /// Loss report of the final hidden state `h: [batch, seq, d]`, and what the head's backward
+    /// reads: the logits too if `train` and [`Stage::keeps_logits`] says so.
     pub(crate) fn head_forward(
         &self,
         h: &Tensor,
         targets: &Tensor,
-    ) -> Result<(LossOutput, Tensor)> {
+        train: bool,
+    ) -> Result<(LossOutput, HeadCache)> {
         let d = self.cfg.d_model;
         let (b, t) = targets.dims2()?;
         let f = loss::ce_forward(
@@ -331,6 +333,7 @@ impl Stage {
             &self.head_weight()?,
             &targets.flatten_all()?,
             self.cfg.loss_vocab_chunk,
+            train && self.keeps_logits(b * t),
         )?;
         let mean = f.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let per_sequence = f
@@ -344,6 +347,15 @@ impl Stage {
             per_sequence,
             tokens: b * t,
         };
-        Ok((out, f.lse))
+        Ok((out, f.head))
+    }
+
+    /// Whether a training forward of `tokens` keeps the head's logits for the backward: unless
+    /// the stage recomputes to save memory, and only up to [`KEPT_LOGITS_MAX_BYTES`].
+    pub(crate) fn keeps_logits(&self, tokens: usize) -> bool {
+        let bytes = tokens as u64
+            * self.cfg.vocab_size as u64
+            * self.opts.param_dtype.size_in_bytes() as u64;
+        !self.opts.recompute && bytes <= KEPT_LOGITS_MAX_BYTES
     }
 }

@@ -86,6 +86,7 @@ fn objective(stage: &Stage, input: &Tensor, targets: &Tensor, g: Option<&Tensor>
                 &stage.head_weight().unwrap(),
                 &targets.flatten_all().unwrap(),
                 stage.config().loss_vocab_chunk,
+                false,
             )
             .unwrap();
             f.loss.to_scalar::<f64>().unwrap()

@@ -22,14 +22,14 @@ impl Stage {
         &self,
         h: &Tensor,
         targets: &Tensor,
-        lse: &Tensor,
+        kept: &HeadCache,
     ) -> Result<(usize, Tensor, Tensor)> {
         let d = self.cfg.d_model;
         let (gh, gw) = loss::ce_backward(
             &h.reshape(((), d))?,
             &self.head_weight()?,
             &targets.flatten_all()?,
-            lse,
+            kept,
             self.cfg.loss_vocab_chunk,
             1.0,
         )?;
@@ -139,7 +139,7 @@ impl Stage {
         let targets = self.validate_targets(targets, b, t)?;
         let out = self.run_inner(&input, false)?;
         Ok(match &targets {
-            Some(tg) => StageOutput::Loss(self.head_forward(&out, tg)?.0),
+            Some(tg) => StageOutput::Loss(self.head_forward(&out, tg, false)?.0),
             None => StageOutput::Activations(out),
         })
     }
@@ -208,7 +208,7 @@ impl Stage {
             output: None,
             block_inputs: None,
             targets: None,
-            lse: None,
+            head: None,
             output_dims,
             runs: caches,
         };
@@ -241,10 +241,10 @@ impl Stage {
         } else {
             (self.run(&graph_input)?, None)
         };
-        let (output, lse) = match &targets {
+        let (output, head) = match &targets {
             Some(tg) => {
-                let (l, lse) = self.head_forward(&out, tg)?;
-                (StageOutput::Loss(l), Some(lse))
+                let (l, head) = self.head_forward(&out, tg, true)?;
+                (StageOutput::Loss(l), Some(head))
             }
             None => (StageOutput::Activations(out.detach()), None),
         };
@@ -260,7 +260,7 @@ impl Stage {
             },
             block_inputs,
             targets,
-            lse,
+            head,
             runs: Vec::new(),
         };
         Ok((output, cache))
@@ -447,11 +447,11 @@ impl Stage {
                     ));
                 };
                 let h = output()?;
-                let lse = match (&cache.lse, stale) {
-                    (Some(lse), false) => lse.clone(),
-                    _ => self.head_forward(&h, targets)?.1,
+                let kept = match (&cache.head, stale) {
+                    (Some(kept), false) => kept.clone(),
+                    _ => self.head_forward(&h, targets, true)?.1,
                 };
-                let (head, gh, gw) = self.head_gradients(&h, targets, &lse)?;
+                let (head, gh, gw) = self.head_gradients(&h, targets, &kept)?;
                 parts.push((head, gw.detach()));
                 Ok((h * gh)?.sum_all()?)
             }
