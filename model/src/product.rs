@@ -79,9 +79,10 @@ impl CustomOp2 for Linear {
         let (rows, inp, out) = linear_dims(x.dims(), w.dims())?;
         let x2 = x.detach().reshape((rows, inp))?;
         let grad = grad.reshape((rows, out))?;
-        // The composed version's products: dx = dy w, and dw^T = x^T dy.
+        // dx = dy w and dw = dy^T x, contiguous. The composed version forms dw^T = x^T dy (the
+        // same sums) and adds its transposed view with strides, a slow walk for a large weight.
         let gx = matmul(&grad, &w.detach())?.reshape(x.shape())?;
-        let gw = matmul(&x2.t()?, &grad)?.t()?;
+        let gw = matmul(&grad.t()?, &x2)?;
         Ok((Some(gx), Some(gw)))
     }
 }
