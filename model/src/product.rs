@@ -111,35 +111,33 @@ mod tests {
     }
 
     /// Values and both gradients equal the reshape/transpose/matmul graph bit for bit, in f32
-    /// and f64, for a 3-d input and a weight read through a narrowed (offset) view.
+    /// and f64, for a 3-d input and a weight read through a narrowed (offset) view, at a toy
+    /// size and at `small`'s widest product (blocked along every dimension).
     #[test]
     fn equals_the_composed_product_bit_for_bit() {
         for dtype in [DType::F32, DType::F64] {
-            let x = randn(&[3, 5, 16], dtype, 1);
-            let big = randn(&[40, 16], dtype, 2);
-            let w = big.narrow(0, 7, 24).expect("narrow");
-            let up = randn(&[3, 5, 24], dtype, 3);
-            let run = |f: &dyn Fn(&Tensor, &Tensor) -> Tensor| {
-                let y = f(x.as_tensor(), &w);
-                let grads = (&y * up.as_tensor())
-                    .and_then(|p| p.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                let gx = grads.get(x.as_tensor()).expect("dx").clone();
-                let gw = grads.get(big.as_tensor()).expect("dw").clone();
-                (y, gx, gw)
-            };
-            let (y, gx, gw) = run(&|x, w| linear(x, w).expect("linear"));
-            let (y0, gx0, gw0) = run(&composed);
-            assert_eq!(y.dims(), [3, 5, 24]);
-            for (a, b) in [(&y, &y0), (&gx, &gx0), (&gw, &gw0)] {
-                let diff = (a - b)
-                    .and_then(|d| d.abs())
-                    .and_then(|d| d.to_dtype(DType::F64))
-                    .and_then(|d| d.max_all())
-                    .and_then(|d| d.to_scalar::<f64>())
-                    .expect("diff");
-                assert_eq!(diff, 0.0, "{dtype:?}");
+            for (b, t, inp, out) in [(3, 5, 16, 24), (4, 128, 384, 1024)] {
+                let x = randn(&[b, t, inp], dtype, 1);
+                let big = randn(&[out + 40, inp], dtype, 2);
+                let w = big.narrow(0, 7, out).expect("narrow");
+                let up = randn(&[b, t, out], dtype, 3);
+                let run = |f: &dyn Fn(&Tensor, &Tensor) -> Tensor| {
+                    let y = f(x.as_tensor(), &w);
+                    let grads = (&y * up.as_tensor())
+                        .and_then(|p| p.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    let gx = grads.get(x.as_tensor()).expect("dx").clone();
+                    let gw = grads.get(big.as_tensor()).expect("dw").clone();
+                    (y, gx, gw)
+                };
+                let (y, gx, gw) = run(&|x, w| linear(x, w).expect("linear"));
+                let (y0, gx0, gw0) = run(&composed);
+                assert_eq!(y.dims(), [b, t, out]);
+                for (a, b) in [(&y, &y0), (&gx, &gx0), (&gw, &gw0)] {
+                    let diff = crate::test_util::max_diff(a, b);
+                    assert_eq!(diff, 0.0, "{dtype:?} {inp}x{out}");
+                }
             }
         }
     }
