@@ -16,6 +16,11 @@ use std::time::Instant;
 use iota_model::rng::SplitMix64;
 use iota_model::{Device, ModelConfig, Pipeline, StageOptions, Tensor};
 
+// The allocator of the `iota` binary that miners and validators run: glibc's malloc returned
+// freed gradient buffers to the kernel and paid a page fault per fresh page again.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("--print-config") {
