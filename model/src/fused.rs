@@ -79,23 +79,37 @@ macro_rules! by_dtype {
     };
 }
 
-/// A copy of `out`'s data as a custom op's forward result: for ops whose output is computed
-/// outside the graph, from detached inputs, and whose node only carries the backward.
-pub(crate) fn hand_back(out: &Tensor, op: &str) -> Result<(CpuStorage, Shape)> {
-    let out = out.contiguous()?;
-    let (storage, layout) = out.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        bail!("{op}: CPU only")
-    };
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("{op}: output not contiguous")
-    };
-    let copy = match cpu {
-        CpuStorage::F32(x) => CpuStorage::F32(x[start..end].to_vec()),
-        CpuStorage::F64(x) => CpuStorage::F64(x[start..end].to_vec()),
-        _ => bail!("{op}: f32 and f64 only"),
-    };
-    Ok((copy, layout.shape().clone()))
+/// An output computed outside the graph from detached inputs, for a custom op whose node only
+/// carries the backward: the op's forward hands over a copy of it, once.
+pub(crate) struct Precomputed(std::sync::Mutex<Option<Tensor>>);
+
+impl Precomputed {
+    pub(crate) fn new(out: Tensor) -> Self {
+        Self(std::sync::Mutex::new(Some(out)))
+    }
+
+    /// The output's data as the op's forward result.
+    pub(crate) fn hand_back(&self, op: &str) -> Result<(CpuStorage, Shape)> {
+        // A poisoned lock only means another thread panicked; the slot is still whole.
+        let taken = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(out) = taken else {
+            bail!("{op}: applied twice")
+        };
+        let out = out.contiguous()?;
+        let (storage, layout) = out.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            bail!("{op}: CPU only")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("{op}: output not contiguous")
+        };
+        let copy = match cpu {
+            CpuStorage::F32(x) => CpuStorage::F32(x[start..end].to_vec()),
+            CpuStorage::F64(x) => CpuStorage::F64(x[start..end].to_vec()),
+            _ => bail!("{op}: f32 and f64 only"),
+        };
+        Ok((copy, layout.shape().clone()))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -90,15 +90,8 @@ impl CustomOp2 for Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
-
-    fn randn(dims: &[usize], dtype: DType, seed: u64) -> Var {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n: usize = dims.iter().product();
-        let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
-        let t = Tensor::from_vec(v, dims, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
-        Var::from_tensor(&t.expect("tensor")).expect("var")
-    }
+    use crate::test_util::random_var;
+    use candle_core::DType;
 
     fn composed(x: &Tensor, w: &Tensor) -> Tensor {
         let (lead, inp) = x.dims().split_at(x.rank() - 1);
@@ -117,10 +110,10 @@ mod tests {
     fn equals_the_composed_product_bit_for_bit() {
         for dtype in [DType::F32, DType::F64] {
             for (b, t, inp, out) in [(3, 5, 16, 24), (4, 128, 384, 1024)] {
-                let x = randn(&[b, t, inp], dtype, 1);
-                let big = randn(&[out + 40, inp], dtype, 2);
+                let x = random_var(&[b, t, inp], dtype, 1);
+                let big = random_var(&[out + 40, inp], dtype, 2);
                 let w = big.narrow(0, 7, out).expect("narrow");
-                let up = randn(&[b, t, out], dtype, 3);
+                let up = random_var(&[b, t, out], dtype, 3);
                 let run = |f: &dyn Fn(&Tensor, &Tensor) -> Tensor| {
                     let y = f(x.as_tensor(), &w);
                     let grads = (&y * up.as_tensor())
@@ -144,8 +137,8 @@ mod tests {
 
     #[test]
     fn mismatched_widths_are_refused() {
-        let x = randn(&[2, 8], DType::F32, 1);
-        let w = randn(&[4, 6], DType::F32, 2);
+        let x = random_var(&[2, 8], DType::F32, 1);
+        let w = random_var(&[4, 6], DType::F32, 2);
         let err = linear(x.as_tensor(), w.as_tensor()).expect_err("widths differ");
         assert!(err.to_string().contains("input width 8"), "{err}");
     }

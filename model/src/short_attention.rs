@@ -7,8 +7,6 @@
 //! queries and keys, the values and the probabilities; the backward forms the same products
 //! candle's would, so values and gradients are the composed version's bit for bit.
 
-use std::sync::Mutex;
-
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use crate::error::Result;
@@ -39,7 +37,7 @@ pub(crate) fn attention(
         shape,
         tables: tables.clone(),
         scale,
-        out: Mutex::new(Some(saved.out)),
+        out: fused::Precomputed::new(saved.out),
         saved: saved.kept,
     };
     Ok(q.apply_op3(k, v, op)?)
@@ -102,7 +100,7 @@ struct ShortAttention {
     tables: RopeTables,
     scale: f64,
     /// The output, computed before the op is applied and handed over by its forward.
-    out: Mutex<Option<Tensor>>,
+    out: fused::Precomputed,
     saved: Kept,
 }
 
@@ -149,11 +147,7 @@ impl CustomOp3 for ShortAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let taken = self.out.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(out) = taken else {
-            candle_core::bail!("short attention: applied twice")
-        };
-        fused::hand_back(&out, self.name())
+        self.out.hand_back(self.name())
     }
 
     fn bwd(
@@ -174,15 +168,8 @@ impl CustomOp3 for ShortAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
-
-    fn randn(dims: &[usize], dtype: DType, seed: u64) -> Var {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n: usize = dims.iter().product();
-        let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
-        let t = Tensor::from_vec(v, dims, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
-        Var::from_tensor(&t.expect("tensor")).expect("var")
-    }
+    use crate::test_util::random_var;
+    use candle_core::{DType, Var};
 
     fn tables(t: usize, half: usize) -> RopeTables {
         let angle = |p: usize, i: usize| p as f64 / 10_000f64.powf(i as f64 / half as f64);
@@ -245,10 +232,10 @@ mod tests {
                     head_dim: 8,
                 };
                 let r = tables(t, 4);
-                let q = randn(&[2, t, heads * 8], dtype, 1);
-                let k = randn(&[2, t, kv_heads * 8], dtype, 2);
-                let v = randn(&[2, t, kv_heads * 8], dtype, 3);
-                let up = randn(&[2, t, heads * 8], dtype, 4);
+                let q = random_var(&[2, t, heads * 8], dtype, 1);
+                let k = random_var(&[2, t, kv_heads * 8], dtype, 2);
+                let v = random_var(&[2, t, kv_heads * 8], dtype, 3);
+                let up = random_var(&[2, t, heads * 8], dtype, 4);
                 let run = |f: &dyn Fn() -> Tensor| {
                     let y = f();
                     let grads = (&y * up.as_tensor())

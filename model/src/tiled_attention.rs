@@ -13,8 +13,6 @@
 //! are f32 or f64 (the mask's dtype); products run in the inputs' dtype. CPU only: the graph is
 //! cut by a custom op whose forward hands back the output computed outside it.
 
-use std::sync::Mutex;
-
 use candle_core::{CpuStorage, CustomOp3, D, Layout, Shape, Tensor};
 
 use crate::error::Result;
@@ -37,11 +35,11 @@ pub(crate) fn attention(
         scale,
         block: block.max(1),
         lse: None,
-        out: Mutex::new(None),
+        out: None,
     };
     let (out, lse) = op.forward(&q.detach(), &k.detach(), &v.detach())?;
     op.lse = Some(lse);
-    op.out = Mutex::new(Some(out));
+    op.out = Some(crate::fused::Precomputed::new(out));
     Ok(q.apply_op3(&k, &v, op)?)
 }
 
@@ -52,7 +50,7 @@ struct TiledAttention {
     /// Each row's log-sum-exp `[b, heads, t, 1]`, kept for the backward.
     lse: Option<Tensor>,
     /// The output, computed before the op is applied and handed over by its forward.
-    out: Mutex<Option<Tensor>>,
+    out: Option<crate::fused::Precomputed>,
 }
 
 /// `y: [b, kv, t, hd]` with each head repeated for the `heads / kv` query heads it serves.
@@ -170,11 +168,10 @@ impl CustomOp3 for TiledAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let taken = self.out.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(out) = taken else {
-            candle_core::bail!("tiled attention: applied twice")
-        };
-        crate::fused::hand_back(&out, "tiled attention")
+        match &self.out {
+            Some(out) => out.hand_back(self.name()),
+            None => candle_core::bail!("tiled attention: no forward computed"),
+        }
     }
 
     fn bwd(
