@@ -113,8 +113,9 @@ impl ShortAttention {
         let d_o = split_heads(d_out, h, hd)?
             .contiguous()?
             .reshape((b, kv, rows, hd))?;
-        // The products of candle's matmul backward: for C = A B, dA = dC B^T and dB = A^T dC
-        // (for the keys, formed directly rather than as a transposed view: the same sums).
+        // The products of candle's matmul backward: for C = A B, dA = dC B^T and dB = A^T dC.
+        // The keys' gradient stays the transposed view of q^T dS: OpenBLAS's dS^T q differs in
+        // the last bit.
         let dv = matmul(&p.t()?, &d_o)?;
         let dp = matmul(&d_o, &v.t()?)?;
         let ds = fused::causal_softmax_bwd(
@@ -124,7 +125,7 @@ impl ShortAttention {
         )?
         .reshape((b, kv, rows, t))?;
         let dq = matmul(&ds, k)?.reshape((b, h, t, hd))?;
-        let dk = matmul(&ds.t()?, q)?;
+        let dk = matmul(&q.t()?, &ds)?.t()?;
         Ok((
             merge_heads(&fused::rope_bwd(&dq, &self.tables)?)?,
             merge_heads(&fused::rope_bwd(&dk, &self.tables)?)?,
