@@ -523,14 +523,21 @@ pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
-/// `sigmoid(v)` of every value.
-fn sigmoids<T: Real>(v: &[T]) -> Vec<T> {
-    let mut s: Vec<T> = v.iter().map(|&a| T::zero() - a).collect();
-    T::exp_in_place(&mut s);
-    for e in &mut s {
-        *e = T::one() / (T::one() + *e);
+/// Calls `f(i, sigmoid(v[i]))` for every value in order, taking `exp` of a block of values at a
+/// time (a buffer that stays in cache, not a copy of the whole tensor).
+fn for_each_sigmoid<T: Real>(v: &[T], mut f: impl FnMut(usize, T)) {
+    const BLOCK: usize = 256;
+    let mut buf = [T::zero(); BLOCK];
+    for (b, block) in v.chunks(BLOCK).enumerate() {
+        let e = &mut buf[..block.len()];
+        for (e, &a) in e.iter_mut().zip(block) {
+            *e = T::zero() - a;
+        }
+        T::exp_in_place(e);
+        for (j, &e) in e.iter().enumerate() {
+            f(b * BLOCK + j, T::one() / (T::one() + e));
+        }
     }
-    s
 }
 
 fn silu_mul_fwd<T: Real>(
@@ -544,12 +551,8 @@ fn silu_mul_fwd<T: Real>(
     if lg.dims() != lu.dims() {
         bail!("silu-mul: {:?} and {:?}", lg.dims(), lu.dims())
     }
-    let out = g
-        .iter()
-        .zip(u)
-        .zip(sigmoids(g))
-        .map(|((&a, &b), s)| a * s * b)
-        .collect();
+    let mut out = vec![T::zero(); g.len()];
+    for_each_sigmoid(g, |i, s| out[i] = g[i] * s * u[i]);
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -597,21 +600,15 @@ fn silu_mul_bwd<T: Real>(
     if g.len() != u.len() || g.len() != dy.len() {
         bail!("silu-mul-bwd: lengths {} {} {}", g.len(), u.len(), dy.len())
     }
-    let out = if wrt_gate {
+    let mut out = vec![T::zero(); g.len()];
+    if wrt_gate {
         // d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
-        g.iter()
-            .zip(u)
-            .zip(dy)
-            .zip(sigmoids(g))
-            .map(|(((&a, &b), &d), s)| d * b * s * (T::one() + a * (T::one() - s)))
-            .collect()
+        for_each_sigmoid(g, |i, s| {
+            out[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s))
+        });
     } else {
-        g.iter()
-            .zip(dy)
-            .zip(sigmoids(g))
-            .map(|((&a, &d), s)| d * a * s)
-            .collect()
-    };
+        for_each_sigmoid(g, |i, s| out[i] = dy[i] * g[i] * s);
+    }
     Ok(T::to_cpu_storage_owned(out))
 }
 

@@ -114,13 +114,12 @@ pub fn stage_memory(
     // A later stage keeps its own copy of the incoming boundary tensor (its gradient's variable).
     let input = if first { 0 } else { tokens * boundary };
     // A last stage's training forward may keep its logits for the backward.
-    let logits = tokens * cfg.vocab_size as u64;
-    let logits = if last && logits * F32 <= crate::stage::KEPT_LOGITS_MAX_BYTES {
-        logits
+    let logits = if last {
+        crate::stage::kept_logits_bytes(batch * seq, cfg.vocab_size, F32 as usize)
     } else {
         0
     };
-    let per_sample = logits * F32
+    let per_sample = logits
         + if opts.checkpoint_blocks {
             // Block inputs: the embedding's output on the first stage (a later stage's first block
             // reads the input it keeps anyway), d-wide between blocks, and the last block's output.

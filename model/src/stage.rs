@@ -280,6 +280,17 @@ impl StageOutput {
 /// block by block instead.
 pub const KEPT_LOGITS_MAX_BYTES: u64 = 64 << 20;
 
+/// Bytes of the logits a training forward of `tokens` keeps (0: not kept), with `float_bytes` a
+/// value: the rule of [`KEPT_LOGITS_MAX_BYTES`], for the stage and the memory equation.
+pub(crate) fn kept_logits_bytes(tokens: usize, vocab: usize, float_bytes: usize) -> u64 {
+    let bytes = tokens as u64 * vocab as u64 * float_bytes as u64;
+    if bytes <= KEPT_LOGITS_MAX_BYTES {
+        bytes
+    } else {
+        0
+    }
+}
+
 /// State kept between forward and backward of one micro-batch.
 pub struct StageCache {
     stage_uid: u64,

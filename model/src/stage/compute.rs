@@ -353,9 +353,11 @@ impl Stage {
     /// Whether a training forward of `tokens` keeps the head's logits for the backward: unless
     /// the stage recomputes to save memory, and only up to [`KEPT_LOGITS_MAX_BYTES`].
     pub(crate) fn keeps_logits(&self, tokens: usize) -> bool {
-        let bytes = tokens as u64
-            * self.cfg.vocab_size as u64
-            * self.opts.param_dtype.size_in_bytes() as u64;
-        !self.opts.recompute && bytes <= KEPT_LOGITS_MAX_BYTES
+        let bytes = kept_logits_bytes(
+            tokens,
+            self.cfg.vocab_size,
+            self.opts.param_dtype.size_in_bytes(),
+        );
+        !self.opts.recompute && bytes > 0
     }
 }

@@ -64,9 +64,10 @@ impl Stage {
             })
     }
 
-    /// The gradients that `grads` holds for this stage's parameters, in parameter order.
+    /// The gradients that `grads` holds for this stage's parameters, in parameter order,
+    /// detached.
     pub(crate) fn grads_in(&self, grads: &GradStore) -> Vec<(usize, Tensor)> {
-        let held = |(i, p): (usize, &Param)| Some((i, grads.get(p.var.as_tensor())?.clone()));
+        let held = |(i, p): (usize, &Param)| Some((i, grads.get(p.var.as_tensor())?.detach()));
         self.params.iter().enumerate().filter_map(held).collect()
     }
 
@@ -406,11 +407,7 @@ impl Stage {
             &mut parts,
         )?;
         let grads = surrogate.backward()?;
-        for (i, p) in self.params.iter().enumerate() {
-            if let Some(g) = grads.get(p.var.as_tensor()) {
-                parts.push((i, g.detach()));
-            }
-        }
+        parts.extend(self.grads_in(&grads));
         let grad_input = match &cache.input {
             CachedInput::Tokens(_) => None,
             CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
@@ -483,13 +480,6 @@ impl Stage {
         tokens: usize,
     ) -> Result<(Option<Tensor>, ParamGrads)> {
         let mut parts: ParamGrads = Vec::new();
-        let take = |grads: &GradStore, parts: &mut Vec<(usize, Tensor)>| {
-            for (i, p) in self.params.iter().enumerate() {
-                if let Some(g) = grads.get(p.var.as_tensor()) {
-                    parts.push((i, g.detach()));
-                }
-            }
-        };
         let top = Var::from_tensor(
             xs.last()
                 .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?,
@@ -504,7 +494,7 @@ impl Stage {
             &mut parts,
         )?;
         let grads = surrogate.backward()?;
-        take(&grads, &mut parts);
+        parts.extend(self.grads_in(&grads));
         let mut g = grads
             .get(top.as_tensor())
             .cloned()
@@ -515,7 +505,7 @@ impl Stage {
             let input = Var::from_tensor(x)?;
             let y = self.block(blk, input.as_tensor().clone(), Attn::Full(&mask), true)?;
             let grads = (y * g.detach())?.sum_all()?.backward()?;
-            take(&grads, &mut parts);
+            parts.extend(self.grads_in(&grads));
             g = match grads.get(input.as_tensor()) {
                 Some(gi) => gi.clone(),
                 None => input.as_tensor().zeros_like()?,
@@ -524,7 +514,7 @@ impl Stage {
         let grad_input = if self.is_first() {
             let x = self.embed_tokens(graph_input, true)?;
             let grads = (x * g.detach())?.sum_all()?.backward()?;
-            take(&grads, &mut parts);
+            parts.extend(self.grads_in(&grads));
             None
         } else {
             Some((g / tokens as f64)?)
