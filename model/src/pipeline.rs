@@ -65,7 +65,7 @@ pub struct StepStats {
 type RunGradients = (
     f32,
     usize,
-    Option<(usize, Tensor, candle_core::backprop::GradStore)>,
+    Option<(usize, Tensor, crate::product::Gradients)>,
 );
 
 /// All stages of one model.
@@ -246,7 +246,7 @@ impl Pipeline {
                 return Ok((loss.mean, loss.tokens, None));
             }
             let (head, gh, gw) = stages[last].head_gradients(&x, &y, &kept)?;
-            let grads = (x * gh)?.sum_all()?.backward()?;
+            let grads = crate::product::Gradients::of(&(x * gh)?.sum_all()?)?;
             Ok((loss.mean, loss.tokens, Some((head, gw, grads))))
         };
         let runs: Vec<RunGradients> = if cuts.len() == 1 {
@@ -264,7 +264,7 @@ impl Pipeline {
             if let Some((head, gw, grads)) = g {
                 parts[last].push((head, gw));
                 for (stage, p) in self.stages.iter().zip(&mut parts) {
-                    p.extend(stage.grads_in(&grads));
+                    p.extend(stage.grads_in(&grads)?);
                 }
             }
         }

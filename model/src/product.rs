@@ -1,7 +1,10 @@
 //! The matrix products every layer and the tiled attention use.
 
+use std::cell::RefCell;
+
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, bail};
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, TensorId, bail};
 
 /// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]`: through OpenBLAS with the `openblas` feature
 /// (f32 and f64 on the CPU), candle's matmul otherwise.
@@ -26,6 +29,66 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 struct Linear;
+
+thread_local! {
+    /// Where the linear layers on this thread hand their weights' gradients during
+    /// [`Gradients::of`], in the order the backward forms them.
+    static WEIGHT_GRADS: RefCell<Option<Vec<(TensorId, Tensor)>>> = const { RefCell::new(None) };
+}
+
+/// The gradients of one backward. candle gives every gradient it returns a zero-filled buffer and
+/// an addition, a weight-sized pass each for the linear layers' weights; those layers hand their
+/// weights' gradients over here instead, the same bits with neither pass.
+pub(crate) struct Gradients {
+    store: GradStore,
+    weights: Vec<(TensorId, Tensor)>,
+}
+
+/// Puts back the hand-over that was in place before a [`Gradients::of`] began, also when it
+/// fails or panics (an inner backward can run on this thread while an outer one waits for a
+/// product).
+struct Restore(Option<Vec<(TensorId, Tensor)>>);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let outer = self.0.take();
+        WEIGHT_GRADS.with(|c| c.replace(outer));
+    }
+}
+
+impl Gradients {
+    /// The backward of `root`.
+    pub(crate) fn of(root: &Tensor) -> candle_core::Result<Self> {
+        let _restore = Restore(WEIGHT_GRADS.with(|c| c.replace(Some(Vec::new()))));
+        let store = root.backward()?;
+        let weights = WEIGHT_GRADS.with(|c| c.replace(None)).unwrap_or_default();
+        Ok(Self { store, weights })
+    }
+
+    /// The gradient of a tensor that is not a linear layer's weight (an input, for example).
+    pub(crate) fn get(&self, t: &Tensor) -> Option<&Tensor> {
+        self.store.get(t)
+    }
+
+    /// The gradient of variable `v`, detached: candle's, then any the linear layers handed
+    /// over, added in the order the backward formed them (candle's own order).
+    pub(crate) fn of_var(&self, v: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let id = v.id();
+        let handed = self
+            .weights
+            .iter()
+            .filter(|(w, _)| *w == id)
+            .map(|(_, g)| g);
+        let mut sum: Option<Tensor> = self.store.get(v).map(Tensor::detach);
+        for g in handed {
+            sum = Some(match sum {
+                Some(s) => (s + g)?,
+                None => g.detach(),
+            });
+        }
+        Ok(sum)
+    }
+}
 
 /// Rows, input and output widths of `x: [..., in]` against `w: [out, in]`.
 fn linear_dims(x: &[usize], w: &[usize]) -> candle_core::Result<(usize, usize, usize)> {
@@ -83,7 +146,17 @@ impl CustomOp2 for Linear {
         // same sums) and adds its transposed view with strides, a slow walk for a large weight.
         let gx = matmul(&grad, &w.detach())?.reshape(x.shape())?;
         let gw = matmul(&grad.t()?, &x2)?;
-        Ok((Some(gx), Some(gw)))
+        if !w.is_variable() {
+            return Ok((Some(gx), Some(gw)));
+        }
+        let handed = WEIGHT_GRADS.with(|c| match c.borrow_mut().as_mut() {
+            Some(weights) => {
+                weights.push((w.id(), gw.clone()));
+                true
+            }
+            None => false,
+        });
+        Ok((Some(gx), (!handed).then_some(gw)))
     }
 }
 
@@ -133,6 +206,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A weight's gradient handed over by the layer is candle's bit for bit, as is the input's,
+    /// a weight used twice gets both gradients added, and a plain backward afterwards finds the
+    /// weight's gradient in candle's store again.
+    #[test]
+    fn handed_over_weight_gradients_are_candles() {
+        let x = random_var(&[2, 9, 16], DType::F32, 1);
+        let w = random_var(&[24, 16], DType::F32, 2);
+        let w2 = random_var(&[16, 24], DType::F32, 3);
+        let loss = || {
+            let h = linear(x.as_tensor(), w.as_tensor()).expect("linear");
+            let y = linear(&h, w2.as_tensor()).expect("linear");
+            let again = linear(&y.sin().expect("sin"), w.as_tensor()).expect("linear");
+            again.sqr().and_then(|s| s.sum_all()).expect("loss")
+        };
+        let store = loss().backward().expect("backward");
+        let handed = Gradients::of(&loss()).expect("backward");
+        for v in [&w, &w2] {
+            let a = handed.of_var(v.as_tensor()).expect("sum").expect("grad");
+            let b = store.get(v.as_tensor()).expect("grad");
+            assert_eq!(crate::test_util::max_diff(&a, b), 0.0);
+        }
+        let gx = handed.get(x.as_tensor()).expect("input grad");
+        let gx0 = store.get(x.as_tensor()).expect("input grad");
+        assert_eq!(crate::test_util::max_diff(gx, gx0), 0.0);
+        let after = loss().backward().expect("backward");
+        assert!(after.get(w.as_tensor()).is_some(), "hand-over ended");
     }
 
     #[test]

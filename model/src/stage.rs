@@ -45,7 +45,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle_core::{D, DType, Device, Tensor, Var, backprop::GradStore};
+use candle_core::{D, DType, Device, Tensor, Var};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};

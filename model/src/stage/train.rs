@@ -4,6 +4,7 @@
 use rayon::prelude::*;
 
 use super::*;
+use crate::product::Gradients;
 
 /// Parameter gradients of one backward, (parameter index, gradient) in the order they are added.
 type ParamGrads = Vec<(usize, Tensor)>;
@@ -66,9 +67,14 @@ impl Stage {
 
     /// The gradients that `grads` holds for this stage's parameters, in parameter order,
     /// detached.
-    pub(crate) fn grads_in(&self, grads: &GradStore) -> Vec<(usize, Tensor)> {
-        let held = |(i, p): (usize, &Param)| Some((i, grads.get(p.var.as_tensor())?.detach()));
-        self.params.iter().enumerate().filter_map(held).collect()
+    pub(crate) fn grads_in(&self, grads: &Gradients) -> Result<Vec<(usize, Tensor)>> {
+        let mut held = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(g) = grads.of_var(p.var.as_tensor())? {
+                held.push((i, g));
+            }
+        }
+        Ok(held)
     }
 
     pub(crate) fn count_backward(&mut self, tokens: usize) {
@@ -406,8 +412,8 @@ impl Stage {
             tokens,
             &mut parts,
         )?;
-        let grads = surrogate.backward()?;
-        parts.extend(self.grads_in(&grads));
+        let grads = Gradients::of(&surrogate)?;
+        parts.extend(self.grads_in(&grads)?);
         let grad_input = match &cache.input {
             CachedInput::Tokens(_) => None,
             CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
@@ -493,8 +499,8 @@ impl Stage {
             tokens,
             &mut parts,
         )?;
-        let grads = surrogate.backward()?;
-        parts.extend(self.grads_in(&grads));
+        let grads = Gradients::of(&surrogate)?;
+        parts.extend(self.grads_in(&grads)?);
         let mut g = grads
             .get(top.as_tensor())
             .cloned()
@@ -504,8 +510,8 @@ impl Stage {
         for (blk, x) in self.blocks.iter().zip(&xs).rev() {
             let input = Var::from_tensor(x)?;
             let y = self.block(blk, input.as_tensor().clone(), Attn::Full(&mask), true)?;
-            let grads = (y * g.detach())?.sum_all()?.backward()?;
-            parts.extend(self.grads_in(&grads));
+            let grads = Gradients::of(&(y * g.detach())?.sum_all()?)?;
+            parts.extend(self.grads_in(&grads)?);
             g = match grads.get(input.as_tensor()) {
                 Some(gi) => gi.clone(),
                 None => input.as_tensor().zeros_like()?,
@@ -513,8 +519,8 @@ impl Stage {
         }
         let grad_input = if self.is_first() {
             let x = self.embed_tokens(graph_input, true)?;
-            let grads = (x * g.detach())?.sum_all()?.backward()?;
-            parts.extend(self.grads_in(&grads));
+            let grads = Gradients::of(&(x * g.detach())?.sum_all()?)?;
+            parts.extend(self.grads_in(&grads)?);
             None
         } else {
             Some((g / tokens as f64)?)
