@@ -1,11 +1,12 @@
 //! `exp` over a slice of f32, for the fused kernels' softmaxes, sigmoids and loss rows.
 //!
 //! The C library's `expf` is a call per value that no loop vectorises (the SwiGLU gate's sigmoid
-//! alone took 7% of a step of `small`), and its last bit may differ between C libraries. This is the classic range reduction `x = n ln 2 + r`,
-//! `|r| <= ln 2 / 2`, a degree-7 polynomial for `e^r` and `2^n` put in the exponent bits, written
-//! as plain arithmetic so that the compiler vectorises the loop. It stays within 1 ulp of `expf`
-//! (tested). No fused multiply-adds: the loop compiled for AVX2 (picked at run time) gives the same
-//! bits as the baseline one, so results depend neither on the CPU nor on the platform's libm.
+//! alone took 7% of a step of `small`), and its last bit may differ between C libraries. This is
+//! the classic range reduction `x = n ln 2 + r`, `|r| <= ln 2 / 2`, a degree-7 polynomial for
+//! `e^r` and `2^n` put in the exponent bits, written as plain arithmetic so that the compiler
+//! vectorises the loop. It stays within 1 ulp of `expf` (tested). No fused multiply-adds: the loop
+//! compiled for AVX-512 or AVX2 (picked at run time) gives the same bits as the baseline one, so
+//! results depend neither on the CPU nor on the platform's libm.
 
 /// Above this, `e^x` overflows f32.
 const HI: f32 = 88.722_83;
@@ -59,8 +60,19 @@ fn exp_loop_avx2(xs: &mut [f32]) {
     exp_loop(xs)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_loop_avx512(xs: &mut [f32]) {
+    exp_loop(xs)
+}
+
 /// Replaces every value of `xs` with its exponential.
 pub(crate) fn exp_in_place(xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked just above).
+        return unsafe { exp_loop_avx512(xs) };
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
@@ -135,20 +147,29 @@ mod tests {
     }
 
     #[test]
-    fn the_avx2_loop_gives_the_baseline_bits() {
+    fn the_avx2_and_avx512_loops_give_the_baseline_bits() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        {
             let xs: Vec<f32> = (0..100_003).map(|i| -95.0 + i as f32 * 1.9e-3).collect();
             let mut base = xs.clone();
             exp_loop(&mut base);
-            let mut wide = xs;
-            // SAFETY: AVX2 checked above.
-            unsafe { exp_loop_avx2(&mut wide) };
-            let same = base
-                .iter()
-                .zip(&wide)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "AVX2 and baseline loops differ");
+            let same = |wide: &[f32]| {
+                base.iter()
+                    .zip(wide)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            if std::arch::is_x86_feature_detected!("avx2") {
+                let mut wide = xs.clone();
+                // SAFETY: AVX2 checked above.
+                unsafe { exp_loop_avx2(&mut wide) };
+                assert!(same(&wide), "AVX2 and baseline loops differ");
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let mut wide = xs;
+                // SAFETY: AVX-512F checked above.
+                unsafe { exp_loop_avx512(&mut wide) };
+                assert!(same(&wide), "AVX-512 and baseline loops differ");
+            }
         }
     }
 }
