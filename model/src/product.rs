@@ -2,7 +2,6 @@
 
 use std::cell::RefCell;
 
-use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, TensorId, bail};
 
@@ -16,6 +15,133 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(not(feature = "openblas"))]
     {
         a.matmul(b)
+    }
+}
+
+/// `a @ b` for 2-d CPU tensors (f32 or f64, any strides): candle's product, but written into an
+/// output that is not zero-filled first (candle fills it, then overwrites every value).
+fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "openblas")]
+    if crate::blas::enabled() {
+        return matmul(a, b);
+    }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+        bail!("product: CPU tensors only")
+    };
+    let (m, n) = (la.dims()[0], lb.dims()[1]);
+    let out = product_storage(ca, la, cb, lb)?;
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cpu(out),
+        (m, n),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}
+
+/// [`product`] on storages.
+fn product_storage(
+    a: &CpuStorage,
+    al: &Layout,
+    b: &CpuStorage,
+    bl: &Layout,
+) -> candle_core::Result<CpuStorage> {
+    let ([m, k], [k2, n]) = (al.dims(), bl.dims()) else {
+        bail!("product: {:?} against {:?}", al.dims(), bl.dims())
+    };
+    if k != k2 {
+        bail!("product: {:?} against {:?}", al.dims(), bl.dims())
+    }
+    let shape = Product {
+        m: *m,
+        n: *n,
+        k: *k,
+        a: (al.start_offset(), al.stride()[0], al.stride()[1]),
+        b: (bl.start_offset(), bl.stride()[0], bl.stride()[1]),
+    };
+    Ok(match (a, b) {
+        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(shape.run(a, b)?),
+        (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(shape.run(a, b)?),
+        _ => bail!("product: f32 or f64 of one type only"),
+    })
+}
+
+/// A product's sizes and its operands' offsets and row and column strides.
+struct Product {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (usize, usize, usize),
+    b: (usize, usize, usize),
+}
+
+impl Product {
+    #[allow(unsafe_code)] // gemm's interface takes raw pointers
+    fn run<T: candle_core::WithDType>(&self, a: &[T], b: &[T]) -> candle_core::Result<Vec<T>> {
+        let Product {
+            m,
+            n,
+            k,
+            a: (ao, ars, acs),
+            b: (bo, brs, bcs),
+        } = *self;
+        // The last element each operand's strides reach must lie inside its buffer.
+        let reach = |o: usize, rs: usize, cs: usize, rows: usize, cols: usize| {
+            o + rows.saturating_sub(1) * rs + cols.saturating_sub(1) * cs
+        };
+        if m * n == 0
+            || (k > 0
+                && (reach(ao, ars, acs, m, k) >= a.len() || reach(bo, brs, bcs, k, n) >= b.len()))
+        {
+            let zeros = vec![T::from_f64(0.0); m * n];
+            if m * n == 0 || k == 0 {
+                return Ok(zeros);
+            }
+            bail!("product: operand strides reach past their buffers")
+        }
+        // gemm's general path writes every output value before it reads any when it does not
+        // accumulate; its small-size and vector paths are left a zero-filled output.
+        let general = m > 16 && n > 16 && k > 2;
+        let mut out: Vec<T> = if general {
+            Vec::with_capacity(m * n)
+        } else {
+            vec![T::from_f64(0.0); m * n]
+        };
+        let threads = candle_core::utils::get_num_threads();
+        let parallelism = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: the operands' strides stay inside their slices (checked above); the output has
+        // room for m * n values written with row stride n; with `read_dst` false gemm writes each
+        // output value once before any read, so `out` is whole when its length is set.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr().add(ao),
+                acs as isize,
+                ars as isize,
+                b.as_ptr().add(bo),
+                bcs as isize,
+                brs as isize,
+                T::from_f64(0.0),
+                T::from_f64(1.0),
+                false,
+                false,
+                false,
+                parallelism,
+            );
+            out.set_len(m * n);
+        }
+        Ok(out)
     }
 }
 
@@ -128,7 +254,7 @@ impl CustomOp2 for Linear {
             let (y, _) = crate::blas::storage_matmul(xs, &x2, ws, &wt)?;
             return Ok((y, Shape::from(dims)));
         }
-        let y = xs.matmul(ws, (1, rows, out, inp), &x2, &wt)?;
+        let y = product_storage(xs, &x2, ws, &wt)?;
         Ok((y, Shape::from(dims)))
     }
 
@@ -144,8 +270,8 @@ impl CustomOp2 for Linear {
         let grad = grad.reshape((rows, out))?;
         // dx = dy w and dw = dy^T x, contiguous. The composed version forms dw^T = x^T dy (the
         // same sums) and adds its transposed view with strides, a slow walk for a large weight.
-        let gx = matmul(&grad, &w.detach())?.reshape(x.shape())?;
-        let gw = matmul(&grad.t()?, &x2)?;
+        let gx = product(&grad, &w.detach())?.reshape(x.shape())?;
+        let gw = product(&grad.t()?, &x2)?;
         if !w.is_variable() {
             return Ok((Some(gx), Some(gw)));
         }
