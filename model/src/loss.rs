@@ -20,7 +20,7 @@ use candle_core::{D, Tensor};
 
 use crate::error::Result;
 use crate::fused;
-use crate::product::matmul;
+use crate::product::constant_product;
 
 /// Result of the forward pass: the mean loss, the per-token losses and what the backward reads.
 pub(crate) struct CeForward {
@@ -62,7 +62,7 @@ pub(crate) fn ce_forward(
     let mut acc: Option<(Tensor, Tensor)> = None;
     let mut kept = Vec::new();
     for (start, len) in chunks(vocab, chunk) {
-        let logits = matmul(&h, &w.narrow(0, start, len)?.t()?)?.to_dtype(acc_dtype)?;
+        let logits = constant_product(&h, &w.narrow(0, start, len)?.t()?)?.to_dtype(acc_dtype)?;
         if keep_logits {
             kept.push(logits.clone());
         }
@@ -152,7 +152,7 @@ pub(crate) fn ce_backward(
                     l.dims()
                 )));
             }
-            None => matmul(&h_mm, &wc.t()?)?.to_dtype(acc)?,
+            None => constant_product(&h_mm, &wc.t()?)?.to_dtype(acc)?,
         };
         let probs = if fused::applies(&logits) {
             fused::scaled_probs(&logits, lse, &targets_u32, start, scale)?
@@ -167,8 +167,8 @@ pub(crate) fn ce_backward(
             (probs - (hits * scale)?)?
         };
         let probs_mm = probs.to_dtype(mm)?;
-        grad_h = (grad_h + matmul(&probs_mm, &wc)?.to_dtype(acc)?)?;
-        let block = matmul(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?;
+        grad_h = (grad_h + constant_product(&probs_mm, &wc)?.to_dtype(acc)?)?;
+        let block = constant_product(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?;
         grad_w.slice_set(&block.contiguous()?, 0, start)?;
     }
     Ok((grad_h, grad_w))

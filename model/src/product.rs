@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, TensorId, bail};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, TensorId, bail};
 
 /// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]`: through OpenBLAS with the `openblas` feature
 /// (f32 and f64 on the CPU), candle's matmul otherwise.
@@ -18,8 +18,22 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// `a @ b` for 2-d CPU tensors (f32 or f64, any strides): candle's product, but written into an
-/// output that is not zero-filled first (candle fills it, then overwrites every value).
+/// `a @ b` of 2-d tensors taken as constants (no gradient graph), the same values as
+/// [`matmul`]: on the CPU in f32 or f64 written into an output that is not zero-filled first
+/// (candle fills it, then overwrites every value).
+pub(crate) fn constant_product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let (a, b) = (a.detach(), b.detach());
+    let cpu_float = |t: &Tensor| {
+        t.device().is_cpu() && t.rank() == 2 && matches!(t.dtype(), DType::F32 | DType::F64)
+    };
+    if cpu_float(&a) && cpu_float(&b) {
+        product(&a, &b)
+    } else {
+        matmul(&a, &b)
+    }
+}
+
+/// [`constant_product`] of 2-d CPU tensors, f32 or f64.
 fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "openblas")]
     if crate::blas::enabled() {
