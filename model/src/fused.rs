@@ -2,14 +2,61 @@
 //!
 //! Composed from candle primitives, a causal softmax is eight graph nodes, an RMSNorm seven and a
 //! rotation seven per operand, and candle's backward adds a zero-filled gradient buffer plus an
-//! addition for every node. Each op here is one pass forward and one or two passes backward. Rows
-//! are processed one at a time in a fixed order, so results do not depend on the thread count.
+//! addition for every node. Each op here is one pass forward and one or two passes backward. Each
+//! row is computed on its own (rows are spread over candle's element-wise threads when there are
+//! several), so results do not depend on the thread count.
 //! f32 and f64 on the CPU only; `layers` keeps the composed versions for other devices and dtypes.
 
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use candle_core::{WithDType, bail};
+use rayon::prelude::*;
+
+/// Threads for candle's element-wise operations (`CANDLE_NUM_THREADS`, else candle's product
+/// threads), read as candle reads it; [`each_row`] spreads rows over as many.
+fn elementwise_threads() -> usize {
+    std::env::var(crate::threads::ELEMENTWISE_VAR)
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(candle_core::utils::get_num_threads)
+}
+
+/// Values of work a thread takes at once, and the fewest for which threads are worth starting.
+const VALUES_PER_TASK: usize = 16 * 1024;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests force rows spread (or not) whatever the thread count and size.
+    static SPREAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether `values` of work are spread over threads.
+fn spread(values: usize) -> bool {
+    #[cfg(test)]
+    if let Some(forced) = SPREAD.with(std::cell::Cell::get) {
+        return forced;
+    }
+    values >= 2 * VALUES_PER_TASK && elementwise_threads() > 1
+}
+
+/// Calls `f(r, row)` for each `width`-wide row `r` of `out`, spread over the element-wise threads
+/// when there are several and enough rows. Each row is computed alone, so the bits do not depend
+/// on the thread count.
+fn each_row<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let width = width.max(1);
+    if spread(out.len()) {
+        out.par_chunks_mut(width)
+            .with_min_len((VALUES_PER_TASK / width).max(1))
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+    } else {
+        out.chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+    }
+}
 
 /// The float types the kernels run in.
 pub(crate) trait Real: WithDType {
@@ -139,7 +186,8 @@ fn softmax_fwd<T: Real>(s: &CpuStorage, l: &Layout, scale: f64) -> Result<CpuSto
     let t = square_tail(l, "causal-softmax")?;
     let scale = T::from_f64(scale);
     let mut out = vec![T::zero(); x.len()];
-    for (r, (xr, yr)) in x.chunks(t).zip(out.chunks_mut(t)).enumerate() {
+    each_row(&mut out, t, |r, yr| {
+        let xr = &x[r * t..][..t];
         let n = r % t + 1;
         let mut m = T::neg_infinity();
         for &v in &xr[..n] {
@@ -160,7 +208,7 @@ fn softmax_fwd<T: Real>(s: &CpuStorage, l: &Layout, scale: f64) -> Result<CpuSto
         for y in &mut yr[..n] {
             *y *= inv;
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -207,12 +255,8 @@ fn softmax_bwd<T: Real>(
     }
     let scale = T::from_f64(scale);
     let mut out = vec![T::zero(); p.len()];
-    for (r, ((pr, gr), dr)) in p
-        .chunks(t)
-        .zip(g.chunks(t))
-        .zip(out.chunks_mut(t))
-        .enumerate()
-    {
+    each_row(&mut out, t, |r, dr| {
+        let (pr, gr) = (&p[r * t..][..t], &g[r * t..][..t]);
         let n = r % t + 1;
         let mut dot = T::zero();
         for (&pv, &gv) in pr[..n].iter().zip(&gr[..n]) {
@@ -221,7 +265,7 @@ fn softmax_bwd<T: Real>(
         for ((d, &pv), &gv) in dr[..n].iter_mut().zip(&pr[..n]).zip(&gr[..n]) {
             *d = scale * pv * (gv - dot);
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -281,12 +325,13 @@ fn rms_fwd<T: Real>(
     let x = contiguous::<T>(sx, lx, "rms-norm")?;
     let w = contiguous::<T>(sw, lw, "rms-norm")?;
     let mut out = vec![T::zero(); x.len()];
-    for (xr, yr) in x.chunks(d).zip(out.chunks_mut(d)) {
+    each_row(&mut out, d, |r, yr| {
+        let xr = &x[r * d..][..yr.len()];
         let inv = inv_rms(xr, eps);
         for ((y, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
             *y = xv * inv * wv;
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -366,7 +411,8 @@ fn rms_bwd<T: Real>(
     // With u = g * w: dx = inv * u - x * inv^3 * mean(u * x).
     let dn = T::from_f64(d as f64);
     let mut out = vec![T::zero(); x.len()];
-    for ((xr, gr), dr) in x.chunks(d).zip(g.chunks(d)).zip(out.chunks_mut(d)) {
+    each_row(&mut out, d, |r, dr| {
+        let (xr, gr) = (&x[r * d..][..dr.len()], &g[r * d..][..dr.len()]);
         let inv = inv_rms(xr, eps);
         let mut dot = T::zero();
         for ((&xv, &gv), &wv) in xr.iter().zip(gr).zip(w) {
@@ -376,7 +422,7 @@ fn rms_bwd<T: Real>(
         for (((o, &xv), &gv), &wv) in dr.iter_mut().zip(xr).zip(gr).zip(w) {
             *o = inv * gv * wv - xv * c;
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -467,29 +513,23 @@ fn rope_kernel<T: Real>(
     }
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut out = vec![T::zero(); b * h * t * hd];
-    let mut rows = out.chunks_mut(hd);
-    for bi in 0..b {
-        for hi in 0..h {
-            for ti in 0..t {
-                let start = l.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
-                let xr = &x[start..start + hd];
-                let Some(yr) = rows.next() else {
-                    bail!("rope: output too short")
-                };
-                let (cos, sin) = (
-                    &tables.cos[ti * half..(ti + 1) * half],
-                    &tables.sin[ti * half..(ti + 1) * half],
-                );
-                let (x1, x2) = xr.split_at(half);
-                let (y1, y2) = yr.split_at_mut(half);
-                for i in 0..half {
-                    let (c, s) = (T::from_f64(cos[i]), T::from_f64(sign * sin[i]));
-                    y1[i] = x1[i] * c - x2[i] * s;
-                    y2[i] = x2[i] * c + x1[i] * s;
-                }
-            }
+    // Row r of the output is position ti of head hi of sequence bi, in that order.
+    each_row(&mut out, hd, |r, yr| {
+        let (ti, hi, bi) = (r % t, (r / t) % h, r / (t * h));
+        let start = l.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
+        let xr = &x[start..start + hd];
+        let (cos, sin) = (
+            &tables.cos[ti * half..(ti + 1) * half],
+            &tables.sin[ti * half..(ti + 1) * half],
+        );
+        let (x1, x2) = xr.split_at(half);
+        let (y1, y2) = yr.split_at_mut(half);
+        for i in 0..half {
+            let (c, s) = (T::from_f64(cos[i]), T::from_f64(sign * sin[i]));
+            y1[i] = x1[i] * c - x2[i] * s;
+            y2[i] = x2[i] * c + x1[i] * s;
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -523,6 +563,9 @@ pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
+/// Values SwiGLU's kernels take as one row of [`each_row`] (each value is computed alone).
+const SIGMOID_ROW: usize = 4096;
+
 /// Calls `f(i, sigmoid(v[i]))` for every value in order, taking `exp` of a block of values at a
 /// time (a buffer that stays in cache, not a copy of the whole tensor).
 fn for_each_sigmoid<T: Real>(v: &[T], mut f: impl FnMut(usize, T)) {
@@ -552,7 +595,11 @@ fn silu_mul_fwd<T: Real>(
         bail!("silu-mul: {:?} and {:?}", lg.dims(), lu.dims())
     }
     let mut out = vec![T::zero(); g.len()];
-    for_each_sigmoid(g, |i, s| out[i] = g[i] * s * u[i]);
+    each_row(&mut out, SIGMOID_ROW, |r, o| {
+        let at = r * SIGMOID_ROW;
+        let (g, u) = (&g[at..][..o.len()], &u[at..][..o.len()]);
+        for_each_sigmoid(g, |i, s| o[i] = g[i] * s * u[i]);
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -601,14 +648,19 @@ fn silu_mul_bwd<T: Real>(
         bail!("silu-mul-bwd: lengths {} {} {}", g.len(), u.len(), dy.len())
     }
     let mut out = vec![T::zero(); g.len()];
-    if wrt_gate {
-        // d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
-        for_each_sigmoid(g, |i, s| {
-            out[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s))
-        });
-    } else {
-        for_each_sigmoid(g, |i, s| out[i] = dy[i] * g[i] * s);
-    }
+    each_row(&mut out, SIGMOID_ROW, |r, o| {
+        let at = r * SIGMOID_ROW;
+        let n = o.len();
+        let (g, u, dy) = (&g[at..][..n], &u[at..][..n], &dy[at..][..n]);
+        if wrt_gate {
+            // d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
+            for_each_sigmoid(g, |i, s| {
+                o[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s))
+            });
+        } else {
+            for_each_sigmoid(g, |i, s| o[i] = dy[i] * g[i] * s);
+        }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -648,20 +700,30 @@ struct RowMaxSumExp;
 fn max_sumexp<T: Real>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
     let (_, v) = l.shape().dims2()?;
     let x = contiguous::<T>(s, l, "row-max-sumexp")?;
-    let mut out = Vec::with_capacity(2 * x.len() / v.max(1));
-    let mut e = Vec::with_capacity(v);
-    for row in x.chunks(v.max(1)) {
+    let v = v.max(1);
+    let mut out = vec![T::zero(); 2 * (x.len() / v)];
+    // Two values per row of `x`: [`each_row`] counts them as one row each, so spread by hand.
+    let row = |r: usize, o: &mut [T]| {
+        let row = &x[r * v..][..v];
         let m = row
             .iter()
             .fold(T::neg_infinity(), |m, &a| if a > m { a } else { m });
-        e.clear();
-        e.extend(row.iter().map(|&a| a - m));
+        let mut e: Vec<T> = row.iter().map(|&a| a - m).collect();
         T::exp_in_place(&mut e);
         let mut sum = T::zero();
         for &a in &e {
             sum += a;
         }
-        out.extend([m, sum]);
+        o[0] = m;
+        o[1] = sum;
+    };
+    if spread(x.len()) {
+        out.par_chunks_mut(2)
+            .with_min_len((VALUES_PER_TASK / v).max(1))
+            .enumerate()
+            .for_each(|(r, o)| row(r, o));
+    } else {
+        out.chunks_mut(2).enumerate().for_each(|(r, o)| row(r, o));
     }
     Ok(T::to_cpu_storage_owned(out))
 }
@@ -719,8 +781,8 @@ fn scaled_probs_kernel<T: Real>(
     let lse = contiguous::<T>(sl, ll, "scaled-probs")?;
     let scale = T::from_f64(op.scale);
     let mut out = vec![T::zero(); x.len()];
-    let rows = x.chunks(v.max(1)).zip(out.chunks_mut(v.max(1)));
-    for (((row, o), &l), &target) in rows.zip(lse).zip(targets) {
+    each_row(&mut out, v, |r, o| {
+        let (row, l, target) = (&x[r * v..][..o.len()], lse[r], targets[r]);
         for (y, &a) in o.iter_mut().zip(row) {
             *y = a - l;
         }
@@ -734,7 +796,7 @@ fn scaled_probs_kernel<T: Real>(
         {
             *y -= scale;
         }
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
@@ -764,5 +826,100 @@ impl CustomOp3 for ScaledProbs {
             scaled_probs_kernel(sx, lx, sl, ll, targets, self)
         )?;
         Ok((out, lx.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::random_var;
+    use candle_core::DType;
+
+    fn storage(dims: &[usize], seed: u64) -> (CpuStorage, Layout) {
+        let t = random_var(dims, DType::F32, seed).as_tensor().clone();
+        let (s, l) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*s else {
+            panic!("CPU tensor")
+        };
+        (cpu.clone(), l.clone())
+    }
+
+    fn bits(s: Result<CpuStorage>) -> Vec<u32> {
+        let s = s.expect("kernel");
+        s.as_slice::<f32>()
+            .expect("f32")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    /// Every kernel's output, each large enough to be spread over threads.
+    fn outputs() -> Vec<Vec<u32>> {
+        let sq = [2, 3, 128, 128];
+        let (p, lp) = storage(&sq, 1);
+        let (g, lg) = storage(&sq, 2);
+        let (x, lx) = storage(&[300, 384], 3);
+        let (w, lw) = storage(&[384], 4);
+        let (gx, lgx) = storage(&[300, 384], 5);
+        let (r, lr) = storage(&[2, 4, 128, 64], 6);
+        let (a, la) = storage(&[30, 1024], 7);
+        let (u, lu) = storage(&[30, 1024], 8);
+        let (d, ld) = storage(&[30, 1024], 9);
+        let (v, lv) = storage(&[12, 4096], 10);
+        let lse: Vec<f32> = (0..12).map(|i| 8.0 + i as f32 * 0.1).collect();
+        let lse = CpuStorage::F32(lse);
+        let ll = Layout::contiguous(12);
+        let targets: Vec<u32> = (0..12).map(|i| i * 700).collect();
+        let tables = RopeTables {
+            cos: Arc::new((0..128 * 32).map(|i| (i as f64 * 0.01).cos()).collect()),
+            sin: Arc::new((0..128 * 32).map(|i| (i as f64 * 0.01).sin()).collect()),
+            half: 32,
+        };
+        let probs = ScaledProbs {
+            first: 100,
+            scale: 0.5,
+        };
+        vec![
+            bits(softmax_fwd::<f32>(&p, &lp, 0.125)),
+            bits(softmax_bwd::<f32>(&p, &lp, &g, &lg, 0.125)),
+            bits(rms_fwd::<f32>(&x, &lx, &w, &lw, 1e-5)),
+            bits(rms_bwd::<f32>(
+                (&x, &lx),
+                (&w, &lw),
+                (&gx, &lgx),
+                1e-5,
+                true,
+            )),
+            bits(rope_kernel::<f32>(&r, &lr, &tables, false)),
+            bits(silu_mul_fwd::<f32>(&a, &la, &u, &lu)),
+            bits(silu_mul_bwd::<f32>((&a, &la), (&u, &lu), (&d, &ld), true)),
+            bits(silu_mul_bwd::<f32>((&a, &la), (&u, &lu), (&d, &ld), false)),
+            bits(max_sumexp::<f32>(&v, &lv)),
+            bits(scaled_probs_kernel::<f32>(
+                &v, &lv, &lse, &ll, &targets, &probs,
+            )),
+        ]
+    }
+
+    /// Rows spread over three threads give the bits of rows taken one by one on one.
+    #[test]
+    fn rows_spread_over_threads_give_the_serial_bits() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        let run = |spread: bool| {
+            pool.install(|| {
+                SPREAD.with(|c| c.set(Some(spread)));
+                let out = outputs();
+                SPREAD.with(|c| c.set(None));
+                out
+            })
+        };
+        let (one, spread) = (run(false), run(true));
+        for (k, (a, b)) in one.iter().zip(&spread).enumerate() {
+            assert!(!a.is_empty(), "kernel {k} gave nothing");
+            assert_eq!(a, b, "kernel {k}");
+        }
     }
 }
