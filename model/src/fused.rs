@@ -45,10 +45,20 @@ fn spread(values: usize) -> bool {
 /// when there are several and enough rows. Each row is computed alone, so the bits do not depend
 /// on the thread count.
 fn each_row<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    let width = width.max(1);
-    if spread(out.len()) {
+    each_row_reading(out, width, width, f)
+}
+
+/// [`each_row`] where computing a row reads `read` values (the work a thread is given by).
+fn each_row_reading<T: Send>(
+    out: &mut [T],
+    width: usize,
+    read: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    let (width, read) = (width.max(1), read.max(1));
+    if spread(out.len() / width * read) {
         out.par_chunks_mut(width)
-            .with_min_len((VALUES_PER_TASK / width).max(1))
+            .with_min_len((VALUES_PER_TASK / read).max(1))
             .enumerate()
             .for_each(|(r, row)| f(r, row));
     } else {
@@ -702,29 +712,28 @@ fn max_sumexp<T: Real>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
     let x = contiguous::<T>(s, l, "row-max-sumexp")?;
     let v = v.max(1);
     let mut out = vec![T::zero(); 2 * (x.len() / v)];
-    // Two values per row of `x`: [`each_row`] counts them as one row each, so spread by hand.
-    let row = |r: usize, o: &mut [T]| {
+    // Each output row (max, sum of exp) reads a row of `x`; exp taken a cached block at a time.
+    each_row_reading(&mut out, 2, v, |r, o| {
+        const BLOCK: usize = 256;
         let row = &x[r * v..][..v];
         let m = row
             .iter()
             .fold(T::neg_infinity(), |m, &a| if a > m { a } else { m });
-        let mut e: Vec<T> = row.iter().map(|&a| a - m).collect();
-        T::exp_in_place(&mut e);
+        let mut buf = [T::zero(); BLOCK];
         let mut sum = T::zero();
-        for &a in &e {
-            sum += a;
+        for block in row.chunks(BLOCK) {
+            let e = &mut buf[..block.len()];
+            for (e, &a) in e.iter_mut().zip(block) {
+                *e = a - m;
+            }
+            T::exp_in_place(e);
+            for &a in e.iter() {
+                sum += a;
+            }
         }
         o[0] = m;
         o[1] = sum;
-    };
-    if spread(x.len()) {
-        out.par_chunks_mut(2)
-            .with_min_len((VALUES_PER_TASK / v).max(1))
-            .enumerate()
-            .for_each(|(r, o)| row(r, o));
-    } else {
-        out.chunks_mut(2).enumerate().for_each(|(r, o)| row(r, o));
-    }
+    });
     Ok(T::to_cpu_storage_owned(out))
 }
 
