@@ -29,6 +29,7 @@ fn histogram_samples_are_folded_without_a_scrape() {
     // The series exists before the region starts, so only the samples are counted.
     histogram.record(0.0);
     handle.run_upkeep();
+    let started = Instant::now();
     let region = Region::new(GLOBAL);
     for i in 0..SAMPLES {
         histogram.record(i as f64 * 1e-6);
@@ -57,11 +58,20 @@ fn histogram_samples_are_folded_without_a_scrape() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // The samples are in the summary: a scrape still counts every one.
+    // The samples are in the summary: a scrape counts them. metrics-util's bucket can miss a
+    // sample whose push began just before an upkeep swapped the bucket out and ended after it was
+    // read, so each background upkeep may cost this one recording thread at most one sample.
+    let upkeeps =
+        started.elapsed().as_secs_f64() / iota_orchestrator::METRICS_UPKEEP_EVERY.as_secs_f64();
+    let may_miss = upkeeps.ceil() as usize + 1;
     let text = handle.render();
     let count = text
         .lines()
         .find_map(|l| l.strip_prefix("iota_test_upkeep_seconds_count "))
-        .and_then(|v| v.trim().parse::<usize>().ok());
-    assert_eq!(count, Some(total), "{text}");
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no count in the scrape:\n{text}"));
+    assert!(
+        count <= total && count + may_miss >= total,
+        "counted {count} of {total} samples (at most {may_miss} may be missed):\n{text}"
+    );
 }
