@@ -4,15 +4,11 @@
 use clap::{Parser, Subcommand};
 use iota_orchestrator::dataset::DatasetSource;
 
+mod alloc;
 mod data;
 mod model_cmd;
 mod plot;
 mod up;
-
-// glibc's malloc spent about a tenth of the orchestrator's time on a signed work poll (freeing
-// across threads and consolidating after each batch of signature checks); mimalloc does not.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Parser)]
 #[command(name = "iota", version, about = "IOTA (Bittensor subnet 9) in Rust")]
@@ -432,12 +428,16 @@ fn main() {
     }
 }
 
-/// Parses the command line and sets the CPU thread counts while this is the only thread (the
-/// tensor library reads them from the environment), then starts the runtime.
+/// Parses the command line and, while this is the only thread, sets the CPU thread counts (the
+/// tensor library reads them from the environment) and the allocator's options for commands
+/// that train, then starts the runtime.
 fn start() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args_with_config_file()?);
     if let Some(threads) = cpu_threads(&cli) {
         set_cpu_threads(threads);
+    }
+    if trains(&cli.command) {
+        alloc::keep_freed_memory();
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -468,6 +468,21 @@ fn cpu_threads(cli: &Cli) -> Option<iota_model::CpuThreads> {
         }
         _ => None,
     }
+}
+
+/// Whether the command runs training steps (a miner, a validator's replays, a whole local
+/// subnet), whose buffers are freed and allocated again at every step.
+fn trains(command: &Command) -> bool {
+    matches!(
+        command,
+        Command::Miner(_)
+            | Command::Validator {
+                command: ValidatorCommand::Run(_)
+            }
+            | Command::Localnet {
+                command: LocalnetCommand::Up(_)
+            }
+    )
 }
 
 #[allow(unsafe_code)]

@@ -21,7 +21,17 @@ use iota_model::{Device, ModelConfig, Pipeline, StageOptions, Tensor};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// What `iota` does for the commands that train (`cli/src/alloc.rs`): freed memory stays with
+/// the process (`mi_option_purge_delay`, 15 in mimalloc's `mi_option_e`, set to -1), so a step
+/// does not take every page back through a zeroing page fault.
+#[allow(unsafe_code)]
+fn keep_freed_memory() {
+    // SAFETY: sets a plain integer option before any other thread starts.
+    unsafe { libmimalloc_sys::mi_option_set(15, -1) }
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
+    keep_freed_memory();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("--print-config") {
         let name = args.get(1).map(String::as_str).unwrap_or("small");
