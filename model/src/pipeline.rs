@@ -224,7 +224,6 @@ impl Pipeline {
         tokens: &Tensor,
         targets: &Tensor,
     ) -> Result<f32> {
-        use rayon::prelude::*;
         let first = &self.stages[0];
         let (b, t) = first.validate_tokens(tokens, "input tokens")?;
         let last = self.stages.len() - 1;
@@ -252,7 +251,7 @@ impl Pipeline {
         let runs: Vec<RunGradients> = if cuts.len() == 1 {
             vec![run(&cuts[0])?]
         } else {
-            cuts.par_iter().map(run).collect::<Result<_>>()?
+            crate::product::side_by_side(&cuts, run)?
         };
         if let Some((mean, ..)) = runs.iter().find(|r| !r.0.is_finite()) {
             return Ok(*mean);

@@ -1,6 +1,6 @@
 //! The matrix products every layer and the tiled attention use.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, TensorId, bail};
@@ -122,7 +122,9 @@ impl Product {
         } else {
             vec![T::from_f64(0.0); m * n]
         };
-        let threads = candle_core::utils::get_num_threads();
+        let threads = PRODUCT_THREADS
+            .with(Cell::get)
+            .unwrap_or_else(candle_core::utils::get_num_threads);
         let parallelism = if threads > 1 {
             gemm::Parallelism::Rayon(threads)
         } else {
@@ -169,6 +171,45 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 struct Linear;
+
+thread_local! {
+    /// Threads each product on this thread may use while it runs one of several runs side by
+    /// side ([`side_by_side`]); candle's count otherwise.
+    static PRODUCT_THREADS: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Puts back the product threads that were set before a run began.
+struct RestoreThreads(Option<usize>);
+
+impl Drop for RestoreThreads {
+    fn drop(&mut self) {
+        PRODUCT_THREADS.with(|c| c.set(self.0));
+    }
+}
+
+/// `f` of each item, the items side by side on rayon's threads, and the products inside each
+/// on an equal share of the product threads (at least one): the runs keep the other threads
+/// busy, and a product split over them would pack its operands once per thread and wait for a
+/// thread that is working on another run. Products give the same bits on any number of threads.
+pub(crate) fn side_by_side<T, R, E>(
+    items: &[T],
+    f: impl Fn(&T) -> Result<R, E> + Sync + Send,
+) -> Result<Vec<R>, E>
+where
+    T: Sync,
+    R: Send,
+    E: Send,
+{
+    use rayon::prelude::*;
+    let share = (candle_core::utils::get_num_threads() / items.len().max(1)).max(1);
+    items
+        .par_iter()
+        .map(|item| {
+            let _restore = RestoreThreads(PRODUCT_THREADS.with(|c| c.replace(Some(share))));
+            f(item)
+        })
+        .collect()
+}
 
 thread_local! {
     /// Where the linear layers on this thread hand their weights' gradients during
@@ -382,5 +423,36 @@ mod tests {
         let w = random_var(&[4, 6], DType::F32, 2);
         let err = linear(x.as_tensor(), w.as_tensor()).expect_err("widths differ");
         assert!(err.to_string().contains("input width 8"), "{err}");
+    }
+
+    /// Runs side by side share the product threads while they run and leave nothing set
+    /// afterwards, and a product inside a run gives the bits it gives outside.
+    #[test]
+    fn runs_side_by_side_share_the_product_threads_with_the_same_bits() {
+        let x = random_var(&[96, 80], DType::F32, 3);
+        let w = random_var(&[72, 80], DType::F32, 4);
+        let alone = linear(x.as_tensor(), w.as_tensor())
+            .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
+            .expect("product");
+        let runs = side_by_side(&[0, 1, 2], |_| {
+            let y = linear(x.as_tensor(), w.as_tensor())?.flatten_all()?;
+            Ok::<_, candle_core::Error>((PRODUCT_THREADS.with(Cell::get), y.to_vec1::<f32>()?))
+        })
+        .expect("runs");
+        let share = (candle_core::utils::get_num_threads() / 3).max(1);
+        for (threads, y) in runs {
+            assert_eq!(threads, Some(share));
+            assert!(
+                y.iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+        }
+        let left = rayon::broadcast(|_| PRODUCT_THREADS.with(Cell::get));
+        assert!(
+            left.iter()
+                .chain([&PRODUCT_THREADS.with(Cell::get)])
+                .all(Option::is_none)
+        );
     }
 }

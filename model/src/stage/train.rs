@@ -165,16 +165,14 @@ impl Stage {
             return self.forward_validated(input, targets);
         }
         let cuts = sub_batch_cuts(b, self.opts.sub_batches);
-        let runs: Vec<(StageOutput, StageCache)> = cuts
-            .par_iter()
-            .map(|&(first, n)| {
+        let runs: Vec<(StageOutput, StageCache)> =
+            crate::product::side_by_side(&cuts, |&(first, n)| {
                 let y = match &targets {
                     Some(y) => Some(y.narrow(0, first, n)?),
                     None => None,
                 };
                 self.forward_validated(&input.narrow(0, first, n)?, y)
-            })
-            .collect::<Result<_>>()?;
+            })?;
         let (outputs, caches): (Vec<StageOutput>, Vec<StageCache>) = runs.into_iter().unzip();
         let mut output_dims = caches[0].output_dims.clone();
         output_dims[0] = b;
@@ -317,16 +315,13 @@ impl Stage {
                 first += n;
             }
             let this = &*self;
-            let runs = cuts
-                .par_iter()
-                .map(|&(run, first, n)| {
-                    let g = match grad_output {
-                        Some(g) => Some(g.narrow(0, first, n)?),
-                        None => None,
-                    };
-                    this.backward_run(run, g.as_ref(), tokens)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let runs = crate::product::side_by_side(&cuts, |&(run, first, n)| {
+                let g = match grad_output {
+                    Some(g) => Some(g.narrow(0, first, n)?),
+                    None => None,
+                };
+                this.backward_run(run, g.as_ref(), tokens)
+            })?;
             let mut inputs = Vec::new();
             let mut parts = Vec::new();
             let mut stale = false;
