@@ -641,6 +641,85 @@ impl CustomOp2 for SiluMul {
     }
 }
 
+/// [`silu_mul`]'s forward on storages: `silu(g) * u`.
+pub(crate) fn silu_mul_storage(
+    sg: &CpuStorage,
+    lg: &Layout,
+    su: &CpuStorage,
+    lu: &Layout,
+) -> Result<CpuStorage> {
+    by_dtype!(sg, "silu-mul", silu_mul_fwd(sg, lg, su, lu))
+}
+
+/// The gradients of `silu(g) * u` with respect to `g` and to `u` under `dy`, in one pass over
+/// the three (one sigmoid per value, not two); the values [`SiluMul`]'s backward gives.
+pub(crate) fn silu_mul_grads(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (g, u, dy) = (g.contiguous()?, u.contiguous()?, dy.contiguous()?);
+    let both = g.apply_op3_no_bwd(&u, &dy, &SiluMulGrads)?;
+    let last = g.rank().saturating_sub(1);
+    let n = g.dim(last)?;
+    Ok((both.narrow(last, 0, n)?, both.narrow(last, n, n)?))
+}
+
+struct SiluMulGrads;
+
+/// Both gradients side by side: `[..., 2n]`, the gate's in the first half of each row.
+fn silu_mul_grads_kernel<T: Real>(
+    (sg, lg): (&CpuStorage, &Layout),
+    (su, lu): (&CpuStorage, &Layout),
+    (sd, ld): (&CpuStorage, &Layout),
+) -> Result<CpuStorage> {
+    let g = contiguous::<T>(sg, lg, "silu-mul-grads")?;
+    let u = contiguous::<T>(su, lu, "silu-mul-grads")?;
+    let dy = contiguous::<T>(sd, ld, "silu-mul-grads")?;
+    if lg.dims() != lu.dims() || lg.dims() != ld.dims() {
+        bail!(
+            "silu-mul-grads: {:?} {:?} {:?}",
+            lg.dims(),
+            lu.dims(),
+            ld.dims()
+        )
+    }
+    let n = lg.dims().last().copied().unwrap_or(1).max(1);
+    let mut out = vec![T::zero(); 2 * g.len()];
+    each_row_reading(&mut out, 2 * n, 3 * n, |r, o| {
+        let at = r * n;
+        let (g, u, dy) = (&g[at..][..n], &u[at..][..n], &dy[at..][..n]);
+        let (og, ou) = o.split_at_mut(n);
+        for_each_sigmoid(g, |i, s| {
+            og[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
+            ou[i] = dy[i] * g[i] * s;
+        });
+    });
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp3 for SiluMulGrads {
+    fn name(&self) -> &'static str {
+        "silu-mul-grads"
+    }
+    fn cpu_fwd(
+        &self,
+        sg: &CpuStorage,
+        lg: &Layout,
+        su: &CpuStorage,
+        lu: &Layout,
+        sd: &CpuStorage,
+        ld: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            sg,
+            self.name(),
+            silu_mul_grads_kernel((sg, lg), (su, lu), (sd, ld))
+        )?;
+        let mut dims = lg.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last *= 2;
+        }
+        Ok((out, Shape::from(dims)))
+    }
+}
+
 struct SiluMulBwd {
     wrt_gate: bool,
 }

@@ -331,6 +331,10 @@ pub(crate) fn swiglu(
     w_up: &Tensor,
     w_down: &Tensor,
 ) -> Result<Tensor> {
+    let on_cpu = |w: &Tensor| w.dtype() == x.dtype() && w.device().is_cpu();
+    if fused::applies(x) && on_cpu(w_gate) && on_cpu(w_up) {
+        return linear(&crate::product::gate_up(x, w_gate, w_up)?, w_down);
+    }
     let g = linear(x, w_gate)?;
     let u = linear(x, w_up)?;
     if fused::applies(&g) {

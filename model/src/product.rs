@@ -294,23 +294,7 @@ impl CustomOp2 for Linear {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, inp, out) = linear_dims(xl.dims(), wl.dims())?;
-        if !xl.is_contiguous() {
-            bail!("linear: input is not contiguous")
-        }
-        let x2 = Layout::contiguous_with_offset((rows, inp), xl.start_offset());
-        let wt = wl.transpose(0, 1)?;
-        let mut dims = xl.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = out;
-        }
-        #[cfg(feature = "openblas")]
-        if crate::blas::enabled() {
-            let (y, _) = crate::blas::storage_matmul(xs, &x2, ws, &wt)?;
-            return Ok((y, Shape::from(dims)));
-        }
-        let y = product_storage(xs, &x2, ws, &wt)?;
-        Ok((y, Shape::from(dims)))
+        linear_storage(xs, xl, ws, wl)
     }
 
     fn bwd(
@@ -327,17 +311,130 @@ impl CustomOp2 for Linear {
         // same sums) and adds its transposed view with strides, a slow walk for a large weight.
         let gx = product(&grad, &w.detach())?.reshape(x.shape())?;
         let gw = product(&grad.t()?, &x2)?;
-        if !w.is_variable() {
-            return Ok((Some(gx), Some(gw)));
+        Ok((Some(gx), hand_over(w, gw)))
+    }
+}
+
+/// `x @ w^T` on storages for `x: [..., in]` (contiguous) and `w: [out, in]`, with its shape.
+fn linear_storage(
+    xs: &CpuStorage,
+    xl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (rows, inp, out) = linear_dims(xl.dims(), wl.dims())?;
+    if !xl.is_contiguous() {
+        bail!("linear: input is not contiguous")
+    }
+    let x2 = Layout::contiguous_with_offset((rows, inp), xl.start_offset());
+    let wt = wl.transpose(0, 1)?;
+    let mut dims = xl.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = out;
+    }
+    #[cfg(feature = "openblas")]
+    if crate::blas::enabled() {
+        let (y, _) = crate::blas::storage_matmul(xs, &x2, ws, &wt)?;
+        return Ok((y, Shape::from(dims)));
+    }
+    let y = product_storage(xs, &x2, ws, &wt)?;
+    Ok((y, Shape::from(dims)))
+}
+
+/// A weight's gradient from a backward: handed over to the [`Gradients::of`] running on this
+/// thread if `w` is a variable and one is, else returned for candle's store.
+fn hand_over(w: &Tensor, gw: Tensor) -> Option<Tensor> {
+    if !w.is_variable() {
+        return Some(gw);
+    }
+    WEIGHT_GRADS.with(|c| match c.borrow_mut().as_mut() {
+        Some(weights) => {
+            weights.push((w.id(), gw));
+            None
         }
-        let handed = WEIGHT_GRADS.with(|c| match c.borrow_mut().as_mut() {
-            Some(weights) => {
-                weights.push((w.id(), gw.clone()));
-                true
-            }
-            None => false,
-        });
-        Ok((Some(gx), (!handed).then_some(gw)))
+        None => Some(gw),
+    })
+}
+
+/// SwiGLU's gate and up projections and their product, `silu(x @ wg^T) * (x @ wu^T)` for
+/// `x: [..., in]` and `wg, wu: [hidden, in]`, as one node of the gradient graph (CPU, f32 or
+/// f64, callers check). As three nodes, candle's backward gives the two projections' outputs and
+/// the input a zero-filled gradient buffer and an addition each; here the backward takes both
+/// activation gradients in one pass. The values and gradients of the three nodes, bit for bit.
+pub(crate) fn gate_up(x: &Tensor, w_gate: &Tensor, w_up: &Tensor) -> candle_core::Result<Tensor> {
+    if w_gate.dims() != w_up.dims() {
+        bail!("gate-up: gate {:?} and up {:?}", w_gate.dims(), w_up.dims())
+    }
+    x.contiguous()?.apply_op3(
+        &w_gate.contiguous()?,
+        &w_up.contiguous()?,
+        GateUp {
+            projections: std::sync::OnceLock::new(),
+        },
+    )
+}
+
+struct GateUp {
+    /// The gate's and up projections' outputs, `[rows, hidden]`, which the backward reads.
+    projections: std::sync::OnceLock<(Tensor, Tensor)>,
+}
+
+impl candle_core::CustomOp3 for GateUp {
+    fn name(&self) -> &'static str {
+        "gate-up"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if gl.dims() != ul.dims() {
+            bail!("gate-up: gate {:?} and up {:?}", gl.dims(), ul.dims())
+        }
+        let (rows, _, hidden) = linear_dims(xl.dims(), gl.dims())?;
+        let (g, shape) = linear_storage(xs, xl, gs, gl)?;
+        let (u, _) = linear_storage(xs, xl, us, ul)?;
+        let flat = Layout::contiguous((rows, hidden));
+        let h = crate::fused::silu_mul_storage(&g, &flat, &u, &flat)?;
+        let tensor = |s: CpuStorage| {
+            Tensor::from_storage(
+                candle_core::Storage::Cpu(s),
+                (rows, hidden),
+                candle_core::op::BackpropOp::none(),
+                false,
+            )
+        };
+        if self.projections.set((tensor(g), tensor(u))).is_err() {
+            bail!("gate-up: applied twice")
+        }
+        Ok((h, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w_gate: &Tensor,
+        w_up: &Tensor,
+        _h: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some((g, u)) = self.projections.get() else {
+            bail!("gate-up: backward before forward")
+        };
+        let (rows, inp, _) = linear_dims(x.dims(), w_gate.dims())?;
+        let x2 = x.detach().reshape((rows, inp))?;
+        let (dg, du) = crate::fused::silu_mul_grads(g, u, &grad.reshape(g.shape())?)?;
+        // The input's gradient is the two projections' sum, as candle's store would add them.
+        let gx = (product(&dg, &w_gate.detach())? + product(&du, &w_up.detach())?)?
+            .reshape(x.shape())?;
+        let g_gate = product(&dg.t()?, &x2)?;
+        let g_up = product(&du.t()?, &x2)?;
+        Ok((Some(gx), hand_over(w_gate, g_gate), hand_over(w_up, g_up)))
     }
 }
 
@@ -423,6 +520,55 @@ mod tests {
         let w = random_var(&[4, 6], DType::F32, 2);
         let err = linear(x.as_tensor(), w.as_tensor()).expect_err("widths differ");
         assert!(err.to_string().contains("input width 8"), "{err}");
+    }
+
+    /// SwiGLU's gate and up projections as one node against three: the same values, and the
+    /// same gradients for the input and both weights, through the hand-over and through a plain
+    /// backward.
+    #[test]
+    fn gate_and_up_as_one_node_are_three_nodes_bit_for_bit() {
+        let x = random_var(&[2, 40, 48], DType::F32, 5);
+        let wg = random_var(&[72, 48], DType::F32, 6);
+        let wu = random_var(&[72, 48], DType::F32, 7);
+        let wd = random_var(&[48, 72], DType::F32, 8);
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("values");
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        let (x, wg, wu, wd) = (
+            x.as_tensor(),
+            wg.as_tensor(),
+            wu.as_tensor(),
+            wd.as_tensor(),
+        );
+        let three = || -> candle_core::Result<Tensor> {
+            let h = crate::fused::silu_mul(&linear(x, wg)?, &linear(x, wu)?)?;
+            linear(&h, wd)?.sqr()?.sum_all()
+        };
+        let one = || -> candle_core::Result<Tensor> {
+            linear(&gate_up(x, wg, wu)?, wd)?.sqr()?.sum_all()
+        };
+        let (a, b) = (three().expect("three"), one().expect("one"));
+        assert_eq!(bits(&a), bits(&b));
+        let (ga, gb) = (
+            Gradients::of(&a).expect("grads"),
+            Gradients::of(&b).expect("grads"),
+        );
+        for t in [x, wg, wu, wd] {
+            let want = ga.of_var(t).expect("of_var").expect("a gradient");
+            let got = gb.of_var(t).expect("of_var").expect("a gradient");
+            assert_eq!(bits(&want), bits(&got));
+        }
+        let plain = one().and_then(|l| l.backward()).expect("backward");
+        for t in [wg, wu] {
+            let want = ga.of_var(t).expect("of_var").expect("a gradient");
+            assert_eq!(bits(&want), bits(plain.get(t).expect("in candle's store")));
+        }
+        let err = gate_up(x, wg, wd).expect_err("gate and up differ");
+        assert!(err.to_string().contains("gate-up"), "{err}");
     }
 
     /// Runs side by side share the product threads while they run and leave nothing set
