@@ -634,9 +634,7 @@ impl CustomOp2 for SiluMul {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.contiguous()?;
-        let dg = g.apply_op3_no_bwd(u, &dy, &SiluMulBwd { wrt_gate: true })?;
-        let du = g.apply_op3_no_bwd(u, &dy, &SiluMulBwd { wrt_gate: false })?;
+        let (dg, du) = silu_mul_grads(g, u, dy)?;
         Ok((Some(dg), Some(du)))
     }
 }
@@ -652,7 +650,7 @@ pub(crate) fn silu_mul_storage(
 }
 
 /// The gradients of `silu(g) * u` with respect to `g` and to `u` under `dy`, in one pass over
-/// the three (one sigmoid per value, not two); the values [`SiluMul`]'s backward gives.
+/// the three (one sigmoid per value, not one per gradient).
 pub(crate) fn silu_mul_grads(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     let (g, u, dy) = (g.contiguous()?, u.contiguous()?, dy.contiguous()?);
     let both = g.apply_op3_no_bwd(&u, &dy, &SiluMulGrads)?;
@@ -717,61 +715,6 @@ impl CustomOp3 for SiluMulGrads {
             *last *= 2;
         }
         Ok((out, Shape::from(dims)))
-    }
-}
-
-struct SiluMulBwd {
-    wrt_gate: bool,
-}
-
-fn silu_mul_bwd<T: Real>(
-    (sg, lg): (&CpuStorage, &Layout),
-    (su, lu): (&CpuStorage, &Layout),
-    (sd, ld): (&CpuStorage, &Layout),
-    wrt_gate: bool,
-) -> Result<CpuStorage> {
-    let g = contiguous::<T>(sg, lg, "silu-mul-bwd")?;
-    let u = contiguous::<T>(su, lu, "silu-mul-bwd")?;
-    let dy = contiguous::<T>(sd, ld, "silu-mul-bwd")?;
-    if g.len() != u.len() || g.len() != dy.len() {
-        bail!("silu-mul-bwd: lengths {} {} {}", g.len(), u.len(), dy.len())
-    }
-    let mut out = vec![T::zero(); g.len()];
-    each_row(&mut out, SIGMOID_ROW, |r, o| {
-        let at = r * SIGMOID_ROW;
-        let n = o.len();
-        let (g, u, dy) = (&g[at..][..n], &u[at..][..n], &dy[at..][..n]);
-        if wrt_gate {
-            // d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
-            for_each_sigmoid(g, |i, s| {
-                o[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s))
-            });
-        } else {
-            for_each_sigmoid(g, |i, s| o[i] = dy[i] * g[i] * s);
-        }
-    });
-    Ok(T::to_cpu_storage_owned(out))
-}
-
-impl CustomOp3 for SiluMulBwd {
-    fn name(&self) -> &'static str {
-        "silu-mul-bwd"
-    }
-    fn cpu_fwd(
-        &self,
-        sg: &CpuStorage,
-        lg: &Layout,
-        su: &CpuStorage,
-        lu: &Layout,
-        sd: &CpuStorage,
-        ld: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = by_dtype!(
-            sg,
-            self.name(),
-            silu_mul_bwd((sg, lg), (su, lu), (sd, ld), self.wrt_gate)
-        )?;
-        Ok((out, lg.shape().clone()))
     }
 }
 
@@ -980,8 +923,11 @@ mod tests {
             )),
             bits(rope_kernel::<f32>(&r, &lr, &tables, false)),
             bits(silu_mul_fwd::<f32>(&a, &la, &u, &lu)),
-            bits(silu_mul_bwd::<f32>((&a, &la), (&u, &lu), (&d, &ld), true)),
-            bits(silu_mul_bwd::<f32>((&a, &la), (&u, &lu), (&d, &ld), false)),
+            bits(silu_mul_grads_kernel::<f32>(
+                (&a, &la),
+                (&u, &lu),
+                (&d, &ld),
+            )),
             bits(max_sumexp::<f32>(&v, &lv)),
             bits(scaled_probs_kernel::<f32>(
                 &v, &lv, &lse, &ll, &targets, &probs,
