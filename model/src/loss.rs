@@ -20,7 +20,7 @@ use candle_core::{D, Tensor};
 
 use crate::error::Result;
 use crate::fused;
-use crate::product::constant_product;
+use crate::product::{Bands, constant_product};
 
 /// Result of the forward pass: the mean loss, the per-token losses and what the backward reads.
 pub(crate) struct CeForward {
@@ -134,8 +134,13 @@ pub(crate) fn ce_backward(
     let targets_u32 = targets.to_dtype(candle_core::DType::U32)?;
     let mut grad_h = h.zeros_like()?;
     // Written block by block in place: no list of blocks to concatenate, no copy to add the
-    // targets' rows into (for a 1.5B head those were gigabytes each).
-    let grad_w = Tensor::zeros((vocab, width), acc, device)?;
+    // targets' rows into (for a 1.5B head those were gigabytes each). On the CPU each block's
+    // product is written straight into its rows; elsewhere into a zero-filled matrix.
+    let mut grad_w = if mm == acc && Bands::apply(&h_mm, &w) {
+        HeadGradient::Bands(Bands::new(vocab, width, acc)?)
+    } else {
+        HeadGradient::Zeroed(Tensor::zeros((vocab, width), acc, device)?)
+    };
     let kept = head.logits.as_deref();
     if kept.is_some_and(|k| k.len() != chunks(vocab, chunk).count()) {
         return Err(crate::error::ModelError::InvalidInput(
@@ -168,10 +173,27 @@ pub(crate) fn ce_backward(
         };
         let probs_mm = probs.to_dtype(mm)?;
         grad_h = (grad_h + constant_product(&probs_mm, &wc)?.to_dtype(acc)?)?;
-        let block = constant_product(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?;
-        grad_w.slice_set(&block.contiguous()?, 0, start)?;
+        match &mut grad_w {
+            HeadGradient::Bands(bands) => bands.push_product(&probs_mm.t()?, &h_mm)?,
+            HeadGradient::Zeroed(grad_w) => {
+                let block = constant_product(&probs_mm.t()?, &h_mm)?.to_dtype(acc)?;
+                grad_w.slice_set(&block.contiguous()?, 0, start)?;
+            }
+        }
     }
+    let grad_w = match grad_w {
+        HeadGradient::Bands(bands) => bands.finish()?,
+        HeadGradient::Zeroed(grad_w) => grad_w,
+    };
     Ok((grad_h, grad_w))
+}
+
+/// The head weight's gradient while the backward writes it block by block.
+enum HeadGradient {
+    /// On the CPU: each block's product written straight into its rows.
+    Bands(Bands),
+    /// Elsewhere: a zero-filled matrix each block is copied into.
+    Zeroed(Tensor),
 }
 
 #[cfg(test)]

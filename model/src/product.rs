@@ -61,23 +61,28 @@ fn product_storage(
     b: &CpuStorage,
     bl: &Layout,
 ) -> candle_core::Result<CpuStorage> {
+    let shape = product_shape(al, bl)?;
+    Ok(match (a, b) {
+        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(shape.run(a, b)?),
+        (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(shape.run(a, b)?),
+        _ => bail!("product: f32 or f64 of one type only"),
+    })
+}
+
+/// The product of 2-d operands laid out as `al` and `bl`.
+fn product_shape(al: &Layout, bl: &Layout) -> candle_core::Result<Product> {
     let ([m, k], [k2, n]) = (al.dims(), bl.dims()) else {
         bail!("product: {:?} against {:?}", al.dims(), bl.dims())
     };
     if k != k2 {
         bail!("product: {:?} against {:?}", al.dims(), bl.dims())
     }
-    let shape = Product {
+    Ok(Product {
         m: *m,
         n: *n,
         k: *k,
         a: (al.start_offset(), al.stride()[0], al.stride()[1]),
         b: (bl.start_offset(), bl.stride()[0], bl.stride()[1]),
-    };
-    Ok(match (a, b) {
-        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(shape.run(a, b)?),
-        (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(shape.run(a, b)?),
-        _ => bail!("product: f32 or f64 of one type only"),
     })
 }
 
@@ -91,8 +96,20 @@ struct Product {
 }
 
 impl Product {
-    #[allow(unsafe_code)] // gemm's interface takes raw pointers
     fn run<T: candle_core::WithDType>(&self, a: &[T], b: &[T]) -> candle_core::Result<Vec<T>> {
+        let mut out = Vec::new();
+        self.append_to(a, b, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the product's `m * n` values (row-major) to `out`.
+    #[allow(unsafe_code)] // gemm's interface takes raw pointers
+    fn append_to<T: candle_core::WithDType>(
+        &self,
+        a: &[T],
+        b: &[T],
+        out: &mut Vec<T>,
+    ) -> candle_core::Result<()> {
         let Product {
             m,
             n,
@@ -108,20 +125,21 @@ impl Product {
             || (k > 0
                 && (reach(ao, ars, acs, m, k) >= a.len() || reach(bo, brs, bcs, k, n) >= b.len()))
         {
-            let zeros = vec![T::from_f64(0.0); m * n];
             if m * n == 0 || k == 0 {
-                return Ok(zeros);
+                out.resize(out.len() + m * n, T::from_f64(0.0));
+                return Ok(());
             }
             bail!("product: operand strides reach past their buffers")
         }
         // gemm's general path writes every output value before it reads any when it does not
         // accumulate; its small-size and vector paths are left a zero-filled output.
         let general = m > 16 && n > 16 && k > 2;
-        let mut out: Vec<T> = if general {
-            Vec::with_capacity(m * n)
+        let at = out.len();
+        if general {
+            out.reserve(m * n);
         } else {
-            vec![T::from_f64(0.0); m * n]
-        };
+            out.resize(at + m * n, T::from_f64(0.0));
+        }
         let threads = PRODUCT_THREADS
             .with(Cell::get)
             .unwrap_or_else(candle_core::utils::get_num_threads);
@@ -130,15 +148,16 @@ impl Product {
         } else {
             gemm::Parallelism::None
         };
-        // SAFETY: the operands' strides stay inside their slices (checked above); the output has
-        // room for m * n values written with row stride n; with `read_dst` false gemm writes each
-        // output value once before any read, so `out` is whole when its length is set.
+        // SAFETY: the operands' strides stay inside their slices (checked above); `out` has room
+        // for m * n values after `at`, written with row stride n; with `read_dst` false gemm
+        // writes each output value once before any read, so on the general path the values are
+        // whole when the length is set.
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 k,
-                out.as_mut_ptr(),
+                out.as_mut_ptr().add(at),
                 1,
                 n as isize,
                 false,
@@ -155,9 +174,100 @@ impl Product {
                 false,
                 parallelism,
             );
-            out.set_len(m * n);
+            if general {
+                out.set_len(at + m * n);
+            }
         }
-        Ok(out)
+        Ok(())
+    }
+}
+
+/// A `[rows, width]` CPU matrix of f32 or f64 whose rows are products, band after band, each
+/// written in place: no zero-filled matrix for the bands to be copied into.
+pub(crate) struct Bands {
+    rows: usize,
+    width: usize,
+    values: CpuStorage,
+}
+
+impl Bands {
+    /// An empty matrix of `rows x width` values of `dtype` (f32 or f64).
+    pub(crate) fn new(rows: usize, width: usize, dtype: DType) -> candle_core::Result<Self> {
+        let values = match dtype {
+            DType::F32 => CpuStorage::F32(Vec::with_capacity(rows * width)),
+            DType::F64 => CpuStorage::F64(Vec::with_capacity(rows * width)),
+            other => bail!("bands: f32 or f64, not {other:?}"),
+        };
+        Ok(Self {
+            rows,
+            width,
+            values,
+        })
+    }
+
+    /// Whether [`Bands`] can be built from products of `a` and `b` (CPU, 2-d, f32 or f64, and
+    /// not through OpenBLAS).
+    pub(crate) fn apply(a: &Tensor, b: &Tensor) -> bool {
+        #[cfg(feature = "openblas")]
+        if crate::blas::enabled() {
+            return false;
+        }
+        [a, b].iter().all(|t| {
+            t.device().is_cpu() && t.rank() == 2 && matches!(t.dtype(), DType::F32 | DType::F64)
+        })
+    }
+
+    /// Appends `a @ b` (`[n, width]`, the same values as [`constant_product`]) as the next `n`
+    /// rows.
+    pub(crate) fn push_product(&mut self, a: &Tensor, b: &Tensor) -> candle_core::Result<()> {
+        let (a, b) = (a.detach(), b.detach());
+        let (sa, la) = a.storage_and_layout();
+        let (sb, lb) = b.storage_and_layout();
+        let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+            bail!("bands: CPU tensors only")
+        };
+        let shape = product_shape(la, lb)?;
+        if shape.n != self.width || self.filled() + shape.m > self.rows {
+            bail!(
+                "bands: a [{}, {}] band after {} of {} rows {} wide",
+                shape.m,
+                shape.n,
+                self.filled(),
+                self.rows,
+                self.width
+            )
+        }
+        match (ca, cb, &mut self.values) {
+            (CpuStorage::F32(a), CpuStorage::F32(b), CpuStorage::F32(out)) => {
+                shape.append_to(a, b, out)
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b), CpuStorage::F64(out)) => {
+                shape.append_to(a, b, out)
+            }
+            _ => bail!("bands: the bands and the matrix in one dtype, f32 or f64"),
+        }
+    }
+
+    fn filled(&self) -> usize {
+        let len = match &self.values {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            _ => 0,
+        };
+        len / self.width.max(1)
+    }
+
+    /// The matrix, once every row has been written.
+    pub(crate) fn finish(self) -> candle_core::Result<Tensor> {
+        if self.filled() != self.rows {
+            bail!("bands: {} of {} rows written", self.filled(), self.rows)
+        }
+        Ok(Tensor::from_storage(
+            candle_core::Storage::Cpu(self.values),
+            (self.rows, self.width),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
     }
 }
 
@@ -522,6 +632,15 @@ mod tests {
         assert!(err.to_string().contains("input width 8"), "{err}");
     }
 
+    /// An f32 tensor's values as bits.
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("values");
+        v.into_iter().map(f32::to_bits).collect()
+    }
+
     /// SwiGLU's gate and up projections as one node against three: the same values, and the
     /// same gradients for the input and both weights, through the hand-over and through a plain
     /// backward.
@@ -531,13 +650,6 @@ mod tests {
         let wg = random_var(&[72, 48], DType::F32, 6);
         let wu = random_var(&[72, 48], DType::F32, 7);
         let wd = random_var(&[48, 72], DType::F32, 8);
-        let bits = |t: &Tensor| -> Vec<u32> {
-            let v = t
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("values");
-            v.into_iter().map(f32::to_bits).collect()
-        };
         let (x, wg, wu, wd) = (
             x.as_tensor(),
             wg.as_tensor(),
@@ -569,6 +681,39 @@ mod tests {
         }
         let err = gate_up(x, wg, wd).expect_err("gate and up differ");
         assert!(err.to_string().contains("gate-up"), "{err}");
+    }
+
+    /// A matrix built band by band from products is the products' rows, bit for bit, on
+    /// gemm's general and small-size paths, and a band that does not fit is refused.
+    #[test]
+    fn bands_are_their_products_rows() {
+        let h = random_var(&[40, 32], DType::F32, 9);
+        let p = random_var(&[40, 60], DType::F32, 10);
+        let pt = p.as_tensor().t().expect("t");
+        let mut bands = Bands::new(60, 32, DType::F32).expect("bands");
+        let mut want = Vec::new();
+        for (start, len) in [(0, 5), (5, 30), (35, 25)] {
+            let part = pt.narrow(0, start, len).expect("narrow");
+            bands.push_product(&part, h.as_tensor()).expect("band");
+            want.push(constant_product(&part, h.as_tensor()).expect("product"));
+        }
+        let got = bands.finish().expect("whole");
+        let want = Tensor::cat(&want, 0).expect("cat");
+        assert_eq!(bits(&got), bits(&want));
+
+        let mut short = Bands::new(60, 32, DType::F32).expect("bands");
+        let part = pt.narrow(0, 0, 30).expect("narrow");
+        short.push_product(&part, h.as_tensor()).expect("band");
+        assert!(
+            short.push_product(&pt, h.as_tensor()).is_err(),
+            "past the last row"
+        );
+        let narrow = p.as_tensor().narrow(1, 0, 16).expect("narrow");
+        let err = short
+            .push_product(&part, &narrow)
+            .expect_err("another width");
+        assert!(err.to_string().contains("16] band"), "{err}");
+        assert!(short.finish().is_err(), "half written");
     }
 
     /// Runs side by side share the product threads while they run and leave nothing set
