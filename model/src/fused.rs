@@ -7,6 +7,7 @@
 //! several), so results do not depend on the thread count.
 //! f32 and f64 on the CPU only; `layers` keeps the composed versions for other devices and dtypes.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
@@ -14,7 +15,7 @@ use candle_core::{WithDType, bail};
 use rayon::prelude::*;
 
 /// Threads for candle's element-wise operations (`CANDLE_NUM_THREADS`, else candle's product
-/// threads), read as candle reads it; [`each_row`] spreads rows over as many.
+/// threads), read as candle reads it; [`rows_of`] spreads rows over as many.
 fn elementwise_threads() -> usize {
     std::env::var(crate::threads::ELEMENTWISE_VAR)
         .ok()
@@ -41,31 +42,48 @@ fn spread(values: usize) -> bool {
     values >= 2 * VALUES_PER_TASK && elementwise_threads() > 1
 }
 
-/// Calls `f(r, row)` for each `width`-wide row `r` of `out`, spread over the element-wise threads
-/// when there are several and enough rows. Each row is computed alone, so the bits do not depend
-/// on the thread count.
-fn each_row<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    each_row_reading(out, width, width, f)
+/// A `len`-value output computed by `f(r, row)` for each `width`-wide row `r`, spread over the
+/// element-wise threads when there are several and enough rows. Each row is computed alone, so
+/// the bits do not depend on the thread count. Each row is zero-filled just before `f` writes
+/// it, while it is in cache, instead of the whole output in a pass of its own beforehand.
+fn rows_of<T: Real>(len: usize, width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) -> Vec<T> {
+    rows_reading(len, width, width, f)
 }
 
-/// [`each_row`] where computing a row reads `read` values (the work a thread is given by).
-fn each_row_reading<T: Send>(
-    out: &mut [T],
+/// [`rows_of`] where computing a row reads `read` values (the work a thread is given by).
+#[allow(unsafe_code)] // rows are written into the vector's spare capacity
+fn rows_reading<T: Real>(
+    len: usize,
     width: usize,
     read: usize,
     f: impl Fn(usize, &mut [T]) + Sync + Send,
-) {
+) -> Vec<T> {
     let (width, read) = (width.max(1), read.max(1));
-    if spread(out.len() / width * read) {
-        out.par_chunks_mut(width)
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    let row = |r: usize, row: &mut [MaybeUninit<T>]| {
+        for v in row.iter_mut() {
+            v.write(T::zero());
+        }
+        // SAFETY: every value of the row was written just above.
+        let row = unsafe { &mut *(std::ptr::from_mut(row) as *mut [T]) };
+        f(r, row);
+    };
+    let spare = &mut out.spare_capacity_mut()[..len];
+    if spread(len / width * read) {
+        spare
+            .par_chunks_mut(width)
             .with_min_len((VALUES_PER_TASK / read).max(1))
             .enumerate()
-            .for_each(|(r, row)| f(r, row));
+            .for_each(|(r, values)| row(r, values));
     } else {
-        out.chunks_mut(width)
+        spare
+            .chunks_mut(width)
             .enumerate()
-            .for_each(|(r, row)| f(r, row));
+            .for_each(|(r, values)| row(r, values));
     }
+    // SAFETY: the rows cover the first `len` values, and each was written.
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// The float types the kernels run in.
@@ -195,8 +213,7 @@ fn softmax_fwd<T: Real>(s: &CpuStorage, l: &Layout, scale: f64) -> Result<CpuSto
     let x = contiguous::<T>(s, l, "causal-softmax")?;
     let t = square_tail(l, "causal-softmax")?;
     let scale = T::from_f64(scale);
-    let mut out = vec![T::zero(); x.len()];
-    each_row(&mut out, t, |r, yr| {
+    let out = rows_of(x.len(), t, |r, yr| {
         let xr = &x[r * t..][..t];
         let n = r % t + 1;
         let mut m = T::neg_infinity();
@@ -264,8 +281,7 @@ fn softmax_bwd<T: Real>(
         )
     }
     let scale = T::from_f64(scale);
-    let mut out = vec![T::zero(); p.len()];
-    each_row(&mut out, t, |r, dr| {
+    let out = rows_of(p.len(), t, |r, dr| {
         let (pr, gr) = (&p[r * t..][..t], &g[r * t..][..t]);
         let n = r % t + 1;
         let mut dot = T::zero();
@@ -334,8 +350,7 @@ fn rms_fwd<T: Real>(
     let d = rms_dims(lx, lw, "rms-norm")?;
     let x = contiguous::<T>(sx, lx, "rms-norm")?;
     let w = contiguous::<T>(sw, lw, "rms-norm")?;
-    let mut out = vec![T::zero(); x.len()];
-    each_row(&mut out, d, |r, yr| {
+    let out = rows_of(x.len(), d, |r, yr| {
         let xr = &x[r * d..][..yr.len()];
         let inv = inv_rms(xr, eps);
         for ((y, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
@@ -420,8 +435,7 @@ fn rms_bwd<T: Real>(
     }
     // With u = g * w: dx = inv * u - x * inv^3 * mean(u * x).
     let dn = T::from_f64(d as f64);
-    let mut out = vec![T::zero(); x.len()];
-    each_row(&mut out, d, |r, dr| {
+    let out = rows_of(x.len(), d, |r, dr| {
         let (xr, gr) = (&x[r * d..][..dr.len()], &g[r * d..][..dr.len()]);
         let inv = inv_rms(xr, eps);
         let mut dot = T::zero();
@@ -522,9 +536,8 @@ fn rope_kernel<T: Real>(
         bail!("rope: layout reaches past the storage")
     }
     let sign = if inverse { -1.0 } else { 1.0 };
-    let mut out = vec![T::zero(); b * h * t * hd];
     // Row r of the output is position ti of head hi of sequence bi, in that order.
-    each_row(&mut out, hd, |r, yr| {
+    let out = rows_of(b * h * t * hd, hd, |r, yr| {
         let (ti, hi, bi) = (r % t, (r / t) % h, r / (t * h));
         let start = l.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
         let xr = &x[start..start + hd];
@@ -573,7 +586,7 @@ pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
-/// Values SwiGLU's kernels take as one row of [`each_row`] (each value is computed alone).
+/// Values SwiGLU's kernels take as one row of [`rows_of`] (each value is computed alone).
 const SIGMOID_ROW: usize = 4096;
 
 /// Calls `f(i, sigmoid(v[i]))` for every value in order, taking `exp` of a block of values at a
@@ -604,8 +617,7 @@ fn silu_mul_fwd<T: Real>(
     if lg.dims() != lu.dims() {
         bail!("silu-mul: {:?} and {:?}", lg.dims(), lu.dims())
     }
-    let mut out = vec![T::zero(); g.len()];
-    each_row(&mut out, SIGMOID_ROW, |r, o| {
+    let out = rows_of(g.len(), SIGMOID_ROW, |r, o| {
         let at = r * SIGMOID_ROW;
         let (g, u) = (&g[at..][..o.len()], &u[at..][..o.len()]);
         for_each_sigmoid(g, |i, s| o[i] = g[i] * s * u[i]);
@@ -679,8 +691,7 @@ fn silu_mul_grads_kernel<T: Real>(
         )
     }
     let n = lg.dims().last().copied().unwrap_or(1).max(1);
-    let mut out = vec![T::zero(); 2 * g.len()];
-    each_row_reading(&mut out, 2 * n, 3 * n, |r, o| {
+    let out = rows_reading(2 * g.len(), 2 * n, 3 * n, |r, o| {
         let at = r * n;
         let (g, u, dy) = (&g[at..][..n], &u[at..][..n], &dy[at..][..n]);
         let (og, ou) = o.split_at_mut(n);
@@ -733,9 +744,8 @@ fn max_sumexp<T: Real>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
     let (_, v) = l.shape().dims2()?;
     let x = contiguous::<T>(s, l, "row-max-sumexp")?;
     let v = v.max(1);
-    let mut out = vec![T::zero(); 2 * (x.len() / v)];
     // Each output row (max, sum of exp) reads a row of `x`; exp taken a cached block at a time.
-    each_row_reading(&mut out, 2, v, |r, o| {
+    let out = rows_reading(2 * (x.len() / v), 2, v, |r, o| {
         const BLOCK: usize = 256;
         let row = &x[r * v..][..v];
         let m = row
@@ -811,8 +821,7 @@ fn scaled_probs_kernel<T: Real>(
     let x = contiguous::<T>(sx, lx, "scaled-probs")?;
     let lse = contiguous::<T>(sl, ll, "scaled-probs")?;
     let scale = T::from_f64(op.scale);
-    let mut out = vec![T::zero(); x.len()];
-    each_row(&mut out, v, |r, o| {
+    let out = rows_of(x.len(), v, |r, o| {
         let (row, l, target) = (&x[r * v..][..o.len()], lse[r], targets[r]);
         for (y, &a) in o.iter_mut().zip(row) {
             *y = a - l;
