@@ -18,22 +18,24 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// `a @ b` of 2-d tensors taken as constants (no gradient graph), the same values as
-/// [`matmul`]: on the CPU in f32 or f64 written into an output that is not zero-filled first
-/// (candle fills it, then overwrites every value).
+/// `a @ b` of tensors taken as constants (no gradient graph), `a: [..., m, k]` and
+/// `b: [..., k, n]` with the same leading dims, the same values as [`matmul`]: on the CPU in
+/// f32 or f64 written into an output that is not zero-filled first (candle fills it, then
+/// overwrites every value), each product on this thread's share of the product threads.
 pub(crate) fn constant_product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (a, b) = (a.detach(), b.detach());
     let cpu_float = |t: &Tensor| {
-        t.device().is_cpu() && t.rank() == 2 && matches!(t.dtype(), DType::F32 | DType::F64)
+        t.device().is_cpu() && t.rank() >= 2 && matches!(t.dtype(), DType::F32 | DType::F64)
     };
-    if cpu_float(&a) && cpu_float(&b) {
+    let lead = |t: &Tensor| t.dims()[..t.rank().saturating_sub(2)].to_vec();
+    if cpu_float(&a) && cpu_float(&b) && lead(&a) == lead(&b) {
         product(&a, &b)
     } else {
         matmul(&a, &b)
     }
 }
 
-/// [`constant_product`] of 2-d CPU tensors, f32 or f64.
+/// [`constant_product`] of CPU tensors, f32 or f64, with the same leading dims.
 fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "openblas")]
     if crate::blas::enabled() {
@@ -44,17 +46,62 @@ fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
         bail!("product: CPU tensors only")
     };
-    let (m, n) = (la.dims()[0], lb.dims()[1]);
-    let out = product_storage(ca, la, cb, lb)?;
+    let r = la.dims().len();
+    let (m, n) = (la.dims()[r - 2], lb.dims()[r - 1]);
+    let mut dims = la.dims()[..r - 2].to_vec();
+    dims.extend([m, n]);
+    let out = match (ca, cb) {
+        (CpuStorage::F32(x), CpuStorage::F32(y)) => CpuStorage::F32(batched(x, la, y, lb)?),
+        (CpuStorage::F64(x), CpuStorage::F64(y)) => CpuStorage::F64(batched(x, la, y, lb)?),
+        _ => bail!("product: f32 or f64 of one type only"),
+    };
     Ok(Tensor::from_storage(
         candle_core::Storage::Cpu(out),
-        (m, n),
+        dims,
         candle_core::op::BackpropOp::none(),
         false,
     ))
 }
 
-/// [`product`] on storages.
+/// The products of the last two dims of `a` and `b` (laid out as `al` and `bl`, the same
+/// leading dims), one after another in row-major order of the leading dims.
+fn batched<T: candle_core::WithDType>(
+    a: &[T],
+    al: &Layout,
+    b: &[T],
+    bl: &Layout,
+) -> candle_core::Result<Vec<T>> {
+    let r = al.dims().len();
+    if r < 2 || bl.dims().len() != r || al.dims()[..r - 2] != bl.dims()[..r - 2] {
+        bail!("product: {:?} against {:?}", al.dims(), bl.dims())
+    }
+    let lead = &al.dims()[..r - 2];
+    let (sa, sb) = (al.stride(), bl.stride());
+    let matrix = |l: &Layout, offset: usize| {
+        let (d, s) = (l.dims(), l.stride());
+        Layout::new(
+            Shape::from((d[r - 2], d[r - 1])),
+            vec![s[r - 2], s[r - 1]],
+            offset,
+        )
+    };
+    let count: usize = lead.iter().product();
+    let mut out = Vec::with_capacity(count * al.dims()[r - 2] * bl.dims()[r - 1]);
+    for i in 0..count {
+        // The leading index of product i, last dim fastest.
+        let (mut rest, mut oa, mut ob) = (i, al.start_offset(), bl.start_offset());
+        for dim in (0..r - 2).rev() {
+            let at = rest % lead[dim];
+            rest /= lead[dim];
+            oa += at * sa[dim];
+            ob += at * sb[dim];
+        }
+        product_shape(&matrix(al, oa), &matrix(bl, ob))?.append_to(a, b, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// [`product`] on storages of 2-d operands.
 fn product_storage(
     a: &CpuStorage,
     al: &Layout,
@@ -681,6 +728,48 @@ mod tests {
         }
         let err = gate_up(x, wg, wd).expect_err("gate and up differ");
         assert!(err.to_string().contains("gate-up"), "{err}");
+    }
+
+    /// A product over leading dims is candle's batched matmul bit for bit, in f32 and f64, for a
+    /// transposed and offset operand, on gemm's general and small-size paths; leading dims that
+    /// candle's matmul refuses (not one stride) give the products of their contiguous copies.
+    #[test]
+    fn constant_products_over_leading_dims_are_candles() {
+        for dtype in [DType::F32, DType::F64] {
+            for (b, h, m, k, n) in [(2, 3, 40, 24, 36), (1, 2, 5, 3, 4)] {
+                let a = random_var(&[b, h, m, k], dtype, 11);
+                // [b, h, k, n]: transposed, and offset into a wider tensor.
+                let wide = random_var(&[b, h, n, k + 2], dtype, 12);
+                let bt = wide
+                    .as_tensor()
+                    .narrow(3, 2, k)
+                    .and_then(|t| t.t())
+                    .expect("view");
+                let got = constant_product(a.as_tensor(), &bt).expect("product");
+                let want = a.as_tensor().matmul(&bt).expect("matmul");
+                assert_eq!(got.dims(), [b, h, m, n]);
+                let diff = crate::test_util::max_diff(&got, &want);
+                assert_eq!(diff, 0.0, "{dtype:?} {m}x{k}x{n}");
+            }
+            let swapped = random_var(&[3, 2, 40, 24], dtype, 13);
+            let at = swapped.as_tensor().transpose(0, 1).expect("swap");
+            let wide = random_var(&[3, 2, 36, 24], dtype, 14);
+            let bt = wide
+                .as_tensor()
+                .transpose(0, 1)
+                .and_then(|t| t.t())
+                .expect("view");
+            let got = constant_product(&at, &bt).expect("product");
+            let copies = |t: &Tensor| t.contiguous().expect("copy");
+            let want = constant_product(&copies(&at), &copies(&bt)).expect("product");
+            assert_eq!(crate::test_util::max_diff(&got, &want), 0.0, "{dtype:?}");
+        }
+        let a = random_var(&[2, 4, 3], DType::F32, 15);
+        let b = random_var(&[3, 3, 5], DType::F32, 16);
+        assert!(
+            constant_product(a.as_tensor(), b.as_tensor()).is_err(),
+            "leading dims differ"
+        );
     }
 
     /// A matrix built band by band from products is the products' rows, bit for bit, on

@@ -11,6 +11,8 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use crate::error::Result;
 use crate::fused::{self, RopeTables};
+use crate::product::constant_product;
+#[cfg(test)]
 use crate::product::matmul;
 
 /// Heads and widths of one attention.
@@ -86,9 +88,9 @@ fn forward(
     let q = fused::rope(&split_heads(q, h, hd)?, tables)?.reshape((b, kv, rep * t, hd))?;
     let k = fused::rope(&split_heads(k, kv, hd)?, tables)?;
     let v = split_heads(v, kv, hd)?.contiguous()?;
-    let scores = matmul(&q, &k.t()?)?.reshape((b, h, t, t))?;
+    let scores = constant_product(&q, &k.t()?)?.reshape((b, h, t, t))?;
     let p = fused::causal_softmax(&scores, scale)?.reshape((b, kv, rep * t, t))?;
-    let out = merge_heads(&matmul(&p, &v)?.reshape((b, h, t, hd))?)?;
+    let out = merge_heads(&constant_product(&p, &v)?.reshape((b, h, t, hd))?)?;
     Ok(Forward {
         out,
         kept: Kept { q, k, v, p },
@@ -116,16 +118,16 @@ impl ShortAttention {
         // The products of candle's matmul backward: for C = A B, dA = dC B^T and dB = A^T dC.
         // The keys' gradient stays the transposed view of q^T dS: OpenBLAS's dS^T q differs in
         // the last bit.
-        let dv = matmul(&p.t()?, &d_o)?;
-        let dp = matmul(&d_o, &v.t()?)?;
+        let dv = constant_product(&p.t()?, &d_o)?;
+        let dp = constant_product(&d_o, &v.t()?)?;
         let ds = fused::causal_softmax_bwd(
             &p.reshape((b, h, t, t))?,
             &dp.reshape((b, h, t, t))?,
             self.scale,
         )?
         .reshape((b, kv, rows, t))?;
-        let dq = matmul(&ds, k)?.reshape((b, h, t, hd))?;
-        let dk = matmul(&q.t()?, &ds)?.t()?;
+        let dq = constant_product(&ds, k)?.reshape((b, h, t, hd))?;
+        let dk = constant_product(&q.t()?, &ds)?.t()?;
         Ok((
             merge_heads(&fused::rope_bwd(&dq, &self.tables)?)?,
             merge_heads(&fused::rope_bwd(&dk, &self.tables)?)?,
