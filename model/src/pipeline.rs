@@ -7,6 +7,7 @@ use candle_core::Tensor;
 use crate::bottleneck::{BoundaryTensor, WireEncoding};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::product::Part;
 use crate::stage::{LossOutput, Stage, StageCache, StageOptions};
 
 /// Encodings used for the two directions of a stage boundary.
@@ -234,6 +235,7 @@ impl Pipeline {
         let targets = &targets.to_device(&self.stages[last].options().device)?;
         let cuts = crate::stage::sub_batch_cuts(b, self.stages[0].options().sub_batches);
         let stages = &self.stages;
+        let in_runs = cuts.len() > 1;
         let run = |&(start, len): &(usize, usize)| -> Result<RunGradients> {
             let mut x = tokens.narrow(0, start, len)?;
             let y = targets.narrow(0, start, len)?;
@@ -245,7 +247,12 @@ impl Pipeline {
                 return Ok((loss.mean, loss.tokens, None));
             }
             let (head, gh, gw) = stages[last].head_gradients(&x, &y, &kept)?;
-            let grads = crate::product::Gradients::of(&(x * gh)?.sum_all()?)?;
+            let surrogate = (x * gh)?.sum_all()?;
+            let grads = if in_runs {
+                crate::product::Gradients::deferring(&surrogate)?
+            } else {
+                crate::product::Gradients::of(&surrogate)?
+            };
             Ok((loss.mean, loss.tokens, Some((head, gw, grads))))
         };
         let runs: Vec<RunGradients> = if cuts.len() == 1 {
@@ -258,17 +265,22 @@ impl Pipeline {
         }
         let mean = crate::stage::token_weighted_mean(runs.iter().map(|r| (r.0, r.1)));
         // Each parameter's gradients in run order, the head weight's first in each run.
-        let mut parts: Vec<Vec<(usize, Tensor)>> = vec![Vec::new(); self.stages.len()];
+        let mut parts: Vec<Vec<(usize, Part)>> = vec![Vec::new(); self.stages.len()];
         for (_, _, g) in runs {
             if let Some((head, gw, grads)) = g {
-                parts[last].push((head, gw));
+                parts[last].push((head, Part::Tensor(gw)));
                 for (stage, p) in self.stages.iter().zip(&mut parts) {
-                    p.extend(stage.grads_in(&grads)?);
+                    p.extend(stage.grads_in(&grads));
                 }
             }
         }
         for (stage, p) in self.stages.iter_mut().zip(parts) {
-            stage.add_grads(p)?;
+            let grads = if in_runs {
+                crate::stage::sum_runs(p)?
+            } else {
+                crate::stage::as_tensors(p)?
+            };
+            stage.add_grads(grads)?;
         }
         for stage in &mut self.stages {
             stage.count_backward(b * t);

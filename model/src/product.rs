@@ -149,14 +149,8 @@ impl Product {
         Ok(out)
     }
 
-    /// Appends the product's `m * n` values (row-major) to `out`.
-    #[allow(unsafe_code)] // gemm's interface takes raw pointers
-    fn append_to<T: candle_core::WithDType>(
-        &self,
-        a: &[T],
-        b: &[T],
-        out: &mut Vec<T>,
-    ) -> candle_core::Result<()> {
+    /// Whether the operands' strides stay inside `a` and `b`; an error where they do not.
+    fn check<T>(&self, a: &[T], b: &[T]) -> candle_core::Result<()> {
         let Product {
             m,
             n,
@@ -168,15 +162,27 @@ impl Product {
         let reach = |o: usize, rs: usize, cs: usize, rows: usize, cols: usize| {
             o + rows.saturating_sub(1) * rs + cols.saturating_sub(1) * cs
         };
-        if m * n == 0
-            || (k > 0
-                && (reach(ao, ars, acs, m, k) >= a.len() || reach(bo, brs, bcs, k, n) >= b.len()))
+        if m * n * k > 0
+            && (reach(ao, ars, acs, m, k) >= a.len() || reach(bo, brs, bcs, k, n) >= b.len())
         {
-            if m * n == 0 || k == 0 {
-                out.resize(out.len() + m * n, T::from_f64(0.0));
-                return Ok(());
-            }
             bail!("product: operand strides reach past their buffers")
+        }
+        Ok(())
+    }
+
+    /// Appends the product's `m * n` values (row-major) to `out`.
+    #[allow(unsafe_code)] // gemm's interface takes raw pointers
+    fn append_to<T: candle_core::WithDType>(
+        &self,
+        a: &[T],
+        b: &[T],
+        out: &mut Vec<T>,
+    ) -> candle_core::Result<()> {
+        let Product { m, n, k, .. } = *self;
+        self.check(a, b)?;
+        if m * n == 0 || k == 0 {
+            out.resize(out.len() + m * n, T::from_f64(0.0));
+            return Ok(());
         }
         // gemm's general path writes every output value before it reads any when it does not
         // accumulate; its small-size and vector paths are left a zero-filled output.
@@ -187,6 +193,63 @@ impl Product {
         } else {
             out.resize(at + m * n, T::from_f64(0.0));
         }
+        // SAFETY: the operands' strides stay inside their slices (checked above); `out` has room
+        // for m * n values after `at`, written with row stride n; with `read_dst` false gemm
+        // writes each output value once before any read, so on the general path the values are
+        // whole when the length is set.
+        unsafe {
+            self.gemm(a, b, out.as_mut_ptr().add(at), false);
+            if general {
+                out.set_len(at + m * n);
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the product to `dst` (`m * n` values, row-major) in gemm's own pass: each value
+    /// becomes `dst + product`, rounded once, the bits of forming the product and adding it
+    /// when `k` is at most 512 (gemm then sums each value's products in one block).
+    #[allow(unsafe_code)] // gemm's interface takes raw pointers
+    fn add_to<T: candle_core::WithDType>(
+        &self,
+        a: &[T],
+        b: &[T],
+        dst: &mut [T],
+    ) -> candle_core::Result<()> {
+        let Product { m, n, k, .. } = *self;
+        self.check(a, b)?;
+        if dst.len() != m * n {
+            bail!("product: {m}x{n} added to {} values", dst.len())
+        }
+        if m * n == 0 || k == 0 {
+            return Ok(());
+        }
+        // SAFETY: the operands' strides stay inside their slices (checked above); `dst` holds
+        // m * n initialised values, read and written with row stride n.
+        unsafe { self.gemm(a, b, dst.as_mut_ptr(), true) };
+        Ok(())
+    }
+
+    /// `dst = (read_dst ? dst : 0) + a b` through gemm, on this thread's product threads.
+    ///
+    /// # Safety
+    /// The operands' strides stay inside `a` and `b` ([`Product::check`]), `dst` has room for
+    /// `m * n` values with row stride `n`, initialised where `read_dst` is set.
+    #[allow(unsafe_code)]
+    unsafe fn gemm<T: candle_core::WithDType>(
+        &self,
+        a: &[T],
+        b: &[T],
+        dst: *mut T,
+        read_dst: bool,
+    ) {
+        let Product {
+            m,
+            n,
+            k,
+            a: (ao, ars, acs),
+            b: (bo, brs, bcs),
+        } = *self;
         let threads = PRODUCT_THREADS
             .with(Cell::get)
             .unwrap_or_else(candle_core::utils::get_num_threads);
@@ -195,37 +258,31 @@ impl Product {
         } else {
             gemm::Parallelism::None
         };
-        // SAFETY: the operands' strides stay inside their slices (checked above); `out` has room
-        // for m * n values after `at`, written with row stride n; with `read_dst` false gemm
-        // writes each output value once before any read, so on the general path the values are
-        // whole when the length is set.
+        let alpha = if read_dst { 1.0 } else { 0.0 };
+        // SAFETY: the caller's contract.
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 k,
-                out.as_mut_ptr().add(at),
+                dst,
                 1,
                 n as isize,
-                false,
+                read_dst,
                 a.as_ptr().add(ao),
                 acs as isize,
                 ars as isize,
                 b.as_ptr().add(bo),
                 bcs as isize,
                 brs as isize,
-                T::from_f64(0.0),
+                T::from_f64(alpha),
                 T::from_f64(1.0),
                 false,
                 false,
                 false,
                 parallelism,
             );
-            if general {
-                out.set_len(at + m * n);
-            }
         }
-        Ok(())
     }
 }
 
@@ -370,8 +427,150 @@ where
 
 thread_local! {
     /// Where the linear layers on this thread hand their weights' gradients during
-    /// [`Gradients::of`], in the order the backward forms them.
-    static WEIGHT_GRADS: RefCell<Option<Vec<(TensorId, Tensor)>>> = const { RefCell::new(None) };
+    /// [`Gradients::of`], in the order the backward forms them, and whether they hand over the
+    /// products' operands instead of the products ([`Gradients::deferring`]).
+    static WEIGHT_GRADS: RefCell<Option<HandOver>> = const { RefCell::new(None) };
+}
+
+/// The weight gradients handed over so far, and whether as their products' operands.
+struct HandOver {
+    weights: Vec<(TensorId, Part)>,
+    defer: bool,
+}
+
+/// One term of a parameter's gradient from a backward.
+#[derive(Clone)]
+pub(crate) enum Part {
+    Tensor(Tensor),
+    /// A linear layer's weight gradient `dy^T x` for `dy: [rows, out]` and `x: [rows, in]`,
+    /// not formed yet: [`sum_parts`] forms it in the buffer of the sum it goes into.
+    Product {
+        dy: Tensor,
+        x: Tensor,
+    },
+}
+
+impl Part {
+    /// The term as a tensor of its own.
+    pub(crate) fn into_tensor(self) -> candle_core::Result<Tensor> {
+        match self {
+            Part::Tensor(t) => Ok(t.detach()),
+            Part::Product { dy, x } => constant_product(&dy.t()?, &x),
+        }
+    }
+}
+
+/// The sum of `parts` in order (`None` for none), with the bits of adding the terms as tensors
+/// one by one. Where the sum is a CPU matrix, each weight product after the first term is added
+/// by gemm into the sum's buffer: no buffer of its own, and no pass to add it (the same bits
+/// while each product sums at most 512 rows, gemm's one block; more rows are summed block by
+/// block into the sum, the same bits on any number of threads).
+pub(crate) fn sum_parts(parts: Vec<Part>) -> candle_core::Result<Option<Tensor>> {
+    let mut sum: Option<Sum> = None;
+    for part in parts {
+        sum = Some(match (sum, part) {
+            (None, Part::Product { dy, x }) if Bands::apply(&dy, &x) => {
+                Sum::Owned(Owned::product(&dy, &x)?)
+            }
+            (None, part) => Sum::Tensor(part.into_tensor()?),
+            (Some(Sum::Owned(mut owned)), Part::Product { dy, x }) => {
+                owned.add_product(&dy, &x)?;
+                Sum::Owned(owned)
+            }
+            (Some(Sum::Tensor(a)), Part::Product { dy, x })
+                if Bands::apply(&a, &x) && Bands::apply(&dy, &x) =>
+            {
+                let mut owned = Owned::copy_of(&a)?;
+                owned.add_product(&dy, &x)?;
+                Sum::Owned(owned)
+            }
+            (Some(sum), part) => Sum::Tensor((sum.tensor()? + part.into_tensor()?)?),
+        });
+    }
+    sum.map(Sum::tensor).transpose()
+}
+
+/// A running sum of gradient terms.
+enum Sum {
+    Tensor(Tensor),
+    Owned(Owned),
+}
+
+impl Sum {
+    fn tensor(self) -> candle_core::Result<Tensor> {
+        match self {
+            Sum::Tensor(t) => Ok(t),
+            Sum::Owned(o) => Ok(Tensor::from_storage(
+                candle_core::Storage::Cpu(o.values),
+                o.dims,
+                candle_core::op::BackpropOp::none(),
+                false,
+            )),
+        }
+    }
+}
+
+/// A CPU matrix this sum owns, which products are added into in place.
+struct Owned {
+    values: CpuStorage,
+    dims: (usize, usize),
+}
+
+impl Owned {
+    /// A copy of the 2-d CPU tensor `t` (f32 or f64).
+    fn copy_of(t: &Tensor) -> candle_core::Result<Self> {
+        let dims = t.dims2()?;
+        let t = t.contiguous()?;
+        let (s, l) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(c) = &*s else {
+            bail!("sum: a CPU tensor only")
+        };
+        let range = l.start_offset()..l.start_offset() + dims.0 * dims.1;
+        let values = match c {
+            CpuStorage::F32(v) => CpuStorage::F32(v[range].to_vec()),
+            CpuStorage::F64(v) => CpuStorage::F64(v[range].to_vec()),
+            _ => bail!("sum: f32 or f64 only"),
+        };
+        Ok(Self { values, dims })
+    }
+
+    /// `dy^T x` (CPU, f32 or f64) in a buffer of its own.
+    fn product(dy: &Tensor, x: &Tensor) -> candle_core::Result<Self> {
+        let (dyt, x) = (dy.detach().t()?, x.detach());
+        let (sa, la) = dyt.storage_and_layout();
+        let (sb, lb) = x.storage_and_layout();
+        let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+            bail!("sum: CPU tensors only")
+        };
+        let values = product_storage(ca, la, cb, lb)?;
+        let dims = (la.dims()[0], lb.dims()[1]);
+        Ok(Self { values, dims })
+    }
+
+    /// Adds `dy^T x` in place.
+    fn add_product(&mut self, dy: &Tensor, x: &Tensor) -> candle_core::Result<()> {
+        let dyt = dy.detach().t()?;
+        let x = x.detach();
+        let (sa, la) = dyt.storage_and_layout();
+        let (sb, lb) = x.storage_and_layout();
+        let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+            bail!("sum: CPU tensors only")
+        };
+        let shape = product_shape(la, lb)?;
+        if (shape.m, shape.n) != self.dims {
+            bail!(
+                "sum: a {}x{} product added to {:?}",
+                shape.m,
+                shape.n,
+                self.dims
+            )
+        }
+        match (ca, cb, &mut self.values) {
+            (CpuStorage::F32(a), CpuStorage::F32(b), CpuStorage::F32(d)) => shape.add_to(a, b, d),
+            (CpuStorage::F64(a), CpuStorage::F64(b), CpuStorage::F64(d)) => shape.add_to(a, b, d),
+            _ => bail!("sum: the terms in one dtype, f32 or f64"),
+        }
+    }
 }
 
 /// The gradients of one backward. candle gives every gradient it returns a zero-filled buffer and
@@ -379,13 +578,13 @@ thread_local! {
 /// weights' gradients over here instead, the same bits with neither pass.
 pub(crate) struct Gradients {
     store: GradStore,
-    weights: Vec<(TensorId, Tensor)>,
+    weights: Vec<(TensorId, Part)>,
 }
 
 /// Puts back the hand-over that was in place before a [`Gradients::of`] began, also when it
 /// fails or panics (an inner backward can run on this thread while an outer one waits for a
 /// product).
-struct Restore(Option<Vec<(TensorId, Tensor)>>);
+struct Restore(Option<HandOver>);
 
 impl Drop for Restore {
     fn drop(&mut self) {
@@ -397,9 +596,27 @@ impl Drop for Restore {
 impl Gradients {
     /// The backward of `root`.
     pub(crate) fn of(root: &Tensor) -> candle_core::Result<Self> {
-        let _restore = Restore(WEIGHT_GRADS.with(|c| c.replace(Some(Vec::new()))));
+        Self::backward(root, false)
+    }
+
+    /// [`Gradients::of`] where the linear layers' weight gradients are left as the operands of
+    /// their products ([`Part::Product`]), for runs side by side: each weight's products are then
+    /// summed into one buffer after the runs ([`sum_parts`]). The operands stay alive until then.
+    pub(crate) fn deferring(root: &Tensor) -> candle_core::Result<Self> {
+        Self::backward(root, true)
+    }
+
+    fn backward(root: &Tensor, defer: bool) -> candle_core::Result<Self> {
+        let fresh = HandOver {
+            weights: Vec::new(),
+            defer,
+        };
+        let _restore = Restore(WEIGHT_GRADS.with(|c| c.replace(Some(fresh))));
         let store = root.backward()?;
-        let weights = WEIGHT_GRADS.with(|c| c.replace(None)).unwrap_or_default();
+        let weights = WEIGHT_GRADS
+            .with(|c| c.replace(None))
+            .map(|h| h.weights)
+            .unwrap_or_default();
         Ok(Self { store, weights })
     }
 
@@ -408,23 +625,23 @@ impl Gradients {
         self.store.get(t)
     }
 
-    /// The gradient of variable `v`, detached: candle's, then any the linear layers handed
-    /// over, added in the order the backward formed them (candle's own order).
-    pub(crate) fn of_var(&self, v: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    /// The terms of variable `v`'s gradient: candle's, then any the linear layers handed over,
+    /// in the order the backward formed them (candle's own order).
+    pub(crate) fn parts_of_var(&self, v: &Tensor) -> Vec<Part> {
         let id = v.id();
+        let store = self.store.get(v).map(|g| Part::Tensor(g.detach()));
         let handed = self
             .weights
             .iter()
             .filter(|(w, _)| *w == id)
-            .map(|(_, g)| g);
-        let mut sum: Option<Tensor> = self.store.get(v).map(Tensor::detach);
-        for g in handed {
-            sum = Some(match sum {
-                Some(s) => (s + g)?,
-                None => g.detach(),
-            });
-        }
-        Ok(sum)
+            .map(|(_, g)| g.clone());
+        store.into_iter().chain(handed).collect()
+    }
+
+    /// The gradient of variable `v`, detached: its terms added in order.
+    #[cfg(test)]
+    pub(crate) fn of_var(&self, v: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        sum_parts(self.parts_of_var(v))
     }
 }
 
@@ -467,8 +684,7 @@ impl CustomOp2 for Linear {
         // dx = dy w and dw = dy^T x, contiguous. The composed version forms dw^T = x^T dy (the
         // same sums) and adds its transposed view with strides, a slow walk for a large weight.
         let gx = product(&grad, &w.detach())?.reshape(x.shape())?;
-        let gw = product(&grad.t()?, &x2)?;
-        Ok((Some(gx), hand_over(w, gw)))
+        Ok((Some(gx), hand_over(w, grad, x2)?))
     }
 }
 
@@ -498,18 +714,24 @@ fn linear_storage(
     Ok((y, Shape::from(dims)))
 }
 
-/// A weight's gradient from a backward: handed over to the [`Gradients::of`] running on this
-/// thread if `w` is a variable and one is, else returned for candle's store.
-fn hand_over(w: &Tensor, gw: Tensor) -> Option<Tensor> {
+/// The gradient `dy^T x` of weight `w` (`dy: [rows, out]`, `x: [rows, in]`) from a backward:
+/// handed over to the [`Gradients::of`] running on this thread if `w` is a variable and one is
+/// (as the product's operands where it defers them), else returned for candle's store.
+fn hand_over(w: &Tensor, dy: Tensor, x: Tensor) -> candle_core::Result<Option<Tensor>> {
+    let defer = WEIGHT_GRADS.with(|c| c.borrow().as_ref().map(|h| h.defer));
+    let part = match defer {
+        Some(true) if w.is_variable() => Part::Product { dy, x },
+        _ => Part::Tensor(product(&dy.t()?, &x)?),
+    };
     if !w.is_variable() {
-        return Some(gw);
+        return part.into_tensor().map(Some);
     }
     WEIGHT_GRADS.with(|c| match c.borrow_mut().as_mut() {
-        Some(weights) => {
-            weights.push((w.id(), gw));
-            None
+        Some(h) => {
+            h.weights.push((w.id(), part));
+            Ok(None)
         }
-        None => Some(gw),
+        None => part.into_tensor().map(Some),
     })
 }
 
@@ -589,9 +811,11 @@ impl candle_core::CustomOp3 for GateUp {
         // The input's gradient is the two projections' sum, as candle's store would add them.
         let gx = (product(&dg, &w_gate.detach())? + product(&du, &w_up.detach())?)?
             .reshape(x.shape())?;
-        let g_gate = product(&dg.t()?, &x2)?;
-        let g_up = product(&du.t()?, &x2)?;
-        Ok((Some(gx), hand_over(w_gate, g_gate), hand_over(w_up, g_up)))
+        Ok((
+            Some(gx),
+            hand_over(w_gate, dg, x2.clone())?,
+            hand_over(w_up, du, x2)?,
+        ))
     }
 }
 
@@ -679,6 +903,15 @@ mod tests {
         assert!(err.to_string().contains("input width 8"), "{err}");
     }
 
+    /// A tensor's values as f64 bits (exact for f32 and f64).
+    fn bits_of(t: &Tensor) -> Vec<u64> {
+        let v = t
+            .to_dtype(DType::F64)
+            .and_then(|t| t.flatten_all()?.to_vec1::<f64>())
+            .expect("values");
+        v.into_iter().map(f64::to_bits).collect()
+    }
+
     /// An f32 tensor's values as bits.
     fn bits(t: &Tensor) -> Vec<u32> {
         let v = t
@@ -730,9 +963,10 @@ mod tests {
         assert!(err.to_string().contains("gate-up"), "{err}");
     }
 
-    /// A product over leading dims is candle's batched matmul bit for bit, in f32 and f64, for a
-    /// transposed and offset operand, on gemm's general and small-size paths; leading dims that
-    /// candle's matmul refuses (not one stride) give the products of their contiguous copies.
+    /// A product over leading dims is [`matmul`]'s (candle's batched one, or OpenBLAS's) bit for
+    /// bit, in f32 and f64, for a transposed and offset operand, on gemm's general and
+    /// small-size paths; leading dims that candle's matmul refuses (not one stride) give the
+    /// products of their contiguous copies.
     #[test]
     fn constant_products_over_leading_dims_are_candles() {
         for dtype in [DType::F32, DType::F64] {
@@ -746,10 +980,15 @@ mod tests {
                     .and_then(|t| t.t())
                     .expect("view");
                 let got = constant_product(a.as_tensor(), &bt).expect("product");
-                let want = a.as_tensor().matmul(&bt).expect("matmul");
+                let want = matmul(a.as_tensor(), &bt).expect("matmul");
                 assert_eq!(got.dims(), [b, h, m, n]);
                 let diff = crate::test_util::max_diff(&got, &want);
                 assert_eq!(diff, 0.0, "{dtype:?} {m}x{k}x{n}");
+            }
+            // OpenBLAS treats strided and contiguous operands differently in the last bit.
+            #[cfg(feature = "openblas")]
+            if crate::blas::enabled() {
+                continue;
             }
             let swapped = random_var(&[3, 2, 40, 24], dtype, 13);
             let at = swapped.as_tensor().transpose(0, 1).expect("swap");
@@ -770,6 +1009,84 @@ mod tests {
             constant_product(a.as_tensor(), b.as_tensor()).is_err(),
             "leading dims differ"
         );
+    }
+
+    /// Weight gradients left as their products' operands and summed into one buffer are the
+    /// products added one by one, bit for bit: on gemm's general and small-size paths, for a
+    /// gradient read through a strided view, after a tensor term, and through a backward that
+    /// defers them against one that does not.
+    #[test]
+    fn deferred_products_add_up_to_the_same_bits() {
+        for dtype in [DType::F32, DType::F64] {
+            for (rows, out, inp) in [(256, 72, 48), (5, 3, 4), (512, 20, 30)] {
+                let both = random_var(&[rows, 2 * out], dtype, 21);
+                let dys = [
+                    random_var(&[rows, out], dtype, 22).as_tensor().clone(),
+                    both.as_tensor().narrow(1, out, out).expect("half"),
+                ];
+                let xs = [
+                    random_var(&[rows, inp], dtype, 23),
+                    random_var(&[rows, inp], dtype, 24),
+                ];
+                let first = random_var(&[out, inp], dtype, 25).as_tensor().clone();
+                let products: Vec<Tensor> = dys
+                    .iter()
+                    .zip(&xs)
+                    .map(|(dy, x)| constant_product(&dy.t()?, x.as_tensor()))
+                    .collect::<candle_core::Result<_>>()
+                    .expect("products");
+                let deferred = |with_first: bool| {
+                    let mut parts: Vec<Part> = with_first
+                        .then(|| Part::Tensor(first.clone()))
+                        .into_iter()
+                        .collect();
+                    parts.extend(dys.iter().zip(&xs).map(|(dy, x)| Part::Product {
+                        dy: dy.clone(),
+                        x: x.as_tensor().clone(),
+                    }));
+                    sum_parts(parts).expect("sum").expect("a sum")
+                };
+                let added = (&products[0] + &products[1]).expect("add");
+                assert_eq!(
+                    bits_of(&deferred(false)),
+                    bits_of(&added),
+                    "{dtype:?} {rows}"
+                );
+                let added = ((&first + &products[0]).and_then(|s| s + &products[1])).expect("add");
+                assert_eq!(
+                    bits_of(&deferred(true)),
+                    bits_of(&added),
+                    "{dtype:?} {rows}"
+                );
+            }
+        }
+        // A backward that defers against one that does not, through the linear layer and the
+        // gate and up projections.
+        let x = random_var(&[2, 40, 48], DType::F32, 26);
+        let (wg, wu, wd) = (
+            random_var(&[72, 48], DType::F32, 27),
+            random_var(&[72, 48], DType::F32, 28),
+            random_var(&[48, 72], DType::F32, 29),
+        );
+        let loss = || {
+            linear(
+                &gate_up(x.as_tensor(), wg.as_tensor(), wu.as_tensor()).expect("gate-up"),
+                wd.as_tensor(),
+            )
+            .and_then(|y| y.sqr()?.sum_all())
+            .expect("loss")
+        };
+        let now = Gradients::of(&loss()).expect("backward");
+        let later = Gradients::deferring(&loss()).expect("backward");
+        for w in [&wg, &wu, &wd] {
+            let parts = later.parts_of_var(w.as_tensor());
+            assert!(matches!(parts.as_slice(), [Part::Product { .. }]));
+            let want = now.of_var(w.as_tensor()).expect("sum").expect("grad");
+            let got = sum_parts(parts).expect("sum").expect("grad");
+            assert_eq!(bits_of(&got), bits_of(&want));
+        }
+        let (a, b) = (now.get(x.as_tensor()), later.get(x.as_tensor()));
+        assert_eq!(bits_of(a.expect("dx")), bits_of(b.expect("dx")));
     }
 
     /// A matrix built band by band from products is the products' rows, bit for bit, on

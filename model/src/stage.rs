@@ -55,6 +55,7 @@ use crate::rng::SplitMix64;
 
 mod compute;
 mod train;
+pub(crate) use train::{as_tensors, sum_runs};
 
 /// Device and precision of a stage.
 #[derive(Clone, Debug)]

@@ -4,15 +4,19 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::product::Gradients;
+use crate::product::{Gradients, Part};
 
 /// Parameter gradients of one backward, (parameter index, gradient) in the order they are added.
 type ParamGrads = Vec<(usize, Tensor)>;
 
+/// Terms of the parameter gradients of one backward, (parameter index, term) in the order they
+/// are added.
+type ParamParts = Vec<(usize, Part)>;
+
 /// One run's backward: the input's gradient, the parameters', and whether its cache was stale.
 struct RunBackward {
     grad_input: Option<Tensor>,
-    params: ParamGrads,
+    params: ParamParts,
     stale: bool,
 }
 
@@ -65,16 +69,19 @@ impl Stage {
             })
     }
 
-    /// The gradients that `grads` holds for this stage's parameters, in parameter order,
-    /// detached.
-    pub(crate) fn grads_in(&self, grads: &Gradients) -> Result<Vec<(usize, Tensor)>> {
+    /// The gradients' terms that `grads` holds for this stage's parameters, in parameter
+    /// order, detached.
+    pub(crate) fn grads_in(&self, grads: &Gradients) -> ParamParts {
         let mut held = Vec::new();
         for (i, p) in self.params.iter().enumerate() {
-            if let Some(g) = grads.of_var(p.var.as_tensor())? {
-                held.push((i, g));
-            }
+            held.extend(
+                grads
+                    .parts_of_var(p.var.as_tensor())
+                    .into_iter()
+                    .map(|g| (i, g)),
+            );
         }
-        Ok(held)
+        held
     }
 
     pub(crate) fn count_backward(&mut self, tokens: usize) {
@@ -301,8 +308,8 @@ impl Stage {
         let dims = cache.input_dims();
         let tokens = dims[0] * dims[1];
         let (grad_input, parts, stale) = if cache.runs.is_empty() {
-            let r = self.backward_run(&cache, grad_output, tokens)?;
-            (r.grad_input, r.params, r.stale)
+            let r = self.backward_run(&cache, grad_output, tokens, false)?;
+            (r.grad_input, as_tensors(r.params)?, r.stale)
         } else {
             if let Some(g) = grad_output {
                 self.validate_float(g, &cache.output_dims, "output gradient")?;
@@ -320,7 +327,7 @@ impl Stage {
                     Some(g) => Some(g.narrow(0, first, n)?),
                     None => None,
                 };
-                this.backward_run(run, g.as_ref(), tokens)
+                this.backward_run(run, g.as_ref(), tokens, true)
             })?;
             let mut inputs = Vec::new();
             let mut parts = Vec::new();
@@ -335,7 +342,7 @@ impl Stage {
             } else {
                 Some(Tensor::cat(&inputs, 0)?)
             };
-            (grad_input, parts, stale)
+            (grad_input, sum_runs(parts)?, stale)
         };
         if stale {
             self.stale_recomputes += 1;
@@ -357,12 +364,15 @@ impl Stage {
 
     /// The backward of one run's `cache` (the whole micro-batch, or one run of it) whose token
     /// losses the micro-batch's `tokens` average: the input's gradient, the parameters'
-    /// gradients in the order they are added, and whether the cache was stale.
+    /// gradients in the order they are added, and whether the cache was stale. One of several
+    /// runs (`in_runs`) leaves the linear layers' weight gradients as their products' operands,
+    /// for [`sum_runs`], unless it checkpoints blocks (which keeps no block's operands).
     fn backward_run(
         &self,
         cache: &StageCache,
         grad_output: Option<&Tensor>,
         tokens: usize,
+        in_runs: bool,
     ) -> Result<RunBackward> {
         if !cache.runs.is_empty() {
             return Err(ModelError::InvalidInput(
@@ -395,7 +405,7 @@ impl Stage {
         // the token count. The input gradient is scaled back to the mean before it is returned.
         // Parameter gradients in the order they are added (the head's first, as `backward` and
         // the monolithic pipeline add them).
-        let mut parts: Vec<(usize, Tensor)> = Vec::new();
+        let mut parts: ParamParts = Vec::new();
         let surrogate = self.surrogate(
             cache,
             || match cached_output {
@@ -407,8 +417,12 @@ impl Stage {
             tokens,
             &mut parts,
         )?;
-        let grads = Gradients::of(&surrogate)?;
-        parts.extend(self.grads_in(&grads)?);
+        let grads = if in_runs {
+            Gradients::deferring(&surrogate)?
+        } else {
+            Gradients::of(&surrogate)?
+        };
+        parts.extend(self.grads_in(&grads));
         let grad_input = match &cache.input {
             CachedInput::Tokens(_) => None,
             CachedInput::Activations(v) => Some(match grads.get(v.as_tensor()) {
@@ -435,7 +449,7 @@ impl Stage {
         grad_output: Option<&Tensor>,
         stale: bool,
         tokens: usize,
-        parts: &mut Vec<(usize, Tensor)>,
+        parts: &mut ParamParts,
     ) -> Result<Tensor> {
         match (self.is_last(), grad_output) {
             (true, None) => {
@@ -450,7 +464,7 @@ impl Stage {
                     _ => self.head_forward(&h, targets, true)?.1,
                 };
                 let (head, gh, gw) = self.head_gradients(&h, targets, &kept)?;
-                parts.push((head, gw.detach()));
+                parts.push((head, Part::Tensor(gw.detach())));
                 Ok((h * gh)?.sum_all()?)
             }
             (false, Some(g)) => {
@@ -479,8 +493,8 @@ impl Stage {
         grad_output: Option<&Tensor>,
         stale: bool,
         tokens: usize,
-    ) -> Result<(Option<Tensor>, ParamGrads)> {
-        let mut parts: ParamGrads = Vec::new();
+    ) -> Result<(Option<Tensor>, ParamParts)> {
+        let mut parts: ParamParts = Vec::new();
         let top = Var::from_tensor(
             xs.last()
                 .ok_or_else(|| ModelError::InvalidInput("no block output".into()))?,
@@ -495,7 +509,7 @@ impl Stage {
             &mut parts,
         )?;
         let grads = Gradients::of(&surrogate)?;
-        parts.extend(self.grads_in(&grads)?);
+        parts.extend(self.grads_in(&grads));
         let mut g = grads
             .get(top.as_tensor())
             .cloned()
@@ -506,7 +520,7 @@ impl Stage {
             let input = Var::from_tensor(x)?;
             let y = self.block(blk, input.as_tensor().clone(), Attn::Full(&mask), true)?;
             let grads = Gradients::of(&(y * g.detach())?.sum_all()?)?;
-            parts.extend(self.grads_in(&grads)?);
+            parts.extend(self.grads_in(&grads));
             g = match grads.get(input.as_tensor()) {
                 Some(gi) => gi.clone(),
                 None => input.as_tensor().zeros_like()?,
@@ -515,7 +529,7 @@ impl Stage {
         let grad_input = if self.is_first() {
             let x = self.embed_tokens(graph_input, true)?;
             let grads = Gradients::of(&(x * g.detach())?.sum_all()?)?;
-            parts.extend(self.grads_in(&grads)?);
+            parts.extend(self.grads_in(&grads));
             None
         } else {
             Some((g / tokens as f64)?)
@@ -535,4 +549,27 @@ impl Stage {
         self.count_backward(held.tokens);
         Ok(())
     }
+}
+
+/// Each term as a tensor of its own, in order.
+pub(crate) fn as_tensors(parts: ParamParts) -> Result<ParamGrads> {
+    Ok(parts
+        .into_iter()
+        .map(|(i, p)| Ok((i, p.into_tensor()?)))
+        .collect::<candle_core::Result<_>>()?)
+}
+
+/// The runs' terms of each parameter's gradient summed in run order, one gradient a parameter
+/// (in parameter order): each weight's products are added into one buffer
+/// ([`crate::product::sum_parts`]), the parameters side by side.
+pub(crate) fn sum_runs(parts: ParamParts) -> Result<ParamGrads> {
+    let mut by_param: std::collections::BTreeMap<usize, Vec<Part>> = Default::default();
+    for (i, p) in parts {
+        by_param.entry(i).or_default().push(p);
+    }
+    let groups: Vec<(usize, Vec<Part>)> = by_param.into_iter().collect();
+    let sums = crate::product::side_by_side(&groups, |(i, parts)| {
+        crate::product::sum_parts(parts.clone()).map(|s| s.map(|s| (*i, s)))
+    })?;
+    Ok(sums.into_iter().flatten().collect())
 }
