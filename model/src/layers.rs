@@ -15,7 +15,7 @@ use crate::product::matmul;
 /// `x @ w^T` for `x: [..., in]` and `w: [out, in]`, folding leading dims into one matmul.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if fused::applies(x) && x.dtype() == w.dtype() && w.device().is_cpu() {
-        return Ok(crate::product::linear(x, w)?);
+        return Ok(crate::linear::linear(x, w)?);
     }
     let dims = x.dims();
     let (lead, inner) = dims.split_at(dims.len().saturating_sub(1));
@@ -333,7 +333,7 @@ pub(crate) fn swiglu(
 ) -> Result<Tensor> {
     let on_cpu = |w: &Tensor| w.dtype() == x.dtype() && w.device().is_cpu();
     if fused::applies(x) && on_cpu(w_gate) && on_cpu(w_up) {
-        return linear(&crate::product::gate_up(x, w_gate, w_up)?, w_down);
+        return linear(&crate::linear::gate_up(x, w_gate, w_up)?, w_down);
     }
     let g = linear(x, w_gate)?;
     let u = linear(x, w_up)?;

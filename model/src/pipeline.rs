@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use crate::bottleneck::{BoundaryTensor, WireEncoding};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::product::Part;
+use crate::gradients::Part;
 use crate::stage::{LossOutput, Stage, StageCache, StageOptions};
 
 /// Encodings used for the two directions of a stage boundary.
@@ -66,7 +66,7 @@ pub struct StepStats {
 type RunGradients = (
     f32,
     usize,
-    Option<(usize, Tensor, crate::product::Gradients)>,
+    Option<(usize, Tensor, crate::gradients::Gradients)>,
 );
 
 /// All stages of one model.
@@ -249,9 +249,9 @@ impl Pipeline {
             let (head, gh, gw) = stages[last].head_gradients(&x, &y, &kept)?;
             let surrogate = (x * gh)?.sum_all()?;
             let grads = if in_runs {
-                crate::product::Gradients::deferring(&surrogate)?
+                crate::gradients::Gradients::deferring(&surrogate)?
             } else {
-                crate::product::Gradients::of(&surrogate)?
+                crate::gradients::Gradients::of(&surrogate)?
             };
             Ok((loss.mean, loss.tokens, Some((head, gw, grads))))
         };

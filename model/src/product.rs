@@ -1,9 +1,11 @@
-//! The matrix products every layer and the tiled attention use.
+//! The matrix products every layer and the tiled attention use: through `gemm` into outputs that
+//! are not zero-filled first ([`constant_product`], [`Bands`]), and on a run's share of the
+//! product threads when runs train side by side ([`side_by_side`]). The layers built on them are
+//! in `crate::linear`; the gradients they hand over, in `crate::gradients`.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 
-use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, TensorId, bail};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor, bail};
 
 /// `a @ b` for `a: [..., m, k]`, `b: [..., k, n]`: through OpenBLAS with the `openblas` feature
 /// (f32 and f64 on the CPU), candle's matmul otherwise.
@@ -36,7 +38,7 @@ pub(crate) fn constant_product(a: &Tensor, b: &Tensor) -> candle_core::Result<Te
 }
 
 /// [`constant_product`] of CPU tensors, f32 or f64, with the same leading dims.
-fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn product(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "openblas")]
     if crate::blas::enabled() {
         return matmul(a, b);
@@ -102,7 +104,7 @@ fn batched<T: candle_core::WithDType>(
 }
 
 /// [`product`] on storages of 2-d operands.
-fn product_storage(
+pub(crate) fn product_storage(
     a: &CpuStorage,
     al: &Layout,
     b: &CpuStorage,
@@ -117,7 +119,7 @@ fn product_storage(
 }
 
 /// The product of 2-d operands laid out as `al` and `bl`.
-fn product_shape(al: &Layout, bl: &Layout) -> candle_core::Result<Product> {
+pub(crate) fn product_shape(al: &Layout, bl: &Layout) -> candle_core::Result<Product> {
     let ([m, k], [k2, n]) = (al.dims(), bl.dims()) else {
         bail!("product: {:?} against {:?}", al.dims(), bl.dims())
     };
@@ -134,9 +136,9 @@ fn product_shape(al: &Layout, bl: &Layout) -> candle_core::Result<Product> {
 }
 
 /// A product's sizes and its operands' offsets and row and column strides.
-struct Product {
-    m: usize,
-    n: usize,
+pub(crate) struct Product {
+    pub(crate) m: usize,
+    pub(crate) n: usize,
     k: usize,
     a: (usize, usize, usize),
     b: (usize, usize, usize),
@@ -210,7 +212,7 @@ impl Product {
     /// becomes `dst + product`, rounded once, the bits of forming the product and adding it
     /// when `k` is at most 512 (gemm then sums each value's products in one block).
     #[allow(unsafe_code)] // gemm's interface takes raw pointers
-    fn add_to<T: candle_core::WithDType>(
+    pub(crate) fn add_to<T: candle_core::WithDType>(
         &self,
         a: &[T],
         b: &[T],
@@ -375,17 +377,6 @@ impl Bands {
     }
 }
 
-/// `x @ w^T` for `x: [..., in]` and `w: [out, in]` as one node of the gradient graph, for CPU
-/// tensors (f32 or f64, callers check). Written with reshapes, a transpose and a matmul it is
-/// four nodes, and candle's backward gives each node's input a zero-filled gradient buffer and an
-/// addition: the size of the activations twice and of the weight once more than needed.
-/// Values and gradients are the composed version's, bit for bit.
-pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
-}
-
-struct Linear;
-
 thread_local! {
     /// Threads each product on this thread may use while it runs one of several runs side by
     /// side ([`side_by_side`]); candle's count otherwise.
@@ -425,543 +416,11 @@ where
         .collect()
 }
 
-thread_local! {
-    /// Where the linear layers on this thread hand their weights' gradients during
-    /// [`Gradients::of`], in the order the backward forms them, and whether they hand over the
-    /// products' operands instead of the products ([`Gradients::deferring`]).
-    static WEIGHT_GRADS: RefCell<Option<HandOver>> = const { RefCell::new(None) };
-}
-
-/// The weight gradients handed over so far, and whether as their products' operands.
-struct HandOver {
-    weights: Vec<(TensorId, Part)>,
-    defer: bool,
-}
-
-/// One term of a parameter's gradient from a backward.
-#[derive(Clone)]
-pub(crate) enum Part {
-    Tensor(Tensor),
-    /// A linear layer's weight gradient `dy^T x` for `dy: [rows, out]` and `x: [rows, in]`,
-    /// not formed yet: [`sum_parts`] forms it in the buffer of the sum it goes into.
-    Product {
-        dy: Tensor,
-        x: Tensor,
-    },
-}
-
-impl Part {
-    /// The term as a tensor of its own.
-    pub(crate) fn into_tensor(self) -> candle_core::Result<Tensor> {
-        match self {
-            Part::Tensor(t) => Ok(t.detach()),
-            Part::Product { dy, x } => constant_product(&dy.t()?, &x),
-        }
-    }
-}
-
-/// The sum of `parts` in order (`None` for none), with the bits of adding the terms as tensors
-/// one by one. Where the sum is a CPU matrix, each weight product after the first term is added
-/// by gemm into the sum's buffer: no buffer of its own, and no pass to add it (the same bits
-/// while each product sums at most 512 rows, gemm's one block; more rows are summed block by
-/// block into the sum, the same bits on any number of threads).
-pub(crate) fn sum_parts(parts: Vec<Part>) -> candle_core::Result<Option<Tensor>> {
-    let mut sum: Option<Sum> = None;
-    for part in parts {
-        sum = Some(match (sum, part) {
-            (None, Part::Product { dy, x }) if Bands::apply(&dy, &x) => {
-                Sum::Owned(Owned::product(&dy, &x)?)
-            }
-            (None, part) => Sum::Tensor(part.into_tensor()?),
-            (Some(Sum::Owned(mut owned)), Part::Product { dy, x }) => {
-                owned.add_product(&dy, &x)?;
-                Sum::Owned(owned)
-            }
-            (Some(Sum::Tensor(a)), Part::Product { dy, x })
-                if Bands::apply(&a, &x) && Bands::apply(&dy, &x) =>
-            {
-                let mut owned = Owned::copy_of(&a)?;
-                owned.add_product(&dy, &x)?;
-                Sum::Owned(owned)
-            }
-            (Some(sum), part) => Sum::Tensor((sum.tensor()? + part.into_tensor()?)?),
-        });
-    }
-    sum.map(Sum::tensor).transpose()
-}
-
-/// A running sum of gradient terms.
-enum Sum {
-    Tensor(Tensor),
-    Owned(Owned),
-}
-
-impl Sum {
-    fn tensor(self) -> candle_core::Result<Tensor> {
-        match self {
-            Sum::Tensor(t) => Ok(t),
-            Sum::Owned(o) => Ok(Tensor::from_storage(
-                candle_core::Storage::Cpu(o.values),
-                o.dims,
-                candle_core::op::BackpropOp::none(),
-                false,
-            )),
-        }
-    }
-}
-
-/// A CPU matrix this sum owns, which products are added into in place.
-struct Owned {
-    values: CpuStorage,
-    dims: (usize, usize),
-}
-
-impl Owned {
-    /// A copy of the 2-d CPU tensor `t` (f32 or f64).
-    fn copy_of(t: &Tensor) -> candle_core::Result<Self> {
-        let dims = t.dims2()?;
-        let t = t.contiguous()?;
-        let (s, l) = t.storage_and_layout();
-        let candle_core::Storage::Cpu(c) = &*s else {
-            bail!("sum: a CPU tensor only")
-        };
-        let range = l.start_offset()..l.start_offset() + dims.0 * dims.1;
-        let values = match c {
-            CpuStorage::F32(v) => CpuStorage::F32(v[range].to_vec()),
-            CpuStorage::F64(v) => CpuStorage::F64(v[range].to_vec()),
-            _ => bail!("sum: f32 or f64 only"),
-        };
-        Ok(Self { values, dims })
-    }
-
-    /// `dy^T x` (CPU, f32 or f64) in a buffer of its own.
-    fn product(dy: &Tensor, x: &Tensor) -> candle_core::Result<Self> {
-        let (dyt, x) = (dy.detach().t()?, x.detach());
-        let (sa, la) = dyt.storage_and_layout();
-        let (sb, lb) = x.storage_and_layout();
-        let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
-            bail!("sum: CPU tensors only")
-        };
-        let values = product_storage(ca, la, cb, lb)?;
-        let dims = (la.dims()[0], lb.dims()[1]);
-        Ok(Self { values, dims })
-    }
-
-    /// Adds `dy^T x` in place.
-    fn add_product(&mut self, dy: &Tensor, x: &Tensor) -> candle_core::Result<()> {
-        let dyt = dy.detach().t()?;
-        let x = x.detach();
-        let (sa, la) = dyt.storage_and_layout();
-        let (sb, lb) = x.storage_and_layout();
-        let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
-            bail!("sum: CPU tensors only")
-        };
-        let shape = product_shape(la, lb)?;
-        if (shape.m, shape.n) != self.dims {
-            bail!(
-                "sum: a {}x{} product added to {:?}",
-                shape.m,
-                shape.n,
-                self.dims
-            )
-        }
-        match (ca, cb, &mut self.values) {
-            (CpuStorage::F32(a), CpuStorage::F32(b), CpuStorage::F32(d)) => shape.add_to(a, b, d),
-            (CpuStorage::F64(a), CpuStorage::F64(b), CpuStorage::F64(d)) => shape.add_to(a, b, d),
-            _ => bail!("sum: the terms in one dtype, f32 or f64"),
-        }
-    }
-}
-
-/// The gradients of one backward. candle gives every gradient it returns a zero-filled buffer and
-/// an addition, a weight-sized pass each for the linear layers' weights; those layers hand their
-/// weights' gradients over here instead, the same bits with neither pass.
-pub(crate) struct Gradients {
-    store: GradStore,
-    weights: Vec<(TensorId, Part)>,
-}
-
-/// Puts back the hand-over that was in place before a [`Gradients::of`] began, also when it
-/// fails or panics (an inner backward can run on this thread while an outer one waits for a
-/// product).
-struct Restore(Option<HandOver>);
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        let outer = self.0.take();
-        WEIGHT_GRADS.with(|c| c.replace(outer));
-    }
-}
-
-impl Gradients {
-    /// The backward of `root`.
-    pub(crate) fn of(root: &Tensor) -> candle_core::Result<Self> {
-        Self::backward(root, false)
-    }
-
-    /// [`Gradients::of`] where the linear layers' weight gradients are left as the operands of
-    /// their products ([`Part::Product`]), for runs side by side: each weight's products are then
-    /// summed into one buffer after the runs ([`sum_parts`]). The operands stay alive until then.
-    pub(crate) fn deferring(root: &Tensor) -> candle_core::Result<Self> {
-        Self::backward(root, true)
-    }
-
-    fn backward(root: &Tensor, defer: bool) -> candle_core::Result<Self> {
-        let fresh = HandOver {
-            weights: Vec::new(),
-            defer,
-        };
-        let _restore = Restore(WEIGHT_GRADS.with(|c| c.replace(Some(fresh))));
-        let store = root.backward()?;
-        let weights = WEIGHT_GRADS
-            .with(|c| c.replace(None))
-            .map(|h| h.weights)
-            .unwrap_or_default();
-        Ok(Self { store, weights })
-    }
-
-    /// The gradient of a tensor that is not a linear layer's weight (an input, for example).
-    pub(crate) fn get(&self, t: &Tensor) -> Option<&Tensor> {
-        self.store.get(t)
-    }
-
-    /// The terms of variable `v`'s gradient: candle's, then any the linear layers handed over,
-    /// in the order the backward formed them (candle's own order).
-    pub(crate) fn parts_of_var(&self, v: &Tensor) -> Vec<Part> {
-        let id = v.id();
-        let store = self.store.get(v).map(|g| Part::Tensor(g.detach()));
-        let handed = self
-            .weights
-            .iter()
-            .filter(|(w, _)| *w == id)
-            .map(|(_, g)| g.clone());
-        store.into_iter().chain(handed).collect()
-    }
-
-    /// The gradient of variable `v`, detached: its terms added in order.
-    #[cfg(test)]
-    pub(crate) fn of_var(&self, v: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        sum_parts(self.parts_of_var(v))
-    }
-}
-
-/// Rows, input and output widths of `x: [..., in]` against `w: [out, in]`.
-fn linear_dims(x: &[usize], w: &[usize]) -> candle_core::Result<(usize, usize, usize)> {
-    let (Some((&inp, lead)), [out, w_in]) = (x.split_last(), w) else {
-        bail!("linear: {x:?} against a weight of {w:?}")
-    };
-    if inp != *w_in {
-        bail!("linear: input width {inp} against a weight of {w:?}")
-    }
-    Ok((lead.iter().product(), inp, *out))
-}
-
-impl CustomOp2 for Linear {
-    fn name(&self) -> &'static str {
-        "linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        linear_storage(xs, xl, ws, wl)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (rows, inp, out) = linear_dims(x.dims(), w.dims())?;
-        let x2 = x.detach().reshape((rows, inp))?;
-        let grad = grad.reshape((rows, out))?;
-        // dx = dy w and dw = dy^T x, contiguous. The composed version forms dw^T = x^T dy (the
-        // same sums) and adds its transposed view with strides, a slow walk for a large weight.
-        let gx = product(&grad, &w.detach())?.reshape(x.shape())?;
-        Ok((Some(gx), hand_over(w, grad, x2)?))
-    }
-}
-
-/// `x @ w^T` on storages for `x: [..., in]` (contiguous) and `w: [out, in]`, with its shape.
-fn linear_storage(
-    xs: &CpuStorage,
-    xl: &Layout,
-    ws: &CpuStorage,
-    wl: &Layout,
-) -> candle_core::Result<(CpuStorage, Shape)> {
-    let (rows, inp, out) = linear_dims(xl.dims(), wl.dims())?;
-    if !xl.is_contiguous() {
-        bail!("linear: input is not contiguous")
-    }
-    let x2 = Layout::contiguous_with_offset((rows, inp), xl.start_offset());
-    let wt = wl.transpose(0, 1)?;
-    let mut dims = xl.dims().to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = out;
-    }
-    #[cfg(feature = "openblas")]
-    if crate::blas::enabled() {
-        let (y, _) = crate::blas::storage_matmul(xs, &x2, ws, &wt)?;
-        return Ok((y, Shape::from(dims)));
-    }
-    let y = product_storage(xs, &x2, ws, &wt)?;
-    Ok((y, Shape::from(dims)))
-}
-
-/// The gradient `dy^T x` of weight `w` (`dy: [rows, out]`, `x: [rows, in]`) from a backward:
-/// handed over to the [`Gradients::of`] running on this thread if `w` is a variable and one is
-/// (as the product's operands where it defers them), else returned for candle's store.
-fn hand_over(w: &Tensor, dy: Tensor, x: Tensor) -> candle_core::Result<Option<Tensor>> {
-    let defer = WEIGHT_GRADS.with(|c| c.borrow().as_ref().map(|h| h.defer));
-    let part = match defer {
-        Some(true) if w.is_variable() => Part::Product { dy, x },
-        _ => Part::Tensor(product(&dy.t()?, &x)?),
-    };
-    if !w.is_variable() {
-        return part.into_tensor().map(Some);
-    }
-    WEIGHT_GRADS.with(|c| match c.borrow_mut().as_mut() {
-        Some(h) => {
-            h.weights.push((w.id(), part));
-            Ok(None)
-        }
-        None => part.into_tensor().map(Some),
-    })
-}
-
-/// SwiGLU's gate and up projections and their product, `silu(x @ wg^T) * (x @ wu^T)` for
-/// `x: [..., in]` and `wg, wu: [hidden, in]`, as one node of the gradient graph (CPU, f32 or
-/// f64, callers check). As three nodes, candle's backward gives the two projections' outputs and
-/// the input a zero-filled gradient buffer and an addition each; here the backward takes both
-/// activation gradients in one pass. The values and gradients of the three nodes, bit for bit.
-pub(crate) fn gate_up(x: &Tensor, w_gate: &Tensor, w_up: &Tensor) -> candle_core::Result<Tensor> {
-    if w_gate.dims() != w_up.dims() {
-        bail!("gate-up: gate {:?} and up {:?}", w_gate.dims(), w_up.dims())
-    }
-    x.contiguous()?.apply_op3(
-        &w_gate.contiguous()?,
-        &w_up.contiguous()?,
-        GateUp {
-            projections: std::sync::OnceLock::new(),
-        },
-    )
-}
-
-struct GateUp {
-    /// The gate's and up projections' outputs, `[rows, hidden]`, which the backward reads.
-    projections: std::sync::OnceLock<(Tensor, Tensor)>,
-}
-
-impl candle_core::CustomOp3 for GateUp {
-    fn name(&self) -> &'static str {
-        "gate-up"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        if gl.dims() != ul.dims() {
-            bail!("gate-up: gate {:?} and up {:?}", gl.dims(), ul.dims())
-        }
-        let (rows, _, hidden) = linear_dims(xl.dims(), gl.dims())?;
-        let (g, shape) = linear_storage(xs, xl, gs, gl)?;
-        let (u, _) = linear_storage(xs, xl, us, ul)?;
-        let flat = Layout::contiguous((rows, hidden));
-        let h = crate::fused::silu_mul_storage(&g, &flat, &u, &flat)?;
-        let tensor = |s: CpuStorage| {
-            Tensor::from_storage(
-                candle_core::Storage::Cpu(s),
-                (rows, hidden),
-                candle_core::op::BackpropOp::none(),
-                false,
-            )
-        };
-        if self.projections.set((tensor(g), tensor(u))).is_err() {
-            bail!("gate-up: applied twice")
-        }
-        Ok((h, shape))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w_gate: &Tensor,
-        w_up: &Tensor,
-        _h: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some((g, u)) = self.projections.get() else {
-            bail!("gate-up: backward before forward")
-        };
-        let (rows, inp, _) = linear_dims(x.dims(), w_gate.dims())?;
-        let x2 = x.detach().reshape((rows, inp))?;
-        let (dg, du) = crate::fused::silu_mul_grads(g, u, &grad.reshape(g.shape())?)?;
-        // The input's gradient is the two projections' sum, as candle's store would add them.
-        let gx = (product(&dg, &w_gate.detach())? + product(&du, &w_up.detach())?)?
-            .reshape(x.shape())?;
-        Ok((
-            Some(gx),
-            hand_over(w_gate, dg, x2.clone())?,
-            hand_over(w_up, du, x2)?,
-        ))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::test_util::random_var;
     use candle_core::DType;
-
-    fn composed(x: &Tensor, w: &Tensor) -> Tensor {
-        let (lead, inp) = x.dims().split_at(x.rank() - 1);
-        let rows: usize = lead.iter().product();
-        let mut shape = lead.to_vec();
-        shape.push(w.dim(0).expect("out"));
-        matmul(&x.reshape((rows, inp[0])).expect("2d"), &w.t().expect("t"))
-            .and_then(|y| y.reshape(shape))
-            .expect("product")
-    }
-
-    /// Values and both gradients equal the reshape/transpose/matmul graph bit for bit, in f32
-    /// and f64, for a 3-d input and a weight read through a narrowed (offset) view, at a toy
-    /// size and at `small`'s widest product (blocked along every dimension).
-    #[test]
-    fn equals_the_composed_product_bit_for_bit() {
-        for dtype in [DType::F32, DType::F64] {
-            for (b, t, inp, out) in [(3, 5, 16, 24), (4, 128, 384, 1024)] {
-                let x = random_var(&[b, t, inp], dtype, 1);
-                let big = random_var(&[out + 40, inp], dtype, 2);
-                let w = big.narrow(0, 7, out).expect("narrow");
-                let up = random_var(&[b, t, out], dtype, 3);
-                let run = |f: &dyn Fn(&Tensor, &Tensor) -> Tensor| {
-                    let y = f(x.as_tensor(), &w);
-                    let grads = (&y * up.as_tensor())
-                        .and_then(|p| p.sum_all())
-                        .and_then(|l| l.backward())
-                        .expect("backward");
-                    let gx = grads.get(x.as_tensor()).expect("dx").clone();
-                    let gw = grads.get(big.as_tensor()).expect("dw").clone();
-                    (y, gx, gw)
-                };
-                let (y, gx, gw) = run(&|x, w| linear(x, w).expect("linear"));
-                let (y0, gx0, gw0) = run(&composed);
-                assert_eq!(y.dims(), [b, t, out]);
-                for (a, b) in [(&y, &y0), (&gx, &gx0), (&gw, &gw0)] {
-                    let diff = crate::test_util::max_diff(a, b);
-                    assert_eq!(diff, 0.0, "{dtype:?} {inp}x{out}");
-                }
-            }
-        }
-    }
-
-    /// A weight's gradient handed over by the layer is candle's bit for bit, as is the input's,
-    /// a weight used twice gets both gradients added, and a plain backward afterwards finds the
-    /// weight's gradient in candle's store again.
-    #[test]
-    fn handed_over_weight_gradients_are_candles() {
-        let x = random_var(&[2, 9, 16], DType::F32, 1);
-        let w = random_var(&[24, 16], DType::F32, 2);
-        let w2 = random_var(&[16, 24], DType::F32, 3);
-        let loss = || {
-            let h = linear(x.as_tensor(), w.as_tensor()).expect("linear");
-            let y = linear(&h, w2.as_tensor()).expect("linear");
-            let again = linear(&y.sin().expect("sin"), w.as_tensor()).expect("linear");
-            again.sqr().and_then(|s| s.sum_all()).expect("loss")
-        };
-        let store = loss().backward().expect("backward");
-        let handed = Gradients::of(&loss()).expect("backward");
-        for v in [&w, &w2] {
-            let a = handed.of_var(v.as_tensor()).expect("sum").expect("grad");
-            let b = store.get(v.as_tensor()).expect("grad");
-            assert_eq!(crate::test_util::max_diff(&a, b), 0.0);
-        }
-        let gx = handed.get(x.as_tensor()).expect("input grad");
-        let gx0 = store.get(x.as_tensor()).expect("input grad");
-        assert_eq!(crate::test_util::max_diff(gx, gx0), 0.0);
-        let after = loss().backward().expect("backward");
-        assert!(after.get(w.as_tensor()).is_some(), "hand-over ended");
-    }
-
-    #[test]
-    fn mismatched_widths_are_refused() {
-        let x = random_var(&[2, 8], DType::F32, 1);
-        let w = random_var(&[4, 6], DType::F32, 2);
-        let err = linear(x.as_tensor(), w.as_tensor()).expect_err("widths differ");
-        assert!(err.to_string().contains("input width 8"), "{err}");
-    }
-
-    /// A tensor's values as f64 bits (exact for f32 and f64).
-    fn bits_of(t: &Tensor) -> Vec<u64> {
-        let v = t
-            .to_dtype(DType::F64)
-            .and_then(|t| t.flatten_all()?.to_vec1::<f64>())
-            .expect("values");
-        v.into_iter().map(f64::to_bits).collect()
-    }
-
-    /// An f32 tensor's values as bits.
-    fn bits(t: &Tensor) -> Vec<u32> {
-        let v = t
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .expect("values");
-        v.into_iter().map(f32::to_bits).collect()
-    }
-
-    /// SwiGLU's gate and up projections as one node against three: the same values, and the
-    /// same gradients for the input and both weights, through the hand-over and through a plain
-    /// backward.
-    #[test]
-    fn gate_and_up_as_one_node_are_three_nodes_bit_for_bit() {
-        let x = random_var(&[2, 40, 48], DType::F32, 5);
-        let wg = random_var(&[72, 48], DType::F32, 6);
-        let wu = random_var(&[72, 48], DType::F32, 7);
-        let wd = random_var(&[48, 72], DType::F32, 8);
-        let (x, wg, wu, wd) = (
-            x.as_tensor(),
-            wg.as_tensor(),
-            wu.as_tensor(),
-            wd.as_tensor(),
-        );
-        let three = || -> candle_core::Result<Tensor> {
-            let h = crate::fused::silu_mul(&linear(x, wg)?, &linear(x, wu)?)?;
-            linear(&h, wd)?.sqr()?.sum_all()
-        };
-        let one = || -> candle_core::Result<Tensor> {
-            linear(&gate_up(x, wg, wu)?, wd)?.sqr()?.sum_all()
-        };
-        let (a, b) = (three().expect("three"), one().expect("one"));
-        assert_eq!(bits(&a), bits(&b));
-        let (ga, gb) = (
-            Gradients::of(&a).expect("grads"),
-            Gradients::of(&b).expect("grads"),
-        );
-        for t in [x, wg, wu, wd] {
-            let want = ga.of_var(t).expect("of_var").expect("a gradient");
-            let got = gb.of_var(t).expect("of_var").expect("a gradient");
-            assert_eq!(bits(&want), bits(&got));
-        }
-        let plain = one().and_then(|l| l.backward()).expect("backward");
-        for t in [wg, wu] {
-            let want = ga.of_var(t).expect("of_var").expect("a gradient");
-            assert_eq!(bits(&want), bits(plain.get(t).expect("in candle's store")));
-        }
-        let err = gate_up(x, wg, wd).expect_err("gate and up differ");
-        assert!(err.to_string().contains("gate-up"), "{err}");
-    }
 
     /// A product over leading dims is [`matmul`]'s (candle's batched one, or OpenBLAS's) bit for
     /// bit, in f32 and f64, for a transposed and offset operand, on gemm's general and
@@ -1011,84 +470,6 @@ mod tests {
         );
     }
 
-    /// Weight gradients left as their products' operands and summed into one buffer are the
-    /// products added one by one, bit for bit: on gemm's general and small-size paths, for a
-    /// gradient read through a strided view, after a tensor term, and through a backward that
-    /// defers them against one that does not.
-    #[test]
-    fn deferred_products_add_up_to_the_same_bits() {
-        for dtype in [DType::F32, DType::F64] {
-            for (rows, out, inp) in [(256, 72, 48), (5, 3, 4), (512, 20, 30)] {
-                let both = random_var(&[rows, 2 * out], dtype, 21);
-                let dys = [
-                    random_var(&[rows, out], dtype, 22).as_tensor().clone(),
-                    both.as_tensor().narrow(1, out, out).expect("half"),
-                ];
-                let xs = [
-                    random_var(&[rows, inp], dtype, 23),
-                    random_var(&[rows, inp], dtype, 24),
-                ];
-                let first = random_var(&[out, inp], dtype, 25).as_tensor().clone();
-                let products: Vec<Tensor> = dys
-                    .iter()
-                    .zip(&xs)
-                    .map(|(dy, x)| constant_product(&dy.t()?, x.as_tensor()))
-                    .collect::<candle_core::Result<_>>()
-                    .expect("products");
-                let deferred = |with_first: bool| {
-                    let mut parts: Vec<Part> = with_first
-                        .then(|| Part::Tensor(first.clone()))
-                        .into_iter()
-                        .collect();
-                    parts.extend(dys.iter().zip(&xs).map(|(dy, x)| Part::Product {
-                        dy: dy.clone(),
-                        x: x.as_tensor().clone(),
-                    }));
-                    sum_parts(parts).expect("sum").expect("a sum")
-                };
-                let added = (&products[0] + &products[1]).expect("add");
-                assert_eq!(
-                    bits_of(&deferred(false)),
-                    bits_of(&added),
-                    "{dtype:?} {rows}"
-                );
-                let added = ((&first + &products[0]).and_then(|s| s + &products[1])).expect("add");
-                assert_eq!(
-                    bits_of(&deferred(true)),
-                    bits_of(&added),
-                    "{dtype:?} {rows}"
-                );
-            }
-        }
-        // A backward that defers against one that does not, through the linear layer and the
-        // gate and up projections.
-        let x = random_var(&[2, 40, 48], DType::F32, 26);
-        let (wg, wu, wd) = (
-            random_var(&[72, 48], DType::F32, 27),
-            random_var(&[72, 48], DType::F32, 28),
-            random_var(&[48, 72], DType::F32, 29),
-        );
-        let loss = || {
-            linear(
-                &gate_up(x.as_tensor(), wg.as_tensor(), wu.as_tensor()).expect("gate-up"),
-                wd.as_tensor(),
-            )
-            .and_then(|y| y.sqr()?.sum_all())
-            .expect("loss")
-        };
-        let now = Gradients::of(&loss()).expect("backward");
-        let later = Gradients::deferring(&loss()).expect("backward");
-        for w in [&wg, &wu, &wd] {
-            let parts = later.parts_of_var(w.as_tensor());
-            assert!(matches!(parts.as_slice(), [Part::Product { .. }]));
-            let want = now.of_var(w.as_tensor()).expect("sum").expect("grad");
-            let got = sum_parts(parts).expect("sum").expect("grad");
-            assert_eq!(bits_of(&got), bits_of(&want));
-        }
-        let (a, b) = (now.get(x.as_tensor()), later.get(x.as_tensor()));
-        assert_eq!(bits_of(a.expect("dx")), bits_of(b.expect("dx")));
-    }
-
     /// A matrix built band by band from products is the products' rows, bit for bit, on
     /// gemm's general and small-size paths, and a band that does not fit is refused.
     #[test]
@@ -1105,7 +486,7 @@ mod tests {
         }
         let got = bands.finish().expect("whole");
         let want = Tensor::cat(&want, 0).expect("cat");
-        assert_eq!(bits(&got), bits(&want));
+        assert_eq!(crate::test_util::bits(&got), crate::test_util::bits(&want));
 
         let mut short = Bands::new(60, 32, DType::F32).expect("bands");
         let part = pt.narrow(0, 0, 30).expect("narrow");
@@ -1128,11 +509,12 @@ mod tests {
     fn runs_side_by_side_share_the_product_threads_with_the_same_bits() {
         let x = random_var(&[96, 80], DType::F32, 3);
         let w = random_var(&[72, 80], DType::F32, 4);
-        let alone = linear(x.as_tensor(), w.as_tensor())
+        let product = || constant_product(x.as_tensor(), &w.as_tensor().t()?);
+        let alone = product()
             .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
             .expect("product");
         let runs = side_by_side(&[0, 1, 2], |_| {
-            let y = linear(x.as_tensor(), w.as_tensor())?.flatten_all()?;
+            let y = product()?.flatten_all()?;
             Ok::<_, candle_core::Error>((PRODUCT_THREADS.with(Cell::get), y.to_vec1::<f32>()?))
         })
         .expect("runs");

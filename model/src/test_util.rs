@@ -18,3 +18,12 @@ pub(crate) fn random_var(dims: &[usize], dtype: DType, seed: u64) -> Var {
     let t = Tensor::from_vec(v, dims, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
     Var::from_tensor(&t.expect("tensor")).expect("var")
 }
+
+/// A tensor's values as f64 bits: exact for f32 and f64, so equal bits are equal values.
+pub(crate) fn bits(t: &Tensor) -> Vec<u64> {
+    let v = t
+        .to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all()?.to_vec1::<f64>())
+        .expect("values");
+    v.into_iter().map(f64::to_bits).collect()
+}

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::product::{Gradients, Part};
+use crate::gradients::{Gradients, Part};
 
 /// Parameter gradients of one backward, (parameter index, gradient) in the order they are added.
 type ParamGrads = Vec<(usize, Tensor)>;
@@ -561,7 +561,7 @@ pub(crate) fn as_tensors(parts: ParamParts) -> Result<ParamGrads> {
 
 /// The runs' terms of each parameter's gradient summed in run order, one gradient a parameter
 /// (in parameter order): each weight's products are added into one buffer
-/// ([`crate::product::sum_parts`]), the parameters side by side.
+/// ([`crate::gradients::sum_parts`]), the parameters side by side.
 pub(crate) fn sum_runs(parts: ParamParts) -> Result<ParamGrads> {
     let mut by_param: std::collections::BTreeMap<usize, Vec<Part>> = Default::default();
     for (i, p) in parts {
@@ -569,7 +569,7 @@ pub(crate) fn sum_runs(parts: ParamParts) -> Result<ParamGrads> {
     }
     let groups: Vec<(usize, Vec<Part>)> = by_param.into_iter().collect();
     let sums = crate::product::side_by_side(&groups, |(i, parts)| {
-        crate::product::sum_parts(parts.clone()).map(|s| s.map(|s| (*i, s)))
+        crate::gradients::sum_parts(parts.clone()).map(|s| s.map(|s| (*i, s)))
     })?;
     Ok(sums.into_iter().flatten().collect())
 }
