@@ -15,6 +15,9 @@
 //!
 //! `cargo bench -p iota-model --bench sparse`. `BENCH_EPOCHS` (default 32), `BENCH_REPLICAS`,
 //! `BENCH_INNER_STEPS`, `BENCH_VARIANTS` and `BENCH_FIRST_SEED` (default 0) change the run.
+//! `BENCH_DENSE_PARAMS` (comma-separated parts of parameter names, e.g. `embed,head`) sends
+//! the parameters it names as the exact fp32 average in top-k variants, to see what their
+//! compression costs; their bytes are not counted.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -57,6 +60,46 @@ enum Merge {
         bits: u8,
         warmup: u64,
     },
+    /// Every value's sign, times one scale per chunk of [`SIGN_CHUNK`] (the mean magnitude),
+    /// with error feedback (1-bit compression); the merge rounds the average of the signs to
+    /// `levels` steps either side of 0 in each chunk (0: the exact average).
+    /// `take_back`: every replica takes back the merge's rounding error, which only an owner
+    /// knows (it needs the exact average), so a miner could not do it alone.
+    Sign {
+        decay: f32,
+        levels: u32,
+        take_back: bool,
+    },
+}
+
+/// Values per scale of a [`Merge::Sign`] variant.
+const SIGN_CHUNK: usize = 4096;
+
+/// Each value's sign times its chunk's mean magnitude: what a 1-bit upload decodes to.
+fn signs(v: &[f32]) -> Vec<f32> {
+    v.chunks(SIGN_CHUNK)
+        .flat_map(|c| {
+            let scale = c.iter().map(|x| x.abs()).sum::<f32>() / c.len() as f32;
+            c.iter()
+                .map(move |x| if *x >= 0.0 { scale } else { -scale })
+        })
+        .collect()
+}
+
+/// Each value rounded to a multiple of its chunk's peak magnitude / `levels`.
+fn rounded(v: &[f32], levels: u32) -> Vec<f32> {
+    v.chunks(SIGN_CHUNK)
+        .flat_map(|c| {
+            let step = c.iter().fold(0f32, |a, x| a.max(x.abs())) / levels as f32;
+            c.iter().map(move |x| {
+                if step > 0.0 {
+                    (x / step).round_ties_even() * step
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect()
 }
 
 impl Merge {
@@ -92,6 +135,22 @@ impl Merge {
                 };
                 format!("top-{k} of {chunk}, int{bits}, {feedback}; {merged}{back}{warm}")
             }
+            Merge::Sign {
+                decay,
+                levels,
+                take_back,
+            } => {
+                let merged = match levels {
+                    0 => "exact average".into(),
+                    l => format!("merge rounded to {} levels", 2 * l + 1),
+                };
+                let back = if take_back {
+                    ", rounding taken back"
+                } else {
+                    ""
+                };
+                format!("signs of {SIGN_CHUNK}, error feedback decaying by {decay}; {merged}{back}")
+            }
         }
     }
 }
@@ -104,6 +163,8 @@ struct Setup {
     inner_steps: u64,
     epochs: u64,
     batch: u64,
+    /// Parts of the names of parameters sent as the exact average (`BENCH_DENSE_PARAMS`).
+    dense_params: Vec<String>,
 }
 
 /// Wire bytes of one encoded pseudo-gradient and one merged update, summed over the stages.
@@ -168,7 +229,7 @@ fn run(
         .collect::<Result<_>>()?;
     let mut momentum: Vec<Vec<f32>> = global.iter().map(|g| vec![0.0; g.len()]).collect();
     let sparse = match merge {
-        Merge::Dense => None,
+        Merge::Dense | Merge::Sign { .. } => None,
         Merge::Sparse {
             chunk,
             k,
@@ -180,9 +241,28 @@ fn run(
         } => Some((chunk, k, merged_k, take_back, bits, warmup)),
     };
     let decay = match merge {
-        Merge::Sparse { decay, .. } => decay,
+        Merge::Sparse { decay, .. } | Merge::Sign { decay, .. } => decay,
         Merge::Dense => 1.0,
     };
+    // Per stage, whether each value travels dense (`BENCH_DENSE_PARAMS`).
+    let dense_only: Vec<Vec<bool>> = init
+        .stages()
+        .iter()
+        .map(|stage| {
+            stage
+                .params()
+                .iter()
+                .flat_map(|p| {
+                    let hit = setup.dense_params.iter().any(|d| p.name().contains(d));
+                    std::iter::repeat_n(hit, p.var().elem_count())
+                })
+                .collect()
+        })
+        .collect();
+    // A sign variant's unsent remainders, per replica and stage.
+    let mut unsent: Vec<Vec<Vec<f32>>> = (0..setup.replicas)
+        .map(|_| global.iter().map(|g| vec![0.0; g.len()]).collect())
+        .collect();
     let mut feedback: Vec<Vec<ErrorFeedback>> = (0..setup.replicas)
         .map(|_| {
             global
@@ -231,8 +311,56 @@ fn run(
             pseudo.push(per_stage);
         }
         for s in 0..stages {
-            let update = match sparse {
-                None => {
+            let update = match (merge, sparse) {
+                (
+                    Merge::Sign {
+                        levels, take_back, ..
+                    },
+                    _,
+                ) => {
+                    let n = global[s].len();
+                    let mut sum = vec![0f32; n];
+                    for (p, owed) in pseudo.iter().zip(unsent.iter_mut()) {
+                        let total: Vec<f32> = owed[s]
+                            .iter()
+                            .zip(&p[s])
+                            .map(|(r, d)| decay * r + d)
+                            .collect();
+                        let sent = signs(&total);
+                        for (((r, t), x), m) in
+                            owed[s].iter_mut().zip(&total).zip(&sent).zip(&mut sum)
+                        {
+                            *r = t - x;
+                            *m += x;
+                        }
+                    }
+                    let mean: Vec<f32> = sum.iter().map(|v| v / setup.replicas as f32).collect();
+                    let merged = match levels {
+                        0 => mean.clone(),
+                        l => rounded(&mean, l),
+                    };
+                    if take_back {
+                        for owed in unsent.iter_mut() {
+                            for ((r, m), x) in owed[s].iter_mut().zip(&mean).zip(&merged) {
+                                *r += m - x;
+                            }
+                        }
+                    }
+                    if epoch == 0 {
+                        let scales = 4 * n.div_ceil(SIGN_CHUNK);
+                        bytes.contribution += n.div_ceil(8) + scales;
+                        // Values of 2·levels + 1 steps in whole bits; fp32 when exact.
+                        bytes.merged += match levels {
+                            0 => 4 * n,
+                            l => {
+                                (n * (2 * l + 1).next_power_of_two().ilog2() as usize).div_ceil(8)
+                                    + scales
+                            }
+                        };
+                    }
+                    merged
+                }
+                (_, None) => {
                     let parts: Vec<Contribution<'_>> = pseudo
                         .iter()
                         .map(|p| Contribution {
@@ -246,7 +374,7 @@ fn run(
                     }
                     weighted_average(&parts, 2)?.values
                 }
-                Some((chunk, k, merged_k, take_back, bits, warmup)) => {
+                (_, Some((chunk, k, merged_k, take_back, bits, warmup))) => {
                     let boost = 4usize.pow(warmup.saturating_sub(epoch).min(8) as u32);
                     // Bytes are measured in the first epoch after the warm-up (the run's own
                     // k), or in the last epoch of a run no longer than the warm-up.
@@ -256,10 +384,21 @@ fn run(
                         0 => 0,
                         m => (m * boost).min(chunk),
                     };
-                    let sent: Vec<SparseVector> = pseudo
+                    // What `BENCH_DENSE_PARAMS` names is sent apart as the exact average.
+                    let exact = &dense_only[s];
+                    let compressed: Vec<Vec<f32>> = pseudo
+                        .iter()
+                        .map(|p| {
+                            p[s].iter()
+                                .zip(exact)
+                                .map(|(v, e)| if *e { 0.0 } else { *v })
+                                .collect()
+                        })
+                        .collect();
+                    let sent: Vec<SparseVector> = compressed
                         .iter()
                         .zip(feedback.iter_mut())
-                        .map(|(p, ef)| ef[s].compress(0..p[s].len(), &p[s], c))
+                        .map(|(p, ef)| ef[s].compress(0..p.len(), p, c))
                         .collect::<Result<_>>()?;
                     let contribs: Vec<(f64, &SparseVector)> =
                         sent.iter().map(|v| (1.0, v)).collect();
@@ -272,7 +411,7 @@ fn run(
                     if measured {
                         bytes.contribution += encoded(&sent[0]);
                     }
-                    if merged_k == 0 {
+                    let mut update = if merged_k == 0 {
                         let dense: Vec<Vec<f32>> =
                             sent.iter().map(|v| v.decompress()).collect::<Result<_>>()?;
                         let parts: Vec<Contribution<'_>> = dense
@@ -295,7 +434,12 @@ fn run(
                             }
                         }
                         merged.decompress()?
+                    };
+                    for (j, _) in exact.iter().enumerate().filter(|(_, e)| **e) {
+                        let sum: f32 = pseudo.iter().map(|p| p[s][j]).sum();
+                        update[j] = sum / pseudo.len() as f32;
                     }
+                    update
                 }
             };
             if epoch == 0 {
@@ -394,6 +538,12 @@ fn main() -> Result<()> {
         inner_steps: env_or("BENCH_INNER_STEPS", 8),
         epochs: env_or("BENCH_EPOCHS", 32),
         batch,
+        dense_params: std::env::var("BENCH_DENSE_PARAMS")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(String::from)
+            .collect(),
     };
     let seeds = env_or("BENCH_SEEDS", 3).max(1);
     let first_seed = env_or("BENCH_FIRST_SEED", 0);
@@ -401,6 +551,7 @@ fn main() -> Result<()> {
     // average), optionally :the error feedback's decay (1 when absent), :the values' bits (8
     // when absent) and :warm-up epochs (0 when absent), `+fb` to take back
     // what the merge dropped, then the outer lr and momentum after `@` (0.7/0.9 when absent).
+    // `sign:decay:levels` (`+fb` to take back the merge's rounding) is a 1-bit variant.
     let variants: Vec<(Merge, OuterConfig)> = std::env::var("BENCH_VARIANTS")
         .unwrap_or_else(|_| "dense@1/0,4096:128:512+fb@1/0,4096:128:512:0.95+fb@1/0".into())
         .split(',')
@@ -413,6 +564,13 @@ fn main() -> Result<()> {
                     .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e))
             };
             let merge = match n.len() {
+                3 if n[0] == "sign" => Merge::Sign {
+                    decay: n[1]
+                        .parse()
+                        .unwrap_or_else(|e| support::fail(&format!("variant {v}"), e)),
+                    levels: num(2) as u32,
+                    take_back: merge.ends_with("+fb"),
+                },
                 3..=6 => Merge::Sparse {
                     chunk: num(0),
                     k: num(1),
